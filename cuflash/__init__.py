@@ -1,0 +1,14 @@
+"""cuflash: FlashAttention for the CuPy ecosystem.
+
+Exact scaled-dot-product attention computed by fused, tiled kernels with the online-softmax
+recurrence (Milakov & Gimelshein 2018; Dao et al., FlashAttention, 2022), so the (Sq x Sk) score
+matrix is never materialised. NumPy input runs the NumPy implementation of the same algorithm
+(:mod:`cuflash.reference`); GPU arrays run CUDA C kernels JIT-compiled with NVRTC.
+"""
+
+__version__ = "0.1.0"
+
+from cuflash import reference
+from cuflash._api import attention
+
+__all__ = ["attention", "reference", "__version__"]

@@ -1,0 +1,154 @@
+"""Public entry points: :func:`attention` and backend selection."""
+
+from __future__ import annotations
+
+import os
+
+from cuflash import _validate, reference
+
+BACKENDS = ("auto", "numpy", "sim", "cuda")
+
+
+def resolve_backend(backend, kind: str, func: str) -> str:
+    """The concrete backend (``"numpy"``, ``"sim"`` or ``"cuda"``) for arrays of ``kind``.
+
+    ``"auto"`` never moves data: NumPy input runs the NumPy path, CuPy or CUDA DLPack input the
+    CUDA kernels. The ``CUFLASH_BACKEND`` environment variable overrides only ``"auto"``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown backend name (argument or environment variable), or a backend that would
+        need the data moved between host and device.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{func}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        env = os.environ.get("CUFLASH_BACKEND", "").strip()
+        if env:
+            if env not in BACKENDS:
+                raise ValueError(f"{func}: environment variable CUFLASH_BACKEND must be one of {BACKENDS}, got {env!r}")
+            backend = env
+    if backend == "auto":
+        return "numpy" if kind == "numpy" else "cuda"
+    host = kind == "numpy"
+    if backend in ("numpy", "sim") and not host:
+        raise ValueError(
+            f"{func}: backend={backend!r} computes on the host and takes NumPy arrays; got device "
+            f"arrays ({kind}). Data is never moved implicitly: copy them to NumPy first, or use "
+            f"backend='cuda'"
+        )
+    if backend == "cuda" and host:
+        raise ValueError(
+            f"{func}: backend='cuda' needs GPU arrays (CuPy, or torch/JAX CUDA tensors); got NumPy "
+            f"arrays. Data is never moved implicitly: move them with cupy.asarray first, or use "
+            f"backend='numpy' or 'sim'"
+        )
+    return backend
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    return_lse=False,
+    layout="bhsd",
+    out=None,
+    backend="auto",
+):
+    """Exact scaled-dot-product attention, ``softmax(softmax_scale * q k^T + mask) v``, fused.
+
+    The ``(Sq, Sk)`` score matrix is never materialised: keys and values are streamed in tiles
+    with the online-softmax recurrence (running maximum and sum per query row, rescaled float32
+    accumulator, one division at the end; FlashAttention, Dao et al. 2022, Algorithm 1, and
+    FlashAttention-2, Dao 2023, Algorithm 1).
+
+    Parameters
+    ----------
+    q : array, shape ``(..., Sq, D)`` for layout "bhsd", ``(B, Sq, Hq, D)`` for "bshd"
+    k : array, shape ``(..., Sk, D)`` / ``(B, Sk, Hk, D)``
+    v : array, shape ``(..., Sk, Dv)`` / ``(B, Sk, Hk, Dv)``
+        NumPy arrays, CuPy arrays, or CUDA tensors through DLPack (torch, JAX); all of one kind,
+        dtype and device. dtypes: float16, bfloat16 (``ml_dtypes.bfloat16``), float32; float64
+        on the NumPy path. Leading (batch) dims must be equal, except the head axis (-3 for
+        "bhsd", 2 for "bshd"), where ``Hq % Hk == 0`` (GQA/MQA: query head ``h`` reads kv head
+        ``h // (Hq // Hk)``). 2-D "bhsd" input is one head. Any strides with unit stride on the
+        last axis (slices of a packed qkv buffer, transposed views, stride-0 broadcast K/V);
+        ``1 <= D, Dv <= 256``.
+    causal : bool
+        Causal mask aligned to the bottom-right corner (flash-attn >= 2.1): query ``i`` sees key
+        ``j`` iff ``j <= i + Sk - Sq``. For ``Sq=2, Sk=5``::
+
+            causal:       k0 k1 k2 k3 k4
+                    q0 [  1  1  1  1  0 ]
+                    q1 [  1  1  1  1  1 ]
+
+        PyTorch SDPA's ``is_causal`` aligns top-left instead; the two agree when ``Sq == Sk``.
+    softmax_scale : float, optional
+        Scale applied to ``q k^T``; None means ``1/sqrt(D)``. ``0.0`` is valid (uniform weights).
+    window_size : (int, int)
+        ``(left, right)``: query ``i`` sees keys ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``;
+        -1 means unbounded on that side. With ``causal=True`` the right bound is 0.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scaled, masked scores (natural log).
+    layout : {"bhsd", "bshd"}
+        "bhsd" (SDPA's, the default) or "bshd" (flash-attn's).
+    out : array, optional
+        Output buffer: the result's shape and q's dtype and kind, unit last-axis stride, not
+        overlapping q, k or v.
+    backend : {"auto", "numpy", "sim", "cuda"}
+        "auto" never moves data: NumPy input runs the NumPy implementation
+        (:func:`cuflash.reference.flash_attention`), GPU arrays run the CUDA kernels. The
+        ``CUFLASH_BACKEND`` environment variable overrides "auto" only.
+
+    Returns
+    -------
+    out : array of q's kind and dtype, shape ``q.shape[:-1] + (Dv,)`` ("bhsd") or ``(B, Sq, Hq, Dv)``
+    lse : array, float32 (float64 for float64 input), shape ``q.shape[:-1]`` ("bhsd") or
+        ``(B, Hq, Sq)`` ("bshd"); only when ``return_lse=True``.
+
+    A query row that sees no key (e.g. causal with ``Sq > Sk``, or ``Sk = 0``) gets output 0 and
+    ``lse = -inf``. Empty inputs (a zero batch dim or ``Sq = 0``) compute nothing.
+
+    Raises
+    ------
+    TypeError
+        A non-array, an unsupported dtype, mixed dtypes or array kinds, a non-bool flag.
+    ValueError
+        Mismatched shapes, non-unit last-axis or negative strides, an unknown layout or backend,
+        a malformed ``window_size``, a non-finite ``softmax_scale``, a bad ``out=``, a CPU tensor
+        through DLPack, arrays on different devices, or a backend that would move data.
+    NotImplementedError
+        A head dim above 256, or a valid call that has no kernel on the chosen backend.
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> q = np.random.randn(2, 8, 128, 64).astype(np.float32)
+    >>> k = np.random.randn(2, 2, 256, 64).astype(np.float32)   # GQA: 8 query heads, 2 kv heads
+    >>> v = np.random.randn(2, 2, 256, 64).astype(np.float32)
+    >>> cuflash.attention(q, k, v, causal=True).shape
+    (2, 8, 128, 64)
+    """
+    func = "cuflash.attention"
+    problem = _validate.check_attention(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
+        out=out, return_lse=return_lse, func=func,
+    )
+    chosen = resolve_backend(backend, problem.kind, func)
+    if chosen == "numpy":
+        return reference._flash_forward(problem, q, k, v, 128, 128, out, return_lse)
+    raise NotImplementedError(
+        f"{func}: backend={chosen!r} has no attention kernel in cuflash {_version()} yet; "
+        f"use NumPy arrays (backend='numpy') for now"
+    )
+
+
+def _version() -> str:
+    from cuflash import __version__
+
+    return __version__
