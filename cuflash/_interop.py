@@ -124,7 +124,7 @@ def _c_contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
-def describe(x, name: str) -> ArrayInfo:
+def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
     """Describe ``x`` (an argument called ``name``) from its metadata alone.
 
     Raises
@@ -135,7 +135,7 @@ def describe(x, name: str) -> ArrayInfo:
     kind = array_kind(x)
     if kind is None:
         raise TypeError(
-            f"{name} must be an array (numpy.ndarray, cupy.ndarray, or a GPU tensor supporting "
+            f"{func}: {name} must be an array (numpy.ndarray, cupy.ndarray, or a GPU tensor supporting "
             f"DLPack such as torch.Tensor or jax.Array); got {_type_name(x)}"
         )
     if kind in ("numpy", "cupy"):

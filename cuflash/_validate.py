@@ -121,6 +121,8 @@ def check_layout(layout, func: str) -> str:
 
 def check_strides(info: ArrayInfo, name: str, func: str, *, writable_out: bool = False) -> None:
     """Unit stride on the last axis, no negative strides, strides in whole elements."""
+    if math.prod(info.shape) == 0:
+        return  # nothing is read or written; NumPy gives such arrays arbitrary strides
     if info.strides is None:
         raise ValueError(
             f"{func}: {name}.strides={info.byte_strides} (bytes) must be multiples of the item size "
@@ -147,7 +149,7 @@ def check_strides(info: ArrayInfo, name: str, func: str, *, writable_out: bool =
 
 def describe_inputs(arrays: dict, func: str) -> dict:
     """Describe each named array; check they are of one kind, one dtype, one device."""
-    infos = {name: describe(x, name) for name, x in arrays.items()}
+    infos = {name: describe(x, name, func) for name, x in arrays.items()}
     names = list(infos)
     first = infos[names[0]]
     for name in names[1:]:
@@ -300,7 +302,7 @@ def check_attention(
 def check_out(out, problem: AttentionProblem, inputs: dict) -> None:
     """``out=`` must match the result's kind, dtype and shape, be writable and not overlap inputs."""
     func = problem.func
-    info = describe(out, "out")
+    info = describe(out, "out", func)
     if info.kind != problem.kind:
         raise TypeError(f"{func}: out is a {info.type_name} but q is a {problem.q.type_name}; they must be of one kind")
     if info.dtype != problem.dtype:

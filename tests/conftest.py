@@ -1,0 +1,47 @@
+"""Shared fixtures and markers.
+
+``gpu`` tests skip without a CUDA device, unless ``CUFLASH_REQUIRE_GPU=1``, which turns the
+missing device into a failure (a skip is never a pass).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+
+def _have_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items or _have_gpu():
+        return
+    if os.environ.get("CUFLASH_REQUIRE_GPU") == "1":
+        fail = pytest.mark.usefixtures("_require_gpu_failure")
+        for item in gpu_items:
+            item.add_marker(fail)
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (set CUFLASH_REQUIRE_GPU=1 to fail instead)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture
+def _require_gpu_failure():
+    pytest.fail("CUFLASH_REQUIRE_GPU=1 but no CUDA GPU is available")
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test, seeded from the test's name so failures reproduce."""
+    seed = abs(hash(request.node.nodeid)) % (2**32)
+    return np.random.default_rng(seed)
