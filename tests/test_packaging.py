@@ -1,0 +1,81 @@
+"""The kernel sources are found in a wheel, an editable install and a plain source tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import cuflash
+from cuflash import _paths
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = "import cuflash, cuflash._paths as p; print(p.kernels_dir()); print(cuflash.__file__)"
+KERNEL_FILES = sorted(p.name for p in (REPO / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh"))
+
+
+def _run(args, cwd, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(env_extra or {})
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def _pip(*args, cwd):
+    return _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args], cwd=cwd)
+
+
+def test_kernel_sources_exist():
+    assert "common.cuh" in KERNEL_FILES
+    assert _paths.kernel_source("common.cuh").startswith("// cuflash")
+    with pytest.raises(FileNotFoundError, match="kernel source 'nope.cu' not found"):
+        _paths.kernel_source("nope.cu")
+
+
+def test_source_tree_with_pythonpath(tmp_path):
+    kernels, module = _run([sys.executable, "-c", PROBE], cwd=tmp_path, env_extra={"PYTHONPATH": str(REPO)}).split()
+    assert Path(kernels) == REPO / "kernels_cu"
+    assert Path(module).parent == REPO / "cuflash"
+
+
+def test_wheel_ships_kernels_as_package_data(tmp_path):
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(REPO), cwd=tmp_path)
+    (wheel,) = (tmp_path / "dist").glob("cuflash-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in KERNEL_FILES:
+        assert f"cuflash/kernels_cu/{name}" in names
+    site = tmp_path / "site"
+    _pip("install", "--no-deps", "--target", str(site), str(wheel), cwd=tmp_path)
+    kernels, module = _run([sys.executable, "-c", PROBE], cwd=tmp_path, env_extra={"PYTHONPATH": str(site)}).split()
+    assert Path(kernels) == site / "cuflash" / "kernels_cu"
+    assert Path(module).parent == site / "cuflash"
+    assert sorted(p.name for p in Path(kernels).iterdir()) == KERNEL_FILES
+
+
+def test_editable_install(tmp_path):
+    prefix = tmp_path / "prefix"
+    _pip("install", "--no-deps", "--no-build-isolation", "--prefix", str(prefix), "-e", str(REPO), cwd=tmp_path)
+    purelib = sysconfig.get_path("purelib", vars={"base": str(prefix), "platbase": str(prefix)})
+    probe = f"import site; site.addsitedir({purelib!r}); " + PROBE
+    kernels, module = _run([sys.executable, "-c", probe], cwd=tmp_path).split()
+    assert Path(kernels) == REPO / "kernels_cu"
+    assert Path(module).parent == REPO / "cuflash"
+
+
+def test_import_without_cupy(tmp_path):
+    # `import cuflash` and the CPU path work where CuPy is absent: block its import.
+    code = (
+        "import sys; sys.modules['cupy'] = None\n"
+        "import numpy as np, cuflash\n"
+        "x = np.ones((1, 2, 3, 4), np.float32)\n"
+        "print(cuflash.attention(x, x, x).shape)\n"
+    )
+    out = _run([sys.executable, "-c", code], cwd=tmp_path, env_extra={"PYTHONPATH": str(REPO)})
+    assert out.strip() == "(1, 2, 3, 4)"
+    assert cuflash.__version__
