@@ -1,0 +1,822 @@
+// cuflash CUDA simulator: the C++ runtime that lets kernels_cu/ sources run on the CPU.
+//
+// The launcher (launcher.py) compiles one module per kernel source with g++, force-including this
+// header (-include cusim.h) and defining __CUDA_ARCH__ as the emulated device's. Execution model:
+//
+// * Every CUDA thread of a block is a fiber (its own stack, cooperative switches). x86-64 uses
+//   the assembly switch of cusim_switch_x86_64.S; other CPUs (or CUSIM_FIBERS_UCONTEXT) use
+//   ucontext. A fiber runs until it reaches a barrier or a warp collective, then yields to the
+//   block's scheduler. Within a barrier phase the fibers run in a seeded random order (reshuffled
+//   at every __syncthreads), so a missing barrier produces a wrong result deterministically.
+// * Blocks are independent: OS worker threads take block indices from an atomic counter, and a
+//   block runs entirely on one worker, so fibers never migrate between OS threads.
+// * Shared memory is a per-block arena: the launcher's lowering pass turns each `__shared__`
+//   declaration into a reference into the arena (static ones: one slot per declaration site,
+//   allocated at first execution; `extern __shared__`: the dynamic area at the arena's start).
+//   The arena is filled with 0xFF bytes (NaN for every float type) before each block, never
+//   zeroed, and the top of each fiber stack is poisoned the same way, so reads of unwritten
+//   memory show. Stacks are generous and sit above a PROT_NONE guard page.
+// * Warp collectives (__shfl*_sync, __ballot_sync, __any/__all_sync, __syncwarp and the PTX
+//   emulations of ptx.cuh) deposit each lane's operands in a per-warp slot array, wait until every
+//   lane of the mask (that has not exited) arrived, and let the last arriving lane compute the
+//   result for the whole warp once. Lanes meeting at different collectives with the same mask,
+//   a lane outside its own mask, and deadlocks are reported as launch errors.
+// * Errors inside a kernel (cusim::fail, __trap) stop the launch; the message, with the block and
+//   thread, is returned to Python, which raises.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdarg>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <math.h>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#if !defined(__x86_64__) && !defined(CUSIM_FIBERS_UCONTEXT)
+#define CUSIM_FIBERS_UCONTEXT 1
+#endif
+#ifdef CUSIM_FIBERS_UCONTEXT
+#include <ucontext.h>
+#endif
+
+#define CUFLASH_SIM 1
+
+// ------------------------------------------------------------------ CUDA keywords
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define __constant__
+#define __managed__
+// `__shared__` declarations are rewritten by the launcher before compilation; one that escaped
+// the rewrite is a compile error naming the problem.
+#define __shared__ CUSIM_ERROR_unlowered_shared_declaration
+
+#include "cusim_half.h"
+
+// ------------------------------------------------------------------ vector types
+struct uint3 { unsigned x, y, z; };
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+    dim3() = default;
+    dim3(unsigned x_, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+    dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
+};
+#define CUSIM_VEC2(N, T, A) struct __align__(A) N { T x, y; }; inline N make_##N(T x, T y) { return {x, y}; }
+#define CUSIM_VEC4(N, T, A) struct __align__(A) N { T x, y, z, w; }; \
+    inline N make_##N(T x, T y, T z, T w) { return {x, y, z, w}; }
+CUSIM_VEC2(int2, int, 8)
+CUSIM_VEC2(uint2, unsigned, 8)
+CUSIM_VEC2(float2, float, 8)
+CUSIM_VEC2(double2, double, 16)
+CUSIM_VEC2(longlong2, long long, 16)
+CUSIM_VEC4(int4, int, 16)
+CUSIM_VEC4(uint4, unsigned, 16)
+CUSIM_VEC4(float4, float, 16)
+#undef CUSIM_VEC2
+#undef CUSIM_VEC4
+struct int3 { int x, y, z; };
+struct float3 { float x, y, z; };
+inline uint3 make_uint3(unsigned x, unsigned y, unsigned z) { return {x, y, z}; }
+inline int3 make_int3(int x, int y, int z) { return {x, y, z}; }
+inline float3 make_float3(float x, float y, float z) { return {x, y, z}; }
+
+extern "C" void cusim_switch(void** save_sp, void* new_sp);
+
+namespace cusim {
+
+// ------------------------------------------------------------------ launch interface (C layout; mirrored by ctypes)
+struct LaunchConfig {
+    uint32_t grid[3];
+    uint32_t block[3];
+    uint64_t dynamic_smem;        // bytes of extern __shared__
+    uint64_t smem_limit;          // static + dynamic bytes allowed for this launch
+    uint64_t static_smem_limit;   // static bytes allowed (48 KB on every arch)
+    uint32_t max_threads;         // threads per block allowed
+    uint32_t workers;             // OS threads
+    uint64_t seed;                // fiber order seed
+    uint64_t stack_size;          // bytes per fiber stack (guard page not included)
+    uint64_t stack_poison;        // bytes at the top of each stack poisoned before each block
+    char* error;                  // message buffer (first error wins)
+    uint64_t error_cap;
+    // outputs
+    uint64_t static_smem_used;    // largest static shared memory footprint of a block
+    uint64_t context_switches;    // scheduler -> fiber switches, all blocks
+    uint64_t blocks_run;
+};
+
+constexpr unsigned kMaxGroupsPerWarp = 8;
+constexpr uint64_t kDynamicAlign = 128;
+constexpr unsigned char kPoison = 0xFF;
+
+// One lane's deposit in a warp collective: operands in, per-lane results out.
+struct Slot {
+    uint64_t in[6];
+    uint32_t out[4];
+};
+using CollectiveFn = void (*)(Slot* slots, unsigned lanes);
+
+// The lanes of one warp that meet at collectives with one mask. Slots are double-buffered by the
+// parity of `gen`: a lane that was released from collective k may read its slot while faster lanes
+// already deposit for collective k+1 in the other buffer; collective k+2 cannot complete before
+// every lane of the mask arrived at k+1, hence after the slow lane finished reading.
+struct Group {
+    unsigned mask = 0, arrived = 0, gen = 0;
+    CollectiveFn fn = nullptr;
+    const char* what = nullptr;
+    Slot slots[2][32];
+};
+
+struct Warp {
+    unsigned alive = 0;   // lanes that exist and have not exited
+    unsigned ngroups = 0;
+    Group groups[kMaxGroupsPerWarp];
+};
+
+struct AsyncCopy {
+    void* dst;
+    uint32_t bytes, group;
+    unsigned char data[16];
+};
+
+enum class FiberState : uint8_t { Ready, AtBarrier, AtCollective, Done };
+
+struct Fiber {
+#ifdef CUSIM_FIBERS_UCONTEXT
+    ucontext_t uc;
+#endif
+    void* sp = nullptr;
+    uint3 tid{};
+    unsigned linear = 0, lane = 0, warp = 0;
+    FiberState state = FiberState::Ready;
+    unsigned wait_gen = 0;
+    Group* wait_group = nullptr;
+    std::vector<AsyncCopy> async;   // cp.async copies not yet landed
+    uint32_t async_committed = 0;    // commit_group count
+    char* stack = nullptr;           // lowest usable byte (guard page below)
+};
+
+struct Launch;
+
+struct SharedSite {
+    const void* key;
+    uint64_t offset;
+};
+
+struct Worker {
+    Launch* launch = nullptr;
+    const LaunchConfig* cfg = nullptr;
+    unsigned nthreads = 0, nwarps = 0;
+    std::vector<Fiber> fibers;
+    std::vector<Warp> warps;
+    std::vector<unsigned> order;
+    uint3 block_idx{};
+    dim3 block_dim, grid_dim;
+    unsigned bar_arrived = 0, bar_alive = 0, bar_gen = 0;
+    // shared memory arena
+    unsigned char* arena = nullptr;
+    uint64_t arena_cap = 0, arena_used = 0, arena_dirty = 0, dyn_end = 0;
+    std::vector<SharedSite> sites;
+    Fiber* cur = nullptr;
+    void* sched_sp = nullptr;
+#ifdef CUSIM_FIBERS_UCONTEXT
+    ucontext_t sched_uc;
+#endif
+    uint64_t rng = 0;
+    uint64_t switches = 0;
+    uint64_t static_smem_max = 0;
+};
+
+struct Launch {
+    const LaunchConfig* cfg = nullptr;
+    void (*thunk)(void*) = nullptr;
+    void* ctx = nullptr;
+    std::atomic<uint64_t> next_block{0};
+    std::atomic<bool> failed{false};
+    std::mutex mu;
+    uint64_t nblocks = 0;
+};
+
+inline thread_local Worker* t_worker = nullptr;
+
+inline Worker* worker() { return t_worker; }
+inline Fiber* fiber() { return t_worker->cur; }
+
+// ------------------------------------------------------------------ errors
+inline void record_error(Launch* L, const char* prefix, const char* fmt, va_list ap) {
+    std::lock_guard<std::mutex> lock(L->mu);
+    bool first = !L->failed.exchange(true);
+    if (!first || !L->cfg->error || L->cfg->error_cap == 0) return;
+    int n = std::snprintf(L->cfg->error, L->cfg->error_cap, "%s", prefix);
+    if (n < 0) n = 0;
+    if (uint64_t(n) < L->cfg->error_cap) std::vsnprintf(L->cfg->error + n, L->cfg->error_cap - n, fmt, ap);
+}
+
+inline void switch_to_scheduler(Worker* w, Fiber* f) {
+#ifdef CUSIM_FIBERS_UCONTEXT
+    swapcontext(&f->uc, &w->sched_uc);
+#else
+    cusim_switch(&f->sp, w->sched_sp);
+#endif
+}
+
+// Report an error from inside a kernel and abandon the launch: the fiber never resumes.
+[[noreturn]] __attribute__((format(printf, 1, 2))) inline void fail(const char* fmt, ...) {
+    Worker* w = t_worker;
+    char prefix[160];
+    Fiber* f = w ? w->cur : nullptr;
+    if (f)
+        std::snprintf(prefix, sizeof prefix, "block (%u,%u,%u) thread (%u,%u,%u): ", w->block_idx.x, w->block_idx.y,
+                      w->block_idx.z, f->tid.x, f->tid.y, f->tid.z);
+    else
+        prefix[0] = 0;
+    va_list ap;
+    va_start(ap, fmt);
+    if (w && w->launch) record_error(w->launch, prefix, fmt, ap);
+    va_end(ap);
+    if (!f) std::abort();
+    f->state = FiberState::Done;
+    for (;;) switch_to_scheduler(w, f);
+}
+
+// Error found by the scheduler itself (not inside a fiber).
+__attribute__((format(printf, 2, 3))) inline void fail_block(Worker* w, const char* fmt, ...) {
+    char prefix[96];
+    std::snprintf(prefix, sizeof prefix, "block (%u,%u,%u): ", w->block_idx.x, w->block_idx.y, w->block_idx.z);
+    va_list ap;
+    va_start(ap, fmt);
+    record_error(w->launch, prefix, fmt, ap);
+    va_end(ap);
+}
+
+// ------------------------------------------------------------------ scheduling primitives
+inline void yield_current() {
+    Worker* w = t_worker;
+    switch_to_scheduler(w, w->cur);
+}
+
+inline void release_barrier(Worker* w) {
+    w->bar_arrived = 0;
+    ++w->bar_gen;
+}
+
+inline void syncthreads() {
+    Worker* w = t_worker;
+    Fiber* f = w->cur;
+    if (++w->bar_arrived >= w->bar_alive) {
+        release_barrier(w);
+        return;
+    }
+    f->state = FiberState::AtBarrier;
+    f->wait_gen = w->bar_gen;
+    yield_current();
+}
+
+inline void complete_group(Group& g, unsigned lanes) {
+    if (g.fn) g.fn(g.slots[g.gen & 1u], lanes);
+    g.arrived = 0;
+    ++g.gen;
+}
+
+inline Group& group_for(Warp& wp, unsigned mask) {
+    for (unsigned i = 0; i < wp.ngroups; ++i)
+        if (wp.groups[i].mask == mask) return wp.groups[i];
+    if (wp.ngroups == kMaxGroupsPerWarp)
+        fail("more than %u distinct warp-collective masks in one warp", kMaxGroupsPerWarp);
+    Group& g = wp.groups[wp.ngroups++];
+    g.mask = mask;
+    g.arrived = 0;
+    g.fn = nullptr;
+    return g;
+}
+
+// The warp collective: deposit `n` bytes, wait for the mask's live lanes, let the last arriving
+// lane run `fn` once for the warp; returns this lane's slot (valid until the mask's next-but-one
+// collective).
+inline Slot& collective(unsigned mask, const void* in, size_t n, CollectiveFn fn, const char* what) {
+    Worker* w = t_worker;
+    Fiber* f = w->cur;
+    Warp& wp = w->warps[f->warp];
+    const unsigned bit = 1u << f->lane;
+    if (!(mask & bit)) fail("%s: mask 0x%08x does not include the calling lane %u", what, mask, f->lane);
+    Group& g = group_for(wp, mask);
+    if (g.arrived && g.fn != fn)
+        fail("warp divergence: lanes of mask 0x%08x meet at different collectives (%s and %s)", mask, g.what, what);
+    g.fn = fn;
+    g.what = what;
+    Slot& mine = g.slots[g.gen & 1u][f->lane];
+    if (n) std::memcpy(mine.in, in, n);
+    g.arrived |= bit;
+    const unsigned expected = mask & wp.alive;
+    if ((g.arrived & expected) == expected) {
+        complete_group(g, expected);
+    } else {
+        f->state = FiberState::AtCollective;
+        f->wait_group = &g;
+        f->wait_gen = g.gen;
+        yield_current();
+    }
+    return mine;
+}
+
+// ------------------------------------------------------------------ shared memory
+inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+inline void* shared_static(const void* key, uint64_t size, uint64_t align) {
+    Worker* w = t_worker;
+    for (const SharedSite& s : w->sites)
+        if (s.key == key) return w->arena + s.offset;
+    const uint64_t off = align_up(w->arena_used, std::max<uint64_t>(align, 16));
+    const uint64_t static_bytes = off + size - w->dyn_end;
+    if (static_bytes > w->cfg->static_smem_limit)
+        fail("static __shared__ memory of the block reaches %llu bytes; the limit is %llu bytes",
+             (unsigned long long)static_bytes, (unsigned long long)w->cfg->static_smem_limit);
+    if (off + size > w->arena_cap)
+        fail("shared memory of the block (dynamic %llu + static %llu bytes) exceeds this launch's limit of %llu bytes"
+             " (the plan's opt-in decides between the 48 KB default and the device maximum)",
+             (unsigned long long)w->cfg->dynamic_smem, (unsigned long long)static_bytes,
+             (unsigned long long)w->arena_cap);
+    w->sites.push_back({key, off});
+    w->arena_used = off + size;
+    if (static_bytes > w->static_smem_max) w->static_smem_max = static_bytes;
+    return w->arena + off;
+}
+
+inline void* shared_dynamic() { return t_worker->arena; }
+
+inline bool is_shared(const void* p, uint64_t n) {
+    Worker* w = t_worker;
+    auto a = reinterpret_cast<const unsigned char*>(p);
+    return a >= w->arena && a + n <= w->arena + w->arena_cap;
+}
+
+// ------------------------------------------------------------------ fibers and blocks
+inline uint64_t splitmix(uint64_t& s) {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+inline void shuffle_order(Worker& w) {
+    for (unsigned i = w.nthreads; i > 1; --i) {
+        unsigned j = unsigned(splitmix(w.rng) % i);
+        std::swap(w.order[i - 1], w.order[j]);
+    }
+}
+
+inline void fiber_exit(Worker* w, Fiber* f) {
+    f->state = FiberState::Done;
+    f->async.clear();   // copies never waited for never land
+    Warp& wp = w->warps[f->warp];
+    wp.alive &= ~(1u << f->lane);
+    --w->bar_alive;
+    if (w->bar_arrived > 0 && w->bar_arrived >= w->bar_alive) release_barrier(w);
+    for (unsigned i = 0; i < wp.ngroups; ++i) {
+        Group& g = wp.groups[i];
+        const unsigned expected = g.mask & wp.alive;
+        if (g.arrived && (g.arrived & expected) == expected) complete_group(g, expected);
+    }
+}
+
+extern "C" inline void cusim_fiber_main() {
+    Worker* w = t_worker;
+    w->launch->thunk(w->launch->ctx);
+    w = t_worker;
+    Fiber* f = w->cur;
+    fiber_exit(w, f);
+    for (;;) switch_to_scheduler(w, f);
+}
+
+// Global pool of fiber stacks (mmap'd once, reused across launches).
+struct StackPool {
+    std::mutex mu;
+    std::vector<std::pair<char*, uint64_t>> free;   // (usable base, size)
+    static uint64_t page() { return uint64_t(sysconf(_SC_PAGESIZE)); }
+    char* acquire(uint64_t size) {
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            for (size_t i = 0; i < free.size(); ++i)
+                if (free[i].second == size) {
+                    char* s = free[i].first;
+                    free[i] = free.back();
+                    free.pop_back();
+                    return s;
+                }
+        }
+        const uint64_t pg = page();
+        void* m = mmap(nullptr, size + pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (m == MAP_FAILED) return nullptr;
+        mprotect(m, pg, PROT_NONE);   // guard page: an overflow faults instead of corrupting
+        return static_cast<char*>(m) + pg;
+    }
+    void release(char* s, uint64_t size) {
+        std::lock_guard<std::mutex> lock(mu);
+        free.emplace_back(s, size);
+    }
+};
+inline StackPool& stack_pool() {
+    static StackPool pool;
+    return pool;
+}
+
+inline void start_fiber(Worker& w, Fiber& f) {
+    const uint64_t size = w.cfg->stack_size;
+    char* top = f.stack + size;
+    const uint64_t poison = std::min<uint64_t>(w.cfg->stack_poison, size);
+    std::memset(top - poison, kPoison, poison);
+#ifdef CUSIM_FIBERS_UCONTEXT
+    getcontext(&f.uc);
+    f.uc.uc_stack.ss_sp = f.stack;
+    f.uc.uc_stack.ss_size = size;
+    f.uc.uc_link = nullptr;
+    makecontext(&f.uc, reinterpret_cast<void (*)()>(&cusim_fiber_main), 0);
+#else
+    uintptr_t t = reinterpret_cast<uintptr_t>(top) & ~uintptr_t(15);
+    void** sp = reinterpret_cast<void**>(t);
+    *--sp = nullptr;                                            // fake return address: entry sees rsp % 16 == 8
+    *--sp = reinterpret_cast<void*>(&cusim_fiber_main);          // where cusim_switch's `ret` goes
+    for (int r = 0; r < 6; ++r) *--sp = nullptr;                 // rbp rbx r12 r13 r14 r15
+    f.sp = sp;
+#endif
+}
+
+inline void resume(Worker& w, Fiber& f) {
+    w.cur = &f;
+    ++w.switches;
+#ifdef CUSIM_FIBERS_UCONTEXT
+    swapcontext(&w.sched_uc, &f.uc);
+#else
+    cusim_switch(&w.sched_sp, f.sp);
+#endif
+    w.cur = nullptr;
+}
+
+inline bool run_block(Worker& w, uint64_t b) {
+    const LaunchConfig& c = *w.cfg;
+    w.block_idx = {unsigned(b % c.grid[0]), unsigned((b / c.grid[0]) % c.grid[1]),
+                   unsigned(b / (uint64_t(c.grid[0]) * c.grid[1]))};
+    w.bar_arrived = 0;
+    w.bar_alive = w.nthreads;
+    // Shared memory: poison what the previous block touched (the first block sees a fresh arena).
+    std::memset(w.arena, kPoison, std::max(w.arena_dirty, w.dyn_end));
+    w.arena_used = w.dyn_end;
+    w.sites.clear();
+    for (unsigned i = 0; i < w.nwarps; ++i) {
+        Warp& wp = w.warps[i];
+        const unsigned lanes = std::min(32u, w.nthreads - i * 32);
+        wp.alive = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
+        wp.ngroups = 0;
+    }
+    const unsigned bx = c.block[0], by = c.block[1];
+    for (unsigned i = 0; i < w.nthreads; ++i) {
+        Fiber& f = w.fibers[i];
+        f.linear = i;
+        f.lane = i & 31u;
+        f.warp = i >> 5;
+        f.tid = {i % bx, (i / bx) % by, i / (bx * by)};
+        f.state = FiberState::Ready;
+        f.async.clear();
+        f.async_committed = 0;
+        start_fiber(w, f);
+    }
+    w.rng = c.seed * 0x2545f4914f6cdd1dull + b;
+    splitmix(w.rng);
+    for (unsigned i = 0; i < w.nthreads; ++i) w.order[i] = i;
+    shuffle_order(w);
+
+    unsigned remaining = w.nthreads;
+    unsigned phase = w.bar_gen;
+    while (remaining) {
+        bool ran = false;
+        for (unsigned k = 0; k < w.nthreads; ++k) {
+            Fiber& f = w.fibers[w.order[k]];
+            switch (f.state) {
+                case FiberState::Done: continue;
+                case FiberState::AtBarrier:
+                    if (f.wait_gen == w.bar_gen) continue;
+                    break;
+                case FiberState::AtCollective:
+                    if (f.wait_gen == f.wait_group->gen) continue;
+                    break;
+                default: break;
+            }
+            f.state = FiberState::Ready;
+            resume(w, f);
+            ran = true;
+            if (w.launch->failed.load(std::memory_order_relaxed)) return false;
+            if (f.state == FiberState::Done) --remaining;
+        }
+        if (!ran) {
+            unsigned at_bar = 0, at_coll = 0;
+            const char* what = "";
+            unsigned mask = 0;
+            for (unsigned i = 0; i < w.nthreads; ++i) {
+                if (w.fibers[i].state == FiberState::AtBarrier) ++at_bar;
+                if (w.fibers[i].state == FiberState::AtCollective) {
+                    ++at_coll;
+                    what = w.fibers[i].wait_group->what;
+                    mask = w.fibers[i].wait_group->mask;
+                }
+            }
+            fail_block(&w,
+                       "deadlock: %u threads wait at __syncthreads and %u at a warp collective (%s, mask 0x%08x); "
+                       "the others exited or wait elsewhere",
+                       at_bar, at_coll, at_coll ? what : "-", mask);
+            return false;
+        }
+        if (w.bar_gen != phase) {   // a new barrier phase: draw a new order
+            phase = w.bar_gen;
+            shuffle_order(w);
+        }
+    }
+    w.arena_dirty = w.arena_used;
+    return true;
+}
+
+inline void worker_main(Launch& L) {
+    const LaunchConfig& c = *L.cfg;
+    Worker w;
+    w.launch = &L;
+    w.cfg = &c;
+    w.nthreads = c.block[0] * c.block[1] * c.block[2];
+    w.nwarps = (w.nthreads + 31) / 32;
+    w.fibers.resize(w.nthreads);
+    w.warps.resize(w.nwarps);
+    w.order.resize(w.nthreads);
+    w.block_dim = dim3(c.block[0], c.block[1], c.block[2]);
+    w.grid_dim = dim3(c.grid[0], c.grid[1], c.grid[2]);
+    w.arena_cap = std::max<uint64_t>(c.smem_limit, 16);
+    w.dyn_end = align_up(c.dynamic_smem, 16);
+    w.arena = static_cast<unsigned char*>(std::aligned_alloc(4096, align_up(w.arena_cap, 4096)));
+    bool ok = w.arena != nullptr;
+    if (ok) std::memset(w.arena, kPoison, w.arena_cap);
+    for (Fiber& f : w.fibers) {
+        f.stack = ok ? stack_pool().acquire(c.stack_size) : nullptr;
+        if (!f.stack) ok = false;
+    }
+    t_worker = &w;
+    if (!ok) {
+        fail_block(&w, "out of memory allocating fiber stacks or the shared memory arena");
+    } else {
+        uint64_t b;
+        while (!L.failed.load(std::memory_order_relaxed) && (b = L.next_block.fetch_add(1)) < L.nblocks) {
+            if (!run_block(w, b)) break;
+        }
+    }
+    t_worker = nullptr;
+    for (Fiber& f : w.fibers)
+        if (f.stack) stack_pool().release(f.stack, c.stack_size);
+    std::free(w.arena);
+    std::lock_guard<std::mutex> lock(L.mu);
+    LaunchConfig& out = const_cast<LaunchConfig&>(c);
+    out.context_switches += w.switches;
+    out.static_smem_used = std::max(out.static_smem_used, w.static_smem_max);
+}
+
+// ------------------------------------------------------------------ kernel entry glue
+template <class... A>
+struct KernelCall {
+    void (*kernel)(A...);
+    void** args;
+};
+
+template <class... A, size_t... I>
+inline void invoke(KernelCall<A...>* c, std::index_sequence<I...>) {
+    c->kernel(*static_cast<std::decay_t<A>*>(c->args[I])...);
+}
+
+template <class... A>
+inline void call_thunk(void* p) {
+    invoke(static_cast<KernelCall<A...>*>(p), std::index_sequence_for<A...>{});
+}
+
+inline int config_error(LaunchConfig* c, const char* msg) {
+    if (c->error && c->error_cap) std::snprintf(c->error, c->error_cap, "%s", msg);
+    return 2;
+}
+
+template <class... A>
+inline int launch(void (*kernel)(A...), LaunchConfig* c, void** args) {
+    const uint64_t nthreads = uint64_t(c->block[0]) * c->block[1] * c->block[2];
+    const uint64_t nblocks = uint64_t(c->grid[0]) * c->grid[1] * c->grid[2];
+    if (nthreads == 0 || nblocks == 0) return config_error(c, "empty grid or block");
+    if (nthreads > c->max_threads) return config_error(c, "too many threads per block");
+    if (c->block[0] > 1024 || c->block[1] > 1024 || c->block[2] > 64) return config_error(c, "block dimension too large");
+    if (c->grid[0] > 2147483647u || c->grid[1] > 65535u || c->grid[2] > 65535u)
+        return config_error(c, "grid dimension too large");
+    if (c->dynamic_smem > c->smem_limit) return config_error(c, "dynamic shared memory exceeds the limit");
+    if (c->stack_size < 16384 || c->stack_size % 4096) return config_error(c, "bad fiber stack size");
+    c->static_smem_used = 0;
+    c->context_switches = 0;
+    KernelCall<A...> call{kernel, args};
+    Launch L;
+    L.cfg = c;
+    L.thunk = &call_thunk<A...>;
+    L.ctx = &call;
+    L.nblocks = nblocks;
+    const uint64_t nworkers = std::max<uint64_t>(1, std::min<uint64_t>(c->workers, nblocks));
+    std::vector<std::thread> threads;
+    for (uint64_t i = 1; i < nworkers; ++i) threads.emplace_back([&L] { worker_main(L); });
+    worker_main(L);
+    for (auto& t : threads) t.join();
+    c->blocks_run = std::min<uint64_t>(L.next_block.load(), nblocks);
+    return L.failed.load() ? 1 : 0;
+}
+
+// Parameter signature for the launcher's type check: kind letter ('p' pointer, 'i' signed
+// integer, 'u' unsigned integer, 'f' floating point, 's' other) and size of each parameter.
+template <class T>
+constexpr char kind_of() {
+    return std::is_pointer<T>::value         ? 'p'
+           : std::is_floating_point<T>::value ? 'f'
+           : std::is_integral<T>::value       ? (std::is_signed<T>::value ? 'i' : 'u')
+                                              : 's';
+}
+
+template <class... A>
+inline int signature(void (*)(A...), char* kinds, uint32_t* sizes, int cap) {
+    constexpr int n = int(sizeof...(A));
+    const char ks[n + 1] = {kind_of<std::decay_t<A>>()..., 0};
+    const uint32_t ss[n + 1] = {uint32_t(sizeof(std::decay_t<A>))..., 0};
+    for (int i = 0; i < n && i < cap; ++i) {
+        kinds[i] = ks[i];
+        sizes[i] = ss[i];
+    }
+    return n;
+}
+
+// ------------------------------------------------------------------ collectives used by the built-ins
+template <int KIND>
+inline void no_compute(Slot*, unsigned) {}
+
+inline unsigned lane_id() { return t_worker->cur->lane; }
+
+}  // namespace cusim
+
+// ------------------------------------------------------------------ CUDA built-in variables
+#define threadIdx (static_cast<const uint3&>(::cusim::t_worker->cur->tid))
+#define blockIdx (static_cast<const uint3&>(::cusim::t_worker->block_idx))
+#define blockDim (static_cast<const dim3&>(::cusim::t_worker->block_dim))
+#define gridDim (static_cast<const dim3&>(::cusim::t_worker->grid_dim))
+static constexpr int warpSize = 32;
+
+// ------------------------------------------------------------------ synchronization
+inline void __syncthreads() { cusim::syncthreads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    cusim::collective(mask, nullptr, 0, &cusim::no_compute<0>, "__syncwarp");
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+[[noreturn]] inline void __trap() { cusim::fail("__trap() called"); }
+inline unsigned __activemask() { return cusim::t_worker->warps[cusim::t_worker->cur->warp].alive; }
+inline void __nanosleep(unsigned) {}
+
+namespace cusim {
+enum ShflKind { kShflIdx = 1, kShflUp, kShflDown, kShflXor };
+template <int KIND, class T>
+inline T shfl(unsigned mask, T v, int arg, int width, const char* what) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle of a type wider than 8 bytes");
+    if (width <= 0 || width > 32 || (width & (width - 1))) fail("%s: width %d is not a power of two in [1, 32]", what, width);
+    Slot& mine = collective(mask, &v, sizeof(T), &no_compute<KIND>, what);
+    const unsigned lane = lane_id(), w = unsigned(width), base = lane & ~(w - 1);
+    unsigned src;
+    switch (KIND) {
+        case kShflIdx: src = base + (unsigned(arg) & (w - 1)); break;
+        case kShflUp: src = (lane - base) >= unsigned(arg) ? lane - unsigned(arg) : lane; break;
+        case kShflDown: src = (lane - base) + unsigned(arg) < w ? lane + unsigned(arg) : lane; break;
+        default:
+            src = (lane ^ unsigned(arg)) & 31u;
+            if ((src & ~(w - 1)) > base) src = lane;   // later segments are not visible
+            break;
+    }
+    if (!(mask & (1u << src))) fail("%s: lane %u reads lane %u, which is not in mask 0x%08x", what, lane, src, mask);
+    // `mine` lives in the buffer of this collective; its peers' slots sit beside it.
+    const Slot* slots = &mine - lane;
+    T out;
+    std::memcpy(&out, slots[src].in, sizeof(T));
+    return out;
+}
+template <int KIND>
+inline unsigned vote(unsigned mask, int pred, const char* what) {
+    const uint64_t p = pred != 0;
+    Slot& mine = collective(mask, &p, sizeof p, &no_compute<KIND>, what);
+    const Slot* slots = &mine - lane_id();
+    unsigned bits = 0;
+    for (unsigned l = 0; l < 32; ++l)
+        if ((mask & (1u << l)) && slots[l].in[0]) bits |= 1u << l;
+    return bits;
+}
+}  // namespace cusim
+
+template <class T> inline T __shfl_sync(unsigned m, T v, int src, int w = 32) { return cusim::shfl<cusim::kShflIdx>(m, v, src, w, "__shfl_sync"); }
+template <class T> inline T __shfl_up_sync(unsigned m, T v, unsigned d, int w = 32) { return cusim::shfl<cusim::kShflUp>(m, v, int(d), w, "__shfl_up_sync"); }
+template <class T> inline T __shfl_down_sync(unsigned m, T v, unsigned d, int w = 32) { return cusim::shfl<cusim::kShflDown>(m, v, int(d), w, "__shfl_down_sync"); }
+template <class T> inline T __shfl_xor_sync(unsigned m, T v, int x, int w = 32) { return cusim::shfl<cusim::kShflXor>(m, v, x, w, "__shfl_xor_sync"); }
+// Lanes of the mask that have exited count as false (the GPU leaves this undefined).
+inline unsigned __ballot_sync(unsigned m, int p) { return cusim::vote<10>(m, p, "__ballot_sync"); }
+inline int __any_sync(unsigned m, int p) { return cusim::vote<11>(m, p, "__any_sync") != 0; }
+inline int __all_sync(unsigned m, int p) {
+    const unsigned live = m & cusim::t_worker->warps[cusim::t_worker->cur->warp].alive;
+    return (cusim::vote<12>(m, p, "__all_sync") & live) == live;
+}
+
+// ------------------------------------------------------------------ atomics (global and shared memory)
+template <class T> inline T cusim_atomic_add(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+template <class T> inline T cusim_atomic_cas_op(T* p, T v, T (*op)(T, T)) {
+    T old;
+    __atomic_load(p, &old, __ATOMIC_SEQ_CST);
+    T want;
+    do { want = op(old, v); } while (!__atomic_compare_exchange(p, &old, &want, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    return old;
+}
+inline int atomicAdd(int* p, int v) { return cusim_atomic_add(p, v); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return cusim_atomic_add(p, v); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return cusim_atomic_add(p, v); }
+inline float atomicAdd(float* p, float v) { return cusim_atomic_cas_op<float>(p, v, [](float a, float b) { return a + b; }); }
+inline double atomicAdd(double* p, double v) { return cusim_atomic_cas_op<double>(p, v, [](double a, double b) { return a + b; }); }
+inline int atomicSub(int* p, int v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicSub(unsigned* p, unsigned v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
+#define CUSIM_ATOMIC_MINMAX(T)                                                                              \
+    inline T atomicMax(T* p, T v) { return cusim_atomic_cas_op<T>(p, v, [](T a, T b) { return a > b ? a : b; }); } \
+    inline T atomicMin(T* p, T v) { return cusim_atomic_cas_op<T>(p, v, [](T a, T b) { return a < b ? a : b; }); }
+CUSIM_ATOMIC_MINMAX(int)
+CUSIM_ATOMIC_MINMAX(unsigned)
+CUSIM_ATOMIC_MINMAX(long long)
+CUSIM_ATOMIC_MINMAX(unsigned long long)
+#undef CUSIM_ATOMIC_MINMAX
+template <class T> inline T atomicExch(T* p, T v) { T old; __atomic_exchange(p, &v, &old, __ATOMIC_SEQ_CST); return old; }
+template <class T> inline T atomicCAS(T* p, T cmp, T v) {
+    __atomic_compare_exchange(p, &cmp, &v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return cmp;
+}
+
+// ------------------------------------------------------------------ device math
+// The GPU's fast intrinsics (__expf, __fdividef, ...) are approximations; here they are the
+// correctly rounded host functions, so compare simulator results with tolerances.
+inline float __expf(float x) { return ::expf(x); }
+inline float __exp10f(float x) { return ::exp10f(x); }
+inline float __logf(float x) { return ::logf(x); }
+inline float __log2f(float x) { return ::log2f(x); }
+inline float __sinf(float x) { return ::sinf(x); }
+inline float __cosf(float x) { return ::cosf(x); }
+inline float __powf(float a, float b) { return ::powf(a, b); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fsqrt_rn(float x) { return ::sqrtf(x); }
+inline float rsqrtf(float x) { return 1.0f / ::sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / ::sqrt(x); }
+inline float __saturatef(float x) { return x != x ? 0.0f : (x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x)); }
+inline float __fmaf_rn(float a, float b, float c) { return ::fmaf(a, b, c); }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+inline double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
+inline long long __double_as_longlong(double d) { long long i; std::memcpy(&i, &d, 8); return i; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(unsigned(x)); }
+inline int __clzll(long long x) { return x == 0 ? 64 : __builtin_clzll((unsigned long long)x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+inline unsigned __brev(unsigned x) {
+    x = ((x >> 1) & 0x55555555u) | ((x & 0x55555555u) << 1);
+    x = ((x >> 2) & 0x33333333u) | ((x & 0x33333333u) << 2);
+    x = ((x >> 4) & 0x0f0f0f0fu) | ((x & 0x0f0f0f0fu) << 4);
+    x = ((x >> 8) & 0x00ff00ffu) | ((x & 0x00ff00ffu) << 8);
+    return (x >> 16) | (x << 16);
+}
+template <class T> inline T __ldg(const T* p) { return *p; }
+// CUDA's overloaded min/max device functions.
+#define CUSIM_MINMAX(T)                                  \
+    inline T max(T a, T b) { return a > b ? a : b; }     \
+    inline T min(T a, T b) { return a < b ? a : b; }
+CUSIM_MINMAX(int)
+CUSIM_MINMAX(unsigned)
+CUSIM_MINMAX(long long)
+CUSIM_MINMAX(unsigned long long)
+#undef CUSIM_MINMAX
+inline float max(float a, float b) { return ::fmaxf(a, b); }
+inline float min(float a, float b) { return ::fminf(a, b); }
+inline double max(double a, double b) { return ::fmax(a, b); }
+inline double min(double a, double b) { return ::fmin(a, b); }
+
+// Entry stubs generated by the launcher call this.
+#define CUSIM_EXPORT extern "C" __attribute__((visibility("default")))

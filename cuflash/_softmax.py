@@ -1,0 +1,218 @@
+"""``cuflash.softmax``: row-wise softmax with the online normalizer.
+
+The CUDA kernel (``kernels_cu/softmax.cu``) computes, for each row, the running maximum ``m`` and
+the running sum ``d`` of ``exp(x - m)`` in one read pass, rescaling ``d`` whenever ``m`` grows
+(Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018), then writes
+``exp(x - m) / d`` in a second pass: two reads and one write of HBM per element. The NumPy path
+follows the same recurrence over blocks of columns. (The seed write-up's pseudocode scales the
+block sum twice and never rescales earlier blocks; this is the published, correct recurrence.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import _plan, _variants
+
+_BACKENDS = ("auto", "numpy", "sim", "cuda")
+_NAME = "cuflash.softmax"
+
+
+def _is_cupy(x) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def _validate(x, axis, backend):
+    if not (isinstance(x, np.ndarray) or _is_cupy(x)):
+        raise TypeError(f"{_NAME}: x must be a NumPy or CuPy array, got {type(x).__name__}")
+    dt = np.dtype(x.dtype)
+    allowed = [np.dtype(np.float16), _variants.DTYPES["bf16"][1], np.dtype(np.float32), np.dtype(np.float64)]
+    if dt not in allowed:
+        raise TypeError(f"{_NAME}: x.dtype must be float16, bfloat16, float32 or float64, got {dt}")
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{_NAME}: axis must be an int, got {type(axis).__name__}")
+    if x.ndim == 0:
+        raise ValueError(f"{_NAME}: x must have at least 1 dimension, got a 0-d array")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"{_NAME}: axis={axis} must be in [{-x.ndim}, {x.ndim - 1}] for x.ndim={x.ndim}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"{_NAME}: backend must be one of {_BACKENDS}, got {backend!r}")
+    return int(axis) % x.ndim
+
+
+def _resolve_backend(x, backend: str) -> str:
+    if backend == "auto":
+        env = os.environ.get("CUFLASH_BACKEND", "").strip()
+        if env and env != "auto":
+            if env not in _BACKENDS:
+                raise ValueError(f"{_NAME}: CUFLASH_BACKEND must be one of {_BACKENDS}, got {env!r}")
+            backend = env
+        else:
+            return "cuda" if _is_cupy(x) else "numpy"
+    if backend == "cuda" and not _is_cupy(x):
+        raise ValueError(
+            f"{_NAME}: backend='cuda' needs a CuPy array, got {type(x).__name__} (data is never moved implicitly; "
+            "use backend='sim' to run the CUDA kernel on the CPU simulator)"
+        )
+    if backend in ("numpy", "sim") and _is_cupy(x):
+        raise ValueError(f"{_NAME}: backend={backend!r} needs a NumPy array, got a CuPy array")
+    return backend
+
+
+def softmax(x, axis: int = -1, *, backend: str = "auto"):
+    """Softmax of ``x`` along ``axis``: ``exp(x - max) / sum(exp(x - max))``.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Input of any shape (at least 1-D); dtype float16, bfloat16 (``ml_dtypes.bfloat16``),
+        float32, or float64 (NumPy path only).
+    axis : int, default -1
+        Axis to normalize over.
+    backend : {"auto", "numpy", "sim", "cuda"}, default "auto"
+        ``"auto"`` never moves data: NumPy input runs the NumPy implementation, CuPy input the
+        CUDA kernel (the ``CUFLASH_BACKEND`` environment variable overrides ``"auto"`` only).
+        ``"sim"`` runs the CUDA kernel on the CPU simulator (NumPy in and out; options in
+        :mod:`cuflash.sim`). ``"cuda"`` with NumPy input is an error.
+
+    Returns
+    -------
+    ndarray
+        Same shape, dtype and array type as ``x``. Arithmetic is float32 (float64 for float64
+        input); the 16-bit results are rounded to nearest even once.
+
+    Notes
+    -----
+    Online normalizer (Milakov & Gimelshein 2018): one pass computes the running maximum and the
+    rescaled running sum, a second pass writes the normalized values (two reads and one write
+    of each element). ``-inf`` entries get probability 0; a row whose entries are all ``-inf``
+    gives NaN (as ``scipy.special.softmax`` and ``torch.softmax`` do); a NaN in a row makes the
+    whole row NaN. The kernels need unit stride along ``axis`` and one stride between rows; other
+    layouts are copied once to a contiguous array first. Empty inputs return an empty result
+    without launching anything.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a NumPy/CuPy array or has an unsupported dtype, or ``axis`` is not an int.
+    ValueError
+        For a 0-d ``x``, an out-of-range ``axis``, an unknown backend, or a backend that would
+        move data between host and device.
+    NotImplementedError
+        For float64 input on the kernel backends (``"sim"``, ``"cuda"``).
+    """
+    axis = _validate(x, axis, backend)
+    which = _resolve_backend(x, backend)
+    if which == "numpy":
+        return _numpy_softmax(x, axis)
+    if np.dtype(x.dtype) == np.float64:
+        raise NotImplementedError(f"{_NAME}: no float64 kernel; use backend='numpy' for float64 input")
+    if x.size == 0:
+        return x.copy()
+    if which == "sim":
+        return _run_kernel(x, axis, _sim_launch, np)
+    import cupy
+
+    return _run_kernel(x, axis, _cuda_launch, cupy)
+
+
+def _rows_view(x, axis: int, xp):
+    """``x`` as a 2-D (rows, cols) view with unit column stride, copying only if impossible."""
+    xm = xp.moveaxis(x, axis, -1)
+    n_cols = xm.shape[-1]
+    n_rows = int(np.prod(xm.shape[:-1], dtype=np.int64))
+    try:
+        x2 = xm.reshape(n_rows, n_cols)  # a view when the leading axes collapse; else a copy
+    except Exception:  # noqa: BLE001
+        x2 = xp.ascontiguousarray(xm).reshape(n_rows, n_cols)
+    item = x2.dtype.itemsize
+    if n_cols > 1 and x2.strides[1] != item or (n_rows > 1 and x2.strides[0] < 0):
+        x2 = xp.ascontiguousarray(x2)
+    return xm.shape, x2
+
+
+def plan_softmax(x2, y2) -> _plan.LaunchPlan:
+    """Launch plan for 2-D ``x2`` -> ``y2`` (rows x cols, unit column stride, same dtype)."""
+    n_rows, n_cols = x2.shape
+    if n_cols > 2**31 - 1:
+        raise ValueError(f"{_NAME}: rows of {n_cols} elements exceed the kernel's int32 column index")
+    key = _variants.dtype_key(x2.dtype)
+    mode = "warp" if n_cols <= _variants.SOFTMAX_WARP_MAX_COLS else "block"
+    v = _variants.SoftmaxVariant(key, mode)
+    if mode == "warp":
+        grid = (-(-n_rows // _variants.SOFTMAX_ROWS_PER_BLOCK), 1, 1)
+    else:
+        grid = (n_rows, 1, 1)
+    if grid[0] > _plan.MAX_GRID_DIMS[0]:
+        raise ValueError(f"{_NAME}: {n_rows} rows exceed the kernel's grid limit")
+    item = x2.dtype.itemsize
+    xs = x2.strides[0] // item if n_rows > 1 else n_cols
+    ys = y2.strides[0] // item if n_rows > 1 else n_cols
+    args = (
+        _plan.PointerArg("x", x2, 0, (n_rows, n_cols), (xs, 1)),
+        _plan.PointerArg("y", y2, 0, (n_rows, n_cols), (ys, 1), writable=True),
+        _plan.ScalarArg("n_rows", np.int64(n_rows)),
+        _plan.ScalarArg("n_cols", np.int32(n_cols)),
+        _plan.ScalarArg("x_row_stride", np.int64(xs)),
+        _plan.ScalarArg("y_row_stride", np.int64(ys)),
+    )
+    return _plan.LaunchPlan(v, v.entry, grid, v.block, 0, args)
+
+
+def _sim_launch(plan):
+    from ._sim import launcher
+
+    launcher.run(plan)
+
+
+def _cuda_launch(plan):
+    from . import _compile
+
+    _compile.launch(plan)
+
+
+def _run_kernel(x, axis, launch, xp):
+    moved_shape, x2 = _rows_view(x, axis, xp)
+    y2 = xp.empty(x2.shape, dtype=x.dtype)
+    if xp is np:
+        y2.fill(np.nan)  # poison: unwritten elements show
+    launch(plan_softmax(x2, y2))
+    return xp.moveaxis(y2.reshape(moved_shape), -1, axis)
+
+
+def _numpy_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    """The NumPy path: :func:`cuflash.reference.online_softmax` (same recurrence) in the input dtype."""
+    try:
+        from .reference import online_softmax
+    except ImportError:  # pragma: no cover - reference.py is part of the package
+        return online_softmax_numpy(x, axis)
+    return online_softmax(x, axis, block_size=1024).astype(x.dtype, copy=False)
+
+
+def online_softmax_numpy(x: np.ndarray, axis: int = -1, block_size: int = 1024) -> np.ndarray:
+    """NumPy online softmax: the kernel's recurrence, vectorized over rows, over column blocks.
+
+    For each block of ``block_size`` columns: ``m_new = max(m, max(block))``,
+    ``d = d * exp(m - m_new) + sum(exp(block - m_new))``; then ``exp(x - m) / d``. Accumulates in
+    float32 (float64 for float64 input); returns ``x``'s dtype.
+    """
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    xm = np.moveaxis(np.asarray(x), axis, -1).astype(acc)
+    n = xm.shape[-1]
+    m = np.full(xm.shape[:-1], -np.inf, acc)
+    d = np.zeros(xm.shape[:-1], acc)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for start in range(0, n, block_size):
+            blk = xm[..., start : start + block_size]
+            m_new = np.maximum(m, blk.max(axis=-1)) if blk.shape[-1] else m
+            # exp(m - m_new) with -inf - -inf taken as 0 (an empty history has no weight)
+            scale = np.where(m == -np.inf, acc(0), np.exp(m - np.where(m_new == -np.inf, acc(0), m_new)))
+            e = np.exp(blk - np.where(m_new == -np.inf, acc(0), m_new)[..., None])
+            e = np.where(blk == -np.inf, acc(0), e)
+            d = d * scale + e.sum(axis=-1, dtype=acc)
+            m = m_new
+        y = np.exp(xm - m[..., None]) / d[..., None]
+        y = np.where((m == -np.inf)[..., None], acc(np.nan), y)
+    return np.moveaxis(y.astype(x.dtype), -1, axis)

@@ -1,0 +1,276 @@
+// cuflash: every inline PTX instruction the kernels use, each beside its CPU emulation.
+//
+// Kernels never write asm elsewhere. Three branches per instruction:
+//   CUFLASH_SIM            the CUDA simulator (cuflash/_sim): a warp-wide emulation that follows
+//                          the fragment layouts of the PTX ISA (sections "Warp-level matrix load
+//                          instruction: ldmatrix", "Matrix Fragments for mma.m16n8k16 with
+//                          floating point type", "Data Movement and Conversion Instructions:
+//                          cp.async", "cvt");
+//   __CUDA_ARCH__ >= 800   the PTX instruction itself;
+//   otherwise (sm_75)      an equivalent built from sm_75 instructions, or __trap() where none
+//                          exists (bf16 mma), so every file still compiles for every target.
+//
+// Fragment conventions (lane = threadIdx.x % 32, g = lane / 4, t = lane % 4), 16-bit elements are
+// packed two per 32-bit register, the lower-indexed element in the low half:
+//   mma m16n8k16 A (16x16, row-major): a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..2t+1],
+//                                      a[2] = A[g][2t+8..2t+9], a[3] = A[g+8][2t+8..2t+9]
+//   mma m16n8k16 B (16x8, "col"):      b[0] = B[2t..2t+1][g], b[1] = B[2t+8..2t+9][g]
+//   C / D (16x8, f32):                 c[0..1] = C[g][2t..2t+1], c[2..3] = C[g+8][2t..2t+1]
+//   ldmatrix m8n8 (x1/x2/x4): lanes 8j..8j+7 give the 16-byte-aligned shared-memory addresses
+//     of the 8 rows of matrix j; r[j] of a lane holds row g, columns 2t..2t+1 of matrix j
+//     (.trans: rows 2t..2t+1 of column g, i.e. the transposed matrix).
+//
+// Simulator strictness: cp.async copies land only at the cp.async.wait_group that covers them
+// (a read before the wait sees the poisoned shared memory); cp.async and ldmatrix addresses must
+// be 16-byte aligned and in the right state space; an mma is computed once per warp, by the last
+// lane to arrive, from all 32 lanes' fragments.
+#pragma once
+
+#include "common.cuh"
+
+#if defined(CUFLASH_SIM)
+// ============================================================== CPU emulation
+namespace cuflash_ptx_sim {
+
+inline void check_shared16(const void* p, const char* what) {
+    if (reinterpret_cast<uintptr_t>(p) & 15u) cusim::fail("%s: shared address %p is not 16-byte aligned", what, p);
+    if (!cusim::is_shared(p, 16)) cusim::fail("%s: address %p is not in the block's shared memory", what, p);
+}
+
+template <int X, bool TRANS>
+inline void ldmatrix_compute(cusim::Slot* slots, unsigned lanes) {
+    if (lanes != 0xffffffffu) cusim::fail("ldmatrix: all 32 lanes must execute it (live lanes 0x%08x)", lanes);
+    for (unsigned l = 0; l < 32; ++l) {
+        const unsigned g = l / 4, t = l % 4;
+        for (int j = 0; j < X; ++j) {
+            uint16_t lo, hi;
+            if (!TRANS) {
+                const uint16_t* row = reinterpret_cast<const uint16_t*>(slots[8 * j + g].in[0]);
+                lo = row[2 * t];
+                hi = row[2 * t + 1];
+            } else {
+                lo = reinterpret_cast<const uint16_t*>(slots[8 * j + 2 * t].in[0])[g];
+                hi = reinterpret_cast<const uint16_t*>(slots[8 * j + 2 * t + 1].in[0])[g];
+            }
+            slots[l].out[j] = uint32_t(lo) | (uint32_t(hi) << 16);
+        }
+    }
+}
+
+template <int X, bool TRANS>
+inline void ldmatrix(uint32_t* r, const void* row_addr) {
+    static const char* const names[2][3] = {{"ldmatrix.x1", "ldmatrix.x2", "ldmatrix.x4"},
+                                            {"ldmatrix.x1.trans", "ldmatrix.x2.trans", "ldmatrix.x4.trans"}};
+    const char* what = names[TRANS][X == 1 ? 0 : X == 2 ? 1 : 2];
+    if (cusim::lane_id() < 8u * X) check_shared16(row_addr, what);
+    const uint64_t a = reinterpret_cast<uintptr_t>(row_addr);
+    cusim::Slot& s = cusim::collective(0xffffffffu, &a, sizeof a, &ldmatrix_compute<X, TRANS>, what);
+    for (int j = 0; j < X; ++j) r[j] = s.out[j];
+}
+
+template <bool BF16>
+inline float unpack(uint32_t reg, int hi) {
+    const uint16_t b = uint16_t(hi ? reg >> 16 : reg & 0xffffu);
+    return BF16 ? cusim::bf16_bits_to_f32(b) : cusim::f16_bits_to_f32(b);
+}
+
+// D = A * B + C for m16n8k16; products of 16-bit values are exact in double and the sum is
+// rounded once to float (the tensor core's internal order and rounding are not specified).
+template <bool BF16>
+inline void mma_m16n8k16_compute(cusim::Slot* slots, unsigned lanes) {
+    if (lanes != 0xffffffffu) cusim::fail("mma.sync: all 32 lanes must execute it (live lanes 0x%08x)", lanes);
+    float A[16][16], B[16][8], C[16][8];
+    for (unsigned l = 0; l < 32; ++l) {
+        uint32_t reg[10];
+        std::memcpy(reg, slots[l].in, sizeof reg);
+        const unsigned g = l / 4, c = 2 * (l % 4);
+        for (int h = 0; h < 2; ++h) {
+            A[g][c + h] = unpack<BF16>(reg[0], h);
+            A[g + 8][c + h] = unpack<BF16>(reg[1], h);
+            A[g][c + 8 + h] = unpack<BF16>(reg[2], h);
+            A[g + 8][c + 8 + h] = unpack<BF16>(reg[3], h);
+            B[c + h][g] = unpack<BF16>(reg[4], h);
+            B[c + 8 + h][g] = unpack<BF16>(reg[5], h);
+        }
+        C[g][c] = cusim::bits_f32(reg[6]);
+        C[g][c + 1] = cusim::bits_f32(reg[7]);
+        C[g + 8][c] = cusim::bits_f32(reg[8]);
+        C[g + 8][c + 1] = cusim::bits_f32(reg[9]);
+    }
+    float D[16][8];
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 8; ++j) {
+            double acc = C[i][j];
+            for (int k = 0; k < 16; ++k) acc += double(A[i][k]) * double(B[k][j]);
+            D[i][j] = float(acc);
+        }
+    for (unsigned l = 0; l < 32; ++l) {
+        const unsigned g = l / 4, c = 2 * (l % 4);
+        slots[l].out[0] = cusim::f32_bits(D[g][c]);
+        slots[l].out[1] = cusim::f32_bits(D[g][c + 1]);
+        slots[l].out[2] = cusim::f32_bits(D[g + 8][c]);
+        slots[l].out[3] = cusim::f32_bits(D[g + 8][c + 1]);
+    }
+}
+
+template <bool BF16>
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+    uint32_t reg[10] = {a[0], a[1], a[2], a[3], b[0], b[1],
+                        cusim::f32_bits(c[0]), cusim::f32_bits(c[1]), cusim::f32_bits(c[2]), cusim::f32_bits(c[3])};
+    cusim::Slot& s = cusim::collective(0xffffffffu, reg, sizeof reg, &mma_m16n8k16_compute<BF16>,
+                                       BF16 ? "mma.m16n8k16.bf16" : "mma.m16n8k16.f16");
+    for (int i = 0; i < 4; ++i) d[i] = cusim::bits_f32(s.out[i]);
+}
+
+inline void cp_async_16(void* dst, const void* src, uint32_t src_bytes) {
+    if (reinterpret_cast<uintptr_t>(dst) & 15u || reinterpret_cast<uintptr_t>(src) & 15u)
+        cusim::fail("cp.async: addresses %p (shared) and %p (global) must be 16-byte aligned", dst, src);
+    if (!cusim::is_shared(dst, 16)) cusim::fail("cp.async: destination %p is not in the block's shared memory", dst);
+    if (src_bytes && cusim::is_shared(src, 1)) cusim::fail("cp.async: source %p is shared, not global, memory", src);
+    if (src_bytes > 16) cusim::fail("cp.async: src-size %u exceeds the copy size 16", src_bytes);
+    cusim::Fiber* f = cusim::fiber();
+    cusim::AsyncCopy c;
+    c.dst = dst;
+    c.bytes = 16;
+    c.group = f->async_committed;
+    if (src_bytes) std::memcpy(c.data, src, src_bytes);
+    std::memset(c.data + src_bytes, 0, 16 - src_bytes);
+    f->async.push_back(c);
+}
+
+inline void cp_async_commit() { ++cusim::fiber()->async_committed; }
+
+// Land every committed group except the newest `pending` ones.
+inline void cp_async_wait(uint32_t pending) {
+    cusim::Fiber* f = cusim::fiber();
+    if (f->async_committed < pending) return;
+    const uint32_t limit = f->async_committed - pending;
+    size_t keep = 0;
+    for (size_t i = 0; i < f->async.size(); ++i) {
+        cusim::AsyncCopy& c = f->async[i];
+        if (c.group < limit)
+            std::memcpy(c.dst, c.data, c.bytes);
+        else
+            f->async[keep++] = c;
+    }
+    f->async.resize(keep);
+}
+
+}  // namespace cuflash_ptx_sim
+
+__device__ __forceinline__ void ptx_ldmatrix_x1(unsigned (&r)[1], const void* row_addr) { cuflash_ptx_sim::ldmatrix<1, false>(r, row_addr); }
+__device__ __forceinline__ void ptx_ldmatrix_x2(unsigned (&r)[2], const void* row_addr) { cuflash_ptx_sim::ldmatrix<2, false>(r, row_addr); }
+__device__ __forceinline__ void ptx_ldmatrix_x4(unsigned (&r)[4], const void* row_addr) { cuflash_ptx_sim::ldmatrix<4, false>(r, row_addr); }
+__device__ __forceinline__ void ptx_ldmatrix_x1_trans(unsigned (&r)[1], const void* row_addr) { cuflash_ptx_sim::ldmatrix<1, true>(r, row_addr); }
+__device__ __forceinline__ void ptx_ldmatrix_x2_trans(unsigned (&r)[2], const void* row_addr) { cuflash_ptx_sim::ldmatrix<2, true>(r, row_addr); }
+__device__ __forceinline__ void ptx_ldmatrix_x4_trans(unsigned (&r)[4], const void* row_addr) { cuflash_ptx_sim::ldmatrix<4, true>(r, row_addr); }
+__device__ __forceinline__ void ptx_mma_m16n8k16_f16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+    cuflash_ptx_sim::mma_m16n8k16<false>(d, a, b, c);
+}
+__device__ __forceinline__ void ptx_mma_m16n8k16_bf16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+    cuflash_ptx_sim::mma_m16n8k16<true>(d, a, b, c);
+}
+__device__ __forceinline__ void ptx_cp_async_16(void* smem, const void* gmem) { cuflash_ptx_sim::cp_async_16(smem, gmem, 16); }
+__device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gmem, int src_bytes) {
+    cuflash_ptx_sim::cp_async_16(smem, gmem, uint32_t(src_bytes));
+}
+__device__ __forceinline__ void ptx_cp_async_commit() { cuflash_ptx_sim::cp_async_commit(); }
+template <int N> __device__ __forceinline__ void ptx_cp_async_wait() { cuflash_ptx_sim::cp_async_wait(uint32_t(N)); }
+__device__ __forceinline__ void ptx_cp_async_wait_all() { cuflash_ptx_sim::cp_async_commit(); cuflash_ptx_sim::cp_async_wait(0); }
+// cvt.rn.f16x2.f32 / cvt.rn.bf16x2.f32: `lo` goes to the low 16 bits, `hi` to the high 16 bits.
+__device__ __forceinline__ unsigned ptx_cvt_pack_f16x2(float lo, float hi) {
+    return unsigned(cusim::f32_to_f16_bits(lo)) | (unsigned(cusim::f32_to_f16_bits(hi)) << 16);
+}
+__device__ __forceinline__ unsigned ptx_cvt_pack_bf16x2(float lo, float hi) {
+    return unsigned(cusim::f32_to_bf16_bits(lo)) | (unsigned(cusim::f32_to_bf16_bits(hi)) << 16);
+}
+
+#else
+// ============================================================== GPU
+__device__ __forceinline__ unsigned ptx_smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void ptx_ldmatrix_x1(unsigned (&r)[1], const void* row_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(ptx_smem_addr(row_addr)));
+}
+__device__ __forceinline__ void ptx_ldmatrix_x2(unsigned (&r)[2], const void* row_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(ptx_smem_addr(row_addr)));
+}
+__device__ __forceinline__ void ptx_ldmatrix_x4(unsigned (&r)[4], const void* row_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(ptx_smem_addr(row_addr)));
+}
+__device__ __forceinline__ void ptx_ldmatrix_x1_trans(unsigned (&r)[1], const void* row_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(ptx_smem_addr(row_addr)));
+}
+__device__ __forceinline__ void ptx_ldmatrix_x2_trans(unsigned (&r)[2], const void* row_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(ptx_smem_addr(row_addr)));
+}
+__device__ __forceinline__ void ptx_ldmatrix_x4_trans(unsigned (&r)[4], const void* row_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(ptx_smem_addr(row_addr)));
+}
+
+#if __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void ptx_mma_m16n8k16_f16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+__device__ __forceinline__ void ptx_mma_m16n8k16_bf16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+__device__ __forceinline__ void ptx_cp_async_16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(ptx_smem_addr(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(ptx_smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void ptx_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void ptx_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void ptx_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ unsigned ptx_cvt_pack_f16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));   // first source -> upper half
+    return r;
+}
+__device__ __forceinline__ unsigned ptx_cvt_pack_bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#else  // sm_75: no m16n8k16, cp.async or packed cvt
+__device__ __forceinline__ void ptx_mma_m16n8k16_f16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+    // Two m16n8k8 steps: k 0..7 uses a[0], a[1], b[0]; k 8..15 uses a[2], a[3], b[1].
+    float t[4];
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};\n"
+                 : "=f"(t[0]), "=f"(t[1]), "=f"(t[2]), "=f"(t[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b[0]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[2]), "r"(a[3]), "r"(b[1]), "f"(t[0]), "f"(t[1]), "f"(t[2]), "f"(t[3]));
+}
+__device__ __forceinline__ void ptx_mma_m16n8k16_bf16_f32(float (&d)[4], const unsigned (&)[4], const unsigned (&)[2], const float (&)[4]) {
+    d[0] = d[1] = d[2] = d[3] = 0.0f;
+    __trap();   // bf16 tensor-core mma needs sm_80
+}
+__device__ __forceinline__ void ptx_cp_async_16(void* smem, const void* gmem) { *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem); }
+__device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gmem, int src_bytes) {
+    unsigned char* d = static_cast<unsigned char*>(smem);
+    const unsigned char* s = static_cast<const unsigned char*>(gmem);
+    for (int i = 0; i < 16; ++i) d[i] = i < src_bytes ? s[i] : 0;
+}
+__device__ __forceinline__ void ptx_cp_async_commit() {}
+template <int N> __device__ __forceinline__ void ptx_cp_async_wait() {}
+__device__ __forceinline__ void ptx_cp_async_wait_all() {}
+__device__ __forceinline__ unsigned ptx_cvt_pack_f16x2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+__device__ __forceinline__ unsigned ptx_cvt_pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+#endif
+#endif
