@@ -8,7 +8,8 @@ matrix is never materialised. NumPy input runs the NumPy implementation of the s
 
 __version__ = "0.1.0"
 
-from cuflash import reference
+from cuflash import intensity, reference, sim
 from cuflash._api import attention
+from cuflash._softmax import softmax
 
-__all__ = ["attention", "reference", "__version__"]
+__all__ = ["attention", "softmax", "reference", "intensity", "sim", "__version__"]

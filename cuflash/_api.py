@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from cuflash import _validate, reference
+import numpy as np
+
+from cuflash import _dtypes, _validate, reference
 
 BACKENDS = ("auto", "numpy", "sim", "cuda")
 
@@ -142,6 +144,17 @@ def attention(
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":
         return reference._flash_forward(problem, q, k, v, 128, 128, out, return_lse)
+    if problem.dtype == _dtypes.float64:
+        raise NotImplementedError(
+            f"{func}: the kernels compute float16, bfloat16 and float32; float64 runs on the NumPy "
+            f"path only (backend='numpy'), got backend={chosen!r}"
+        )
+    if chosen == "sim":
+        from cuflash import _attention_simt, sim
+        from cuflash._sim import launcher
+
+        arch = sim.current_options().arch
+        return _attention_simt.forward(problem, q, k, v, out, return_lse, xp=np, arch=arch, launch=launcher.run)
     raise NotImplementedError(
         f"{func}: backend={chosen!r} has no attention kernel in cuflash {_version()} yet; "
         f"use NumPy arrays (backend='numpy') for now"

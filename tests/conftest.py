@@ -7,6 +7,7 @@ missing device into a failure (a skip is never a pass).
 from __future__ import annotations
 
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -43,7 +44,7 @@ def _require_gpu_failure():
 @pytest.fixture
 def rng(request):
     """A fresh generator per test, seeded from the test's name so failures reproduce."""
-    seed = abs(hash(request.node.nodeid)) % (2**32)
+    seed = zlib.crc32(request.node.nodeid.encode())  # stable across processes (str hash is salted)
     return np.random.default_rng(seed)
 
 
@@ -66,3 +67,18 @@ def pytest_sessionfinish(session, exitstatus):
         with open(path, "w", encoding="utf-8") as f:
             for nodeid, is_gpu, reason in _skipped:
                 f.write(f"{'gpu' if is_gpu else 'NOT-GPU'}\t{nodeid}\t{reason}\n")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print the compile gate's resource table (registers, shared memory, cold NVRTC time)."""
+    import sys
+
+    gate = sys.modules.get("test_compile_gate")
+    rows = getattr(gate, "RESOURCE_TABLE", None)
+    if not rows:
+        return
+    tr = terminalreporter
+    tr.section("NVRTC compile gate: resources per variant")
+    tr.write_line(f"{'arch':<6} {'entry':<44} {'regs':>5} {'smem B':>7} {'compile s':>9}")
+    for arch, entry, regs, smem, seconds in sorted(rows):
+        tr.write_line(f"{arch:<6} {entry:<44} {regs:>5} {smem:>7} {seconds:>9.2f}")

@@ -1,0 +1,26 @@
+"""Every kernel variant the dispatcher can choose, by target arch.
+
+One list for the NVRTC compile gate (tests/test_compile_gate.py), for precompilation and for the
+GPU self-check, so a new kernel family is added in one place.
+"""
+
+from __future__ import annotations
+
+from cuflash import _attention_simt, _variants
+
+#: the arches the SIMT kernels are compiled and checked for (sm_75 is CUDA 13's oldest)
+SIMT_ARCHS = (75, 80, 90)
+
+
+def variants_for_arch(arch: int) -> tuple:
+    """The variants a device of compute capability ``arch`` may run."""
+    out: list = []
+    if arch in SIMT_ARCHS or arch >= 75:
+        out.extend(_variants.SoftmaxVariant.all())
+        out.extend(_attention_simt.all_variants(arch))
+    return tuple(dict.fromkeys(out))
+
+
+def compile_targets() -> list[tuple[int, object]]:
+    """``(arch, variant)`` pairs of the compile gate: every variant on every arch it targets."""
+    return [(arch, v) for arch in SIMT_ARCHS for v in variants_for_arch(arch)]

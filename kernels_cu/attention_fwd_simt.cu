@@ -1,0 +1,193 @@
+// cuflash: the portable attention forward (SIMT, every dtype, sm_75 and newer).
+//
+// The seed's fused forward, corrected (DESIGN.md §1): one thread block per (Br-row query tile,
+// query head, batch); K and V tiles of Bc rows are streamed through shared memory; each query
+// row keeps a running maximum m and a running sum l (FlashAttention-2, Dao 2023, Algorithm 1)
+// and a float32 accumulator rescaled by exp(m_old - m_new); O is divided by l once, after the
+// K/V loop. Scores are kept in the log2 domain (softmax_scale * log2(e) folded into one factor,
+// exp2f for the exponentials); the natural-log LSE is m * ln(2) + ln(l).
+//
+// Masks (run-time): key j is visible to query i iff j < Sk and
+//     i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right   (-1 = unbounded side),
+// which is the bottom-right causal mask when window_right = 0. K/V tiles that no row of the
+// block can see are never loaded. A row that sees no key keeps m = -inf; it shifts by 0 instead
+// of m so exp2f(-inf) = 0 adds nothing (no -inf - -inf = NaN), and it writes O = 0, LSE = -inf.
+//
+// Work split inside a block of NT threads: TPR = NT / Br consecutive threads own one query row.
+// Each computes Bc / TPR of the row's scores (in registers), the group reduces max and sum with
+// __shfl_xor_sync, writes P to shared memory, and each thread accumulates Dmax / TPR columns of
+// the row's output. Shared memory holds Q (Br x D), one K-or-V tile (Bc x max(D, Dv)) and P
+// (Br x Bc), as float32, rows padded by one float against bank conflicts.
+//
+// Only elements inside the views are read: rows >= Sq, keys >= Sk and columns >= D / Dv are
+// never loaded (their shared-memory slots are zero-filled). Offsets are 64-bit. The grid is 1-D
+// (blockIdx.x = tile + num_q_tiles * (head + Hq * batch)), so gridDim.y/z never limit B*H.
+//
+// Variant prelude (cuflash/_attention_simt.py: AttentionFwdSimt.defines()):
+//   CUFLASH_ENTRY, CUFLASH_T (float, __half, __nv_bfloat16), CUFLASH_HEAD_DIM_MAX (bucket of
+//   max(D, Dv)), CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS (NT),
+//   CUFLASH_SMEM_BYTES (the dynamic shared memory the launcher provides; checked below).
+#include "common.cuh"
+
+typedef CUFLASH_T elem_t;
+
+#define BR CUFLASH_BLOCK_M
+#define BC CUFLASH_BLOCK_N
+#define DMAX CUFLASH_HEAD_DIM_MAX
+#define NT CUFLASH_THREADS
+#define TPR (NT / BR)
+#define COLS_PER_THREAD (BC / TPR)
+#define DV_PER_THREAD (DMAX / TPR)
+#define Q_STRIDE (DMAX + 1)
+#define KV_STRIDE (DMAX + 1)
+#define P_STRIDE (BC + 1)
+#define SMEM_FLOATS (BR * Q_STRIDE + BC * KV_STRIDE + BR * P_STRIDE)
+#define LN2 0.6931471805599453f
+
+static_assert(NT % 32 == 0 && NT % BR == 0, "threads must be whole warps and a multiple of Br");
+static_assert(TPR >= 1 && TPR <= 32 && (TPR & (TPR - 1)) == 0, "threads per row must be a power of two <= 32");
+static_assert(BC % TPR == 0 && DMAX % TPR == 0, "Bc and the head-dim bucket must split evenly over a row's threads");
+static_assert(SMEM_FLOATS * 4 == CUFLASH_SMEM_BYTES,
+              "the variant's shared-memory size (cuflash/_attention_simt.py) disagrees with this layout");
+
+// Reduce over the TPR consecutive lanes that own one row.
+__device__ __forceinline__ float row_group_max(float x) {
+#pragma unroll
+    for (int offset = TPR / 2; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(CUFLASH_FULL_MASK, x, offset));
+    return x;
+}
+
+__device__ __forceinline__ float row_group_sum(float x) {
+#pragma unroll
+    for (int offset = TPR / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(CUFLASH_FULL_MASK, x, offset);
+    return x;
+}
+
+// Copy rows [0, n_rows) x [0, n_cols) of a tile (row stride `src_row_stride` elements, unit
+// column stride) to float32 shared memory with row stride `dst_stride`; rows n_rows..max_rows-1
+// and nothing else are zero-filled.
+__device__ __forceinline__ void load_tile(float* __restrict__ dst, int dst_stride, const elem_t* __restrict__ src,
+                                          long long src_row_stride, int n_rows, int max_rows, int n_cols) {
+    for (int e = threadIdx.x; e < max_rows * n_cols; e += NT) {
+        const int r = e / n_cols;
+        const int c = e - r * n_cols;
+        dst[r * dst_stride + c] = r < n_rows ? to_float(src[r * src_row_stride + c]) : 0.0f;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NT)
+CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+              elem_t* __restrict__ out, float* __restrict__ lse,
+              long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+              long long k_batch_stride, long long k_head_stride, long long k_row_stride,
+              long long v_batch_stride, long long v_head_stride, long long v_row_stride,
+              long long o_batch_stride, long long o_head_stride, long long o_row_stride,
+              long long lse_batch_stride, long long lse_head_stride,
+              int num_heads_q, int group_size, int seqlen_q, int seqlen_k, int head_dim, int head_dim_v,
+              int num_q_tiles, float scale_log2, int window_left, int window_right) {
+    extern __shared__ float smem[];
+    float* q_s = smem;                    // [BR][Q_STRIDE]
+    float* kv_s = q_s + BR * Q_STRIDE;    // [BC][KV_STRIDE], K then V
+    float* p_s = kv_s + BC * KV_STRIDE;   // [BR][P_STRIDE]
+
+    const int tid = threadIdx.x;
+    const int row = tid / TPR;            // this thread's row within the tile
+    const int sub = tid % TPR;            // its place among the row's threads
+    const long long block = blockIdx.x;
+    const int tile = (int)(block % num_q_tiles);
+    const long long bh = block / num_q_tiles;
+    const int head = (int)(bh % num_heads_q);
+    const long long batch = bh / num_heads_q;
+    const int head_k = head / group_size;
+
+    const int row0 = tile * BR;
+    const int rows = min(BR, seqlen_q - row0);
+    const int qi = row0 + row;            // query index of this thread's row
+    const int diag = qi + seqlen_k - seqlen_q;
+
+    const elem_t* q_tile = q + batch * q_batch_stride + head * q_head_stride + row0 * q_row_stride;
+    const elem_t* k_head = k + batch * k_batch_stride + head_k * k_head_stride;
+    const elem_t* v_head = v + batch * v_batch_stride + head_k * v_head_stride;
+
+    // Keys any row of this tile can see: [kv_lo, kv_hi).
+    int kv_lo = 0, kv_hi = seqlen_k;
+    if (window_left >= 0) kv_lo = max(kv_lo, row0 + seqlen_k - seqlen_q - window_left);
+    if (window_right >= 0) kv_hi = min(kv_hi, row0 + rows - 1 + seqlen_k - seqlen_q + window_right + 1);
+
+    load_tile(q_s, Q_STRIDE, q_tile, q_row_stride, rows, BR, head_dim);
+
+    float m = CUFLASH_NEG_INF;   // running max of the row's scores (log2 domain)
+    float l = 0.0f;              // running sum of exp2(score - m)
+    float acc[DV_PER_THREAD];
+#pragma unroll
+    for (int c = 0; c < DV_PER_THREAD; ++c) acc[c] = 0.0f;
+
+    for (int kv0 = kv_lo; kv0 < kv_hi; kv0 += BC) {
+        const int cols = min(BC, kv_hi - kv0);
+        __syncthreads();   // Q is in place; the previous tile's readers of kv_s and p_s are done
+        load_tile(kv_s, KV_STRIDE, k_head + kv0 * k_row_stride, k_row_stride, cols, BC, head_dim);
+        __syncthreads();
+
+        float s[COLS_PER_THREAD];
+#pragma unroll
+        for (int c = 0; c < COLS_PER_THREAD; ++c) s[c] = 0.0f;
+        const float* q_row = q_s + row * Q_STRIDE;
+        for (int d = 0; d < head_dim; ++d) {
+            const float qd = q_row[d];
+#pragma unroll
+            for (int c = 0; c < COLS_PER_THREAD; ++c) s[c] = fmaf(qd, kv_s[(sub + c * TPR) * KV_STRIDE + d], s[c]);
+        }
+        float tile_max = CUFLASH_NEG_INF;
+#pragma unroll
+        for (int c = 0; c < COLS_PER_THREAD; ++c) {
+            const int j = sub + c * TPR;
+            const int kj = kv0 + j;
+            const bool visible = j < cols && (window_right < 0 || kj <= diag + window_right) &&
+                                 (window_left < 0 || kj >= diag - window_left);
+            s[c] = visible ? s[c] * scale_log2 : CUFLASH_NEG_INF;
+            tile_max = fmaxf(tile_max, s[c]);
+        }
+        const float m_new = fmaxf(m, row_group_max(tile_max));
+        const float shift = m_new == CUFLASH_NEG_INF ? 0.0f : m_new;
+        const float alpha = exp2f(m - shift);
+        float tile_sum = 0.0f;
+#pragma unroll
+        for (int c = 0; c < COLS_PER_THREAD; ++c) {
+            const float p = exp2f(s[c] - shift);
+            p_s[row * P_STRIDE + sub + c * TPR] = p;
+            tile_sum += p;
+        }
+        l = l * alpha + row_group_sum(tile_sum);
+        m = m_new;
+#pragma unroll
+        for (int c = 0; c < DV_PER_THREAD; ++c) acc[c] *= alpha;
+
+        __syncthreads();   // every K read is done and P is written
+        load_tile(kv_s, KV_STRIDE, v_head + kv0 * v_row_stride, v_row_stride, cols, BC, head_dim_v);
+        __syncthreads();
+
+        for (int j = 0; j < cols; ++j) {
+            const float p = p_s[row * P_STRIDE + j];
+            const float* v_row = kv_s + j * KV_STRIDE;
+#pragma unroll
+            for (int c = 0; c < DV_PER_THREAD; ++c) {
+                const int d = sub + c * TPR;
+                if (d < head_dim_v) acc[c] = fmaf(p, v_row[d], acc[c]);
+            }
+        }
+    }
+
+    if (row < rows) {
+        const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
+        elem_t* o_row = out + batch * o_batch_stride + head * o_head_stride + qi * o_row_stride;
+#pragma unroll
+        for (int c = 0; c < DV_PER_THREAD; ++c) {
+            const int d = sub + c * TPR;
+            if (d < head_dim_v) o_row[d] = from_float<elem_t>(acc[c] * inv_l);
+        }
+        if (sub == 0) {
+            lse[batch * lse_batch_stride + head * lse_head_stride + qi] =
+                l > 0.0f ? m * LN2 + logf(l) : CUFLASH_NEG_INF;
+        }
+    }
+}

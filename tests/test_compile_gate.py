@@ -1,0 +1,73 @@
+"""The NVRTC compile gate: every variant the dispatcher can choose compiles for every arch it
+targets, with exactly the options the library passes at run time (plus ``-Xptxas=-v`` to read the
+resource use), with no spill, no stack frame and shared memory within the per-block limit.
+
+No GPU is needed: CuPy's low-level ``cupy.cuda.nvrtc`` binding compiles with an explicit arch.
+The table of registers, shared memory and cold compile time is printed at the end of the run.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from cuflash import _catalog, _compile, _plan, _source
+
+TARGETS = _catalog.compile_targets()
+RESOURCE_TABLE: list[tuple] = []
+
+_REGS = re.compile(r"Used (\d+) registers")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(log: str, entry: str) -> dict:
+    """Registers, stack frame, spills and static shared memory of ``entry`` from a ptxas -v log."""
+    start = log.find(f"Function properties for {entry}")
+    assert start >= 0, f"ptxas log has no entry {entry}:\n{log}"
+    block = log[start:]
+    nxt = block.find("Compiling entry function", 1)
+    block = block if nxt < 0 else block[:nxt]
+    regs, frame, smem = _REGS.search(block), _FRAME.search(block), _SMEM.search(block)
+    assert regs and frame, f"cannot read ptxas figures for {entry}:\n{block}"
+    return {
+        "registers": int(regs.group(1)),
+        "stack_frame": int(frame.group(1)),
+        "spill_stores": int(frame.group(2)),
+        "spill_loads": int(frame.group(3)),
+        "static_smem": int(smem.group(1)) if smem else 0,
+    }
+
+
+def test_parse_ptxas_reads_the_figures():
+    log = (
+        "ptxas info    : Compiling entry function 'k1' for 'sm_80'\n"
+        "ptxas info    : Function properties for k1\n"
+        "ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+        "ptxas info    : Used 40 registers, 2048 bytes smem, 380 bytes cmem[0]\n"
+    )
+    assert parse_ptxas(log, "k1") == {"registers": 40, "stack_frame": 16, "spill_stores": 8, "spill_loads": 4, "static_smem": 2048}
+
+
+def test_gate_covers_every_family_and_arch():
+    families = {(arch, v.family) for arch, v in TARGETS}
+    for arch in _catalog.SIMT_ARCHS:
+        assert (arch, "softmax") in families and (arch, "attn_fwd_simt") in families
+
+
+@pytest.mark.parametrize("arch,variant", TARGETS, ids=[f"sm_{a}-{v.entry}" for a, v in TARGETS])
+def test_variant_compiles_without_spills(arch, variant):
+    source = _source.build_source(variant)
+    t0 = time.perf_counter()
+    _, log = _compile.nvrtc_compile(source, arch, name=variant.source, extra_options=("-Xptxas=-v",))
+    seconds = time.perf_counter() - t0
+    r = parse_ptxas(log, variant.entry)
+    dynamic = getattr(variant, "smem_bytes", 0)
+    limit = _plan.SMEM_OPT_IN_LIMIT[arch] if dynamic + r["static_smem"] > _plan.SMEM_DEFAULT_LIMIT else _plan.SMEM_DEFAULT_LIMIT
+    RESOURCE_TABLE.append((f"sm_{arch}", variant.entry, r["registers"], r["static_smem"] + dynamic, seconds))
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{variant.entry} spills on sm_{arch}: {r}"
+    assert r["stack_frame"] == 0, f"{variant.entry} has a stack frame on sm_{arch}: {r}"
+    assert r["static_smem"] + dynamic <= limit, f"{variant.entry} needs {r['static_smem'] + dynamic} B of shared memory; sm_{arch} allows {limit}"
+    assert r["registers"] <= 255
