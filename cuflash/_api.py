@@ -150,11 +150,11 @@ def attention(
             f"path only (backend='numpy'), got backend={chosen!r}"
         )
     if chosen == "sim":
-        from cuflash import _attention_simt, sim
+        from cuflash import _dispatch, sim
         from cuflash._sim import launcher
 
         arch = sim.current_options().arch
-        return _attention_simt.forward(problem, q, k, v, out, return_lse, xp=np, arch=arch, launch=launcher.run)
+        return _dispatch.run_forward(problem, q, k, v, out, return_lse, xp=np, arch=arch, launch=launcher.run)
     raise NotImplementedError(
         f"{func}: backend={chosen!r} has no attention kernel in cuflash {_version()} yet; "
         f"use NumPy arrays (backend='numpy') for now"
