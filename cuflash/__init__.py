@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 from cuflash import intensity, reference, sim
 from cuflash._api import attention
+from cuflash._api_backward import attention_backward
 from cuflash._softmax import softmax
 
-__all__ = ["attention", "softmax", "reference", "intensity", "sim", "__version__"]
+__all__ = ["attention", "attention_backward", "softmax", "reference", "intensity", "sim", "__version__"]

@@ -385,3 +385,9 @@ def _flash_forward(p: AttentionProblem, q, k, v, block_m, block_n, out, return_l
         out_v[..., r0:r1, :] = np.where(seen[..., None], acc / np.where(seen, l, 1)[..., None], 0).astype(p.dtype)
         _empty_rows_lse(lse_v[..., r0:r1], l, m)
     return (out, lse) if return_lse else out
+
+
+# The backward lives in its own module; it uses the helpers above, so it is imported last.
+from cuflash._reference_backward import attention_backward, flash_attention_backward  # noqa: E402
+
+__all__ += ["attention_backward", "flash_attention_backward"]

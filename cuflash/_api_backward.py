@@ -1,0 +1,99 @@
+"""Public backward entry point: :func:`attention_backward` (exported as ``cuflash.attention_backward``)."""
+
+from __future__ import annotations
+
+from cuflash import _reference_backward, _validate
+from cuflash._api import resolve_backend
+
+#: tile sizes of the NumPy path (FlashAttention-2's backward: Bc keys outer, Br queries inner)
+_NUMPY_BLOCK_M = 64
+_NUMPY_BLOCK_N = 128
+
+
+def attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    layout="bhsd",
+    backend="auto",
+    deterministic=False,
+):
+    """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` from its output and log-sum-exp.
+
+    The FlashAttention-2 backward (Dao 2023, Algorithm 2): ``P = exp(S - lse)`` is recomputed
+    tile by tile from q, k and the forward's ``lse``, so the ``(Sq, Sk)`` matrices are never
+    stored; with ``D = rowsum(dout * out)`` and ``dS = P * (dout v^T - D)``::
+
+        dv = P^T dout,   dq = softmax_scale * dS k,   dk = softmax_scale * dS^T q
+
+    accumulated in float32 (float64 for float64 input). With GQA/MQA, ``dk`` and ``dv`` of a kv
+    head sum over the query heads that share it.
+
+    Parameters
+    ----------
+    dout : array, shape and dtype of ``out``
+        Gradient of the loss with respect to the forward's output; any strides with unit last axis.
+    q, k, v : arrays
+        The forward's inputs, exactly as :func:`cuflash.attention` takes them.
+    out : array, q's dtype, shape ``q.shape[:-1] + (Dv,)`` ("bhsd") or ``(B, Sq, Hq, Dv)`` ("bshd")
+        The forward's output.
+    lse : array, float32 or float64, shape ``q.shape[:-1]`` ("bhsd") or ``(B, Hq, Sq)`` ("bshd")
+        The forward's log-sum-exp (``cuflash.attention(..., return_lse=True)``); ``-inf`` marks a
+        row that sees no key.
+    causal, softmax_scale, window_size, layout
+        The forward's options; they must be the ones the forward was called with.
+    backend : {"auto", "numpy", "sim", "cuda"}
+        Resolved as in :func:`cuflash.attention` ("auto" never moves data; ``CUFLASH_BACKEND``
+        overrides "auto" only). Today only the NumPy path has a backward.
+    deterministic : bool
+        Ask for a bit-reproducible dQ accumulation (no atomics) on GPU backends. The NumPy path is
+        always deterministic.
+
+    Returns
+    -------
+    dq, dk, dv : arrays of q's kind and dtype, the shapes of q, k and v
+
+    A row that sees no key (``lse = -inf``) has ``dq = 0`` there and adds nothing to ``dk``/``dv``.
+
+    Raises
+    ------
+    TypeError
+        A non-array, an unsupported or mismatched dtype (``out`` must have q's dtype, ``dout``
+        out's, ``lse`` float32/float64), mixed array kinds, a non-bool flag.
+    ValueError
+        Mismatched shapes of q/k/v, ``out``, ``dout`` or ``lse``; bad strides or options; an
+        unknown backend or one that would move data.
+    NotImplementedError
+        A head dim above 256, or a backend that has no backward kernel yet ("sim", "cuda").
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> q, k, v = (np.random.randn(1, 4, 16, 32).astype(np.float32) for _ in range(3))
+    >>> out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    >>> dq, dk, dv = cuflash.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True)
+    >>> dq.shape, dq.dtype
+    ((1, 4, 16, 32), dtype('float32'))
+    """
+    func = "cuflash.attention_backward"
+    deterministic = _validate.check_flag(deterministic, "deterministic", func)
+    problem = _reference_backward.check_backward(
+        dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        layout=layout, func=func, max_head_dim=_validate.MAX_HEAD_DIM,
+    )
+    chosen = resolve_backend(backend, problem.kind, func)
+    if chosen == "numpy":
+        return _reference_backward._flash_backward(
+            problem, dout, q, k, v, out, lse, _NUMPY_BLOCK_M, _NUMPY_BLOCK_N
+        )
+    raise NotImplementedError(
+        f"{func}: backend={chosen!r} has no backward kernel on this backend yet; "
+        f"use NumPy arrays (backend='numpy') for now"
+    )

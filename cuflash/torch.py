@@ -1,0 +1,228 @@
+"""PyTorch autograd for cuflash attention: :func:`attention`, differentiable and torch.compile-able.
+
+Importing :mod:`cuflash` never imports torch; importing ``cuflash.torch`` does (torch >= 2.4).
+It registers two custom operators with :func:`torch.library.custom_op`:
+
+* ``cuflash::attention_fwd(q, k, v, causal, softmax_scale, window_left, window_right, layout)
+  -> (out, lse)``
+* ``cuflash::attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, window_left,
+  window_right, layout) -> (dq, dk, dv)``
+
+each with a ``register_fake`` implementation (shapes and dtypes only), so ``torch.compile``
+traces through them without graph breaks (``fullgraph=True`` works), and the forward with
+``register_autograd`` (the context saves q, k, v, out and lse; the backward is the
+FlashAttention-2 backward, :func:`cuflash.attention_backward`).
+
+Devices: CPU tensors (float16, bfloat16, float32, float64) run the NumPy implementation on
+zero-copy NumPy views of the tensors (bfloat16 through an int16 view, since NumPy has no
+native bfloat16) and return tensors wrapping the NumPy results. CUDA tensors raise
+``NotImplementedError`` for now: the CUDA kernels are reached through one function per
+direction (:func:`_forward_cuda`, :func:`_backward_cuda`), the only place the CUDA path will go.
+
+A tensor whose last axis is not unit-stride (e.g. the stride-0 gradient ``out.sum()``
+produces) is copied once with ``.contiguous()``; other strides are used as they are.
+"""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from cuflash import _reference_backward, _validate, reference
+
+__all__ = ["attention"]
+
+_FUNC = "cuflash.torch.attention"
+_BLOCK_M = 128  # forward tiles of the NumPy path (as cuflash.attention)
+_BLOCK_N = 128
+_BWD_BLOCK_M = 64  # backward tiles (as cuflash.attention_backward)
+_BWD_BLOCK_N = 128
+
+
+# --------------------------------------------------------------------------------------------
+# torch <-> numpy on the CPU (zero-copy where the dtype allows)
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()  # the one documented copy: the NumPy path needs a unit last-axis stride
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _from_numpy(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+# --------------------------------------------------------------------------------------------
+# per-device implementations
+
+
+def _forward_cpu(q, k, v, causal, softmax_scale, window_left, window_right, layout):
+    qa, ka, va = _to_numpy(q), _to_numpy(k), _to_numpy(v)
+    problem = _validate.check_attention(
+        qa, ka, va, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+        layout=layout, return_lse=True, func=_FUNC, max_head_dim=_validate.MAX_HEAD_DIM,
+    )
+    out, lse = reference._flash_forward(problem, qa, ka, va, _BLOCK_M, _BLOCK_N, None, True)
+    return _from_numpy(out), _from_numpy(lse)
+
+
+def _backward_cpu(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout):
+    arrays = [_to_numpy(t) for t in (dout, q, k, v, out, lse)]
+    problem = _reference_backward.check_backward(
+        *arrays, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+        layout=layout, func=_FUNC + " (backward)", max_head_dim=_validate.MAX_HEAD_DIM,
+    )
+    dq, dk, dv = _reference_backward._flash_backward(problem, *arrays, _BWD_BLOCK_M, _BWD_BLOCK_N)
+    return _from_numpy(dq), _from_numpy(dk), _from_numpy(dv)
+
+
+def _forward_cuda(q, k, v, causal, softmax_scale, window_left, window_right, layout):
+    raise NotImplementedError(
+        f"{_FUNC}: CUDA tensors (q on {q.device}) have no kernel in cuflash.torch yet; the CUDA path "
+        f"lands later. Use CPU tensors for now (q.cpu())"
+    )
+
+
+def _backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout):
+    raise NotImplementedError(
+        f"{_FUNC} (backward): CUDA tensors (q on {q.device}) have no kernel in cuflash.torch yet; the "
+        f"CUDA path lands later. Use CPU tensors for now (q.cpu())"
+    )
+
+
+_FORWARD = {"cpu": _forward_cpu, "cuda": _forward_cuda}
+_BACKWARD = {"cpu": _backward_cpu, "cuda": _backward_cuda}
+
+
+def _pick(table: dict, device: torch.device, what: str):
+    try:
+        return table[device.type]
+    except KeyError:
+        raise NotImplementedError(
+            f"{_FUNC}: tensors on device {device} are not supported ({what}); expected CPU or CUDA tensors"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# the custom operators
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    window_left: int, window_right: int, layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward: ``(out, lse)``; ``lse`` is float32 (float64 for float64 input)."""
+    impl = _pick(_FORWARD, q.device, "forward")
+    return impl(q, k, v, causal, softmax_scale, window_left, window_right, layout)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if layout == "bshd":
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    else:
+        lse_shape = tuple(q.shape[:-1])
+    return out, q.new_empty(lse_shape, dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("cuflash::attention_bwd", mutates_args=())
+def attention_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int, layout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: ``(dq, dk, dv)`` in the dtypes and shapes of q, k and v (FlashAttention-2, Alg. 2)."""
+    impl = _pick(_BACKWARD, q.device, "backward")
+    return impl(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
+        k, memory_format=torch.contiguous_format
+    ), torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, window_left, window_right, layout = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = (causal, softmax_scale, window_left, window_right, layout)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# public function
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd"):
+    """Differentiable exact attention, ``softmax(softmax_scale * q k^T + mask) v``, for torch tensors.
+
+    The conventions of :func:`cuflash.attention` (GQA/MQA, ``window_size``, layouts, empty rows
+    -> 0); gradients come from the FlashAttention-2 backward (:func:`cuflash.attention_backward`)
+    with ``P`` recomputed from the saved log-sum-exp. Works under ``torch.compile``
+    (``fullgraph=True``) through the custom operators ``cuflash::attention_fwd`` and
+    ``cuflash::attention_bwd``.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape ``(..., Sq, D)`` ("bhsd") or ``(B, Sq, Hq, D)`` ("bshd")
+    k : torch.Tensor, shape ``(..., Sk, D)`` or ``(B, Sk, Hk, D)``
+    v : torch.Tensor, shape ``(..., Sk, Dv)`` or ``(B, Sk, Hk, Dv)``
+        One dtype (float16, bfloat16, float32, float64) and one device. CPU tensors run the NumPy
+        implementation; CUDA tensors raise ``NotImplementedError`` until the CUDA path lands.
+    causal : bool
+        Causal mask aligned bottom-right (flash-attn >= 2.1): query ``i`` sees key ``j`` iff
+        ``j <= i + Sk - Sq``. PyTorch SDPA's ``is_causal`` is top-left; they agree when ``Sq == Sk``.
+    softmax_scale : float, optional
+        None means ``1/sqrt(D)``; ``0.0`` is valid.
+    window_size : (int, int)
+        ``(left, right)`` local-attention bounds, -1 = unbounded; ``causal=True`` sets ``right = 0``.
+    layout : {"bhsd", "bshd"}
+
+    Returns
+    -------
+    torch.Tensor
+        q's dtype and device, shape ``q.shape[:-1] + (Dv,)``; differentiable with respect to q, k, v.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`cuflash.attention` (raised when the operator runs).
+    NotImplementedError
+        CUDA (or other non-CPU) tensors.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{_FUNC}: {name} must be a torch.Tensor, got {type(x).__module__}.{type(x).__qualname__}")
+    causal = _validate.check_flag(causal, "causal", _FUNC)
+    layout = _validate.check_layout(layout, _FUNC)
+    left, right = _validate.check_window_size(window_size, False, _FUNC)
+    if softmax_scale is None:
+        head_dim = q.shape[-1]
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    else:
+        scale = _validate.check_softmax_scale(softmax_scale, 1, _FUNC)
+    out, _ = attention_fwd(q, k, v, causal, scale, left, right, layout)
+    return out

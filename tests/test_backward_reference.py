@@ -1,0 +1,444 @@
+"""The NumPy backward (float64 oracle and tiled FlashAttention-2 backward) against finite
+differences of the forward, against float64 math, and the public ``attention_backward``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cuflash import _dtypes, _validate
+from cuflash import reference as ref
+from cuflash._api_backward import attention_backward as api_backward
+from cuflash._reference_backward import attention_backward, flash_attention_backward
+
+
+LOW = [_dtypes.float16, _dtypes.bfloat16, _dtypes.float32]
+
+
+def randn(rng, shape, dtype=np.float64, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def make_qkv(rng, b, hq, hk, sq, sk, d, dv, layout="bhsd", dtype=np.float64, scale=1.0):
+    if layout == "bshd":
+        shapes = (b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, dv)
+    else:
+        shapes = (b, hq, sq, d), (b, hk, sk, d), (b, hk, sk, dv)
+    return tuple(randn(rng, s, dtype, scale) for s in shapes)
+
+
+def exact_grads(dout, q, k, v, **kw):
+    """The float64 gradients of the float64 values of the inputs (out and lse from the float64 forward)."""
+    q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, dout))
+    out, lse = ref.naive_attention(q64, k64, v64, return_lse=True, **kw)
+    return attention_backward(do64, q64, k64, v64, out, lse, **kw)
+
+
+def finite_difference_grads(dout, q, k, v, h=1e-6, **kw):
+    """Central differences of ``sum(naive_attention(q, k, v) * dout)`` for every input element."""
+    args = [q.copy(), k.copy(), v.copy()]
+    grads = []
+    for x in args:
+        g = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            orig = x[idx]
+            x[idx] = orig + h
+            f_plus = np.sum(ref.naive_attention(*args, **kw) * dout)
+            x[idx] = orig - h
+            f_minus = np.sum(ref.naive_attention(*args, **kw) * dout)
+            x[idx] = orig
+            g[idx] = (f_plus - f_minus) / (2 * h)
+        grads.append(g)
+    return grads
+
+
+def naive_backward_same_dtype(dout, q, k, v, out, *, layout="bhsd", **kw):
+    """The backward as a same-dtype framework computes it (autograd through naive attention):
+    float32-accumulated matmuls whose results are rounded to the input dtype, P and dS rounded to
+    the input dtype before they enter a matmul. Returns float64 values of dq, dk, dv."""
+    dtype = q.dtype
+    p = _validate.check_attention(q, k, v, layout=layout, max_head_dim=None, **kw)
+    rnd = lambda x: x.astype(dtype).astype(np.float32)  # noqa: E731
+    f32 = np.float32
+    qv = ref._split_heads(ref._canonical(q, layout), p.num_heads_k).astype(f32)
+    dov = ref._split_heads(ref._canonical(dout, layout), p.num_heads_k).astype(f32)
+    ov = ref._split_heads(ref._canonical(out, layout), p.num_heads_k).astype(f32)
+    kv = ref._kv_view(ref._canonical(k, layout)).astype(f32)
+    vv = ref._kv_view(ref._canonical(v, layout)).astype(f32)
+    s = rnd(rnd(qv @ kv.swapaxes(-1, -2)) * f32(p.softmax_scale))
+    mask = ref._visible(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    m = s.max(axis=-1, initial=-np.inf)
+    e = np.exp(s - np.where(np.isneginf(m), 0, m)[..., None])
+    l = e.sum(axis=-1)
+    probs = rnd(e / np.where(l > 0, l, 1)[..., None])
+    dp = rnd(dov @ vv.swapaxes(-1, -2))
+    ds = rnd(probs * (dp - rnd(np.sum(dov * ov, axis=-1))[..., None]))
+    dq, dk, dv = (np.zeros(x.shape) for x in (q, k, v))
+    ref._split_heads(ref._canonical(dq, layout), p.num_heads_k)[...] = rnd(rnd(ds @ kv) * f32(p.softmax_scale))
+    ref._canonical(dk, layout)[...] = rnd(rnd(ds.swapaxes(-1, -2) @ qv).sum(axis=-3) * f32(p.softmax_scale))
+    ref._canonical(dv, layout)[...] = rnd(rnd(probs.swapaxes(-1, -2) @ dov).sum(axis=-3))
+    return dq, dk, dv
+
+
+def grad_floor(expected, dtype) -> float:
+    """The absolute floor of the gradient rule (flash-attn's FlashAttention-3 tests: twice the
+    rounding error of ``x + 0.3 - 0.3`` in the input dtype): a couple of units in the last place at
+    the gradient's magnitude, since gradients are not bounded by 1 like attention outputs."""
+    one = np.dtype(dtype).type
+    x = expected.astype(dtype)
+    rounded = ((x + one(0.3)).astype(dtype) - one(0.3)).astype(dtype)
+    return 2 * float(np.max(np.abs(rounded.astype(np.float64) - x.astype(np.float64)), initial=0.0))
+
+
+def recompute_sensitivity(dout, q, k, v, lse, *, layout="bhsd", **kw):
+    """First-order effect on (dq, dk, dv) of recomputing P = exp(S - lse) with an exponent error.
+
+    The backward recomputes P from a stored lse (float32 for low-precision input), an error path
+    the naive same-dtype backward does not have. An error ``e`` in the exponent (float32 rounding
+    of S, once in the forward and once in the backward, probabilistic bound ``sqrt(D) u`` times
+    ``max(scale |q| |k|)`` each, plus the rounding of lse itself) scales P by ``exp(e) ~ 1 + e``;
+    to first order the gradients move by ``e * sens`` elementwise, with ``sens`` =
+    ``scale (|P| * |dP - D|) |K|`` for dq, its transpose times ``|Q|`` for dk and ``|P|^T |dO|``
+    for dv. Returns ``(e, (sens_q, sens_k, sens_v))`` in the shapes of q, k, v."""
+    q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, dout))
+    out64, lse64 = ref.naive_attention(q64, k64, v64, return_lse=True, layout=layout, **kw)
+    p = _validate.check_attention(q, k, v, layout=layout, max_head_dim=None, **kw)
+    split = lambda x: ref._split_heads(ref._canonical(x, layout), p.num_heads_k)  # noqa: E731
+    kv, vv = ref._kv_view(ref._canonical(k64, layout)), ref._kv_view(ref._canonical(v64, layout))
+    qv, dov, ov = split(q64), split(do64), split(out64)
+    lse_in = lse64[None] if layout == "bhsd" and q.ndim == 2 else lse64
+    lse_v = ref._split_heads(lse_in[..., None], p.num_heads_k)[..., 0]
+    scale = p.softmax_scale
+    s = qv @ kv.swapaxes(-1, -2) * scale
+    mask = ref._visible(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    empty = np.isneginf(lse_v)[..., None]
+    probs = np.where(empty, 0, np.exp(s - np.where(empty, 0, lse_v[..., None])))
+    a = probs * np.abs(dov @ vv.swapaxes(-1, -2) - np.sum(dov * ov, axis=-1)[..., None])
+    sens = [np.zeros(x.shape) for x in (q, k, v)]
+    split(sens[0])[...] = abs(scale) * (a @ np.abs(kv))
+    ref._canonical(sens[1], layout)[...] = abs(scale) * (a.swapaxes(-1, -2) @ np.abs(qv)).sum(axis=-3)
+    ref._canonical(sens[2], layout)[...] = (probs.swapaxes(-1, -2) @ np.abs(dov)).sum(axis=-3)
+    u = 2.0**-53 if q.dtype == _dtypes.float64 else 2.0**-24  # unit roundoff of the accumulator
+    s_abs = abs(scale) * np.max(np.abs(qv) @ np.abs(kv).swapaxes(-1, -2), initial=0.0)
+    finite = np.isfinite(lse)
+    e = 2 * np.sqrt(p.head_dim) * u * s_abs + 2 * u * np.max(np.abs(lse[finite]), initial=0.0)
+    return e, sens
+
+
+def check_grads_close(actual, dout, q, k, v, out, lse, **kw):
+    """Tolerance rule of DESIGN.md §5 for gradients: elementwise, the error of each of dq, dk, dv
+    against the float64 gradients is at most twice the (max) error of the same-dtype naive
+    backward, plus a floor (:func:`grad_floor`, flash-attn's), plus the first-order effect of
+    recomputing P from the stored lse (:func:`recompute_sensitivity`; it matters for float32 and
+    for large logits, and is negligible against fp16/bf16 rounding). Returns the three max errors."""
+    expected = exact_grads(dout, q, k, v, **kw)
+    baseline = naive_backward_same_dtype(dout, q, k, v, out, **kw)
+    e, sens = recompute_sensitivity(dout, q, k, v, lse, **kw)
+    errs = []
+    for name, a, x, b, sn in zip(("dq", "dk", "dv"), actual, expected, baseline, sens):
+        assert a.shape == x.shape, (name, a.shape, x.shape)
+        a = np.asarray(a, dtype=np.float64)
+        assert not np.isnan(a).any(), f"NaN in {name} of finite input"
+        base_err = np.max(np.abs(b - x), initial=0.0)
+        excess = np.abs(a - x) - (2 * base_err + grad_floor(x, q.dtype) + e * sn)
+        assert (excess <= 0).all(), (
+            f"{name}: error exceeds 2 * same-dtype naive error {base_err:.3g} + floor + recompute term "
+            f"by {excess.max():.3g}"
+        )
+        errs.append(np.max(np.abs(a - x), initial=0.0))
+    return errs
+
+
+# ---------------------------------------------------------------------------- float64 oracle vs calculus
+
+# (B, Hq, Hk), Sq, Sk, D, Dv, options, layout
+FD_CASES = [
+    ((1, 2, 2), 3, 4, 3, 2, dict(), "bhsd"),
+    ((1, 4, 2), 3, 5, 2, 3, dict(causal=True), "bhsd"),  # GQA, causal, Sq < Sk
+    ((2, 2, 1), 5, 3, 2, 2, dict(causal=True), "bhsd"),  # MQA, causal, Sq > Sk: two empty rows
+    ((1, 2, 1), 4, 6, 3, 2, dict(window_size=(1, 1), softmax_scale=0.7), "bhsd"),
+    ((1, 2, 1), 5, 4, 2, 3, dict(window_size=(0, 0)), "bshd"),  # bshd, GQA, the first row sees no key
+    ((None, None, None), 4, 3, 3, 2, dict(causal=True, window_size=(1, -1)), "bhsd"),  # 2-D input
+]
+
+
+@pytest.mark.parametrize("heads,sq,sk,d,dv,kw,layout", FD_CASES)
+def test_oracle_matches_finite_differences(heads, sq, sk, d, dv, kw, layout, rng):
+    if heads[0] is None:
+        q, k, v = randn(rng, (sq, d)), randn(rng, (sk, d)), randn(rng, (sk, dv))
+    else:
+        q, k, v = make_qkv(rng, *heads, sq, sk, d, dv, layout)
+    kw = dict(kw, layout=layout)
+    out, lse = ref.naive_attention(q, k, v, return_lse=True, **kw)
+    dout = randn(rng, out.shape)
+    grads = attention_backward(dout, q, k, v, out, lse, **kw)
+    fd = finite_difference_grads(dout, q, k, v, **kw)
+    for name, g, f, x in zip(("dq", "dk", "dv"), grads, fd, (q, k, v)):
+        assert g.dtype == np.float64 and g.shape == x.shape, name
+        np.testing.assert_allclose(g, f, rtol=1e-6, atol=1e-8, err_msg=name)
+    # the tiled backward in float64 agrees with both
+    tiled = flash_attention_backward(dout, q, k, v, out, lse, block_m=2, block_n=3, **kw)
+    for name, t, f in zip(("dq", "dk", "dv"), tiled, fd):
+        assert t.dtype == np.float64
+        np.testing.assert_allclose(t, f, rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+def test_zero_scale_gradients_in_closed_form(rng):
+    # softmax_scale=0: P is uniform over the visible keys, so dq = dk = 0 exactly and
+    # dv[j] = sum over rows i that see j of dout[i] / n_visible(i).
+    sq, sk = 5, 7
+    q, k, v = randn(rng, (2, sq, 4)), randn(rng, (2, sk, 4)), randn(rng, (2, sk, 3))
+    out, lse = ref.naive_attention(q, k, v, causal=True, softmax_scale=0.0, return_lse=True)
+    dout = randn(rng, out.shape)
+    expected_dv = np.zeros_like(v)
+    for i in range(sq):
+        n_visible = i + sk - sq + 1
+        expected_dv[:, :n_visible] += dout[:, i : i + 1] / n_visible
+    for fn in (attention_backward, flash_attention_backward):
+        dq, dk, dv = fn(dout, q, k, v, out, lse, causal=True, softmax_scale=0.0)
+        np.testing.assert_array_equal(dq, 0)
+        np.testing.assert_array_equal(dk, 0)
+        np.testing.assert_allclose(dv, expected_dv, rtol=1e-13, atol=1e-15)
+
+
+def test_gqa_gradients_sum_over_the_group(rng):
+    # dk, dv of a kv head are the sums of the gradients of its repeated copies (query head h
+    # reads kv head h // group).
+    q, k, v = make_qkv(rng, 2, 6, 2, 7, 9, 4, 5)
+    kw = dict(causal=True)
+    out, lse = ref.naive_attention(q, k, v, return_lse=True, **kw)
+    dout = randn(rng, out.shape)
+    kr, vr = np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1)
+    dq_r, dk_r, dv_r = attention_backward(dout, q, kr, vr, out, lse, **kw)
+    for fn in (attention_backward, flash_attention_backward):
+        dq, dk, dv = fn(dout, q, k, v, out, lse, **kw)
+        np.testing.assert_allclose(dq, dq_r, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(dk, dk_r.reshape(2, 2, 3, 9, 4).sum(axis=2), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(dv, dv_r.reshape(2, 2, 3, 9, 5).sum(axis=2), rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------- tiled vs naive
+
+
+@pytest.mark.parametrize("block_m,block_n", [(1, 1), (3, 5), (16, 8), (1000, 1000)])
+def test_tiling_does_not_change_the_gradients(block_m, block_n, rng):
+    q, k, v = make_qkv(rng, 2, 4, 2, 21, 27, 12, 8)
+    for kw in (dict(), dict(causal=True), dict(window_size=(5, 2)), dict(causal=True, window_size=(3, -1))):
+        out, lse = ref.naive_attention(q, k, v, return_lse=True, **kw)
+        dout = randn(rng, out.shape)
+        expected = attention_backward(dout, q, k, v, out, lse, **kw)
+        tiled = flash_attention_backward(dout, q, k, v, out, lse, block_m=block_m, block_n=block_n, **kw)
+        for name, t, e in zip(("dq", "dk", "dv"), tiled, expected):
+            np.testing.assert_allclose(t, e, rtol=1e-11, atol=1e-13, err_msg=f"{name} {kw}")
+
+
+# dtype, (B, Hq, Hk), Sq, Sk, D, Dv, options, layout, (block_m, block_n)
+LOW_CASES = [
+    (_dtypes.float16, (2, 4, 2), 33, 47, 32, 16, dict(causal=True), "bhsd", (16, 16)),
+    (_dtypes.bfloat16, (1, 6, 1), 47, 33, 24, 40, dict(causal=True), "bshd", (8, 32)),
+    (_dtypes.float32, (2, 3, 3), 40, 40, 64, 64, dict(window_size=(7, 3)), "bhsd", (1, 1000)),
+    (_dtypes.float16, (1, 2, 2), 17, 65, 40, 40, dict(softmax_scale=0.3), "bshd", (1000, 7)),
+    (_dtypes.bfloat16, (2, 4, 4), 30, 30, 16, 16, dict(window_size=(-1, 4)), "bhsd", (64, 128)),
+    (_dtypes.float32, (1, 8, 2), 19, 51, 8, 24, dict(causal=True), "bshd", (5, 3)),
+]
+
+
+@pytest.mark.parametrize("dtype,heads,sq,sk,d,dv,kw,layout,blocks", LOW_CASES)
+def test_tiled_low_precision_within_tolerance_rule(dtype, heads, sq, sk, d, dv, kw, layout, blocks, rng):
+    q, k, v = make_qkv(rng, *heads, sq, sk, d, dv, layout, dtype)
+    kw = dict(kw, layout=layout)
+    out, lse = ref.flash_attention(q, k, v, return_lse=True, **kw)  # the forward as it would run
+    dout = randn(rng, out.shape, dtype)
+    dq, dk, dv_ = flash_attention_backward(dout, q, k, v, out, lse, block_m=blocks[0], block_n=blocks[1], **kw)
+    for x, g in zip((q, k, v), (dq, dk, dv_)):
+        assert g.dtype == dtype and g.shape == x.shape
+    check_grads_close((dq, dk, dv_), dout, q, k, v, out, lse, **kw)
+
+
+def test_large_logits_no_overflow(rng):
+    # |s| up to ~1e4: P = exp(s - lse) <= 1 always and nothing overflows. Recomputing P from a
+    # float32 lse is ill-conditioned at such logits (the exponent is known to ~1e-2 only), which
+    # the rule's recompute term accounts for; it stays a few percent of P, not vacuous.
+    q, k, v = make_qkv(rng, 1, 2, 2, 33, 65, 64, 32, dtype=np.float32)
+    q, k = q * np.float32(50), k * np.float32(50)
+    assert np.abs(np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k) / 8).max() > 3e3
+    out, lse = ref.flash_attention(q, k, v, return_lse=True, causal=True)
+    dout = randn(rng, out.shape, np.float32)
+    grads = flash_attention_backward(dout, q, k, v, out, lse, causal=True, block_m=8, block_n=16)
+    assert all(np.isfinite(g).all() for g in grads)
+    e, _ = recompute_sensitivity(dout, q, k, v, lse, causal=True)
+    assert e < 0.05
+    check_grads_close(grads, dout, q, k, v, out, lse, causal=True)
+
+
+# ---------------------------------------------------------------------------- empty rows
+
+
+@pytest.mark.parametrize("dtype", [_dtypes.float64, _dtypes.float32, _dtypes.float16])
+def test_empty_rows_give_zero_dq_and_no_nan(dtype, rng):
+    # causal with Sq > Sk: the first Sq - Sk rows see no key (lse = -inf).
+    sq, sk = 9, 4
+    q, k, v = make_qkv(rng, 2, 2, 1, sq, sk, 8, 8, dtype=dtype)
+    out, lse = ref.flash_attention(q, k, v, causal=True, return_lse=True, block_m=4, block_n=2)
+    assert np.isneginf(lse[:, :, : sq - sk]).all()
+    dout = randn(rng, out.shape, dtype)
+    expected = exact_grads(dout, q, k, v, causal=True)
+    with np.errstate(invalid="raise", over="raise"):  # not even an intermediate inf - inf
+        naive = attention_backward(dout, q, k, v, out, lse, causal=True)
+        tiled = flash_attention_backward(dout, q, k, v, out, lse, causal=True, block_m=3, block_n=2)
+    for grads in (naive, tiled):
+        assert not any(np.isnan(g).any() for g in grads)
+        np.testing.assert_array_equal(grads[0][:, :, : sq - sk], 0)
+    # whatever flows into the empty rows changes nothing
+    dout_big = dout.copy()
+    dout_big[:, :, : sq - sk] = 1000
+    again = flash_attention_backward(dout_big, q, k, v, out, lse, causal=True, block_m=3, block_n=2)
+    for a, t in zip(again, tiled):
+        np.testing.assert_array_equal(a, t)
+    if dtype == _dtypes.float64:
+        for t, e in zip(tiled, expected):
+            np.testing.assert_allclose(t, e, rtol=1e-12, atol=1e-14)
+    else:
+        check_grads_close(tiled, dout, q, k, v, out, lse, causal=True)
+
+
+def test_no_keys_at_all_and_empty_batch(rng):
+    q = randn(rng, (2, 3, 5, 8), np.float32)
+    k = np.zeros((2, 3, 0, 8), np.float32)
+    v = np.zeros((2, 3, 0, 4), np.float32)
+    out, lse = ref.flash_attention(q, k, v, return_lse=True)
+    dout = randn(rng, out.shape, np.float32)
+    for fn in (attention_backward, flash_attention_backward, api_backward):
+        dq, dk, dv = fn(dout, q, k, v, out, lse)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        np.testing.assert_array_equal(dq, 0)
+    # Sq = 0: no row, so dk and dv are zero
+    q0 = q[:, :, :0]
+    k1, v1 = randn(rng, (2, 3, 4, 8), np.float32), randn(rng, (2, 3, 4, 4), np.float32)
+    out0, lse0 = ref.flash_attention(q0, k1, v1, return_lse=True)
+    dq, dk, dv = api_backward(out0, q0, k1, v1, out0, lse0)
+    assert dq.shape == (2, 3, 0, 8) and dq.dtype == np.float32
+    np.testing.assert_array_equal(dk, 0)
+    np.testing.assert_array_equal(dv, 0)
+
+
+# ---------------------------------------------------------------------------- strides
+
+
+def test_non_contiguous_dout_and_inputs(rng):
+    # dout as a transposed view of bshd storage; q a transposed view; K/V broadcast over the batch.
+    b, h, sq, sk, d = 2, 4, 11, 13, 8
+    q = randn(rng, (b, sq, h, d)).transpose(0, 2, 1, 3)
+    k = np.broadcast_to(randn(rng, (1, h, sk, d)), (b, h, sk, d))
+    v = np.broadcast_to(randn(rng, (1, h, sk, d)), (b, h, sk, d))
+    out, lse = ref.naive_attention(q, k, v, causal=True, return_lse=True)
+    dout = randn(rng, (b, sq, h, d)).transpose(0, 2, 1, 3)
+    assert not dout.flags.c_contiguous
+    expected = exact_grads(np.ascontiguousarray(dout), np.ascontiguousarray(q), k.copy(), v.copy(), causal=True)
+    for fn in (attention_backward, flash_attention_backward, api_backward):
+        grads = fn(dout, q, k, v, out, lse, causal=True)
+        for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
+            assert g.flags.c_contiguous
+            np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14, err_msg=f"{fn.__name__} {name}")
+
+
+# ---------------------------------------------------------------------------- public entry point
+
+
+@pytest.mark.parametrize("dtype", LOW + [_dtypes.float64])
+def test_public_backward_on_numpy(dtype, rng):
+    q, k, v = make_qkv(rng, 1, 4, 2, 37, 29, 16, 24, dtype=dtype)
+    out, lse = ref.flash_attention(q, k, v, causal=True, return_lse=True)
+    dout = randn(rng, out.shape, dtype)
+    grads = api_backward(dout, q, k, v, out, lse, causal=True, backend="numpy", deterministic=True)
+    for x, g in zip((q, k, v), grads):
+        assert g.dtype == dtype and g.shape == x.shape
+    if dtype == _dtypes.float64:
+        for g, e in zip(grads, exact_grads(dout, q, k, v, causal=True)):
+            np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14)
+    else:
+        check_grads_close(grads, dout, q, k, v, out, lse, causal=True)
+
+
+def test_public_backward_backends(rng, monkeypatch):
+    q, k, v = make_qkv(rng, 1, 2, 2, 5, 6, 4, 4, dtype=np.float32)
+    out, lse = ref.flash_attention(q, k, v, return_lse=True)
+    dout = randn(rng, out.shape, np.float32)
+    with pytest.raises(NotImplementedError, match=r"backend='sim' has no backward kernel on this backend yet"):
+        api_backward(dout, q, k, v, out, lse, backend="sim")
+    with pytest.raises(ValueError, match=r"backend='cuda' needs GPU arrays"):
+        api_backward(dout, q, k, v, out, lse, backend="cuda")
+    with pytest.raises(ValueError, match=r"backend must be one of .* got 'gpu'"):
+        api_backward(dout, q, k, v, out, lse, backend="gpu")
+    with pytest.raises(TypeError, match=r"deterministic must be a bool, got 1"):
+        api_backward(dout, q, k, v, out, lse, deterministic=1)
+    monkeypatch.setenv("CUFLASH_BACKEND", "sim")
+    with pytest.raises(NotImplementedError, match=r"attention_backward: backend='sim' has no backward kernel"):
+        api_backward(dout, q, k, v, out, lse)
+    monkeypatch.setenv("CUFLASH_BACKEND", "numpy")
+    dq, _, _ = api_backward(dout, q, k, v, out, lse)
+    expected = exact_grads(dout, q, k, v)[0]
+    assert np.max(np.abs(dq - expected)) < 1e-5
+
+
+def test_public_backward_head_dim_limit(rng):
+    q, k, v = make_qkv(rng, 1, 1, 1, 2, 2, 257, 4, dtype=np.float32)
+    out, lse = ref.flash_attention(q, k, v, return_lse=True)
+    with pytest.raises(NotImplementedError, match=r"q.shape\[-1\]=257 exceeds the largest supported head dim 256"):
+        api_backward(out, q, k, v, out, lse)
+    grads = flash_attention_backward(out, q, k, v, out, lse)  # the oracle has no limit
+    assert grads[0].shape == q.shape
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("fn", [attention_backward, flash_attention_backward, api_backward])
+def test_validation_errors(fn, rng):
+    q, k, v = make_qkv(rng, 2, 4, 2, 5, 7, 8, 6, dtype=np.float32)
+    out, lse = ref.flash_attention(q, k, v, return_lse=True)
+    dout = randn(rng, out.shape, np.float32)
+    name = {attention_backward: "reference.attention_backward", flash_attention_backward: "flash_attention_backward",
+            api_backward: "cuflash.attention_backward"}[fn]
+    cases = [
+        (TypeError, r"dout must be an array .* got builtins.list", dict(dout=dout.tolist())),
+        (TypeError, r"dout.dtype=float16 must equal out.dtype=float32", dict(dout=dout.astype(np.float16))),
+        (ValueError, r"dout.shape=\(2, 4, 5, 5\) must equal out.shape=\(2, 4, 5, 6\)", dict(dout=dout[..., :5])),
+        (TypeError, r"out.dtype=float64 must equal q.dtype=float32", dict(out=out.astype(np.float64))),
+        (ValueError, r"out.shape=\(2, 4, 6, 6\) must be \(2, 4, 5, 6\)", dict(out=np.zeros((2, 4, 6, 6), np.float32))),
+        (TypeError, r"lse.dtype=float16 must be float32 or float64", dict(lse=lse.astype(np.float16))),
+        (TypeError, r"lse must be an array .* got builtins.float", dict(lse=1.0)),
+        (ValueError, r"lse.shape=\(2, 4, 5, 1\) must be \(2, 4, 5\) \(q.shape\[:-1\]\)", dict(lse=lse[..., None])),
+        (ValueError, r"dout must have unit stride on its last axis", dict(dout=np.asfortranarray(dout))),
+        (ValueError, r"k.shape\[-1\]=4 must equal q.shape\[-1\]=8", dict(k=k[..., :4])),
+        (ValueError, r"q.shape\[-3\]=3 query heads must be a multiple of k.shape\[-3\]=2", dict(q=q[:, :3])),
+        (TypeError, r"causal must be a bool, got 1", dict(causal=1)),
+        (ValueError, r"layout must be one of .* got 'sbhd'", dict(layout="sbhd")),
+    ]
+    base = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    for exc, match, change in cases:
+        args = dict(base, **change)
+        opts = {key: args.pop(key) for key in ("causal", "layout") if key in args}
+        with pytest.raises(exc, match=match) as info:
+            fn(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"], **opts)
+        assert name in str(info.value), str(info.value)
+
+
+def test_validation_bshd_lse_shape_and_block_sizes(rng):
+    q, k, v = make_qkv(rng, 2, 4, 2, 5, 7, 8, 8, layout="bshd", dtype=np.float32)
+    out, lse = ref.flash_attention(q, k, v, return_lse=True, layout="bshd")
+    assert lse.shape == (2, 4, 5)
+    match = r"lse.shape=\(2, 5, 4\) must be \(2, 4, 5\) \(\(B, Hq, Sq\) for layout='bshd'\)"
+    with pytest.raises(ValueError, match=match):
+        flash_attention_backward(out, q, k, v, out, np.ascontiguousarray(lse.swapaxes(1, 2)), layout="bshd")
+    with pytest.raises(ValueError, match=r"block_m must be >= 1, got 0"):
+        flash_attention_backward(out, q, k, v, out, lse, layout="bshd", block_m=0)
+    with pytest.raises(TypeError, match=r"block_n must be an int, got 2.0"):
+        flash_attention_backward(out, q, k, v, out, lse, layout="bshd", block_n=2.0)
+    # the valid call works and matches float64
+    grads = flash_attention_backward(out, q, k, v, out, lse, layout="bshd", block_m=2, block_n=3)
+    check_grads_close(grads, out, q, k, v, out, lse, layout="bshd")
