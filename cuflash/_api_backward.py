@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cuflash import _reference_backward, _validate
+from cuflash import _dtypes, _reference_backward, _validate
 from cuflash._api import resolve_backend
 
 #: tile sizes of the NumPy path (FlashAttention-2's backward: Bc keys outer, Br queries inner)
@@ -93,7 +93,22 @@ def attention_backward(
         return _reference_backward._flash_backward(
             problem, dout, q, k, v, out, lse, _NUMPY_BLOCK_M, _NUMPY_BLOCK_N
         )
+    if problem.dtype == _dtypes.float64:
+        raise NotImplementedError(
+            f"{func}: the kernels compute float16, bfloat16 and float32; float64 runs on the NumPy "
+            f"path only (backend='numpy'), got backend={chosen!r}"
+        )
+    if chosen == "sim":
+        import numpy as np
+
+        from cuflash import _attention_bwd_simt, sim
+        from cuflash._sim import launcher
+
+        arch = sim.current_options().arch
+        return _attention_bwd_simt.backward(
+            problem, dout, q, k, v, out, lse, xp=np, arch=arch, launch=launcher.run
+        )
     raise NotImplementedError(
         f"{func}: backend={chosen!r} has no backward kernel on this backend yet; "
-        f"use NumPy arrays (backend='numpy') for now"
+        f"use NumPy arrays (backend='numpy' or 'sim') for now"
     )

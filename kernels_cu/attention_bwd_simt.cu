@@ -1,0 +1,224 @@
+// cuflash: the portable attention backward (SIMT, every dtype, sm_75 and newer).
+//
+// FlashAttention-2's backward (Dao 2023, Algorithm 2), in three stages selected by the variant:
+//
+//   CUFLASH_BWD_STAGE 0 (dot):     Dd[i] = rowsum(dO[i] * O[i]) in float32, one warp per row.
+//   CUFLASH_BWD_STAGE 1 (main):    one block per (Bc-key tile, kv head, batch). K and V of the tile
+//                                  stay in shared memory; the block loops over the query heads that
+//                                  share the kv head (GQA) and over the Br-row query tiles that can
+//                                  see the tile, recomputing P = exp(S - lse) from Q, K and the
+//                                  forward's LSE (never stored), and accumulates
+//                                      dV += P^T dO,  dK += scale * dS^T Q   (registers, this block only)
+//                                      dQ += scale * dS K                     (float32 workspace, atomicAdd)
+//                                  with dS = P * (dO V^T - Dd). dK and dV of a kv head are owned by
+//                                  one block, so GQA sums need no atomics.
+//   CUFLASH_BWD_STAGE 2 (convert): dq = dq_accum converted to the input dtype (any output strides).
+//
+// Masks as in the forward (run-time): key j is visible to query i iff j < Sk and
+// i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right (-1 = unbounded side). A row
+// whose LSE is -inf saw no key in the forward: its P is 0 (never exp(-inf - -inf)), so it adds
+// nothing and its dq stays 0.
+//
+// Variant prelude (cuflash/_attention_bwd_simt.py): CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BWD_STAGE,
+// CUFLASH_HEAD_DIM_MAX, CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS,
+// CUFLASH_SMEM_BYTES (stage 1's dynamic shared memory; checked below).
+#include "common.cuh"
+
+typedef CUFLASH_T elem_t;
+
+#define NT CUFLASH_THREADS
+#define LOG2E 1.4426950408889634f
+
+#if CUFLASH_BWD_STAGE == 0
+
+// Dd[row] for rows = (batch, head, i) flattened; out and dout with per-tensor strides.
+extern "C" __global__ void __launch_bounds__(NT)
+CUFLASH_ENTRY(const elem_t* __restrict__ out, const elem_t* __restrict__ dout, float* __restrict__ dd,
+              long long o_batch_stride, long long o_head_stride, long long o_row_stride,
+              long long do_batch_stride, long long do_head_stride, long long do_row_stride,
+              long long num_rows, int num_heads, int seqlen_q, int head_dim_v) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (NT / 32) + (threadIdx.x >> 5);
+    if (row >= num_rows) return;   // whole warps leave together
+    const int i = (int)(row % seqlen_q);
+    const long long bh = row / seqlen_q;
+    const int h = (int)(bh % num_heads);
+    const long long b = bh / num_heads;
+    const elem_t* o = out + b * o_batch_stride + h * o_head_stride + i * o_row_stride;
+    const elem_t* g = dout + b * do_batch_stride + h * do_head_stride + i * do_row_stride;
+    float acc = 0.0f;
+    for (int c = lane; c < head_dim_v; c += 32) acc = fmaf(to_float(o[c]), to_float(g[c]), acc);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(CUFLASH_FULL_MASK, acc, offset);
+    if (lane == 0) dd[row] = acc;
+}
+
+#elif CUFLASH_BWD_STAGE == 2
+
+// dq[b, h, i, c] = dq_accum[((b * H + h) * Sq + i) * D + c], converted to the input dtype.
+extern "C" __global__ void __launch_bounds__(NT)
+CUFLASH_ENTRY(const float* __restrict__ dq_accum, elem_t* __restrict__ dq,
+              long long dq_batch_stride, long long dq_head_stride, long long dq_row_stride,
+              long long total, int num_heads, int seqlen_q, int head_dim) {
+    const long long e = (long long)blockIdx.x * NT + threadIdx.x;
+    if (e >= total) return;
+    const int c = (int)(e % head_dim);
+    const long long row = e / head_dim;
+    const int i = (int)(row % seqlen_q);
+    const long long bh = row / seqlen_q;
+    const int h = (int)(bh % num_heads);
+    const long long b = bh / num_heads;
+    dq[b * dq_batch_stride + h * dq_head_stride + i * dq_row_stride + c] = from_float<elem_t>(dq_accum[e]);
+}
+
+#else  // stage 1: the main kernel
+
+#define BR CUFLASH_BLOCK_M
+#define BC CUFLASH_BLOCK_N
+#define DMAX CUFLASH_HEAD_DIM_MAX
+#define ROW (DMAX + 1)                 // padded row of a Q, dO, K or V tile
+#define PROW (BC + 1)                  // padded row of P and dS
+#define KV_PER_THREAD (BC * DMAX / NT) // dK and dV entries each thread owns
+#define SMEM_FLOATS (2 * BC * ROW + 2 * BR * ROW + 2 * BR * PROW + 2 * BR)
+
+static_assert(NT % 32 == 0 && (BC * DMAX) % NT == 0, "the dK/dV tile must split evenly over the threads");
+static_assert(SMEM_FLOATS * 4 == CUFLASH_SMEM_BYTES,
+              "the variant's shared-memory size (cuflash/_attention_bwd_simt.py) disagrees with this layout");
+
+__device__ __forceinline__ void load_rows(float* __restrict__ dst, const elem_t* __restrict__ src, long long src_row_stride,
+                                          int n_rows, int max_rows, int n_cols) {
+    for (int e = threadIdx.x; e < max_rows * n_cols; e += NT) {
+        const int r = e / n_cols;
+        const int c = e - r * n_cols;
+        dst[r * ROW + c] = r < n_rows ? to_float(src[r * src_row_stride + c]) : 0.0f;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NT)
+CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+              const elem_t* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dd,
+              float* __restrict__ dq_accum, elem_t* __restrict__ dk, elem_t* __restrict__ dv,
+              long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+              long long k_batch_stride, long long k_head_stride, long long k_row_stride,
+              long long v_batch_stride, long long v_head_stride, long long v_row_stride,
+              long long do_batch_stride, long long do_head_stride, long long do_row_stride,
+              long long dk_batch_stride, long long dk_head_stride, long long dk_row_stride,
+              long long dv_batch_stride, long long dv_head_stride, long long dv_row_stride,
+              long long lse_batch_stride, long long lse_head_stride,
+              int num_heads_k, int group_size, int seqlen_q, int seqlen_k, int head_dim, int head_dim_v,
+              int num_k_tiles, float softmax_scale, int window_left, int window_right) {
+    extern __shared__ float smem[];
+    float* k_s = smem;                 // [BC][ROW]
+    float* v_s = k_s + BC * ROW;       // [BC][ROW]
+    float* q_s = v_s + BC * ROW;       // [BR][ROW]
+    float* do_s = q_s + BR * ROW;      // [BR][ROW]
+    float* p_s = do_s + BR * ROW;      // [BR][PROW]
+    float* ds_s = p_s + BR * PROW;     // [BR][PROW]
+    float* lse_s = ds_s + BR * PROW;   // [BR], log2 domain
+    float* dd_s = lse_s + BR;          // [BR]
+
+    const int tid = threadIdx.x;
+    const long long block = blockIdx.x;
+    const int tile = (int)(block % num_k_tiles);
+    const long long bh = block / num_k_tiles;
+    const int head_k = (int)(bh % num_heads_k);
+    const long long batch = bh / num_heads_k;
+    const int num_heads_q = num_heads_k * group_size;
+    const int col0 = tile * BC;
+    const int cols = min(BC, seqlen_k - col0);
+    const int offset = seqlen_k - seqlen_q;
+    const float scale_log2 = softmax_scale * LOG2E;
+
+    load_rows(k_s, k + batch * k_batch_stride + head_k * k_head_stride + col0 * k_row_stride, k_row_stride, cols, BC, head_dim);
+    load_rows(v_s, v + batch * v_batch_stride + head_k * v_head_stride + col0 * v_row_stride, v_row_stride, cols, BC, head_dim_v);
+
+    // Query rows that can see a key of this tile: [row_lo, row_hi).
+    int row_lo = 0, row_hi = seqlen_q;
+    if (window_right >= 0) row_lo = max(row_lo, col0 - offset - window_right);
+    if (window_left >= 0) row_hi = min(row_hi, col0 + cols - 1 - offset + window_left + 1);
+
+    float dk_acc[KV_PER_THREAD], dv_acc[KV_PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < KV_PER_THREAD; ++r) dk_acc[r] = dv_acc[r] = 0.0f;
+
+    for (int hq = head_k * group_size; hq < (head_k + 1) * group_size; ++hq) {
+        const elem_t* q_head = q + batch * q_batch_stride + hq * q_head_stride;
+        const elem_t* do_head = dout + batch * do_batch_stride + hq * do_head_stride;
+        const float* lse_head = lse + batch * lse_batch_stride + hq * lse_head_stride;
+        const long long stat_row0 = (batch * num_heads_q + hq) * (long long)seqlen_q;   // Dd and dq_accum rows
+        for (int row0 = row_lo - (row_lo % BR); row0 < row_hi; row0 += BR) {
+            const int rows = min(BR, seqlen_q - row0);
+            __syncthreads();   // K/V are loaded; the previous tile's readers are done
+            load_rows(q_s, q_head + row0 * q_row_stride, q_row_stride, rows, BR, head_dim);
+            load_rows(do_s, do_head + row0 * do_row_stride, do_row_stride, rows, BR, head_dim_v);
+            for (int r = tid; r < BR; r += NT) {
+                const float l = r < rows ? lse_head[row0 + r] : CUFLASH_NEG_INF;
+                lse_s[r] = l * LOG2E;   // -inf stays -inf
+                dd_s[r] = r < rows ? dd[stat_row0 + row0 + r] : 0.0f;
+            }
+            __syncthreads();
+
+            // P and dS for every (row, key) of the tile.
+            for (int e = tid; e < BR * BC; e += NT) {
+                const int r = e / BC;
+                const int j = e - r * BC;
+                const int qi = row0 + r;
+                const int kj = col0 + j;
+                const bool visible = r < rows && j < cols && lse_s[r] != CUFLASH_NEG_INF &&
+                                     (window_right < 0 || kj <= qi + offset + window_right) &&
+                                     (window_left < 0 || kj >= qi + offset - window_left);
+                float p = 0.0f, ds = 0.0f;
+                if (visible) {
+                    float s = 0.0f, dp = 0.0f;
+                    for (int c = 0; c < head_dim; ++c) s = fmaf(q_s[r * ROW + c], k_s[j * ROW + c], s);
+                    for (int c = 0; c < head_dim_v; ++c) dp = fmaf(do_s[r * ROW + c], v_s[j * ROW + c], dp);
+                    p = exp2f(s * scale_log2 - lse_s[r]);
+                    ds = p * (dp - dd_s[r]);
+                }
+                p_s[r * PROW + j] = p;
+                ds_s[r * PROW + j] = ds;
+            }
+            __syncthreads();
+
+            // dV += P^T dO and dK += dS^T Q for the entries this thread owns.
+#pragma unroll
+            for (int t = 0; t < KV_PER_THREAD; ++t) {
+                const int e = tid + t * NT;
+                const int j = e / DMAX;
+                const int c = e - j * DMAX;
+                float sv = 0.0f, sk = 0.0f;
+                for (int r = 0; r < rows; ++r) {
+                    if (c < head_dim_v) sv = fmaf(p_s[r * PROW + j], do_s[r * ROW + c], sv);
+                    if (c < head_dim) sk = fmaf(ds_s[r * PROW + j], q_s[r * ROW + c], sk);
+                }
+                dv_acc[t] += sv;
+                dk_acc[t] += sk;
+            }
+
+            // dQ += scale * dS K, accumulated across key tiles (and blocks) with atomics.
+            for (int e = tid; e < rows * head_dim; e += NT) {
+                const int r = e / head_dim;
+                const int c = e - r * head_dim;
+                float acc = 0.0f;
+                for (int j = 0; j < cols; ++j) acc = fmaf(ds_s[r * PROW + j], k_s[j * ROW + c], acc);
+                atomicAdd(dq_accum + (stat_row0 + row0 + r) * head_dim + c, acc * softmax_scale);
+            }
+        }
+    }
+
+    // This block owns dK and dV of its key tile and kv head.
+    elem_t* dk_tile = dk + batch * dk_batch_stride + head_k * dk_head_stride + col0 * dk_row_stride;
+    elem_t* dv_tile = dv + batch * dv_batch_stride + head_k * dv_head_stride + col0 * dv_row_stride;
+#pragma unroll
+    for (int t = 0; t < KV_PER_THREAD; ++t) {
+        const int e = tid + t * NT;
+        const int j = e / DMAX;
+        const int c = e - j * DMAX;
+        if (j < cols) {
+            if (c < head_dim) dk_tile[j * dk_row_stride + c] = from_float<elem_t>(dk_acc[t] * softmax_scale);
+            if (c < head_dim_v) dv_tile[j * dv_row_stride + c] = from_float<elem_t>(dv_acc[t]);
+        }
+    }
+}
+
+#endif
