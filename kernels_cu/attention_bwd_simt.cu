@@ -85,15 +85,6 @@ static_assert(NT % 32 == 0 && (BC * DMAX) % NT == 0, "the dK/dV tile must split 
 static_assert(SMEM_FLOATS * 4 == CUFLASH_SMEM_BYTES,
               "the variant's shared-memory size (cuflash/_attention_bwd_simt.py) disagrees with this layout");
 
-__device__ __forceinline__ void load_rows(float* __restrict__ dst, const elem_t* __restrict__ src, long long src_row_stride,
-                                          int n_rows, int max_rows, int n_cols) {
-    for (int e = threadIdx.x; e < max_rows * n_cols; e += NT) {
-        const int r = e / n_cols;
-        const int c = e - r * n_cols;
-        dst[r * ROW + c] = r < n_rows ? to_float(src[r * src_row_stride + c]) : 0.0f;
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(NT)
 CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
               const elem_t* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dd,
@@ -129,8 +120,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int offset = seqlen_k - seqlen_q;
     const float scale_log2 = softmax_scale * LOG2E;
 
-    load_rows(k_s, k + batch * k_batch_stride + head_k * k_head_stride + col0 * k_row_stride, k_row_stride, cols, BC, head_dim);
-    load_rows(v_s, v + batch * v_batch_stride + head_k * v_head_stride + col0 * v_row_stride, v_row_stride, cols, BC, head_dim_v);
+    load_tile_f32<NT>(k_s, ROW, k + batch * k_batch_stride + head_k * k_head_stride + col0 * k_row_stride, k_row_stride, cols, BC, head_dim);
+    load_tile_f32<NT>(v_s, ROW, v + batch * v_batch_stride + head_k * v_head_stride + col0 * v_row_stride, v_row_stride, cols, BC, head_dim_v);
 
     // Query rows that can see a key of this tile: [row_lo, row_hi).
     int row_lo = 0, row_hi = seqlen_q;
@@ -149,8 +140,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         for (int row0 = row_lo - (row_lo % BR); row0 < row_hi; row0 += BR) {
             const int rows = min(BR, seqlen_q - row0);
             __syncthreads();   // K/V are loaded; the previous tile's readers are done
-            load_rows(q_s, q_head + row0 * q_row_stride, q_row_stride, rows, BR, head_dim);
-            load_rows(do_s, do_head + row0 * do_row_stride, do_row_stride, rows, BR, head_dim_v);
+            load_tile_f32<NT>(q_s, ROW, q_head + row0 * q_row_stride, q_row_stride, rows, BR, head_dim);
+            load_tile_f32<NT>(do_s, ROW, do_head + row0 * do_row_stride, do_row_stride, rows, BR, head_dim_v);
             for (int r = tid; r < BR; r += NT) {
                 const float l = r < rows ? lse_head[row0 + r] : CUFLASH_NEG_INF;
                 lse_s[r] = l * LOG2E;   // -inf stays -inf

@@ -63,18 +63,6 @@ __device__ __forceinline__ float row_group_sum(float x) {
     return x;
 }
 
-// Copy rows [0, n_rows) x [0, n_cols) of a tile (row stride `src_row_stride` elements, unit
-// column stride) to float32 shared memory with row stride `dst_stride`; rows n_rows..max_rows-1
-// and nothing else are zero-filled.
-__device__ __forceinline__ void load_tile(float* __restrict__ dst, int dst_stride, const elem_t* __restrict__ src,
-                                          long long src_row_stride, int n_rows, int max_rows, int n_cols) {
-    for (int e = threadIdx.x; e < max_rows * n_cols; e += NT) {
-        const int r = e / n_cols;
-        const int c = e - r * n_cols;
-        dst[r * dst_stride + c] = r < n_rows ? to_float(src[r * src_row_stride + c]) : 0.0f;
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(NT)
 CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
               elem_t* __restrict__ out, float* __restrict__ lse,
@@ -114,7 +102,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     if (window_left >= 0) kv_lo = max(kv_lo, row0 + seqlen_k - seqlen_q - window_left);
     if (window_right >= 0) kv_hi = min(kv_hi, row0 + rows - 1 + seqlen_k - seqlen_q + window_right + 1);
 
-    load_tile(q_s, Q_STRIDE, q_tile, q_row_stride, rows, BR, head_dim);
+    load_tile_f32<NT>(q_s, Q_STRIDE, q_tile, q_row_stride, rows, BR, head_dim);
 
     float m = CUFLASH_NEG_INF;   // running max of the row's scores (log2 domain)
     float l = 0.0f;              // running sum of exp2(score - m)
@@ -125,7 +113,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     for (int kv0 = kv_lo; kv0 < kv_hi; kv0 += BC) {
         const int cols = min(BC, kv_hi - kv0);
         __syncthreads();   // Q is in place; the previous tile's readers of kv_s and p_s are done
-        load_tile(kv_s, KV_STRIDE, k_head + kv0 * k_row_stride, k_row_stride, cols, BC, head_dim);
+        load_tile_f32<NT>(kv_s, KV_STRIDE, k_head + kv0 * k_row_stride, k_row_stride, cols, BC, head_dim);
         __syncthreads();
 
         float s[COLS_PER_THREAD];
@@ -163,7 +151,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         for (int c = 0; c < DV_PER_THREAD; ++c) acc[c] *= alpha;
 
         __syncthreads();   // every K read is done and P is written
-        load_tile(kv_s, KV_STRIDE, v_head + kv0 * v_row_stride, v_row_stride, cols, BC, head_dim_v);
+        load_tile_f32<NT>(kv_s, KV_STRIDE, v_head + kv0 * v_row_stride, v_row_stride, cols, BC, head_dim_v);
         __syncthreads();
 
         for (int j = 0; j < cols; ++j) {

@@ -22,3 +22,17 @@ template <class T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Copy rows [0, n_rows) x [0, n_cols) of a tile (row stride `src_row_stride` elements, unit
+// column stride) to float32 shared memory with row stride `dst_stride`, using the block's
+// NTHREADS threads (threadIdx.x); rows n_rows..max_rows-1 are zero-filled, and nothing outside
+// the source rows and columns is read. Callers synchronize.
+template <int NTHREADS, class T>
+__device__ __forceinline__ void load_tile_f32(float* __restrict__ dst, int dst_stride, const T* __restrict__ src,
+                                              long long src_row_stride, int n_rows, int max_rows, int n_cols) {
+    for (int e = threadIdx.x; e < max_rows * n_cols; e += NTHREADS) {
+        const int r = e / n_cols;
+        const int c = e - r * n_cols;
+        dst[r * dst_stride + c] = r < n_rows ? to_float(src[r * src_row_stride + c]) : 0.0f;
+    }
+}
