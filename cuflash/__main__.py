@@ -14,6 +14,7 @@ import sys
 COMMANDS = {
     "demo": ("cuflash.demo", "run a real language model (SmolLM2-135M) with cuflash attention"),
     "intensity": ("cuflash.intensity", "FLOPs, HBM bytes, arithmetic intensity and roofline time"),
+    "check": ("cuflash._check", "GPU self-check: compile every kernel, correctness grid, interop, graphs"),
 }
 
 

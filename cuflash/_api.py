@@ -126,6 +126,30 @@ def attention(
         through DLPack, arrays on different devices, or a backend that would move data.
     NotImplementedError
         A head dim above 256, or a valid call that has no kernel on the chosen backend.
+    RuntimeError
+        GPU arrays on a machine where CuPy or a usable CUDA device is missing (raised after
+        validation, before any device work).
+
+    Notes
+    -----
+    GPU arrays run on their own device, asynchronously (the host is never synchronized):
+
+    * CuPy: on CuPy's current stream (``with stream: cuflash.attention(...)``); the outputs come
+      from CuPy's memory pool.
+    * torch CUDA tensors: on torch's current stream of that device (through
+      ``cupy.cuda.Stream.from_external``); q, k, v (any strides) are viewed zero-copy through
+      DLPack and the outputs are allocated with ``torch.empty``, so torch's caching allocator
+      and memory statistics see them. The result is ordered after the work that produced the
+      inputs and before later work on that stream, as for any torch operator.
+    * JAX (or another CUDA DLPack producer): inputs are imported with ``cupy.from_dlpack``,
+      which passes CuPy's current stream to ``__dlpack__(stream=...)`` (JAX makes that stream
+      wait until the arrays are ready); the kernel runs on that stream, the result (in CuPy
+      memory) is returned with ``jax.numpy.from_dlpack``, which makes JAX's stream wait for the
+      kernel. JAX exposes no stream of its own to run on, and its arrays cannot be ``out=``.
+
+    A launch allocates only its outputs and never synchronizes, so with ``out=`` passed (and a
+    warmed-up compile cache, see :func:`cuflash.precompile`) a call can be captured in a CUDA
+    graph (``stream.begin_capture()`` ... ``stream.end_capture()``).
 
     Examples
     --------
@@ -155,10 +179,106 @@ def attention(
 
         arch = sim.current_options().arch
         return _dispatch.run_forward(problem, q, k, v, out, return_lse, xp=np, arch=arch, launch=launcher.run)
-    raise NotImplementedError(
-        f"{func}: backend={chosen!r} has no attention kernel in cuflash {_version()} yet; "
-        f"use NumPy arrays (backend='numpy') for now"
+    return _attention_cuda(problem, q, k, v, out, return_lse)
+
+
+def _attention_cuda(problem, q, k, v, out, return_lse: bool):
+    """The CUDA path: zero-copy CuPy views, outputs from the caller's framework, one launch per
+    plan on the consumer stream (see :class:`cuflash._interop.CudaCall`). Never synchronizes the
+    host and allocates nothing but the outputs, so it can be captured in a CUDA graph."""
+    import functools
+
+    from cuflash import _compile, _dispatch, _interop
+
+    with _interop.CudaCall(problem.func, q, out=out) as call:
+        qc, kc, vc = (call.import_array(x) for x in (q, k, v))
+        oc = None
+        if out is not None:
+            oc = call.import_array(out)
+            _interop.check_no_overlap(problem.func, oc, {"q": qc, "k": kc, "v": vc})
+        else:
+            oc = call.empty(problem.out_shape, problem.dtype)
+        result = _dispatch.run_forward(
+            problem, qc, kc, vc, oc, return_lse, xp=call.xp, arch=call.arch,
+            launch=functools.partial(_compile.launch, stream=call.stream),
+        )
+        if return_lse:
+            o, lse = result
+            return call.export(o, out=out), call.export(lse)
+        return call.export(result, out=out)
+
+
+def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
+            backend="auto", arch=None) -> dict:
+    """What :func:`attention` would run for these arguments, without running it.
+
+    Validates exactly as :func:`attention` does (from metadata only, so fake or CPU-side
+    descriptions of device arrays work) and asks the dispatcher which kernel tier and variant
+    serve the call on ``sm_<arch>``.
+
+    Parameters
+    ----------
+    q, k, v, causal, softmax_scale, window_size, layout, backend
+        As for :func:`attention`.
+    arch : int or str, optional
+        Compute capability to plan for (``90``, ``"sm_80"``). Default: the simulator's arch
+        (:func:`cuflash.sim.options`) for ``backend="sim"``, the arrays' device for CUDA arrays
+        (which needs a GPU).
+
+    Returns
+    -------
+    dict
+        ``backend``; for the kernel backends also ``arch``, ``tier`` (module name), ``variant``
+        (its name), ``entry`` (kernel symbol), ``block_m``/``block_n`` (tile), ``threads``,
+        ``smem_bytes`` (dynamic shared memory), ``blocks`` (thread blocks over all launches) and
+        ``choice`` (the dispatcher's one-line account, with why faster tiers were passed over);
+        for the NumPy path ``block_m``/``block_n`` of its tiles.
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        As :func:`attention`.
+    RuntimeError
+        For CUDA arrays with ``arch=None`` on a machine without a usable GPU.
+    """
+    import math
+
+    from cuflash import _dispatch, sim
+
+    func = "cuflash.explain"
+    problem = _validate.check_attention(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
+        func=func,
     )
+    chosen = resolve_backend(backend, problem.kind, func)
+    if chosen == "numpy":
+        return {"backend": "numpy", "block_m": 128, "block_n": 128}
+    if problem.dtype == _dtypes.float64:
+        raise NotImplementedError(f"{func}: the kernels compute float16, bfloat16 and float32; float64 runs on the NumPy path only")
+    if arch is not None:
+        arch = sim.parse_arch(arch) if chosen == "sim" else int(str(arch).removeprefix("sm_"))
+    elif chosen == "sim":
+        arch = sim.current_options().arch
+    else:
+        from cuflash import _interop
+
+        cupy = _interop.require_cuda(func)
+        arch = int(cupy.cuda.Device(int(problem.device[1])).compute_capability)
+    arrays = (q, k, v) if problem.kind in ("numpy", "cupy") else None  # DLPack: shape-level checks only
+    tier = _dispatch.forward_tier(problem, arch, arrays)
+    variant = tier.choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+    describe = getattr(_dispatch, "describe_choice", None)
+    block_m = getattr(variant, "block_m", None)
+    blocks = None
+    if block_m:
+        blocks = -(-problem.seqlen_q // block_m) * problem.num_heads_q * math.prod(problem.batch_shape)
+    return {
+        "backend": chosen, "arch": arch, "tier": tier.__name__.rsplit(".", 1)[-1],
+        "variant": variant.name, "entry": variant.entry, "block_m": block_m,
+        "block_n": getattr(variant, "block_n", None), "threads": math.prod(variant.block),
+        "smem_bytes": getattr(variant, "smem_bytes", None), "blocks": blocks,
+        "choice": describe(problem, arch, arrays) if describe is not None else None,
+    }
 
 
 def _version() -> str:

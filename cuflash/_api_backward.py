@@ -51,7 +51,8 @@ def attention_backward(
         The forward's options; they must be the ones the forward was called with.
     backend : {"auto", "numpy", "sim", "cuda"}
         Resolved as in :func:`cuflash.attention` ("auto" never moves data; ``CUFLASH_BACKEND``
-        overrides "auto" only). Today only the NumPy path has a backward.
+        overrides "auto" only). "sim" and "cuda" run the portable backward kernel
+        (``kernels_cu/attention_bwd_simt.cu``).
     deterministic : bool
         Ask for a bit-reproducible dQ accumulation (no atomics) on GPU backends. The NumPy path is
         always deterministic.
@@ -71,7 +72,7 @@ def attention_backward(
         Mismatched shapes of q/k/v, ``out``, ``dout`` or ``lse``; bad strides or options; an
         unknown backend or one that would move data.
     NotImplementedError
-        A head dim above 256, or a backend that has no backward kernel yet ("sim", "cuda").
+        A head dim above 256, or float64 on a kernel backend.
 
     Examples
     --------
@@ -108,7 +109,20 @@ def attention_backward(
         return _attention_bwd_simt.backward(
             problem, dout, q, k, v, out, lse, xp=np, arch=arch, launch=launcher.run
         )
-    raise NotImplementedError(
-        f"{func}: backend={chosen!r} has no backward kernel on this backend yet; "
-        f"use NumPy arrays (backend='numpy' or 'sim') for now"
-    )
+    return _backward_cuda(problem, dout, q, k, v, out, lse)
+
+
+def _backward_cuda(problem, dout, q, k, v, out, lse):
+    """The CUDA path: zero-copy CuPy views on the consumer stream, gradients (and the float32
+    workspaces) from the caller's framework (see :class:`cuflash._interop.CudaCall`)."""
+    import functools
+
+    from cuflash import _attention_bwd_simt, _compile, _interop
+
+    with _interop.CudaCall(problem.func, q) as call:
+        arrays = [call.import_array(x) for x in (dout, q, k, v, out, lse)]
+        grads = _attention_bwd_simt.backward(
+            problem, *arrays, xp=call.xp, arch=call.arch,
+            launch=functools.partial(_compile.launch, stream=call.stream),
+        )
+        return tuple(call.export(g) for g in grads)

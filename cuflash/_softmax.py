@@ -24,25 +24,45 @@ def _is_cupy(x) -> bool:
     return type(x).__module__.split(".")[0] == "cupy"
 
 
+def _on_device(x) -> bool:
+    """CuPy, or a CUDA tensor through DLPack (torch, JAX)."""
+    from ._interop import array_kind
+
+    return array_kind(x) in ("cupy", "dlpack")
+
+
 def _validate(x, axis, backend):
-    if not (isinstance(x, np.ndarray) or _is_cupy(x)):
-        raise TypeError(f"{_NAME}: x must be a NumPy or CuPy array, got {type(x).__name__}")
-    dt = np.dtype(x.dtype)
+    from ._interop import array_kind, describe, device_type_name
+
+    kind = array_kind(x)
+    if kind is None:
+        raise TypeError(
+            f"{_NAME}: x must be a NumPy or CuPy array, got {type(x).__name__} (CUDA tensors with "
+            f"__dlpack__, e.g. torch or JAX, are accepted too)"
+        )
+    info = describe(x, "x", _NAME)
+    if kind == "dlpack" and not info.on_cuda:
+        raise ValueError(
+            f"{_NAME}: x is a {info.type_name} on {device_type_name(info.device[0])} (device {info.device}); "
+            f"only CUDA arrays are accepted through DLPack. For the CPU path pass a NumPy array"
+        )
     allowed = [np.dtype(np.float16), _variants.DTYPES["bf16"][1], np.dtype(np.float32), np.dtype(np.float64)]
-    if dt not in allowed:
-        raise TypeError(f"{_NAME}: x.dtype must be float16, bfloat16, float32 or float64, got {dt}")
+    if info.dtype is None or info.dtype not in allowed:
+        raise TypeError(f"{_NAME}: x.dtype must be float16, bfloat16, float32 or float64, got {info.dtype_name}")
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"{_NAME}: axis must be an int, got {type(axis).__name__}")
-    if x.ndim == 0:
+    ndim = info.ndim
+    if ndim == 0:
         raise ValueError(f"{_NAME}: x must have at least 1 dimension, got a 0-d array")
-    if not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"{_NAME}: axis={axis} must be in [{-x.ndim}, {x.ndim - 1}] for x.ndim={x.ndim}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{_NAME}: axis={axis} must be in [{-ndim}, {ndim - 1}] for x.ndim={ndim}")
     if backend not in _BACKENDS:
         raise ValueError(f"{_NAME}: backend must be one of {_BACKENDS}, got {backend!r}")
-    return int(axis) % x.ndim
+    return int(axis) % ndim
 
 
 def _resolve_backend(x, backend: str) -> str:
+    device = _on_device(x)
     if backend == "auto":
         env = os.environ.get("CUFLASH_BACKEND", "").strip()
         if env and env != "auto":
@@ -50,14 +70,14 @@ def _resolve_backend(x, backend: str) -> str:
                 raise ValueError(f"{_NAME}: CUFLASH_BACKEND must be one of {_BACKENDS}, got {env!r}")
             backend = env
         else:
-            return "cuda" if _is_cupy(x) else "numpy"
-    if backend == "cuda" and not _is_cupy(x):
+            return "cuda" if device else "numpy"
+    if backend == "cuda" and not device:
         raise ValueError(
             f"{_NAME}: backend='cuda' needs a CuPy array, got {type(x).__name__} (data is never moved implicitly; "
             "use backend='sim' to run the CUDA kernel on the CPU simulator)"
         )
-    if backend in ("numpy", "sim") and _is_cupy(x):
-        raise ValueError(f"{_NAME}: backend={backend!r} needs a NumPy array, got a CuPy array")
+    if backend in ("numpy", "sim") and device:
+        raise ValueError(f"{_NAME}: backend={backend!r} needs a NumPy array, got a device array ({type(x).__name__})")
     return backend
 
 
@@ -107,15 +127,31 @@ def softmax(x, axis: int = -1, *, backend: str = "auto"):
     which = _resolve_backend(x, backend)
     if which == "numpy":
         return _numpy_softmax(x, axis)
-    if np.dtype(x.dtype) == np.float64:
-        raise NotImplementedError(f"{_NAME}: no float64 kernel; use backend='numpy' for float64 input")
-    if x.size == 0:
-        return x.copy()
-    if which == "sim":
-        return _run_kernel(x, axis, _sim_launch, np)
-    import cupy
+    from ._interop import describe
 
-    return _run_kernel(x, axis, _cuda_launch, cupy)
+    if describe(x, "x", _NAME).dtype == np.float64:
+        raise NotImplementedError(f"{_NAME}: no float64 kernel; use backend='numpy' for float64 input")
+    if which == "sim":
+        if x.size == 0:
+            return x.copy()
+        return _run_kernel(x, axis, _sim_launch, np)
+    return _cuda_softmax(x, axis)
+
+
+def _cuda_softmax(x, axis: int):
+    """The CUDA path: x's device, the consumer stream of :class:`cuflash._interop.CudaCall`
+    (CuPy's current stream; torch's current stream for torch tensors), the result allocated by
+    x's framework and returned as x's framework array. No host synchronization."""
+    import functools
+
+    from . import _compile, _interop
+
+    with _interop.CudaCall(_NAME, x) as call:
+        xc = call.import_array(x)
+        if xc.size == 0:
+            return call.export(call.empty(xc.shape, xc.dtype))
+        launch = functools.partial(_compile.launch, stream=call.stream)
+        return call.export(_run_kernel(xc, axis, launch, call.xp))
 
 
 def _rows_view(x, axis: int, xp):
@@ -167,19 +203,18 @@ def _sim_launch(plan):
     launcher.run(plan)
 
 
-def _cuda_launch(plan):
-    from . import _compile
-
-    _compile.launch(plan)
-
-
 def _run_kernel(x, axis, launch, xp):
     moved_shape, x2 = _rows_view(x, axis, xp)
-    y2 = xp.empty(x2.shape, dtype=x.dtype)
+    if axis == x.ndim - 1:
+        y = xp.empty(x.shape, dtype=x.dtype)  # the result itself: framework-allocated, returned as is
+        y2 = y.reshape(x2.shape)
+    else:
+        y2 = xp.empty(x2.shape, dtype=x.dtype)
+        y = None
     if xp is np:
         y2.fill(np.nan)  # poison: unwritten elements show
     launch(plan_softmax(x2, y2))
-    return xp.moveaxis(y2.reshape(moved_shape), -1, axis)
+    return y if y is not None else xp.moveaxis(y2.reshape(moved_shape), -1, axis)
 
 
 def _numpy_softmax(x: np.ndarray, axis: int) -> np.ndarray:

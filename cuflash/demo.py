@@ -44,23 +44,47 @@ EMBEDDED_DATA = Path(__file__).resolve().parent / "data" / "demo_qkv.npz"
 BACKENDS = ("auto", "numpy", "sim", "cuda")
 
 
-def resolve_backend(backend: str) -> str:
-    """Name the backend that ``cuflash.attention(..., backend=backend)`` runs for NumPy input.
+def gpu_available() -> bool:
+    """True when CuPy is installed and a CUDA device is usable (the demo's GPU path)."""
+    try:
+        from cuflash._interop import require_cuda
+
+        require_cuda("cuflash demo")
+        return True
+    except RuntimeError:
+        return False
+
+
+def resolve_backend(backend: str, *, gpu: bool = False) -> str:
+    """Name the backend that ``cuflash.attention(..., backend=backend)`` runs for the demo's data.
 
     ``"auto"`` never moves data, so for the demo's NumPy arrays it means the NumPy path unless
     the ``CUFLASH_BACKEND`` environment variable (which overrides only ``"auto"``) names
-    another backend. The demo passes the resolved name to :func:`cuflash.attention`, so the
-    backend it reports is the one that ran.
+    another backend. With ``gpu=True`` (a GPU is present; see :func:`run_demo`) the demo moves
+    q/k/v to the GPU itself, explicitly, so ``"auto"`` (with no environment override) and
+    ``"cuda"`` mean the CUDA kernels. The demo passes the resolved name to
+    :func:`cuflash.attention`, so the backend it reports is the one that ran.
 
     Raises
     ------
     ValueError
-        For an unknown backend, or one that cannot take NumPy input (``"cuda"``: cuflash never
-        moves data implicitly).
+        For an unknown backend, or ``"cuda"`` without a GPU (cuflash never moves data
+        implicitly, and there is no device to move it to).
     """
     from cuflash._api import resolve_backend as resolve_for
 
+    if gpu and backend in ("auto", "cuda") and _auto_allows_gpu(backend):
+        return "cuda"
     return resolve_for(backend, "numpy", "cuflash demo")
+
+
+def _auto_allows_gpu(backend: str) -> bool:
+    """``"auto"`` goes to the GPU unless ``CUFLASH_BACKEND`` names a host backend."""
+    import os
+
+    if backend != "auto":
+        return True
+    return os.environ.get("CUFLASH_BACKEND", "").strip() in ("", "auto", "cuda")
 
 
 def run_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, backend: str,
@@ -68,7 +92,10 @@ def run_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, backend: str,
     """Causal attention of one layer through :func:`cuflash.attention`.
 
     This is the one place where the demo hands q/k/v to cuflash: NumPy arrays in, a NumPy
-    array out. A GPU backend will move q/k/v to the device here and the result back.
+    array out. With ``backend="cuda"`` (the GPU path) q/k/v are copied to the current GPU with
+    ``cupy.asarray``, the CUDA kernels run on CuPy's current stream, and the output is copied
+    back with ``cupy.asnumpy`` (which waits for the kernel); the demo's timings include those
+    copies.
 
     Parameters
     ----------
@@ -85,9 +112,20 @@ def run_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, backend: str,
     -------
     numpy.ndarray
         ``(1, Hq, Sq, D)`` float32.
+
+    Raises
+    ------
+    RuntimeError
+        ``backend="cuda"`` without CuPy or a usable GPU.
     """
     import cuflash
 
+    if backend == "cuda":
+        from cuflash._interop import require_cuda
+
+        cupy = require_cuda("cuflash demo")
+        qd, kd, vd = (cupy.asarray(a) for a in (q, k, v))
+        return cupy.asnumpy(cuflash.attention(qd, kd, vd, causal=causal, backend="cuda"))
     return np.asarray(cuflash.attention(q, k, v, causal=causal, backend=backend))
 
 
@@ -197,7 +235,10 @@ def run_demo(text: str | None = None, backend: str = "auto", generate: int = 0,
     text : str, optional
         The text to run on; default :data:`DEFAULT_TEXT`. Needs the model.
     backend : str
-        ``backend=`` for :func:`cuflash.attention`: one of :data:`BACKENDS`.
+        ``backend=`` for :func:`cuflash.attention`: one of :data:`BACKENDS`. With a GPU present,
+        ``"auto"`` (unless ``CUFLASH_BACKEND`` names a host backend) and ``"cuda"`` run the GPU
+        path: q/k/v are moved to the device explicitly and the CUDA kernels run (the report
+        says so); without one, ``"cuda"`` is an error.
     generate : int
         Greedily continue the text by this many tokens (stops early at end-of-text). Needs the
         model.
@@ -229,7 +270,8 @@ def run_demo(text: str | None = None, backend: str = "auto", generate: int = 0,
     """
     if isinstance(generate, bool) or not isinstance(generate, (int, np.integer)) or generate < 0:
         raise ValueError(f"cuflash demo: generate={generate!r} must be a non-negative integer")
-    ran = resolve_backend(backend)
+    gpu = backend in ("auto", "cuda") and _auto_allows_gpu(backend) and gpu_available()
+    ran = resolve_backend(backend, gpu=gpu)
     gguf_path = _smollm2.find_gguf()
     if use_embedded is None:
         use_embedded = gguf_path is None
@@ -238,6 +280,8 @@ def run_demo(text: str | None = None, backend: str = "auto", generate: int = 0,
             f"cuflash demo: the SmolLM2 model is not installed; run: {_smollm2.INSTALL_HINT}"
         )
     start = time.perf_counter()
+    if ran == "cuda":
+        out(_gpu_line())
     if use_embedded:
         if text is not None or generate:
             reason = (f"which is not installed; install it with: {_smollm2.INSTALL_HINT}"
@@ -251,6 +295,22 @@ def run_demo(text: str | None = None, backend: str = "auto", generate: int = 0,
     result["seconds"] = time.perf_counter() - start
     out(f"total time: {result['seconds']:.2f} s")
     return result
+
+
+def _gpu_line() -> str:
+    """The line saying the demo runs on the GPU, and on which one."""
+    try:
+        import cupy
+
+        dev = cupy.cuda.Device()
+        name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        where = f"GPU {dev.id} ({name}, sm_{dev.compute_capability})"
+    except Exception:  # noqa: BLE001 - the line is informative only
+        where = "the GPU"
+    return (f"cuflash demo: GPU path on {where}: each layer's numpy q/k/v go to the device with "
+            f"cupy.asarray, cuflash's CUDA kernels compute the attention, and the output comes "
+            f"back with cupy.asnumpy (timings include the copies).")
 
 
 def _run_embedded(backend: str, out, *, model_missing: bool) -> dict:
@@ -361,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--generate", type=_non_negative_int, default=0, metavar="N",
                         help="greedily continue the text by N tokens (default 0)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="cuflash.attention backend (default auto: NumPy input runs the "
+                        help="cuflash.attention backend (default auto: the CUDA kernels when a GPU "
+                             "is present, q/k/v moved there explicitly; otherwise the "
                              "NumPy path)")
     parser.add_argument("--embedded", action="store_true",
                         help="use the shipped q/k/v even when the model is installed")
@@ -379,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_demo(text=args.text, backend=args.backend, generate=args.generate,
                  use_embedded=True if args.embedded else None)
-    except (ValueError, NotImplementedError) as exc:
+    except (ValueError, NotImplementedError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

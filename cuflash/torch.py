@@ -15,9 +15,10 @@ FlashAttention-2 backward, :func:`cuflash.attention_backward`).
 
 Devices: CPU tensors (float16, bfloat16, float32, float64) run the NumPy implementation on
 zero-copy NumPy views of the tensors (bfloat16 through an int16 view, since NumPy has no
-native bfloat16) and return tensors wrapping the NumPy results. CUDA tensors raise
-``NotImplementedError`` for now: the CUDA kernels are reached through one function per
-direction (:func:`_forward_cuda`, :func:`_backward_cuda`), the only place the CUDA path will go.
+native bfloat16) and return tensors wrapping the NumPy results. CUDA tensors run the forward
+on the CUDA kernels (:func:`_forward_cuda`: torch's current stream, zero-copy DLPack views,
+outputs from ``torch.empty``); their backward (:func:`_backward_cuda`) raises
+``NotImplementedError`` until the backward kernel lands.
 
 A tensor whose last axis is not unit-stride (e.g. the stride-0 gradient ``out.sum()``
 produces) is copied once with ``.contiguous()``; other strides are used as they are.
@@ -84,16 +85,45 @@ def _backward_cpu(dout, q, k, v, out, lse, causal, softmax_scale, window_left, w
 
 
 def _forward_cuda(q, k, v, causal, softmax_scale, window_left, window_right, layout):
-    raise NotImplementedError(
-        f"{_FUNC}: CUDA tensors (q on {q.device}) have no kernel in cuflash.torch yet; the CUDA path "
-        f"lands later. Use CPU tensors for now (q.cpu())"
+    """CUDA tensors: :func:`cuflash.attention` on torch's current stream, zero-copy through
+    DLPack, outputs allocated with ``torch.empty`` (see :class:`cuflash._interop.CudaCall`)."""
+    import cuflash
+
+    if q.device.type != "cuda":  # only reached through _pick for CUDA tensors; meta etc. stop here
+        raise NotImplementedError(
+            f"{_FUNC}: CUDA tensors run the CUDA kernels; q is on {q.device}, and tensors there have no kernel"
+        )
+
+    def prepare(t):
+        if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            t = t.contiguous()  # the one documented copy (e.g. a stride-0 gradient)
+        return t.detach()
+
+    out, lse = cuflash.attention(
+        prepare(q), prepare(k), prepare(v), causal=causal, softmax_scale=softmax_scale,
+        window_size=(window_left, window_right), layout=layout, return_lse=True, backend="cuda",
     )
+    return out, lse
 
 
 def _backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout):
-    raise NotImplementedError(
-        f"{_FUNC} (backward): CUDA tensors (q on {q.device}) have no kernel in cuflash.torch yet; the "
-        f"CUDA path lands later. Use CPU tensors for now (q.cpu())"
+    """CUDA tensors: :func:`cuflash.attention_backward` (the portable backward kernel) on torch's
+    current stream, zero-copy, gradients allocated with ``torch.empty``."""
+    import cuflash
+
+    if q.device.type != "cuda":
+        raise NotImplementedError(
+            f"{_FUNC} (backward): CUDA tensors run the CUDA kernels; q is on {q.device}, and tensors there have no kernel"
+        )
+
+    def prepare(t):
+        if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            t = t.contiguous()  # the one documented copy (e.g. a stride-0 gradient)
+        return t.detach()
+
+    return cuflash.attention_backward(
+        prepare(dout), prepare(q), prepare(k), prepare(v), prepare(out), lse.detach(), causal=causal,
+        softmax_scale=softmax_scale, window_size=(window_left, window_right), layout=layout, backend="cuda",
     )
 
 
@@ -191,7 +221,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     k : torch.Tensor, shape ``(..., Sk, D)`` or ``(B, Sk, Hk, D)``
     v : torch.Tensor, shape ``(..., Sk, Dv)`` or ``(B, Sk, Hk, Dv)``
         One dtype (float16, bfloat16, float32, float64) and one device. CPU tensors run the NumPy
-        implementation; CUDA tensors raise ``NotImplementedError`` until the CUDA path lands.
+        implementation; CUDA tensors (float16, bfloat16, float32) the CUDA forward kernels on
+        torch's current stream (their backward raises ``NotImplementedError`` for now).
     causal : bool
         Causal mask aligned bottom-right (flash-attn >= 2.1): query ``i`` sees key ``j`` iff
         ``j <= i + Sk - Sq``. PyTorch SDPA's ``is_causal`` is top-left; they agree when ``Sq == Sk``.
@@ -211,7 +242,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     TypeError, ValueError
         As :func:`cuflash.attention` (raised when the operator runs).
     NotImplementedError
-        CUDA (or other non-CPU) tensors.
+        Tensors on devices other than CPU and CUDA, float64 CUDA tensors, and the backward of
+        CUDA tensors.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):

@@ -160,7 +160,8 @@ def test_cli_argument_errors(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_cli_backend_that_cannot_take_numpy(capsys):
+def test_cli_backend_that_cannot_take_numpy(capsys, monkeypatch):
+    monkeypatch.setattr(demo, "gpu_available", lambda: False)  # as on a machine without a GPU
     assert demo.main(["--embedded", "--backend", "cuda"]) == 1
     assert "cuda" in capsys.readouterr().err
 

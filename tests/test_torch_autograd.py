@@ -265,15 +265,16 @@ def test_importing_cuflash_does_not_import_torch():
 # ---------------------------------------------------------------------------- errors
 
 
-def test_cuda_tensors_raise_not_implemented(gen):
-    # The CUDA path is one function per direction; until it lands it raises (tested on meta
-    # tensors, which have shapes but no data, so no GPU is needed).
+def test_device_tables(gen):
+    # CUDA tensors go to the CUDA functions (checked on a GPU by tests/test_gpu.py); tensors on a
+    # device without kernels (meta: shapes but no data) are refused clearly in both directions.
     q = torch.empty(1, 2, 4, 8, device="meta")
-    with pytest.raises(NotImplementedError, match=r"cuflash.torch.attention: CUDA tensors .* have no kernel"):
+    with pytest.raises(NotImplementedError, match=r"cuflash.torch.attention: CUDA tensors run the CUDA kernels; q is on meta"):
         ct._forward_cuda(q, q, q, False, 1.0, -1, -1, "bhsd")
-    with pytest.raises(NotImplementedError, match=r"cuflash.torch.attention \(backward\): CUDA tensors"):
+    with pytest.raises(NotImplementedError, match=r"cuflash.torch.attention \(backward\): CUDA tensors run the CUDA kernels; q is on meta"):
         ct._backward_cuda(q, q, q, q, q, q, False, 1.0, -1, -1, "bhsd")
     assert ct._pick(ct._FORWARD, torch.device("cuda", 0), "forward") is ct._forward_cuda
+    assert ct._pick(ct._BACKWARD, torch.device("cuda", 0), "backward") is ct._backward_cuda
     assert ct._pick(ct._BACKWARD, torch.device("cpu"), "backward") is ct._backward_cpu
     with pytest.raises(NotImplementedError, match=r"tensors on device xpu are not supported"):
         ct._pick(ct._FORWARD, torch.device("xpu"), "forward")
