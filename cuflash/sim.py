@@ -20,14 +20,42 @@ option              environment variable       meaning
 ``seed``            ``CUFLASH_SIM_SEED``       seed of the order in which a block's threads run
                                                between barriers (default 0); a race shows as a
                                                wrong result that depends on the seed.
-``checked``         ``CUFLASH_SIM_CHECKED``    reserved for per-access bounds checking (a later
-                                               issue); ``True`` raises ``NotImplementedError``.
+``checked``         ``CUFLASH_SIM_CHECKED``    ``True``: checked mode (below); every fault raises
+                                               :class:`SimCheckError` (default ``False``).
 ``workers``         ``CUFLASH_SIM_WORKERS``    OS threads running blocks (default: CPU count).
 ``fibers``          ``CUFLASH_SIM_FIBERS``     ``"auto"`` (default: assembly switch on x86-64,
                                                ucontext elsewhere), ``"asm"`` or ``"ucontext"``.
 ``stack_kib``       ``CUFLASH_SIM_STACK_KIB``  stack per simulated thread (default 256 KiB, plus
                                                a guard page).
 ==================  =========================  ===================================================
+
+Checked mode
+------------
+``checked=True`` is the simulator's compute-sanitizer (memcheck, racecheck and initcheck) for CI.
+Kernels are compiled a second time with g++'s address-sanitizer instrumentation in its outlined,
+runtime-free form, which calls a hook of the simulator's runtime before every load and store
+(atomics check themselves). Each pointer argument is copied into its own shared-memory mapping,
+with 16 KiB of registered slack and a ``PROT_NONE`` page on either side, and a per-byte map of its
+view's elements built from the launch plan's shape and strides; the launch runs in a forked child
+process, so even a crash comes back as an exception, and written views are copied back after it.
+Faults raise :class:`SimCheckError` (a :class:`SimError`) naming the kernel, the block and thread,
+the array and the element index, before the faulty access happens:
+
+* ``"out-of-bounds read"`` / ``"out-of-bounds write"``: a global access to a byte outside the
+  argument's view, byte-exact: one element past a view inside a larger buffer, the gaps of a
+  strided view (a ``q`` slice of a packed ``qkv`` reading ``k``), the bytes before it;
+* ``"write to read-only argument"``: a store through an argument the plan does not mark writable;
+* ``"uninitialized shared read"``: a read of ``__shared__`` memory no thread of the block wrote
+  (shared memory also starts as 0xFF bytes, NaN for every float type, in every mode);
+* ``"shared race"``: two threads of a block touch one shared byte in the same barrier phase, at
+  least one writing, with no ``__syncthreads`` between them and no ``__syncwarp`` (for lanes of
+  one warp) that both took part in. Shuffles and votes do not order memory;
+* ``"shared out-of-bounds"``: a shared access outside every ``__shared__`` variable;
+* ``"crash"``: the child died (an access far outside every argument, a stack overflow).
+
+Uninitialized locals are not reported; checked modules fill them with the 0xFE byte pattern
+(``-ftrivial-auto-var-init=pattern``; -1.7e38 as a float), so results show them. A checked launch
+costs a ``fork`` and a few times the time of an unchecked one.
 
 Compiled modules are cached on disk in ``CUFLASH_SIM_CACHE_DIR`` (default
 ``~/.cache/cuflash/sim``), keyed on the full source text, the runtime, the compiler and flags.
@@ -47,11 +75,20 @@ import dataclasses
 import os
 import re
 
-__all__ = ["SimOptions", "options", "current_options", "ARCHS"]
+__all__ = ["SimOptions", "options", "current_options", "ARCHS", "SimError", "SimCheckError"]
 
 #: emulated compute capabilities
 ARCHS = (75, 80, 86, 87, 89, 90)
 _FIBERS = ("auto", "asm", "ucontext")
+
+
+def __getattr__(name):
+    # the exception classes live with the launcher; imported lazily (the launcher imports this module)
+    if name in ("SimError", "SimCheckError"):
+        from cuflash._sim import launcher
+
+        return getattr(launcher, name)
+    raise AttributeError(f"module 'cuflash.sim' has no attribute {name!r}")
 
 
 def parse_arch(arch) -> int:
@@ -149,8 +186,6 @@ def current_options() -> SimOptions:
     ------
     ValueError
         If an environment variable holds an invalid value.
-    NotImplementedError
-        If ``checked`` is true (``CUFLASH_SIM_CHECKED=1``): checked mode is not implemented yet.
     """
     values: dict = {}
     for key, env in _ENV.items():
@@ -161,10 +196,7 @@ def current_options() -> SimOptions:
             except ValueError as e:
                 raise ValueError(f"{e} (from environment variable {env})") from None
     values.update(_override.get())
-    opts = SimOptions(**values)
-    if opts.checked:
-        raise NotImplementedError("cuflash.sim: checked=True (per-access bounds checking) is not implemented yet")
-    return opts
+    return SimOptions(**values)
 
 
 @contextlib.contextmanager
@@ -180,7 +212,7 @@ def options(arch=None, checked=None, seed=None, *, workers=None, fibers=None, st
     arch : str or int, optional
         Emulated device, ``"sm_75"`` ... ``"sm_90"`` (default ``"sm_90"``).
     checked : bool, optional
-        Reserved; ``True`` raises ``NotImplementedError``.
+        Checked mode: faults raise :class:`SimCheckError` (see the module docstring).
     seed : int, optional
         Seed of the thread order within barrier phases (default 0).
     workers : int, optional
@@ -194,8 +226,6 @@ def options(arch=None, checked=None, seed=None, *, workers=None, fibers=None, st
     ------
     ValueError
         For an invalid value (named in the message).
-    NotImplementedError
-        For ``checked=True``.
     """
     given = {"arch": arch, "checked": checked, "seed": seed, "workers": workers, "fibers": fibers,
              "stack_kib": stack_kib}
@@ -203,8 +233,6 @@ def options(arch=None, checked=None, seed=None, *, workers=None, fibers=None, st
     for key, value in given.items():
         if value is not None:
             new[key] = _normalize(key, value)
-    if new.get("checked"):
-        raise NotImplementedError("cuflash.sim.options: checked=True (per-access bounds checking) is not implemented yet")
     token = _override.set(new)
     try:
         yield current_options()

@@ -133,7 +133,7 @@ inline void cp_async_16(void* dst, const void* src, uint32_t src_bytes) {
     c.dst = dst;
     c.bytes = 16;
     c.group = f->async_committed;
-    if (src_bytes) std::memcpy(c.data, src, src_bytes);
+    if (src_bytes) cusim::checked_copy(c.data, src, src_bytes);   // the global read, checked
     std::memset(c.data + src_bytes, 0, 16 - src_bytes);
     f->async.push_back(c);
 }
@@ -149,7 +149,7 @@ inline void cp_async_wait(uint32_t pending) {
     for (size_t i = 0; i < f->async.size(); ++i) {
         cusim::AsyncCopy& c = f->async[i];
         if (c.group < limit)
-            std::memcpy(c.dst, c.data, c.bytes);
+            cusim::checked_copy(c.dst, c.data, c.bytes);   // lands: the shared bytes count as written
         else
             f->async[keep++] = c;
     }

@@ -100,6 +100,27 @@ extern "C" void cusim_switch(void** save_sp, void* new_sp);
 namespace cusim {
 
 // ------------------------------------------------------------------ launch interface (C layout; mirrored by ctypes)
+// Checked mode (CUSIM_CHECKED, see "checked mode" below): one registered global-memory region per
+// pointer argument, and the structured report of the first fault.
+struct Region {
+    uint64_t start, size;   // registered bytes (the argument's copy plus slack on both sides)
+    const uint8_t* valid;   // per byte of [start, start + size): 1 inside the argument's view
+    uint32_t writable;      // the plan says the kernel writes through this argument
+    uint32_t index;         // argument index in the plan
+};
+
+struct CheckReport {
+    uint32_t kind;           // CheckKind
+    uint32_t region;         // global faults: index into the region table
+    int64_t offset;          // byte offset of the access from the region start / the shared variable
+    uint32_t size, is_write;
+    uint32_t block[3], thread[3];
+    uint32_t other_thread[3], other_write;   // races: the earlier conflicting access
+    uint32_t elem_size, rank;                // shared variable: element size, rank, extents
+    uint64_t dims[4];
+    char name[64];                           // shared variable name
+};
+
 struct LaunchConfig {
     uint32_t grid[3];
     uint32_t block[3];
@@ -117,7 +138,34 @@ struct LaunchConfig {
     uint64_t static_smem_used;    // largest static shared memory footprint of a block
     uint64_t context_switches;    // scheduler -> fiber switches, all blocks
     uint64_t blocks_run;
+    // checked mode only (ignored otherwise)
+    const Region* regions;
+    uint64_t nregions;
+    CheckReport* report;
 };
+
+enum CheckKind : uint32_t {
+    kCheckNone = 0,
+    kGlobalOobRead = 1,
+    kGlobalOobWrite = 2,
+    kReadOnlyWrite = 3,
+    kSharedUninitRead = 4,
+    kSharedRace = 5,
+    kSharedOob = 6,
+};
+
+// Name and layout of a __shared__ declaration (from the lowering), for reports.
+struct SiteInfo {
+    const char* name;
+    uint32_t elem, rank;
+    uint64_t dims[4];
+};
+template <class T>
+constexpr SiteInfo site_info(const char* name) {
+    return SiteInfo{name, uint32_t(sizeof(std::remove_all_extents_t<T>)), uint32_t(std::rank<T>::value),
+                    {std::extent<T, 0>::value, std::extent<T, 1>::value, std::extent<T, 2>::value,
+                     std::extent<T, 3>::value}};
+}
 
 constexpr unsigned kMaxGroupsPerWarp = 8;
 constexpr uint64_t kDynamicAlign = 128;
@@ -174,8 +222,11 @@ struct Launch;
 
 struct SharedSite {
     const void* key;
-    uint64_t offset;
+    uint64_t offset, size;
+    SiteInfo info;
 };
+
+struct CheckState;   // checked mode: shadow of shared memory (below)
 
 struct Worker {
     Launch* launch = nullptr;
@@ -199,6 +250,8 @@ struct Worker {
     uint64_t rng = 0;
     uint64_t switches = 0;
     uint64_t static_smem_max = 0;
+    SiteInfo dyn_info{"<dynamic shared memory>", 1, 1, {0, 0, 0, 0}};
+    CheckState* chk = nullptr;   // checked mode only
 };
 
 struct Launch {
@@ -269,9 +322,14 @@ inline void yield_current() {
     switch_to_scheduler(w, w->cur);
 }
 
+inline void check_barrier(Worker* w);
+inline void check_syncwarp(Worker* w, unsigned warp, unsigned lanes);
+inline void check_declare(Worker* w, uint64_t off, uint64_t size);
+
 inline void release_barrier(Worker* w) {
     w->bar_arrived = 0;
     ++w->bar_gen;
+    if (w->chk) check_barrier(w);
 }
 
 inline void syncthreads() {
@@ -286,7 +344,9 @@ inline void syncthreads() {
     yield_current();
 }
 
-inline void complete_group(Group& g, unsigned lanes) {
+inline void complete_group(Worker* w, Warp& wp, Group& g, unsigned lanes) {
+    if (w->chk && g.what && std::strcmp(g.what, "__syncwarp") == 0)
+        check_syncwarp(w, unsigned(&wp - w->warps.data()), lanes);
     if (g.fn) g.fn(g.slots[g.gen & 1u], lanes);
     g.arrived = 0;
     ++g.gen;
@@ -323,7 +383,7 @@ inline Slot& collective(unsigned mask, const void* in, size_t n, CollectiveFn fn
     g.arrived |= bit;
     const unsigned expected = mask & wp.alive;
     if ((g.arrived & expected) == expected) {
-        complete_group(g, expected);
+        complete_group(w, wp, g, expected);
     } else {
         f->state = FiberState::AtCollective;
         f->wait_group = &g;
@@ -336,7 +396,8 @@ inline Slot& collective(unsigned mask, const void* in, size_t n, CollectiveFn fn
 // ------------------------------------------------------------------ shared memory
 inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
-inline void* shared_static(const void* key, uint64_t size, uint64_t align) {
+inline void* shared_static(const void* key, uint64_t size, uint64_t align,
+                           const SiteInfo& info = SiteInfo{"<shared>", 1, 0, {0, 0, 0, 0}}) {
     Worker* w = t_worker;
     for (const SharedSite& s : w->sites)
         if (s.key == key) return w->arena + s.offset;
@@ -350,19 +411,300 @@ inline void* shared_static(const void* key, uint64_t size, uint64_t align) {
              " (the plan's opt-in decides between the 48 KB default and the device maximum)",
              (unsigned long long)w->cfg->dynamic_smem, (unsigned long long)static_bytes,
              (unsigned long long)w->arena_cap);
-    w->sites.push_back({key, off});
+    w->sites.push_back({key, off, size, info});
+    check_declare(w, off, size);
     w->arena_used = off + size;
     if (static_bytes > w->static_smem_max) w->static_smem_max = static_bytes;
     return w->arena + off;
 }
 
 inline void* shared_dynamic() { return t_worker->arena; }
+inline void* shared_dynamic(const SiteInfo& info) {
+    Worker* w = t_worker;
+    w->dyn_info = info;
+    return w->arena;
+}
 
 inline bool is_shared(const void* p, uint64_t n) {
     Worker* w = t_worker;
     auto a = reinterpret_cast<const unsigned char*>(p);
     return a >= w->arena && a + n <= w->arena + w->arena_cap;
 }
+
+// ------------------------------------------------------------------ checked mode
+// With -DCUSIM_CHECKED the launcher compiles the module with g++'s address-sanitizer
+// instrumentation in its outlined, runtime-free form (-fsanitize=kernel-address
+// --param asan-instrumentation-with-call-threshold=0): every load and store the compiler cannot
+// prove local calls __asan_{load,store}{1,2,4,8,16,N}_noabort(addr[, size]) before it happens.
+// Those hooks are defined below (no sanitizer runtime is linked): an access inside a registered
+// argument region must hit a byte of the argument's view (a per-byte map built by the launcher
+// from the plan's shape and strides), and writes need a writable argument; an access to the
+// block's shared-memory arena must hit a declared variable, a read must find the byte written
+// earlier in the block, and two threads touching one byte in the same barrier phase (at least
+// one writing) must be ordered by a __syncwarp that both took part in. The first fault fills
+// LaunchConfig::report and stops the launch, before the faulty access is made.
+#define CUSIM_NOSAN __attribute__((no_sanitize_address))
+
+struct ShadowByte {
+    uint32_t w_epoch, r_epoch;   // barrier phase of the last write / read of the byte
+    uint32_t w_clock, r_clock;   // warp-sync clock at that access
+    uint16_t w_tid, r_tid;       // linear id of the thread that made it
+    uint8_t r_multi;             // 0: one reader this phase; 1: several, all in r_tid's warp; 2: several warps
+    uint8_t pad[3];
+};
+
+enum : uint8_t { kDeclared = 1, kWritten = 2 };
+
+struct CheckState {
+    uint64_t cap = 0;
+    ShadowByte* shadow = nullptr;   // per arena byte
+    uint8_t* state = nullptr;       // per arena byte: kDeclared | kWritten, reset per block
+    uint32_t* pair = nullptr;       // per warp, 32 x 32: clock of the last __syncwarp both lanes took part in
+    uint32_t* full_sync = nullptr;  // per thread: clock of its last __syncwarp with all live lanes of its warp
+    uint32_t epoch = 1, clock = 1;
+    uint32_t atomic_depth = 0;   // inside an atomic built-in: the hooks stay silent
+    CheckState(uint64_t cap_, unsigned nwarps, unsigned nthreads) : cap(cap_) {
+        shadow = static_cast<ShadowByte*>(std::calloc(cap, sizeof(ShadowByte)));
+        state = static_cast<uint8_t*>(std::calloc(cap, 1));
+        pair = static_cast<uint32_t*>(std::calloc(size_t(nwarps) * 1024, 4));
+        full_sync = static_cast<uint32_t*>(std::calloc(nthreads, 4));
+    }
+    ~CheckState() {
+        std::free(shadow);
+        std::free(state);
+        std::free(pair);
+        std::free(full_sync);
+    }
+    bool ok() const { return shadow && state && pair && full_sync; }
+};
+
+CUSIM_NOSAN inline void check_barrier(Worker* w) { ++w->chk->epoch; }
+
+CUSIM_NOSAN inline void check_syncwarp(Worker* w, unsigned warp, unsigned lanes) {
+    CheckState& c = *w->chk;
+    const uint32_t t = ++c.clock;
+    uint32_t* p = c.pair + size_t(warp) * 1024;
+    const bool full = lanes == w->warps[warp].alive;
+    for (unsigned i = 0; i < 32; ++i) {
+        if (!(lanes & (1u << i))) continue;
+        for (unsigned j = 0; j < 32; ++j)
+            if (lanes & (1u << j)) p[i * 32 + j] = t;
+        if (full && warp * 32 + i < w->nthreads) c.full_sync[warp * 32 + i] = t;
+    }
+}
+
+CUSIM_NOSAN inline void check_block_start(Worker* w, uint64_t dirty) {
+    CheckState& c = *w->chk;
+    ++c.epoch;
+    std::memset(c.state, 0, std::min<uint64_t>(std::max(dirty, w->dyn_end), c.cap));
+    std::memset(c.state, kDeclared, std::min<uint64_t>(w->cfg->dynamic_smem, c.cap));
+}
+
+CUSIM_NOSAN inline void check_declare(Worker* w, uint64_t off, uint64_t size) {
+    if (w->chk) std::memset(w->chk->state + off, kDeclared, size);
+}
+
+// Report a checked-mode fault of the running fiber and abandon the launch.
+[[noreturn]] __attribute__((format(printf, 3, 4))) CUSIM_NOSAN inline void check_fail(Worker* w, CheckReport r,
+                                                                                       const char* fmt, ...) {
+    Fiber* f = w->cur;
+    r.block[0] = w->block_idx.x, r.block[1] = w->block_idx.y, r.block[2] = w->block_idx.z;
+    r.thread[0] = f->tid.x, r.thread[1] = f->tid.y, r.thread[2] = f->tid.z;
+    {
+        std::lock_guard<std::mutex> lock(w->launch->mu);
+        if (!w->launch->failed.load() && w->cfg->report) *w->cfg->report = r;
+    }
+    char msg[768];
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    fail("%s", msg);
+}
+
+// Which shared variable holds arena byte `off`: fills the report's name and layout and returns
+// the byte offset from the variable's start.
+CUSIM_NOSAN inline uint64_t shared_site(Worker* w, uint64_t off, CheckReport& r) {
+    SiteInfo info{"<shared memory outside any variable>", 1, 0, {0, 0, 0, 0}};
+    uint64_t base = 0;
+    if (off < w->dyn_end) {
+        info = w->dyn_info;
+        uint64_t inner = 1;
+        for (uint32_t i = 1; i < info.rank && i < 4; ++i) inner *= info.dims[i] ? info.dims[i] : 1;
+        if (info.rank) info.dims[0] = w->cfg->dynamic_smem / std::max<uint64_t>(1, info.elem * inner);
+    } else {
+        for (const SharedSite& s : w->sites)
+            if (off >= s.offset && off < s.offset + s.size) {
+                info = s.info;
+                base = s.offset;
+                break;
+            }
+    }
+    std::snprintf(r.name, sizeof r.name, "%s", info.name);
+    r.elem_size = info.elem;
+    r.rank = info.rank;
+    for (int i = 0; i < 4; ++i) r.dims[i] = info.dims[i];
+    r.offset = int64_t(off - base);
+    return off - base;
+}
+
+CUSIM_NOSAN inline void thread_xyz(Worker* w, unsigned linear, uint32_t out[3]) {
+    const unsigned bx = w->block_dim.x, by = w->block_dim.y;
+    out[0] = linear % bx, out[1] = (linear / bx) % by, out[2] = linear / (bx * by);
+}
+
+CUSIM_NOSAN inline bool check_ordered(const CheckState& c, const Fiber* f, unsigned other, uint32_t clock) {
+    if (other == f->linear) return true;
+    if (other / 32 != f->warp) return false;
+    return c.pair[size_t(f->warp) * 1024 + (other % 32) * 32 + f->lane] > clock;
+}
+
+CUSIM_NOSAN inline void check_shared(Worker* w, uint64_t off, uint64_t n, bool write, bool atomic) {
+    CheckState& c = *w->chk;
+    Fiber* f = w->cur;
+    const uint16_t me = uint16_t(f->linear);
+    for (uint64_t k = 0; k < n; ++k) {
+        const uint64_t b = off + k;
+        CheckReport r{};
+        r.size = uint32_t(n);
+        r.is_write = write;
+        if (b >= c.cap || !(c.state[b] & kDeclared)) {
+            r.kind = kSharedOob;
+            shared_site(w, off, r);
+            check_fail(w, r, "checked: shared-memory %s of %u bytes at arena offset %llu lies outside every "
+                       "__shared__ variable", write ? "write" : "read", unsigned(n), (unsigned long long)off);
+        }
+        if ((!write || atomic) && !(c.state[b] & kWritten)) {
+            r.kind = kSharedUninitRead;
+            const uint64_t rel = shared_site(w, b, r);
+            check_fail(w, r, "checked: read of uninitialized shared memory: %s, byte %llu (element %llu) was "
+                       "never written in this block", r.name, (unsigned long long)rel,
+                       (unsigned long long)(rel / std::max<uint32_t>(1, r.elem_size)));
+        }
+        if (atomic) {
+            c.state[b] |= kWritten;
+            continue;
+        }
+        ShadowByte& s = c.shadow[b];
+        unsigned other = 0xffffu;
+        bool other_write = false;
+        if (s.w_epoch == c.epoch && !check_ordered(c, f, s.w_tid, s.w_clock)) {
+            other = s.w_tid;
+            other_write = true;
+        } else if (write && s.r_epoch == c.epoch) {
+            bool ordered;
+            if (s.r_multi == 0) ordered = check_ordered(c, f, s.r_tid, s.r_clock);
+            else ordered = s.r_multi == 1 && s.r_tid / 32 == f->warp && c.full_sync[f->linear] > s.r_clock;
+            if (!ordered) other = s.r_tid;
+        }
+        if (other != 0xffffu) {
+            r.kind = kSharedRace;
+            r.other_write = other_write;
+            thread_xyz(w, other, r.other_thread);
+            const uint64_t rel = shared_site(w, b, r);
+            check_fail(w, r, "checked: shared-memory race on %s, byte %llu (element %llu): %s here, %s by thread "
+                       "(%u,%u,%u) in the same barrier phase without a __syncthreads or __syncwarp between them",
+                       r.name, (unsigned long long)rel, (unsigned long long)(rel / std::max<uint32_t>(1, r.elem_size)),
+                       write ? "write" : "read", other_write ? "written" : "read", r.other_thread[0],
+                       r.other_thread[1], r.other_thread[2]);
+        }
+        if (write) {
+            s.w_epoch = c.epoch;
+            s.w_clock = c.clock;
+            s.w_tid = me;
+            c.state[b] |= kWritten;
+        } else if (s.r_epoch != c.epoch) {
+            s.r_epoch = c.epoch;
+            s.r_clock = c.clock;
+            s.r_tid = me;
+            s.r_multi = 0;
+        } else if (s.r_tid != me) {
+            if (s.r_multi == 0 && check_ordered(c, f, s.r_tid, s.r_clock)) {
+                s.r_tid = me;   // the earlier read is ordered before this one (and before what follows it)
+            } else {
+                s.r_multi = (s.r_multi == 2 || s.r_tid / 32 != f->warp) ? 2 : 1;
+            }
+            s.r_clock = c.clock;
+        }
+    }
+}
+
+CUSIM_NOSAN inline void check_global(Worker* w, uintptr_t a, uint64_t n, bool write) {
+    const LaunchConfig& cfg = *w->cfg;
+    for (uint64_t i = 0; i < cfg.nregions; ++i) {
+        const Region& g = cfg.regions[i];
+        const int64_t off = int64_t(a - g.start);
+        if (off + int64_t(n) <= 0 || off >= int64_t(g.size)) continue;
+        for (uint64_t k = 0; k < n; ++k) {
+            const int64_t b = off + int64_t(k);
+            if (b < 0 || b >= int64_t(g.size) || !g.valid[b]) {
+                CheckReport r{};
+                r.kind = write ? kGlobalOobWrite : kGlobalOobRead;
+                r.region = uint32_t(i);
+                r.offset = off;
+                r.size = uint32_t(n);
+                r.is_write = write;
+                check_fail(w, r, "checked: out-of-bounds global %s of %u bytes through argument %u, %lld bytes from "
+                           "its registered region (outside the argument's view)", write ? "write" : "read",
+                           unsigned(n), g.index, (long long)off);
+            }
+        }
+        if (write && !g.writable) {
+            CheckReport r{};
+            r.kind = kReadOnlyWrite;
+            r.region = uint32_t(i);
+            r.offset = off;
+            r.size = uint32_t(n);
+            r.is_write = 1;
+            check_fail(w, r, "checked: write through argument %u, which the launch plan marks read-only", g.index);
+        }
+        return;
+    }
+}
+
+CUSIM_NOSAN inline void check_access(uintptr_t a, uint64_t n, bool write, bool atomic = false) {
+    Worker* w = t_worker;
+    if (!w || !w->chk || !w->cur || (w->chk->atomic_depth && !atomic)) return;
+    const uint64_t off = a - reinterpret_cast<uintptr_t>(w->arena);
+    if (off < w->arena_cap) {
+        check_shared(w, off, n, write, atomic);
+        return;
+    }
+    if (w->cfg->nregions) check_global(w, a, n, write);
+}
+
+// Copy n bytes as the current thread. In checked mode the source is checked as a read and the
+// destination as a write, so the bytes cp.async lands (ptx.cuh) count as written by the thread
+// that waits for them; the loop itself is not instrumented.
+CUSIM_NOSAN inline void checked_copy(void* d, const void* s, uint64_t n) {
+    check_access(reinterpret_cast<uintptr_t>(s), n, false);
+    check_access(reinterpret_cast<uintptr_t>(d), n, true);
+    auto* dc = static_cast<unsigned char*>(d);
+    const auto* sc = static_cast<const unsigned char*>(s);
+    for (uint64_t i = 0; i < n; ++i) dc[i] = sc[i];
+}
+
+// The runtime's atomic built-ins check their operand themselves (bounds; initialized shared
+// memory) and silence the hooks for the atomic operation: atomics of several threads on one
+// address are not a race.
+struct AtomicScope {
+    Worker* w = nullptr;
+    template <class T>
+    explicit AtomicScope(T* p) {
+#ifdef CUSIM_CHECKED
+        check_access(reinterpret_cast<uintptr_t>(p), sizeof(T), true, true);
+        w = t_worker;
+        if (w && w->chk) ++w->chk->atomic_depth;
+#else
+        (void)p;
+#endif
+    }
+    ~AtomicScope() {
+        if (w && w->chk) --w->chk->atomic_depth;
+    }
+    AtomicScope(const AtomicScope&) = delete;
+    AtomicScope& operator=(const AtomicScope&) = delete;
+};
 
 // ------------------------------------------------------------------ fibers and blocks
 inline uint64_t splitmix(uint64_t& s) {
@@ -389,7 +731,7 @@ inline void fiber_exit(Worker* w, Fiber* f) {
     for (unsigned i = 0; i < wp.ngroups; ++i) {
         Group& g = wp.groups[i];
         const unsigned expected = g.mask & wp.alive;
-        if (g.arrived && (g.arrived & expected) == expected) complete_group(g, expected);
+        if (g.arrived && (g.arrived & expected) == expected) complete_group(w, wp, g, expected);
     }
 }
 
@@ -474,6 +816,7 @@ inline bool run_block(Worker& w, uint64_t b) {
     w.bar_alive = w.nthreads;
     // Shared memory: poison what the previous block touched (the first block sees a fresh arena).
     std::memset(w.arena, kPoison, std::max(w.arena_dirty, w.dyn_end));
+    if (w.chk) check_block_start(&w, w.arena_dirty);
     w.arena_used = w.dyn_end;
     w.sites.clear();
     for (unsigned i = 0; i < w.nwarps; ++i) {
@@ -565,6 +908,12 @@ inline void worker_main(Launch& L) {
     w.arena = static_cast<unsigned char*>(std::aligned_alloc(4096, align_up(w.arena_cap, 4096)));
     bool ok = w.arena != nullptr;
     if (ok) std::memset(w.arena, kPoison, w.arena_cap);
+#ifdef CUSIM_CHECKED
+    if (ok) {
+        w.chk = new CheckState(w.arena_cap, w.nwarps, w.nthreads);
+        ok = w.chk->ok();
+    }
+#endif
     for (Fiber& f : w.fibers) {
         f.stack = ok ? stack_pool().acquire(c.stack_size) : nullptr;
         if (!f.stack) ok = false;
@@ -582,6 +931,7 @@ inline void worker_main(Launch& L) {
     for (Fiber& f : w.fibers)
         if (f.stack) stack_pool().release(f.stack, c.stack_size);
     std::free(w.arena);
+    delete w.chk;
     std::lock_guard<std::mutex> lock(L.mu);
     LaunchConfig& out = const_cast<LaunchConfig&>(c);
     out.context_switches += w.switches;
@@ -736,8 +1086,9 @@ inline int __all_sync(unsigned m, int p) {
 }
 
 // ------------------------------------------------------------------ atomics (global and shared memory)
-template <class T> inline T cusim_atomic_add(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+template <class T> inline T cusim_atomic_add(T* p, T v) { cusim::AtomicScope scope_(p); return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 template <class T> inline T cusim_atomic_cas_op(T* p, T v, T (*op)(T, T)) {
+    cusim::AtomicScope scope_(p);
     T old;
     __atomic_load(p, &old, __ATOMIC_SEQ_CST);
     T want;
@@ -749,8 +1100,8 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) { return cusim_atomic_add(p, 
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return cusim_atomic_add(p, v); }
 inline float atomicAdd(float* p, float v) { return cusim_atomic_cas_op<float>(p, v, [](float a, float b) { return a + b; }); }
 inline double atomicAdd(double* p, double v) { return cusim_atomic_cas_op<double>(p, v, [](double a, double b) { return a + b; }); }
-inline int atomicSub(int* p, int v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned atomicSub(unsigned* p, unsigned v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
+inline int atomicSub(int* p, int v) { cusim::AtomicScope scope_(p); return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicSub(unsigned* p, unsigned v) { cusim::AtomicScope scope_(p); return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
 #define CUSIM_ATOMIC_MINMAX(T)                                                                              \
     inline T atomicMax(T* p, T v) { return cusim_atomic_cas_op<T>(p, v, [](T a, T b) { return a > b ? a : b; }); } \
     inline T atomicMin(T* p, T v) { return cusim_atomic_cas_op<T>(p, v, [](T a, T b) { return a < b ? a : b; }); }
@@ -759,8 +1110,9 @@ CUSIM_ATOMIC_MINMAX(unsigned)
 CUSIM_ATOMIC_MINMAX(long long)
 CUSIM_ATOMIC_MINMAX(unsigned long long)
 #undef CUSIM_ATOMIC_MINMAX
-template <class T> inline T atomicExch(T* p, T v) { T old; __atomic_exchange(p, &v, &old, __ATOMIC_SEQ_CST); return old; }
+template <class T> inline T atomicExch(T* p, T v) { cusim::AtomicScope scope_(p); T old; __atomic_exchange(p, &v, &old, __ATOMIC_SEQ_CST); return old; }
 template <class T> inline T atomicCAS(T* p, T cmp, T v) {
+    cusim::AtomicScope scope_(p);
     __atomic_compare_exchange(p, &cmp, &v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     return cmp;
 }
@@ -820,3 +1172,36 @@ inline double min(double a, double b) { return ::fmin(a, b); }
 
 // Entry stubs generated by the launcher call this.
 #define CUSIM_EXPORT extern "C" __attribute__((visibility("default")))
+
+#ifdef CUSIM_CHECKED
+// The instrumentation's hooks (see "checked mode" above); no sanitizer runtime is linked.
+#define CUSIM_HOOK(N)                                                                                       \
+    extern "C" CUSIM_NOSAN void __asan_load##N##_noabort(uintptr_t a) { ::cusim::check_access(a, N, false); } \
+    extern "C" CUSIM_NOSAN void __asan_store##N##_noabort(uintptr_t a) { ::cusim::check_access(a, N, true); }
+CUSIM_HOOK(1)
+CUSIM_HOOK(2)
+CUSIM_HOOK(4)
+CUSIM_HOOK(8)
+CUSIM_HOOK(16)
+#undef CUSIM_HOOK
+extern "C" CUSIM_NOSAN void __asan_loadN_noabort(uintptr_t a, size_t n) { ::cusim::check_access(a, n, false); }
+extern "C" CUSIM_NOSAN void __asan_storeN_noabort(uintptr_t a, size_t n) { ::cusim::check_access(a, n, true); }
+extern "C" CUSIM_NOSAN void __asan_handle_no_return() {}
+// memcpy calls of variable size are not instrumented (libasan's interceptors would see them; no
+// runtime is linked here): the module's own memcpy checks both ranges, so cp.async (ptx.cuh) is
+// checked on its global read and marks the shared bytes it lands as written by the waiting thread.
+#include <dlfcn.h>
+namespace cusim {
+using MemcpyFn = void* (*)(void*, const void*, size_t);
+CUSIM_NOSAN inline MemcpyFn real_memcpy() {
+    static MemcpyFn fn = reinterpret_cast<MemcpyFn>(dlsym(RTLD_NEXT, "memcpy"));
+    return fn;
+}
+}  // namespace cusim
+extern "C" CUSIM_NOSAN __attribute__((visibility("hidden"))) void* memcpy(void* __restrict d, const void* __restrict s,
+                                                                          size_t n) noexcept {
+    ::cusim::check_access(reinterpret_cast<uintptr_t>(s), n, false);
+    ::cusim::check_access(reinterpret_cast<uintptr_t>(d), n, true);
+    return ::cusim::real_memcpy()(d, s, n);
+}
+#endif

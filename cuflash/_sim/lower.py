@@ -8,11 +8,13 @@ one line, so line numbers stay) into a reference into the running block's arena 
 
     using __cusim_sh_t3 = float[64][65]; static char __cusim_sh_k3;
     __cusim_sh_t3& tile = *static_cast<__cusim_sh_t3*>(::cusim::shared_static(&__cusim_sh_k3,
-        sizeof(__cusim_sh_t3), 16 > alignof(__cusim_sh_t3) ? 16 : alignof(__cusim_sh_t3)));
+        sizeof(__cusim_sh_t3), 16 > alignof(__cusim_sh_t3) ? 16 : alignof(__cusim_sh_t3),
+        ::cusim::site_info<__cusim_sh_t3>("tile")));
 
 The ``static char`` is a key unique to the declaration site (and to each template
-instantiation); the arena gives every (block, site) one slot. ``extern __shared__ T name[];``
-becomes a pointer to the block's dynamic shared memory. The kernel's text in ``kernels_cu/`` is
+instantiation); the arena gives every (block, site) one slot. The variable's name and layout
+(``site_info``) let checked mode (:mod:`cuflash.sim`) name the variable and element in reports.
+``extern __shared__ T name[];`` becomes a pointer to the block's dynamic shared memory. The kernel's text in ``kernels_cu/`` is
 untouched; only the simulator's copy is lowered. Unsupported forms (several declarators, an
 initializer, file scope, inside a macro) raise ``ValueError`` naming the line.
 """
@@ -93,7 +95,7 @@ def lower_shared(text: str, origin: str = "kernel") -> str:
             if not dims.startswith("[]"):
                 raise ValueError(f"{where}: extern __shared__ must be an array of unknown size, got {decl!r}")
             repl = (f"using {t} = {typ}{dims[2:]}; "
-                    f"{t}* const {name} = static_cast<{t}*>(::cusim::shared_dynamic());")
+                    f"{t}* const {name} = static_cast<{t}*>(::cusim::shared_dynamic(::cusim::site_info<{t}[]>(\"{name}\")));")
         else:
             if "[]" in dims:
                 raise ValueError(f"{where}: __shared__ array {name} needs a size (or extern for dynamic memory)")
@@ -101,7 +103,8 @@ def lower_shared(text: str, origin: str = "kernel") -> str:
             for a in aligns:
                 align = f"(({a}) > {align} ? ({a}) : {align})"
             repl = (f"using {t} = {typ}{dims}; static char {k}; "
-                    f"{t}& {name} = *static_cast<{t}*>(::cusim::shared_static(&{k}, sizeof({t}), {align}));")
+                    f"{t}& {name} = *static_cast<{t}*>(::cusim::shared_static(&{k}, sizeof({t}), {align}, "
+                    f"::cusim::site_info<{t}>(\"{name}\")));")
         newlines = text.count("\n", decl_start, end + 1)
         out.append(text[pos:decl_start])
         out.append(repl + "\n" * newlines)

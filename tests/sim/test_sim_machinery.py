@@ -108,9 +108,8 @@ def test_sim_options_context_and_environment(monkeypatch):
     assert (sim.current_options().arch, sim.current_options().seed) == (86, 9)
     with sim.options(arch=75):
         assert sim.current_options().arch == 75
-    with pytest.raises(NotImplementedError, match="checked=True"):
-        with sim.options(checked=True):
-            pass
+    with sim.options(checked=True) as o:
+        assert o.checked
     with sim.options(checked=False):
         pass
     with pytest.raises(ValueError, match="arch='sm_100'"):
@@ -124,7 +123,11 @@ def test_sim_options_context_and_environment(monkeypatch):
         sim.current_options()
     monkeypatch.setenv("CUFLASH_SIM_SEED", "1")
     monkeypatch.setenv("CUFLASH_SIM_CHECKED", "1")
-    with pytest.raises(NotImplementedError):
+    assert sim.current_options().checked
+    with sim.options(checked=False):
+        assert not sim.current_options().checked
+    monkeypatch.setenv("CUFLASH_SIM_CHECKED", "maybe")
+    with pytest.raises(ValueError, match="CUFLASH_SIM_CHECKED"):
         sim.current_options()
 
 
