@@ -1,25 +1,75 @@
 """The dispatcher: which forward kernel serves a validated attention call on a given arch.
 
-Today there is one kernel tier, the portable SIMT kernel (every dtype, sm_75+). Faster tiers
-(tensor cores on sm_80+, Hopper) register here, each with the condition under which it applies;
-the first applicable tier wins, so a problem the fast kernels cannot take falls back visibly.
+Tiers, fastest first; the first that applies wins, so a problem the fast kernels cannot take
+falls back visibly (:func:`describe_choice` names the tier, the variant, its tiles and, for a
+fallback, why; the ``cuflash.dispatch`` logger logs the same line at DEBUG level):
+
+1. tensor cores (:mod:`cuflash._attention_mma`): float16/bfloat16 on sm_80+, rows 16-byte
+   aligned (head dims, strides and view offsets multiples of 8 elements);
+2. portable SIMT (:mod:`cuflash._attention_simt`): every dtype, sm_75+.
+
+The simulator (``backend="sim"``) asks with its emulated arch (``cuflash.sim.options(arch=...)``,
+sm_90 by default), so it runs the variant an sm_90 device would get.
 """
 
 from __future__ import annotations
 
-from cuflash import _attention_simt
+import logging
+
+from cuflash import _attention_mma, _attention_simt
+
+log = logging.getLogger("cuflash.dispatch")
+
+#: tiers in order of preference: (name, module); each module has ``unsupported_reason`` or
+#: takes everything
+TIERS = (("tensor-core mma.sync", _attention_mma), ("portable SIMT", _attention_simt))
+
+
+def _choose(problem, arch: int, arrays=None):
+    """``(module, reasons)``: the tier that runs ``problem`` and why each faster one does not."""
+    reasons = []
+    for name, mod in TIERS:
+        check = getattr(mod, "unsupported_reason", None)
+        why = check(problem, arch, arrays) if check is not None else None
+        if why is None:
+            return mod, reasons
+        reasons.append(f"{name} tier not used: {why}")
+    raise AssertionError("cuflash: the SIMT tier takes every problem")  # never
 
 
 def forward_tier(problem, arch: int, arrays=None):
     """The kernel module that runs ``problem`` on ``sm_<arch>``.
 
     A tier module provides ``forward(problem, q, k, v, out, return_lse, *, xp, arch, launch)``
-    and ``choose_variant(...)``. ``arrays`` (q, k, v) lets a tier check alignment of views.
+    and ``choose_variant(...)``. ``arrays`` ((q, k, v) or (q, k, v, out)) lets a tier check the
+    alignment of views; without it only shapes and dtypes decide.
     """
-    return _attention_simt
+    return _choose(problem, arch, arrays)[0]
+
+
+def describe_choice(problem, arch: int, arrays=None) -> str:
+    """One line naming the tier, the variant and its tiles that run ``problem`` on ``sm_<arch>``,
+    and why any faster tier was passed over, e.g.::
+
+        sm_90: tensor-core mma.sync tier, cuflash_attn_fwd_mma_bf16_d128_m128_n64: 8 warps, ...
+        sm_90: portable SIMT tier, cuflash_attn_fwd_simt_f16_d128_m32_n32 (Br=32, Bc=32, ...);
+            tensor-core mma.sync tier not used: D=59 is not a multiple of 8 (...)
+    """
+    mod, reasons = _choose(problem, arch, arrays)
+    v = mod.choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+    name = dict((m, n) for n, m in TIERS)[mod]
+    what = v.describe() if hasattr(v, "describe") else (
+        f"{v.entry} (Br={v.block_m}, Bc={v.block_n}, {v.block[0]} threads, {v.smem_bytes} B shared memory)")
+    line = f"sm_{arch}: {name} tier, {what}"
+    if reasons:
+        line += "; " + "; ".join(reasons)
+    return line
 
 
 def run_forward(problem, q, k, v, out, return_lse: bool, *, xp, arch: int, launch):
     """Run the forward on the tier :func:`forward_tier` picks."""
-    tier = forward_tier(problem, arch, (q, k, v))
+    arrays = (q, k, v, out)
+    tier = forward_tier(problem, arch, arrays)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s", describe_choice(problem, arch, arrays))
     return tier.forward(problem, q, k, v, out, return_lse, xp=xp, arch=arch, launch=launch)

@@ -165,3 +165,17 @@ def test_cp_async_read_past_a_view_is_reported():
         _plan.ScalarArg("zfill", np.int32(0))))
     with pytest.raises(sim.SimCheckError, match=r"out-of-bounds read .* at g\[248\]"):
         mod.launch(plan, opts)
+
+
+@pytest.mark.parametrize("dtype,sq,sk,d,causal", [("f16", 40, 71, 40, True), ("bf16", 33, 50, 128, False),
+                                                  ("f16", 17, 129, 96, True)])
+def test_tensor_core_kernel_is_clean(dtype, sq, sk, d, causal):
+    # aligned fp16/bf16 views: the dispatcher picks the mma.sync kernel (cp.async, ldmatrix)
+    rng = np.random.default_rng(sq * 1000 + d)
+    dt = DTYPES[dtype]
+    q = rng.standard_normal((1, 2, sq, d)).astype(dt)
+    k = rng.standard_normal((1, 1, sk, d)).astype(dt)
+    v = rng.standard_normal((1, 1, sk, d)).astype(dt)
+    assert "tensor-core" in cuflash.explain(q, k, v, causal=causal, backend="sim")["choice"]
+    out = cuflash.attention(q, k, v, causal=causal, backend="sim")
+    check_close(out, q, k, v, causal=causal)

@@ -1,0 +1,104 @@
+"""The tensor-core tier is really on tensor cores: disassemble the NVRTC-compiled fp16 and bf16
+variants (no GPU needed) and find the instructions that prove it.
+
+* ``HMMA.16816.F32`` (fp16) / ``HMMA.16816.F32.BF16`` (bf16): ``mma.sync.aligned.m16n8k16`` with
+  float32 accumulators;
+* ``LDSM.16.M88.4`` (``ldmatrix.x4``, Q and K) and ``LDSM.16.MT88.4`` (``ldmatrix.x4.trans``, V);
+* ``LDGSTS`` (``cp.async``) with ``LDGDEPBAR`` / ``DEPBAR`` (commit / wait_group);
+* no local memory (``LDL``/``STL``: spills) in the kernel.
+
+``cuobjdump --dump-sass`` comes from the ``nvidia-cuda-cuobjdump`` wheel and needs ``nvdisasm``
+(``nvidia-cuda-nvdisasm``) beside it; both are in the ``test`` extra. The 13.x tools read the
+cubins NVRTC 12.9 makes.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuflash import _attention_mma, _compile, _source
+
+ARCHS = _attention_mma.ARCHES
+_OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+
+
+def _find_tool(name: str) -> str | None:
+    """``name`` from the nvidia-cuda-* wheels of this interpreter (site-packages/nvidia/*/bin),
+    else from PATH."""
+    for entry in sys.path:
+        root = Path(entry) / "nvidia"
+        if root.is_dir():
+            for cand in sorted(root.glob(f"*/bin/{name}")):
+                if os.access(cand, os.X_OK):
+                    return str(cand)
+    return shutil.which(name)
+
+
+@pytest.fixture(scope="module")
+def cuobjdump() -> str:
+    exe = _find_tool("cuobjdump")
+    if exe is None or _find_tool("nvdisasm") is None:
+        pytest.fail("cuobjdump/nvdisasm not found: install the test extra "
+                    "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    return exe
+
+
+def _complete_elf(cubin: bytes) -> bytes:
+    """The cubin padded to the end its ELF header declares. CuPy 14's ``nvrtc.getCUBIN`` returns
+    one byte less than ``nvrtcGetCUBINSize`` (the last byte, a 0); the driver does not mind but
+    cuobjdump rejects the truncated file ("does not contain device code")."""
+    assert cubin[:4] == b"\x7fELF" and cubin[4] == 2, "not a 64-bit ELF"
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + b"\0" * max(0, end - len(cubin))
+
+
+def sass_opcodes(variant, arch: int, tool: str, tmp_path: Path) -> collections.Counter:
+    cubin, _ = _compile.nvrtc_compile(_source.build_source(variant), arch, name=variant.source)
+    path = tmp_path / f"{variant.entry}_sm{arch}.cubin"
+    path.write_bytes(_complete_elf(cubin))
+    env = dict(os.environ, PATH=os.path.dirname(_find_tool("nvdisasm")) + os.pathsep + os.environ.get("PATH", ""))
+    r = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, f"cuobjdump failed ({r.returncode}): {r.stderr}"
+    ops = collections.Counter(_OPCODE.findall(r.stdout))
+    assert ops, f"no SASS in cuobjdump's output:\n{r.stdout[:2000]}\n{r.stderr}"
+    return ops
+
+
+def _variants():
+    # the bar's bucket (128) and the one with Q re-read from shared memory (256), both dtypes
+    return [(arch, _attention_mma.choose_variant(dt, d, d, arch))
+            for arch in ARCHS for dt in ("float16", "bfloat16") for d in (128, 256)]
+
+
+def test_complete_elf_pads_to_the_declared_end():
+    head = bytearray(64)
+    head[:5] = b"\x7fELF\x02"
+    struct.pack_into("<QQ", head, 0x20, 0, 100)
+    struct.pack_into("<HHHH", head, 0x36, 56, 0, 64, 2)
+    assert len(_complete_elf(bytes(head) + b"x" * 163)) == 228
+
+
+@pytest.mark.parametrize("arch,variant", _variants(), ids=lambda x: str(getattr(x, "entry", x)))
+def test_sass_proves_the_tensor_core_tier(arch, variant, cuobjdump, tmp_path):
+    ops = sass_opcodes(variant, arch, cuobjdump, tmp_path)
+    hmma = "HMMA.16816.F32.BF16" if variant.dtype == "bf16" else "HMMA.16816.F32"
+    # one k-loop iteration: (Dmax/16) * (Bc/8) mma for S, (Bc/16) * (Dmax/8) for P V
+    d, bn = variant.head_dim_max, variant.block_n
+    assert ops[hmma] >= (d // 16) * (bn // 8) + (bn // 16) * (d // 8), (hmma, dict(ops))
+    other = "HMMA.16816.F32" if variant.dtype == "bf16" else "HMMA.16816.F32.BF16"
+    assert ops[other] == 0, f"{variant.entry} mixes mma types: {dict(ops)}"
+    assert ops["LDSM.16.M88.4"] > 0 and ops["LDSM.16.MT88.4"] > 0, dict(ops)
+    assert sum(n for op, n in ops.items() if op.startswith("LDGSTS")) > 0, dict(ops)
+    assert ops["LDGDEPBAR"] > 0 and sum(n for op, n in ops.items() if op.startswith("DEPBAR")) > 0, dict(ops)
+    assert not any(op.startswith(("LDL", "STL")) for op in ops), f"local memory (spills) in {variant.entry}: {dict(ops)}"
