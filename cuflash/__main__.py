@@ -13,6 +13,7 @@ import sys
 # command name -> (module, one-line help)
 COMMANDS = {
     "demo": ("cuflash.demo", "run a real language model (SmolLM2-135M) with cuflash attention"),
+    "bench": ("cuflash._bench", "forward attention throughput on the local GPU vs. baselines (table, --json, --plot)"),
     "intensity": ("cuflash.intensity", "FLOPs, HBM bytes, arithmetic intensity and roofline time"),
     "check": ("cuflash._check", "GPU self-check: compile every kernel, correctness grid, interop, graphs"),
 }
