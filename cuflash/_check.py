@@ -43,10 +43,10 @@ import numpy as np
 #: seconds the whole check may take (the issue asks for under 3 minutes)
 DEFAULT_BUDGET_S = 170.0
 
-SECTIONS = ("device", "compile", "grid", "large", "softmax", "sim", "torch", "jax", "graph", "demo")
+SECTIONS = ("device", "compile", "grid", "large", "softmax", "backward", "sim", "torch", "jax", "graph", "demo")
 
 #: share of the budget each section may use at most (soft: sections stop between cases)
-_SHARE = {"device": 0.05, "compile": 0.45, "grid": 0.35, "large": 0.25, "softmax": 0.1, "sim": 0.3,
+_SHARE = {"device": 0.05, "compile": 0.45, "grid": 0.35, "large": 0.25, "softmax": 0.1, "backward": 0.15, "sim": 0.3,
           "torch": 0.1, "jax": 0.15, "graph": 0.1, "demo": 0.1}
 
 FLOORS = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-18}
@@ -466,6 +466,70 @@ def section_softmax(clock, log) -> str:
             if err > tol:
                 raise AssertionError(f"softmax {dt} {shape} axis={axis}: error {err:.3g} > {tol:.3g}")
     return f"12 cases, worst error {worst:.2f} of the bound"
+
+
+def section_backward(clock, log) -> str:
+    """dq, dk, dv on the GPU against the float64 gradients; the bound is twice the error of the
+    NumPy tiled backward on the same low-precision inputs (the same algorithm, float32
+    accumulation) plus a floor at the gradient's scale. With torch on CUDA, also autograd end to
+    end through cuflash.torch against torch's own float64 autograd of the same attention."""
+    import cupy
+
+    import cuflash
+    from cuflash import reference
+
+    rng = np.random.default_rng(13)
+    cases = [dict(dtype="f16", B=1, Hq=8, Hk=2, Sq=257, Sk=300, D=64, Dv=64, causal=True, window=(-1, -1)),
+             dict(dtype="bf16", B=2, Hq=4, Hk=4, Sq=130, Sk=130, D=128, Dv=128, causal=False, window=(33, 7)),
+             dict(dtype="f32", B=1, Hq=7, Hk=1, Sq=97, Sk=61, D=40, Dv=72, causal=True, window=(-1, -1))]
+    worst = 0.0
+    for c in cases:
+        if clock.out():
+            raise AssertionError("out of time")
+        c = dict(c, layout="bhsd", view="contiguous", logits=1.0)
+        q, k, v = _host_inputs(c, rng)
+        kw = dict(causal=c["causal"], window_size=c["window"])
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)  # the NumPy forward
+        dout = rng.standard_normal(out.shape).astype(q.dtype)
+        dev = [cupy.asarray(x) for x in (dout, q, k, v, out, lse)]
+        grads = [cupy.asnumpy(g) for g in cuflash.attention_backward(*dev, **kw)]
+        cpu = cuflash.attention_backward(dout, q, k, v, out, lse, backend="numpy", **kw)
+        x64 = [x.astype(np.float64) for x in (dout, q, k, v)]
+        o64, l64 = reference.naive_attention(*x64[1:], return_lse=True, **kw)
+        exact = reference.attention_backward(x64[0], *x64[1:], o64, l64, **kw)
+        for name, g, gc, ge in zip(("dq", "dk", "dv"), grads, cpu, exact):
+            err = float(np.abs(g.astype(np.float64) - ge).max())
+            tol = 2 * float(np.abs(gc.astype(np.float64) - ge).max()) + FLOORS[q.dtype.name] * max(1.0, float(np.abs(ge).max()))
+            worst = max(worst, err / tol)
+            if not np.isfinite(g.astype(np.float64)).all() or err > tol:
+                raise AssertionError(f"{_case_name(c)} {name}: error {err:.3g} > {tol:.3g}")
+        log(f"  backward {_case_name(c)}: ok")
+    note = f"{len(cases)} cases, worst error {worst:.2f} of the bound"
+    try:
+        import torch
+    except ImportError:
+        return note + "; torch not installed"
+    if not torch.cuda.is_available():
+        return note + "; torch without CUDA"
+    import cuflash.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(2, 4, 65, 64, device="cuda", generator=g, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(2, 2, 90, 64, device="cuda", generator=g, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(2, 2, 90, 64, device="cuda", generator=g, dtype=torch.float16, requires_grad=True)
+    w = torch.randn(2, 4, 65, 64, device="cuda", generator=g, dtype=torch.float16)
+    (ct.attention(q, k, v, causal=True) * w).sum().backward()
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = qd @ kd.repeat_interleave(2, dim=1).transpose(-1, -2) / 8.0
+    i = torch.arange(65, device="cuda")[:, None]
+    j = torch.arange(90, device="cuda")[None, :]
+    s = s.masked_fill(j > i + 90 - 65, float("-inf"))  # bottom-right causal, built explicitly
+    ((torch.softmax(s, -1) @ vd.repeat_interleave(2, dim=1)) * w.double()).sum().backward()
+    for name, a, b in (("dq", q.grad, qd.grad), ("dk", k.grad, kd.grad), ("dv", v.grad, vd.grad)):
+        err = float((a.double() - b).abs().max())
+        if not err <= 2e-2 * max(1.0, float(b.abs().max())):
+            raise AssertionError(f"torch autograd {name}: error {err:.3g} against float64 autograd")
+    return note + "; torch autograd (fp16, GQA, causal) matches float64 autograd"
 
 
 def section_sim(clock, log) -> str:
