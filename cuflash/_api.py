@@ -223,7 +223,8 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     arch : int or str, optional
         Compute capability to plan for (``90``, ``"sm_80"``). Default: the simulator's arch
         (:func:`cuflash.sim.options`) for ``backend="sim"``, the arrays' device for CUDA arrays
-        (which needs a GPU).
+        (which needs a GPU). With NumPy input and an ``arch``, the answer is what a device of
+        that arch would run (as ``backend="sim"`` plans it).
 
     Returns
     -------
@@ -251,8 +252,13 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         func=func,
     )
     chosen = resolve_backend(backend, problem.kind, func)
+    if chosen == "numpy" and arch is not None:
+        # asking for an arch means asking what a device would run: plan as the simulator does
+        chosen = "sim"
     if chosen == "numpy":
-        return {"backend": "numpy", "block_m": 128, "block_n": 128}
+        return {"backend": "numpy", "block_m": 128, "block_n": 128,
+                "choice": "NumPy path (cuflash.reference.flash_attention, 128 x 128 tiles); pass arch=... or "
+                          "backend='sim' to see the kernel a GPU would run"}
     if problem.dtype == _dtypes.float64:
         raise NotImplementedError(f"{func}: the kernels compute float16, bfloat16 and float32; float64 runs on the NumPy path only")
     if arch is not None:

@@ -271,6 +271,11 @@ def run_demo(text: str | None = None, backend: str = "auto", generate: int = 0,
     if isinstance(generate, bool) or not isinstance(generate, (int, np.integer)) or generate < 0:
         raise ValueError(f"cuflash demo: generate={generate!r} must be a non-negative integer")
     gpu = backend in ("auto", "cuda") and _auto_allows_gpu(backend) and gpu_available()
+    if backend == "cuda" and not gpu:
+        raise ValueError(
+            "cuflash demo: --backend cuda needs CuPy and a usable CUDA GPU, and this machine has none; "
+            "use --backend auto (the CPU path here) or --backend sim (the CUDA kernels on the CPU simulator)"
+        )
     ran = resolve_backend(backend, gpu=gpu)
     gguf_path = _smollm2.find_gguf()
     if use_embedded is None:

@@ -199,6 +199,12 @@ def test_explain_names_the_variant_for_a_simulated_device(arch, dtype, d, prefix
 def test_explain_numpy_and_errors():
     q = np.zeros((1, 2, 3, 8), np.float32)
     assert _api.explain(q, q, q)["backend"] == "numpy"
+    assert "NumPy path" in _api.explain(q, q, q)["choice"]
+    # an explicit arch asks what a device would run: planned as the simulator plans it
+    h = np.zeros((1, 2, 3, 64), np.float16)
+    as_device = _api.explain(h, h, h, arch=90)
+    assert as_device["backend"] == "sim" and as_device["arch"] == 90
+    assert as_device["choice"] == _api.explain(h, h, h, backend="sim", arch=90)["choice"]
     with pytest.raises(ValueError, match="cuflash.explain: backend='cuda' needs GPU arrays"):
         _api.explain(q, q, q, backend="cuda")
 
