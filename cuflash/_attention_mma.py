@@ -16,7 +16,6 @@ the SIMT kernel and says so (:func:`cuflash._dispatch.describe_choice`).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar
 
 import numpy as np
@@ -207,60 +206,15 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# planning (the SIMT planner's batch handling; the argument list is the same)
+# planning
 
 
 def plan_attention(problem, q, k, v, out, lse, arch: int) -> list[_plan.LaunchPlan]:
-    """Launch plans computing ``problem`` into ``out`` and ``lse`` (one launch unless the batch
-    dims cannot merge into one stride). ``lse`` must be contiguous float32 of ``lse_shape``."""
-    s = _attention_simt
-    p = problem
-    variant = choose_variant(p.dtype, p.head_dim, p.head_dim_v, arch)
-    views = [s._canonical(a, p.layout, q.ndim) for a in (q, k, v, out)]
-    lse_v = lse[None] if (p.layout == "bhsd" and q.ndim == 2) else lse  # (*batch, H, Sq)
-    num_q_tiles = -(-p.seqlen_q // variant.block_m)
-    batches, inner = s._batch_slices(p.batch_shape, views + [lse_v])
-    plans = []
-    for idx in batches:
-        if idx is None:  # all batch dims merged into one
-            nb = len(p.batch_shape)
-            sel = [a.reshape((-1,) + a.shape[nb:]) for a in views + [lse_v]]
-            if not all(s._same_memory(a, b) for a, b in zip(sel, views + [lse_v])):
-                raise AssertionError("cuflash: merging batch dims copied an array")  # never: strides were checked
-        elif idx == ():
-            sel = [a if p.batch_shape else a[None] for a in views + [lse_v]]
-        else:
-            sel = [a[idx] for a in views + [lse_v]]
-        qs, ks, vs, os_, ls = sel
-        grid = num_q_tiles * p.num_heads_q * inner
-        if grid > _plan.MAX_GRID_DIMS[0]:
-            raise NotImplementedError(f"{p.func}: {grid} thread blocks exceed the grid limit {_plan.MAX_GRID_DIMS[0]}")
-
-        def st(a):
-            return tuple(int(x) // a.dtype.itemsize for x in a.strides)
-
-        qst, kst, vst, ost, lst = st(qs), st(ks), st(vs), st(os_), st(ls)
-        args = (
-            s._pointer("q", qs), s._pointer("k", ks), s._pointer("v", vs),
-            s._pointer("out", os_, writable=True), s._pointer("lse", ls, writable=True),
-            *(_plan.ScalarArg(f"{n}_{w}_stride", np.int64(st_[i]))
-              for n, st_ in (("q", qst), ("k", kst), ("v", vst), ("o", ost))
-              for i, w in enumerate(("batch", "head", "row"))),
-            _plan.ScalarArg("lse_batch_stride", np.int64(lst[0])),
-            _plan.ScalarArg("lse_head_stride", np.int64(lst[1])),
-            _plan.ScalarArg("num_heads_q", np.int32(p.num_heads_q)),
-            _plan.ScalarArg("group_size", np.int32(p.group_size)),
-            _plan.ScalarArg("seqlen_q", np.int32(p.seqlen_q)),
-            _plan.ScalarArg("seqlen_k", np.int32(p.seqlen_k)),
-            _plan.ScalarArg("head_dim", np.int32(p.head_dim)),
-            _plan.ScalarArg("head_dim_v", np.int32(p.head_dim_v)),
-            _plan.ScalarArg("num_q_tiles", np.int32(num_q_tiles)),
-            _plan.ScalarArg("scale_log2", np.float32(p.softmax_scale * math.log2(math.e))),
-            _plan.ScalarArg("window_left", np.int32(p.window_left)),
-            _plan.ScalarArg("window_right", np.int32(p.window_right)),
-        )
-        plans.append(_plan.LaunchPlan(variant, variant.entry, (grid, 1, 1), variant.block, variant.smem_bytes, args))
-    return plans
+    """Launch plans computing ``problem`` into ``out`` and ``lse``: the kernel takes the SIMT
+    kernel's argument list, so the SIMT planner's :func:`~cuflash._attention_simt.plan_forward`
+    plans it with this tier's variant."""
+    variant = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+    return _attention_simt.plan_forward(problem, q, k, v, out, lse, variant)
 
 
 def _aligned_empty(xp, shape, dtype):

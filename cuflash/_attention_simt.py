@@ -183,10 +183,18 @@ def _same_memory(a, b) -> bool:
 
 
 def plan_attention(problem, q, k, v, out, lse, arch: int) -> list[_plan.LaunchPlan]:
-    """Launch plans computing ``problem`` into ``out`` and ``lse`` (one launch unless the batch
-    dims cannot merge into one stride). ``lse`` must be contiguous float32 of ``lse_shape``."""
+    """Launch plans computing ``problem`` into ``out`` and ``lse`` with this tier's variant for
+    ``sm_<arch>`` (see :func:`plan_forward`)."""
+    variant = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+    return plan_forward(problem, q, k, v, out, lse, variant)
+
+
+def plan_forward(problem, q, k, v, out, lse, variant) -> list[_plan.LaunchPlan]:
+    """Launch plans of any forward kernel taking the forward argument list (q, k, v, out, lse,
+    their batch/head/row strides, then the sizes, tile count, scale and window), one block per
+    (``variant.block_m`` query tile, head, batch) on a 1-D grid. One launch unless the batch dims
+    cannot merge into one stride. ``lse`` must be contiguous float32 of ``lse_shape``."""
     p = problem
-    variant = choose_variant(p.dtype, p.head_dim, p.head_dim_v, arch)
     views = [_canonical(a, p.layout, q.ndim) for a in (q, k, v, out)]
     lse_v = lse[None] if (p.layout == "bhsd" and q.ndim == 2) else lse  # (*batch, H, Sq)
     num_q_tiles = -(-p.seqlen_q // variant.block_m)

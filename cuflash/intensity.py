@@ -59,7 +59,6 @@ Roofline time on a device is ``max(FLOPs / peak, bytes / bandwidth)``
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 
 __all__ = [

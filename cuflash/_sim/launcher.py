@@ -238,7 +238,7 @@ def _runtime_hash() -> str:
 def module_text(source: str, entries: Sequence[str], origin: str = "kernel.cu") -> str:
     """The C++ translation unit for ``source`` with stubs for ``entries``."""
     body = lower.lower_shared(source, origin)
-    stubs = [f'\n#line 1 "<cusim entry stubs>"\n']
+    stubs = ['\n#line 1 "<cusim entry stubs>"\n']
     for e in entries:
         stubs.append(
             f"CUSIM_EXPORT int cusim_launch_{e}(::cusim::LaunchConfig* c, void** a) "
