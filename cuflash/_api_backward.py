@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cuflash import _dtypes, _reference_backward, _validate
-from cuflash._api import resolve_backend
+from cuflash import _reference_backward, _validate
+from cuflash._api import check_kernel_dtype, resolve_backend
 
 #: tile sizes of the NumPy path (FlashAttention-2's backward: Bc keys outer, Br queries inner)
 _NUMPY_BLOCK_M = 64
@@ -51,11 +51,19 @@ def attention_backward(
         The forward's options; they must be the ones the forward was called with.
     backend : {"auto", "numpy", "sim", "cuda"}
         Resolved as in :func:`cuflash.attention` ("auto" never moves data; ``CUFLASH_BACKEND``
-        overrides "auto" only). "sim" and "cuda" run the portable backward kernel
-        (``kernels_cu/attention_bwd_simt.cu``).
+        overrides "auto" only). "sim" and "cuda" run the tensor-core backward
+        (``kernels_cu/attention_bwd_mma.cu``: float16/bfloat16 on sm_80+, head dims <= 128,
+        16-byte-aligned rows) or else the portable one (``kernels_cu/attention_bwd_simt.cu``);
+        :func:`cuflash._dispatch.backward_tier` chooses.
     deterministic : bool
-        Ask for a bit-reproducible dQ accumulation (no atomics) on GPU backends. The NumPy path is
-        always deterministic.
+        Bit-identical results run to run on the kernel backends ("sim", "cuda"): dQ is summed
+        without atomics, each of a fixed number of splits (at most 16; a function of the shape
+        only) accumulating its share of the key tiles, in order, into its own float32 partial
+        buffer, which a final pass adds in split order. Costs: a float32 workspace of up to 16
+        copies of dq (instead of one) and fewer, longer thread blocks when ``batch * kv heads``
+        is small (expect a slower backward; the default, ``False``, adds dQ with atomics, whose
+        order, and so the last bits of dq, may vary between runs). dk and dv are always
+        deterministic. The NumPy path is always deterministic.
 
     Returns
     -------
@@ -94,35 +102,34 @@ def attention_backward(
         return _reference_backward._flash_backward(
             problem, dout, q, k, v, out, lse, _NUMPY_BLOCK_M, _NUMPY_BLOCK_N
         )
-    if problem.dtype == _dtypes.float64:
-        raise NotImplementedError(
-            f"{func}: the kernels compute float16, bfloat16 and float32; float64 runs on the NumPy "
-            f"path only (backend='numpy'), got backend={chosen!r}"
-        )
+    check_kernel_dtype(problem, chosen)
     if chosen == "sim":
         import numpy as np
 
-        from cuflash import _attention_bwd_simt, sim
+        from cuflash import _dispatch, sim
         from cuflash._sim import launcher
 
         arch = sim.current_options().arch
-        return _attention_bwd_simt.backward(
-            problem, dout, q, k, v, out, lse, xp=np, arch=arch, launch=launcher.run
+        tier = _dispatch.backward_tier(problem, arch, (q, k, v, out, dout))
+        return tier.backward(
+            problem, dout, q, k, v, out, lse, xp=np, arch=arch, launch=launcher.run,
+            deterministic=deterministic,
         )
-    return _backward_cuda(problem, dout, q, k, v, out, lse)
+    return _backward_cuda(problem, dout, q, k, v, out, lse, deterministic)
 
 
-def _backward_cuda(problem, dout, q, k, v, out, lse):
+def _backward_cuda(problem, dout, q, k, v, out, lse, deterministic=False):
     """The CUDA path: zero-copy CuPy views on the consumer stream, gradients (and the float32
     workspaces) from the caller's framework (see :class:`cuflash._interop.CudaCall`)."""
     import functools
 
-    from cuflash import _attention_bwd_simt, _compile, _interop
+    from cuflash import _compile, _dispatch, _interop
 
     with _interop.CudaCall(problem.func, q) as call:
         arrays = [call.import_array(x) for x in (dout, q, k, v, out, lse)]
-        grads = _attention_bwd_simt.backward(
+        tier = _dispatch.backward_tier(problem, call.arch, (*arrays[1:5], arrays[0]))
+        grads = tier.backward(
             problem, *arrays, xp=call.xp, arch=call.arch,
-            launch=functools.partial(_compile.launch, stream=call.stream),
+            launch=functools.partial(_compile.launch, stream=call.stream), deterministic=deterministic,
         )
         return tuple(call.export(g) for g in grads)

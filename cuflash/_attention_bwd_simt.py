@@ -3,6 +3,14 @@
 Three stages, each its own variant of the one source file: ``dot`` (``Dd = rowsum(dO * O)``),
 ``main`` (dK, dV per key tile in registers, dQ into a float32 workspace with atomics) and
 ``convert`` (the workspace to the input dtype). Every dtype (fp16, bf16, fp32) on sm_75+.
+
+``deterministic=True`` (:func:`deterministic_splits`): the main stage runs ``num_splits`` blocks
+per (kv head, batch); block s takes key tiles s, s + num_splits, ... in order (the SIMT kernel in
+successive launches, one tile per block each; the tensor-core kernel in one launch, looping) and
+adds its dQ to its own float32 partial buffer, one add per element at a time, so the order never
+varies; the convert stage sums the partials in split order. Cost: a workspace of ``num_splits``
+(at most :data:`MAX_DETERMINISTIC_SPLITS`) float32 copies of dq instead of one, fewer blocks in
+flight when ``batch * kv heads`` is small, and for SIMT ``num_k_tiles / num_splits`` launches.
 """
 
 from __future__ import annotations
@@ -18,7 +26,16 @@ THREADS = 128
 #: (Br, Bc) of the main stage by head-dim bucket; K, V, Q, dO tiles and P, dS live in shared
 #: memory as float32 (see the kernel's layout), within sm_75's 64 KB opt-in limit
 TILES = {32: (32, 32), 64: (32, 32), 128: (16, 32), 256: (8, 16)}
+#: __launch_bounds__ minimum blocks per SM of the main stage by bucket (128 threads: 4 -> at
+#: most 128 registers, 3 -> 168)
+MIN_BLOCKS = {32: 4, 64: 4, 128: 3, 256: 3}
 STAGES = ("dot", "main", "convert")
+#: deterministic mode: at most this many dQ partial buffers (the workspace is that many float32
+#: copies of dq) ...
+MAX_DETERMINISTIC_SPLITS = 16
+#: ... and about this many main-stage blocks in all (a property of the shape, never of the device,
+#: so the reduction order and hence the bits are the same on every GPU)
+DETERMINISTIC_TARGET_BLOCKS = 256
 ARCHES = (75, 80, 90)
 
 
@@ -74,6 +91,7 @@ class AttentionBwdSimt(_variants.Variant):
             ("CUFLASH_BLOCK_N", str(bn)),
             ("CUFLASH_THREADS", str(THREADS)),
             ("CUFLASH_SMEM_BYTES", str(self.smem_bytes)),
+            ("CUFLASH_MIN_BLOCKS", str(MIN_BLOCKS[self.head_dim_max])),
         )
 
 
@@ -99,8 +117,19 @@ def _strides3(prefix, a):
     return [_i64(f"{prefix}_{w}_stride", int(s) // item) for w, s in zip(("batch", "head", "row"), a.strides[:3])]
 
 
-def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch):
+def deterministic_splits(num_k_tiles: int, kv_blocks: int) -> int:
+    """Partial dQ buffers of the deterministic mode for ``num_k_tiles`` key tiles and
+    ``kv_blocks = batch * kv heads`` (a function of the shape only)."""
+    want = -(-DETERMINISTIC_TARGET_BLOCKS // max(kv_blocks, 1))
+    return max(1, min(num_k_tiles, MAX_DETERMINISTIC_SPLITS, want))
+
+
+def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, deterministic: bool = False,
+             main_variant=None):
     """Compute ``(dq, dk, dv)`` with the three stages; arrays of ``xp`` (NumPy for the simulator).
+
+    ``deterministic``: no atomics, bit-identical results run to run (see the module docstring).
+    ``main_variant``: another main stage with this one's arguments (the tensor-core backward's).
 
     ``lse`` is the forward's natural-log LSE; it is used as contiguous float32 (one small copy
     when it is not). Fresh outputs are NaN-poisoned on the simulator so unwritten elements show.
@@ -120,19 +149,31 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch):
     lse_v = lse32[None] if (p.layout == "bhsd" and q.ndim == 2) else lse32
     stat_shape = views[0].shape[:-1]  # (*batch, Hq, Sq)
     dd = xp.empty(stat_shape, dtype=np.float32)
-    dq_accum = xp.zeros(stat_shape + (p.head_dim,), dtype=np.float32)
-    batches, inner = _attention_simt._batch_slices(p.batch_shape, views + [lse_v, dd, dq_accum])
-    nb = len(p.batch_shape)
     v_dot, v_main, v_conv = (AttentionBwdSimt(s, key, 32 if s != "main" else bucket) for s in STAGES)
+    if main_variant is not None:
+        v_main = main_variant
     bm, bn = v_main.tile
+    num_k_tiles = -(-p.seqlen_k // bn)
+    # the batch split of the launches depends on the arrays' strides only, not on the workspace
+    _, inner = _attention_simt._batch_slices(p.batch_shape, views + [lse_v, dd])
+    splits = deterministic_splits(num_k_tiles, inner * p.num_heads_k) if deterministic else 1
+    # (splits, *stat_shape, D): a split's partial buffer is one contiguous block
+    dq_accum = xp.zeros((splits,) + stat_shape + (p.head_dim,), dtype=np.float32)
+    split_stride = int(np.prod(stat_shape, dtype=np.int64)) * p.head_dim
+    batches, inner = _attention_simt._batch_slices(p.batch_shape, views + [lse_v, dd, dq_accum[0]])
+    nb = len(p.batch_shape)
     for idx in batches:
+        # acc keeps the split axis first (the kernels step between partials by split_stride)
         if idx is None:
-            sel = [a.reshape((-1,) + a.shape[nb:]) for a in views + [lse_v, dd, dq_accum]]
+            sel = [a.reshape((-1,) + a.shape[nb:]) for a in views + [lse_v, dd]]
+            acc = dq_accum.reshape((splits, -1) + dq_accum.shape[1 + nb:])
         elif idx == ():
-            sel = [a if p.batch_shape else a[None] for a in views + [lse_v, dd, dq_accum]]
+            sel = [a if p.batch_shape else a[None] for a in views + [lse_v, dd]]
+            acc = dq_accum if p.batch_shape else dq_accum[:, None]
         else:
-            sel = [a[idx] for a in views + [lse_v, dd, dq_accum]]
-        qs, ks, vs, os_, dos, dqs, dks, dvs, ls, dds, acc = sel
+            sel = [a[idx] for a in views + [lse_v, dd]]
+            acc = dq_accum[(slice(None),) + idx]
+        qs, ks, vs, os_, dos, dqs, dks, dvs, ls, dds = sel
         ptr = _attention_simt._pointer
         rows = inner * p.num_heads_q * p.seqlen_q
         if rows:
@@ -142,10 +183,13 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch):
                 _i64("num_rows", rows), _i32("num_heads", p.num_heads_q), _i32("seqlen_q", p.seqlen_q),
                 _i32("head_dim_v", p.head_dim_v),
             )))
-        num_k_tiles = -(-p.seqlen_k // bn)
-        grid = num_k_tiles * p.num_heads_k * inner
-        if grid:
-            item = np.dtype(np.float32).itemsize
+        blocks_per_head = splits if deterministic else num_k_tiles
+        grid = blocks_per_head * p.num_heads_k * inner
+        # a kernel that loops over key tiles in the block takes them all in one launch; the SIMT
+        # one runs one tile per block, so deterministic mode launches it once per round of splits
+        step = num_k_tiles if getattr(v_main, "loops_over_key_tiles", False) else blocks_per_head
+        item = np.dtype(np.float32).itemsize
+        for tile0 in range(0, num_k_tiles if grid else 0, max(step, 1)):
             launch(_plan.LaunchPlan(v_main, v_main.entry, (grid, 1, 1), v_main.block, v_main.smem_bytes, (
                 ptr("q", qs), ptr("k", ks), ptr("v", vs), ptr("dout", dos), ptr("lse", ls), ptr("dd", dds),
                 ptr("dq_accum", acc, writable=True), ptr("dk", dks, writable=True), ptr("dv", dvs, writable=True),
@@ -157,12 +201,15 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch):
                 _i32("head_dim", p.head_dim), _i32("head_dim_v", p.head_dim_v),
                 _i32("num_k_tiles", num_k_tiles), _plan.ScalarArg("softmax_scale", np.float32(p.softmax_scale)),
                 _i32("window_left", p.window_left), _i32("window_right", p.window_right),
+                _i32("num_splits", blocks_per_head), _i64("dq_split_stride", split_stride),
+                _i32("deterministic", int(bool(deterministic))),
+                _i32("tile0", tile0), _i32("tile_end", min(tile0 + step, num_k_tiles)),
             )))
         total = rows * p.head_dim
         if total:
             launch(_plan.LaunchPlan(v_conv, v_conv.entry, (-(-total // THREADS), 1, 1), v_conv.block, 0, (
                 ptr("dq_accum", acc), ptr("dq", dqs, writable=True), *_strides3("dq", dqs),
                 _i64("total", total), _i32("num_heads", p.num_heads_q), _i32("seqlen_q", p.seqlen_q),
-                _i32("head_dim", p.head_dim),
+                _i32("head_dim", p.head_dim), _i32("num_splits", splits), _i64("split_stride", split_stride),
             )))
     return dq, dk, dv

@@ -6,7 +6,7 @@ GPU self-check, so a new kernel family is added in one place.
 
 from __future__ import annotations
 
-from cuflash import _attention_bwd_simt, _attention_mma, _attention_simt, _variants
+from cuflash import _attention_bwd_mma, _attention_bwd_simt, _attention_mma, _attention_simt, _variants
 
 #: the arches the SIMT kernels are compiled and checked for (sm_75 is CUDA 13's oldest)
 SIMT_ARCHS = (75, 80, 90)
@@ -23,6 +23,8 @@ def variants_for_arch(arch: int) -> tuple:
         out.extend(_attention_bwd_simt.all_variants(arch))
     if arch >= _attention_mma.MIN_ARCH:
         out.extend(_attention_mma.all_variants(arch))
+    if arch >= _attention_bwd_mma.MIN_ARCH:
+        out.extend(_attention_bwd_mma.all_variants(arch))
     return tuple(dict.fromkeys(out))
 
 

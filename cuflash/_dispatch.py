@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import logging
 
-from cuflash import _attention_mma, _attention_simt
+from cuflash import _attention_bwd_mma, _attention_bwd_simt, _attention_mma, _attention_simt
 
 log = logging.getLogger("cuflash.dispatch")
 
 #: tiers in order of preference: (name, module); each module has ``unsupported_reason`` or
 #: takes everything
 TIERS = (("tensor-core mma.sync", _attention_mma), ("portable SIMT", _attention_simt))
+#: the backward's tiers, likewise (:func:`backward_tier`)
+BACKWARD_TIERS = (("tensor-core mma.sync", _attention_bwd_mma), ("portable SIMT", _attention_bwd_simt))
 
 
-def _choose(problem, arch: int, arrays=None):
+def _choose(problem, arch: int, arrays=None, tiers=TIERS):
     """``(module, reasons)``: the tier that runs ``problem`` and why each faster one does not."""
     reasons = []
-    for name, mod in TIERS:
+    for name, mod in tiers:
         check = getattr(mod, "unsupported_reason", None)
         why = check(problem, arch, arrays) if check is not None else None
         if why is None:
@@ -45,6 +47,18 @@ def forward_tier(problem, arch: int, arrays=None):
     alignment of views; without it only shapes and dtypes decide.
     """
     return _choose(problem, arch, arrays)[0]
+
+
+def backward_tier(problem, arch: int, arrays=None):
+    """The kernel module that runs the backward of ``problem`` on ``sm_<arch>``: the tensor-core
+    backward (float16/bfloat16, sm_80+, head dims <= 128, rows 16-byte aligned) or the portable
+    SIMT one. A tier module provides ``backward(problem, dout, q, k, v, out, lse, *, xp, arch,
+    launch, deterministic)``; ``arrays`` is ``(q, k, v, out, dout)`` (alignment of views)."""
+    mod, reasons = _choose(problem, arch, arrays, BACKWARD_TIERS)
+    if log.isEnabledFor(logging.DEBUG):
+        name = dict((m, n) for n, m in BACKWARD_TIERS)[mod]
+        log.debug("sm_%d: backward on the %s tier%s", arch, name, "; " + "; ".join(reasons) if reasons else "")
+    return mod
 
 
 def describe_choice(problem, arch: int, arrays=None) -> str:

@@ -3,10 +3,10 @@
 Importing :mod:`cuflash` never imports torch; importing ``cuflash.torch`` does (torch >= 2.4).
 It registers two custom operators with :func:`torch.library.custom_op`:
 
-* ``cuflash::attention_fwd(q, k, v, causal, softmax_scale, window_left, window_right, layout)
-  -> (out, lse)``
+* ``cuflash::attention_fwd(q, k, v, causal, softmax_scale, window_left, window_right, layout,
+  deterministic=False) -> (out, lse)`` (``deterministic`` only travels to the backward)
 * ``cuflash::attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, window_left,
-  window_right, layout) -> (dq, dk, dv)``
+  window_right, layout, deterministic=False) -> (dq, dk, dv)``
 
 each with a ``register_fake`` implementation (shapes and dtypes only), so ``torch.compile``
 traces through them without graph breaks (``fullgraph=True`` works), and the forward with
@@ -16,9 +16,8 @@ FlashAttention-2 backward, :func:`cuflash.attention_backward`).
 Devices: CPU tensors (float16, bfloat16, float32, float64) run the NumPy implementation on
 zero-copy NumPy views of the tensors (bfloat16 through an int16 view, since NumPy has no
 native bfloat16) and return tensors wrapping the NumPy results. CUDA tensors run the forward
-on the CUDA kernels (:func:`_forward_cuda`: torch's current stream, zero-copy DLPack views,
-outputs from ``torch.empty``); their backward (:func:`_backward_cuda`) raises
-``NotImplementedError`` until the backward kernel lands.
+and the backward on the CUDA kernels (:func:`_forward_cuda`, :func:`_backward_cuda`: torch's
+current stream, zero-copy DLPack views, outputs from ``torch.empty``).
 
 A tensor whose last axis is not unit-stride (e.g. the stride-0 gradient ``out.sum()``
 produces) is copied once with ``.contiguous()``; other strides are used as they are.
@@ -64,7 +63,7 @@ def _from_numpy(a: np.ndarray) -> torch.Tensor:
 # per-device implementations
 
 
-def _forward_cpu(q, k, v, causal, softmax_scale, window_left, window_right, layout):
+def _forward_cpu(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False):
     qa, ka, va = _to_numpy(q), _to_numpy(k), _to_numpy(v)
     problem = _validate.check_attention(
         qa, ka, va, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
@@ -74,7 +73,8 @@ def _forward_cpu(q, k, v, causal, softmax_scale, window_left, window_right, layo
     return _from_numpy(out), _from_numpy(lse)
 
 
-def _backward_cpu(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout):
+def _backward_cpu(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
+                  deterministic=False):  # the NumPy path is always deterministic
     arrays = [_to_numpy(t) for t in (dout, q, k, v, out, lse)]
     problem = _reference_backward.check_backward(
         *arrays, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
@@ -84,7 +84,7 @@ def _backward_cpu(dout, q, k, v, out, lse, causal, softmax_scale, window_left, w
     return _from_numpy(dq), _from_numpy(dk), _from_numpy(dv)
 
 
-def _forward_cuda(q, k, v, causal, softmax_scale, window_left, window_right, layout):
+def _forward_cuda(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False):
     """CUDA tensors: :func:`cuflash.attention` on torch's current stream, zero-copy through
     DLPack, outputs allocated with ``torch.empty`` (see :class:`cuflash._interop.CudaCall`)."""
     import cuflash
@@ -106,7 +106,8 @@ def _forward_cuda(q, k, v, causal, softmax_scale, window_left, window_right, lay
     return out, lse
 
 
-def _backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout):
+def _backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
+                   deterministic=False):
     """CUDA tensors: :func:`cuflash.attention_backward` (the portable backward kernel) on torch's
     current stream, zero-copy, gradients allocated with ``torch.empty``."""
     import cuflash
@@ -124,6 +125,7 @@ def _backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, window_left, 
     return cuflash.attention_backward(
         prepare(dout), prepare(q), prepare(k), prepare(v), prepare(out), lse.detach(), causal=causal,
         softmax_scale=softmax_scale, window_size=(window_left, window_right), layout=layout, backend="cuda",
+        deterministic=deterministic,
     )
 
 
@@ -151,15 +153,16 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 @torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-    window_left: int, window_right: int, layout: str,
+    window_left: int, window_right: int, layout: str, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward: ``(out, lse)``; ``lse`` is float32 (float64 for float64 input)."""
+    """Forward: ``(out, lse)``; ``lse`` is float32 (float64 for float64 input). ``deterministic``
+    is the backward's (saved for it)."""
     impl = _pick(_FORWARD, q.device, "forward")
     return impl(q, k, v, causal, softmax_scale, window_left, window_right, layout)
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout):
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if layout == "bshd":
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])
@@ -172,31 +175,33 @@ def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_righ
 def attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int, layout: str,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv)`` in the dtypes and shapes of q, k and v (FlashAttention-2, Alg. 2)."""
     impl = _pick(_BACKWARD, q.device, "backward")
-    return impl(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout)
+    return impl(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout, deterministic)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout):
+def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
+                        deterministic=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
         k, memory_format=torch.contiguous_format
     ), torch.empty_like(v, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, window_left, window_right, layout = inputs
+    q, k, v, causal, softmax_scale, window_left, window_right, layout, *rest = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = (causal, softmax_scale, window_left, window_right, layout)
+    ctx.options = (causal, softmax_scale, window_left, window_right, layout, bool(rest[0]) if rest else False)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -206,7 +211,8 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # public function
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd"):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
+              deterministic=False):
     """Differentiable exact attention, ``softmax(softmax_scale * q k^T + mask) v``, for torch tensors.
 
     The conventions of :func:`cuflash.attention` (GQA/MQA, ``window_size``, layouts, empty rows
@@ -221,8 +227,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     k : torch.Tensor, shape ``(..., Sk, D)`` or ``(B, Sk, Hk, D)``
     v : torch.Tensor, shape ``(..., Sk, Dv)`` or ``(B, Sk, Hk, Dv)``
         One dtype (float16, bfloat16, float32, float64) and one device. CPU tensors run the NumPy
-        implementation; CUDA tensors (float16, bfloat16, float32) the CUDA forward kernels on
-        torch's current stream (their backward raises ``NotImplementedError`` for now).
+        implementation; CUDA tensors (float16, bfloat16, float32) the CUDA forward and backward
+        kernels on torch's current stream.
     causal : bool
         Causal mask aligned bottom-right (flash-attn >= 2.1): query ``i`` sees key ``j`` iff
         ``j <= i + Sk - Sq``. PyTorch SDPA's ``is_causal`` is top-left; they agree when ``Sq == Sk``.
@@ -231,6 +237,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     window_size : (int, int)
         ``(left, right)`` local-attention bounds, -1 = unbounded; ``causal=True`` sets ``right = 0``.
     layout : {"bhsd", "bshd"}
+    deterministic : bool
+        The backward's: bit-identical gradients run to run on CUDA tensors (no atomics in the dQ
+        sum; a float32 workspace of up to 16 copies of dq and a slower backward, see
+        :func:`cuflash.attention_backward`). CPU tensors are always deterministic.
 
     Returns
     -------
@@ -249,6 +259,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{_FUNC}: {name} must be a torch.Tensor, got {type(x).__module__}.{type(x).__qualname__}")
     causal = _validate.check_flag(causal, "causal", _FUNC)
+    deterministic = _validate.check_flag(deterministic, "deterministic", _FUNC)
     layout = _validate.check_layout(layout, _FUNC)
     left, right = _validate.check_window_size(window_size, False, _FUNC)
     if softmax_scale is None:
@@ -256,5 +267,5 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     else:
         scale = _validate.check_softmax_scale(softmax_scale, 1, _FUNC)
-    out, _ = attention_fwd(q, k, v, causal, scale, left, right, layout)
+    out, _ = attention_fwd(q, k, v, causal, scale, left, right, layout, deterministic)
     return out

@@ -9,10 +9,23 @@
 //                                  see the tile, recomputing P = exp(S - lse) from Q, K and the
 //                                  forward's LSE (never stored), and accumulates
 //                                      dV += P^T dO,  dK += scale * dS^T Q   (registers, this block only)
-//                                      dQ += scale * dS K                     (float32 workspace, atomicAdd)
+//                                      dQ += scale * dS K                     (float32 workspace, atomicAdd;
+//                                                                              see deterministic mode)
 //                                  with dS = P * (dO V^T - Dd). dK and dV of a kv head are owned by
 //                                  one block, so GQA sums need no atomics.
-//   CUFLASH_BWD_STAGE 2 (convert): dq = dq_accum converted to the input dtype (any output strides).
+//   CUFLASH_BWD_STAGE 2 (convert): dq = dq_accum converted to the input dtype (any output strides);
+//                                  with num_splits > 1 the per-split partials are summed first, in
+//                                  split order 0, 1, ... (a fixed order: deterministic).
+//
+// Key tiles of a launch: block s of a (kv head, batch) runs key tile tile0 + s, if < tile_end.
+// Deterministic mode (run-time, `deterministic` != 0): num_splits blocks per (kv head, batch),
+// launched ceil(num_k_tiles / num_splits) times in stream order (tile0 = 0, num_splits, ...);
+// block s adds its dQ contributions to its own float32 partial buffer dq_accum + s *
+// dq_split_stride (each element gets one add per launch, from one thread, and launches are
+// ordered: no unordered atomics, no run-to-run variation); the convert stage
+// reduces the partials in a fixed order. The default mode is one launch of one block per key tile
+// (num_splits = num_k_tiles) adding into one buffer with atomicAdd. (A loop over key tiles inside
+// the block, as the tensor-core kernel does, costs this kernel 2x its registers.)
 //
 // Masks as in the forward (run-time): key j is visible to query i iff j < Sk and
 // i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right (-1 = unbounded side). A row
@@ -21,7 +34,7 @@
 //
 // Variant prelude (cuflash/_attention_bwd_simt.py): CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BWD_STAGE,
 // CUFLASH_HEAD_DIM_MAX, CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS,
-// CUFLASH_SMEM_BYTES (stage 1's dynamic shared memory; checked below).
+// CUFLASH_SMEM_BYTES (stage 1's dynamic shared memory; checked below), CUFLASH_MIN_BLOCKS (stage 1).
 #include "common.cuh"
 
 typedef CUFLASH_T elem_t;
@@ -59,16 +72,19 @@ CUFLASH_ENTRY(const elem_t* __restrict__ out, const elem_t* __restrict__ dout, f
 extern "C" __global__ void __launch_bounds__(NT)
 CUFLASH_ENTRY(const float* __restrict__ dq_accum, elem_t* __restrict__ dq,
               long long dq_batch_stride, long long dq_head_stride, long long dq_row_stride,
-              long long total, int num_heads, int seqlen_q, int head_dim) {
+              long long total, int num_heads, int seqlen_q, int head_dim,
+              int num_splits, long long split_stride) {
     const long long e = (long long)blockIdx.x * NT + threadIdx.x;
     if (e >= total) return;
+    float acc = dq_accum[e];
+    for (int s = 1; s < num_splits; ++s) acc += dq_accum[s * split_stride + e];   // fixed order
     const int c = (int)(e % head_dim);
     const long long row = e / head_dim;
     const int i = (int)(row % seqlen_q);
     const long long bh = row / seqlen_q;
     const int h = (int)(bh % num_heads);
     const long long b = bh / num_heads;
-    dq[b * dq_batch_stride + h * dq_head_stride + i * dq_row_stride + c] = from_float<elem_t>(dq_accum[e]);
+    dq[b * dq_batch_stride + h * dq_head_stride + i * dq_row_stride + c] = from_float<elem_t>(acc);
 }
 
 #else  // stage 1: the main kernel
@@ -85,7 +101,9 @@ static_assert(NT % 32 == 0 && (BC * DMAX) % NT == 0, "the dK/dV tile must split 
 static_assert(SMEM_FLOATS * 4 == CUFLASH_SMEM_BYTES,
               "the variant's shared-memory size (cuflash/_attention_bwd_simt.py) disagrees with this layout");
 
-extern "C" __global__ void __launch_bounds__(NT)
+// CUFLASH_MIN_BLOCKS: the occupancy the register budget aims at (ptxas's own pick spilled a
+// little on sm_75 for the 32 bucket)
+extern "C" __global__ void __launch_bounds__(NT, CUFLASH_MIN_BLOCKS)
 CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
               const elem_t* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dd,
               float* __restrict__ dq_accum, elem_t* __restrict__ dk, elem_t* __restrict__ dv,
@@ -97,7 +115,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               long long dv_batch_stride, long long dv_head_stride, long long dv_row_stride,
               long long lse_batch_stride, long long lse_head_stride,
               int num_heads_k, int group_size, int seqlen_q, int seqlen_k, int head_dim, int head_dim_v,
-              int num_k_tiles, float softmax_scale, int window_left, int window_right) {
+              int num_k_tiles, float softmax_scale, int window_left, int window_right,
+              int num_splits, long long dq_split_stride, int deterministic, int tile0, int tile_end) {
     extern __shared__ float smem[];
     float* k_s = smem;                 // [BC][ROW]
     float* v_s = k_s + BC * ROW;       // [BC][ROW]
@@ -110,8 +129,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
     const int tid = threadIdx.x;
     const long long block = blockIdx.x;
-    const int tile = (int)(block % num_k_tiles);
-    const long long bh = block / num_k_tiles;
+    const int split = (int)(block % num_splits);
+    const int tile = tile0 + split;
+    if (tile >= tile_end) return;   // the whole block
+    const long long bh = block / num_splits;
+    float* dq_part = dq_accum + (deterministic ? split * dq_split_stride : 0LL);
     const int head_k = (int)(bh % num_heads_k);
     const long long batch = bh / num_heads_k;
     const int num_heads_q = num_heads_k * group_size;
@@ -192,7 +214,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 const int c = e - r * head_dim;
                 float acc = 0.0f;
                 for (int j = 0; j < cols; ++j) acc = fmaf(ds_s[r * PROW + j], k_s[j * ROW + c], acc);
-                atomicAdd(dq_accum + (stat_row0 + row0 + r) * head_dim + c, acc * softmax_scale);
+                // deterministic mode: the only add to this element in this launch (launches are
+                // ordered), so the atomic's order cannot vary
+                atomicAdd(dq_part + (stat_row0 + row0 + r) * head_dim + c, acc * softmax_scale);
             }
         }
     }

@@ -102,3 +102,28 @@ def test_sass_proves_the_tensor_core_tier(arch, variant, cuobjdump, tmp_path):
     assert sum(n for op, n in ops.items() if op.startswith("LDGSTS")) > 0, dict(ops)
     assert ops["LDGDEPBAR"] > 0 and sum(n for op, n in ops.items() if op.startswith("DEPBAR")) > 0, dict(ops)
     assert not any(op.startswith(("LDL", "STL")) for op in ops), f"local memory (spills) in {variant.entry}: {dict(ops)}"
+
+
+# ---------------------------------------------------------------------------- tensor-core backward
+
+
+def _bwd_variants():
+    from cuflash import _attention_bwd_mma
+
+    return [(arch, v) for arch in _attention_bwd_mma.ARCHES for v in _attention_bwd_mma.all_variants(arch)]
+
+
+@pytest.mark.parametrize("arch,variant", _bwd_variants(), ids=lambda x: str(getattr(x, "entry", x)))
+def test_sass_proves_the_tensor_core_backward(arch, variant, cuobjdump, tmp_path):
+    ops = sass_opcodes(variant, arch, cuobjdump, tmp_path)
+    hmma = "HMMA.16816.F32.BF16" if variant.dtype == "bf16" else "HMMA.16816.F32"
+    # per query tile and warp: S^T and dP^T (2 * Dmax/16 * Br/8), dV and dK (2 * Br/16 * Dmax/(8 dsplit)),
+    # dQ (2 per k-step of one 16-column chunk)
+    d, bm, bn, ds = variant.head_dim_max, variant.block_m, variant.block_n, variant.dsplit
+    assert ops[hmma] >= 2 * (d // 16) * (bm // 8) + 2 * (bm // 16) * (d // (8 * ds)) + 2 * (bn // 16), (hmma, dict(ops))
+    other = "HMMA.16816.F32" if variant.dtype == "bf16" else "HMMA.16816.F32.BF16"
+    assert ops[other] == 0, f"{variant.entry} mixes mma types: {dict(ops)}"
+    assert ops["LDSM.16.M88.4"] > 0 and ops["LDSM.16.MT88.4"] > 0, dict(ops)
+    assert sum(n for op, n in ops.items() if op.startswith("LDGSTS")) > 0, dict(ops)
+    assert ops["LDGDEPBAR"] > 0 and sum(n for op, n in ops.items() if op.startswith("DEPBAR")) > 0, dict(ops)
+    assert not any(op.startswith(("LDL", "STL")) for op in ops), f"local memory (spills) in {variant.entry}: {dict(ops)}"
