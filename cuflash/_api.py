@@ -49,6 +49,21 @@ def resolve_backend(backend, kind: str, func: str) -> str:
     return backend
 
 
+def check_kernel_dtype(problem, backend: str) -> None:
+    """The kernels compute float16, bfloat16 and float32; float64 is the NumPy path's alone.
+
+    Raises
+    ------
+    NotImplementedError
+        For float64 input on a kernel backend (``"sim"`` or ``"cuda"``).
+    """
+    if problem.dtype == _dtypes.float64:
+        raise NotImplementedError(
+            f"{problem.func}: the kernels compute float16, bfloat16 and float32; float64 runs on the "
+            f"NumPy path only (backend='numpy'), got backend={backend!r}"
+        )
+
+
 def attention(
     q,
     k,
@@ -168,11 +183,7 @@ def attention(
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":
         return reference._flash_forward(problem, q, k, v, 128, 128, out, return_lse)
-    if problem.dtype == _dtypes.float64:
-        raise NotImplementedError(
-            f"{func}: the kernels compute float16, bfloat16 and float32; float64 runs on the NumPy "
-            f"path only (backend='numpy'), got backend={chosen!r}"
-        )
+    check_kernel_dtype(problem, chosen)
     if chosen == "sim":
         from cuflash import _dispatch, sim
         from cuflash._sim import launcher

@@ -252,6 +252,17 @@ def cuflash_backward_runner(q, k, v, causal: bool):
     return run
 
 
+def _backward_kernel_name(q, k, v, causal: bool) -> str:
+    """The backward tier the dispatcher picks for these (aligned, contiguous) inputs."""
+    import cupy as cp
+
+    from cuflash import _dispatch, _validate
+
+    problem = _validate.check_attention(q, k, v, causal=causal)
+    arch = int(cp.cuda.Device().compute_capability)
+    return _dispatch.backward_tier(problem, arch).__name__.rsplit(".", 1)[-1]
+
+
 def torch_backward_runner(q, k, v, causal: bool, backend: str):
     """PyTorch SDPA's backward with one backend: ``torch.autograd.grad`` of a recorded forward."""
     import torch
@@ -314,7 +325,7 @@ def run_config(cfg: Config, timer: Timer, impls, peak: float) -> list[dict]:
                 rec.update(flops=int(2.5 * flops), flops_flash_attn=int(2.5 * flops_fa))
             if impl == "cuflash_bwd":
                 fn = cuflash_backward_runner(q, k, v, cfg.causal)
-                rec["kernel"] = "attn_bwd_simt"
+                rec["kernel"] = _backward_kernel_name(q, k, v, cfg.causal)
             elif impl == "torch_sdpa_flash_bwd":
                 fn = torch_backward_runner(q, k, v, cfg.causal, "flash")
             elif impl == "cuflash" or impl == "cuflash_simt":
