@@ -1,4 +1,4 @@
-"""Forward attention on the GPU with pytest-benchmark: cuflash against its baselines.
+"""Attention on the GPU with pytest-benchmark: cuflash's forward and backward against baselines.
 
 The sweep of ``python -m cuflash bench`` (cuflash/_bench.py): fp16/bf16, hdim 64/128/256,
 causal or not, seqlen 512 .. 16k at 16k tokens per batch and H * D = 2048. Baselines in the same
@@ -67,6 +67,51 @@ def test_forward(benchmark, timer, matmul_peak, cfg, impl):
         config=cfg.label, ms=ms, tflops=tflops, tflops_flash_attn=cfg.flops_flash_attn() / (ms * 1e-3) / 1e12,
         matmul_peak_tflops=peak, matmul_peak_source=peak_src, ratio_to_matmul=tflops / peak,
     )
+
+    def run():
+        fn()
+        cp.cuda.get_current_stream().synchronize()
+
+    benchmark.pedantic(run, setup=timer.flush, rounds=5, iterations=1, warmup_rounds=1)
+
+
+BACKWARD_CASES = [pytest.param(c, impl, id=f"quick-{impl}-{c.dtype}-d{c.head_dim}-S{c.seqlen}-{'causal' if c.causal else 'full'}")
+                  for c in _bench.sweep(quick=True) for impl in _bench.IMPLS_BWD + ("cuflash_fwd_bwd",)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg,impl", BACKWARD_CASES)
+def test_backward(benchmark, timer, matmul_peak, cfg, impl):
+    """Backward (FLOPs 2.5x the forward's) and forward + backward (3.5x), cuflash against SDPA
+    flash's backward, on the quick configurations."""
+    import cupy as cp
+
+    if impl.startswith("torch") and not _bench._have_torch_cuda():
+        pytest.skip("torch with CUDA is not installed")
+    q, k, v = _bench.make_inputs(cfg)
+    if impl == "torch_sdpa_flash_bwd":
+        fn = _bench.torch_backward_runner(q, k, v, cfg.causal, "flash")
+        factor = 2.5
+    else:
+        bwd = _bench.cuflash_backward_runner(q, k, v, cfg.causal)
+        benchmark.extra_info["kernel"] = _bench._backward_kernel_name(q, k, v, cfg.causal)
+        if impl == "cuflash_bwd":
+            fn, factor = bwd, 2.5
+        else:
+            fwd, _ = _bench.cuflash_runner(q, k, v, cfg.causal)
+
+            def fn():
+                fwd()
+                return bwd()
+
+            factor = 3.5
+        dq = fn()
+        assert bool(cp.isfinite(dq).all()), f"non-finite dq on {cfg.label}"
+    ms = timer.median_ms(fn)
+    peak, peak_src = matmul_peak
+    tflops = factor * cfg.flops() / (ms * 1e-3) / 1e12
+    benchmark.extra_info.update(config=cfg.label, ms=ms, tflops=tflops, flops_factor=factor,
+                                matmul_peak_tflops=peak, matmul_peak_source=peak_src, ratio_to_matmul=tflops / peak)
 
     def run():
         fn()
