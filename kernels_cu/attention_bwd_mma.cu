@@ -71,40 +71,7 @@ static_assert(DMAX % 16 == 0 && (CHUNKS % 2) == 0 && ((DSP / 8) % 2) == 1, "pitc
 static_assert(2 * (2 * BC * PITCH + 2 * BR * PITCH + BR * DSP) + 4 * 2 * BR == CUFLASH_SMEM_BYTES,
               "the variant's shared-memory size (cuflash/_attention_bwd_mma.py) disagrees with this layout");
 
-__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-#if CUFLASH_BF16
-    ptx_mma_m16n8k16_bf16_f32(d, a, b, d);
-#else
-    ptx_mma_m16n8k16_f16_f32(d, a, b, d);
-#endif
-}
-
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-#if CUFLASH_BF16
-    return ptx_cvt_pack_bf16x2(lo, hi);
-#else
-    return ptx_cvt_pack_f16x2(lo, hi);
-#endif
-}
-
-// cp.async a tile of MAX_ROWS rows x DMAX columns (pitch PITCH); rows >= n_rows and chunks
-// >= n_cols / 8 are zero-filled (src-size 0; the address passed is the aligned tile base).
-template <int MAX_ROWS>
-__device__ __forceinline__ void load_tile_async(elem_t* dst, const elem_t* __restrict__ src, long long row_stride,
-                                                int n_rows, int n_cols) {
-    constexpr int TOTAL = MAX_ROWS * CHUNKS;
-#pragma unroll
-    for (int i = 0; i < (TOTAL + NT - 1) / NT; ++i) {
-        const int e = threadIdx.x + i * NT;
-        if (TOTAL % NT == 0 || e < TOTAL) {
-            const int r = e / CHUNKS;
-            const int c = e - r * CHUNKS;
-            const bool valid = r < n_rows && c * 8 < n_cols;
-            const elem_t* s = valid ? src + r * row_stride + c * 8 : src;
-            ptx_cp_async_16_zfill(dst + r * PITCH + c * 8, s, valid ? 16 : 0);
-        }
-    }
-}
+#include "mma_tile.cuh"
 
 extern "C" __global__ void __launch_bounds__(NT)
 CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,

@@ -1,0 +1,45 @@
+// cuflash: helpers of the tensor-core kernels (attention_fwd_mma.cu, attention_bwd_mma.cu).
+//
+// Include after the kernel has defined elem_t, NT (threads per block), PITCH (shared-memory row
+// pitch, elements) and CHUNKS (16-byte chunks per row), with CUFLASH_BF16 selecting bf16.
+#pragma once
+
+#include "ptx.cuh"
+
+// d += a * b on one m16n8k16 tile (f32 accumulators).
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+#if CUFLASH_BF16
+    ptx_mma_m16n8k16_bf16_f32(d, a, b, d);
+#else
+    ptx_mma_m16n8k16_f16_f32(d, a, b, d);
+#endif
+}
+
+// Two floats rounded to the element type and packed into one 32-bit register (lo in the low half).
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+#if CUFLASH_BF16
+    return ptx_cvt_pack_bf16x2(lo, hi);
+#else
+    return ptx_cvt_pack_f16x2(lo, hi);
+#endif
+}
+
+// cp.async a tile of MAX_ROWS rows x CHUNKS 16-byte chunks into shared memory (pitch PITCH): rows
+// < n_rows and chunks < n_cols / 8 come from `src` (row stride in elements); everything else is
+// zero-filled (src-size 0, nothing is read; the address passed is the aligned tile base).
+template <int MAX_ROWS>
+__device__ __forceinline__ void load_tile_async(elem_t* dst, const elem_t* __restrict__ src, long long row_stride,
+                                                int n_rows, int n_cols) {
+    constexpr int TOTAL = MAX_ROWS * CHUNKS;
+#pragma unroll
+    for (int i = 0; i < (TOTAL + NT - 1) / NT; ++i) {
+        const int e = threadIdx.x + i * NT;
+        if (TOTAL % NT == 0 || e < TOTAL) {
+            const int r = e / CHUNKS;
+            const int c = e - r * CHUNKS;
+            const bool valid = r < n_rows && c * 8 < n_cols;
+            const elem_t* s = valid ? src + r * row_stride + c * 8 : src;
+            ptx_cp_async_16_zfill(dst + r * PITCH + c * 8, s, valid ? 16 : 0);
+        }
+    }
+}
