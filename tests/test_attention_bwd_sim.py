@@ -29,6 +29,23 @@ AXES = [LENGTHS, LENGTHS, HEAD_DIMS, DV, HEADS, list(MASKS), FORMS, list(DTYPES)
 PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
 
 
+@pytest.fixture(autouse=True)
+def _portable_tier():
+    """Run as an sm_75 device would: the portable backward is its only tier there, so every dtype
+    of this grid exercises it. (On the default sm_90, aligned fp16/bf16 views with head dims up to
+    128 go to the tensor-core backward, whose grid is tests/test_attention_bwd_mma_sim.py.)"""
+    with cuflash.sim.options(arch="sm_75"):
+        yield
+
+
+def test_grid_runs_the_portable_backward():
+    from cuflash import _dispatch, _validate
+
+    q = np.zeros((1, 2, 16, 64), np.float16)
+    problem = _validate.check_attention(q, q, q)
+    assert _dispatch.backward_tier(problem, cuflash.sim.current_options().arch) is _attention_bwd_simt
+
+
 def run_backward_case(rng, sq, sk, d, dv_kind, heads, mask, form, dtype_key, scale=1.0):
     hq, hk = heads
     dv = d if dv_kind == "same" else HEAD_DIMS[(HEAD_DIMS.index(d) + 2) % len(HEAD_DIMS)]

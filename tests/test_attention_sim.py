@@ -40,6 +40,20 @@ AXES = [LENGTHS, LENGTHS, HEAD_DIMS, DV, HEADS, list(MASKS), FORMS, list(DTYPES)
 PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
 
 
+@pytest.fixture(autouse=True)
+def _portable_tier():
+    """Run as an sm_75 device would: the portable kernel is its only tier there, so every dtype of
+    this grid exercises it. (On the default sm_90, aligned fp16/bf16 views go to the tensor-core
+    kernel, whose grid is tests/test_attention_mma_sim.py.)"""
+    with cuflash.sim.options(arch="sm_75"):
+        yield
+
+
+def test_grid_runs_the_portable_kernel():
+    q = np.zeros((1, 2, 16, 64), np.float16)
+    assert cuflash.explain(q, q, q, backend="sim")["tier"] == "_attention_simt"
+
+
 def _other_dv(d: int) -> int:
     """A value head dim different from ``d`` (the next one in the list, cyclically)."""
     return HEAD_DIMS[(HEAD_DIMS.index(d) + 3) % len(HEAD_DIMS)]
