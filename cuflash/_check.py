@@ -40,6 +40,8 @@ import traceback
 
 import numpy as np
 
+from cuflash import reference
+
 #: seconds the whole check may take (the issue asks for under 3 minutes)
 DEFAULT_BUDGET_S = 170.0
 
@@ -66,21 +68,6 @@ class Result:
 
 # --------------------------------------------------------------------------------------------
 # the oracle and the tolerance rule (float64, any subset of query rows and heads)
-
-
-def _visible(rows, seqlen_q: int, seqlen_k: int, causal: bool, window) -> np.ndarray:
-    """``(R, Sk)`` mask: query ``i`` sees key ``j`` (bottom-right aligned causal and windows)."""
-    left, right = window
-    if causal:
-        right = 0
-    i = np.asarray(rows)[:, None] + (seqlen_k - seqlen_q)
-    j = np.arange(seqlen_k)[None, :]
-    vis = np.ones((len(rows), seqlen_k), bool)
-    if right >= 0:
-        vis &= j <= i + right
-    if left >= 0:
-        vis &= j >= i - left
-    return vis
 
 
 def oracle(q, k, v, *, causal=False, window=(-1, -1), scale=None, rows=None, same_dtype=False):
@@ -111,8 +98,9 @@ def oracle(q, k, v, *, causal=False, window=(-1, -1), scale=None, rows=None, sam
     qs = q[:, :, rows].astype(acc).reshape(B, Hk, g, len(rows), D)
     kf, vf = k.astype(acc), v.astype(acc)
     s = rnd(rnd(np.einsum("bhgrd,bhkd->bhgrk", qs, kf)) * acc(scale))
-    vis = _visible(rows, Sq, Sk, causal, window)
-    s = np.where(vis, s, -np.inf)
+    vis = reference.visible_mask(rows, np.arange(Sk), Sq, Sk, window[0], 0 if causal else window[1])
+    if vis is not None:
+        s = np.where(vis, s, -np.inf)
     m = s.max(axis=-1, initial=-np.inf)
     m_safe = np.where(np.isneginf(m), 0, m)
     e = np.exp(s - m_safe[..., None])
@@ -476,7 +464,6 @@ def section_backward(clock, log) -> str:
     import cupy
 
     import cuflash
-    from cuflash import reference
 
     rng = np.random.default_rng(13)
     cases = [dict(dtype="f16", B=1, Hq=8, Hk=2, Sq=257, Sk=300, D=64, Dv=64, causal=True, window=(-1, -1)),

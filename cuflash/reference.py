@@ -175,17 +175,39 @@ def _kv_view(x: np.ndarray) -> np.ndarray:
     return x[..., None, :, :]
 
 
-def _visible(p: AttentionProblem, rows: np.ndarray, cols: np.ndarray) -> np.ndarray | None:
-    """Boolean ``(len(rows), len(cols))`` mask of visible keys, or None when all are visible."""
-    offset = p.seqlen_k - p.seqlen_q
+def visible_mask(rows, cols, seqlen_q: int, seqlen_k: int, window_left: int = -1, window_right: int = -1):
+    """Which keys each query row sees: the masking convention of every cuflash backend.
+
+    Query ``i`` sees key ``j`` iff ``i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right``
+    (bottom-right alignment; -1 = unbounded side; causal is ``window_right = 0``).
+
+    Parameters
+    ----------
+    rows, cols : array_like of int
+        Query and key indices.
+    seqlen_q, seqlen_k : int
+        The problem's lengths (they set the diagonal's offset ``Sk - Sq``).
+    window_left, window_right : int
+        Effective window bounds, -1 for unbounded.
+
+    Returns
+    -------
+    numpy.ndarray of bool, shape ``(len(rows), len(cols))``, or None when every key is visible.
+    """
+    diag = np.asarray(rows)[:, None] + (seqlen_k - seqlen_q)
+    cols = np.asarray(cols)[None, :]
     mask = None
-    diag = rows[:, None] + offset
-    if p.window_right >= 0:
-        mask = cols[None, :] <= diag + p.window_right
-    if p.window_left >= 0:
-        lower = cols[None, :] >= diag - p.window_left
+    if window_right >= 0:
+        mask = cols <= diag + window_right
+    if window_left >= 0:
+        lower = cols >= diag - window_left
         mask = lower if mask is None else mask & lower
     return mask
+
+
+def _visible(p: AttentionProblem, rows: np.ndarray, cols: np.ndarray) -> np.ndarray | None:
+    """:func:`visible_mask` for a validated problem."""
+    return visible_mask(rows, cols, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
 
 
 def _key_range(p: AttentionProblem, row_start: int, row_stop: int) -> tuple[int, int]:
