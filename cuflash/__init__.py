@@ -9,9 +9,9 @@ matrix is never materialised. NumPy input runs the NumPy implementation of the s
 __version__ = "0.1.0"
 
 from cuflash import intensity, reference, sim
-from cuflash._api import attention, explain
-from cuflash._api_backward import attention_backward
-from cuflash._precompile import precompile
-from cuflash._softmax import softmax
+from cuflash.api import attention, explain
+from cuflash.api_backward import attention_backward
+from cuflash.api_softmax import softmax
+from cuflash.kernels.precompile import precompile
 
 __all__ = ["attention", "attention_backward", "softmax", "explain", "precompile", "reference", "intensity", "sim", "__version__"]

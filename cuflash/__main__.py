@@ -12,10 +12,10 @@ import sys
 
 # command name -> (module, one-line help)
 COMMANDS = {
-    "demo": ("cuflash.demo", "run a real language model (SmolLM2-135M) with cuflash attention"),
-    "bench": ("cuflash._bench", "forward attention throughput on the local GPU vs. baselines (table, --json, --plot)"),
+    "demo": ("cuflash.tools.demo", "run a real language model (SmolLM2-135M) with cuflash attention"),
+    "bench": ("cuflash.tools.bench", "forward attention throughput on the local GPU vs. baselines (table, --json, --plot)"),
     "intensity": ("cuflash.intensity", "FLOPs, HBM bytes, arithmetic intensity and roofline time"),
-    "check": ("cuflash._check", "GPU self-check: compile every kernel, correctness grid, interop, graphs"),
+    "check": ("cuflash.tools.check", "GPU self-check: compile every kernel, correctness grid, interop, graphs"),
 }
 
 

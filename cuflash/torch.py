@@ -29,7 +29,9 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from cuflash import _reference_backward, _validate, reference
+from cuflash.reference import backward as ref_backward
+from cuflash.reference import forward as ref_forward
+from cuflash.runtime import validation
 
 __all__ = ["attention"]
 
@@ -65,28 +67,28 @@ def _from_numpy(a: np.ndarray) -> torch.Tensor:
 
 def _forward_cpu(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False):
     qa, ka, va = _to_numpy(q), _to_numpy(k), _to_numpy(v)
-    problem = _validate.check_attention(
+    problem = validation.check_attention(
         qa, ka, va, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
-        layout=layout, return_lse=True, func=_FUNC, max_head_dim=_validate.MAX_HEAD_DIM,
+        layout=layout, return_lse=True, func=_FUNC, max_head_dim=validation.MAX_HEAD_DIM,
     )
-    out, lse = reference._flash_forward(problem, qa, ka, va, _BLOCK_M, _BLOCK_N, None, True)
+    out, lse = ref_forward._flash_forward(problem, qa, ka, va, _BLOCK_M, _BLOCK_N, None, True)
     return _from_numpy(out), _from_numpy(lse)
 
 
 def _backward_cpu(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
                   deterministic=False):  # the NumPy path is always deterministic
     arrays = [_to_numpy(t) for t in (dout, q, k, v, out, lse)]
-    problem = _reference_backward.check_backward(
+    problem = ref_backward.check_backward(
         *arrays, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
-        layout=layout, func=_FUNC + " (backward)", max_head_dim=_validate.MAX_HEAD_DIM,
+        layout=layout, func=_FUNC + " (backward)", max_head_dim=validation.MAX_HEAD_DIM,
     )
-    dq, dk, dv = _reference_backward._flash_backward(problem, *arrays, _BWD_BLOCK_M, _BWD_BLOCK_N)
+    dq, dk, dv = ref_backward._flash_backward(problem, *arrays, _BWD_BLOCK_M, _BWD_BLOCK_N)
     return _from_numpy(dq), _from_numpy(dk), _from_numpy(dv)
 
 
 def _forward_cuda(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False):
     """CUDA tensors: :func:`cuflash.attention` on torch's current stream, zero-copy through
-    DLPack, outputs allocated with ``torch.empty`` (see :class:`cuflash._interop.CudaCall`)."""
+    DLPack, outputs allocated with ``torch.empty`` (see :class:`cuflash.runtime.interop.CudaCall`)."""
     import cuflash
 
     if q.device.type != "cuda":  # only reached through _pick for CUDA tensors; meta etc. stop here
@@ -258,14 +260,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{_FUNC}: {name} must be a torch.Tensor, got {type(x).__module__}.{type(x).__qualname__}")
-    causal = _validate.check_flag(causal, "causal", _FUNC)
-    deterministic = _validate.check_flag(deterministic, "deterministic", _FUNC)
-    layout = _validate.check_layout(layout, _FUNC)
-    left, right = _validate.check_window_size(window_size, False, _FUNC)
+    causal = validation.check_flag(causal, "causal", _FUNC)
+    deterministic = validation.check_flag(deterministic, "deterministic", _FUNC)
+    layout = validation.check_layout(layout, _FUNC)
+    left, right = validation.check_window_size(window_size, False, _FUNC)
     if softmax_scale is None:
         head_dim = q.shape[-1]
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     else:
-        scale = _validate.check_softmax_scale(softmax_scale, 1, _FUNC)
+        scale = validation.check_softmax_scale(softmax_scale, 1, _FUNC)
     out, _ = attention_fwd(q, k, v, causal, scale, left, right, layout, deterministic)
     return out

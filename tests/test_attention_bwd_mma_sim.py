@@ -12,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from allpairspy import AllPairs
+from test_backward_reference import check_grads_close, make_qkv
 
 import cuflash
-from cuflash import _attention_bwd_mma, _attention_bwd_simt, _dispatch, _dtypes, _reference_backward
-
-from test_backward_reference import check_grads_close, make_qkv
+from cuflash.kernels import attention_bwd_mma, attention_bwd_simt, dispatch
+from cuflash.reference import backward as ref_backward
+from cuflash.runtime import dtypes
 
 LENGTHS = [1, 17, 97, 128]
 HEAD_DIMS = [40, 64, 96, 128]
@@ -24,7 +25,7 @@ DV = ["same", "other"]
 HEADS = [(1, 1), (7, 1), (8, 2)]
 MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False, (9, 4)), "causal_win": (True, (20, -1))}
 FORMS = ["bhsd", "bshd", "dout_transposed"]
-DTYPES = {"f16": _dtypes.float16, "bf16": _dtypes.bfloat16}
+DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
 MODES = ["atomic", "deterministic"]
 
 AXES = [LENGTHS, LENGTHS, HEAD_DIMS, DV, HEADS, list(MASKS), FORMS, list(DTYPES), MODES]
@@ -32,7 +33,7 @@ PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
 
 
 def _problem(dout, q, k, v, out, lse, **kw):
-    return _reference_backward.check_backward(dout, q, k, v, out, lse, softmax_scale=None, func="test", max_head_dim=256, **kw)
+    return ref_backward.check_backward(dout, q, k, v, out, lse, softmax_scale=None, func="test", max_head_dim=256, **kw)
 
 
 def run_case(rng, sq, sk, d, dv_kind, heads, mask, form, dtype_key, mode, seed=0):
@@ -47,8 +48,8 @@ def run_case(rng, sq, sk, d, dv_kind, heads, mask, form, dtype_key, mode, seed=0
     dout = rng.standard_normal(out.shape).astype(dtype)
     if form == "dout_transposed":  # a non-contiguous dout: a bhsd view of bshd storage
         dout = np.ascontiguousarray(dout.swapaxes(1, 2)).swapaxes(1, 2)
-    tier = _dispatch.backward_tier(_problem(dout, q, k, v, out, lse, **kw), 90, (q, k, v, out, dout))
-    assert tier is _attention_bwd_mma
+    tier = dispatch.backward_tier(_problem(dout, q, k, v, out, lse, **kw), 90, (q, k, v, out, dout))
+    assert tier is attention_bwd_mma
     with cuflash.sim.options(seed=seed):
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim",
                                            deterministic=mode == "deterministic", **kw)
@@ -66,7 +67,7 @@ def test_pairwise_grid(sq, sk, d, dv, heads, mask, form, dtype, mode, rng):
 @pytest.mark.parametrize("d", [64, 128])
 def test_deterministic_bits_across_thread_orders(d, monkeypatch):
     # two key tiles per split (the partial read-modify-write path) and GQA
-    monkeypatch.setattr(_attention_bwd_simt, "MAX_DETERMINISTIC_SPLITS", 2)
+    monkeypatch.setattr(attention_bwd_simt, "MAX_DETERMINISTIC_SPLITS", 2)
     a = run_case(np.random.default_rng(5), 45, 250, d, "same", (4, 2), "causal", "bhsd", "bf16", "deterministic", seed=1)
     b = run_case(np.random.default_rng(5), 45, 250, d, "same", (4, 2), "causal", "bhsd", "bf16", "deterministic", seed=31337)
     for x, y in zip(a, b):
@@ -79,20 +80,20 @@ def test_rows_without_keys_have_zero_dq(rng):
 
 
 def test_fallbacks_to_simt(rng):
-    def tier(d, dv, dtype=_dtypes.float16, arch=90, offset=False):
+    def tier(d, dv, dtype=dtypes.float16, arch=90, offset=False):
         q, k, v = make_qkv(rng, 1, 2, 1, 9, 11, d, dv, dtype=dtype)
         if offset:  # a view one element into its buffer: not 16-byte aligned
             q = np.concatenate([np.zeros(1, q.dtype), q.ravel()])[1:].reshape(q.shape)
         out, lse = cuflash.attention(q, k, v, return_lse=True)
         p = _problem(out, q, k, v, out, lse)
-        return _dispatch.backward_tier(p, arch, (q, k, v, out, out))
+        return dispatch.backward_tier(p, arch, (q, k, v, out, out))
 
-    assert tier(64, 64) is _attention_bwd_mma and tier(128, 40) is _attention_bwd_mma
-    assert tier(60, 64) is _attention_bwd_simt  # D not a multiple of 8
-    assert tier(192, 192) is _attention_bwd_simt  # above the largest backward bucket
-    assert tier(64, 64, dtype=_dtypes.float32) is _attention_bwd_simt
-    assert tier(64, 64, arch=75) is _attention_bwd_simt
-    assert tier(64, 64, offset=True) is _attention_bwd_simt
+    assert tier(64, 64) is attention_bwd_mma and tier(128, 40) is attention_bwd_mma
+    assert tier(60, 64) is attention_bwd_simt  # D not a multiple of 8
+    assert tier(192, 192) is attention_bwd_simt  # above the largest backward bucket
+    assert tier(64, 64, dtype=dtypes.float32) is attention_bwd_simt
+    assert tier(64, 64, arch=75) is attention_bwd_simt
+    assert tier(64, 64, offset=True) is attention_bwd_simt
 
 
 def test_simt_backward_still_serves_fp16_where_the_mma_cannot(rng):
@@ -107,9 +108,9 @@ def test_simt_backward_still_serves_fp16_where_the_mma_cannot(rng):
 
 
 def test_variants():
-    assert _attention_bwd_mma.all_variants(75) == ()
-    for arch in _attention_bwd_mma.ARCHES:
-        for var in _attention_bwd_mma.all_variants(arch):
+    assert attention_bwd_mma.all_variants(75) == ()
+    for arch in attention_bwd_mma.ARCHES:
+        for var in attention_bwd_mma.all_variants(arch):
             assert var.smem_bytes <= 99 * 1024  # sm_86/89's opt-in limit
 
 
@@ -117,7 +118,7 @@ def test_variants():
 def test_checked_mode(mode, rng, monkeypatch):
     # the simulator's checked mode: out-of-view global accesses, reads of unwritten shared memory
     # and shared-memory races (e.g. dS between its writers and the dQ pass) raise SimCheckError
-    monkeypatch.setattr(_attention_bwd_simt, "MAX_DETERMINISTIC_SPLITS", 2)
+    monkeypatch.setattr(attention_bwd_simt, "MAX_DETERMINISTIC_SPLITS", 2)
     with cuflash.sim.options(checked=True):
         run_case(rng, 37, 150, 64, "other", (4, 2), "causal_win", "bshd", "f16", mode)
         run_case(rng, 20, 70, 128, "same", (2, 1), "window", "dout_transposed", "bf16", mode)

@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from allpairspy import AllPairs
+from test_backward_reference import check_grads_close, make_qkv
 
 import cuflash
-from cuflash import _attention_bwd_simt, _dtypes
-
-from test_backward_reference import check_grads_close, make_qkv
+from cuflash.kernels import attention_bwd_simt
+from cuflash.runtime import dtypes
 
 LENGTHS = [1, 17, 97, 128]
 HEAD_DIMS = [40, 64, 96, 128, 256]
@@ -23,7 +23,7 @@ DV = ["same", "other"]
 HEADS = [(1, 1), (7, 1), (8, 2)]
 MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False, (9, 4)), "causal_win": (True, (20, -1))}
 FORMS = ["bhsd", "bshd", "dout_transposed"]
-DTYPES = {"f16": _dtypes.float16, "bf16": _dtypes.bfloat16, "f32": _dtypes.float32}
+DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16, "f32": dtypes.float32}
 
 AXES = [LENGTHS, LENGTHS, HEAD_DIMS, DV, HEADS, list(MASKS), FORMS, list(DTYPES)]
 PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
@@ -39,11 +39,12 @@ def _portable_tier():
 
 
 def test_grid_runs_the_portable_backward():
-    from cuflash import _dispatch, _validate
+    from cuflash.kernels import dispatch
+    from cuflash.runtime import validation
 
     q = np.zeros((1, 2, 16, 64), np.float16)
-    problem = _validate.check_attention(q, q, q)
-    assert _dispatch.backward_tier(problem, cuflash.sim.current_options().arch) is _attention_bwd_simt
+    problem = validation.check_attention(q, q, q)
+    assert dispatch.backward_tier(problem, cuflash.sim.current_options().arch) is attention_bwd_simt
 
 
 def run_backward_case(rng, sq, sk, d, dv_kind, heads, mask, form, dtype_key, scale=1.0):
@@ -110,8 +111,8 @@ def test_gqa_dk_dv_sum_over_the_group(rng):
 
 
 def test_variants_and_float64():
-    for arch in _attention_bwd_simt.ARCHES:
-        for v in _attention_bwd_simt.all_variants(arch):
+    for arch in attention_bwd_simt.ARCHES:
+        for v in attention_bwd_simt.all_variants(arch):
             assert v.smem_bytes <= 64 * 1024  # sm_75's opt-in limit, the smallest
     x = np.zeros((1, 1, 4, 8))
     with pytest.raises(NotImplementedError, match=r"float64 runs on the NumPy path only"):

@@ -18,14 +18,14 @@ import logging
 
 import numpy as np
 import pytest
+from _tolerance import check_close
 from allpairspy import AllPairs
+from test_attention_sim import MASKS, _nan_padded, make_inputs
 
 import cuflash
-from cuflash import _attention_mma, _attention_simt, _dispatch, _dtypes, _validate
 from cuflash import reference as ref
-
-from _tolerance import check_close
-from test_attention_sim import MASKS, _nan_padded, make_inputs
+from cuflash.kernels import attention_fwd_mma, attention_fwd_simt, dispatch
+from cuflash.runtime import dtypes, plan, validation
 
 LENGTHS = [1, 17, 97, 128, 129]
 HEAD_DIMS = [40, 59, 64, 80, 96, 128, 160, 192, 256]
@@ -36,7 +36,7 @@ HEADS = [(1, 1), (2, 2), (4, 1), (4, 2)]  # (Hq, Hk): MHA, MHA, MQA 4:1, GQA 4:2
 #: input forms; the last two must fall back to the SIMT kernel
 FORMS = ["bhsd", "bshd", "strided8", "transposed", "broadcast", "strided3", "offset"]
 FALLBACK_FORMS = {"strided3", "offset"}
-DTYPES = {"f16": _dtypes.float16, "bf16": _dtypes.bfloat16}
+DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
 LOGITS = ["normal", "large"]
 
 AXES = [LENGTHS, LENGTHS, HEAD_DIMS, DV, HEADS, list(MASKS), FORMS, list(DTYPES), LOGITS]
@@ -87,9 +87,9 @@ def run_case(rng, sq, sk, d, dv_kind, heads, mask, form, dtype_key, logits, *, a
     q, k, v, layout = _inputs(rng, form, dtype, b, hq, hk, sq, sk, d, dv, scale)
     causal, window = MASKS[mask]
     kw = dict(causal=causal, window_size=window, layout=layout)
-    problem = _validate.check_attention(q, k, v, **kw)
-    tier = _dispatch.forward_tier(problem, arch, (q, k, v, None))
-    assert (tier is _attention_mma) == expects_mma(d, dv, form), _dispatch.describe_choice(problem, arch, (q, k, v))
+    problem = validation.check_attention(q, k, v, **kw)
+    tier = dispatch.forward_tier(problem, arch, (q, k, v, None))
+    assert (tier is attention_fwd_mma) == expects_mma(d, dv, form), dispatch.describe_choice(problem, arch, (q, k, v))
     with cuflash.sim.options(arch=f"sm_{arch}"):
         out, lse = cuflash.attention(q, k, v, return_lse=True, backend="sim", **kw)
     assert out.dtype == dtype and lse.dtype == np.float32
@@ -117,9 +117,9 @@ def test_covering_design_covers_every_value_and_pair():
     for i, j in itertools.combinations(range(len(AXES)), 2):
         assert len({(c[i], c[j]) for c in PAIRWISE}) == len(AXES[i]) * len(AXES[j]), (i, j)
     # the grid exercises every tensor-core variant of sm_90 (both dtypes, every bucket)
-    seen = {_attention_mma.choose_variant(DTYPES[c[7]], c[2], c[2] if c[3] == "same" else OTHER_DV[c[2]], 90)
+    seen = {attention_fwd_mma.choose_variant(DTYPES[c[7]], c[2], c[2] if c[3] == "same" else OTHER_DV[c[2]], 90)
             for c in PAIRWISE if expects_mma(c[2], c[2] if c[3] == "same" else OTHER_DV[c[2]], c[6])}
-    assert seen == set(_attention_mma.all_variants(90))
+    assert seen == set(attention_fwd_mma.all_variants(90))
 
 
 @pytest.mark.parametrize("case", [
@@ -146,9 +146,9 @@ def test_rows_without_keys_and_no_keys_at_all(rng):
 
 
 def test_zero_scale_and_window_rows_empty_mid_tile(rng):
-    q = rng.standard_normal((1, 2, 33, 96)).astype(_dtypes.bfloat16)
-    k = rng.standard_normal((1, 2, 70, 96)).astype(_dtypes.bfloat16)
-    v = rng.standard_normal((1, 2, 70, 96)).astype(_dtypes.bfloat16)
+    q = rng.standard_normal((1, 2, 33, 96)).astype(dtypes.bfloat16)
+    k = rng.standard_normal((1, 2, 70, 96)).astype(dtypes.bfloat16)
+    v = rng.standard_normal((1, 2, 70, 96)).astype(dtypes.bfloat16)
     out, lse = cuflash.attention(q, k, v, softmax_scale=0.0, return_lse=True, backend="sim")
     mean = v.astype(np.float64).mean(axis=2, keepdims=True)
     np.testing.assert_allclose(out.astype(np.float64), np.broadcast_to(mean, out.shape), atol=2.0**-7)
@@ -163,8 +163,8 @@ def test_odd_offset_falls_back_visibly(rng, caplog):
     buf = rng.standard_normal(1 + 2 * 33 * 64).astype(np.float16)
     q = buf[1:].reshape(1, 2, 33, 64)
     k = rng.standard_normal((1, 2, 33, 64)).astype(np.float16)
-    problem = _validate.check_attention(q, k, k)
-    line = _dispatch.describe_choice(problem, 90, (q, k, k))
+    problem = validation.check_attention(q, k, k)
+    line = dispatch.describe_choice(problem, 90, (q, k, k))
     assert "portable SIMT tier" in line and "q starts at an address that is not 16-byte aligned" in line
     with caplog.at_level(logging.DEBUG, logger="cuflash.dispatch"):
         out = cuflash.attention(q, k, k, backend="sim")
@@ -178,41 +178,41 @@ def test_odd_offset_falls_back_visibly(rng, caplog):
 def test_describe_choice_names_tier_variant_and_reason():
     def prob(dtype, d, dv=None, s=16):
         dv = dv or d
-        return _validate.check_attention(np.zeros((1, 1, s, d), dtype), np.zeros((1, 1, s, d), dtype),
+        return validation.check_attention(np.zeros((1, 1, s, d), dtype), np.zeros((1, 1, s, d), dtype),
                                          np.zeros((1, 1, s, dv), dtype))
 
-    line = _dispatch.describe_choice(prob(_dtypes.bfloat16, 128), 90)
+    line = dispatch.describe_choice(prob(dtypes.bfloat16, 128), 90)
     assert line.startswith("sm_90: tensor-core mma.sync tier, cuflash_attn_fwd_mma_bf16_d128_m128_n64: 8 warps, Br=128 x Bc=64")
-    assert "portable SIMT" in _dispatch.describe_choice(prob(_dtypes.float32, 64), 90)
-    assert "float32" in _dispatch.describe_choice(prob(_dtypes.float32, 64), 90)
-    assert "needs sm_80+" in _dispatch.describe_choice(prob(_dtypes.float16, 64), 75)
-    assert "D=72" not in _dispatch.describe_choice(prob(_dtypes.float16, 72), 90)  # 72 runs in bucket 96
-    assert "D=59 is not a multiple of 8" in _dispatch.describe_choice(prob(_dtypes.float16, 59), 90)
-    assert "Dv=20 is not a multiple of 8" in _dispatch.describe_choice(prob(_dtypes.float16, 64, 20), 90)
-    assert _dispatch.forward_tier(prob(_dtypes.float16, 256), 90) is _attention_mma
-    assert _dispatch.forward_tier(prob(_dtypes.float16, 64), 75) is _attention_simt
+    assert "portable SIMT" in dispatch.describe_choice(prob(dtypes.float32, 64), 90)
+    assert "float32" in dispatch.describe_choice(prob(dtypes.float32, 64), 90)
+    assert "needs sm_80+" in dispatch.describe_choice(prob(dtypes.float16, 64), 75)
+    assert "D=72" not in dispatch.describe_choice(prob(dtypes.float16, 72), 90)  # 72 runs in bucket 96
+    assert "D=59 is not a multiple of 8" in dispatch.describe_choice(prob(dtypes.float16, 59), 90)
+    assert "Dv=20 is not a multiple of 8" in dispatch.describe_choice(prob(dtypes.float16, 64, 20), 90)
+    assert dispatch.forward_tier(prob(dtypes.float16, 256), 90) is attention_fwd_mma
+    assert dispatch.forward_tier(prob(dtypes.float16, 64), 75) is attention_fwd_simt
     # a stride that is not a multiple of 8 elements (a slice of a packed buffer)
     big = np.zeros((1, 1, 16, 68), np.float16)
-    p = _validate.check_attention(big[..., :64], big[..., :64], big[..., :64])
-    assert _dispatch.forward_tier(p, 90, (big[..., :64],) * 3) is _attention_simt
-    assert "stride of 68 elements" in _dispatch.describe_choice(p, 90, (big[..., :64],) * 3)
+    p = validation.check_attention(big[..., :64], big[..., :64], big[..., :64])
+    assert dispatch.forward_tier(p, 90, (big[..., :64],) * 3) is attention_fwd_simt
+    assert "stride of 68 elements" in dispatch.describe_choice(p, 90, (big[..., :64],) * 3)
 
 
 def test_variants_fit_and_are_named():
-    for arch in _attention_mma.ARCHES:
-        vs = _attention_mma.all_variants(arch)
-        assert {v.head_dim_max for v in vs} == set(_attention_mma.HEAD_DIM_BUCKETS)
+    for arch in attention_fwd_mma.ARCHES:
+        vs = attention_fwd_mma.all_variants(arch)
+        assert {v.head_dim_max for v in vs} == set(attention_fwd_mma.HEAD_DIM_BUCKETS)
         for v in vs:
-            assert v.smem_bytes <= _attention_mma.smem_limit(arch)
+            assert v.smem_bytes <= plan.max_dynamic_smem(arch)
     for arch in (86, 89):  # 99 KB parts still get a tile for every bucket
-        assert {v.head_dim_max for v in _attention_mma.all_variants(arch)} == set(_attention_mma.HEAD_DIM_BUCKETS)
-    assert _attention_mma.all_variants(75) == ()
-    v = _attention_mma.choose_variant(_dtypes.float16, 80, 40, 90)
+        assert {v.head_dim_max for v in attention_fwd_mma.all_variants(arch)} == set(attention_fwd_mma.HEAD_DIM_BUCKETS)
+    assert attention_fwd_mma.all_variants(75) == ()
+    v = attention_fwd_mma.choose_variant(dtypes.float16, 80, 40, 90)
     assert v.head_dim_max == 96 and v.entry.startswith("cuflash_attn_fwd_mma_f16_d96_")
     with pytest.raises(NotImplementedError, match="float32"):
-        _attention_mma.choose_variant(np.float32, 64, 64, 90)
+        attention_fwd_mma.choose_variant(np.float32, 64, 64, 90)
     with pytest.raises(ValueError):
-        _attention_mma.AttentionFwdMma("f16", 72, 64, 64)
+        attention_fwd_mma.AttentionFwdMma("f16", 72, 64, 64)
 
 
 SLOW_GRID = list(itertools.product(LENGTHS, LENGTHS, [64, 96, 128, 192, 256], list(MASKS), list(DTYPES)))
@@ -226,9 +226,9 @@ def test_full_grid(sq, sk, d, mask, dtype, rng):
 
 
 def test_catalog_lists_the_tensor_core_variants_on_sm80_and_sm90_only():
-    from cuflash import _catalog
+    from cuflash.kernels import catalog
 
-    targets = _catalog.compile_targets()
-    for arch in _attention_mma.ARCHES:
-        assert set(_attention_mma.all_variants(arch)) <= {v for a, v in targets if a == arch}
-    assert not any(v.family == "attn_fwd_mma" for a, v in targets if a < _attention_mma.MIN_ARCH)
+    targets = catalog.compile_targets()
+    for arch in attention_fwd_mma.ARCHES:
+        assert set(attention_fwd_mma.all_variants(arch)) <= {v for a, v in targets if a == arch}
+    assert not any(v.family == "attn_fwd_mma" for a, v in targets if a < attention_fwd_mma.MIN_ARCH)

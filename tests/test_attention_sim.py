@@ -13,13 +13,13 @@ import itertools
 
 import numpy as np
 import pytest
+from _tolerance import check_close
 from allpairspy import AllPairs
 
 import cuflash
-from cuflash import _attention_simt, _dtypes
 from cuflash import reference as ref
-
-from _tolerance import check_close
+from cuflash.kernels import attention_fwd_simt
+from cuflash.runtime import dtypes, plan
 
 LENGTHS = [1, 17, 97, 128, 129, 255]
 HEAD_DIMS = [40, 59, 64, 72, 96, 111, 128, 160, 256]
@@ -33,7 +33,7 @@ MASKS = {
     "win_r": (False, (-1, 5)),
 }
 FORMS = ["bhsd", "bshd", "strided", "transposed", "broadcast"]
-DTYPES = {"f16": _dtypes.float16, "bf16": _dtypes.bfloat16, "f32": _dtypes.float32}
+DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16, "f32": dtypes.float32}
 LOGITS = ["normal", "large"]
 
 AXES = [LENGTHS, LENGTHS, HEAD_DIMS, DV, HEADS, list(MASKS), FORMS, list(DTYPES), LOGITS]
@@ -51,7 +51,7 @@ def _portable_tier():
 
 def test_grid_runs_the_portable_kernel():
     q = np.zeros((1, 2, 16, 64), np.float16)
-    assert cuflash.explain(q, q, q, backend="sim")["tier"] == "_attention_simt"
+    assert cuflash.explain(q, q, q, backend="sim")["tier"] == "attention_fwd_simt"
 
 
 def _other_dv(d: int) -> int:
@@ -186,14 +186,14 @@ def test_head_dims_one_to_256(rng):
 
 
 def test_variant_choice_respects_shared_memory():
-    for arch in _attention_simt.ARCHES:
-        for v in _attention_simt.all_variants(arch):
-            assert v.smem_bytes <= _attention_simt.smem_limit(arch)
-    v = _attention_simt.choose_variant(np.float16, 40, 72, 90)
+    for arch in attention_fwd_simt.ARCHES:
+        for v in attention_fwd_simt.all_variants(arch):
+            assert v.smem_bytes <= plan.max_dynamic_smem(arch)
+    v = attention_fwd_simt.choose_variant(np.float16, 40, 72, 90)
     assert (v.head_dim_max, v.dtype) == (128, "f16")
     assert v.entry == f"cuflash_attn_fwd_simt_f16_d128_m{v.block_m}_n{v.block_n}"
     with pytest.raises(NotImplementedError, match="head dim 300 exceeds the largest bucket 256"):
-        _attention_simt.head_dim_bucket(300, 8)
+        attention_fwd_simt.AttentionFwdSimt.bucket(300, 8)
 
 
 def test_float64_has_no_kernel():

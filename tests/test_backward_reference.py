@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuflash import _dtypes, _validate
 from cuflash import reference as ref
-from cuflash._api_backward import attention_backward as api_backward
-from cuflash._reference_backward import attention_backward, flash_attention_backward
+from cuflash.api_backward import attention_backward as api_backward
+from cuflash.reference import masks, views
+from cuflash.reference.backward import attention_backward, flash_attention_backward
+from cuflash.runtime import dtypes, validation
 
-
-LOW = [_dtypes.float16, _dtypes.bfloat16, _dtypes.float32]
+LOW = [dtypes.float16, dtypes.bfloat16, dtypes.float32]
 
 
 def randn(rng, shape, dtype=np.float64, scale=1.0):
@@ -57,16 +57,16 @@ def naive_backward_same_dtype(dout, q, k, v, out, *, layout="bhsd", **kw):
     float32-accumulated matmuls whose results are rounded to the input dtype, P and dS rounded to
     the input dtype before they enter a matmul. Returns float64 values of dq, dk, dv."""
     dtype = q.dtype
-    p = _validate.check_attention(q, k, v, layout=layout, max_head_dim=None, **kw)
+    p = validation.check_attention(q, k, v, layout=layout, max_head_dim=None, **kw)
     rnd = lambda x: x.astype(dtype).astype(np.float32)  # noqa: E731
     f32 = np.float32
-    qv = ref._split_heads(ref._canonical(q, layout), p.num_heads_k).astype(f32)
-    dov = ref._split_heads(ref._canonical(dout, layout), p.num_heads_k).astype(f32)
-    ov = ref._split_heads(ref._canonical(out, layout), p.num_heads_k).astype(f32)
-    kv = ref._kv_view(ref._canonical(k, layout)).astype(f32)
-    vv = ref._kv_view(ref._canonical(v, layout)).astype(f32)
+    qv = views.split_heads(views.canonical(q, layout), p.num_heads_k).astype(f32)
+    dov = views.split_heads(views.canonical(dout, layout), p.num_heads_k).astype(f32)
+    ov = views.split_heads(views.canonical(out, layout), p.num_heads_k).astype(f32)
+    kv = views.kv_view(views.canonical(k, layout)).astype(f32)
+    vv = views.kv_view(views.canonical(v, layout)).astype(f32)
     s = rnd(rnd(qv @ kv.swapaxes(-1, -2)) * f32(p.softmax_scale))
-    mask = ref._visible(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))
+    mask = masks.problem_mask(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))
     if mask is not None:
         s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, initial=-np.inf)
@@ -76,9 +76,9 @@ def naive_backward_same_dtype(dout, q, k, v, out, *, layout="bhsd", **kw):
     dp = rnd(dov @ vv.swapaxes(-1, -2))
     ds = rnd(probs * (dp - rnd(np.sum(dov * ov, axis=-1))[..., None]))
     dq, dk, dv = (np.zeros(x.shape) for x in (q, k, v))
-    ref._split_heads(ref._canonical(dq, layout), p.num_heads_k)[...] = rnd(rnd(ds @ kv) * f32(p.softmax_scale))
-    ref._canonical(dk, layout)[...] = rnd(rnd(ds.swapaxes(-1, -2) @ qv).sum(axis=-3) * f32(p.softmax_scale))
-    ref._canonical(dv, layout)[...] = rnd(rnd(probs.swapaxes(-1, -2) @ dov).sum(axis=-3))
+    views.split_heads(views.canonical(dq, layout), p.num_heads_k)[...] = rnd(rnd(ds @ kv) * f32(p.softmax_scale))
+    views.canonical(dk, layout)[...] = rnd(rnd(ds.swapaxes(-1, -2) @ qv).sum(axis=-3) * f32(p.softmax_scale))
+    views.canonical(dv, layout)[...] = rnd(rnd(probs.swapaxes(-1, -2) @ dov).sum(axis=-3))
     return dq, dk, dv
 
 
@@ -104,15 +104,15 @@ def recompute_sensitivity(dout, q, k, v, lse, *, layout="bhsd", **kw):
     for dv. Returns ``(e, (sens_q, sens_k, sens_v))`` in the shapes of q, k, v."""
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, dout))
     out64, lse64 = ref.naive_attention(q64, k64, v64, return_lse=True, layout=layout, **kw)
-    p = _validate.check_attention(q, k, v, layout=layout, max_head_dim=None, **kw)
-    split = lambda x: ref._split_heads(ref._canonical(x, layout), p.num_heads_k)  # noqa: E731
-    kv, vv = ref._kv_view(ref._canonical(k64, layout)), ref._kv_view(ref._canonical(v64, layout))
+    p = validation.check_attention(q, k, v, layout=layout, max_head_dim=None, **kw)
+    split = lambda x: views.split_heads(views.canonical(x, layout), p.num_heads_k)  # noqa: E731
+    kv, vv = views.kv_view(views.canonical(k64, layout)), views.kv_view(views.canonical(v64, layout))
     qv, dov, ov = split(q64), split(do64), split(out64)
     lse_in = lse64[None] if layout == "bhsd" and q.ndim == 2 else lse64
-    lse_v = ref._split_heads(lse_in[..., None], p.num_heads_k)[..., 0]
+    lse_v = views.split_heads(lse_in[..., None], p.num_heads_k)[..., 0]
     scale = p.softmax_scale
     s = qv @ kv.swapaxes(-1, -2) * scale
-    mask = ref._visible(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))
+    mask = masks.problem_mask(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))
     if mask is not None:
         s = np.where(mask, s, -np.inf)
     empty = np.isneginf(lse_v)[..., None]
@@ -120,9 +120,9 @@ def recompute_sensitivity(dout, q, k, v, lse, *, layout="bhsd", **kw):
     a = probs * np.abs(dov @ vv.swapaxes(-1, -2) - np.sum(dov * ov, axis=-1)[..., None])
     sens = [np.zeros(x.shape) for x in (q, k, v)]
     split(sens[0])[...] = abs(scale) * (a @ np.abs(kv))
-    ref._canonical(sens[1], layout)[...] = abs(scale) * (a.swapaxes(-1, -2) @ np.abs(qv)).sum(axis=-3)
-    ref._canonical(sens[2], layout)[...] = (probs.swapaxes(-1, -2) @ np.abs(dov)).sum(axis=-3)
-    u = 2.0**-53 if q.dtype == _dtypes.float64 else 2.0**-24  # unit roundoff of the accumulator
+    views.canonical(sens[1], layout)[...] = abs(scale) * (a.swapaxes(-1, -2) @ np.abs(qv)).sum(axis=-3)
+    views.canonical(sens[2], layout)[...] = (probs.swapaxes(-1, -2) @ np.abs(dov)).sum(axis=-3)
+    u = 2.0**-53 if q.dtype == dtypes.float64 else 2.0**-24  # unit roundoff of the accumulator
     s_abs = abs(scale) * np.max(np.abs(qv) @ np.abs(kv).swapaxes(-1, -2), initial=0.0)
     finite = np.isfinite(lse)
     e = 2 * np.sqrt(p.head_dim) * u * s_abs + 2 * u * np.max(np.abs(lse[finite]), initial=0.0)
@@ -138,25 +138,25 @@ def cancellation_term(dout, q, k, v, *, layout="bhsd", **kw):
     arithmetic (a single visible key: O = V). It reaches ``dq_i`` as ``scale sum_j P_ij c_i |K_j|``
     and ``dk_j`` as ``scale sum_i P_ij c_i |Q_i|``; dv does not see it."""
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, dout))
-    p = _validate.check_attention(q, k, v, layout=layout, max_head_dim=None, **kw)
-    split = lambda x: ref._split_heads(ref._canonical(x, layout), p.num_heads_k)  # noqa: E731
-    kv, vv = ref._kv_view(ref._canonical(k64, layout)), ref._kv_view(ref._canonical(v64, layout))
+    p = validation.check_attention(q, k, v, layout=layout, max_head_dim=None, **kw)
+    split = lambda x: views.split_heads(views.canonical(x, layout), p.num_heads_k)  # noqa: E731
+    kv, vv = views.kv_view(views.canonical(k64, layout)), views.kv_view(views.canonical(v64, layout))
     qv, dov = split(q64), split(do64)
     _, lse64 = ref.naive_attention(q64, k64, v64, return_lse=True, layout=layout, **kw)
     lse_in = lse64[None] if layout == "bhsd" and q.ndim == 2 else lse64
-    lse_v = ref._split_heads(lse_in[..., None], p.num_heads_k)[..., 0]
+    lse_v = views.split_heads(lse_in[..., None], p.num_heads_k)[..., 0]
     s = qv @ kv.swapaxes(-1, -2) * p.softmax_scale
-    mask = ref._visible(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))
+    mask = masks.problem_mask(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))
     if mask is not None:
         s = np.where(mask, s, -np.inf)
     empty = np.isneginf(lse_v)[..., None]
     probs = np.where(empty, 0, np.exp(s - np.where(empty, 0, lse_v[..., None])))
-    u = 2.0**-53 if q.dtype == _dtypes.float64 else 2.0**-24
+    u = 2.0**-53 if q.dtype == dtypes.float64 else 2.0**-24
     c = 2 * np.sqrt(p.head_dim_v) * u * np.max(np.abs(dov) @ np.abs(vv).swapaxes(-1, -2), axis=-1, initial=0.0)
     pc = probs * c[..., None]
     terms = [np.zeros(x.shape) for x in (q, k, v)]
     split(terms[0])[...] = abs(p.softmax_scale) * (pc @ np.abs(kv))
-    ref._canonical(terms[1], layout)[...] = abs(p.softmax_scale) * (pc.swapaxes(-1, -2) @ np.abs(qv)).sum(axis=-3)
+    views.canonical(terms[1], layout)[...] = abs(p.softmax_scale) * (pc.swapaxes(-1, -2) @ np.abs(qv)).sum(axis=-3)
     return terms
 
 
@@ -271,12 +271,12 @@ def test_tiling_does_not_change_the_gradients(block_m, block_n, rng):
 
 # dtype, (B, Hq, Hk), Sq, Sk, D, Dv, options, layout, (block_m, block_n)
 LOW_CASES = [
-    (_dtypes.float16, (2, 4, 2), 33, 47, 32, 16, dict(causal=True), "bhsd", (16, 16)),
-    (_dtypes.bfloat16, (1, 6, 1), 47, 33, 24, 40, dict(causal=True), "bshd", (8, 32)),
-    (_dtypes.float32, (2, 3, 3), 40, 40, 64, 64, dict(window_size=(7, 3)), "bhsd", (1, 1000)),
-    (_dtypes.float16, (1, 2, 2), 17, 65, 40, 40, dict(softmax_scale=0.3), "bshd", (1000, 7)),
-    (_dtypes.bfloat16, (2, 4, 4), 30, 30, 16, 16, dict(window_size=(-1, 4)), "bhsd", (64, 128)),
-    (_dtypes.float32, (1, 8, 2), 19, 51, 8, 24, dict(causal=True), "bshd", (5, 3)),
+    (dtypes.float16, (2, 4, 2), 33, 47, 32, 16, dict(causal=True), "bhsd", (16, 16)),
+    (dtypes.bfloat16, (1, 6, 1), 47, 33, 24, 40, dict(causal=True), "bshd", (8, 32)),
+    (dtypes.float32, (2, 3, 3), 40, 40, 64, 64, dict(window_size=(7, 3)), "bhsd", (1, 1000)),
+    (dtypes.float16, (1, 2, 2), 17, 65, 40, 40, dict(softmax_scale=0.3), "bshd", (1000, 7)),
+    (dtypes.bfloat16, (2, 4, 4), 30, 30, 16, 16, dict(window_size=(-1, 4)), "bhsd", (64, 128)),
+    (dtypes.float32, (1, 8, 2), 19, 51, 8, 24, dict(causal=True), "bshd", (5, 3)),
 ]
 
 
@@ -311,7 +311,7 @@ def test_large_logits_no_overflow(rng):
 # ---------------------------------------------------------------------------- empty rows
 
 
-@pytest.mark.parametrize("dtype", [_dtypes.float64, _dtypes.float32, _dtypes.float16])
+@pytest.mark.parametrize("dtype", [dtypes.float64, dtypes.float32, dtypes.float16])
 def test_empty_rows_give_zero_dq_and_no_nan(dtype, rng):
     # causal with Sq > Sk: the first Sq - Sk rows see no key (lse = -inf).
     sq, sk = 9, 4
@@ -332,7 +332,7 @@ def test_empty_rows_give_zero_dq_and_no_nan(dtype, rng):
     again = flash_attention_backward(dout_big, q, k, v, out, lse, causal=True, block_m=3, block_n=2)
     for a, t in zip(again, tiled):
         np.testing.assert_array_equal(a, t)
-    if dtype == _dtypes.float64:
+    if dtype == dtypes.float64:
         for t, e in zip(tiled, expected):
             np.testing.assert_allclose(t, e, rtol=1e-12, atol=1e-14)
     else:
@@ -382,7 +382,7 @@ def test_non_contiguous_dout_and_inputs(rng):
 # ---------------------------------------------------------------------------- public entry point
 
 
-@pytest.mark.parametrize("dtype", LOW + [_dtypes.float64])
+@pytest.mark.parametrize("dtype", LOW + [dtypes.float64])
 def test_public_backward_on_numpy(dtype, rng):
     q, k, v = make_qkv(rng, 1, 4, 2, 37, 29, 16, 24, dtype=dtype)
     out, lse = ref.flash_attention(q, k, v, causal=True, return_lse=True)
@@ -390,7 +390,7 @@ def test_public_backward_on_numpy(dtype, rng):
     grads = api_backward(dout, q, k, v, out, lse, causal=True, backend="numpy", deterministic=True)
     for x, g in zip((q, k, v), grads):
         assert g.dtype == dtype and g.shape == x.shape
-    if dtype == _dtypes.float64:
+    if dtype == dtypes.float64:
         for g, e in zip(grads, exact_grads(dout, q, k, v, causal=True)):
             np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14)
     else:

@@ -13,16 +13,16 @@ import dataclasses
 
 import numpy as np
 import pytest
-
-import cuflash
-from cuflash import _dtypes, sim
-from cuflash import reference as ref
-from cuflash._sim import launcher
-from cuflash._softmax import softmax
-
 from _tolerance import check_close
 
-DTYPES = {"f16": _dtypes.float16, "bf16": _dtypes.bfloat16, "f32": _dtypes.float32}
+import cuflash
+from cuflash import reference as ref
+from cuflash import sim
+from cuflash.api_softmax import softmax
+from cuflash.runtime import dtypes
+from cuflash.sim import launcher
+
+DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16, "f32": dtypes.float32}
 
 
 @pytest.fixture(autouse=True)
@@ -133,17 +133,17 @@ extern "C" __global__ void cp_async_then_read(const __half* __restrict__ g, floa
 def test_cp_async_landing_counts_as_written(zfill):
     # Bytes that cp.async lands (copied or zero-filled) are initialized shared memory: reading them
     # after the wait and a barrier is no report (a regression: the landing once went unseen).
-    from cuflash import _plan, _source
+    from cuflash.runtime import plan, source
 
-    text = _source.build_text(CP_ASYNC_PROBE, origin="cp_async_probe.cu")
+    text = source.build_text(CP_ASYNC_PROBE, origin="cp_async_probe.cu")
     g = np.arange(256).astype(np.float16)
     out = np.full(32, np.nan, np.float32)
     opts = sim.current_options()
     assert opts.checked
     mod = launcher.load_source(text, origin="cp_async_probe.cu", options=opts)
-    plan = _plan.LaunchPlan(None, "cp_async_then_read", (1, 1, 1), (32, 1, 1), 0, (
-        _plan.PointerArg.of("g", g), _plan.PointerArg.of("out", out, writable=True),
-        _plan.ScalarArg("zfill", np.int32(zfill))))
+    plan = plan.LaunchPlan(None, "cp_async_then_read", (1, 1, 1), (32, 1, 1), 0, (
+        plan.PointerArg.of("g", g), plan.PointerArg.of("out", out, writable=True),
+        plan.ScalarArg("zfill", np.int32(zfill))))
     mod.launch(plan, opts)
     nxt = (np.arange(32) + 1) % 32
     expected = np.where(zfill & (nxt % 2 == 1), 0.0, g[nxt * 8].astype(np.float32))
@@ -152,17 +152,17 @@ def test_cp_async_landing_counts_as_written(zfill):
 
 def test_cp_async_read_past_a_view_is_reported():
     # cp.async's global read is checked like any load: one chunk past the view is an error.
-    from cuflash import _plan, _source
+    from cuflash.runtime import plan, source
 
-    text = _source.build_text(CP_ASYNC_PROBE, origin="cp_async_probe.cu")
+    text = source.build_text(CP_ASYNC_PROBE, origin="cp_async_probe.cu")
     big = np.arange(512).astype(np.float16)
     view = big[:248]  # the last thread's 16-byte chunk runs 8 elements past the view
     out = np.zeros(32, np.float32)
     opts = sim.current_options()
     mod = launcher.load_source(text, origin="cp_async_probe.cu", options=opts)
-    plan = _plan.LaunchPlan(None, "cp_async_then_read", (1, 1, 1), (32, 1, 1), 0, (
-        _plan.PointerArg.of("g", view), _plan.PointerArg.of("out", out, writable=True),
-        _plan.ScalarArg("zfill", np.int32(0))))
+    plan = plan.LaunchPlan(None, "cp_async_then_read", (1, 1, 1), (32, 1, 1), 0, (
+        plan.PointerArg.of("g", view), plan.PointerArg.of("out", out, writable=True),
+        plan.ScalarArg("zfill", np.int32(0))))
     with pytest.raises(sim.SimCheckError, match=r"out-of-bounds read .* at g\[248\]"):
         mod.launch(plan, opts)
 

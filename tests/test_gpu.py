@@ -9,21 +9,21 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _check
+from cuflash.tools import check
 
 pytestmark = pytest.mark.gpu
 
 
 def _run(section: str, seconds: float = 600.0) -> str:
     try:
-        return _check._FUNCS[section](_check._Clock(seconds), lambda line: None)
-    except _check.Skip as exc:
+        return check._FUNCS[section](check._Clock(seconds), lambda line: None)
+    except check.Skip as exc:
         pytest.skip(str(exc))
 
 
-@pytest.mark.parametrize("case", _check.grid_cases(), ids=_check._case_name)
+@pytest.mark.parametrize("case", check.grid_cases(), ids=check._case_name)
 def test_grid_case_against_the_oracle(case):
-    ok, msg = _check.run_case(case, np.random.default_rng(hash(_check._case_name(case)) % 2**32))
+    ok, msg = check.run_case(case, np.random.default_rng(hash(check._case_name(case)) % 2**32))
     assert ok, msg
 
 
@@ -48,10 +48,10 @@ def test_cupy_stream_and_types():
 def test_empty_inputs_launch_nothing(monkeypatch):
     import cupy
 
-    from cuflash import _compile
+    from cuflash.runtime import cuda_runner
 
     calls = []
-    monkeypatch.setattr(_compile, "launch", lambda plan, stream=None: calls.append(plan))
+    monkeypatch.setattr(cuda_runner, "launch", lambda plan, stream=None: calls.append(plan))
     q = cupy.zeros((0, 2, 5, 32), cupy.float16)
     assert cuflash.attention(q, q, q).shape == (0, 2, 5, 32)
     q = cupy.zeros((1, 2, 0, 32), cupy.float16)
@@ -60,10 +60,11 @@ def test_empty_inputs_launch_nothing(monkeypatch):
 
 
 def test_precompile_is_thread_safe():
-    from cuflash import _compile, _precompile
+    from cuflash.kernels import precompile
+    from cuflash.runtime import cuda_runner
 
     names = []
-    threads = [threading.Thread(target=lambda: names.append(_precompile.precompile(dtypes="f16", head_dims=64,
+    threads = [threading.Thread(target=lambda: names.append(precompile.precompile(dtypes="f16", head_dims=64,
                                                                                    progress=False)))
                for _ in range(3)]
     for t in threads:
@@ -74,7 +75,7 @@ def test_precompile_is_thread_safe():
     import cupy
 
     dev = cupy.cuda.Device().id
-    mods = {id(_compile._modules[(dev, v)]) for v in _precompile.variants_to_compile(
+    mods = {id(cuda_runner._modules[(dev, v)]) for v in precompile.variants_to_compile(
         int(cupy.cuda.Device().compute_capability), dtypes="f16", head_dims=64)}
     assert len(mods) == len(names[0])
 
@@ -88,4 +89,4 @@ def test_out_overlapping_an_input_is_refused():
 
 
 def test_check_command_passes():
-    assert _check.main(["--quiet"]) == 0
+    assert check.main(["--quiet"]) == 0

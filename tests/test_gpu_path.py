@@ -18,8 +18,12 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _api, _catalog, _check, _interop, _precompile, demo
-from cuflash._dtypes import bfloat16
+from cuflash import api
+from cuflash.kernels import catalog, precompile
+from cuflash.reference import tolerance
+from cuflash.runtime import interop
+from cuflash.runtime.dtypes import bfloat16
+from cuflash.tools import check, demo
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,7 +121,7 @@ def test_jax_out_is_refused_before_device_work():
     FakeJax.__module__ = "jax._src.array"
     q = FakeCudaTensor((1, 2, 3, 8))
     with pytest.raises(ValueError, match="JAX arrays are immutable"):
-        _interop.CudaCall("cuflash.attention", q, out=FakeJax((1, 2, 3, 8)))
+        interop.CudaCall("cuflash.attention", q, out=FakeJax((1, 2, 3, 8)))
 
 
 def test_unknown_dlpack_producer_without_from_dlpack_is_refused():
@@ -126,7 +130,7 @@ def test_unknown_dlpack_producer_without_from_dlpack_is_refused():
 
     Unknown.__module__ = "json.decoder"  # a package without from_dlpack
     with pytest.raises(TypeError, match="cannot hand a result back"):
-        _interop.CudaCall("cuflash.attention", Unknown((1, 2, 3, 8)))
+        interop.CudaCall("cuflash.attention", Unknown((1, 2, 3, 8)))
 
 
 # ------------------------------------------------------------------------------ plumbing
@@ -134,12 +138,12 @@ def test_unknown_dlpack_producer_without_from_dlpack_is_refused():
 
 def test_framework_of_and_exporters():
     torch = pytest.importorskip("torch")
-    assert _interop.framework_of(np.zeros(2)) == "numpy"
-    assert _interop.framework_of(torch.zeros(2)) == "torch"
-    assert _interop.framework_of(FakeCudaTensor((2,))) == "dlpack"
-    assert _interop._exporter(torch.zeros(2), "f") is torch.from_dlpack
-    assert _interop._torch_dtype(bfloat16) is torch.bfloat16
-    assert _interop._torch_dtype(np.float16) is torch.float16
+    assert interop.framework_of(np.zeros(2)) == "numpy"
+    assert interop.framework_of(torch.zeros(2)) == "torch"
+    assert interop.framework_of(FakeCudaTensor((2,))) == "dlpack"
+    assert interop._exporter(torch.zeros(2), "f") is torch.from_dlpack
+    assert interop._torch_dtype(bfloat16) is torch.bfloat16
+    assert interop._torch_dtype(np.float16) is torch.float16
 
 
 def test_dlpack_carries_the_strides_of_a_cache_view():
@@ -148,12 +152,12 @@ def test_dlpack_carries_the_strides_of_a_cache_view():
     torch = pytest.importorskip("torch")
     cache = torch.randn(2, 3, 50, 16)
     k = cache[:, :, 5:37]
-    info = _interop.describe(k, "k")
+    info = interop.describe(k, "k")
     assert info.strides == (3 * 50 * 16, 50 * 16, 16, 1) and info.shape == (2, 3, 32, 16)
     a = np.from_dlpack(k)
     assert a.__array_interface__["data"][0] == k.data_ptr()
     assert tuple(s // 4 for s in a.strides) == info.strides
-    assert _interop.span_bytes(a) == 4 * (1 + 1 * 2400 + 2 * 800 + 31 * 16 + 15)
+    assert interop.span_bytes(a) == 4 * (1 + 1 * 2400 + 2 * 800 + 31 * 16 + 15)
 
 
 def test_overlap_check_on_device_pointers():
@@ -163,9 +167,9 @@ def test_overlap_check_on_device_pointers():
                                      dtype=np.dtype(np.float16))
 
     q = arr(1000, (2, 8), (8, 1))
-    _interop.check_no_overlap("f", arr(1032, (2, 8), (8, 1)), {"q": q})  # adjacent: fine
+    interop.check_no_overlap("f", arr(1032, (2, 8), (8, 1)), {"q": q})  # adjacent: fine
     with pytest.raises(ValueError, match="out overlaps q in device memory"):
-        _interop.check_no_overlap("f", arr(1030, (2, 8), (8, 1)), {"q": q})
+        interop.check_no_overlap("f", arr(1030, (2, 8), (8, 1)), {"q": q})
 
 
 # ------------------------------------------------------------------ dispatcher's choice
@@ -178,75 +182,76 @@ def test_overlap_check_on_device_pointers():
     (90, np.float32, 192, "f32_d256_"),
 ])
 def test_explain_names_the_variant_for_a_simulated_device(arch, dtype, d, prefix):
-    from cuflash import _dispatch, _plan
+    from cuflash.kernels import dispatch
+    from cuflash.runtime import plan
 
     q = np.zeros((2, 4, 100, d), dtype)
-    info = _api.explain(q, q, q, backend="sim", arch=f"sm_{arch}")
-    problem = cuflash._validate.check_attention(q, q, q)
-    tier = _dispatch.forward_tier(problem, arch, (q, q, q))
+    info = api.explain(q, q, q, backend="sim", arch=f"sm_{arch}")
+    problem = cuflash.runtime.validation.check_attention(q, q, q)
+    tier = dispatch.forward_tier(problem, arch, (q, q, q))
     expected = tier.choose_variant(problem.dtype, d, d, arch)
     assert info["backend"] == "sim" and info["arch"] == arch and info["tier"] == tier.__name__.rsplit(".", 1)[-1]
     assert info["variant"] == expected.name and info["variant"].startswith(prefix)
     assert info["entry"] == expected.entry
-    assert info["smem_bytes"] <= _plan.SMEM_OPT_IN_LIMIT[arch]
+    assert info["smem_bytes"] <= plan.SMEM_OPT_IN_LIMIT[arch]
     assert info["blocks"] == -(-100 // info["block_m"]) * 4 * 2
     assert expected.entry in (info["choice"] or expected.entry)
     # a CUDA tensor on such a device gets the same choice
     fake = FakeCudaTensor((2, 4, 100, d), dtype=np.dtype(dtype).name)
-    assert _api.explain(fake, fake, fake, arch=arch)["variant"] == expected.name
+    assert api.explain(fake, fake, fake, arch=arch)["variant"] == expected.name
 
 
 def test_explain_numpy_and_errors():
     q = np.zeros((1, 2, 3, 8), np.float32)
-    assert _api.explain(q, q, q)["backend"] == "numpy"
-    assert "NumPy path" in _api.explain(q, q, q)["choice"]
+    assert api.explain(q, q, q)["backend"] == "numpy"
+    assert "NumPy path" in api.explain(q, q, q)["choice"]
     # an explicit arch asks what a device would run: planned as the simulator plans it
     h = np.zeros((1, 2, 3, 64), np.float16)
-    as_device = _api.explain(h, h, h, arch=90)
+    as_device = api.explain(h, h, h, arch=90)
     assert as_device["backend"] == "sim" and as_device["arch"] == 90
-    assert as_device["choice"] == _api.explain(h, h, h, backend="sim", arch=90)["choice"]
+    assert as_device["choice"] == api.explain(h, h, h, backend="sim", arch=90)["choice"]
     with pytest.raises(ValueError, match="cuflash.explain: backend='cuda' needs GPU arrays"):
-        _api.explain(q, q, q, backend="cuda")
+        api.explain(q, q, q, backend="cuda")
 
 
 # ----------------------------------------------------------------------------- precompile
 
 
 def test_precompile_variant_lists():
-    everything = _precompile.variants_to_compile(90)
-    assert everything == list(_catalog.variants_for_arch(90))
-    f16_64 = _precompile.variants_to_compile(90, dtypes="float16", head_dims=[40, 64])
+    everything = precompile.variants_to_compile(90)
+    assert everything == list(catalog.variants_for_arch(90))
+    f16_64 = precompile.variants_to_compile(90, dtypes="float16", head_dims=[40, 64])
     names = {v.name for v in f16_64}
     assert any(n.startswith("f16_d64_") for n in names) and all(v.dtype == "f16" for v in f16_64)
     assert not any(getattr(v, "head_dim_max", 64) != 64 for v in f16_64)
     assert {"f16_warp", "f16_block"} <= names  # softmax has no head dim: kept
     assert any(v.name.startswith("bf16_d256_")
-               for v in _precompile.variants_to_compile(80, dtypes=[bfloat16], head_dims=200))
+               for v in precompile.variants_to_compile(80, dtypes=[bfloat16], head_dims=200))
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
-        _precompile.variants_to_compile(90, dtypes="float64")
+        precompile.variants_to_compile(90, dtypes="float64")
     with pytest.raises(ValueError, match=r"head_dims must be ints in \[1, 256\]"):
-        _precompile.variants_to_compile(90, head_dims=[300])
+        precompile.variants_to_compile(90, head_dims=[300])
 
 
 @no_gpu
 def test_precompile_without_gpu_is_a_clear_error():
     with pytest.raises(RuntimeError, match="cuflash.precompile: no usable CUDA device"):
-        _precompile.precompile()
+        precompile.precompile()
 
 
 def test_precompile_compiles_each_variant_once_with_progress(monkeypatch, capsys):
     """With a simulated device: the variants of its arch go to the (memoized) module cache."""
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
         Device=lambda i=0: types.SimpleNamespace(id=i, compute_capability="80")))
-    monkeypatch.setattr(_interop, "require_cuda", lambda func: fake_cupy)
+    monkeypatch.setattr(interop, "require_cuda", lambda func: fake_cupy)
     compiled = []
-    from cuflash import _compile
+    from cuflash.runtime import cuda_runner
 
-    monkeypatch.setattr(_compile, "get_module", lambda v, dev: compiled.append((v, dev)))
+    monkeypatch.setattr(cuda_runner, "get_module", lambda v, dev: compiled.append((v, dev)))
     monkeypatch.setitem(sys.modules, "tqdm", None)  # the plain fallback
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
-    names = _precompile.precompile(dtypes=["f32"], progress=True)
-    assert names == [v.entry for v in _precompile.variants_to_compile(80, dtypes=["f32"])]
+    names = precompile.precompile(dtypes=["f32"], progress=True)
+    assert names == [v.entry for v in precompile.variants_to_compile(80, dtypes=["f32"])]
     assert [dev for _, dev in compiled] == [0] * len(names)
     err = capsys.readouterr().err
     assert f"[{len(names)}/{len(names)}]" in err
@@ -266,7 +271,7 @@ def test_check_without_gpu_exits_2_and_reports_nothing():
 
 
 def test_check_rejects_unknown_sections(capsys):
-    assert _check.main(["--sections", "grid,warp"]) == 2
+    assert check.main(["--sections", "grid,warp"]) == 2
     assert "unknown section" in capsys.readouterr().err
 
 
@@ -277,6 +282,7 @@ def test_check_lists_check_command():
 
 
 def test_check_oracle_matches_the_reference(rng):
+    assert check.tolerance is tolerance  # the GPU check applies the package's rule, as the tests do
     from cuflash.reference import naive_attention
 
     q = rng.standard_normal((2, 6, 37, 40))
@@ -284,30 +290,30 @@ def test_check_oracle_matches_the_reference(rng):
     v = rng.standard_normal((2, 3, 29, 24))
     for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (4, 2)), (True, (7, -1))):
         ref, ref_lse = naive_attention(q, k, v, causal=causal, window_size=window, return_lse=True)
-        out, lse = _check.oracle(q, k, v, causal=causal, window=window)
+        out, lse = tolerance.attention_rows(q, k, v, causal=causal, window_size=window)
         np.testing.assert_allclose(out, ref, atol=1e-12)
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
         rows = np.array([0, 5, 36])
-        sub, _ = _check.oracle(q, k, v, causal=causal, window=window, rows=rows)
+        sub, _ = tolerance.attention_rows(q, k, v, causal=causal, window_size=window, rows=rows)
         np.testing.assert_allclose(sub, ref[:, :, rows], atol=1e-12)
 
 
 def test_check_tolerance_rule_accepts_the_numpy_path_and_catches_a_wrong_mask(rng):
     q, k, v = (rng.standard_normal((1, 2, 50, 64)).astype(np.float16) for _ in range(3))
     good = cuflash.attention(q, k, v, causal=True)
-    ok, msg, _ = _check.compare(good, q, k, v, causal=True)
+    ok, msg, _ = tolerance.compare(good, q, k, v, causal=True)
     assert ok, msg
     wrong = cuflash.attention(q, k, v, causal=False)
-    ok, msg, _ = _check.compare(wrong, q, k, v, causal=True)
+    ok, msg, _ = tolerance.compare(wrong, q, k, v, causal=True)
     assert not ok and "max error" in msg
     nan = good.copy()
     nan[0, 0, 3, 1] = np.nan
-    assert not _check.compare(nan, q, k, v, causal=True)[0]
-    assert _check.bound(np.float32, 0.0) == 2.0**-18
+    assert not tolerance.compare(nan, q, k, v, causal=True)[0]
+    assert tolerance.bound(np.float32, 0.0) == 2.0**-18
 
 
 def test_check_grid_covers_the_issue(rng):
-    cases = _check.grid_cases()
+    cases = check.grid_cases()
     dims = {c["D"] for c in cases}
     assert {32, 40, 64, 72, 96, 128, 160, 192, 256} <= dims
     assert {c["dtype"] for c in cases} == {"f16", "bf16", "f32"}
@@ -318,8 +324,8 @@ def test_check_grid_covers_the_issue(rng):
     assert any(c["Sk"] == 0 for c in cases) and any(c["logits"] > 4 for c in cases)
     assert any(c["Sq"] % 2 and c["Sk"] % 2 for c in cases)
     for c in cases:  # every case's host side is well formed and the reference is NaN-free
-        q, k, v = _check._host_inputs(dict(c, Sq=min(c["Sq"], 8), Sk=min(c["Sk"], 8)), rng)
-        out, _ = _check.oracle(q, k, v, causal=c["causal"], window=c["window"])
+        q, k, v = check._host_inputs(dict(c, Sq=min(c["Sq"], 8), Sk=min(c["Sk"], 8)), rng)
+        out, _ = tolerance.attention_rows(q, k, v, causal=c["causal"], window_size=c["window"])
         assert not np.isnan(out).any()
 
 
@@ -331,11 +337,11 @@ def test_check_sections_are_isolated_and_the_table_comes_last(monkeypatch, capsy
         return "all good"
 
     def skip(clock, log):
-        raise _check.Skip("JAX is not installed")
+        raise check.Skip("JAX is not installed")
 
-    monkeypatch.setattr(_check, "_FUNCS", {"device": fine, "grid": boom, "jax": skip})
-    monkeypatch.setattr(_check, "gpu_status", lambda: (True, "device 0, sm_90 (simulated)"))
-    rc = _check.main(["--sections", "device,grid,jax", "--budget", "30"])
+    monkeypatch.setattr(check, "_FUNCS", {"device": fine, "grid": boom, "jax": skip})
+    monkeypatch.setattr(check, "gpu_status", lambda: (True, "device 0, sm_90 (simulated)"))
+    rc = check.main(["--sections", "device,grid,jax", "--budget", "30"])
     out = capsys.readouterr().out.rstrip().splitlines()
     assert rc == 1
     assert out[-1].startswith("1 passed, 1 failed, 1 skipped")

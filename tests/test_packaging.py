@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import cuflash
-from cuflash import _paths
+from cuflash.runtime import paths
 
 REPO = Path(__file__).resolve().parents[1]
-PROBE = "import cuflash, cuflash._paths as p; print(p.kernels_dir()); print(cuflash.__file__)"
+PROBE = "import cuflash, cuflash.runtime.paths as p; print(p.kernels_dir()); print(cuflash.__file__)"
 KERNEL_FILES = sorted(p.name for p in (REPO / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh"))
 
 
@@ -33,9 +33,9 @@ def _pip(*args, cwd):
 
 def test_kernel_sources_exist():
     assert "common.cuh" in KERNEL_FILES
-    assert _paths.kernel_source("common.cuh").startswith("// cuflash")
+    assert paths.kernel_source("common.cuh").startswith("// cuflash")
     with pytest.raises(FileNotFoundError, match="kernel source 'nope.cu' not found"):
-        _paths.kernel_source("nope.cu")
+        paths.kernel_source("nope.cu")
 
 
 def test_source_tree_with_pythonpath(tmp_path):
@@ -50,6 +50,11 @@ def test_wheel_ships_kernels_as_package_data(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in KERNEL_FILES:
         assert f"cuflash/kernels_cu/{name}" in names
+    # every module, subpackage and data file of the source tree is in the wheel (setup.cfg lists
+    # the subpackages and their package data by hand)
+    tree = {str(f.relative_to(REPO)) for f in (REPO / "cuflash").rglob("*")
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc"}
+    assert tree - names == set(), f"missing from the wheel: {sorted(tree - names)}"
     site = tmp_path / "site"
     _pip("install", "--no-deps", "--target", str(site), str(wheel), cwd=tmp_path)
     kernels, module = _run([sys.executable, "-c", PROBE], cwd=tmp_path, env_extra={"PYTHONPATH": str(site)}).split()

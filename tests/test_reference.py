@@ -6,14 +6,13 @@ import tracemalloc
 
 import numpy as np
 import pytest
-
-import cuflash
-from cuflash import _dtypes
-from cuflash import reference as ref
-
 from _tolerance import check_close
 
-DTYPES = [_dtypes.float16, _dtypes.bfloat16, _dtypes.float32, _dtypes.float64]
+import cuflash
+from cuflash import reference as ref
+from cuflash.runtime import dtypes
+
+DTYPES = [dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64]
 
 
 def randn(rng, shape, dtype=np.float32, scale=1.0):
@@ -48,10 +47,10 @@ def test_online_softmax_other_axis_and_dtypes(rng):
     for dtype in DTYPES:
         x = randn(rng, (37, 6), dtype, scale=3.0)
         y = ref.online_softmax(x, axis=0, block_size=8)
-        assert y.dtype == _dtypes.accumulator(dtype)
+        assert y.dtype == dtypes.accumulator(dtype)
         x64 = x.astype(np.float64)
         e = np.exp(x64 - x64.max(axis=0))
-        tol = 1e-13 if dtype == _dtypes.float64 else 1e-6
+        tol = 1e-13 if dtype == dtypes.float64 else 1e-6
         np.testing.assert_allclose(y, e / e.sum(axis=0), rtol=tol, atol=1e-12)
 
 
@@ -158,17 +157,17 @@ def test_empty_key_set_and_empty_batch(rng):
 # A covering design (every value of each axis appears; layouts, masks and dtypes pair up).
 GRID = [
     # dtype, (B, Hq, Hk), Sq, Sk, D, Dv, causal, window, layout
-    (_dtypes.float32, (1, 1, 1), 1, 1, 1, 1, False, (-1, -1), "bhsd"),
-    (_dtypes.float16, (2, 7, 1), 17, 97, 40, 40, True, (-1, -1), "bhsd"),
-    (_dtypes.bfloat16, (1, 8, 2), 97, 17, 59, 111, True, (-1, -1), "bshd"),
-    (_dtypes.float64, (2, 7, 7), 128, 129, 64, 32, False, (16, 0), "bhsd"),
-    (_dtypes.float32, (1, 8, 2), 129, 128, 72, 72, False, (-1, 5), "bshd"),
-    (_dtypes.float16, (1, 1, 1), 255, 1, 96, 96, False, (-1, -1), "bshd"),
-    (_dtypes.bfloat16, (2, 1, 1), 1, 255, 111, 59, True, (3, -1), "bhsd"),
-    (_dtypes.float32, (1, 7, 1), 97, 255, 128, 160, True, (40, -1), "bhsd"),
-    (_dtypes.float16, (1, 8, 2), 128, 97, 160, 128, False, (7, 9), "bhsd"),
-    (_dtypes.float64, (1, 2, 1), 17, 129, 256, 256, True, (-1, -1), "bshd"),
-    (_dtypes.bfloat16, (1, 7, 7), 255, 128, 64, 64, False, (0, 0), "bhsd"),
+    (dtypes.float32, (1, 1, 1), 1, 1, 1, 1, False, (-1, -1), "bhsd"),
+    (dtypes.float16, (2, 7, 1), 17, 97, 40, 40, True, (-1, -1), "bhsd"),
+    (dtypes.bfloat16, (1, 8, 2), 97, 17, 59, 111, True, (-1, -1), "bshd"),
+    (dtypes.float64, (2, 7, 7), 128, 129, 64, 32, False, (16, 0), "bhsd"),
+    (dtypes.float32, (1, 8, 2), 129, 128, 72, 72, False, (-1, 5), "bshd"),
+    (dtypes.float16, (1, 1, 1), 255, 1, 96, 96, False, (-1, -1), "bshd"),
+    (dtypes.bfloat16, (2, 1, 1), 1, 255, 111, 59, True, (3, -1), "bhsd"),
+    (dtypes.float32, (1, 7, 1), 97, 255, 128, 160, True, (40, -1), "bhsd"),
+    (dtypes.float16, (1, 8, 2), 128, 97, 160, 128, False, (7, 9), "bhsd"),
+    (dtypes.float64, (1, 2, 1), 17, 129, 256, 256, True, (-1, -1), "bshd"),
+    (dtypes.bfloat16, (1, 7, 7), 255, 128, 64, 64, False, (0, 0), "bhsd"),
 ]
 
 
@@ -181,12 +180,12 @@ def test_grid_cpu_path_matches_float64(dtype, heads, sq, sk, d, dv, causal, wind
         q, k, v = randn(rng, (b, hq, sq, d), dtype), randn(rng, (b, hk, sk, d), dtype), randn(rng, (b, hk, sk, dv), dtype)
     kw = dict(causal=causal, window_size=window, layout=layout)
     out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
-    assert out.dtype == dtype and lse.dtype == _dtypes.accumulator(dtype)
+    assert out.dtype == dtype and lse.dtype == dtypes.accumulator(dtype)
     check_close(out, q, k, v, **kw)
     _, lse_ref = ref.naive_attention(q, k, v, return_lse=True, **kw)
     assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref))
     finite = np.isfinite(lse_ref)
-    tol = 1e-12 if dtype == _dtypes.float64 else 1e-4
+    tol = 1e-12 if dtype == dtypes.float64 else 1e-4
     np.testing.assert_allclose(lse[finite], lse_ref[finite], rtol=tol, atol=tol)
 
 

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import _attention_mma, _compile, _source
+from cuflash.kernels import attention_fwd_mma
+from cuflash.runtime import cuda_runner, source
 
-ARCHS = _attention_mma.ARCHES
+ARCHS = attention_fwd_mma.ARCHES
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
@@ -64,7 +65,7 @@ def _complete_elf(cubin: bytes) -> bytes:
 
 
 def sass_opcodes(variant, arch: int, tool: str, tmp_path: Path) -> collections.Counter:
-    cubin, _ = _compile.nvrtc_compile(_source.build_source(variant), arch, name=variant.source)
+    cubin, _ = cuda_runner.nvrtc_compile(source.build_source(variant), arch, name=variant.source)
     path = tmp_path / f"{variant.entry}_sm{arch}.cubin"
     path.write_bytes(_complete_elf(cubin))
     env = dict(os.environ, PATH=os.path.dirname(_find_tool("nvdisasm")) + os.pathsep + os.environ.get("PATH", ""))
@@ -77,7 +78,7 @@ def sass_opcodes(variant, arch: int, tool: str, tmp_path: Path) -> collections.C
 
 def _variants():
     # the bar's bucket (128) and the one with Q re-read from shared memory (256), both dtypes
-    return [(arch, _attention_mma.choose_variant(dt, d, d, arch))
+    return [(arch, attention_fwd_mma.choose_variant(dt, d, d, arch))
             for arch in ARCHS for dt in ("float16", "bfloat16") for d in (128, 256)]
 
 
@@ -108,9 +109,9 @@ def test_sass_proves_the_tensor_core_tier(arch, variant, cuobjdump, tmp_path):
 
 
 def _bwd_variants():
-    from cuflash import _attention_bwd_mma
+    from cuflash.kernels import attention_bwd_mma
 
-    return [(arch, v) for arch in _attention_bwd_mma.ARCHES for v in _attention_bwd_mma.all_variants(arch)]
+    return [(arch, v) for arch in attention_bwd_mma.ARCHES for v in attention_bwd_mma.all_variants(arch)]
 
 
 @pytest.mark.parametrize("arch,variant", _bwd_variants(), ids=lambda x: str(getattr(x, "entry", x)))

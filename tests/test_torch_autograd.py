@@ -15,11 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ml_dtypes  # noqa: E402
+from _tolerance import check_close  # noqa: E402
 
 import cuflash.torch as ct  # noqa: E402
 from cuflash import reference as ref  # noqa: E402
-
-from _tolerance import check_close  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(ml_dtypes.bfloat16): torch.bfloat16,

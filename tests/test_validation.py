@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _dtypes
+from cuflash.runtime import dtypes
 
 
 def arrays(dtype=np.float32, b=2, hq=4, hk=2, sq=5, sk=7, d=8, dv=8):
@@ -51,7 +51,7 @@ def test_mixed_dtypes():
     with pytest.raises(TypeError, match=r"k.dtype=float16 must equal q.dtype=float32"):
         cuflash.attention(q, k.astype(np.float16), v)
     with pytest.raises(TypeError, match=r"v.dtype=bfloat16 must equal q.dtype=float32"):
-        cuflash.attention(q, k, v.astype(_dtypes.bfloat16))
+        cuflash.attention(q, k, v.astype(dtypes.bfloat16))
 
 
 def test_mixed_array_kinds():

@@ -1,6 +1,6 @@
 """Attention on the GPU with pytest-benchmark: cuflash's forward and backward against baselines.
 
-The sweep of ``python -m cuflash bench`` (cuflash/_bench.py): fp16/bf16, hdim 64/128/256,
+The sweep of ``python -m cuflash bench`` (cuflash/tools/bench.py): fp16/bf16, hdim 64/128/256,
 causal or not, seqlen 512 .. 16k at 16k tokens per batch and H * D = 2048. Baselines in the same
 process: cuflash's portable SIMT kernel, naive CuPy attention, PyTorch SDPA (flash and cuDNN
 backends) when torch has CUDA. The ``--quick`` subset of the command is selected with
@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import pytest
 
-from cuflash import _bench
+from cuflash.tools import bench
 
-QUICK = set(_bench.sweep(quick=True))
+QUICK = set(bench.sweep(quick=True))
 CASES = []
-for _cfg in _bench.sweep(quick=False) + [c for c in _bench.sweep(quick=True) if c not in _bench.sweep(quick=False)]:
+for _cfg in bench.sweep(quick=False) + [c for c in bench.sweep(quick=True) if c not in bench.sweep(quick=False)]:
     _quick = _cfg in QUICK
-    for _impl in _bench.IMPLS:
-        _base = _bench.baselines_for(_cfg, quick=_quick)
+    for _impl in bench.IMPLS:
+        _base = bench.baselines_for(_cfg, quick=_quick)
         if _impl == "cuflash" or _impl in _base:
             _id = f"{'quick-' if _quick else ''}{_impl}-{_cfg.dtype}-d{_cfg.head_dim}-S{_cfg.seqlen}-{'causal' if _cfg.causal else 'full'}"
             CASES.append(pytest.param(_cfg, _impl, id=_id))
@@ -34,12 +34,12 @@ for _cfg in _bench.sweep(quick=False) + [c for c in _bench.sweep(quick=True) if 
 
 @pytest.fixture(scope="module")
 def timer():
-    return _bench.Timer(warmup=3, iters=10)
+    return bench.Timer(warmup=3, iters=10)
 
 
 @pytest.fixture(scope="module")
 def matmul_peak(timer):
-    return _bench.matmul_peak_tflops(timer)
+    return bench.matmul_peak_tflops(timer)
 
 
 @pytest.mark.gpu
@@ -47,19 +47,19 @@ def matmul_peak(timer):
 def test_forward(benchmark, timer, matmul_peak, cfg, impl):
     import cupy as cp
 
-    if impl.startswith("torch") and not _bench._have_torch_cuda():
+    if impl.startswith("torch") and not bench._have_torch_cuda():
         pytest.skip("torch with CUDA is not installed")
-    q, k, v = _bench.make_inputs(cfg)
+    q, k, v = bench.make_inputs(cfg)
     if impl in ("cuflash", "cuflash_simt"):
-        fn, kernel = _bench.cuflash_runner(q, k, v, cfg.causal, tier="simt" if impl == "cuflash_simt" else "auto")
+        fn, kernel = bench.cuflash_runner(q, k, v, cfg.causal, tier="simt" if impl == "cuflash_simt" else "auto")
         benchmark.extra_info["kernel"] = kernel
-        err = _bench.check_error(fn(), q, k, v, cfg.causal)
+        err = bench.check_error(fn(), q, k, v, cfg.causal)
         benchmark.extra_info["max_error"] = err
-        assert err <= _bench.CHECK_TOL[cfg.dtype], f"{kernel}: max error {err:.3g} on {cfg.label}"
+        assert err <= bench.CHECK_TOL[cfg.dtype], f"{kernel}: max error {err:.3g} on {cfg.label}"
     elif impl == "cupy_naive":
-        fn = _bench.naive_runner(q, k, v, cfg.causal)
+        fn = bench.naive_runner(q, k, v, cfg.causal)
     else:
-        fn = _bench.torch_runner(q, k, v, cfg.causal, impl.rsplit("_", 1)[1])
+        fn = bench.torch_runner(q, k, v, cfg.causal, impl.rsplit("_", 1)[1])
     ms = timer.median_ms(fn)
     peak, peak_src = matmul_peak
     tflops = cfg.flops() / (ms * 1e-3) / 1e12
@@ -76,7 +76,7 @@ def test_forward(benchmark, timer, matmul_peak, cfg, impl):
 
 
 BACKWARD_CASES = [pytest.param(c, impl, id=f"quick-{impl}-{c.dtype}-d{c.head_dim}-S{c.seqlen}-{'causal' if c.causal else 'full'}")
-                  for c in _bench.sweep(quick=True) for impl in _bench.IMPLS_BWD + ("cuflash_fwd_bwd",)]
+                  for c in bench.sweep(quick=True) for impl in bench.IMPLS_BWD + ("cuflash_fwd_bwd",)]
 
 
 @pytest.mark.gpu
@@ -86,19 +86,19 @@ def test_backward(benchmark, timer, matmul_peak, cfg, impl):
     flash's backward, on the quick configurations."""
     import cupy as cp
 
-    if impl.startswith("torch") and not _bench._have_torch_cuda():
+    if impl.startswith("torch") and not bench._have_torch_cuda():
         pytest.skip("torch with CUDA is not installed")
-    q, k, v = _bench.make_inputs(cfg)
+    q, k, v = bench.make_inputs(cfg)
     if impl == "torch_sdpa_flash_bwd":
-        fn = _bench.torch_backward_runner(q, k, v, cfg.causal, "flash")
+        fn = bench.torch_backward_runner(q, k, v, cfg.causal, "flash")
         factor = 2.5
     else:
-        bwd = _bench.cuflash_backward_runner(q, k, v, cfg.causal)
-        benchmark.extra_info["kernel"] = _bench._backward_kernel_name(q, k, v, cfg.causal)
+        bwd = bench.cuflash_backward_runner(q, k, v, cfg.causal)
+        benchmark.extra_info["kernel"] = bench._backward_kernel_name(q, k, v, cfg.causal)
         if impl == "cuflash_bwd":
             fn, factor = bwd, 2.5
         else:
-            fwd, _ = _bench.cuflash_runner(q, k, v, cfg.causal)
+            fwd, _ = bench.cuflash_runner(q, k, v, cfg.causal)
 
             def fn():
                 fwd()
@@ -123,21 +123,21 @@ def test_backward(benchmark, timer, matmul_peak, cfg, impl):
 def test_bench_command_without_gpu_exits_2(monkeypatch, capsys):
     # runs everywhere (no gpu marker): on a machine without a device the command refuses to
     # produce numbers; simulate one so the test means the same on a GPU machine
-    monkeypatch.setattr(_bench, "gpu_available", lambda: (False, "no CUDA device"))
-    assert _bench.main(["--quick"]) == 2
+    monkeypatch.setattr(bench, "gpu_available", lambda: (False, "no CUDA device"))
+    assert bench.main(["--quick"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
 
 
 def test_sweep_shapes():
-    quick = _bench.sweep(quick=True)
+    quick = bench.sweep(quick=True)
     assert len(quick) == 16 and {c.head_dim for c in quick} == {64, 128} and {c.seqlen for c in quick} == {2048, 8192}
-    full = _bench.sweep(quick=False)
+    full = bench.sweep(quick=False)
     assert len(full) == 72
     for c in full:
-        assert c.batch * c.seqlen == _bench.TOKENS and c.heads * c.head_dim == _bench.HIDDEN
-    bar = _bench.Config(*_bench.BAR_SHAPE)
-    assert _bench.baselines_for(bar, quick=True) == _bench.IMPLS[1:]
-    assert _bench.baselines_for(quick[0], quick=True) == () or quick[0] == bar
+        assert c.batch * c.seqlen == bench.TOKENS and c.heads * c.head_dim == bench.HIDDEN
+    bar = bench.Config(*bench.BAR_SHAPE)
+    assert bench.baselines_for(bar, quick=True) == bench.IMPLS[1:]
+    assert bench.baselines_for(quick[0], quick=True) == () or quick[0] == bar
     # FLOPs by DESIGN.md §6: non-causal 4*B*H*S^2*D for D = Dv (the flash-attn convention agrees)
     assert bar.flops() == bar.flops_flash_attn() == 4 * 2 * 16 * 8192**2 * 128
 
@@ -147,9 +147,9 @@ def test_table_and_ratios_from_records():
     for impl, tf in (("cuflash", 300.0), ("torch_sdpa_flash", 350.0)):
         recs.append(dict(impl=impl, dtype="bfloat16", head_dim=128, seqlen=8192, causal=False, ms=1.0, tflops=tf,
                          tflops_flash_attn=tf, pct_peak=tf / 7, max_error=1e-3 if impl == "cuflash" else None, error=None))
-    _bench.add_ratios(recs)
+    bench.add_ratios(recs)
     assert recs[0]["ratio_torch_sdpa_flash"] == pytest.approx(300 / 350)
-    table = _bench.format_table(recs, 700.0, "test", "nowhere")
+    table = bench.format_table(recs, 700.0, "test", "nowhere")
     assert "x0.86 vs torch_sdpa_flash" in table and "TFLOP/s" in table
 
 
@@ -159,7 +159,7 @@ def test_backward_ratios_pair_backward_with_backward():
                      ("torch_sdpa_flash_bwd", 250.0)):
         recs.append(dict(impl=impl, dtype="bfloat16", head_dim=128, seqlen=8192, causal=True, ms=1.0, tflops=tf,
                          tflops_flash_attn=tf, pct_peak=tf / 7, max_error=None, error=None))
-    _bench.add_ratios(recs)
+    bench.add_ratios(recs)
     assert recs[0]["ratio_torch_sdpa_flash"] == pytest.approx(300 / 350)
     assert "ratio_torch_sdpa_flash_bwd" not in recs[0]
     assert recs[2]["ratio_torch_sdpa_flash_bwd"] == pytest.approx(100 / 250)

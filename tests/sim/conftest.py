@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import _source, _variants, sim
-from cuflash._sim import launcher
+from cuflash import sim
+from cuflash.kernels.softmax import SoftmaxVariant
+from cuflash.runtime import source
+from cuflash.sim import launcher
 
 KERNELS = Path(__file__).parent / "kernels"
 
@@ -34,7 +36,7 @@ def _sim_cache(tmp_path_factory):
 
 
 def probe_source(name: str) -> str:
-    return _source.build_text((KERNELS / name).read_text(), origin=name, search_dirs=[KERNELS])
+    return source.build_text((KERNELS / name).read_text(), origin=name, search_dirs=[KERNELS])
 
 
 def load_probe(name: str, **opts) -> launcher.SimModule:
@@ -57,7 +59,7 @@ class Modules:
                     probe_source("sim_probes.cu"), origin="sim_probes.cu", options=uc
                 ),
             }
-            for v in _variants.SoftmaxVariant.all():
+            for v in SoftmaxVariant.all():
                 jobs[v.name] = (lambda v=v: launcher.load_variant(v, default))
             with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as ex:
                 futures = {k: ex.submit(f) for k, f in jobs.items()}

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuflash import _plan
+from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg
 
 
 def P(a, name="p"):
     """Pointer argument (writable) to a NumPy array."""
-    return _plan.PointerArg.of(name, a, writable=True)
+    return PointerArg.of(name, a, writable=True)
 
 
 def plan(entry, grid, block, *args, smem=0):
     """A launch plan for a test kernel (no variant: the module is given explicitly)."""
-    return _plan.LaunchPlan(None, entry, grid, block, smem, args)
+    return LaunchPlan(None, entry, grid, block, smem, args)
 
 
 def i32(v):
-    return _plan.ScalarArg("i", np.int32(v))
+    return ScalarArg("i", np.int32(v))

@@ -10,9 +10,10 @@ import pytest
 from conftest import probe_source
 from simtools import P, i32, plan
 
-from cuflash import _plan, sim
-from cuflash._sim import launcher
-from cuflash._sim.launcher import SimCheckError, SimError
+from cuflash import sim
+from cuflash.runtime.plan import PointerArg, ScalarArg
+from cuflash.sim import launcher
+from cuflash.sim.launcher import SimCheckError, SimError
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def fault(mod, p, **opts) -> SimCheckError:
 
 
 def i64(v):
-    return _plan.ScalarArg("row_stride", np.int64(v))
+    return ScalarArg("row_stride", np.int64(v))
 
 
 def test_checked_module_is_separate_and_instrumented(chk, modules):
@@ -63,7 +64,7 @@ def test_missing_syncthreads(chk, seed):
 def test_read_one_past_a_view_inside_a_larger_buffer(chk):
     big = np.arange(100, dtype=np.float32)
     y = np.full(10, np.nan, np.float32)
-    x = _plan.PointerArg("x", big, 10, (10,), (1,))  # big[10:20]: big[20] is memory, not the view
+    x = PointerArg("x", big, 10, (10,), (1,))  # big[10:20]: big[20] is memory, not the view
     run(chk, plan("chk_copy", 1, 32, x, P(y, "y"), i32(10), i32(0)))
     np.testing.assert_array_equal(y, big[10:20])
     e = fault(chk, plan("chk_copy", 1, 32, x, P(y, "y"), i32(10), i32(1)))
@@ -75,7 +76,7 @@ def test_read_one_past_a_view_inside_a_larger_buffer(chk):
 def test_read_in_the_gap_of_a_strided_view(chk, dtype):
     """q = qkv[:, 0, :] of a packed (rows, 3, 8) buffer; one read past a row's end reads k."""
     qkv = np.arange(5 * 3 * 8, dtype=np.float32).reshape(5, 3, 8)
-    q = _plan.PointerArg.of("q", qkv[:, 0, :])
+    q = PointerArg.of("q", qkv[:, 0, :])
     assert q.strides == (24, 1)
     y = np.full((5, 8), np.nan, np.float32)
     run(chk, plan("chk_rows", 5, 32, q, P(y, "y"), i32(5), i32(8), i64(24), i32(0)))
@@ -87,13 +88,13 @@ def test_read_in_the_gap_of_a_strided_view(chk, dtype):
 
 def test_out_of_bounds_write_and_write_to_input(chk):
     y = np.zeros(20, np.float32)
-    view = _plan.PointerArg("y", y, 2, (16,), (1,), writable=True)
+    view = PointerArg("y", y, 2, (16,), (1,), writable=True)
     e = fault(chk, plan("chk_write", 1, 32, view, i32(16), i32(1)))
     assert (e.kind, e.array, e.index, e.thread, e.access) == ("out-of-bounds write", "y", (16,), (16, 0, 0), "write")
     assert (y == 0).all()  # the faulty launch wrote nothing back
     run(chk, plan("chk_write", 1, 32, view, i32(16), i32(0)))
     assert (y[2:18] == 1).all() and (y[:2] == 0).all() and (y[18:] == 0).all()
-    e = fault(chk, plan("chk_write_input", 1, 4, _plan.PointerArg.of("x", np.zeros(4, np.float32))))
+    e = fault(chk, plan("chk_write_input", 1, 4, PointerArg.of("x", np.zeros(4, np.float32))))
     assert e.kind == "write to read-only argument" and e.array == "x" and e.index == e.thread[:1]
 
 
@@ -172,11 +173,11 @@ def test_far_accesses_are_reported_or_crash_the_child_only(chk):
     """Accesses within the slack around a copy are reported with their (negative) index; one on
     the guard page beyond kills the child, which comes back as an exception."""
     y = np.zeros(4, np.float32)
-    arg = _plan.PointerArg.of("y", y, writable=True)
-    e = fault(chk, plan("chk_poke", 1, 1, arg, _plan.ScalarArg("at", np.int64(-3))))
+    arg = PointerArg.of("y", y, writable=True)
+    e = fault(chk, plan("chk_poke", 1, 1, arg, ScalarArg("at", np.int64(-3))))
     assert (e.kind, e.array, e.index) == ("out-of-bounds write", "y", (-3,))
     at = -(launcher.CHECK_SLACK + launcher._PAGE) // 4
     with pytest.raises(SimCheckError, match="died") as info:
-        run(chk, plan("chk_poke", 1, 1, arg, _plan.ScalarArg("at", np.int64(at))))
+        run(chk, plan("chk_poke", 1, 1, arg, ScalarArg("at", np.int64(at))))
     assert info.value.kind == "crash" and info.value.kernel == "chk_poke"
     assert (y == 0).all()

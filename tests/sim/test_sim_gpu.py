@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cuflash import _compile, _source
-from cuflash._softmax import softmax
+from cuflash.api_softmax import softmax
+from cuflash.runtime import cuda_runner, source
 
 pytestmark = pytest.mark.gpu
 KERNELS = Path(__file__).parent / "kernels"
@@ -27,11 +27,10 @@ def test_softmax_cuda_matches_simulator(modules):
 
 def test_ptx_probes_on_hardware_match_simulator(modules):
     import cupy
-
     from simtools import P, i32, plan
 
-    src = _source.build_text((KERNELS / "ptx_probes.cu").read_text(), origin="ptx_probes.cu", search_dirs=[KERNELS])
-    mod = cupy.RawModule(code=src, options=_compile.nvrtc_options())
+    src = source.build_text((KERNELS / "ptx_probes.cu").read_text(), origin="ptx_probes.cu", search_dirs=[KERNELS])
+    mod = cupy.RawModule(code=src, options=cuda_runner.nvrtc_options())
     out_gpu = cupy.zeros((32, 14), cupy.uint32)
     mod.get_function("ldmatrix_probe")((1,), (32,), (out_gpu, np.int32(0)))
     out_sim = np.zeros((32, 14), np.uint32)

@@ -11,37 +11,40 @@ import numpy as np
 import pytest
 from simtools import P, plan
 
-from cuflash import _paths, _plan, _source, _variants, sim
-from cuflash._sim import launcher, lower
+from cuflash import sim
+from cuflash.kernels.softmax import SoftmaxVariant
+from cuflash.runtime import paths, source
+from cuflash.runtime.plan import PointerArg
+from cuflash.sim import launcher, lower
 
 
 def test_variant_is_hashable_and_names_its_entry():
-    v = _variants.SoftmaxVariant("bf16", "block")
-    assert v == _variants.SoftmaxVariant("bf16", "block") and hash(v) == hash(_variants.SoftmaxVariant("bf16", "block"))
+    v = SoftmaxVariant("bf16", "block")
+    assert v == SoftmaxVariant("bf16", "block") and hash(v) == hash(SoftmaxVariant("bf16", "block"))
     assert v.name == "bf16_block" and v.entry == "cuflash_softmax_bf16_block"
     d = dict(v.defines())
     assert d["CUFLASH_ENTRY"] == v.entry and d["CUFLASH_T"] == "__nv_bfloat16" and d["CUFLASH_SOFTMAX_WARP"] == "0"
-    assert len({x.name for x in _variants.SoftmaxVariant.all()}) == 6
+    assert len({x.name for x in SoftmaxVariant.all()}) == 6
     with pytest.raises(ValueError, match="dtype='f64'"):
-        _variants.SoftmaxVariant("f64", "warp")
+        SoftmaxVariant("f64", "warp")
     with pytest.raises(AttributeError):
         v.dtype = "f32"
 
 
 def test_source_pastes_our_headers_once_and_keeps_toolkit_includes():
-    text = _source.build_source(_variants.SoftmaxVariant("f16", "warp"))
+    text = source.build_source(SoftmaxVariant("f16", "warp"))
     assert text.index("#define CUFLASH_ENTRY cuflash_softmax_f16_warp") < text.index('#line 1 "softmax.cu"')
-    assert _paths.kernel_source("common.cuh").split("#pragma once")[1].strip()[:40] in text
+    assert paths.kernel_source("common.cuh").split("#pragma once")[1].strip()[:40] in text
     assert text.count("__device__ __forceinline__ float to_float(float x)") == 1
     assert '#include "' not in text and "#include <cuda_fp16.h>" in text and "#pragma once" not in text
     assert '#line 1 "common.cuh"' in text
     # the text changes when a header changes: caches keyed on it cannot go stale
-    assert _source.build_source(_variants.SoftmaxVariant("f16", "block")) != text
+    assert source.build_source(SoftmaxVariant("f16", "block")) != text
 
 
 def test_source_missing_header(tmp_path):
     with pytest.raises(FileNotFoundError, match='#include "nope.cuh" in k.cu'):
-        _source.build_text('#include "nope.cuh"\n', origin="k.cu")
+        source.build_text('#include "nope.cuh"\n', origin="k.cu")
 
 
 def test_lowering_of_shared_declarations():
@@ -76,13 +79,13 @@ def test_lowering_of_shared_declarations():
 def test_pointer_arg_regions():
     a = np.zeros((6, 80), np.float16)
     v = a[::2, 5:70]
-    p = _plan.PointerArg.of("v", v)
+    p = PointerArg.of("v", v)
     assert p.shape == (3, 65) and p.strides == (160, 1) and p.extent == 385
     assert p.address == a.ctypes.data + 5 * 2
     with pytest.raises(ValueError, match="beyond the 385 elements"):
-        _plan.PointerArg("v", v, 1, (3, 65), (160, 1))
+        PointerArg("v", v, 1, (3, 65), (160, 1))
     with pytest.raises(ValueError, match="negative"):
-        _plan.PointerArg.of("r", a[::-1])
+        PointerArg.of("r", a[::-1])
 
 
 def test_plan_opt_in_flag():
@@ -144,11 +147,11 @@ def test_disk_cache_key_and_reuse(modules, tmp_path):
     path = modules["sim"].path
     assert path.parent == folder and path.suffix == ".so"
     code = (
-        "import sys; from cuflash import _variants; from cuflash._sim import launcher;"
-        "m = launcher.load_variant(_variants.SoftmaxVariant('f32', 'warp'));"
+        "import sys; from cuflash.kernels.softmax import SoftmaxVariant; from cuflash.sim import launcher;"
+        "m = launcher.load_variant(SoftmaxVariant('f32', 'warp'));"
         "print(m.compile_seconds, m.path)"
     )
-    env = dict(os.environ, PYTHONPATH=str(_paths.kernels_dir().parent))
+    env = dict(os.environ, PYTHONPATH=str(paths.kernels_dir().parent))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     secs, p = out.split()
     assert float(secs) == 0.0 and p == str(modules["f32_warp"].path)

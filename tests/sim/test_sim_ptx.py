@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from simtools import P, i32, plan
 
-from cuflash._sim import launcher
+from cuflash.sim import launcher
 
 LANE = np.arange(32)
 G, T = LANE // 4, LANE % 4

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from simtools import P, i32, plan
 
-from cuflash import _plan, sim
-from cuflash._sim import launcher
+from cuflash import sim
+from cuflash.runtime.plan import ScalarArg
+from cuflash.sim import launcher
 
 
 def _block_reduce(mod, nblocks=64, threads=128, seed=0, workers=None):
@@ -194,13 +195,13 @@ def test_launch_limits_and_argument_types(modules):
         plan("divergent_barrier", (1, 65536), 32, P(out))
     x = np.zeros(4 * 128, np.float32)
     # int64 where the kernel takes int: caught before launching
-    bad = plan("reverse_block", 4, 128, P(x), P(x), _plan.ScalarArg("use_barrier", np.int64(1)))
+    bad = plan("reverse_block", 4, 128, P(x), P(x), ScalarArg("use_barrier", np.int64(1)))
     with pytest.raises(TypeError, match="argument 2 .*4-byte signed integer.*8-byte"):
         mod.launch(bad)
     with pytest.raises(TypeError, match="takes 3 arguments"):
         mod.launch(plan("reverse_block", 4, 128, P(x), P(x)))
     with pytest.raises(TypeError, match="NumPy scalar"):
-        _plan.ScalarArg("n", 3)
+        ScalarArg("n", 3)
 
 
 def test_deadlock_and_trap_are_reported(modules):

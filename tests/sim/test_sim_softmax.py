@@ -6,8 +6,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cuflash import _softmax, _variants, sim
-from cuflash._softmax import softmax
+from cuflash import api_softmax, sim
+from cuflash.api_softmax import softmax
+from cuflash.kernels.softmax import SoftmaxVariant, plan_softmax
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32]
 # |y - ref| <= atol + rtol * |ref|: two roundings of the output type plus float32 accumulation
@@ -87,12 +88,12 @@ def test_sim_softmax_large_logits(modules):
 def test_sim_softmax_variant_choice():
     x = np.zeros((3, 1024), np.float32)
     y = np.zeros_like(x)
-    p = _softmax.plan_softmax(x, y)
-    assert p.variant == _variants.SoftmaxVariant("f32", "warp") and p.entry == "cuflash_softmax_f32_warp"
+    p = plan_softmax(x, y)
+    assert p.variant == SoftmaxVariant("f32", "warp") and p.entry == "cuflash_softmax_f32_warp"
     assert p.grid == (1, 1, 1) and p.block == (32, 4, 1) and not p.needs_smem_opt_in
     x = np.zeros((3, 1025), np.float16)
-    p = _softmax.plan_softmax(x, x.copy())
-    assert p.variant == _variants.SoftmaxVariant("f16", "block") and p.grid == (3, 1, 1) and p.block == (256, 1, 1)
+    p = plan_softmax(x, x.copy())
+    assert p.variant == SoftmaxVariant("f16", "block") and p.grid == (3, 1, 1) and p.block == (256, 1, 1)
     assert [a.name for a in p.args] == ["x", "y", "n_rows", "n_cols", "x_row_stride", "y_row_stride"]
     assert [type(a.value) for a in p.args[2:]] == [np.int64, np.int32, np.int64, np.int64]
 
@@ -117,7 +118,7 @@ def test_numpy_path_and_auto(monkeypatch):
         assert y.dtype == x.dtype
         if dt != np.float64:
             check(y, x)
-            check(_softmax.online_softmax_numpy(x, -1, block_size=100), x)
+            check(api_softmax.online_softmax_numpy(x, -1, block_size=100), x)
         else:
             np.testing.assert_allclose(y, reference(x), rtol=1e-12, atol=0)
     monkeypatch.setenv("CUFLASH_BACKEND", "sim")

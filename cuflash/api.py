@@ -1,0 +1,302 @@
+"""Public entry points: :func:`attention` and backend selection."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from cuflash.reference import forward as ref_forward
+from cuflash.runtime import dtypes, validation
+
+BACKENDS = ("auto", "numpy", "sim", "cuda")
+
+
+def resolve_backend(backend, kind: str, func: str) -> str:
+    """The concrete backend (``"numpy"``, ``"sim"`` or ``"cuda"``) for arrays of ``kind``.
+
+    ``"auto"`` never moves data: NumPy input runs the NumPy path, CuPy or CUDA DLPack input the
+    CUDA kernels. The ``CUFLASH_BACKEND`` environment variable overrides only ``"auto"``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown backend name (argument or environment variable), or a backend that would
+        need the data moved between host and device.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{func}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        env = os.environ.get("CUFLASH_BACKEND", "").strip()
+        if env:
+            if env not in BACKENDS:
+                raise ValueError(f"{func}: environment variable CUFLASH_BACKEND must be one of {BACKENDS}, got {env!r}")
+            backend = env
+    if backend == "auto":
+        return "numpy" if kind == "numpy" else "cuda"
+    host = kind == "numpy"
+    if backend in ("numpy", "sim") and not host:
+        raise ValueError(
+            f"{func}: backend={backend!r} computes on the host and takes NumPy arrays; got device "
+            f"arrays ({kind}). Data is never moved implicitly: copy them to NumPy first, or use "
+            f"backend='cuda'"
+        )
+    if backend == "cuda" and host:
+        raise ValueError(
+            f"{func}: backend='cuda' needs GPU arrays (CuPy, or torch/JAX CUDA tensors); got NumPy "
+            f"arrays. Data is never moved implicitly: move them with cupy.asarray first, or use "
+            f"backend='numpy' or 'sim'"
+        )
+    return backend
+
+
+def check_kernel_dtype(problem, backend: str) -> None:
+    """The kernels compute float16, bfloat16 and float32; float64 is the NumPy path's alone.
+
+    Raises
+    ------
+    NotImplementedError
+        For float64 input on a kernel backend (``"sim"`` or ``"cuda"``).
+    """
+    if problem.dtype == dtypes.float64:
+        raise NotImplementedError(
+            f"{problem.func}: the kernels compute float16, bfloat16 and float32; float64 runs on the "
+            f"NumPy path only (backend='numpy'), got backend={backend!r}"
+        )
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    return_lse=False,
+    layout="bhsd",
+    out=None,
+    backend="auto",
+):
+    """Exact scaled-dot-product attention, ``softmax(softmax_scale * q k^T + mask) v``, fused.
+
+    The ``(Sq, Sk)`` score matrix is never materialised: keys and values are streamed in tiles
+    with the online-softmax recurrence (running maximum and sum per query row, rescaled float32
+    accumulator, one division at the end; FlashAttention, Dao et al. 2022, Algorithm 1, and
+    FlashAttention-2, Dao 2023, Algorithm 1).
+
+    Parameters
+    ----------
+    q : array, shape ``(..., Sq, D)`` for layout "bhsd", ``(B, Sq, Hq, D)`` for "bshd"
+    k : array, shape ``(..., Sk, D)`` / ``(B, Sk, Hk, D)``
+    v : array, shape ``(..., Sk, Dv)`` / ``(B, Sk, Hk, Dv)``
+        NumPy arrays, CuPy arrays, or CUDA tensors through DLPack (torch, JAX); all of one kind,
+        dtype and device. dtypes: float16, bfloat16 (``ml_dtypes.bfloat16``), float32; float64
+        on the NumPy path. Leading (batch) dims must be equal, except the head axis (-3 for
+        "bhsd", 2 for "bshd"), where ``Hq % Hk == 0`` (GQA/MQA: query head ``h`` reads kv head
+        ``h // (Hq // Hk)``). 2-D "bhsd" input is one head. Any strides with unit stride on the
+        last axis (slices of a packed qkv buffer, transposed views, stride-0 broadcast K/V);
+        ``1 <= D, Dv <= 256``.
+    causal : bool
+        Causal mask aligned to the bottom-right corner (flash-attn >= 2.1): query ``i`` sees key
+        ``j`` iff ``j <= i + Sk - Sq``. For ``Sq=2, Sk=5``::
+
+            causal:       k0 k1 k2 k3 k4
+                    q0 [  1  1  1  1  0 ]
+                    q1 [  1  1  1  1  1 ]
+
+        PyTorch SDPA's ``is_causal`` aligns top-left instead; the two agree when ``Sq == Sk``.
+    softmax_scale : float, optional
+        Scale applied to ``q k^T``; None means ``1/sqrt(D)``. ``0.0`` is valid (uniform weights).
+    window_size : (int, int)
+        ``(left, right)``: query ``i`` sees keys ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``;
+        -1 means unbounded on that side. With ``causal=True`` the right bound is 0.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scaled, masked scores (natural log).
+    layout : {"bhsd", "bshd"}
+        "bhsd" (SDPA's, the default) or "bshd" (flash-attn's).
+    out : array, optional
+        Output buffer: the result's shape and q's dtype and kind, unit last-axis stride, not
+        overlapping q, k or v.
+    backend : {"auto", "numpy", "sim", "cuda"}
+        "auto" never moves data: NumPy input runs the NumPy implementation
+        (:func:`cuflash.reference.flash_attention`), GPU arrays run the CUDA kernels. The
+        ``CUFLASH_BACKEND`` environment variable overrides "auto" only.
+
+    Returns
+    -------
+    out : array of q's kind and dtype, shape ``q.shape[:-1] + (Dv,)`` ("bhsd") or ``(B, Sq, Hq, Dv)``
+    lse : array, float32 (float64 for float64 input), shape ``q.shape[:-1]`` ("bhsd") or
+        ``(B, Hq, Sq)`` ("bshd"); only when ``return_lse=True``.
+
+    A query row that sees no key (e.g. causal with ``Sq > Sk``, or ``Sk = 0``) gets output 0 and
+    ``lse = -inf``. Empty inputs (a zero batch dim or ``Sq = 0``) compute nothing.
+
+    Raises
+    ------
+    TypeError
+        A non-array, an unsupported dtype, mixed dtypes or array kinds, a non-bool flag.
+    ValueError
+        Mismatched shapes, non-unit last-axis or negative strides, an unknown layout or backend,
+        a malformed ``window_size``, a non-finite ``softmax_scale``, a bad ``out=``, a CPU tensor
+        through DLPack, arrays on different devices, or a backend that would move data.
+    NotImplementedError
+        A head dim above 256, or a valid call that has no kernel on the chosen backend.
+    RuntimeError
+        GPU arrays on a machine where CuPy or a usable CUDA device is missing (raised after
+        validation, before any device work).
+
+    Notes
+    -----
+    GPU arrays run on their own device, asynchronously (the host is never synchronized):
+
+    * CuPy: on CuPy's current stream (``with stream: cuflash.attention(...)``); the outputs come
+      from CuPy's memory pool.
+    * torch CUDA tensors: on torch's current stream of that device (through
+      ``cupy.cuda.Stream.from_external``); q, k, v (any strides) are viewed zero-copy through
+      DLPack and the outputs are allocated with ``torch.empty``, so torch's caching allocator
+      and memory statistics see them. The result is ordered after the work that produced the
+      inputs and before later work on that stream, as for any torch operator.
+    * JAX (or another CUDA DLPack producer): inputs are imported with ``cupy.from_dlpack``,
+      which passes CuPy's current stream to ``__dlpack__(stream=...)`` (JAX makes that stream
+      wait until the arrays are ready); the kernel runs on that stream, the result (in CuPy
+      memory) is returned with ``jax.numpy.from_dlpack``, which makes JAX's stream wait for the
+      kernel. JAX exposes no stream of its own to run on, and its arrays cannot be ``out=``.
+
+    A launch allocates only its outputs and never synchronizes, so with ``out=`` passed (and a
+    warmed-up compile cache, see :func:`cuflash.precompile`) a call can be captured in a CUDA
+    graph (``stream.begin_capture()`` ... ``stream.end_capture()``).
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> q = np.random.randn(2, 8, 128, 64).astype(np.float32)
+    >>> k = np.random.randn(2, 2, 256, 64).astype(np.float32)   # GQA: 8 query heads, 2 kv heads
+    >>> v = np.random.randn(2, 2, 256, 64).astype(np.float32)
+    >>> cuflash.attention(q, k, v, causal=True).shape
+    (2, 8, 128, 64)
+    """
+    func = "cuflash.attention"
+    problem = validation.check_attention(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
+        out=out, return_lse=return_lse, func=func,
+    )
+    chosen = resolve_backend(backend, problem.kind, func)
+    if chosen == "numpy":
+        return ref_forward._flash_forward(problem, q, k, v, 128, 128, out, return_lse)
+    check_kernel_dtype(problem, chosen)
+    if chosen == "sim":
+        from cuflash import sim
+        from cuflash.kernels import dispatch
+        from cuflash.sim import launcher
+
+        arch = sim.current_options().arch
+        return dispatch.run_forward(problem, q, k, v, out, return_lse, xp=np, arch=arch, launch=launcher.run)
+    return _attention_cuda(problem, q, k, v, out, return_lse)
+
+
+def _attention_cuda(problem, q, k, v, out, return_lse: bool):
+    """The CUDA path: zero-copy CuPy views, outputs from the caller's framework, one launch per
+    plan on the consumer stream (see :class:`cuflash.runtime.interop.CudaCall`). Never synchronizes the
+    host and allocates nothing but the outputs, so it can be captured in a CUDA graph."""
+    import functools
+
+    from cuflash.kernels import dispatch
+    from cuflash.runtime import cuda_runner, interop
+
+    with interop.CudaCall(problem.func, q, out=out) as call:
+        qc, kc, vc = (call.import_array(x) for x in (q, k, v))
+        oc = None
+        if out is not None:
+            oc = call.import_array(out)
+            interop.check_no_overlap(problem.func, oc, {"q": qc, "k": kc, "v": vc})
+        else:
+            oc = call.empty(problem.out_shape, problem.dtype)
+        result = dispatch.run_forward(
+            problem, qc, kc, vc, oc, return_lse, xp=call.xp, arch=call.arch,
+            launch=functools.partial(cuda_runner.launch, stream=call.stream),
+        )
+        if return_lse:
+            o, lse = result
+            return call.export(o, out=out), call.export(lse)
+        return call.export(result, out=out)
+
+
+def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
+            backend="auto", arch=None) -> dict:
+    """What :func:`attention` would run for these arguments, without running it.
+
+    Validates exactly as :func:`attention` does (from metadata only, so fake or CPU-side
+    descriptions of device arrays work) and asks the dispatcher which kernel tier and variant
+    serve the call on ``sm_<arch>``.
+
+    Parameters
+    ----------
+    q, k, v, causal, softmax_scale, window_size, layout, backend
+        As for :func:`attention`.
+    arch : int or str, optional
+        Compute capability to plan for (``90``, ``"sm_80"``). Default: the simulator's arch
+        (:func:`cuflash.sim.options`) for ``backend="sim"``, the arrays' device for CUDA arrays
+        (which needs a GPU). With NumPy input and an ``arch``, the answer is what a device of
+        that arch would run (as ``backend="sim"`` plans it).
+
+    Returns
+    -------
+    dict
+        ``backend``; for the kernel backends also ``arch``, ``tier`` (module name), ``variant``
+        (its name), ``entry`` (kernel symbol), ``block_m``/``block_n`` (tile), ``threads``,
+        ``smem_bytes`` (dynamic shared memory), ``blocks`` (thread blocks over all launches) and
+        ``choice`` (the dispatcher's one-line account, with why faster tiers were passed over);
+        for the NumPy path ``block_m``/``block_n`` of its tiles.
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        As :func:`attention`.
+    RuntimeError
+        For CUDA arrays with ``arch=None`` on a machine without a usable GPU.
+    """
+    import math
+
+    from cuflash import sim
+    from cuflash.kernels import dispatch
+
+    func = "cuflash.explain"
+    problem = validation.check_attention(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
+        func=func,
+    )
+    chosen = resolve_backend(backend, problem.kind, func)
+    if chosen == "numpy" and arch is not None:
+        # asking for an arch means asking what a device would run: plan as the simulator does
+        chosen = "sim"
+    if chosen == "numpy":
+        return {"backend": "numpy", "block_m": 128, "block_n": 128,
+                "choice": "NumPy path (cuflash.reference.flash_attention, 128 x 128 tiles); pass arch=... or "
+                          "backend='sim' to see the kernel a GPU would run"}
+    if problem.dtype == dtypes.float64:
+        raise NotImplementedError(f"{func}: the kernels compute float16, bfloat16 and float32; float64 runs on the NumPy path only")
+    if arch is not None:
+        arch = sim.parse_arch(arch) if chosen == "sim" else int(str(arch).removeprefix("sm_"))
+    elif chosen == "sim":
+        arch = sim.current_options().arch
+    else:
+        from cuflash.runtime import interop
+
+        cupy = interop.require_cuda(func)
+        arch = int(cupy.cuda.Device(int(problem.device[1])).compute_capability)
+    arrays = (q, k, v) if problem.kind in ("numpy", "cupy") else None  # DLPack: shape-level checks only
+    tier = dispatch.forward_tier(problem, arch, arrays)
+    variant = tier.choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+    describe = getattr(dispatch, "describe_choice", None)
+    block_m = getattr(variant, "block_m", None)
+    blocks = None
+    if block_m:
+        blocks = -(-problem.seqlen_q // block_m) * problem.num_heads_q * math.prod(problem.batch_shape)
+    return {
+        "backend": chosen, "arch": arch, "tier": tier.__name__.rsplit(".", 1)[-1],
+        "variant": variant.name, "entry": variant.entry, "block_m": block_m,
+        "block_n": getattr(variant, "block_n", None), "threads": math.prod(variant.block),
+        "smem_bytes": getattr(variant, "smem_bytes", None), "blocks": blocks,
+        "choice": describe(problem, arch, arrays) if describe is not None else None,
+    }

@@ -1,0 +1,138 @@
+"""Public backward entry point: :func:`attention_backward` (exported as ``cuflash.attention_backward``)."""
+
+from __future__ import annotations
+
+from cuflash.api import check_kernel_dtype, resolve_backend
+from cuflash.reference import backward as ref_backward
+from cuflash.runtime import validation
+
+#: tile sizes of the NumPy path (FlashAttention-2's backward: Bc keys outer, Br queries inner)
+_NUMPY_BLOCK_M = 64
+_NUMPY_BLOCK_N = 128
+
+
+def attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    layout="bhsd",
+    backend="auto",
+    deterministic=False,
+):
+    """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` from its output and log-sum-exp.
+
+    The FlashAttention-2 backward (Dao 2023, Algorithm 2): ``P = exp(S - lse)`` is recomputed
+    tile by tile from q, k and the forward's ``lse``, so the ``(Sq, Sk)`` matrices are never
+    stored; with ``D = rowsum(dout * out)`` and ``dS = P * (dout v^T - D)``::
+
+        dv = P^T dout,   dq = softmax_scale * dS k,   dk = softmax_scale * dS^T q
+
+    accumulated in float32 (float64 for float64 input). With GQA/MQA, ``dk`` and ``dv`` of a kv
+    head sum over the query heads that share it.
+
+    Parameters
+    ----------
+    dout : array, shape and dtype of ``out``
+        Gradient of the loss with respect to the forward's output; any strides with unit last axis.
+    q, k, v : arrays
+        The forward's inputs, exactly as :func:`cuflash.attention` takes them.
+    out : array, q's dtype, shape ``q.shape[:-1] + (Dv,)`` ("bhsd") or ``(B, Sq, Hq, Dv)`` ("bshd")
+        The forward's output.
+    lse : array, float32 or float64, shape ``q.shape[:-1]`` ("bhsd") or ``(B, Hq, Sq)`` ("bshd")
+        The forward's log-sum-exp (``cuflash.attention(..., return_lse=True)``); ``-inf`` marks a
+        row that sees no key.
+    causal, softmax_scale, window_size, layout
+        The forward's options; they must be the ones the forward was called with.
+    backend : {"auto", "numpy", "sim", "cuda"}
+        Resolved as in :func:`cuflash.attention` ("auto" never moves data; ``CUFLASH_BACKEND``
+        overrides "auto" only). "sim" and "cuda" run the tensor-core backward
+        (``kernels_cu/attention_bwd_mma.cu``: float16/bfloat16 on sm_80+, head dims <= 128,
+        16-byte-aligned rows) or else the portable one (``kernels_cu/attention_bwd_simt.cu``);
+        :func:`cuflash.kernels.dispatch.backward_tier` chooses.
+    deterministic : bool
+        Bit-identical results run to run on the kernel backends ("sim", "cuda"): dQ is summed
+        without atomics, each of a fixed number of splits (at most 16; a function of the shape
+        only) accumulating its share of the key tiles, in order, into its own float32 partial
+        buffer, which a final pass adds in split order. Costs: a float32 workspace of up to 16
+        copies of dq (instead of one) and fewer, longer thread blocks when ``batch * kv heads``
+        is small (expect a slower backward; the default, ``False``, adds dQ with atomics, whose
+        order, and so the last bits of dq, may vary between runs). dk and dv are always
+        deterministic. The NumPy path is always deterministic.
+
+    Returns
+    -------
+    dq, dk, dv : arrays of q's kind and dtype, the shapes of q, k and v
+
+    A row that sees no key (``lse = -inf``) has ``dq = 0`` there and adds nothing to ``dk``/``dv``.
+
+    Raises
+    ------
+    TypeError
+        A non-array, an unsupported or mismatched dtype (``out`` must have q's dtype, ``dout``
+        out's, ``lse`` float32/float64), mixed array kinds, a non-bool flag.
+    ValueError
+        Mismatched shapes of q/k/v, ``out``, ``dout`` or ``lse``; bad strides or options; an
+        unknown backend or one that would move data.
+    NotImplementedError
+        A head dim above 256, or float64 on a kernel backend.
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> q, k, v = (np.random.randn(1, 4, 16, 32).astype(np.float32) for _ in range(3))
+    >>> out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    >>> dq, dk, dv = cuflash.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True)
+    >>> dq.shape, dq.dtype
+    ((1, 4, 16, 32), dtype('float32'))
+    """
+    func = "cuflash.attention_backward"
+    deterministic = validation.check_flag(deterministic, "deterministic", func)
+    problem = ref_backward.check_backward(
+        dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        layout=layout, func=func, max_head_dim=validation.MAX_HEAD_DIM,
+    )
+    chosen = resolve_backend(backend, problem.kind, func)
+    if chosen == "numpy":
+        return ref_backward._flash_backward(
+            problem, dout, q, k, v, out, lse, _NUMPY_BLOCK_M, _NUMPY_BLOCK_N
+        )
+    check_kernel_dtype(problem, chosen)
+    if chosen == "sim":
+        import numpy as np
+
+        from cuflash import sim
+        from cuflash.kernels import dispatch
+        from cuflash.sim import launcher
+
+        arch = sim.current_options().arch
+        tier = dispatch.backward_tier(problem, arch, (q, k, v, out, dout))
+        return tier.backward(
+            problem, dout, q, k, v, out, lse, xp=np, arch=arch, launch=launcher.run,
+            deterministic=deterministic,
+        )
+    return _backward_cuda(problem, dout, q, k, v, out, lse, deterministic)
+
+
+def _backward_cuda(problem, dout, q, k, v, out, lse, deterministic=False):
+    """The CUDA path: zero-copy CuPy views on the consumer stream, gradients (and the float32
+    workspaces) from the caller's framework (see :class:`cuflash.runtime.interop.CudaCall`)."""
+    import functools
+
+    from cuflash.kernels import dispatch
+    from cuflash.runtime import cuda_runner, interop
+
+    with interop.CudaCall(problem.func, q) as call:
+        arrays = [call.import_array(x) for x in (dout, q, k, v, out, lse)]
+        tier = dispatch.backward_tier(problem, call.arch, (*arrays[1:5], arrays[0]))
+        grads = tier.backward(
+            problem, *arrays, xp=call.xp, arch=call.arch,
+            launch=functools.partial(cuda_runner.launch, stream=call.stream), deterministic=deterministic,
+        )
+        return tuple(call.export(g) for g in grads)

@@ -1,0 +1,193 @@
+"""``cuflash.softmax``: row-wise softmax with the online normalizer.
+
+The CUDA kernel (``kernels_cu/softmax.cu``) computes, for each row, the running maximum ``m`` and
+the running sum ``d`` of ``exp(x - m)`` in one read pass, rescaling ``d`` whenever ``m`` grows
+(Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018), then writes
+``exp(x - m) / d`` in a second pass: two reads and one write of HBM per element. The NumPy path
+follows the same recurrence over blocks of columns. (The seed write-up's pseudocode scales the
+block sum twice and never rescales earlier blocks; this is the published, correct recurrence.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from cuflash.kernels import softmax as softmax_kernel
+from cuflash.runtime import variants
+
+_BACKENDS = ("auto", "numpy", "sim", "cuda")
+_NAME = "cuflash.softmax"
+
+
+def _is_cupy(x) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def _on_device(x) -> bool:
+    """CuPy, or a CUDA tensor through DLPack (torch, JAX)."""
+    from cuflash.runtime.interop import array_kind
+
+    return array_kind(x) in ("cupy", "dlpack")
+
+
+def _validate(x, axis, backend):
+    from cuflash.runtime.interop import array_kind, describe, device_type_name
+
+    kind = array_kind(x)
+    if kind is None:
+        raise TypeError(
+            f"{_NAME}: x must be a NumPy or CuPy array, got {type(x).__name__} (CUDA tensors with "
+            f"__dlpack__, e.g. torch or JAX, are accepted too)"
+        )
+    info = describe(x, "x", _NAME)
+    if kind == "dlpack" and not info.on_cuda:
+        raise ValueError(
+            f"{_NAME}: x is a {info.type_name} on {device_type_name(info.device[0])} (device {info.device}); "
+            f"only CUDA arrays are accepted through DLPack. For the CPU path pass a NumPy array"
+        )
+    allowed = [np.dtype(np.float16), variants.DTYPES["bf16"][1], np.dtype(np.float32), np.dtype(np.float64)]
+    if info.dtype is None or info.dtype not in allowed:
+        raise TypeError(f"{_NAME}: x.dtype must be float16, bfloat16, float32 or float64, got {info.dtype_name}")
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{_NAME}: axis must be an int, got {type(axis).__name__}")
+    ndim = info.ndim
+    if ndim == 0:
+        raise ValueError(f"{_NAME}: x must have at least 1 dimension, got a 0-d array")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{_NAME}: axis={axis} must be in [{-ndim}, {ndim - 1}] for x.ndim={ndim}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"{_NAME}: backend must be one of {_BACKENDS}, got {backend!r}")
+    return int(axis) % ndim
+
+
+def _resolve_backend(x, backend: str) -> str:
+    device = _on_device(x)
+    if backend == "auto":
+        env = os.environ.get("CUFLASH_BACKEND", "").strip()
+        if env and env != "auto":
+            if env not in _BACKENDS:
+                raise ValueError(f"{_NAME}: CUFLASH_BACKEND must be one of {_BACKENDS}, got {env!r}")
+            backend = env
+        else:
+            return "cuda" if device else "numpy"
+    if backend == "cuda" and not device:
+        raise ValueError(
+            f"{_NAME}: backend='cuda' needs a CuPy array, got {type(x).__name__} (data is never moved implicitly; "
+            "use backend='sim' to run the CUDA kernel on the CPU simulator)"
+        )
+    if backend in ("numpy", "sim") and device:
+        raise ValueError(f"{_NAME}: backend={backend!r} needs a NumPy array, got a device array ({type(x).__name__})")
+    return backend
+
+
+def softmax(x, axis: int = -1, *, backend: str = "auto"):
+    """Softmax of ``x`` along ``axis``: ``exp(x - max) / sum(exp(x - max))``.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Input of any shape (at least 1-D); dtype float16, bfloat16 (``ml_dtypes.bfloat16``),
+        float32, or float64 (NumPy path only).
+    axis : int, default -1
+        Axis to normalize over.
+    backend : {"auto", "numpy", "sim", "cuda"}, default "auto"
+        ``"auto"`` never moves data: NumPy input runs the NumPy implementation, CuPy input the
+        CUDA kernel (the ``CUFLASH_BACKEND`` environment variable overrides ``"auto"`` only).
+        ``"sim"`` runs the CUDA kernel on the CPU simulator (NumPy in and out; options in
+        :mod:`cuflash.sim`). ``"cuda"`` with NumPy input is an error.
+
+    Returns
+    -------
+    ndarray
+        Same shape, dtype and array type as ``x``. Arithmetic is float32 (float64 for float64
+        input); the 16-bit results are rounded to nearest even once.
+
+    Notes
+    -----
+    Online normalizer (Milakov & Gimelshein 2018): one pass computes the running maximum and the
+    rescaled running sum, a second pass writes the normalized values (two reads and one write
+    of each element). ``-inf`` entries get probability 0; a row whose entries are all ``-inf``
+    gives NaN (as ``scipy.special.softmax`` and ``torch.softmax`` do); a NaN in a row makes the
+    whole row NaN. The kernels need unit stride along ``axis`` and one stride between rows; other
+    layouts are copied once to a contiguous array first. Empty inputs return an empty result
+    without launching anything.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a NumPy/CuPy array or has an unsupported dtype, or ``axis`` is not an int.
+    ValueError
+        For a 0-d ``x``, an out-of-range ``axis``, an unknown backend, or a backend that would
+        move data between host and device.
+    NotImplementedError
+        For float64 input on the kernel backends (``"sim"``, ``"cuda"``).
+    """
+    axis = _validate(x, axis, backend)
+    which = _resolve_backend(x, backend)
+    if which == "numpy":
+        return _numpy_softmax(x, axis)
+    from cuflash.runtime.interop import describe
+
+    if describe(x, "x", _NAME).dtype == np.float64:
+        raise NotImplementedError(f"{_NAME}: no float64 kernel; use backend='numpy' for float64 input")
+    if which == "sim":
+        if x.size == 0:
+            return x.copy()
+        from cuflash.sim import launcher
+
+        return softmax_kernel.run(x, axis, launcher.run, np)
+    return _cuda_softmax(x, axis)
+
+
+def _cuda_softmax(x, axis: int):
+    """The CUDA path: x's device, the consumer stream of :class:`cuflash.runtime.interop.CudaCall`
+    (CuPy's current stream; torch's current stream for torch tensors), the result allocated by
+    x's framework and returned as x's framework array. No host synchronization."""
+    import functools
+
+    from cuflash.runtime import cuda_runner, interop
+
+    with interop.CudaCall(_NAME, x) as call:
+        xc = call.import_array(x)
+        if xc.size == 0:
+            return call.export(call.empty(xc.shape, xc.dtype))
+        launch = functools.partial(cuda_runner.launch, stream=call.stream)
+        return call.export(softmax_kernel.run(xc, axis, launch, call.xp))
+
+
+def _numpy_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    """The NumPy path: :func:`cuflash.reference.online_softmax` (same recurrence) in the input dtype."""
+    try:
+        from cuflash.reference import online_softmax
+    except ImportError:  # pragma: no cover - cuflash.reference is part of the package
+        return online_softmax_numpy(x, axis)
+    return online_softmax(x, axis, block_size=1024).astype(x.dtype, copy=False)
+
+
+def online_softmax_numpy(x: np.ndarray, axis: int = -1, block_size: int = 1024) -> np.ndarray:
+    """NumPy online softmax: the kernel's recurrence, vectorized over rows, over column blocks.
+
+    For each block of ``block_size`` columns: ``m_new = max(m, max(block))``,
+    ``d = d * exp(m - m_new) + sum(exp(block - m_new))``; then ``exp(x - m) / d``. Accumulates in
+    float32 (float64 for float64 input); returns ``x``'s dtype.
+    """
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    xm = np.moveaxis(np.asarray(x), axis, -1).astype(acc)
+    n = xm.shape[-1]
+    m = np.full(xm.shape[:-1], -np.inf, acc)
+    d = np.zeros(xm.shape[:-1], acc)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for start in range(0, n, block_size):
+            blk = xm[..., start : start + block_size]
+            m_new = np.maximum(m, blk.max(axis=-1)) if blk.shape[-1] else m
+            # exp(m - m_new) with -inf - -inf taken as 0 (an empty history has no weight)
+            scale = np.where(m == -np.inf, acc(0), np.exp(m - np.where(m_new == -np.inf, acc(0), m_new)))
+            e = np.exp(blk - np.where(m_new == -np.inf, acc(0), m_new)[..., None])
+            e = np.where(blk == -np.inf, acc(0), e)
+            d = d * scale + e.sum(axis=-1, dtype=acc)
+            m = m_new
+        y = np.exp(xm - m[..., None]) / d[..., None]
+        y = np.where((m == -np.inf)[..., None], acc(np.nan), y)
+    return np.moveaxis(y.astype(x.dtype), -1, axis)

@@ -1,0 +1,201 @@
+"""The portable attention backward (``kernels_cu/attention_bwd_simt.cu``): variants and planner.
+
+Three stages, each its own variant of the one source file: ``dot`` (``Dd = rowsum(dO * O)``),
+``main`` (dK, dV per key tile in registers, dQ into a float32 workspace with atomics) and
+``convert`` (the workspace to the input dtype). Every dtype (fp16, bf16, fp32) on sm_75+.
+
+``deterministic=True`` (:func:`deterministic_splits`): the main stage runs ``num_splits`` blocks
+per (kv head, batch); block s takes key tiles s, s + num_splits, ... in order (the SIMT kernel in
+successive launches, one tile per block each; the tensor-core kernel in one launch, looping) and
+adds its dQ to its own float32 partial buffer, one add per element at a time, so the order never
+varies; the convert stage sums the partials in split order. Cost: a workspace of ``num_splits``
+(at most :data:`MAX_DETERMINISTIC_SPLITS`) float32 copies of dq instead of one, fewer blocks in
+flight when ``batch * kv heads`` is small, and for SIMT ``num_k_tiles / num_splits`` launches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+
+from cuflash.kernels import attention_fwd_simt
+from cuflash.runtime import plan, variants
+
+THREADS = 128
+#: (Br, Bc) of the main stage by head-dim bucket; K, V, Q, dO tiles and P, dS live in shared
+#: memory as float32 (see the kernel's layout), within sm_75's 64 KB opt-in limit
+TILES = {32: (32, 32), 64: (32, 32), 128: (16, 32), 256: (8, 16)}
+#: __launch_bounds__ minimum blocks per SM of the main stage by bucket (128 threads: 4 -> at
+#: most 128 registers, 3 -> 168)
+MIN_BLOCKS = {32: 4, 64: 4, 128: 3, 256: 3}
+STAGES = ("dot", "main", "convert")
+#: deterministic mode: at most this many dQ partial buffers (the workspace is that many float32
+#: copies of dq) ...
+MAX_DETERMINISTIC_SPLITS = 16
+#: ... and about this many main-stage blocks in all (a property of the shape, never of the device,
+#: so the reduction order and hence the bits are the same on every GPU)
+DETERMINISTIC_TARGET_BLOCKS = 256
+ARCHES = (75, 80, 90)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBwdSimt(variants.BucketTiledVariant):
+    """One stage of the portable backward for one dtype and head-dim bucket (the ``dot`` and
+    ``convert`` stages have no head-dim or tile axis: they are built with bucket 32)."""
+
+    family: ClassVar[str] = "attn_bwd_simt"
+    source: ClassVar[str] = "attention_bwd_simt.cu"
+    head_dim_buckets: ClassVar[tuple[int, ...]] = tuple(TILES)
+    tiles: ClassVar[dict[int, tuple[int, int]]] = TILES
+    threads: ClassVar[int] = THREADS
+
+    stage: str
+    dtype: str
+    head_dim_max: int
+
+    def __post_init__(self):
+        if self.stage not in STAGES:
+            raise ValueError(f"AttentionBwdSimt: stage={self.stage!r} must be one of {STAGES}")
+        super().__post_init__()
+
+    def axes(self) -> tuple[str, ...]:
+        if self.stage == "main":
+            return (self.stage,) + super().axes()
+        return (self.stage, self.dtype)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the main stage (0 for the others); the kernel checks it."""
+        if self.stage != "main":
+            return 0
+        bm, bn = self.tile
+        row = self.head_dim_max + 1
+        return 4 * (2 * bn * row + 2 * bm * row + 2 * bm * (bn + 1) + 2 * bm)
+
+    def defines(self) -> tuple[tuple[str, str], ...]:
+        return super().defines() + (
+            ("CUFLASH_BWD_STAGE", str(STAGES.index(self.stage))),
+            ("CUFLASH_MIN_BLOCKS", str(MIN_BLOCKS[self.head_dim_max])),
+        )
+
+
+def all_variants(arch: int) -> tuple[AttentionBwdSimt, ...]:
+    """Every backward variant the dispatcher can choose (the same on every arch >= sm_75)."""
+    out = []
+    for key in variants.DTYPES:
+        out += [AttentionBwdSimt("dot", key, 32), AttentionBwdSimt("convert", key, 32)]
+        out += [AttentionBwdSimt("main", key, b) for b in TILES]
+    return tuple(out)
+
+
+def _i64(name, value):
+    return plan.ScalarArg(name, np.int64(value))
+
+
+def _i32(name, value):
+    return plan.ScalarArg(name, np.int32(value))
+
+
+def _strides3(prefix, a):
+    item = a.dtype.itemsize
+    return [_i64(f"{prefix}_{w}_stride", int(s) // item) for w, s in zip(("batch", "head", "row"), a.strides[:3])]
+
+
+def deterministic_splits(num_k_tiles: int, kv_blocks: int) -> int:
+    """Partial dQ buffers of the deterministic mode for ``num_k_tiles`` key tiles and
+    ``kv_blocks = batch * kv heads`` (a function of the shape only)."""
+    want = -(-DETERMINISTIC_TARGET_BLOCKS // max(kv_blocks, 1))
+    return max(1, min(num_k_tiles, MAX_DETERMINISTIC_SPLITS, want))
+
+
+def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, deterministic: bool = False,
+             main_variant=None):
+    """Compute ``(dq, dk, dv)`` with the three stages; arrays of ``xp`` (NumPy for the simulator).
+
+    ``deterministic``: no atomics, bit-identical results run to run (see the module docstring).
+    ``main_variant``: another main stage with this one's arguments (the tensor-core backward's).
+
+    ``lse`` is the forward's natural-log LSE; it is used as contiguous float32 (one small copy
+    when it is not). Fresh outputs are NaN-poisoned on the simulator so unwritten elements show.
+    """
+    p = problem
+    key = variants.dtype_key(p.dtype)
+    bucket = AttentionBwdSimt.bucket(p.head_dim, p.head_dim_v)
+    dq = xp.empty(q.shape, dtype=p.dtype)
+    dk = xp.empty(k.shape, dtype=p.dtype)
+    dv = xp.empty(v.shape, dtype=p.dtype)
+    if xp is np:
+        for a in (dq, dk, dv):
+            a.fill(np.nan)
+    lse32 = xp.ascontiguousarray(lse, dtype=np.float32)
+    canon = lambda a: attention_fwd_simt._canonical(a, p.layout, q.ndim)  # noqa: E731
+    views = [canon(a) for a in (q, k, v, out, dout, dq, dk, dv)]
+    lse_v = lse32[None] if (p.layout == "bhsd" and q.ndim == 2) else lse32
+    stat_shape = views[0].shape[:-1]  # (*batch, Hq, Sq)
+    dd = xp.empty(stat_shape, dtype=np.float32)
+    v_dot, v_main, v_conv = (AttentionBwdSimt(s, key, 32 if s != "main" else bucket) for s in STAGES)
+    if main_variant is not None:
+        v_main = main_variant
+    bm, bn = v_main.tile
+    num_k_tiles = -(-p.seqlen_k // bn)
+    # the batch split of the launches depends on the arrays' strides only, not on the workspace
+    _, inner = attention_fwd_simt._batch_slices(p.batch_shape, views + [lse_v, dd])
+    splits = deterministic_splits(num_k_tiles, inner * p.num_heads_k) if deterministic else 1
+    # (splits, *stat_shape, D): a split's partial buffer is one contiguous block
+    dq_accum = xp.zeros((splits,) + stat_shape + (p.head_dim,), dtype=np.float32)
+    split_stride = int(np.prod(stat_shape, dtype=np.int64)) * p.head_dim
+    batches, inner = attention_fwd_simt._batch_slices(p.batch_shape, views + [lse_v, dd, dq_accum[0]])
+    nb = len(p.batch_shape)
+    for idx in batches:
+        # acc keeps the split axis first (the kernels step between partials by split_stride)
+        if idx is None:
+            sel = [a.reshape((-1,) + a.shape[nb:]) for a in views + [lse_v, dd]]
+            acc = dq_accum.reshape((splits, -1) + dq_accum.shape[1 + nb:])
+        elif idx == ():
+            sel = [a if p.batch_shape else a[None] for a in views + [lse_v, dd]]
+            acc = dq_accum if p.batch_shape else dq_accum[:, None]
+        else:
+            sel = [a[idx] for a in views + [lse_v, dd]]
+            acc = dq_accum[(slice(None),) + idx]
+        qs, ks, vs, os_, dos, dqs, dks, dvs, ls, dds = sel
+        ptr = attention_fwd_simt._pointer
+        rows = inner * p.num_heads_q * p.seqlen_q
+        if rows:
+            launch(plan.LaunchPlan(v_dot, v_dot.entry, (-(-rows // (THREADS // 32)), 1, 1), v_dot.block, 0, (
+                ptr("out", os_), ptr("dout", dos), ptr("dd", dds, writable=True),
+                *_strides3("o", os_), *_strides3("do", dos),
+                _i64("num_rows", rows), _i32("num_heads", p.num_heads_q), _i32("seqlen_q", p.seqlen_q),
+                _i32("head_dim_v", p.head_dim_v),
+            )))
+        blocks_per_head = splits if deterministic else num_k_tiles
+        grid = blocks_per_head * p.num_heads_k * inner
+        # a kernel that loops over key tiles in the block takes them all in one launch; the SIMT
+        # one runs one tile per block, so deterministic mode launches it once per round of splits
+        step = num_k_tiles if getattr(v_main, "loops_over_key_tiles", False) else blocks_per_head
+        item = np.dtype(np.float32).itemsize
+        for tile0 in range(0, num_k_tiles if grid else 0, max(step, 1)):
+            launch(plan.LaunchPlan(v_main, v_main.entry, (grid, 1, 1), v_main.block, v_main.smem_bytes, (
+                ptr("q", qs), ptr("k", ks), ptr("v", vs), ptr("dout", dos), ptr("lse", ls), ptr("dd", dds),
+                ptr("dq_accum", acc, writable=True), ptr("dk", dks, writable=True), ptr("dv", dvs, writable=True),
+                *_strides3("q", qs), *_strides3("k", ks), *_strides3("v", vs), *_strides3("do", dos),
+                *_strides3("dk", dks), *_strides3("dv", dvs),
+                _i64("lse_batch_stride", ls.strides[0] // item), _i64("lse_head_stride", ls.strides[1] // item),
+                _i32("num_heads_k", p.num_heads_k), _i32("group_size", p.group_size),
+                _i32("seqlen_q", p.seqlen_q), _i32("seqlen_k", p.seqlen_k),
+                _i32("head_dim", p.head_dim), _i32("head_dim_v", p.head_dim_v),
+                _i32("num_k_tiles", num_k_tiles), plan.ScalarArg("softmax_scale", np.float32(p.softmax_scale)),
+                _i32("window_left", p.window_left), _i32("window_right", p.window_right),
+                _i32("num_splits", blocks_per_head), _i64("dq_split_stride", split_stride),
+                _i32("deterministic", int(bool(deterministic))),
+                _i32("tile0", tile0), _i32("tile_end", min(tile0 + step, num_k_tiles)),
+            )))
+        total = rows * p.head_dim
+        if total:
+            launch(plan.LaunchPlan(v_conv, v_conv.entry, (-(-total // THREADS), 1, 1), v_conv.block, 0, (
+                ptr("dq_accum", acc), ptr("dq", dqs, writable=True), *_strides3("dq", dqs),
+                _i64("total", total), _i32("num_heads", p.num_heads_q), _i32("seqlen_q", p.seqlen_q),
+                _i32("head_dim", p.head_dim), _i32("num_splits", splits), _i64("split_stride", split_stride),
+            )))
+    return dq, dk, dv

@@ -1,0 +1,240 @@
+"""The portable attention forward (``kernels_cu/attention_fwd_simt.cu``): variant and planner.
+
+Every dtype (float16, bfloat16, float32) on every arch from sm_75. Compile-time axes are the
+dtype, the head-dim bucket (the smallest of 32, 64, 128, 256 holding ``max(D, Dv)``) and the
+tile shape; causal, windows, lengths, strides and the scale are run-time arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import numpy as np
+
+from cuflash.runtime import plan, variants
+
+#: head-dim buckets: a variant serves every ``max(D, Dv)`` up to its bucket
+HEAD_DIM_BUCKETS = (32, 64, 128, 256)
+#: threads per block (4 warps)
+THREADS = 128
+#: tile shapes (Br, Bc) by bucket, in order of preference; the first that fits the device's
+#: shared memory is used (see :func:`choose_variant`)
+TILE_CANDIDATES = {
+    32: ((32, 64),),
+    64: ((32, 64), (32, 32)),
+    128: ((32, 32), (16, 32)),
+    256: ((8, 32), (8, 16)),
+}
+#: the arches the kernel targets (sm_75 is the oldest CUDA 13 supports)
+ARCHES = (75, 80, 90)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionFwdSimt(variants.TileVariant):
+    """One compiled configuration of the portable forward kernel.
+
+    Parameters
+    ----------
+    dtype : {"f16", "bf16", "f32"}
+        Element type of q, k, v and out (arithmetic and LSE are float32).
+    head_dim_max : int
+        Bucket of ``max(D, Dv)``: 32, 64, 128 or 256.
+    block_m, block_n : int
+        Query rows (Br) and key rows (Bc) per tile.
+    """
+
+    family: ClassVar[str] = "attn_fwd_simt"
+    source: ClassVar[str] = "attention_fwd_simt.cu"
+    head_dim_buckets: ClassVar[tuple[int, ...]] = HEAD_DIM_BUCKETS
+    threads: ClassVar[int] = THREADS
+
+    def __post_init__(self):
+        super().__post_init__()
+        tpr = THREADS // self.block_m if self.block_m else 0
+        if THREADS % max(self.block_m, 1) or not 1 <= tpr <= 32 or tpr & (tpr - 1) or self.block_n % tpr:
+            raise ValueError(f"AttentionFwdSimt: tile ({self.block_m}, {self.block_n}) does not split over {THREADS} threads")
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: Q (Br x Dmax), one K/V tile (Bc x Dmax), P (Br x Bc), float32,
+        rows padded by one element. The kernel ``static_assert``s the same figure."""
+        d = self.head_dim_max + 1
+        return 4 * (self.block_m * d + self.block_n * d + self.block_m * (self.block_n + 1))
+
+
+def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int) -> AttentionFwdSimt:
+    """The tile heuristic: the preferred tile of the bucket that fits the device's shared memory."""
+    key = variants.dtype_key(dtype)
+    bucket = AttentionFwdSimt.bucket(head_dim, head_dim_v)
+    v = AttentionFwdSimt.first_fitting((AttentionFwdSimt(key, bucket, bm, bn) for bm, bn in TILE_CANDIDATES[bucket]),
+                                       plan.max_dynamic_smem(arch))
+    if v is None:
+        raise NotImplementedError(f"cuflash: no portable attention tile fits sm_{arch}'s shared memory for head dim {bucket}")
+    return v
+
+
+def all_variants(arch: int) -> tuple[AttentionFwdSimt, ...]:
+    """Every variant the dispatcher can choose on ``sm_<arch>`` (for the compile gate)."""
+    out = []
+    for key in variants.DTYPES:
+        for bucket in HEAD_DIM_BUCKETS:
+            out.append(choose_variant(variants.DTYPES[key][1], bucket, bucket, arch))
+    return tuple(dict.fromkeys(out))
+
+
+# --------------------------------------------------------------------------------------------
+# planning
+
+
+def _pointer(name: str, x, *, writable: bool = False) -> plan.PointerArg:
+    """Pointer to element 0 of the view ``x``; its base is the buffer that owns the memory, so the
+    region (shape and strides of the view) is checked against the real allocation."""
+    item = x.dtype.itemsize
+    strides = tuple(int(s) // item for s in x.strides)
+    shape = tuple(int(n) for n in x.shape)
+    if isinstance(x, np.ndarray):
+        root = x
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if root.base is not None or not (root.flags.c_contiguous or root.flags.f_contiguous):
+            root = x  # memory owned by a foreign buffer: the view itself is the region
+            return plan.PointerArg(name, root, 0, shape, strides, writable)
+        flat = root.reshape(-1, order="A")
+        offset = (x.__array_interface__["data"][0] - flat.__array_interface__["data"][0]) // item
+        return plan.PointerArg(name, flat, offset, shape, strides, writable)
+    import cupy  # CuPy input: the allocation behind the view
+
+    mem = x.data.mem
+    flat = cupy.ndarray((mem.size // item,), dtype=x.dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    offset = (x.data.ptr - mem.ptr) // item
+    return plan.PointerArg(name, flat, offset, shape, strides, writable)
+
+
+def _canonical(x, layout: str, ndim_q: int):
+    """``(*batch, H, S, D)`` view (no copy) of a q/k/v/out array in the caller's layout."""
+    if layout == "bshd":
+        return x.swapaxes(1, 2)
+    if ndim_q == 2:
+        return x[None]
+    return x
+
+
+def _batch_slices(batch_shape: tuple, arrays: list) -> tuple[list, int]:
+    """Split leading batch dims into launches: ``(list of index tuples, inner batch count)``.
+
+    All leading dims merge into one launch when, for every array, they collapse into a single
+    stride; otherwise the last batch dim is the grid's and the others are looped over.
+    """
+    if len(batch_shape) <= 1:
+        return [()], (batch_shape[0] if batch_shape else 1)
+    nb = len(batch_shape)
+
+    def mergeable(a):
+        return all(batch_shape[i] == 1 or a.strides[i] == a.strides[i + 1] * batch_shape[i + 1] for i in range(nb - 1))
+
+    if all(mergeable(a) for a in arrays):
+        return [None], math.prod(batch_shape)
+    return [idx for idx in np.ndindex(*batch_shape[:-1])], batch_shape[-1]
+
+
+def _same_memory(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        return a.size == 0 or a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    return a.size == 0 or a.data.ptr == b.data.ptr
+
+
+def plan_forward(problem, q, k, v, out, lse, variant) -> list[plan.LaunchPlan]:
+    """Launch plans of any forward kernel taking the forward argument list (q, k, v, out, lse,
+    their batch/head/row strides, then the sizes, tile count, scale and window), one block per
+    (``variant.block_m`` query tile, head, batch) on a 1-D grid. One launch unless the batch dims
+    cannot merge into one stride. ``lse`` must be contiguous float32 of ``lse_shape``."""
+    p = problem
+    views = [_canonical(a, p.layout, q.ndim) for a in (q, k, v, out)]
+    lse_v = lse[None] if (p.layout == "bhsd" and q.ndim == 2) else lse  # (*batch, H, Sq)
+    num_q_tiles = -(-p.seqlen_q // variant.block_m)
+    batches, inner = _batch_slices(p.batch_shape, views + [lse_v])
+    plans = []
+    for idx in batches:
+        if idx is None:  # all batch dims merged into one
+            nb = len(p.batch_shape)
+            sel = [a.reshape((-1,) + a.shape[nb:]) for a in views + [lse_v]]
+            if not all(_same_memory(a, b) for a, b in zip(sel, views + [lse_v])):
+                raise AssertionError("cuflash: merging batch dims copied an array")  # never: strides were checked
+        elif idx == ():
+            sel = [a if p.batch_shape else a[None] for a in views + [lse_v]]
+        else:
+            sel = [a[idx] for a in views + [lse_v]]
+        qs, ks, vs, os_, ls = sel
+        grid = num_q_tiles * p.num_heads_q * inner
+        if grid > plan.MAX_GRID_DIMS[0]:
+            raise NotImplementedError(f"{p.func}: {grid} thread blocks exceed the grid limit {plan.MAX_GRID_DIMS[0]}")
+
+        def st(a):
+            return tuple(int(s) // a.dtype.itemsize for s in a.strides)
+
+        qst, kst, vst, ost, lst = st(qs), st(ks), st(vs), st(os_), st(ls)
+        args = (
+            _pointer("q", qs), _pointer("k", ks), _pointer("v", vs),
+            _pointer("out", os_, writable=True), _pointer("lse", ls, writable=True),
+            *(plan.ScalarArg(f"{n}_{w}_stride", np.int64(s[i]))
+              for n, s in (("q", qst), ("k", kst), ("v", vst), ("o", ost))
+              for i, w in enumerate(("batch", "head", "row"))),
+            plan.ScalarArg("lse_batch_stride", np.int64(lst[0])),
+            plan.ScalarArg("lse_head_stride", np.int64(lst[1])),
+            plan.ScalarArg("num_heads_q", np.int32(p.num_heads_q)),
+            plan.ScalarArg("group_size", np.int32(p.group_size)),
+            plan.ScalarArg("seqlen_q", np.int32(p.seqlen_q)),
+            plan.ScalarArg("seqlen_k", np.int32(p.seqlen_k)),
+            plan.ScalarArg("head_dim", np.int32(p.head_dim)),
+            plan.ScalarArg("head_dim_v", np.int32(p.head_dim_v)),
+            plan.ScalarArg("num_q_tiles", np.int32(num_q_tiles)),
+            plan.ScalarArg("scale_log2", np.float32(p.softmax_scale * math.log2(math.e))),
+            plan.ScalarArg("window_left", np.int32(p.window_left)),
+            plan.ScalarArg("window_right", np.int32(p.window_right)),
+        )
+        plans.append(plan.LaunchPlan(variant, variant.entry, (grid, 1, 1), variant.block, variant.smem_bytes, args))
+    return plans
+
+
+#: fresh outputs start at this alignment (the tensor-core kernels move rows in 16-byte copies)
+OUTPUT_ALIGN_BYTES = 16
+
+
+def _aligned_empty(xp, shape, dtype):
+    """``xp.empty`` at a 16-byte-aligned address (CuPy's allocations always are; NumPy's are on
+    the usual 64-bit allocators, and otherwise a slice of a slightly larger buffer is used)."""
+    a = xp.empty(shape, dtype=dtype)
+    if xp is not np or a.size == 0 or a.__array_interface__["data"][0] % OUTPUT_ALIGN_BYTES == 0:
+        return a
+    item = np.dtype(dtype).itemsize
+    raw = np.empty(a.size + OUTPUT_ALIGN_BYTES // item, dtype=dtype)
+    skip = (-raw.__array_interface__["data"][0] % OUTPUT_ALIGN_BYTES) // item
+    return raw[skip : skip + a.size].reshape(shape)
+
+
+def run_variant(problem, q, k, v, out, return_lse: bool, variant, *, xp, launch):
+    """Allocate what the caller did not pass, plan any forward kernel that takes this argument
+    list (:func:`plan_forward`) with ``variant``, and launch with ``launch(plan)``.
+
+    ``xp`` is NumPy (the simulator; fresh outputs are NaN-poisoned so an element the kernel never
+    writes shows) or CuPy (the GPU). Fresh outputs from either are 16-byte aligned.
+    """
+    if out is None:
+        out = _aligned_empty(xp, problem.out_shape, problem.dtype)
+        if xp is np:
+            out.fill(np.nan)
+    lse = xp.empty(problem.lse_shape, dtype=np.float32)
+    if xp is np:
+        lse.fill(np.nan)
+    if not problem.is_empty:
+        for launch_plan in plan_forward(problem, q, k, v, out, lse, variant):
+            launch(launch_plan)
+    return (out, lse) if return_lse else out
+
+
+def forward(problem, q, k, v, out, return_lse: bool, *, xp, arch: int, launch):
+    """Run ``problem`` with this tier's variant for ``sm_<arch>`` (see :func:`run_variant`)."""
+    variant = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+    return run_variant(problem, q, k, v, out, return_lse, variant, xp=xp, launch=launch)

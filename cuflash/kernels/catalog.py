@@ -1,0 +1,39 @@
+"""Every kernel variant the dispatcher can choose, by target arch.
+
+One list for the NVRTC compile gate (tests/test_compile_gate.py), for precompilation and for the
+GPU self-check, so a new kernel family is added in one place.
+"""
+
+from __future__ import annotations
+
+from cuflash.kernels import (
+    attention_bwd_mma,
+    attention_bwd_simt,
+    attention_fwd_mma,
+    attention_fwd_simt,
+    softmax,
+)
+
+#: the arches the SIMT kernels are compiled and checked for (sm_75 is CUDA 13's oldest)
+SIMT_ARCHS = (75, 80, 90)
+#: the arches the tensor-core kernels are compiled and checked for
+MMA_ARCHS = attention_fwd_mma.ARCHES
+
+
+def variants_for_arch(arch: int) -> tuple:
+    """The variants a device of compute capability ``arch`` may run."""
+    out: list = []
+    if arch in SIMT_ARCHS or arch >= 75:
+        out.extend(softmax.SoftmaxVariant.all())
+        out.extend(attention_fwd_simt.all_variants(arch))
+        out.extend(attention_bwd_simt.all_variants(arch))
+    if arch >= attention_fwd_mma.MIN_ARCH:
+        out.extend(attention_fwd_mma.all_variants(arch))
+    if arch >= attention_bwd_mma.MIN_ARCH:
+        out.extend(attention_bwd_mma.all_variants(arch))
+    return tuple(dict.fromkeys(out))
+
+
+def compile_targets() -> list[tuple[int, object]]:
+    """``(arch, variant)`` pairs of the compile gate: every variant on every arch it targets."""
+    return [(arch, v) for arch in SIMT_ARCHS for v in variants_for_arch(arch)]

@@ -1,0 +1,173 @@
+"""The accuracy rule every cuflash backend is held to (DESIGN.md §5; flash-attn's test rule).
+
+An implementation's error against the float64 reference may be at most twice the error of a
+naive implementation computed in the input's dtype, plus a small floor::
+
+    max|actual - reference| <= 2 * max|naive_same_dtype - reference| + floor(dtype)
+
+The same functions serve the test suite (``tests/``) and the GPU self-check
+(``python -m cuflash check``), so both apply one rule. The float64 reference here is the
+naive float64 attention of :func:`cuflash.reference.naive_attention`, computed for a subset of
+query rows when asked (the GPU check samples rows of long sequences).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cuflash.reference.masks import problem_mask
+from cuflash.reference.normalize import masked_exp
+from cuflash.reference.views import canonical, kv_view, split_heads
+from cuflash.runtime import dtypes
+from cuflash.runtime.validation import check_attention
+
+__all__ = ["attention_rows", "naive_same_dtype", "floor_for", "score_rounding_bound", "bound", "compare"]
+
+_FUNC = "cuflash.reference.tolerance"
+
+
+def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
+                   rows=None, same_dtype=False):
+    """Naive attention of the query ``rows`` (default: all), float64 or as a same-dtype framework.
+
+    ``same_dtype=False``: float64 throughout, the reference. ``same_dtype=True``: the baseline of
+    the rule, naive attention as a framework computes it in q's dtype: ``S = q k^T`` from float32
+    matmuls rounded to the dtype, scaled and rounded again, softmax in float32, ``P`` rounded to
+    the dtype before ``P @ V`` (float32 accumulation), the output rounded to the dtype. float64
+    input has no separate baseline: both forms are the float64 reference.
+
+    Parameters
+    ----------
+    q, k, v : numpy.ndarray
+        As :func:`cuflash.reference.naive_attention` takes them (any layout, GQA, any head dim).
+    causal, softmax_scale, window_size, layout
+        As for :func:`cuflash.attention`.
+    rows : array_like of int, optional
+        Query indices to compute (the mask keeps the full problem's bottom-right alignment).
+
+    Returns
+    -------
+    (out, lse) : float64 arrays of shapes ``(*batch, Hq, R, Dv)`` and ``(*batch, Hq, R)`` (the
+        canonical "bhsd" layout, R rows); a row that sees no key gives 0 and ``-inf``.
+    """
+    p = check_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                        layout=layout, max_head_dim=None, func=_FUNC)
+    rows = np.arange(p.seqlen_q) if rows is None else np.asarray(rows)
+    lowp = same_dtype and p.dtype != dtypes.float64
+    acc = np.float32 if lowp else np.float64
+
+    def rnd(x):
+        return x.astype(p.dtype).astype(np.float32) if lowp else x
+
+    qv = split_heads(canonical(q, layout), p.num_heads_k)[..., rows, :].astype(acc)
+    kv = kv_view(canonical(k, layout)).astype(acc)
+    vv = kv_view(canonical(v, layout)).astype(acc)
+    s = rnd(rnd(qv @ kv.swapaxes(-1, -2)) * acc(p.softmax_scale))
+    e, l, m_safe = masked_exp(s, problem_mask(p, rows, np.arange(p.seqlen_k)))
+    probs = rnd(e / np.where(l > 0, l, 1)[..., None])
+    o = rnd(probs @ vv)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1)), -np.inf)
+    *batch, hk, g, r, dv = o.shape
+    return (o.astype(np.float64).reshape(*batch, hk * g, r, dv),
+            lse.astype(np.float64).reshape(*batch, hk * g, r))
+
+
+def naive_same_dtype(q, k, v, *, layout="bhsd", **kw):
+    """The baseline of the rule for all rows, as float64 values in the output's own shape
+    (``q.shape[:-1] + (Dv,)`` for "bhsd", ``(B, Sq, Hq, Dv)`` for "bshd"); see
+    :func:`attention_rows` (``same_dtype=True``) for how it is computed."""
+    o, _ = attention_rows(q, k, v, layout=layout, same_dtype=True, **kw)
+    if layout == "bshd":
+        return o.swapaxes(1, 2)
+    return o[0] if np.ndim(q) == 2 else o
+
+
+def floor_for(dtype) -> float:
+    """The small absolute floor of the rule.
+
+    One unit roundoff for the 16-bit types. For float32 it is 2**-18 (64 unit roundoffs): a
+    kernel accumulates its dot products and its P V sums sequentially, in float32, over up to
+    256 head-dim terms and hundreds of keys, and folds softmax_scale * log2(e) into the exp2
+    argument; that costs tens of ulps that a float32 NumPy baseline (blocked BLAS sums, exact
+    exp of the unscaled difference) does not pay. Real bugs (a mask off by one, a missed
+    rescale) cost 1e-3 and more. float64 has no kernel; its baseline is the reference itself, so
+    its floor is 2**-40.
+    """
+    return {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-18, "float64": 2.0**-40}[np.dtype(dtype).name]
+
+
+def score_rounding_bound(q, k, v, *, softmax_scale=None, **_) -> float:
+    """Error any float32-accumulating implementation may make when scores are large.
+
+    A score s = scale * q.k computed in float32 carries an absolute error up to about
+    |s|max * sqrt(D) * 2**-24 (summation order differs between implementations), and an error
+    ds in a score moves the output by at most ds * max|v|. With |s| ~ 1e4 this dominates every
+    other error and is random in sign, so "twice the naive error" is not a stable bound there.
+    """
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    qmax = float(np.abs(np.asarray(q, np.float64)).max(initial=0))
+    kmax = float(np.abs(np.asarray(k, np.float64)).max(initial=0))
+    vmax = float(np.abs(np.asarray(v, np.float64)).max(initial=0))
+    smax = abs(scale) * qmax * kmax * d
+    return 4.0 * smax * math.sqrt(d) * 2.0**-24 * vmax
+
+
+def bound(dtype, naive_error: float, *, q=None, k=None, v=None, softmax_scale=None, large_logits=False) -> float:
+    """The rule: ``2 * naive_error + floor_for(dtype)``; with ``large_logits`` (q, k, v given),
+    at least :func:`score_rounding_bound`."""
+    b = 2.0 * naive_error + floor_for(dtype)
+    if large_logits:
+        b = max(b, score_rounding_bound(q, k, v, softmax_scale=softmax_scale))
+    return b
+
+
+def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
+            rows=None, lse=None, large_logits=False) -> tuple[bool, str, float]:
+    """Hold ``actual`` (and optionally its ``lse``) to the rule.
+
+    Parameters
+    ----------
+    actual : array_like
+        The output rows under test in the canonical layout of :func:`attention_rows`
+        (``(*batch, Hq, R, Dv)``), or the whole output in the caller's layout when ``rows`` is None.
+    lse : array_like, optional
+        Its log-sum-exp (``(*batch, Hq, R)``): the ``-inf`` pattern (rows without keys) must match
+        the reference's exactly and finite values agree within ``1e-3 + 1e-4 |lse|``.
+
+    Returns
+    -------
+    (ok, message, error) : the verdict, a one-line account, and the max abs error of ``actual``.
+    NaN anywhere in ``actual`` fails (the inputs are assumed finite).
+    """
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, rows=rows)
+    ref, ref_lse = attention_rows(q, k, v, **kw)
+    naive, _ = attention_rows(q, k, v, same_dtype=True, **kw)
+    if rows is None:
+        if layout == "bshd":
+            ref, naive = ref.swapaxes(1, 2), naive.swapaxes(1, 2)
+        elif np.ndim(q) == 2:
+            ref, naive, ref_lse = ref[0], naive[0], ref_lse[0]
+    a = np.asarray(actual, np.float64)
+    if a.shape != ref.shape:
+        return False, f"shape {a.shape} != expected {ref.shape}", math.inf
+    if np.isnan(a).any():
+        return False, f"{int(np.isnan(a).sum())} NaN in the output of finite input", math.inf
+    err = float(np.max(np.abs(a - ref), initial=0.0))
+    base = float(np.max(np.abs(naive - ref), initial=0.0))
+    tol = bound(q.dtype, base, q=q, k=k, v=v, softmax_scale=softmax_scale, large_logits=large_logits)
+    if err > tol:
+        return False, f"max error {err:.3g} > bound {tol:.3g} (naive same-dtype error {base:.3g})", err
+    if lse is not None:
+        lse = np.asarray(lse, np.float64)
+        fin = np.isfinite(ref_lse)
+        if not np.array_equal(np.isneginf(lse), ~fin) or np.isnan(lse).any():
+            return False, "lse: -inf/NaN pattern differs from the reference (empty rows)", err
+        lerr = float(np.max(np.abs(lse[fin] - ref_lse[fin]), initial=0.0))
+        ltol = 1e-3 + 1e-4 * float(np.abs(ref_lse[fin]).max(initial=0.0))
+        if lerr > ltol:
+            return False, f"lse error {lerr:.3g} > {ltol:.3g}", err
+    return True, f"max error {err:.2e} (bound {tol:.2e})", err

@@ -1,0 +1,17 @@
+"""What every layer of cuflash stands on: arrays, dtypes, validation, variants, launch plans,
+kernel source text and the CUDA runner.
+
+* :mod:`~cuflash.runtime.dtypes`: the supported dtypes (bfloat16 is ``ml_dtypes.bfloat16``);
+* :mod:`~cuflash.runtime.interop`: array kinds (NumPy, CuPy, DLPack), metadata, and the CUDA
+  side of a call (device, stream, zero-copy import and export, :class:`~cuflash.runtime.interop.CudaCall`);
+* :mod:`~cuflash.runtime.validation`: argument checks done from metadata before any work
+  (:class:`~cuflash.runtime.validation.AttentionProblem`);
+* :mod:`~cuflash.runtime.variants`: the base of kernel variants (compile-time axes);
+* :mod:`~cuflash.runtime.plan`: launch plans, shared by the CUDA runner and the simulator;
+* :mod:`~cuflash.runtime.paths` and :mod:`~cuflash.runtime.source`: finding ``kernels_cu/`` and
+  building a variant's exact source text;
+* :mod:`~cuflash.runtime.cuda_runner`: NVRTC options and compilation, per-device memoized
+  modules, launching a plan on a stream (CuPy imported lazily).
+
+Imports: nothing else of cuflash (this is the bottom layer).
+"""

@@ -1,0 +1,329 @@
+"""Validation of attention arguments: pure checks on metadata, run before any device work.
+
+Every failure raises ``TypeError`` (not an array, unsupported or mixed dtypes or array kinds),
+``ValueError`` (shapes, strides, devices, option values) or ``NotImplementedError`` (valid input
+without a kernel), with a message naming the function, the argument, what was expected and
+what was received. Nothing here reads array data, so it runs for CuPy and torch arrays on a
+machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import operator
+
+import numpy as np
+
+from cuflash.runtime import dtypes
+from cuflash.runtime.interop import ArrayInfo, describe, device_type_name
+
+#: largest head dim (of q/k and of v) that the kernels support (DESIGN.md §4).
+MAX_HEAD_DIM = 256
+
+LAYOUTS = ("bhsd", "bshd")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionProblem:
+    """A validated attention call, in the canonical ``(*batch, H, S, D)`` terms.
+
+    ``window_left``/``window_right`` are the effective bounds (-1 = unbounded): with
+    ``causal=True`` the right bound is 0. ``out_shape`` and ``lse_shape`` are in the caller's
+    layout.
+    """
+
+    func: str
+    kind: str
+    dtype: np.dtype
+    layout: str
+    batch_shape: tuple
+    num_heads_q: int
+    num_heads_k: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    head_dim_v: int
+    softmax_scale: float
+    causal: bool
+    window_left: int
+    window_right: int
+    out_shape: tuple
+    lse_shape: tuple
+    device: tuple
+    q: ArrayInfo
+    k: ArrayInfo
+    v: ArrayInfo
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the output has no element (a zero batch dim, Sq = 0 or no head)."""
+        return math.prod(self.out_shape) == 0
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head (1 for MHA, ``Hq`` for MQA)."""
+        return self.num_heads_q // self.num_heads_k
+
+
+def check_flag(value, name: str, func: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{func}: {name} must be a bool, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def check_int(value, name: str, func: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{func}: {name} must be an int, got {value!r} ({type(value).__name__})")
+    return operator.index(value)
+
+
+def check_softmax_scale(softmax_scale, head_dim: int, func: str) -> float:
+    """``None`` means ``1/sqrt(head_dim)``; ``0.0`` is a valid scale (uniform weights)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(
+            f"{func}: softmax_scale must be a real number or None, got {softmax_scale!r} "
+            f"({type(softmax_scale).__name__})"
+        )
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"{func}: softmax_scale must be finite, got {scale!r}")
+    return scale
+
+
+def check_window_size(window_size, causal: bool, func: str) -> tuple[int, int]:
+    """Return the effective ``(left, right)``; -1 means unbounded; causal forces ``right = 0``."""
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise ValueError(
+            f"{func}: window_size must be a pair (left, right) of ints >= -1 (-1 = unbounded), "
+            f"got {window_size!r}"
+        )
+    left, right = (check_int(w, f"window_size[{i}]", func) for i, w in enumerate(window_size))
+    for i, w in enumerate((left, right)):
+        if w < -1:
+            raise ValueError(
+                f"{func}: window_size[{i}] must be >= -1 (-1 = unbounded), got {w} "
+                f"(window_size={tuple(window_size)!r})"
+            )
+    if causal:
+        right = 0
+    return left, right
+
+
+def check_layout(layout, func: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{func}: layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def check_strides(info: ArrayInfo, name: str, func: str, *, writable_out: bool = False) -> None:
+    """Unit stride on the last axis, no negative strides, strides in whole elements."""
+    if math.prod(info.shape) == 0:
+        return  # nothing is read or written; NumPy gives such arrays arbitrary strides
+    if info.strides is None:
+        raise ValueError(
+            f"{func}: {name}.strides={info.byte_strides} (bytes) must be multiples of the item size "
+            f"{info.dtype.itemsize if info.dtype is not None else '?'}"
+        )
+    if info.ndim and info.shape[-1] > 1 and info.strides[-1] != 1:
+        raise ValueError(
+            f"{func}: {name} must have unit stride on its last axis (head dim); got "
+            f"{name}.strides={info.strides} in elements for shape {info.shape}. "
+            f"Make it contiguous in the last axis first (e.g. with ascontiguousarray)"
+        )
+    for axis, (n, s) in enumerate(zip(info.shape, info.strides)):
+        if n > 1 and s < 0:
+            raise ValueError(
+                f"{func}: {name} has a negative stride on axis {axis} ({name}.strides={info.strides} "
+                f"in elements); negative strides are not supported, copy the array first"
+            )
+        if writable_out and n > 1 and s == 0:
+            raise ValueError(
+                f"{func}: {name} has stride 0 on axis {axis} of size {n} ({name}.strides={info.strides}); "
+                f"an output must not alias its own elements"
+            )
+
+
+def describe_inputs(arrays: dict, func: str) -> dict:
+    """Describe each named array; check they are of one kind, one dtype, one device."""
+    infos = {name: describe(x, name, func) for name, x in arrays.items()}
+    names = list(infos)
+    first = infos[names[0]]
+    for name in names[1:]:
+        info = infos[name]
+        if info.kind != first.kind:
+            raise TypeError(
+                f"{func}: {name} is a {info.type_name} but {names[0]} is a {first.type_name}; "
+                f"all arrays must be of one kind (no implicit copies between host and device)"
+            )
+    for name, info in infos.items():
+        if info.dtype is None:
+            raise TypeError(
+                f"{func}: {name}.dtype={info.dtype_name} is not supported; expected one of "
+                f"{', '.join(dt.name for dt in dtypes.SUPPORTED)}"
+            )
+    for name in names[1:]:
+        if infos[name].dtype != first.dtype:
+            raise TypeError(
+                f"{func}: {name}.dtype={infos[name].dtype_name} must equal {names[0]}.dtype={first.dtype_name}"
+            )
+    if first.kind == "dlpack":
+        for name, info in infos.items():
+            if not info.on_cuda:
+                raise ValueError(
+                    f"{func}: {name} is a {info.type_name} on {device_type_name(info.device[0])} "
+                    f"(device {info.device}); only CUDA arrays are accepted through DLPack. For the CPU "
+                    f"path pass a NumPy array (e.g. tensor.numpy())"
+                )
+    for name in names[1:]:
+        if infos[name].device != first.device:
+            raise ValueError(
+                f"{func}: {name} is on device {infos[name].device} but {names[0]} is on device "
+                f"{first.device} (DLPack (type, id)); all arrays must be on one device"
+            )
+    return infos
+
+
+def _heads_and_batch(info: ArrayInfo, layout: str):
+    """Return (batch_shape, heads, seqlen, dim) of one array in its layout."""
+    s = info.shape
+    if layout == "bshd":
+        return (s[0],), s[2], s[1], s[3]
+    if info.ndim == 2:
+        return (), 1, s[0], s[1]
+    return s[:-3], s[-3], s[-2], s[-1]
+
+
+def check_attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    layout="bhsd",
+    out=None,
+    return_lse=False,
+    func: str = "cuflash.attention",
+    max_head_dim: int | None = MAX_HEAD_DIM,
+    dtypes: tuple | None = None,
+) -> AttentionProblem:
+    """Validate one attention call and return its :class:`AttentionProblem`.
+
+    Parameters
+    ----------
+    q, k, v : arrays
+        As :func:`cuflash.attention` documents them.
+    max_head_dim : int or None
+        Largest head dim accepted (``NotImplementedError`` above it); None for no limit (the
+        float64 oracle).
+    dtypes : tuple of numpy.dtype, optional
+        dtypes this backend computes in (``NotImplementedError`` for the others).
+    """
+    causal = check_flag(causal, "causal", func)
+    check_flag(return_lse, "return_lse", func)
+    layout = check_layout(layout, func)
+    infos = describe_inputs({"q": q, "k": k, "v": v}, func)
+    qi, ki, vi = infos["q"], infos["k"], infos["v"]
+    if dtypes is not None and qi.dtype not in dtypes:
+        raise NotImplementedError(
+            f"{func}: dtype {qi.dtype_name} has no kernel on this backend; supported: "
+            f"{', '.join(dt.name for dt in dtypes)}"
+        )
+
+    want = "== 4 for layout='bshd' (batch, seqlen, heads, head_dim)" if layout == "bshd" else ">= 2 for layout='bhsd' (..., seqlen, head_dim)"
+    for name, info in infos.items():
+        if (layout == "bshd" and info.ndim != 4) or (layout == "bhsd" and info.ndim < 2):
+            raise ValueError(f"{func}: {name}.ndim must be {want}; got {name}.shape={info.shape}")
+    if not (qi.ndim == ki.ndim == vi.ndim):
+        raise ValueError(
+            f"{func}: q, k and v must have the same number of dims; got q.shape={qi.shape}, "
+            f"k.shape={ki.shape}, v.shape={vi.shape}"
+        )
+    for name, info in infos.items():
+        check_strides(info, name, func)
+
+    qb, hq, sq, d = _heads_and_batch(qi, layout)
+    kb, hk, sk, dk = _heads_and_batch(ki, layout)
+    vb, hv, skv, dv = _heads_and_batch(vi, layout)
+    seq_axis = "1" if layout == "bshd" else "-2"
+    head_axis = "2" if layout == "bshd" else "-3"
+    if kb != qb or vb != qb:
+        raise ValueError(
+            f"{func}: batch dims must match: q.shape={qi.shape}, k.shape={ki.shape}, v.shape={vi.shape} "
+            f"(batch dims {qb}, {kb}, {vb}); broadcasting is not done, use stride-0 views instead"
+        )
+    if hv != hk:
+        raise ValueError(
+            f"{func}: v.shape[{head_axis}]={hv} (kv heads) must equal k.shape[{head_axis}]={hk}"
+        )
+    if skv != sk:
+        raise ValueError(f"{func}: v.shape[{seq_axis}]={skv} must equal k.shape[{seq_axis}]={sk} (key length)")
+    if dk != d:
+        raise ValueError(f"{func}: k.shape[-1]={dk} must equal q.shape[-1]={d} (head dim)")
+    if hk == 0 and hq != 0:
+        raise ValueError(f"{func}: k.shape[{head_axis}]=0 kv heads cannot serve q.shape[{head_axis}]={hq} query heads")
+    if hk and hq % hk:
+        raise ValueError(
+            f"{func}: q.shape[{head_axis}]={hq} query heads must be a multiple of "
+            f"k.shape[{head_axis}]={hk} kv heads (GQA/MQA)"
+        )
+    for name, dim in (("q", d), ("v", dv)):
+        if dim < 1:
+            raise ValueError(f"{func}: {name}.shape[-1] (head dim) must be at least 1, got {dim}")
+        if max_head_dim is not None and dim > max_head_dim:
+            raise NotImplementedError(
+                f"{func}: {name}.shape[-1]={dim} exceeds the largest supported head dim {max_head_dim}"
+            )
+    scale = check_softmax_scale(softmax_scale, d, func)
+    left, right = check_window_size(window_size, causal, func)
+
+    if layout == "bshd":
+        out_shape = (qb[0], sq, hq, dv)
+        lse_shape = (qb[0], hq, sq)
+    else:
+        out_shape = qi.shape[:-1] + (dv,)
+        lse_shape = qi.shape[:-1]
+    problem = AttentionProblem(
+        func=func, kind=qi.kind, dtype=qi.dtype, layout=layout, batch_shape=tuple(qb),
+        num_heads_q=hq, num_heads_k=hk, seqlen_q=sq, seqlen_k=sk, head_dim=d, head_dim_v=dv,
+        softmax_scale=scale, causal=causal, window_left=left, window_right=right,
+        out_shape=out_shape, lse_shape=lse_shape, device=qi.device, q=qi, k=ki, v=vi,
+    )
+    if out is not None:
+        check_out(out, problem, {"q": q, "k": k, "v": v})
+    return problem
+
+
+def check_out(out, problem: AttentionProblem, inputs: dict) -> None:
+    """``out=`` must match the result's kind, dtype and shape, be writable and not overlap inputs."""
+    func = problem.func
+    info = describe(out, "out", func)
+    if info.kind != problem.kind:
+        raise TypeError(f"{func}: out is a {info.type_name} but q is a {problem.q.type_name}; they must be of one kind")
+    if info.dtype != problem.dtype:
+        raise TypeError(f"{func}: out.dtype={info.dtype_name} must equal q.dtype={problem.dtype.name}")
+    if info.shape != problem.out_shape:
+        raise ValueError(f"{func}: out.shape={info.shape} must be {problem.out_shape} for these q and v")
+    if info.device != problem.device:
+        raise ValueError(f"{func}: out is on device {info.device} but q is on device {problem.device}")
+    check_strides(info, "out", func, writable_out=True)
+    if info.kind == "numpy":
+        if not out.flags.writeable:
+            raise ValueError(f"{func}: out is read-only")
+        for name, x in inputs.items():
+            if _overlaps(out, x):
+                raise ValueError(f"{func}: out overlaps {name} in memory; pass a separate output buffer")
+
+
+def _overlaps(a: np.ndarray, b: np.ndarray) -> bool:
+    if not np.may_share_memory(a, b):
+        return False
+    try:
+        return bool(np.shares_memory(a, b, max_work=100_000))
+    except np.exceptions.TooHardError:
+        return True  # cannot prove the buffers are disjoint: refuse rather than risk corruption

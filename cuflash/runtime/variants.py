@@ -1,0 +1,189 @@
+"""Kernel variants: the compile-time choices of one kernel, as a frozen, hashable value.
+
+A variant does two jobs with one object (DESIGN.md §4): its :attr:`~Variant.name` encodes every
+compile-time axis and is the suffix of the kernel's ``extern "C"`` entry name, and its
+:meth:`~Variant.defines` give the ``#define`` prelude that selects those axes in the
+``kernels_cu/`` source. Run-time values (lengths, strides, flags) are kernel arguments, never
+variant axes. A kernel's own variant class lives in its host module (``cuflash/kernels/<stem>.py``,
+beside ``kernels_cu/<stem>.cu``); the bases here carry what the kernels share:
+:class:`Variant` (name, entry, prelude), :class:`AttentionVariant` (dtype and head-dim bucket
+checks, the tile's axes and defines), :class:`TileVariant` (the tile as an axis: the forward
+kernels) and :class:`BucketTiledVariant` (the tile fixed by the bucket: the backward kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+
+try:  # bfloat16 as NumPy (>= 2.1) and CuPy 14 use it
+    from ml_dtypes import bfloat16 as _bfloat16
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    _bfloat16 = None
+
+#: dtype key -> (CUDA element type, NumPy dtype)
+DTYPES: dict[str, tuple[str, np.dtype]] = {
+    "f16": ("__half", np.dtype(np.float16)),
+    "f32": ("float", np.dtype(np.float32)),
+}
+if _bfloat16 is not None:
+    DTYPES["bf16"] = ("__nv_bfloat16", np.dtype(_bfloat16))
+
+
+def dtype_key(dtype) -> str:
+    """Return the variant dtype key (``"f16"``, ``"bf16"``, ``"f32"``) of a NumPy/CuPy dtype.
+
+    Raises
+    ------
+    KeyError
+        If no kernel handles ``dtype``.
+    """
+    dt = np.dtype(dtype)
+    for key, (_, npdt) in DTYPES.items():
+        if npdt == dt:
+            return key
+    raise KeyError(str(dt))
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Base class of kernel variants.
+
+    Subclasses set :attr:`family` (the kernel family, also the entry name's prefix) and
+    :attr:`source` (the ``kernels_cu/`` file), declare their axes as dataclass fields and extend
+    :meth:`defines`.
+    """
+
+    family: ClassVar[str] = ""
+    source: ClassVar[str] = ""
+
+    def axes(self) -> tuple[str, ...]:
+        """The axis values in field order, as they appear in :attr:`name`."""
+        return tuple(str(getattr(self, f.name)) for f in dataclasses.fields(self))
+
+    @property
+    def name(self) -> str:
+        """Unique, C-identifier-safe name of this variant, e.g. ``"f16_warp"``."""
+        return "_".join(self.axes())
+
+    @property
+    def entry(self) -> str:
+        """The ``extern "C"`` entry name: ``cuflash_<family>_<name>``."""
+        return f"cuflash_{self.family}_{self.name}"
+
+    def defines(self) -> tuple[tuple[str, str], ...]:
+        """The ``#define`` prelude as ``(macro, value)`` pairs (the base gives the entry name)."""
+        return (("CUFLASH_ENTRY", self.entry), ("CUFLASH_VARIANT", f'"{self.name}"'))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionVariant(Variant):
+    """Base of the attention kernels' variants: a dtype, a head-dim bucket and a tile.
+
+    What every attention kernel shares is done here once: checking the dtype and bucket against
+    the values the subclass takes, the entry-name axes ``<dtype>_d<bucket>_m<Br>_n<Bc>``, the
+    thread-block shape, and the ``#define`` lines every attention kernel reads (``CUFLASH_T``,
+    ``CUFLASH_HEAD_DIM_MAX``, ``CUFLASH_BLOCK_M``, ``CUFLASH_BLOCK_N``, ``CUFLASH_THREADS``,
+    ``CUFLASH_SMEM_BYTES``).
+
+    A subclass declares its dataclass fields (at least ``dtype`` and ``head_dim_max``), sets
+    :attr:`dtypes` and :attr:`head_dim_buckets`, provides ``block_m``, ``block_n``, ``threads``
+    and ``smem_bytes`` (fields or properties), and adds its own axes and defines.
+    """
+
+    #: dtype keys the kernel takes
+    dtypes: ClassVar[tuple[str, ...]] = ("f16", "bf16", "f32")
+    #: head-dim buckets: a variant serves every ``max(D, Dv)`` up to its bucket
+    head_dim_buckets: ClassVar[tuple[int, ...]] = ()
+
+    def __post_init__(self):
+        name = type(self).__name__
+        allowed = tuple(d for d in self.dtypes if d in DTYPES)
+        if self.dtype not in allowed:
+            raise ValueError(f"{name}: dtype={self.dtype!r} must be one of {allowed}")
+        if self.head_dim_max not in self.head_dim_buckets:
+            raise ValueError(f"{name}: head_dim_max={self.head_dim_max} must be one of {self.head_dim_buckets}")
+
+    def axes(self) -> tuple[str, ...]:
+        return (self.dtype, f"d{self.head_dim_max}", f"m{self.block_m}", f"n{self.block_n}")
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        """Thread-block shape (1-D)."""
+        return (self.threads, 1, 1)
+
+    def defines(self) -> tuple[tuple[str, str], ...]:
+        return super().defines() + (
+            ("CUFLASH_T", DTYPES[self.dtype][0]),
+            ("CUFLASH_HEAD_DIM_MAX", str(self.head_dim_max)),
+            ("CUFLASH_BLOCK_M", str(self.block_m)),
+            ("CUFLASH_BLOCK_N", str(self.block_n)),
+            ("CUFLASH_THREADS", str(self.threads)),
+            ("CUFLASH_SMEM_BYTES", str(self.smem_bytes)),
+        )
+
+    @classmethod
+    def bucket(cls, head_dim: int, head_dim_v: int) -> int:
+        """The smallest of :attr:`head_dim_buckets` holding both head dims.
+
+        Raises
+        ------
+        NotImplementedError
+            If ``max(head_dim, head_dim_v)`` exceeds the largest bucket.
+        """
+        need = max(head_dim, head_dim_v)
+        for b in cls.head_dim_buckets:
+            if need <= b:
+                return b
+        raise NotImplementedError(
+            f"cuflash: head dim {need} exceeds the largest bucket {cls.head_dim_buckets[-1]} of {cls.family}")
+
+    @classmethod
+    def first_fitting(cls, candidates, smem_limit: int):
+        """The first variant of ``candidates`` (an iterable of them, in order of preference)
+        whose dynamic shared memory fits ``smem_limit`` bytes, or None."""
+        return next((v for v in candidates if v.smem_bytes <= smem_limit), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketTiledVariant(AttentionVariant):
+    """An attention variant whose tile ``(block_m, block_n)`` is fixed by its head-dim bucket,
+    through the subclass's :attr:`tiles` table (the backward kernels)."""
+
+    #: head-dim bucket -> (block_m, block_n)
+    tiles: ClassVar[dict[int, tuple[int, int]]] = {}
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        return self.tiles[self.head_dim_max]
+
+    @property
+    def block_m(self) -> int:
+        return self.tile[0]
+
+    @property
+    def block_n(self) -> int:
+        return self.tile[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class TileVariant(AttentionVariant):
+    """An attention variant whose tile is one of its axes (the forward kernels, whose tile is
+    chosen per device from a list of candidates).
+
+    Parameters
+    ----------
+    dtype : str
+        Element type key of q, k, v and out (``"f16"``, ``"bf16"``, ``"f32"``).
+    head_dim_max : int
+        Head-dim bucket: the variant serves every ``max(D, Dv)`` up to it.
+    block_m, block_n : int
+        Query rows (Br) and key rows (Bc) per tile.
+    """
+
+    dtype: str
+    head_dim_max: int
+    block_m: int
+    block_n: int

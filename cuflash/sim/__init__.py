@@ -1,0 +1,85 @@
+"""The CUDA simulator (``backend="sim"``) and its options.
+
+The simulator runs cuflash's real CUDA C kernels (``kernels_cu/``) on the CPU: the same source
+text, compiled with g++ against a small runtime that provides the CUDA built-ins, with every
+thread of a block run as a fiber and blocks spread over OS threads (the C++ runtime in this folder). It
+exists so that CI machines without a GPU execute the kernels; it is slow (a block of 128 threads
+takes tens to hundreds of microseconds) and meant for small shapes.
+
+Options are set with the :func:`options` context manager (per thread and per asyncio task, via
+a :class:`contextvars.ContextVar`) or, as defaults, with environment variables:
+
+==================  =========================  ===================================================
+option              environment variable       meaning
+==================  =========================  ===================================================
+``arch``            ``CUFLASH_SIM_ARCH``       emulated device: ``"sm_75"``, ``"sm_80"``,
+                                               ``"sm_86"``, ``"sm_87"``, ``"sm_89"``,
+                                               ``"sm_90"`` (default). Sets ``__CUDA_ARCH__``
+                                               and the shared-memory limits; the dispatcher picks
+                                               the variant a device of that arch would get.
+``seed``            ``CUFLASH_SIM_SEED``       seed of the order in which a block's threads run
+                                               between barriers (default 0); a race shows as a
+                                               wrong result that depends on the seed.
+``checked``         ``CUFLASH_SIM_CHECKED``    ``True``: checked mode (below); every fault raises
+                                               :class:`SimCheckError` (default ``False``).
+``workers``         ``CUFLASH_SIM_WORKERS``    OS threads running blocks (default: CPU count).
+``fibers``          ``CUFLASH_SIM_FIBERS``     ``"auto"`` (default: assembly switch on x86-64,
+                                               ucontext elsewhere), ``"asm"`` or ``"ucontext"``.
+``stack_kib``       ``CUFLASH_SIM_STACK_KIB``  stack per simulated thread (default 256 KiB, plus
+                                               a guard page).
+==================  =========================  ===================================================
+
+Checked mode
+------------
+``checked=True`` is the simulator's compute-sanitizer (memcheck, racecheck and initcheck) for CI.
+Kernels are compiled a second time with g++'s address-sanitizer instrumentation in its outlined,
+runtime-free form, which calls a hook of the simulator's runtime before every load and store
+(atomics check themselves). Each pointer argument is copied into its own shared-memory mapping,
+with 16 KiB of registered slack and a ``PROT_NONE`` page on either side, and a per-byte map of its
+view's elements built from the launch plan's shape and strides; the launch runs in a forked child
+process, so even a crash comes back as an exception, and written views are copied back after it.
+Faults raise :class:`SimCheckError` (a :class:`SimError`) naming the kernel, the block and thread,
+the array and the element index, before the faulty access happens:
+
+* ``"out-of-bounds read"`` / ``"out-of-bounds write"``: a global access to a byte outside the
+  argument's view, byte-exact: one element past a view inside a larger buffer, the gaps of a
+  strided view (a ``q`` slice of a packed ``qkv`` reading ``k``), the bytes before it;
+* ``"write to read-only argument"``: a store through an argument the plan does not mark writable;
+* ``"uninitialized shared read"``: a read of ``__shared__`` memory no thread of the block wrote
+  (shared memory also starts as 0xFF bytes, NaN for every float type, in every mode);
+* ``"shared race"``: two threads of a block touch one shared byte in the same barrier phase, at
+  least one writing, with no ``__syncthreads`` between them and no ``__syncwarp`` (for lanes of
+  one warp) that both took part in. Shuffles and votes do not order memory;
+* ``"shared out-of-bounds"``: a shared access outside every ``__shared__`` variable;
+* ``"crash"``: the child died (an access far outside every argument, a stack overflow).
+
+Uninitialized locals are not reported; checked modules fill them with the 0xFE byte pattern
+(``-ftrivial-auto-var-init=pattern``; -1.7e38 as a float), so results show them. A checked launch
+costs a ``fork`` and a few times the time of an unchecked one.
+
+Compiled modules are cached on disk in ``CUFLASH_SIM_CACHE_DIR`` (default
+``~/.cache/cuflash/sim``), keyed on the full source text, the runtime, the compiler and flags.
+
+Examples
+--------
+>>> import numpy as np, cuflash
+>>> with cuflash.sim.options(arch="sm_80", seed=3):
+...     y = cuflash.softmax(np.ones((2, 5), np.float32), backend="sim")
+
+Layout
+------
+* :mod:`cuflash.sim.config`: the options (:func:`options`, :func:`current_options`);
+* :mod:`cuflash.sim.launcher` compiles one module per source text with g++ (disk cache), loads it
+  with ctypes and runs :class:`cuflash.runtime.plan.LaunchPlan` objects, checked or not;
+* :mod:`cuflash.sim.lower` rewrites ``__shared__`` declarations into per-block arena slots;
+* ``cusim.h`` (with ``cusim_half.h``, ``cusim_switch_x86_64.S`` and stand-ins for
+  ``cuda_fp16.h``/``cuda_bf16.h``) is the C++ runtime: fibers, barriers, warp collectives, shared
+  memory, atomics, device math. The PTX emulations live beside the PTX in ``kernels_cu/ptx.cuh``.
+
+Imports: :mod:`cuflash.runtime` only (the simulator knows nothing of attention).
+"""
+
+from cuflash.sim.config import ARCHS, SimOptions, current_options, options, parse_arch
+from cuflash.sim.launcher import SimCheckError, SimError
+
+__all__ = ["SimOptions", "options", "current_options", "parse_arch", "ARCHS", "SimError", "SimCheckError"]

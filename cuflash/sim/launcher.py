@@ -1,0 +1,703 @@
+"""The simulator's launcher: compile kernel sources with g++, cache them, run launch plans.
+
+One module is compiled per source text: ``#include "cusim.h"``, the lowered kernel text
+(:func:`cuflash.sim.lower.lower_shared`), and for each entry two exported stubs (launch and
+parameter signature). Flags: ``-std=c++17 -O2 -fPIC -shared -pthread -fvisibility=hidden
+-fno-strict-aliasing`` plus ``-D__CUDA_ARCH__=<arch>0``; on x86-64 the assembly fiber switch is
+linked in, elsewhere (or with ``fibers="ucontext"``) ``-DCUSIM_FIBERS_UCONTEXT``.
+
+Checked mode (``cuflash.sim.options(checked=True)``) compiles a second module per source with
+``-DCUSIM_CHECKED=1 -fsanitize=kernel-address --param asan-instrumentation-with-call-threshold=0
+--param asan-stack=0 --param asan-globals=0 -ftrivial-auto-var-init=pattern``: g++'s
+address-sanitizer pass in its runtime-free, outlined form calls a hook before every load and store,
+and cusim.h implements the hooks (see :func:`launch_checked` and ``cusim.h``). Locals the kernel
+never initializes hold the 0xFE byte pattern.
+
+The shared library lands in the cache folder (``CUFLASH_SIM_CACHE_DIR``, default
+``~/.cache/cuflash/sim``) under the SHA-256 of everything that determines it: the module text,
+the runtime files, the compiler's identity and the flags. Writes are atomic (rename), so
+concurrent processes may share the folder.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import mmap
+import os
+import pickle
+import platform
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from cuflash.runtime.plan import (
+    MAX_THREADS_PER_BLOCK,
+    SMEM_DEFAULT_LIMIT,
+    PointerArg,
+    ScalarArg,
+)
+from cuflash.runtime.source import build_source
+from cuflash.sim import config as sim_config
+from cuflash.sim import lower
+
+SIM_DIR = Path(__file__).resolve().parent
+RUNTIME_FILES = ("cusim.h", "cusim_half.h", "cuda_fp16.h", "cuda_bf16.h", "cusim_switch_x86_64.S")
+_FORMAT_VERSION = "cusim-1"
+_ERROR_CAP = 2048
+STACK_POISON_BYTES = 4096
+
+
+class SimError(RuntimeError):
+    """A kernel failed in the simulator (a trap, a strictness check, a deadlock, a limit)."""
+
+
+class SimCheckError(SimError):
+    """A fault found by the simulator's checked mode (``cuflash.sim.options(checked=True)``).
+
+    Attributes
+    ----------
+    kind : str
+        ``"out-of-bounds read"``, ``"out-of-bounds write"``, ``"write to read-only argument"``,
+        ``"uninitialized shared read"``, ``"shared race"``, ``"shared out-of-bounds"`` or
+        ``"crash"`` (the checked launch died, e.g. on an access far outside every argument).
+    kernel : str
+        The kernel entry.
+    block, thread : tuple of 3 int or None
+        ``blockIdx`` and ``threadIdx`` of the faulting access.
+    array : str or None
+        The plan's argument name (global memory) or the ``__shared__`` variable's name.
+    index : tuple of int or None
+        Element index of the access in the array (for an argument: relative to its view, so an
+        index outside the view's shape, or a negative one, says how far off it is).
+    access : str or None
+        ``"read"`` or ``"write"`` (``"atomic"`` for atomics on shared memory).
+    nbytes : int or None
+        Bytes of the access.
+    other_thread : tuple of 3 int or None
+        For races: the thread whose earlier access in the same barrier phase conflicts.
+    other_access : str or None
+        For races: ``"read"`` or ``"write"``, that earlier access.
+    """
+
+    def __init__(self, message: str, *, kind: str, kernel: str, block=None, thread=None, array=None, index=None,
+                 access=None, nbytes=None, other_thread=None, other_access=None):
+        super().__init__(message)
+        self.kind = kind
+        self.kernel = kernel
+        self.block = block
+        self.thread = thread
+        self.array = array
+        self.index = index
+        self.access = access
+        self.nbytes = nbytes
+        self.other_thread = other_thread
+        self.other_access = other_access
+
+
+class _Region(ctypes.Structure):
+    _fields_ = [
+        ("start", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("valid", ctypes.c_void_p),
+        ("writable", ctypes.c_uint32),
+        ("index", ctypes.c_uint32),
+    ]
+
+
+class _Report(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("region", ctypes.c_uint32),
+        ("offset", ctypes.c_int64),
+        ("size", ctypes.c_uint32),
+        ("is_write", ctypes.c_uint32),
+        ("block", ctypes.c_uint32 * 3),
+        ("thread", ctypes.c_uint32 * 3),
+        ("other_thread", ctypes.c_uint32 * 3),
+        ("other_write", ctypes.c_uint32),
+        ("elem_size", ctypes.c_uint32),
+        ("rank", ctypes.c_uint32),
+        ("dims", ctypes.c_uint64 * 4),
+        ("name", ctypes.c_char * 64),
+    ]
+
+
+_CHECK_KINDS = {1: "out-of-bounds read", 2: "out-of-bounds write", 3: "write to read-only argument",
+                4: "uninitialized shared read", 5: "shared race", 6: "shared out-of-bounds"}
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [
+        ("grid", ctypes.c_uint32 * 3),
+        ("block", ctypes.c_uint32 * 3),
+        ("dynamic_smem", ctypes.c_uint64),
+        ("smem_limit", ctypes.c_uint64),
+        ("static_smem_limit", ctypes.c_uint64),
+        ("max_threads", ctypes.c_uint32),
+        ("workers", ctypes.c_uint32),
+        ("seed", ctypes.c_uint64),
+        ("stack_size", ctypes.c_uint64),
+        ("stack_poison", ctypes.c_uint64),
+        ("error", ctypes.c_char_p),
+        ("error_cap", ctypes.c_uint64),
+        ("static_smem_used", ctypes.c_uint64),
+        ("context_switches", ctypes.c_uint64),
+        ("blocks_run", ctypes.c_uint64),
+        ("regions", ctypes.c_void_p),
+        ("nregions", ctypes.c_uint64),
+        ("report", ctypes.c_void_p),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchStats:
+    """What one simulated launch did."""
+
+    seconds: float
+    blocks: int
+    threads_per_block: int
+    context_switches: int
+    static_smem_bytes: int
+    dynamic_smem_bytes: int
+
+
+def cache_dir() -> Path:
+    """The module cache folder (``CUFLASH_SIM_CACHE_DIR`` or ``~/.cache/cuflash/sim``)."""
+    env = os.environ.get("CUFLASH_SIM_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cuflash" / "sim"
+
+
+_compiler_ids: dict[str, str] = {}
+
+
+def compiler() -> tuple[str, str]:
+    """Return the C++ compiler's path (``CUFLASH_SIM_CXX``, else ``g++``) and identity string.
+
+    Raises
+    ------
+    RuntimeError
+        If the compiler is not found.
+    """
+    cxx = os.environ.get("CUFLASH_SIM_CXX", "g++")
+    path = shutil.which(cxx)
+    if path is None:
+        raise RuntimeError(f"cuflash simulator: C++ compiler {cxx!r} not found (set CUFLASH_SIM_CXX)")
+    ident = _compiler_ids.get(path)
+    if ident is None:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, check=False).stdout
+        mach = subprocess.run([path, "-dumpmachine"], capture_output=True, text=True, check=False).stdout
+        ident = (out.splitlines()[0] if out else path) + " " + mach.strip()
+        _compiler_ids[path] = ident
+    return path, ident
+
+
+def use_asm_fibers(fibers: str) -> bool:
+    """Whether the assembly fiber switch is used for ``fibers`` ("auto", "asm", "ucontext")."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    if fibers == "asm" and not x86:
+        raise ValueError(f"cuflash.sim.options: fibers='asm' needs x86-64; this CPU is {platform.machine()}")
+    return x86 and fibers != "ucontext"
+
+
+#: extra g++ flags of checked modules (see the module docstring)
+CHECKED_FLAGS = ("-DCUSIM_CHECKED=1", "-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0",
+                 "--param", "asan-stack=0", "--param", "asan-globals=0", "-ftrivial-auto-var-init=pattern")
+
+
+def compile_flags(arch: int, asm_fibers: bool, checked: bool = False) -> list[str]:
+    """The g++ flags of a module for ``sm_<arch>``."""
+    flags = ["-std=c++17", "-O2", "-g0", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden",
+             "-fno-strict-aliasing", "-fno-math-errno", "-Wno-attributes",
+             f"-I{SIM_DIR}", f"-D__CUDA_ARCH__={arch * 10}"]
+    if not asm_fibers:
+        flags.append("-DCUSIM_FIBERS_UCONTEXT=1")
+    if checked:
+        flags += CHECKED_FLAGS
+    return flags
+
+
+_runtime_digest: str | None = None
+
+
+def _runtime_hash() -> str:
+    global _runtime_digest
+    if _runtime_digest is None:
+        h = hashlib.sha256()
+        for name in RUNTIME_FILES:
+            h.update(name.encode() + b"\0" + (SIM_DIR / name).read_bytes() + b"\0")
+        _runtime_digest = h.hexdigest()
+    return _runtime_digest
+
+
+def module_text(source: str, entries: Sequence[str], origin: str = "kernel.cu") -> str:
+    """The C++ translation unit for ``source`` with stubs for ``entries``."""
+    body = lower.lower_shared(source, origin)
+    stubs = ['\n#line 1 "<cusim entry stubs>"\n']
+    for e in entries:
+        stubs.append(
+            f"CUSIM_EXPORT int cusim_launch_{e}(::cusim::LaunchConfig* c, void** a) "
+            f"{{ return ::cusim::launch(&{e}, c, a); }}\n"
+            f"CUSIM_EXPORT int cusim_signature_{e}(char* k, uint32_t* s, int cap) "
+            f"{{ return ::cusim::signature(&{e}, k, s, cap); }}\n"
+        )
+    return '#include "cusim.h"\n' + body + "".join(stubs)
+
+
+_SCALAR_KINDS = {
+    np.dtype(np.int32): ("i", 4), np.dtype(np.uint32): ("u", 4),
+    np.dtype(np.int64): ("i", 8), np.dtype(np.uint64): ("u", 8),
+    np.dtype(np.float32): ("f", 4), np.dtype(np.float64): ("f", 8),
+}
+_KIND_NAMES = {"p": "pointer", "i": "signed integer", "u": "unsigned integer", "f": "floating point", "s": "struct"}
+
+
+class SimModule:
+    """A compiled simulator module (one source text, several entries)."""
+
+    def __init__(self, path: Path, entries: Sequence[str], arch: int, compile_seconds: float, checked: bool = False):
+        self.path = path
+        self.arch = arch
+        self.checked = checked
+        self.compile_seconds = compile_seconds
+        self._lib = ctypes.CDLL(str(path))
+        self._launch = {}
+        self.signatures: dict[str, tuple[tuple[str, int], ...]] = {}
+        for e in entries:
+            fn = getattr(self._lib, f"cusim_launch_{e}")
+            fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            self._launch[e] = fn
+            sig = getattr(self._lib, f"cusim_signature_{e}")
+            sig.restype = ctypes.c_int
+            kinds = ctypes.create_string_buffer(64)
+            sizes = (ctypes.c_uint32 * 64)()
+            n = sig(kinds, sizes, 64)
+            self.signatures[e] = tuple((kinds.raw[i : i + 1].decode(), int(sizes[i])) for i in range(n))
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        return tuple(self._launch)
+
+    def _marshal(self, plan, addresses: dict | None = None) -> tuple[list, ctypes.Array]:
+        sig = self.signatures[plan.entry]
+        if len(sig) != len(plan.args):
+            raise TypeError(f"{plan.entry}: the kernel takes {len(sig)} arguments, the plan gives {len(plan.args)}")
+        keep: list = []
+        for i, (a, (kind, size)) in enumerate(zip(plan.args, sig)):
+            if isinstance(a, PointerArg):
+                if not isinstance(a.base, np.ndarray):
+                    raise TypeError(
+                        f"{plan.entry}: argument {i} ({a.name}) must be a NumPy array for the simulator, "
+                        f"got {type(a.base).__name__}"
+                    )
+                if a.writable and not a.base.flags.writeable:
+                    raise ValueError(f"{plan.entry}: argument {i} ({a.name}) is written but its array is read-only")
+                got = ("p", 8)
+                keep.append(ctypes.c_void_p(addresses[i] if addresses else a.address))
+            else:
+                got = _SCALAR_KINDS[np.dtype(type(a.value))]
+                keep.append(np.ctypeslib.as_ctypes(np.array(a.value)))
+            if got != (kind, size):
+                raise TypeError(
+                    f"{plan.entry}: argument {i} ({a.name}) is a {size}-byte {_KIND_NAMES.get(kind, kind)} in the "
+                    f"kernel; the plan passes a {got[1]}-byte {_KIND_NAMES[got[0]]}"
+                    + (f" ({type(a.value).__name__})" if isinstance(a, ScalarArg) else "")
+                )
+        argv = (ctypes.c_void_p * max(1, len(keep)))(*[ctypes.addressof(k) for k in keep])
+        return keep, argv
+
+    def launch(self, plan, options: sim_config.SimOptions | None = None) -> LaunchStats:
+        """Run ``plan`` (whose arrays are NumPy arrays) to completion.
+
+        Raises
+        ------
+        KeyError
+            If the module has no entry ``plan.entry``.
+        TypeError
+            If the plan's arguments do not match the kernel's parameters.
+        ValueError
+            If the plan exceeds a limit of the emulated device.
+        SimError
+            If the kernel fails (trap, misaligned or misplaced PTX operand, deadlock,
+            shared memory over the limit, ...).
+        """
+        opts = options or sim_config.current_options()
+        if plan.entry not in self._launch:
+            raise KeyError(f"cuflash simulator: module has no entry {plan.entry!r} (has {', '.join(self._launch)})")
+        cc = self.arch
+        plan.check_device(cc)
+        if self.checked != opts.checked:
+            raise ValueError(f"cuflash simulator: module {self.path.name} was compiled with checked={self.checked}; "
+                             f"the options say checked={opts.checked}")
+        regions = _CheckedRegions(plan) if self.checked else None
+        keep, argv = self._marshal(plan, regions.addresses if regions else None)
+        err = ctypes.create_string_buffer(_ERROR_CAP)
+        cfg = _Config()
+        cfg.grid[:] = plan.grid
+        cfg.block[:] = plan.block
+        cfg.dynamic_smem = plan.shared_mem_bytes
+        cfg.smem_limit = plan.smem_limit(cc)
+        cfg.static_smem_limit = SMEM_DEFAULT_LIMIT
+        cfg.max_threads = MAX_THREADS_PER_BLOCK
+        cfg.workers = max(1, min(opts.workers or (os.cpu_count() or 1), plan.num_blocks))
+        cfg.seed = opts.seed
+        cfg.stack_size = opts.stack_kib * 1024
+        cfg.stack_poison = min(STACK_POISON_BYTES, cfg.stack_size)
+        cfg.error = ctypes.cast(err, ctypes.c_char_p)
+        cfg.error_cap = _ERROR_CAP
+        if plan.shared_mem_bytes > cfg.smem_limit:
+            raise ValueError(
+                f"{plan.entry}: {plan.shared_mem_bytes} bytes of dynamic shared memory exceed the {cfg.smem_limit}-byte "
+                f"limit of sm_{cc}" + ("" if plan.needs_smem_opt_in else " without the opt-in")
+            )
+        t0 = time.perf_counter()
+        if regions is not None:
+            try:
+                rc = self._launch_checked(plan, cfg, argv, err, regions)
+            finally:
+                regions.close()
+        else:
+            rc = self._launch[plan.entry](ctypes.byref(cfg), ctypes.cast(argv, ctypes.c_void_p))
+        dt = time.perf_counter() - t0
+        del keep
+        if rc != 0:
+            msg = err.value.decode(errors="replace") or f"launch failed (code {rc})"
+            raise SimError(f"cuflash simulator: {plan.entry} (sm_{cc}): {msg}")
+        return LaunchStats(dt, int(cfg.blocks_run), plan.threads_per_block, int(cfg.context_switches),
+                           int(cfg.static_smem_used), plan.shared_mem_bytes)
+
+
+    def _launch_checked(self, plan, cfg, argv, err, regions) -> int:
+        """Run a checked launch in a forked child (a crash cannot kill this process); arguments live
+        in shared memory, so the child's writes reach the copies, which are copied back here."""
+        table = regions.table()
+        report = _Report()
+        cfg.regions = ctypes.cast(table, ctypes.c_void_p)
+        cfg.nregions = len(regions.args)
+        cfg.report = ctypes.cast(ctypes.pointer(report), ctypes.c_void_p)
+        fn = self._launch[plan.entry]
+
+        def child():
+            rc = fn(ctypes.byref(cfg), ctypes.cast(argv, ctypes.c_void_p))
+            return (rc, err.value, bytes(report), int(cfg.blocks_run), int(cfg.context_switches),
+                    int(cfg.static_smem_used))
+
+        got = _run_forked(child) if hasattr(os, "fork") else ("ok", child())
+        if got[0] == "crash":
+            raise SimCheckError(
+                f"cuflash simulator (checked): {plan.entry} (sm_{self.arch}): the checked launch died ({got[1]}); "
+                "an access far outside every argument, a stack overflow or a fault in the runtime",
+                kind="crash", kernel=plan.entry)
+        if got[0] == "error":
+            raise SimError(f"cuflash simulator (checked): {plan.entry}: the checked launch failed in its child: {got[1]}")
+        rc, msg, rep_bytes, cfg.blocks_run, cfg.context_switches, cfg.static_smem_used = got[1]
+        ctypes.memmove(ctypes.addressof(report), rep_bytes, ctypes.sizeof(report))
+        if rc != 0 and report.kind:
+            raise _check_error(plan, self.arch, report, regions, msg.decode(errors="replace"))
+        if rc == 0:
+            regions.copy_back()
+        else:
+            err.value = msg[: _ERROR_CAP - 1]
+        return rc
+
+
+def _run_forked(fn):
+    """Run ``fn()`` in a forked child; returns ("ok", result), ("error", text) or ("crash", text)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns
+        code = 0
+        try:
+            os.close(r)
+            import faulthandler
+
+            faulthandler.disable()  # a crash is reported by the parent, without a Python traceback here
+            try:
+                data = pickle.dumps(("ok", fn()))
+            except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+                data = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(w, view):]
+        except BaseException:  # noqa: BLE001
+            code = 70
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks = []
+    with os.fdopen(r, "rb") as f:
+        while chunk := f.read(1 << 16):
+            chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return ("crash", f"killed by {name}")
+    if not chunks:
+        return ("crash", f"exit status {os.waitstatus_to_exitcode(status)} without a result")
+    return pickle.loads(b"".join(chunks))
+
+
+_PAGE = mmap.PAGESIZE
+#: bytes registered on each side of an argument's copy: accesses up to this far outside are
+#: reported with their element; beyond, a PROT_NONE page makes the checked launch crash
+CHECK_SLACK = 16384
+_libc = None
+
+
+def _mprotect_none(addr: int, size: int) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _libc.mprotect(ctypes.c_void_p(addr), size, 0)
+
+
+class _CheckedRegions:
+    """Per pointer argument of a plan: a copy of its memory span in shared memory (``mmap``) with
+    slack and guard pages around it, and the per-byte map of the view's elements."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.args: list = []  # (arg index, PointerArg, mmap, data offset, region start, region size, mask)
+        self.addresses: dict[int, int] = {}
+        self._keep: list = []
+        for i, a in enumerate(plan.args):
+            if not isinstance(a, PointerArg) or not isinstance(a.base, np.ndarray):
+                continue
+            item = a.dtype.itemsize
+            span = a.extent * item
+            mis = a.address % 256  # keep the pointer's alignment (cudaMalloc aligns to 256 bytes)
+            data_off = _PAGE + CHECK_SLACK + mis
+            total = -(-(data_off + span + CHECK_SLACK) // _PAGE) * _PAGE + _PAGE
+            mm = mmap.mmap(-1, total)  # MAP_SHARED | MAP_ANONYMOUS: a forked child's writes come back
+            cbuf = ctypes.c_char.from_buffer(mm)
+            base = ctypes.addressof(cbuf)
+            if span:
+                ctypes.memmove(base + data_off, a.address, span)
+            region_size = total - 2 * _PAGE
+            mask = np.zeros(region_size, np.uint8)
+            if span:
+                offs = np.zeros((), np.int64)
+                for n, st in zip(a.shape, a.strides):
+                    offs = offs[..., None] + np.arange(n, dtype=np.int64) * st
+                first = (data_off - _PAGE) + offs.reshape(-1, 1) * item + np.arange(item, dtype=np.int64)
+                mask[first.ravel()] = 1
+            self.args.append((i, a, mm, data_off, base + _PAGE, region_size, mask))
+            self._keep.append(cbuf)
+            self.addresses[i] = base + data_off
+        for _, _, mm, _, start, size, _ in self.args:  # guard pages, after every copy is made
+            _mprotect_none(start - _PAGE, _PAGE)
+            _mprotect_none(start + size, _PAGE)
+
+    def table(self) -> ctypes.Array:
+        t = (_Region * max(1, len(self.args)))()
+        for k, (i, a, mm, data_off, start, size, mask) in enumerate(self.args):
+            t[k].start, t[k].size = start, size
+            t[k].valid = mask.ctypes.data
+            t[k].writable = int(a.writable)
+            t[k].index = i
+        self._keep.append(t)
+        return t
+
+    @staticmethod
+    def _raw(dtype: np.dtype) -> np.dtype:
+        return np.dtype(f"u{dtype.itemsize}") if dtype.itemsize in (1, 2, 4, 8) else np.dtype(f"V{dtype.itemsize}")
+
+    def copy_back(self) -> None:
+        """Copy the view elements of every writable argument back to the caller's array."""
+        for i, a, mm, data_off, start, size, mask in self.args:
+            if not a.writable or a.extent == 0:
+                continue
+            item = a.dtype.itemsize
+            raw = self._raw(a.dtype)
+            bstrides = tuple(s * item for s in a.strides)
+            src = np.ndarray(a.shape, raw, buffer=mm, offset=data_off, strides=bstrides)
+            dst_buf = (ctypes.c_char * (a.extent * item)).from_address(a.address)
+            dst = np.ndarray(a.shape, raw, buffer=dst_buf, strides=bstrides)
+            np.copyto(dst, src)
+
+    def locate(self, k: int, offset: int):
+        """(argument, element index in the view) of byte ``offset`` of region ``k``."""
+        i, a, mm, data_off, start, size, mask = self.args[k]
+        item = a.dtype.itemsize
+        rel = offset - (data_off - _PAGE)
+        elem = rel // item
+        order = sorted(range(len(a.shape)), key=lambda d: -a.strides[d])
+        idx = [0] * len(a.shape)
+        rem = elem
+        for pos, d in enumerate(order):
+            st = a.strides[d]
+            if st == 0 or (a.shape[d] == 1 and pos != len(order) - 1):
+                continue
+            idx[d] = rem // st
+            rem -= idx[d] * st
+        if order and rem:
+            idx[order[-1]] += rem
+        return a, tuple(int(x) for x in idx)
+
+    def close(self) -> None:
+        self._keep.clear()
+        for _, _, mm, *_ in self.args:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+        self.args.clear()
+
+
+def _xyz(v) -> tuple[int, int, int]:
+    return tuple(int(x) for x in v)
+
+
+def _check_error(plan, arch: int, r: _Report, regions: _CheckedRegions, detail: str) -> SimCheckError:
+    kind = _CHECK_KINDS.get(r.kind, f"fault {r.kind}")
+    block, thread = _xyz(r.block), _xyz(r.thread)
+    where = f"block {block} thread {thread}"
+    other = other_access = None
+    if r.kind in (1, 2, 3):
+        arg, index = regions.locate(r.region, r.offset)
+        access = "write" if r.is_write else "read"
+        array = arg.name
+        inside = all(0 <= x < n for x, n in zip(index, arg.shape))
+        what = (f"{array}{list(index)} (view shape {arg.shape}, element strides {arg.strides}"
+                + ("" if inside else ", outside the view") + ")")
+        if r.kind == 3:
+            text = f"write to read-only argument {what}"
+        else:
+            text = f"out-of-bounds {access} of {r.size} bytes at {what}"
+    else:
+        array = r.name.decode(errors="replace")
+        elem = max(1, r.elem_size)
+        flat = r.offset // elem
+        dims = [int(r.dims[i]) for i in range(min(r.rank, 4))]
+        index = []
+        for n in reversed(dims[1:]):
+            index.append(flat % n if n else flat)
+            flat = flat // n if n else 0
+        index.append(flat)
+        index = tuple(reversed(index)) if dims else (flat,)
+        access = "atomic" if (r.kind == 4 and r.is_write) else ("write" if r.is_write else "read")
+        what = f"__shared__ {array}{list(index)}" + (f" (extents {tuple(dims)})" if dims else "")
+        if r.kind == 5:
+            other = _xyz(r.other_thread)
+            other_access = "write" if r.other_write else "read"
+            text = (f"shared-memory race on {what}: {access} by thread {thread}, {other_access} by thread {other} "
+                    "in the same barrier phase (no __syncthreads or __syncwarp orders them)")
+        elif r.kind == 4:
+            text = f"read of uninitialized shared memory {what} (never written in this block)"
+        else:
+            text = f"{access} outside every __shared__ variable, near {what}"
+    msg = f"cuflash simulator (checked): {plan.entry} (sm_{arch}): {kind}: {text}, at {where}"
+    return SimCheckError(msg, kind=kind, kernel=plan.entry, block=block, thread=thread, array=array, index=index,
+                         access=access, nbytes=int(r.size), other_thread=other, other_access=other_access)
+
+
+_modules: dict[str, SimModule] = {}
+_locks: dict[str, threading.Lock] = {}
+_global_lock = threading.Lock()
+
+
+def load_source(
+    source: str,
+    entries: Iterable[str] | None = None,
+    *,
+    origin: str = "kernel.cu",
+    options: sim_config.SimOptions | None = None,
+) -> SimModule:
+    """Compile (or fetch from the caches) the module for a full source text.
+
+    Parameters
+    ----------
+    source : str
+        Full source text (as built by :mod:`cuflash.runtime.source`).
+    entries : iterable of str, optional
+        Kernel names to export; by default the ``extern "C" __global__`` names found in ``source``.
+    origin : str
+        File name for diagnostics.
+    options : SimOptions, optional
+        Arch and fiber implementation; default: :func:`cuflash.sim.current_options`.
+
+    Raises
+    ------
+    RuntimeError
+        If g++ fails (with its diagnostics).
+    """
+    opts = options or sim_config.current_options()
+    entries = tuple(entries) if entries is not None else tuple(lower.find_entries(source))
+    if not entries:
+        raise ValueError(f"cuflash simulator: no kernel entries in {origin}")
+    asm = use_asm_fibers(opts.fibers)
+    flags = compile_flags(opts.arch, asm, opts.checked)
+    cxx, ident = compiler()
+    text = module_text(source, entries, origin)
+    key = hashlib.sha256(
+        "\0".join([_FORMAT_VERSION, _runtime_hash(), ident, " ".join(flags), " ".join(entries), text]).encode()
+    ).hexdigest()[:32]
+    mod = _modules.get(key)
+    if mod is not None:
+        return mod
+    with _global_lock:
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock:
+        mod = _modules.get(key)
+        if mod is not None:
+            return mod
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        so = folder / f"{key}.so"
+        seconds = 0.0
+        if not so.exists():
+            t0 = time.perf_counter()
+            with tempfile.TemporaryDirectory(dir=folder, prefix="build-") as tmp:
+                cpp = Path(tmp) / f"{Path(origin).stem}.cpp"
+                cpp.write_text(text, encoding="utf-8")
+                out = Path(tmp) / "module.so"
+                cmd = [cxx, *flags, str(cpp)]
+                if asm:
+                    cmd.append(str(SIM_DIR / "cusim_switch_x86_64.S"))
+                cmd += ["-o", str(out)]
+                r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if r.returncode != 0:
+                    raise RuntimeError(
+                        f"cuflash simulator: g++ failed on {origin} (sm_{opts.arch}):\n{r.stderr[-6000:]}"
+                    )
+                os.replace(out, so)
+            seconds = time.perf_counter() - t0
+        mod = SimModule(so, entries, opts.arch, seconds, opts.checked)
+        _modules[key] = mod
+        return mod
+
+
+def load_variant(variant, options: sim_config.SimOptions | None = None) -> SimModule:
+    """The simulator module of a :class:`cuflash.runtime.variants.Variant`."""
+    return load_source(build_source(variant), (variant.entry,), origin=variant.source, options=options)
+
+
+def precompile(variants: Iterable, options: sim_config.SimOptions | None = None, jobs: int | None = None) -> list:
+    """Compile several variants in parallel (g++ runs in subprocesses); returns their modules."""
+    opts = options or sim_config.current_options()
+    variants = list(variants)
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as ex:
+        return list(ex.map(lambda v: load_variant(v, opts), variants))
+
+
+def run(plan, options: sim_config.SimOptions | None = None) -> LaunchStats:
+    """Compile (cached) and run a :class:`cuflash.runtime.plan.LaunchPlan` on the simulator."""
+    opts = options or sim_config.current_options()
+    return load_variant(plan.variant, opts).launch(plan, opts)

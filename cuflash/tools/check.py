@@ -1,0 +1,740 @@
+"""``python -m cuflash check``: the GPU self-check (DESIGN.md §5, tier 3).
+
+One command for a machine with a GPU, runnable from a source tree with nothing installed
+(``PYTHONPATH=. python -m cuflash check``). Sections, each timed and isolated (an exception or
+an overrun fails that section only, the others still run):
+
+``device``     the device, compute capability, memory, CuPy / CUDA / NVRTC / torch / JAX versions
+``compile``    every kernel variant this arch may run, compiled and loaded (timed each)
+``grid``       correctness on the GPU against a float64 oracle: dtypes, head dims 32..256 (incl.
+               40/72/96/160/192), odd lengths, GQA/MQA, causal/windows, empty rows, layouts,
+               strided/cache/broadcast views, large logits, ``out=`` poisoned, LSE
+``large``      S = 8192 (a subset of rows checked), batch*heads > 65535, element offsets past
+               2**31 (when memory allows)
+``softmax``    ``cuflash.softmax`` on the GPU against NumPy
+``sim``        GPU output against the CUDA simulator's on the same small inputs
+``torch``      torch CUDA round-trip (types, devices, torch-allocated outputs, side streams)
+``jax``        JAX GPU round-trip
+``graph``      CUDA-graph capture of a call, replayed on new inputs
+``demo``       the demo's GPU path on its embedded data
+
+A short pass/fail table is printed last. Exit status: 0 all passed (or skipped), 1 a section
+failed, 2 no usable GPU (nothing is run and nothing is reported as passed).
+
+The tolerance rule is DESIGN.md §5's, implemented here on its own: the error against the
+float64 reference may be at most twice the error of a naive same-dtype implementation (scores
+and output rounded to the dtype, float32 softmax) plus a floor (one unit roundoff for the 16-bit
+types, 2**-18 for float32); with large logits, at least the float32 score-rounding bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+from cuflash import reference
+from cuflash.reference import tolerance
+
+#: seconds the whole check may take (the issue asks for under 3 minutes)
+DEFAULT_BUDGET_S = 170.0
+
+SECTIONS = ("device", "compile", "grid", "large", "softmax", "backward", "sim", "torch", "jax", "graph", "demo")
+
+#: share of the budget each section may use at most (soft: sections stop between cases)
+_SHARE = {"device": 0.05, "compile": 0.45, "grid": 0.35, "large": 0.25, "softmax": 0.1, "backward": 0.15, "sim": 0.3,
+          "torch": 0.1, "jax": 0.15, "graph": 0.1, "demo": 0.1}
+
+
+
+class Skip(Exception):
+    """A section (or case) that cannot run here, with the reason."""
+
+
+@dataclasses.dataclass
+class Result:
+    section: str
+    status: str  # "PASS", "FAIL", "SKIP"
+    seconds: float
+    detail: str
+
+
+# --------------------------------------------------------------------------------------------
+# the grid
+
+
+def _dtype(name: str):
+    from cuflash.runtime import dtypes
+
+    return {"f16": dtypes.float16, "bf16": dtypes.bfloat16, "f32": dtypes.float32}[name]
+
+
+def grid_cases() -> list[dict]:
+    """The correctness grid: a covering design (every value of every axis appears, cycled at
+    coprime strides so pairs mix), plus explicit edge cases. Small enough to run in seconds."""
+    dtypes = ("f16", "bf16", "f32")
+    dims = ((32, 32), (40, 40), (64, 64), (72, 72), (96, 96), (128, 128), (160, 160), (192, 192),
+            (256, 256), (64, 32), (8, 8), (128, 256))
+    lengths = ((1, 1), (17, 33), (128, 128), (127, 200), (200, 127), (255, 257), (64, 1000), (1, 513), (33, 17))
+    heads = ((1, 1, 1), (2, 8, 2), (1, 4, 1), (3, 3, 3), (2, 6, 3))  # (B, Hq, Hk)
+    masks = ((False, (-1, -1)), (True, (-1, -1)), (False, (32, 0)), (False, (16, 16)), (True, (64, -1)))
+    layouts = ("bhsd", "bshd")
+    views = ("contiguous", "cache", "padded", "broadcast")
+    cases = []
+    n = 48
+    for i in range(n):
+        (B, Hq, Hk), (sq, sk), (d, dv) = heads[(i * 3) % len(heads)], lengths[(i * 5) % len(lengths)], dims[i % len(dims)]
+        causal, window = masks[(i * 7) % len(masks)]
+        cases.append(dict(dtype=dtypes[i % 3], B=B, Hq=Hq, Hk=Hk, Sq=sq, Sk=sk, D=d, Dv=dv, causal=causal,
+                          window=window, layout=layouts[(i // 3) % 2], view=views[(i * 11) % len(views)],
+                          logits=1.0, lse=i % 2 == 0, poison=i % 4 == 1))
+    for dt in dtypes:  # large logits: the online-softmax rescaling under stress
+        cases.append(dict(dtype=dt, B=1, Hq=2, Hk=2, Sq=100, Sk=300, D=64, Dv=64, causal=False, window=(-1, -1),
+                          layout="bhsd", view="contiguous", logits=12.0, lse=True, poison=False))
+    cases.append(dict(dtype="f16", B=1, Hq=2, Hk=1, Sq=9, Sk=0, D=32, Dv=32, causal=False, window=(-1, -1),
+                      layout="bhsd", view="contiguous", logits=1.0, lse=True, poison=True))  # no key at all
+    cases.append(dict(dtype="bf16", B=2, Hq=4, Hk=2, Sq=300, Sk=40, D=96, Dv=96, causal=True, window=(-1, -1),
+                      layout="bshd", view="contiguous", logits=1.0, lse=True, poison=True))  # many empty rows
+    return cases
+
+
+def _case_name(c: dict) -> str:
+    mask = "causal" if c["causal"] else ""
+    if c["window"] != (-1, -1):
+        mask += f"win{c['window']}"
+    return (f"{c['dtype']} B{c['B']} H{c['Hq']}/{c['Hk']} S{c['Sq']}x{c['Sk']} D{c['D']}/{c['Dv']} "
+            f"{mask or 'full'} {c['layout']} {c['view']}" + (f" logits*{c['logits']:g}" if c["logits"] != 1 else ""))
+
+
+def _host_inputs(c: dict, rng):
+    dt = _dtype(c["dtype"])
+    B, Hq, Hk, Sq, Sk, D, Dv = (c[x] for x in ("B", "Hq", "Hk", "Sq", "Sk", "D", "Dv"))
+    q = (rng.standard_normal((B, Hq, Sq, D)) * c["logits"]).astype(dt)
+    k = (rng.standard_normal((B, Hk, Sk, D)) * c["logits"]).astype(dt)
+    v = rng.standard_normal((B, Hk, Sk, Dv)).astype(dt)
+    if c["view"] == "broadcast":
+        k = np.ascontiguousarray(np.broadcast_to(k[:1], k.shape))
+        v = np.ascontiguousarray(np.broadcast_to(v[:1], v.shape))
+    return q, k, v
+
+
+def _to_device(cupy, c: dict, q, k, v):
+    """Device arrays in the case's layout and view; each is a view, never a copy of the host
+    layout (except for the transposition into "bshd" memory order)."""
+    bshd = c["layout"] == "bshd"
+
+    def place(x, pad_seq=0, pad_dim=0, poison_tail=False):
+        B, H, S, D = x.shape
+        shape = (B, S + pad_seq, H, D + pad_dim) if bshd else (B, H, S + pad_seq, D + pad_dim)
+        buf = cupy.full(shape, np.nan if poison_tail else 0, dtype=x.dtype)
+        host = x.transpose(0, 2, 1, 3) if bshd else x
+        view = buf[:, :S, :, :D] if bshd else buf[:, :, :S, :D]
+        view[...] = cupy.asarray(np.ascontiguousarray(host))
+        return view
+
+    view = c["view"]
+    if view == "cache":  # K/V: views of a longer cache whose tail is NaN
+        return place(q), place(k, pad_seq=37, poison_tail=True), place(v, pad_seq=37, poison_tail=True)
+    if view == "padded":  # rows with a stride larger than the head dim
+        return place(q, pad_dim=8), place(k, pad_dim=24), place(v, pad_dim=8)
+    if view == "broadcast":  # stride-0 batch for K/V
+        kd, vd = place(k[:1]), place(v[:1])
+        return (place(q), cupy.broadcast_to(kd, (k.shape[0],) + kd.shape[1:]),
+                cupy.broadcast_to(vd, (v.shape[0],) + vd.shape[1:]))
+    return place(q), place(k), place(v)
+
+
+def run_case(c: dict, rng, *, rows=None) -> tuple[bool, str]:
+    """Run one grid case on the GPU and compare it with the oracle."""
+    import cupy
+
+    import cuflash
+
+    q, k, v = _host_inputs(c, rng)
+    qd, kd, vd = _to_device(cupy, c, q, k, v)
+    out = None
+    if c["poison"]:
+        shape = (c["B"], c["Sq"], c["Hq"], c["Dv"]) if c["layout"] == "bshd" else (c["B"], c["Hq"], c["Sq"], c["Dv"])
+        out = cupy.full(shape, np.nan, dtype=q.dtype)
+    res = cuflash.attention(qd, kd, vd, causal=c["causal"], window_size=c["window"], layout=c["layout"],
+                            return_lse=c["lse"], out=out)
+    o, lse = res if c["lse"] else (res, None)
+    if out is not None and o is not out:
+        return False, "out= was not returned"
+    if not isinstance(o, cupy.ndarray) or o.dtype != q.dtype:
+        return False, f"result is {type(o).__name__} {getattr(o, 'dtype', '?')}, expected cupy {q.dtype}"
+    oh = cupy.asnumpy(o)
+    if c["layout"] == "bshd":
+        oh = oh.transpose(0, 2, 1, 3)
+    lh = None if lse is None else cupy.asnumpy(lse)
+    if lh is not None and lse.dtype != np.float32:
+        return False, f"lse dtype {lse.dtype}, expected float32"
+    if rows is not None:
+        oh, lh = oh[:, :, rows], (None if lh is None else lh[:, :, rows])
+    ok, msg, _ = tolerance.compare(oh, q, k, v, causal=c["causal"], window_size=c["window"], rows=rows, lse=lh,
+                         large_logits=c["logits"] > 4)
+    return ok, msg
+
+
+# --------------------------------------------------------------------------------------------
+# sections: each returns a detail string, raises Skip, or raises AssertionError/other to fail
+
+
+class _Clock:
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def out(self) -> bool:
+        return self.left() <= 0
+
+
+def _device_info() -> dict:
+    import cupy
+
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    free, total = cupy.cuda.runtime.memGetInfo()
+    try:
+        nvrtc = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
+    except Exception as exc:  # noqa: BLE001
+        nvrtc = f"? ({exc})"
+    return {"name": name, "id": dev.id, "arch": int(dev.compute_capability), "total_gib": total / 2**30,
+            "free_gib": free / 2**30, "cupy": cupy.__version__, "runtime": cupy.cuda.runtime.runtimeGetVersion(),
+            "driver": cupy.cuda.runtime.driverGetVersion(), "nvrtc": nvrtc}
+
+
+def section_device(clock, log) -> str:
+    info = _device_info()
+    extra = []
+    for mod in ("torch", "jax"):
+        try:
+            m = __import__(mod)
+            extra.append(f"{mod} {m.__version__}")
+        except Exception:  # noqa: BLE001
+            extra.append(f"{mod} absent")
+    log(f"device {info['id']}: {info['name']}, sm_{info['arch']}, {info['total_gib']:.1f} GiB "
+        f"({info['free_gib']:.1f} free); CuPy {info['cupy']}, CUDA runtime {info['runtime']}, driver "
+        f"{info['driver']}, NVRTC {info['nvrtc']}; {', '.join(extra)}; CUPY_CACHE_DIR="
+        f"{os.environ.get('CUPY_CACHE_DIR', '~/.cupy/kernel_cache')}")
+    return f"{info['name']} sm_{info['arch']}, CuPy {info['cupy']}, NVRTC {info['nvrtc']}"
+
+
+def section_compile(clock, log) -> str:
+    import cupy
+
+    from cuflash.kernels import catalog
+    from cuflash.runtime import cuda_runner
+
+    dev = cupy.cuda.Device()
+    arch = int(dev.compute_capability)
+    variants = catalog.variants_for_arch(arch)
+    times = []
+    failed = []
+    for v in variants:
+        if clock.out():
+            raise AssertionError(f"out of time after {len(times)}/{len(variants)} variants")
+        start = time.perf_counter()
+        try:
+            cuda_runner.get_module(v, dev.id).get_function(v.entry)
+        except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the others
+            failed.append(v.entry)
+            log(f"  FAIL {v.entry}: {type(exc).__name__}: {str(exc)[:2000]}")
+            continue
+        times.append((time.perf_counter() - start, v.entry))
+        log(f"  {v.entry:<44} {times[-1][0]:6.2f} s")
+    if failed:
+        raise AssertionError(f"{len(failed)}/{len(variants)} variants failed: {', '.join(failed)}")
+    slow = max(times)
+    return f"{len(variants)} variants for sm_{arch} in {sum(t for t, _ in times):.1f} s (slowest {slow[1]} {slow[0]:.1f} s)"
+
+
+def section_grid(clock, log) -> str:
+    rng = np.random.default_rng(2024)
+    cases = grid_cases()
+    bad = []
+    done = 0
+    for c in cases:
+        if clock.out():
+            raise AssertionError(f"out of time after {done}/{len(cases)} cases; {len(bad)} failed")
+        ok, msg = run_case(c, rng)
+        done += 1
+        if not ok:
+            bad.append(_case_name(c))
+            log(f"  FAIL {_case_name(c)}: {msg}")
+    if bad:
+        raise AssertionError(f"{len(bad)}/{len(cases)} cases failed (first: {bad[0]})")
+    return f"{len(cases)} cases"
+
+
+def _spread_rows(n: int, count: int) -> np.ndarray:
+    return np.unique(np.concatenate([np.linspace(0, n - 1, count).astype(int), [0, 1, n - 2, n - 1]]).clip(0, n - 1))
+
+
+def section_large(clock, log) -> str:
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(7)
+    notes = []
+    # S = 8192, checked on a spread of rows (the oracle of all rows would take minutes)
+    for c in (dict(dtype="f16", B=1, Hq=4, Hk=1, Sq=8192, Sk=8192, D=128, Dv=128, causal=True, window=(-1, -1),
+                   layout="bhsd", view="contiguous", logits=1.0, lse=True, poison=False),
+              dict(dtype="bf16", B=1, Hq=2, Hk=2, Sq=8191, Sk=8192, D=64, Dv=64, causal=False, window=(-1, -1),
+                   layout="bshd", view="contiguous", logits=1.0, lse=False, poison=True)):
+        ok, msg = run_case(c, rng, rows=_spread_rows(c["Sq"], 40))
+        log(f"  {_case_name(c)}: {msg}")
+        if not ok:
+            raise AssertionError(f"{_case_name(c)}: {msg}")
+    notes.append("S=8192 ok")
+    # batch * heads > 65535: the grid must not use gridDim.y/z for it
+    H, S, D = 70000, 16, 32
+    q = rng.standard_normal((1, H, S, D)).astype(np.float16)
+    k = rng.standard_normal((1, H, S, D)).astype(np.float16)
+    v = rng.standard_normal((1, H, S, D)).astype(np.float16)
+    o = cupy.asnumpy(cuflash.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal=True))
+    heads = np.array([0, 1, 65534, 65535, 65536, H - 1])
+    ok, msg, _ = tolerance.compare(o[:, heads], q[:, heads], k[:, heads], v[:, heads], causal=True)
+    log(f"  B*H={H} S={S} D={D} (heads {heads.tolist()} checked): {msg}")
+    if not ok:
+        raise AssertionError(f"B*H={H}: {msg}")
+    notes.append(f"B*H={H} ok")
+    del q, k, v, o
+    if clock.out():
+        raise AssertionError("out of time before the 2**31-offset case")
+    # element offsets past 2**31 inside one tensor, and a view starting past 2**31 elements
+    Hk, Sk, Dk = 128, 262153, 64  # Hk * Sk * Dk > 2**31
+    n = Hk * Sk * Dk
+    need = 2 * (2 * n + 2**20) * 2 * 1.1
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    if free < need:
+        notes.append(f"2**31 offsets skipped ({free / 2**30:.1f} GiB free, {need / 2**30:.1f} needed)")
+        log(f"  {notes[-1]}")
+        return "; ".join(notes)
+    buf = cupy.empty(2 * n + 2**20, dtype=cupy.float16)
+    gen = cupy.random.default_rng(3)
+    step = 2**27
+    for start in range(0, buf.size, step):
+        stop = min(start + step, buf.size)
+        buf[start:stop] = gen.standard_normal(stop - start, dtype=cupy.float32).astype(cupy.float16)
+    kd = buf[:n].reshape(1, Hk, Sk, Dk)
+    vd = buf[n + 2**20:].reshape(1, Hk, Sk, Dk)  # starts past 2**31 elements into the buffer
+    qd = cupy.asarray(rng.standard_normal((1, Hk, 16, Dk)).astype(np.float16))
+    od, lse = cuflash.attention(qd, kd, vd, return_lse=True)
+    check = [0, Hk // 2, Hk - 1]
+    oh, lh, qh = cupy.asnumpy(od)[:, check], cupy.asnumpy(lse)[:, check], cupy.asnumpy(qd)[:, check]
+    kh = cupy.asnumpy(kd[:, check])
+    vh = cupy.asnumpy(vd[:, check])
+    ok, msg, _ = tolerance.compare(oh, qh, kh, vh, lse=lh)
+    log(f"  K/V {Hk}x{Sk}x{Dk} fp16 (offsets up to {n + 2**20 + n:,} elements; heads {check}): {msg}")
+    del buf, kd, vd
+    cupy.get_default_memory_pool().free_all_blocks()
+    if not ok:
+        raise AssertionError(f"2**31 offsets: {msg}")
+    notes.append("offsets > 2**31 ok")
+    return "; ".join(notes)
+
+
+def section_softmax(clock, log) -> str:
+    import cupy
+
+    import cuflash
+    from cuflash.runtime import dtypes
+
+    rng = np.random.default_rng(5)
+    worst = 0.0
+    for dt in (dtypes.float16, dtypes.bfloat16, dtypes.float32):
+        for shape, axis in (((7, 4097), -1), ((33, 100), -1), ((5, 64, 3), 1), ((1, 1), -1)):
+            x = (rng.standard_normal(shape) * 4).astype(dt)
+            y = cuflash.softmax(cupy.asarray(x), axis=axis)
+            if not isinstance(y, cupy.ndarray) or y.dtype != dt or y.shape != x.shape:
+                raise AssertionError(f"softmax {dt} {shape}: got {type(y).__name__} {y.dtype} {y.shape}")
+            ref = cuflash.reference.softmax(x.astype(np.float64), axis=axis)
+            err = float(np.abs(cupy.asnumpy(y).astype(np.float64) - ref).max())
+            tol = 2 * float(np.abs(ref.astype(dt).astype(np.float64) - ref).max()) + tolerance.floor_for(dt)
+            worst = max(worst, err / tol)
+            if err > tol:
+                raise AssertionError(f"softmax {dt} {shape} axis={axis}: error {err:.3g} > {tol:.3g}")
+    return f"12 cases, worst error {worst:.2f} of the bound"
+
+
+def section_backward(clock, log) -> str:
+    """dq, dk, dv on the GPU against the float64 gradients; the bound is twice the error of the
+    NumPy tiled backward on the same low-precision inputs (the same algorithm, float32
+    accumulation) plus a floor at the gradient's scale. With torch on CUDA, also autograd end to
+    end through cuflash.torch against torch's own float64 autograd of the same attention."""
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(13)
+    cases = [dict(dtype="f16", B=1, Hq=8, Hk=2, Sq=257, Sk=300, D=64, Dv=64, causal=True, window=(-1, -1)),
+             dict(dtype="bf16", B=2, Hq=4, Hk=4, Sq=130, Sk=130, D=128, Dv=128, causal=False, window=(33, 7)),
+             dict(dtype="f32", B=1, Hq=7, Hk=1, Sq=97, Sk=61, D=40, Dv=72, causal=True, window=(-1, -1))]
+    worst = 0.0
+    for c in cases:
+        if clock.out():
+            raise AssertionError("out of time")
+        c = dict(c, layout="bhsd", view="contiguous", logits=1.0)
+        q, k, v = _host_inputs(c, rng)
+        kw = dict(causal=c["causal"], window_size=c["window"])
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)  # the NumPy forward
+        dout = rng.standard_normal(out.shape).astype(q.dtype)
+        dev = [cupy.asarray(x) for x in (dout, q, k, v, out, lse)]
+        grads = [cupy.asnumpy(g) for g in cuflash.attention_backward(*dev, **kw)]
+        cpu = cuflash.attention_backward(dout, q, k, v, out, lse, backend="numpy", **kw)
+        x64 = [x.astype(np.float64) for x in (dout, q, k, v)]
+        o64, l64 = reference.naive_attention(*x64[1:], return_lse=True, **kw)
+        exact = reference.attention_backward(x64[0], *x64[1:], o64, l64, **kw)
+        for name, g, gc, ge in zip(("dq", "dk", "dv"), grads, cpu, exact):
+            err = float(np.abs(g.astype(np.float64) - ge).max())
+            tol = 2 * float(np.abs(gc.astype(np.float64) - ge).max()) + tolerance.floor_for(q.dtype) * max(1.0, float(np.abs(ge).max()))
+            worst = max(worst, err / tol)
+            if not np.isfinite(g.astype(np.float64)).all() or err > tol:
+                raise AssertionError(f"{_case_name(c)} {name}: error {err:.3g} > {tol:.3g}")
+        log(f"  backward {_case_name(c)}: ok")
+    note = f"{len(cases)} cases, worst error {worst:.2f} of the bound"
+    try:
+        import torch
+    except ImportError:
+        return note + "; torch not installed"
+    if not torch.cuda.is_available():
+        return note + "; torch without CUDA"
+    import cuflash.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(2, 4, 65, 64, device="cuda", generator=g, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(2, 2, 90, 64, device="cuda", generator=g, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(2, 2, 90, 64, device="cuda", generator=g, dtype=torch.float16, requires_grad=True)
+    w = torch.randn(2, 4, 65, 64, device="cuda", generator=g, dtype=torch.float16)
+    (ct.attention(q, k, v, causal=True) * w).sum().backward()
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = qd @ kd.repeat_interleave(2, dim=1).transpose(-1, -2) / 8.0
+    i = torch.arange(65, device="cuda")[:, None]
+    j = torch.arange(90, device="cuda")[None, :]
+    s = s.masked_fill(j > i + 90 - 65, float("-inf"))  # bottom-right causal, built explicitly
+    ((torch.softmax(s, -1) @ vd.repeat_interleave(2, dim=1)) * w.double()).sum().backward()
+    for name, a, b in (("dq", q.grad, qd.grad), ("dk", k.grad, kd.grad), ("dv", v.grad, vd.grad)):
+        err = float((a.double() - b).abs().max())
+        if not err <= 2e-2 * max(1.0, float(b.abs().max())):
+            raise AssertionError(f"torch autograd {name}: error {err:.3g} against float64 autograd")
+    return note + "; torch autograd (fp16, GQA, causal) matches float64 autograd"
+
+
+def section_sim(clock, log) -> str:
+    import cupy
+
+    import cuflash
+    from cuflash import sim
+
+    rng = np.random.default_rng(11)
+    arch = int(cupy.cuda.Device().compute_capability)
+    sim_arch = arch if arch in sim.ARCHS else max(a for a in sim.ARCHS if a <= arch)
+    cases = [dict(dtype="f16", B=1, Hq=2, Hk=1, Sq=19, Sk=45, D=64, Dv=64, causal=True, window=(-1, -1)),
+             dict(dtype="bf16", B=1, Hq=1, Hk=1, Sq=33, Sk=20, D=40, Dv=40, causal=False, window=(8, 8)),
+             dict(dtype="f32", B=2, Hq=2, Hk=2, Sq=8, Sk=70, D=128, Dv=128, causal=False, window=(-1, -1))]
+    lines = []
+    for c in cases:
+        if clock.out():
+            raise AssertionError(f"out of time after {len(lines)} cases")
+        c = dict(c, layout="bhsd", view="contiguous", logits=1.0)
+        q, k, v = _host_inputs(c, rng)
+        gpu = cupy.asnumpy(cuflash.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
+                                             causal=c["causal"], window_size=c["window"]))
+        with sim.options(arch=f"sm_{sim_arch}"):
+            cpu = cuflash.attention(q, k, v, causal=c["causal"], window_size=c["window"], backend="sim")
+        diff = float(np.abs(gpu.astype(np.float64) - cpu.astype(np.float64)).max())
+        same = float(np.mean(gpu.view(np.uint8) == cpu.view(np.uint8)))
+        ok, msg, _ = tolerance.compare(gpu, q, k, v, causal=c["causal"], window_size=c["window"])
+        ok2, msg2, _ = tolerance.compare(cpu, q, k, v, causal=c["causal"], window_size=c["window"])
+        ref, _ = tolerance.attention_rows(q, k, v, causal=c["causal"], window_size=c["window"])
+        naive, _ = tolerance.attention_rows(q, k, v, causal=c["causal"], window_size=c["window"], same_dtype=True)
+        tol = tolerance.bound(q.dtype, float(np.abs(naive - ref).max()))
+        log(f"  {_case_name(c)}: GPU vs sim_{sim_arch} max|diff| {diff:.2e} (bound {tol:.2e}), "
+            f"{same:.0%} of bytes identical; GPU {msg}; sim {msg2}")
+        if not (ok and ok2) or diff > tol:
+            raise AssertionError(f"{_case_name(c)}: GPU vs simulator differ by {diff:.3g} > {tol:.3g} "
+                                 f"(GPU: {msg}; sim: {msg2})")
+        lines.append(diff)
+    x = (rng.standard_normal((5, 1500)) * 3).astype(np.float16)
+    gpu_sm = cupy.asnumpy(cuflash.softmax(cupy.asarray(x)))
+    with sim.options(arch=f"sm_{sim_arch}"):
+        sim_sm = cuflash.softmax(x, backend="sim")
+    sdiff = float(np.abs(gpu_sm.astype(np.float32) - sim_sm.astype(np.float32)).max())
+    if sdiff > 2.0**-10:
+        raise AssertionError(f"softmax GPU vs simulator differ by {sdiff:.3g}")
+    return f"{len(cases)} attention cases + softmax agree with sim_{sim_arch} (max|diff| {max(lines):.1e})"
+
+
+def section_torch(clock, log) -> str:
+    try:
+        import torch
+    except ImportError:
+        raise Skip("torch is not installed") from None
+    if not torch.cuda.is_available():
+        raise Skip(f"torch {torch.__version__} has no CUDA")
+    import cuflash
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(0)
+    notes = []
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        q = torch.randn(2, 77, 6, 64, device=dev, dtype=dt, generator=gen)  # bshd memory, used as bhsd view
+        k = torch.randn(2, 100, 2, 64, device=dev, dtype=dt, generator=gen)
+        v = torch.randn(2, 100, 2, 64, device=dev, dtype=dt, generator=gen)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # produce and consume on a side stream: ordering by stream
+            q2 = q * 1.0
+            before = torch.cuda.memory_allocated(dev)
+            o, lse = cuflash.attention(q2.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                       return_lse=True)
+            grown = torch.cuda.memory_allocated(dev) - before
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if not (isinstance(o, torch.Tensor) and o.device == dev and o.dtype == dt and lse.dtype == torch.float32):
+            raise AssertionError(f"{dt}: got {type(o).__name__} {getattr(o, 'dtype', '?')} on {getattr(o, 'device', '?')}")
+        if grown < o.numel() * o.element_size():
+            raise AssertionError(f"{dt}: outputs not allocated by torch (memory_allocated grew by {grown} bytes)")
+        to64 = lambda t: t.float().cpu().numpy()  # noqa: E731
+        qh, kh, vh = (x.transpose(1, 2).contiguous().cpu() for x in (q, k, v))
+        npdt = {torch.float16: np.float16, torch.float32: np.float32}.get(dt)
+        if npdt is None:
+            import ml_dtypes
+
+            npdt = ml_dtypes.bfloat16
+        qn, kn, vn = (to64(x).astype(npdt) for x in (qh, kh, vh))
+        ok, msg, _ = tolerance.compare(to64(o), qn, kn, vn, causal=True, lse=to64(lse))
+        log(f"  torch {dt}: {msg}")
+        if not ok:
+            raise AssertionError(f"torch {dt}: {msg}")
+        out = torch.empty_like(o)
+        r = cuflash.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, out=out)
+        if r is not out or not torch.equal(out, o):
+            raise AssertionError(f"torch {dt}: out= not returned or differs")
+    try:
+        import cuflash.torch as ct
+
+        q = torch.randn(1, 4, 33, 64, device=dev, dtype=torch.float16, generator=gen)
+        o2 = ct.attention(q, q, q, causal=True)
+        ref = cuflash.attention(q, q, q, causal=True)
+        if not torch.equal(o2, ref):
+            raise AssertionError("cuflash.torch.attention (custom op) differs from cuflash.attention")
+        notes.append("cuflash.torch forward ok")
+    except ImportError as exc:
+        notes.append(f"cuflash.torch not importable ({exc})")
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    return "fp16/bf16/fp32 round-trips on a side stream, torch-allocated outputs, out=; " + "; ".join(notes)
+
+
+def section_jax(clock, log) -> str:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave memory to the others
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError:
+        raise Skip("JAX is not installed") from None
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        raise Skip(f"JAX {jax.__version__} has no GPU backend")
+    import cuflash
+
+    rng = np.random.default_rng(13)
+    for name in ("float16", "bfloat16", "float32"):
+        dt = _dtype({"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[name])
+        q, k, v = (rng.standard_normal((2, 4, 50, 64)).astype(dt) for _ in range(3))
+        qj, kj, vj = (jax.device_put(jnp.asarray(x), gpus[0]) for x in (q, k, v))
+        qj = qj * 1  # pending JAX work: the DLPack stream handshake must order it
+        o = cuflash.attention(qj, kj, vj, causal=True)
+        if not isinstance(o, jax.Array) or str(o.dtype) != name:
+            raise AssertionError(f"JAX {name}: got {type(o).__name__} {getattr(o, 'dtype', '?')}")
+        oh = np.asarray(o)
+        ok, msg, _ = tolerance.compare(oh, q, k, v, causal=True)
+        log(f"  JAX {name}: {msg}")
+        if not ok:
+            raise AssertionError(f"JAX {name}: {msg}")
+    return "fp16/bf16/fp32 round-trips (result is a jax.Array; ordering through the DLPack stream handshake)"
+
+
+def section_graph(clock, log) -> str:
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(17)
+    shape_q, shape_kv = (2, 4, 100, 64), (2, 2, 130, 64)
+    q = cupy.asarray(rng.standard_normal(shape_q).astype(np.float16))
+    k = cupy.asarray(rng.standard_normal(shape_kv).astype(np.float16))
+    v = cupy.asarray(rng.standard_normal(shape_kv).astype(np.float16))
+    out = cupy.empty(shape_q, np.float16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuflash.attention(q, k, v, causal=True, out=out, return_lse=True)  # warm: compile, pool blocks
+        stream.synchronize()
+        stream.begin_capture()
+        _, lse = cuflash.attention(q, k, v, causal=True, out=out, return_lse=True)
+        graph = stream.end_capture()
+        for trial in range(2):
+            q[...] = cupy.asarray(rng.standard_normal(shape_q).astype(np.float16))  # new inputs, same buffers
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            expect, expect_lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+            stream.synchronize()
+            if not bool(cupy.array_equal(out, expect)) or not bool(cupy.array_equal(lse, expect_lse)):
+                raise AssertionError(f"graph replay {trial} differs from a direct call "
+                                     f"(max|diff| {float(cupy.abs(out.astype(cupy.float32) - expect.astype(cupy.float32)).max()):.3g})")
+    ok, msg, _ = tolerance.compare(cupy.asnumpy(out), cupy.asnumpy(q), cupy.asnumpy(k), cupy.asnumpy(v), causal=True)
+    if not ok:
+        raise AssertionError(f"graph replay: {msg}")
+    return "captured on a side stream, replayed twice on new inputs: identical to direct calls"
+
+
+def section_demo(clock, log) -> str:
+    from cuflash.tools import demo
+
+    lines: list[str] = []
+    result = demo.run_demo(backend="cuda", use_embedded=True, out=lines.append)
+    for line in lines:
+        log("  " + line)
+    if result["backend"] != "cuda" or not any("GPU path" in line for line in lines):
+        raise AssertionError(f"the demo ran backend={result['backend']!r}, not the GPU path")
+    data = demo.load_embedded()
+    for rec in result["layers"]:
+        q, k, v = data["layers"][rec["layer"]]
+        ref, _ = tolerance.attention_rows(q, k, v, causal=True)
+        naive, _ = tolerance.attention_rows(q, k, v, causal=True, same_dtype=True)
+        tol = tolerance.bound(np.float32, float(np.abs(naive - ref).max()))
+        if rec["max_abs_err"] > tol:
+            raise AssertionError(f"demo layer {rec['layer']}: error {rec['max_abs_err']:.3g} > {tol:.3g}")
+    worst = max(r["max_abs_err"] for r in result["layers"])
+    return f"{len(result['layers'])} layers on the GPU, worst max|err| {worst:.1e}"
+
+
+_FUNCS = {name: globals()[f"section_{name}"] for name in SECTIONS}
+
+
+# --------------------------------------------------------------------------------------------
+# driver
+
+
+def gpu_status() -> tuple[bool, str]:
+    """``(True, description)`` when a CUDA device is usable, else ``(False, reason)``."""
+    from cuflash.runtime.interop import require_cuda
+
+    try:
+        cupy = require_cuda("cuflash check")
+        dev = cupy.cuda.Device()
+        return True, f"device {dev.id}, sm_{dev.compute_capability}"
+    except RuntimeError as exc:
+        return False, str(exc)
+
+
+def _run_section(name: str, budget: float, log) -> Result:
+    clock = _Clock(budget)
+    box: dict = {}
+
+    def target():
+        try:
+            box["detail"] = _FUNCS[name](clock, log)
+            box["status"] = "PASS"
+        except Skip as exc:
+            box["status"], box["detail"] = "SKIP", str(exc)
+        except BaseException as exc:  # noqa: BLE001 - report every failure, keep going
+            box["status"] = "FAIL"
+            box["detail"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            log("".join(traceback.format_exception(exc))[-3000:])
+
+    start = time.perf_counter()
+    worker = threading.Thread(target=target, name=f"cuflash-check-{name}", daemon=True)
+    worker.start()
+    worker.join(budget + 15.0)  # hard limit: a hung section is reported and left behind
+    seconds = time.perf_counter() - start
+    if worker.is_alive():
+        return Result(name, "FAIL", seconds, f"timed out after {seconds:.0f} s (limit {budget:.0f} s)")
+    return Result(name, box.get("status", "FAIL"), seconds, box.get("detail", "no result"))
+
+
+def format_table(results: list[Result]) -> list[str]:
+    """The pass/fail table printed last."""
+    w = max([len(r.section) for r in results] + [7])
+    lines = [f"{'section':<{w}}  status  {'time':>7}  detail", f"{'-' * w}  ------  {'-' * 7}  {'-' * 40}"]
+    for r in results:
+        lines.append(f"{r.section:<{w}}  {r.status:<6}  {r.seconds:6.1f}s  {r.detail}")
+    passed = sum(r.status == "PASS" for r in results)
+    failed = sum(r.status == "FAIL" for r in results)
+    skipped = sum(r.status == "SKIP" for r in results)
+    lines.append(f"{passed} passed, {failed} failed, {skipped} skipped in {sum(r.seconds for r in results):.0f} s"
+                 + ("" if not failed else "  -> FAIL"))
+    return lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cuflash check",
+        description="GPU self-check: compile every kernel variant, run the correctness grid against a "
+                    "float64 oracle (also at S=8192, batch*heads > 65535, offsets past 2**31), torch and "
+                    "JAX round-trips, a CUDA-graph capture, the demo's GPU path, GPU vs simulator. "
+                    "Prints a pass/fail table last. Exit status 0 pass, 1 fail, 2 no GPU.")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated subset of: {', '.join(SECTIONS)} (default: all)")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, metavar="S",
+                   help=f"seconds for the whole check (default {DEFAULT_BUDGET_S:.0f})")
+    p.add_argument("--quiet", action="store_true", help="print only the table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cuflash check [--sections a,b] [--budget S] [--quiet]``."""
+    args = build_parser().parse_args(argv)
+    wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in wanted if s not in SECTIONS]
+    if unknown:
+        print(f"cuflash check: unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    ok, why = gpu_status()
+    if not ok:
+        print(f"cuflash check: no usable CUDA GPU, so nothing was checked.\n  {why}\n"
+              f"This command checks a GPU; on a machine without one run the test suite "
+              f"(python -m pytest), whose CPU tiers cover validation, the NVRTC compile gate and "
+              f"the simulator.", file=sys.stderr)
+        return 2
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+    def log(text: str) -> None:
+        if not args.quiet:
+            print(text, flush=True)
+
+    start = time.monotonic()
+    results = []
+    log(f"cuflash check: {why}; budget {args.budget:.0f} s")
+    for name in wanted:
+        left = args.budget - (time.monotonic() - start)
+        if left <= 1:
+            results.append(Result(name, "FAIL", 0.0, "not run: the time budget was spent"))
+            continue
+        log(f"== {name}")
+        share = _SHARE.get(name, 0.1) * args.budget
+        results.append(_run_section(name, max(1.0, min(left, share)), log))
+        log(f"   {results[-1].status} {results[-1].detail}")
+    print()
+    for line in format_table(results):
+        print(line)
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
