@@ -2,7 +2,7 @@
 //
 // Replaces stage 1 of attention_bwd_simt.cu and takes exactly its arguments; stages 0 (Dd =
 // rowsum(dO * O)) and 2 (the float32 dQ workspace to the input dtype, with the deterministic
-// mode's fixed-order reduction of the partials) are the SIMT file's (cuflash/_attention_bwd_mma.py).
+// mode's fixed-order reduction of the partials) are the SIMT file's (cuflash/kernels/attention_bwd_mma.py).
 //
 // FlashAttention-2's split (Dao 2023, Algorithm 2): one block of NW warps owns a Bc-key tile of
 // one (kv head, batch) (the launch covers tiles [tile0, tile_end): block s runs tiles tile0 + s,
@@ -32,7 +32,7 @@
 // scaled (dK by softmax_scale), as 4-byte pairs. Masks, the Sk - Sq offset and rows without keys
 // as in attention_bwd_simt.cu. Loads are cp.async (16 bytes, zero-filled beyond Sq/Sk and the
 // head dims), so rows must be 16-byte aligned: q, k, v, dout and their strides multiples of 8
-// elements, D and Dv multiples of 8 (cuflash/_attention_bwd_mma.py: unsupported_reason; the
+// elements, D and Dv multiples of 8 (cuflash/kernels/attention_bwd_mma.py: unsupported_reason; the
 // dispatcher falls back to the SIMT backward otherwise).
 //
 // Shared memory (dynamic, 16-bit elements unless noted; row pitch Dmax + 8, an odd number of
@@ -69,7 +69,7 @@ static_assert(BC == 16 * KWARPS && NWARPS % DSPLIT == 0 && DCOLS % 16 == 0, "eac
 static_assert(BR % 16 == 0 && NWARPS % WARPS_M == 0, "dQ rows must split over the warps");
 static_assert(DMAX % 16 == 0 && (CHUNKS % 2) == 0 && ((DSP / 8) % 2) == 1, "pitches must be odd chunk counts");
 static_assert(2 * (2 * BC * PITCH + 2 * BR * PITCH + BR * DSP) + 4 * 2 * BR == CUFLASH_SMEM_BYTES,
-              "the variant's shared-memory size (cuflash/_attention_bwd_mma.py) disagrees with this layout");
+              "the variant's shared-memory size (cuflash/kernels/attention_bwd_mma.py) disagrees with this layout");
 
 #include "mma_tile.cuh"
 
@@ -101,13 +101,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int lane = tid % 32;
     const int g = lane / 4;
     const int t = lane % 4;
-    const long long block = blockIdx.x;
-    const int split = (int)(block % num_splits);
-    const long long bh = block / num_splits;
-    const int head_k = (int)(bh % num_heads_k);
-    const long long batch = bh / num_heads_k;
+    const GridCoord at = grid_coord(num_splits, num_heads_k);
+    const int split = at.tile, head_k = at.head;
+    const long long batch = at.batch;
     const int num_heads_q = num_heads_k * group_size;
-    const int off = seqlen_k - seqlen_q;
     const float scale_log2 = softmax_scale * LOG2E;
     float* dq_part = dq_accum + (deterministic ? split * dq_split_stride : 0LL);
 
@@ -127,6 +124,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         const int col0 = tile * BC;
         const int cols = min(BC, seqlen_k - col0);
         const int kj0 = col0 + 16 * kw + g;   // key of accumulator row g (row g + 8: kj0 + 8)
+        const IndexRange key_rows[2] = {   // the query rows that see keys kj0 and kj0 + 8
+            window_query_range(kj0, 1, seqlen_q, seqlen_k, window_left, window_right),
+            window_query_range(kj0 + 8, 1, seqlen_q, seqlen_k, window_left, window_right)};
 
         __syncthreads();   // the previous key tile's readers of k_s / v_s are done
         load_tile_async<BC>(k_s, k + batch * k_batch_stride + head_k * k_head_stride + col0 * k_row_stride,
@@ -136,9 +136,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         ptx_cp_async_commit();
 
         // Query rows that can see a key of this tile: [row_lo, row_hi).
-        int row_lo = 0, row_hi = seqlen_q;
-        if (window_right >= 0) row_lo = max(row_lo, col0 - off - window_right);
-        if (window_left >= 0) row_hi = min(row_hi, col0 + cols - 1 - off + window_left + 1);
+        const IndexRange rows_seen = window_query_range(col0, cols, seqlen_q, seqlen_k, window_left, window_right);
+        const int row_lo = rows_seen.lo, row_hi = rows_seen.hi;
 
         float dk_acc[NFRAG_D][4], dv_acc[NFRAG_D][4];
 #pragma unroll
@@ -151,7 +150,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             const elem_t* do_head = dout + batch * do_batch_stride + hq * do_head_stride;
             const float* lse_head = lse + batch * lse_batch_stride + hq * lse_head_stride;
             const long long stat_row0 = (batch * num_heads_q + hq) * (long long)seqlen_q;
-            for (int row0 = max(row_lo, 0) - (max(row_lo, 0) % BR); row0 < row_hi; row0 += BR) {
+            for (int row0 = row_lo - (row_lo % BR); row0 < row_hi; row0 += BR) {
                 const int rows = min(BR, seqlen_q - row0);
                 __syncthreads();   // the previous query tile's readers of q_s, do_s, ds_s, lse_s are done
                 load_tile_async<BR>(q_s, q_head + row0 * q_row_stride, q_row_stride, rows, head_dim);
@@ -200,8 +199,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                         const int kj = kj0 + 8 * (e >> 1);
                         const float l = lse_s[r];
                         const bool visible = kj < seqlen_k && l != CUFLASH_NEG_INF &&
-                                             (window_right < 0 || kj <= qi + off + window_right) &&
-                                             (window_left < 0 || kj >= qi + off - window_left);
+                                             qi >= key_rows[e >> 1].lo && qi < key_rows[e >> 1].hi;
                         const float p = visible ? exp2f(s[n][e] * scale_log2 - l) : 0.0f;
                         s[n][e] = p;
                         dp[n][e] = p * (dp[n][e] - dd_s[r]);

@@ -32,7 +32,7 @@
 // whose LSE is -inf saw no key in the forward: its P is 0 (never exp(-inf - -inf)), so it adds
 // nothing and its dq stays 0.
 //
-// Variant prelude (cuflash/_attention_bwd_simt.py): CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BWD_STAGE,
+// Variant prelude (cuflash/kernels/attention_bwd_simt.py): CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BWD_STAGE,
 // CUFLASH_HEAD_DIM_MAX, CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS,
 // CUFLASH_SMEM_BYTES (stage 1's dynamic shared memory; checked below), CUFLASH_MIN_BLOCKS (stage 1).
 #include "common.cuh"
@@ -99,7 +99,7 @@ CUFLASH_ENTRY(const float* __restrict__ dq_accum, elem_t* __restrict__ dq,
 
 static_assert(NT % 32 == 0 && (BC * DMAX) % NT == 0, "the dK/dV tile must split evenly over the threads");
 static_assert(SMEM_FLOATS * 4 == CUFLASH_SMEM_BYTES,
-              "the variant's shared-memory size (cuflash/_attention_bwd_simt.py) disagrees with this layout");
+              "the variant's shared-memory size (cuflash/kernels/attention_bwd_simt.py) disagrees with this layout");
 
 // CUFLASH_MIN_BLOCKS: the occupancy the register budget aims at (ptxas's own pick spilled a
 // little on sm_75 for the 32 bucket)
@@ -128,27 +128,24 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     float* dd_s = lse_s + BR;          // [BR]
 
     const int tid = threadIdx.x;
-    const long long block = blockIdx.x;
-    const int split = (int)(block % num_splits);
+    const GridCoord at = grid_coord(num_splits, num_heads_k);
+    const int split = at.tile;
     const int tile = tile0 + split;
     if (tile >= tile_end) return;   // the whole block
-    const long long bh = block / num_splits;
     float* dq_part = dq_accum + (deterministic ? split * dq_split_stride : 0LL);
-    const int head_k = (int)(bh % num_heads_k);
-    const long long batch = bh / num_heads_k;
+    const int head_k = at.head;
+    const long long batch = at.batch;
     const int num_heads_q = num_heads_k * group_size;
     const int col0 = tile * BC;
     const int cols = min(BC, seqlen_k - col0);
-    const int offset = seqlen_k - seqlen_q;
     const float scale_log2 = softmax_scale * LOG2E;
 
     load_tile_f32<NT>(k_s, ROW, k + batch * k_batch_stride + head_k * k_head_stride + col0 * k_row_stride, k_row_stride, cols, BC, head_dim);
     load_tile_f32<NT>(v_s, ROW, v + batch * v_batch_stride + head_k * v_head_stride + col0 * v_row_stride, v_row_stride, cols, BC, head_dim_v);
 
     // Query rows that can see a key of this tile: [row_lo, row_hi).
-    int row_lo = 0, row_hi = seqlen_q;
-    if (window_right >= 0) row_lo = max(row_lo, col0 - offset - window_right);
-    if (window_left >= 0) row_hi = min(row_hi, col0 + cols - 1 - offset + window_left + 1);
+    const IndexRange rows_seen = window_query_range(col0, cols, seqlen_q, seqlen_k, window_left, window_right);
+    const int row_lo = rows_seen.lo, row_hi = rows_seen.hi;
 
     float dk_acc[KV_PER_THREAD], dv_acc[KV_PER_THREAD];
 #pragma unroll
@@ -177,9 +174,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 const int j = e - r * BC;
                 const int qi = row0 + r;
                 const int kj = col0 + j;
+                const IndexRange keys_seen = window_key_range(qi, 1, seqlen_q, seqlen_k, window_left, window_right);
                 const bool visible = r < rows && j < cols && lse_s[r] != CUFLASH_NEG_INF &&
-                                     (window_right < 0 || kj <= qi + offset + window_right) &&
-                                     (window_left < 0 || kj >= qi + offset - window_left);
+                                     kj >= keys_seen.lo && kj < keys_seen.hi;
                 float p = 0.0f, ds = 0.0f;
                 if (visible) {
                     float s = 0.0f, dp = 0.0f;

@@ -5,7 +5,7 @@
 //
 // * One thread block of NW warps owns a Br = 16 * NW query tile of one (batch, head); warp w owns
 //   query rows [16w, 16w + 16) of it. Grid is 1-D (blockIdx.x = tile + num_q_tiles * (head +
-//   Hq * batch)), so gridDim.y/z never limit B*H.
+//   Hq * batch); grid_coord in common.cuh), so gridDim.y/z never limit B*H.
 // * S = Q K^T and O += P V run on tensor cores: mma.sync.aligned.m16n8k16, f16 or bf16 inputs,
 //   f32 accumulators. Operands come from shared memory through ldmatrix (.x4; .trans for V,
 //   which is stored key-major). Q's A fragments are loaded once into registers when the
@@ -35,10 +35,10 @@
 //   warp's own Q rows) and leaves as 16-byte stores of rows < Sq, columns < Dv.
 //
 // Needs 16-byte-aligned rows: q, k, v, out and all their strides multiples of 8 elements, and
-// D, Dv multiples of 8 (cuflash/_attention_mma.py: aligned() checks; the dispatcher falls back
+// D, Dv multiples of 8 (cuflash/kernels/attention_fwd_mma.py: unsupported_reason; the dispatcher falls back
 // to the SIMT kernel otherwise).
 //
-// Variant prelude (cuflash/_attention_mma.py: AttentionFwdMma.defines()):
+// Variant prelude (cuflash/kernels/attention_fwd_mma.py: AttentionFwdMma.defines()):
 //   CUFLASH_ENTRY, CUFLASH_T (__half, __nv_bfloat16), CUFLASH_BF16 (0/1), CUFLASH_HEAD_DIM_MAX,
 //   CUFLASH_BLOCK_M (Br = 16 * warps), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS, CUFLASH_Q_IN_REGS,
 //   CUFLASH_SMEM_BYTES (checked below).
@@ -64,7 +64,7 @@ static_assert(BR == 16 * NWARPS, "each warp owns 16 query rows");
 static_assert(DMAX % 16 == 0 && BC % 16 == 0, "head-dim bucket and Bc must be multiples of 16");
 static_assert(CHUNKS % 2 == 0, "the row pitch must be an odd number of 16-byte chunks");
 static_assert(2 * (BR * PITCH + 2 * STAGE_ELEMS) == CUFLASH_SMEM_BYTES,
-              "the variant's shared-memory size (cuflash/_attention_mma.py) disagrees with this layout");
+              "the variant's shared-memory size (cuflash/kernels/attention_fwd_mma.py) disagrees with this layout");
 
 #include "mma_tile.cuh"
 
@@ -87,26 +87,22 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int lane = tid % 32;
     const int g = lane / 4;   // fragment row group
     const int t = lane % 4;   // fragment column pair
-    const long long block = blockIdx.x;
-    const int tile = (int)(block % num_q_tiles);
-    const long long bh = block / num_q_tiles;
-    const int head = (int)(bh % num_heads_q);
-    const long long batch = bh / num_heads_q;
+    const GridCoord at = grid_coord(num_q_tiles, num_heads_q);
+    const int tile = at.tile, head = at.head;
+    const long long batch = at.batch;
     const int head_k = head / group_size;
 
     const int row0 = tile * BR;
     const int rows = min(BR, seqlen_q - row0);
-    const int off = seqlen_k - seqlen_q;   // query i's diagonal key is i + off
 
     const elem_t* q_tile = q + batch * q_batch_stride + head * q_head_stride + row0 * q_row_stride;
     const elem_t* k_head = k + batch * k_batch_stride + head_k * k_head_stride;
     const elem_t* v_head = v + batch * v_batch_stride + head_k * v_head_stride;
 
     // Keys any row of this tile can see: [kv_lo, kv_hi).
-    int kv_lo = 0, kv_hi = seqlen_k;
-    if (window_left >= 0) kv_lo = max(kv_lo, row0 + off - window_left);
-    if (window_right >= 0) kv_hi = min(kv_hi, row0 + rows - 1 + off + window_right + 1);
-    const int n_tiles = kv_hi > kv_lo ? (kv_hi - kv_lo + BC - 1) / BC : 0;
+    const IndexRange keys = window_key_range(row0, rows, seqlen_q, seqlen_k, window_left, window_right);
+    const int kv_lo = keys.lo, kv_hi = keys.hi;
+    const int n_tiles = (kv_hi - kv_lo + BC - 1) / BC;
 
     // Prologue: Q and the first K/V tile, one group.
     load_tile_async<BR>(q_s, q_tile, q_row_stride, rows, head_dim);
@@ -185,17 +181,16 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         // Scale (log2 domain) and mask. A tile needs the per-element mask only if it reaches past
         // Sk or some row of the block has a window edge inside it.
         const bool need_mask = kv0 + BC > seqlen_k ||
-                               (window_right >= 0 && kv0 + BC - 1 > row0 + off + window_right) ||
-                               (window_left >= 0 && kv0 < row0 + BR - 1 + off - window_left);
+                               !tile_in_window(row0, BR, kv0, BC, seqlen_q, seqlen_k, window_left, window_right);
         if (need_mask) {
 #pragma unroll
             for (int n = 0; n < NFRAG_S; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int kj = kv0 + 8 * n + 2 * t + (e & 1);
-                    const int diag = qi0 + (e >> 1) * 8 + off;
-                    const bool visible = kj < seqlen_k && (window_right < 0 || kj <= diag + window_right) &&
-                                         (window_left < 0 || kj >= diag - window_left);
+                    const IndexRange keys_seen =   // the keys query row qi0 + 8 * (e >> 1) sees
+                        window_key_range(qi0 + (e >> 1) * 8, 1, seqlen_q, seqlen_k, window_left, window_right);
+                    const bool visible = kj >= keys_seen.lo && kj < keys_seen.hi;
                     s[n][e] = visible ? s[n][e] * scale_log2 : CUFLASH_NEG_INF;
                 }
         } else {

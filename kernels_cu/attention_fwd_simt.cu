@@ -23,7 +23,7 @@
 // never loaded (their shared-memory slots are zero-filled). Offsets are 64-bit. The grid is 1-D
 // (blockIdx.x = tile + num_q_tiles * (head + Hq * batch)), so gridDim.y/z never limit B*H.
 //
-// Variant prelude (cuflash/_attention_simt.py: AttentionFwdSimt.defines()):
+// Variant prelude (cuflash/kernels/attention_fwd_simt.py: AttentionFwdSimt.defines()):
 //   CUFLASH_ENTRY, CUFLASH_T (float, __half, __nv_bfloat16), CUFLASH_HEAD_DIM_MAX (bucket of
 //   max(D, Dv)), CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS (NT),
 //   CUFLASH_SMEM_BYTES (the dynamic shared memory the launcher provides; checked below).
@@ -48,7 +48,7 @@ static_assert(NT % 32 == 0 && NT % BR == 0, "threads must be whole warps and a m
 static_assert(TPR >= 1 && TPR <= 32 && (TPR & (TPR - 1)) == 0, "threads per row must be a power of two <= 32");
 static_assert(BC % TPR == 0 && DMAX % TPR == 0, "Bc and the head-dim bucket must split evenly over a row's threads");
 static_assert(SMEM_FLOATS * 4 == CUFLASH_SMEM_BYTES,
-              "the variant's shared-memory size (cuflash/_attention_simt.py) disagrees with this layout");
+              "the variant's shared-memory size (cuflash/kernels/attention_fwd_simt.py) disagrees with this layout");
 
 // Reduce over the TPR consecutive lanes that own one row.
 __device__ __forceinline__ float row_group_max(float x) {
@@ -81,26 +81,23 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int tid = threadIdx.x;
     const int row = tid / TPR;            // this thread's row within the tile
     const int sub = tid % TPR;            // its place among the row's threads
-    const long long block = blockIdx.x;
-    const int tile = (int)(block % num_q_tiles);
-    const long long bh = block / num_q_tiles;
-    const int head = (int)(bh % num_heads_q);
-    const long long batch = bh / num_heads_q;
+    const GridCoord at = grid_coord(num_q_tiles, num_heads_q);
+    const int tile = at.tile, head = at.head;
+    const long long batch = at.batch;
     const int head_k = head / group_size;
 
     const int row0 = tile * BR;
     const int rows = min(BR, seqlen_q - row0);
     const int qi = row0 + row;            // query index of this thread's row
-    const int diag = qi + seqlen_k - seqlen_q;
+    const IndexRange row_keys = window_key_range(qi, 1, seqlen_q, seqlen_k, window_left, window_right);   // the keys it sees
 
     const elem_t* q_tile = q + batch * q_batch_stride + head * q_head_stride + row0 * q_row_stride;
     const elem_t* k_head = k + batch * k_batch_stride + head_k * k_head_stride;
     const elem_t* v_head = v + batch * v_batch_stride + head_k * v_head_stride;
 
     // Keys any row of this tile can see: [kv_lo, kv_hi).
-    int kv_lo = 0, kv_hi = seqlen_k;
-    if (window_left >= 0) kv_lo = max(kv_lo, row0 + seqlen_k - seqlen_q - window_left);
-    if (window_right >= 0) kv_hi = min(kv_hi, row0 + rows - 1 + seqlen_k - seqlen_q + window_right + 1);
+    const IndexRange keys = window_key_range(row0, rows, seqlen_q, seqlen_k, window_left, window_right);
+    const int kv_lo = keys.lo, kv_hi = keys.hi;
 
     load_tile_f32<NT>(q_s, Q_STRIDE, q_tile, q_row_stride, rows, BR, head_dim);
 
@@ -130,8 +127,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         for (int c = 0; c < COLS_PER_THREAD; ++c) {
             const int j = sub + c * TPR;
             const int kj = kv0 + j;
-            const bool visible = j < cols && (window_right < 0 || kj <= diag + window_right) &&
-                                 (window_left < 0 || kj >= diag - window_left);
+            const bool visible = j < cols && kj >= row_keys.lo && kj < row_keys.hi;
             s[c] = visible ? s[c] * scale_log2 : CUFLASH_NEG_INF;
             tile_max = fmaxf(tile_max, s[c]);
         }

@@ -3,7 +3,7 @@
 // NVRTC does not define INFINITY (no <math.h>), so the constants are spelled out here.
 // Loads and stores of the 16-bit types go through to_float/from_float so that a kernel body is
 // written once for every dtype; the dtype is chosen by the variant's #define prelude.
-// The same text compiles with NVRTC for the GPU and with g++ for the simulator (cuflash/_sim),
+// The same text compiles with NVRTC for the GPU and with g++ for the simulator (cuflash/sim),
 // whose runtime supplies the CUDA built-ins and stand-ins for the two toolkit headers below.
 #pragma once
 
@@ -35,4 +35,83 @@ __device__ __forceinline__ void load_tile_f32(float* __restrict__ dst, int dst_s
         const int c = e - r * n_cols;
         dst[r * dst_stride + c] = r < n_rows ? to_float(src[r * src_row_stride + c]) : 0.0f;
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grid decoding and the attention mask, shared by the attention kernels.
+//
+// Every attention kernel runs a 1-D grid, blockIdx.x = tile + num_tiles * (head + num_heads *
+// batch), so gridDim.y/z never limit B*H (tile: a query tile in the forward, a key-tile split in
+// the backward; head: a query head in the forward, a kv head in the backward).
+struct GridCoord {
+    int tile;
+    int head;
+    long long batch;
+};
+
+__device__ __forceinline__ GridCoord grid_coord(int num_tiles, int num_heads) {
+    const long long block = blockIdx.x;
+    const long long bh = block / num_tiles;
+    GridCoord c;
+    c.tile = (int)(block % num_tiles);
+    c.head = (int)(bh % num_heads);
+    c.batch = bh / num_heads;
+    return c;
+}
+
+// The mask (bottom-right aligned, as in cuflash.reference.masks): query i sees key j iff
+//     -window_left <= j - (i + Sk - Sq) <= window_right        (a bound of -1 is unbounded),
+// which is the causal mask when window_right = 0. Every bound from -1 to INT32_MAX works: the
+// helpers below never add a bound to an index, so nothing wraps (a kernel tests key j of query i
+// as window_key_range(i, 1, ...).lo <= j < .hi).
+//
+// diag_distance is j - (i + Sk - Sq), how far key j lies right of query i's diagonal key,
+// written as (j - Sk) + (Sq - i) so that it is exact in 32 bits for every index the kernels
+// form (0 <= i < Sq + Br and 0 <= j < Sk + Bc, lengths below 2^31 - 256).
+__device__ __forceinline__ int diag_distance(int i, int j, int seqlen_q, int seqlen_k) {
+    return (j - seqlen_k) + (seqlen_q - i);
+}
+
+// A half-open index range [lo, hi), lo <= hi.
+struct IndexRange {
+    int lo;
+    int hi;
+};
+
+// The indices [lo, hi) of an axis of length len_to, 0 <= lo <= hi <= len_to, that the band
+// -below <= (to - diagonal partner of from) <= above reaches from some index of [start, start + count)
+// of an axis of length len_from, the diagonal being aligned bottom-right (from i, partner
+// i + len_to - len_from). Exact in 32 bits for every bound that fits an int: each difference is
+// formed only where it cannot overflow.
+__device__ __forceinline__ IndexRange band_range(int start, int count, int len_from, int len_to, int below, int above) {
+    const int first = len_to - (len_from - start);     // partner of start (may be negative)
+    const int rest = len_from - (start + count);       // indices after the last one (>= 0)
+    int lo = (below < 0 || first <= below) ? 0 : first - below;
+    int hi = (above < 0 || above >= rest) ? len_to : len_to - (rest - above);
+    lo = lo < len_to ? lo : len_to;
+    IndexRange r;
+    r.lo = lo;
+    r.hi = hi > lo ? hi : lo;
+    return r;
+}
+
+// Keys [lo, hi) that some query row of [row0, row0 + rows) sees, 0 <= lo <= hi <= Sk.
+__device__ __forceinline__ IndexRange window_key_range(int row0, int rows, int seqlen_q, int seqlen_k, int window_left,
+                                                       int window_right) {
+    return band_range(row0, rows, seqlen_q, seqlen_k, window_left, window_right);
+}
+
+// Query rows [lo, hi) that see some key of [col0, col0 + cols), 0 <= lo <= hi <= Sq (the
+// transpose of window_key_range, for the backward's key-tile-major loops).
+__device__ __forceinline__ IndexRange window_query_range(int col0, int cols, int seqlen_q, int seqlen_k, int window_left,
+                                                         int window_right) {
+    return band_range(col0, cols, seqlen_k, seqlen_q, window_right, window_left);
+}
+
+// True when every pair of query rows [row0, row0 + rows) and keys [col0, col0 + cols) lies in
+// the window (so a tile needs no per-element window mask).
+__device__ __forceinline__ bool tile_in_window(int row0, int rows, int col0, int cols, int seqlen_q, int seqlen_k,
+                                               int window_left, int window_right) {
+    return (window_right < 0 || diag_distance(row0, col0 + cols - 1, seqlen_q, seqlen_k) <= window_right) &&
+           (window_left < 0 || diag_distance(row0 + rows - 1, col0, seqlen_q, seqlen_k) >= -window_left);
 }

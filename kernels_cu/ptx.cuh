@@ -1,7 +1,7 @@
 // cuflash: every inline PTX instruction the kernels use, each beside its CPU emulation.
 //
 // Kernels never write asm elsewhere. Three branches per instruction:
-//   CUFLASH_SIM            the CUDA simulator (cuflash/_sim): a warp-wide emulation that follows
+//   CUFLASH_SIM            the CUDA simulator (cuflash/sim): a warp-wide emulation that follows
 //                          the fragment layouts of the PTX ISA (sections "Warp-level matrix load
 //                          instruction: ldmatrix", "Matrix Fragments for mma.m16n8k16 with
 //                          floating point type", "Data Movement and Conversion Instructions:

@@ -11,7 +11,7 @@
 // -inf entries contribute exactly 0; a row whose entries are all -inf has no finite normalizer
 // and gives NaN, as SciPy and PyTorch do. NaN anywhere in a row makes the row NaN.
 //
-// Variant prelude (cuflash/_variants.py: SoftmaxVariant.defines()):
+// Variant prelude (cuflash/kernels/softmax.py: SoftmaxVariant.defines()):
 //   CUFLASH_ENTRY           the extern "C" entry name
 //   CUFLASH_T               element type: float, __half or __nv_bfloat16
 //   CUFLASH_SOFTMAX_WARP    1: one warp per row, blockDim = (32, CUFLASH_ROWS_PER_BLOCK)
