@@ -111,8 +111,8 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int) -> Attentio
     if key not in MMA_DTYPES:
         raise NotImplementedError(f"cuflash: the tensor-core kernel computes float16 and bfloat16, not {np.dtype(dtype)}")
     bucket = AttentionFwdMma.bucket(head_dim, head_dim_v)
-    v = AttentionFwdMma.first_fitting((AttentionFwdMma(key, bucket, 16 * warps, bn) for warps, bn in TILE_CANDIDATES[bucket]),
-                                      plan.max_dynamic_smem(arch))
+    candidates = (AttentionFwdMma(key, bucket, 16 * warps, bn) for warps, bn in TILE_CANDIDATES[bucket])
+    v = AttentionFwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
     if v is None:
         raise NotImplementedError(f"cuflash: no tensor-core attention tile fits sm_{arch}'s shared memory for head dim {bucket}")
     return v

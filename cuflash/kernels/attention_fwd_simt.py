@@ -68,8 +68,8 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int) -> Attentio
     """The tile heuristic: the preferred tile of the bucket that fits the device's shared memory."""
     key = variants.dtype_key(dtype)
     bucket = AttentionFwdSimt.bucket(head_dim, head_dim_v)
-    v = AttentionFwdSimt.first_fitting((AttentionFwdSimt(key, bucket, bm, bn) for bm, bn in TILE_CANDIDATES[bucket]),
-                                       plan.max_dynamic_smem(arch))
+    candidates = (AttentionFwdSimt(key, bucket, bm, bn) for bm, bn in TILE_CANDIDATES[bucket])
+    v = AttentionFwdSimt.first_fitting(candidates, plan.max_dynamic_smem(arch))
     if v is None:
         raise NotImplementedError(f"cuflash: no portable attention tile fits sm_{arch}'s shared memory for head dim {bucket}")
     return v
