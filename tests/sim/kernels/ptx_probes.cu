@@ -1,5 +1,5 @@
 // Test kernels for every wrapper of kernels_cu/ptx.cuh. One warp per block. Plain CUDA C that
-// also compiles with NVRTC (tests/sim/test_nvrtc_compile.py).
+// also compiles with NVRTC (tests/sim/test_sim_nvrtc_compile.py).
 #include "ptx.cuh"
 
 // ldmatrix: shared memory holds 16-bit values s[r][c] = r * 16 + c + 1. Lane l = 8j + r passes

@@ -1,4 +1,4 @@
-// Test kernels for the simulator's CUDA built-ins. Plain CUDA C: tests/sim/test_nvrtc_compile.py
+// Test kernels for the simulator's CUDA built-ins. Plain CUDA C: tests/sim/test_sim_nvrtc_compile.py
 // also compiles this file with NVRTC for real GPUs.
 #include "common.cuh"
 
