@@ -12,7 +12,7 @@ from cuflash.reference.views import canonical, check_numpy, kv_view, split_heads
 from cuflash.runtime import dtypes
 from cuflash.runtime.validation import AttentionProblem, check_attention, check_int
 
-__all__ = ["naive_attention", "flash_attention"]
+__all__ = ["naive_attention", "flash_attention", "naive_rows"]
 
 
 def _empty_rows_lse(lse: np.ndarray, l: np.ndarray, m: np.ndarray) -> None:
@@ -71,16 +71,55 @@ def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     out = np.zeros(p.out_shape, dtype=np.float64)
     lse = np.full(p.lse_shape, -np.inf, dtype=np.float64)
     if not p.is_empty and p.num_heads_k:
-        qv = split_heads(canonical(q, layout), p.num_heads_k).astype(np.float64)
-        kv = kv_view(canonical(k, layout)).astype(np.float64)
-        vv = kv_view(canonical(v, layout)).astype(np.float64)
-        s = (qv @ kv.swapaxes(-1, -2)) * p.softmax_scale
-        e, l, shift = masked_exp(s, problem_mask(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k)))
-        o = (e @ vv) / np.where(l > 0, l, 1.0)[..., None]
+        o, row_lse = naive_rows(p, q, k, v, np.arange(p.seqlen_q))
         split_heads(canonical(out, layout), p.num_heads_k)[...] = o
         lse_view = lse[..., None, :] if layout == "bhsd" and q.ndim == 2 else lse
-        _empty_rows_lse(split_heads(lse_view[..., None], p.num_heads_k)[..., 0], l, shift)
+        split_heads(lse_view[..., None], p.num_heads_k)[..., 0] = row_lse
     return (out, lse) if return_lse else out
+
+
+def naive_rows(p: AttentionProblem, q, k, v, rows, round_to=None):
+    """Naive attention of the query ``rows`` of the validated problem ``p``.
+
+    The core of :func:`naive_attention` and of the tolerance rule's baseline
+    (:func:`cuflash.reference.tolerance.attention_rows`). The mask keeps the whole problem's
+    bottom-right alignment, whichever rows are computed.
+
+    Parameters
+    ----------
+    p : AttentionProblem
+        The validated call (layout, heads, lengths, scale, window).
+    q, k, v : numpy.ndarray
+        Its inputs.
+    rows : numpy.ndarray of int
+        Query indices to compute.
+    round_to : numpy dtype, optional
+        None: float64 throughout, ``out = (exp(S - m) @ V) / l`` (the oracle). A dtype: naive
+        attention as a framework computes it in that dtype: float32 matmuls with the scores
+        rounded to the dtype before and after scaling, softmax in float32, ``P`` rounded before
+        ``P @ V``, the output rounded.
+
+    Returns
+    -------
+    (out, lse) : arrays of shapes ``(*batch, Hk, G, R, Dv)`` and ``(*batch, Hk, G, R)`` (query
+        head ``hk * G + g``; float64, or float32 holding the dtype's values); a row that sees no
+        key gives 0 and ``lse = -inf``.
+    """
+    acc = np.float64 if round_to is None else np.float32
+
+    def rnd(x):
+        return x if round_to is None else x.astype(round_to).astype(np.float32)
+
+    qv = split_heads(canonical(q, p.layout), p.num_heads_k)[..., rows, :].astype(acc)
+    kv = kv_view(canonical(k, p.layout)).astype(acc)
+    vv = kv_view(canonical(v, p.layout)).astype(acc)
+    s = rnd(rnd(qv @ kv.swapaxes(-1, -2)) * acc(p.softmax_scale))
+    e, l, shift = masked_exp(s, problem_mask(p, rows, np.arange(p.seqlen_k)))
+    l_safe = np.where(l > 0, l, 1)[..., None]
+    o = (e @ vv) / l_safe if round_to is None else rnd(rnd(e / l_safe) @ vv)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l > 0, shift + np.log(np.where(l > 0, l, 1)), -np.inf)
+    return o, lse
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,13 +17,11 @@ import math
 
 import numpy as np
 
-from cuflash.reference.masks import problem_mask
-from cuflash.reference.normalize import masked_exp
-from cuflash.reference.views import canonical, kv_view, split_heads
+from cuflash.reference.forward import naive_rows
 from cuflash.runtime import dtypes
 from cuflash.runtime.validation import check_attention
 
-__all__ = ["attention_rows", "naive_same_dtype", "floor_for", "score_rounding_bound", "bound", "compare"]
+__all__ = ["attention_rows", "naive_same_dtype", "floor_for", "score_rounding_bound", "bound", "rule_bound", "compare"]
 
 _FUNC = "cuflash.reference.tolerance"
 
@@ -56,23 +54,18 @@ def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1
                         layout=layout, max_head_dim=None, func=_FUNC)
     rows = np.arange(p.seqlen_q) if rows is None else np.asarray(rows)
     lowp = same_dtype and p.dtype != dtypes.float64
-    acc = np.float32 if lowp else np.float64
-
-    def rnd(x):
-        return x.astype(p.dtype).astype(np.float32) if lowp else x
-
-    qv = split_heads(canonical(q, layout), p.num_heads_k)[..., rows, :].astype(acc)
-    kv = kv_view(canonical(k, layout)).astype(acc)
-    vv = kv_view(canonical(v, layout)).astype(acc)
-    s = rnd(rnd(qv @ kv.swapaxes(-1, -2)) * acc(p.softmax_scale))
-    e, l, m_safe = masked_exp(s, problem_mask(p, rows, np.arange(p.seqlen_k)))
-    probs = rnd(e / np.where(l > 0, l, 1)[..., None])
-    o = rnd(probs @ vv)
-    with np.errstate(divide="ignore"):
-        lse = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1)), -np.inf)
+    o, lse = naive_rows(p, q, k, v, rows, round_to=p.dtype if lowp else None)
     *batch, hk, g, r, dv = o.shape
     return (o.astype(np.float64).reshape(*batch, hk * g, r, dv),
             lse.astype(np.float64).reshape(*batch, hk * g, r))
+
+
+def _in_layout(x, layout: str, q_ndim: int, *, lse: bool = False):
+    """A canonical ``(*batch, Hq, Sq, ...)`` result of :func:`attention_rows` in the caller's
+    layout (the "bshd" LSE is ``(B, Hq, Sq)``, canonical already)."""
+    if layout == "bshd":
+        return x if lse else x.swapaxes(1, 2)
+    return x[0] if q_ndim == 2 else x
 
 
 def naive_same_dtype(q, k, v, *, layout="bhsd", **kw):
@@ -80,9 +73,7 @@ def naive_same_dtype(q, k, v, *, layout="bhsd", **kw):
     (``q.shape[:-1] + (Dv,)`` for "bhsd", ``(B, Sq, Hq, Dv)`` for "bshd"); see
     :func:`attention_rows` (``same_dtype=True``) for how it is computed."""
     o, _ = attention_rows(q, k, v, layout=layout, same_dtype=True, **kw)
-    if layout == "bshd":
-        return o.swapaxes(1, 2)
-    return o[0] if np.ndim(q) == 2 else o
+    return _in_layout(o, layout, np.ndim(q))
 
 
 def floor_for(dtype) -> float:
@@ -125,6 +116,28 @@ def bound(dtype, naive_error: float, *, q=None, k=None, v=None, softmax_scale=No
     return b
 
 
+def _reference_and_bound(q, k, v, *, causal, softmax_scale, window_size, layout, rows, large_logits):
+    """``(reference, reference lse, bound, naive error)`` of the rule for these inputs; with
+    ``rows=None`` in the caller's layout, else canonical rows."""
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, rows=rows)
+    ref, ref_lse = attention_rows(q, k, v, **kw)
+    naive, _ = attention_rows(q, k, v, same_dtype=True, **kw)
+    if rows is None:
+        ref, naive = _in_layout(ref, layout, np.ndim(q)), _in_layout(naive, layout, np.ndim(q))
+        ref_lse = _in_layout(ref_lse, layout, np.ndim(q), lse=True)
+    base = float(np.max(np.abs(naive - ref), initial=0.0))
+    tol = bound(q.dtype, base, q=q, k=k, v=v, softmax_scale=softmax_scale, large_logits=large_logits)
+    return ref, ref_lse, tol, base
+
+
+def rule_bound(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd", rows=None,
+               large_logits=False) -> float:
+    """The largest max-abs error the rule allows an implementation of attention(q, k, v, ...):
+    ``2 * max|naive_same_dtype - reference| + floor_for(q.dtype)`` (see :func:`bound`)."""
+    return _reference_and_bound(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                layout=layout, rows=rows, large_logits=large_logits)[2]
+
+
 def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
             rows=None, lse=None, large_logits=False) -> tuple[bool, str, float]:
     """Hold ``actual`` (and optionally its ``lse``) to the rule.
@@ -134,31 +147,31 @@ def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     actual : array_like
         The output rows under test in the canonical layout of :func:`attention_rows`
         (``(*batch, Hq, R, Dv)``), or the whole output in the caller's layout when ``rows`` is None.
+    q, k, v, causal, softmax_scale, window_size, layout
+        The call's inputs and options, as :func:`cuflash.attention` takes them.
+    rows : array_like of int, optional
+        The query rows ``actual`` holds (default: all).
     lse : array_like, optional
-        Its log-sum-exp (``(*batch, Hq, R)``): the ``-inf`` pattern (rows without keys) must match
-        the reference's exactly and finite values agree within ``1e-3 + 1e-4 |lse|``.
+        Its log-sum-exp (canonical ``(*batch, Hq, R)``, or the caller's LSE shape when ``rows`` is
+        None): the ``-inf`` pattern (rows without keys) must match the reference's exactly and
+        finite values agree within ``1e-3 + 1e-4 |lse|``.
+    large_logits : bool
+        Allow at least :func:`score_rounding_bound` (scores of magnitude ~1e4).
 
     Returns
     -------
     (ok, message, error) : the verdict, a one-line account, and the max abs error of ``actual``.
-    NaN anywhere in ``actual`` fails (the inputs are assumed finite).
+    A shape mismatch or NaN anywhere in ``actual`` fails (the inputs are assumed finite).
     """
-    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, rows=rows)
-    ref, ref_lse = attention_rows(q, k, v, **kw)
-    naive, _ = attention_rows(q, k, v, same_dtype=True, **kw)
-    if rows is None:
-        if layout == "bshd":
-            ref, naive = ref.swapaxes(1, 2), naive.swapaxes(1, 2)
-        elif np.ndim(q) == 2:
-            ref, naive, ref_lse = ref[0], naive[0], ref_lse[0]
+    ref, ref_lse, tol, base = _reference_and_bound(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                   window_size=window_size, layout=layout, rows=rows,
+                                                   large_logits=large_logits)
     a = np.asarray(actual, np.float64)
     if a.shape != ref.shape:
         return False, f"shape {a.shape} != expected {ref.shape}", math.inf
     if np.isnan(a).any():
         return False, f"{int(np.isnan(a).sum())} NaN in the output of finite input", math.inf
     err = float(np.max(np.abs(a - ref), initial=0.0))
-    base = float(np.max(np.abs(naive - ref), initial=0.0))
-    tol = bound(q.dtype, base, q=q, k=k, v=v, softmax_scale=softmax_scale, large_logits=large_logits)
     if err > tol:
         return False, f"max error {err:.3g} > bound {tol:.3g} (naive same-dtype error {base:.3g})", err
     if lse is not None:
