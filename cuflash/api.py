@@ -288,7 +288,6 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     arrays = (q, k, v) if problem.kind in ("numpy", "cupy") else None  # DLPack: shape-level checks only
     tier = dispatch.forward_tier(problem, arch, arrays)
     variant = tier.choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
-    describe = getattr(dispatch, "describe_choice", None)
     block_m = getattr(variant, "block_m", None)
     blocks = None
     if block_m:
@@ -298,5 +297,5 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         "variant": variant.name, "entry": variant.entry, "block_m": block_m,
         "block_n": getattr(variant, "block_n", None), "threads": math.prod(variant.block),
         "smem_bytes": getattr(variant, "smem_bytes", None), "blocks": blocks,
-        "choice": describe(problem, arch, arrays) if describe is not None else None,
+        "choice": dispatch.describe_choice(problem, arch, arrays),
     }

@@ -15,14 +15,11 @@ import os
 import numpy as np
 
 from cuflash.kernels import softmax as softmax_kernel
+from cuflash.reference import online_softmax
 from cuflash.runtime import variants
 
 _BACKENDS = ("auto", "numpy", "sim", "cuda")
 _NAME = "cuflash.softmax"
-
-
-def _is_cupy(x) -> bool:
-    return type(x).__module__.split(".")[0] == "cupy"
 
 
 def _on_device(x) -> bool:
@@ -159,35 +156,4 @@ def _cuda_softmax(x, axis: int):
 
 def _numpy_softmax(x: np.ndarray, axis: int) -> np.ndarray:
     """The NumPy path: :func:`cuflash.reference.online_softmax` (same recurrence) in the input dtype."""
-    try:
-        from cuflash.reference import online_softmax
-    except ImportError:  # pragma: no cover - cuflash.reference is part of the package
-        return online_softmax_numpy(x, axis)
     return online_softmax(x, axis, block_size=1024).astype(x.dtype, copy=False)
-
-
-def online_softmax_numpy(x: np.ndarray, axis: int = -1, block_size: int = 1024) -> np.ndarray:
-    """NumPy online softmax: the kernel's recurrence, vectorized over rows, over column blocks.
-
-    For each block of ``block_size`` columns: ``m_new = max(m, max(block))``,
-    ``d = d * exp(m - m_new) + sum(exp(block - m_new))``; then ``exp(x - m) / d``. Accumulates in
-    float32 (float64 for float64 input); returns ``x``'s dtype.
-    """
-    acc = np.float64 if x.dtype == np.float64 else np.float32
-    xm = np.moveaxis(np.asarray(x), axis, -1).astype(acc)
-    n = xm.shape[-1]
-    m = np.full(xm.shape[:-1], -np.inf, acc)
-    d = np.zeros(xm.shape[:-1], acc)
-    with np.errstate(invalid="ignore", over="ignore"):
-        for start in range(0, n, block_size):
-            blk = xm[..., start : start + block_size]
-            m_new = np.maximum(m, blk.max(axis=-1)) if blk.shape[-1] else m
-            # exp(m - m_new) with -inf - -inf taken as 0 (an empty history has no weight)
-            scale = np.where(m == -np.inf, acc(0), np.exp(m - np.where(m_new == -np.inf, acc(0), m_new)))
-            e = np.exp(blk - np.where(m_new == -np.inf, acc(0), m_new)[..., None])
-            e = np.where(blk == -np.inf, acc(0), e)
-            d = d * scale + e.sum(axis=-1, dtype=acc)
-            m = m_new
-        y = np.exp(xm - m[..., None]) / d[..., None]
-        y = np.where((m == -np.inf)[..., None], acc(np.nan), y)
-    return np.moveaxis(y.astype(x.dtype), -1, axis)
