@@ -42,8 +42,8 @@ TILE_CANDIDATES = {
 }
 #: buckets whose Q fragments stay in registers for the whole K/V loop
 Q_IN_REGS_MAX_BUCKET = 128
-#: bytes every row (and base address) must be aligned to
-ALIGN_BYTES = 16
+#: bytes every row (and base address) must be aligned to (fresh outputs are allocated so)
+ALIGN_BYTES = attention_fwd_simt.OUTPUT_ALIGN_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,14 +133,6 @@ def all_variants(arch: int) -> tuple[AttentionFwdMma, ...]:
 # eligibility
 
 
-def _address(x) -> int | None:
-    if isinstance(x, np.ndarray):
-        return x.__array_interface__["data"][0]
-    data = getattr(x, "data", None)
-    ptr = getattr(data, "ptr", None)
-    return None if ptr is None else int(ptr)
-
-
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     """Why ``problem`` cannot run on this kernel on ``sm_<arch>`` (None if it can).
 
@@ -168,7 +160,10 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         bad = [int(s) // item for s, n in zip(a.strides[:-1], a.shape[:-1]) if n > 1 and (int(s) // item) % 8]
         if bad:
             return f"{name} has a stride of {bad[0]} elements, not a multiple of 8 (rows must be 16-byte aligned)"
-        addr = _address(a)
+        try:
+            addr = plan.array_address(a)
+        except TypeError:
+            addr = None
         if addr is None or addr % ALIGN_BYTES:
             return f"{name} starts at an address that is not {ALIGN_BYTES}-byte aligned (a view at an odd offset)"
     return None

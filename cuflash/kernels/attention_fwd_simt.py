@@ -140,9 +140,7 @@ def _batch_slices(batch_shape: tuple, arrays: list) -> tuple[list, int]:
 
 
 def _same_memory(a, b) -> bool:
-    if isinstance(a, np.ndarray):
-        return a.size == 0 or a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-    return a.size == 0 or a.data.ptr == b.data.ptr
+    return a.size == 0 or plan.array_address(a) == plan.array_address(b)
 
 
 def plan_forward(problem, q, k, v, out, lse, variant) -> list[plan.LaunchPlan]:
@@ -206,11 +204,11 @@ def _aligned_empty(xp, shape, dtype):
     """``xp.empty`` at a 16-byte-aligned address (CuPy's allocations always are; NumPy's are on
     the usual 64-bit allocators, and otherwise a slice of a slightly larger buffer is used)."""
     a = xp.empty(shape, dtype=dtype)
-    if xp is not np or a.size == 0 or a.__array_interface__["data"][0] % OUTPUT_ALIGN_BYTES == 0:
+    if xp is not np or a.size == 0 or plan.array_address(a) % OUTPUT_ALIGN_BYTES == 0:
         return a
     item = np.dtype(dtype).itemsize
     raw = np.empty(a.size + OUTPUT_ALIGN_BYTES // item, dtype=dtype)
-    skip = (-raw.__array_interface__["data"][0] % OUTPUT_ALIGN_BYTES) // item
+    skip = (-plan.array_address(raw) % OUTPUT_ALIGN_BYTES) // item
     return raw[skip : skip + a.size].reshape(shape)
 
 

@@ -53,8 +53,14 @@ _SCALAR_TYPES = {
 }
 
 
-def _array_address(a) -> int:
-    """Device or host address of element 0 of a NumPy or CuPy array."""
+def array_address(a) -> int:
+    """Device or host address of element 0 of a NumPy or CuPy array.
+
+    Raises
+    ------
+    TypeError
+        For any other object (no ``__array_interface__`` or ``data.ptr``).
+    """
     if isinstance(a, np.ndarray):
         return a.__array_interface__["data"][0]
     data = getattr(a, "data", None)
@@ -133,7 +139,7 @@ class PointerArg:
     @property
     def address(self) -> int:
         """Address of the pointed-to element (host address for NumPy, device for CuPy)."""
-        return _array_address(self.base) + self.offset * self.dtype.itemsize
+        return array_address(self.base) + self.offset * self.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
