@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -31,6 +32,26 @@ def _pip(*args, cwd):
     return _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args], cwd=cwd)
 
 
+@pytest.fixture
+def repo_copy(tmp_path):
+    """The project's sources copied into a temporary folder: builds write their ``build/`` and
+    ``*.egg-info`` there, never into the checkout, and nothing stale from an earlier build can be
+    packaged."""
+    dst = tmp_path / "repo"
+    dst.mkdir()
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, dst / name)
+    for name in ("cuflash", "kernels_cu"):
+        shutil.copytree(REPO / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dst
+
+
+def _installed_cuflash() -> list[str]:
+    """What the running environment's site-packages holds of cuflash (its dist-info and, for an
+    editable install, the finder), by file name."""
+    return sorted(p.name for p in Path(sysconfig.get_path("purelib")).glob("*cuflash*"))
+
+
 def test_kernel_sources_exist():
     assert "common.cuh" in KERNEL_FILES
     assert paths.kernel_source("common.cuh").startswith("// cuflash")
@@ -44,15 +65,15 @@ def test_source_tree_with_pythonpath(tmp_path):
     assert Path(module).parent == REPO / "cuflash"
 
 
-def test_wheel_ships_kernels_as_package_data(tmp_path):
-    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(REPO), cwd=tmp_path)
+def test_wheel_ships_kernels_as_package_data(tmp_path, repo_copy):
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(repo_copy), cwd=tmp_path)
     (wheel,) = (tmp_path / "dist").glob("cuflash-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in KERNEL_FILES:
         assert f"cuflash/kernels_cu/{name}" in names
     # every module, subpackage and data file of the source tree is in the wheel (setup.cfg lists
     # the subpackages and their package data by hand)
-    tree = {str(f.relative_to(REPO)) for f in (REPO / "cuflash").rglob("*")
+    tree = {str(f.relative_to(repo_copy)) for f in (repo_copy / "cuflash").rglob("*")
             if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc"}
     assert tree - names == set(), f"missing from the wheel: {sorted(tree - names)}"
     site = tmp_path / "site"
@@ -63,14 +84,22 @@ def test_wheel_ships_kernels_as_package_data(tmp_path):
     assert sorted(p.name for p in Path(kernels).iterdir()) == KERNEL_FILES
 
 
-def test_editable_install(tmp_path):
+def test_editable_install(tmp_path, repo_copy):
+    # an editable install of a copy of the sources into a throwaway prefix; --ignore-installed
+    # keeps pip from uninstalling the cuflash of the environment running these tests
+    before = _installed_cuflash()
     prefix = tmp_path / "prefix"
-    _pip("install", "--no-deps", "--no-build-isolation", "--prefix", str(prefix), "-e", str(REPO), cwd=tmp_path)
+    _pip("install", "--no-deps", "--no-build-isolation", "--ignore-installed", "--prefix", str(prefix),
+         "-e", str(repo_copy), cwd=tmp_path)
     purelib = sysconfig.get_path("purelib", vars={"base": str(prefix), "platbase": str(prefix)})
-    probe = f"import site; site.addsitedir({purelib!r}); " + PROBE
-    kernels, module = _run([sys.executable, "-c", probe], cwd=tmp_path).split()
-    assert Path(kernels) == REPO / "kernels_cu"
-    assert Path(module).parent == REPO / "cuflash"
+    # -S, then the throwaway prefix before the running environment's site-packages (numpy, and
+    # possibly an installed cuflash, whose editable finder must not win)
+    probe = (f"import site; site.addsitedir({purelib!r}); site.addsitedir({sysconfig.get_path('purelib')!r}); "
+             + PROBE)
+    kernels, module = _run([sys.executable, "-S", "-c", probe], cwd=tmp_path).split()
+    assert Path(kernels) == repo_copy / "kernels_cu"
+    assert Path(module).parent == repo_copy / "cuflash"
+    assert _installed_cuflash() == before, "the install changed the environment running the tests"
 
 
 def test_import_without_cupy(tmp_path):
