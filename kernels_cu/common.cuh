@@ -82,10 +82,11 @@ struct IndexRange {
 // -below <= (to - diagonal partner of from) <= above reaches from some index of [start, start + count)
 // of an axis of length len_from, the diagonal being aligned bottom-right (from i, partner
 // i + len_to - len_from). Exact in 32 bits for every bound that fits an int: each difference is
-// formed only where it cannot overflow.
+// formed only where it cannot overflow. The kernels also ask for padding indices past len_from
+// (start + count <= len_from + 256, rest < 0); their range is then still inside [0, len_to].
 __device__ __forceinline__ IndexRange band_range(int start, int count, int len_from, int len_to, int below, int above) {
     const int first = len_to - (len_from - start);     // partner of start (may be negative)
-    const int rest = len_from - (start + count);       // indices after the last one (>= 0)
+    const int rest = len_from - (start + count);       // indices after the last one
     int lo = (below < 0 || first <= below) ? 0 : first - below;
     int hi = (above < 0 || above >= rest) ? len_to : len_to - (rest - above);
     lo = lo < len_to ? lo : len_to;

@@ -34,6 +34,10 @@ CASES = [
     (200, 50, False, (BIG, -1)),
     (200, 50, True, (BIG, -1)),
     (37, 90, False, (BIG, 3)),
+    # a left bound that cuts through key tiles while the right side is open: the tensor-core
+    # forward must then mask a tile by its last row's bound, not its first row's
+    (130, 300, False, (40, -1)),
+    (200, 200, False, (70, BIG)),
 ]
 #: (simulated arch, dtype, head dim, forward tier, backward tier)
 TIERS = [
