@@ -21,7 +21,8 @@ LENGTHS = [1, 17, 97, 128]
 HEAD_DIMS = [40, 64, 96, 128, 256]
 DV = ["same", "other"]
 HEADS = [(1, 1), (7, 1), (8, 2)]
-MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False, (9, 4)), "causal_win": (True, (20, -1))}
+MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False, (9, 4)), "causal_win": (True, (20, -1)),
+         "win_2_31": (False, (2**31 + 3, 2**31 - 1))}
 FORMS = ["bhsd", "bshd", "dout_transposed"]
 DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16, "f32": dtypes.float32}
 

@@ -74,8 +74,17 @@ def _pad(rng, shape, dtype, scale, pad):
     return view
 
 
-def expects_mma(d: int, dv: int, form: str) -> bool:
-    return d % 8 == 0 and dv % 8 == 0 and form not in FALLBACK_FORMS
+def expects_mma(d: int, dv: int, form: str, arrays=None) -> bool:
+    """Whether the tensor-core tier serves the case (kernels_cu/attention_fwd_mma.cu: D, Dv and
+    every stride of an axis longer than 1 multiples of 8 elements, 16-byte aligned bases). The
+    fallback forms misalign something, unless the arrays show that only axes of length 1 (whose
+    stride is never used) are affected."""
+    if d % 8 or dv % 8:
+        return False
+    if form not in FALLBACK_FORMS or arrays is None:
+        return form not in FALLBACK_FORMS
+    return all(x.ctypes.data % 16 == 0 and all(st % 16 == 0 for st, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1)
+               for x in arrays)
 
 
 def run_case(rng, sq, sk, d, dv_kind, heads, mask, form, dtype_key, logits, *, arch=90):
@@ -89,7 +98,8 @@ def run_case(rng, sq, sk, d, dv_kind, heads, mask, form, dtype_key, logits, *, a
     kw = dict(causal=causal, window_size=window, layout=layout)
     problem = validation.check_attention(q, k, v, **kw)
     tier = dispatch.forward_tier(problem, arch, (q, k, v, None))
-    assert (tier is attention_fwd_mma) == expects_mma(d, dv, form), dispatch.describe_choice(problem, arch, (q, k, v))
+    assert (tier is attention_fwd_mma) == expects_mma(d, dv, form, (q, k, v)), \
+        dispatch.describe_choice(problem, arch, (q, k, v))
     with cuflash.sim.options(arch=f"sm_{arch}"):
         out, lse = cuflash.attention(q, k, v, return_lse=True, backend="sim", **kw)
     assert out.dtype == dtype and lse.dtype == np.float32

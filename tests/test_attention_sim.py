@@ -31,6 +31,7 @@ MASKS = {
     "causal_win": (True, (16, -1)),
     "win_lr": (False, (7, 9)),
     "win_r": (False, (-1, 5)),
+    "win_2_31": (False, (2**31 - 1, 2**33)),  # flash-attn's "unbounded" and past it: normalised on the host
 }
 FORMS = ["bhsd", "bshd", "strided", "transposed", "broadcast"]
 DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16, "f32": dtypes.float32}

@@ -1,13 +1,21 @@
-"""Window bounds up to INT32_MAX in every attention kernel (the range helpers of
-kernels_cu/common.cuh), on the simulator against the float64 oracle.
+"""Window bounds up to INT32_MAX and beyond, on every backend, against the float64 oracle.
 
 flash-attn users pass 2**31 - 1 to mean "unbounded", and a window wider than the sequence is
-valid; a kernel that adds such a bound to an index in 32 bits wraps and empties rows. Each case
-runs the four attention kernels (SIMT and tensor-core, forward and backward) with bounds at and
-just below INT32_MAX and compares with the NumPy oracle, which computes in Python integers.
+valid; a kernel that adds such a bound to an index in 32 bits wraps and empties rows, and a
+bound >= 2**31 does not even fit the kernels' int arguments. Two defences, each tested:
+
+* the host normalises once (:func:`cuflash.runtime.validation.normalize_window`): a bound of
+  Sq + Sk or more excludes nothing and becomes -1, so any int >= -1 works on every backend;
+* the kernels' range helpers (kernels_cu/common.cuh) are overflow-free for every bound an int
+  holds: the four attention kernels (SIMT and tensor-core, forward and backward) are also run
+  with the raw, un-normalised bounds at and just below INT32_MAX.
+
+The NumPy oracle computes the mask in Python integers.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -24,6 +32,7 @@ from cuflash.kernels import (
     dispatch,
 )
 from cuflash.runtime import validation
+from cuflash.sim import launcher
 
 BIG = 2**31 - 1
 #: (Sq, Sk, causal, window): the shapes where 32-bit sums wrapped
@@ -62,4 +71,51 @@ def test_bounds_near_int32_max(arch, dtype, d, fwd_tier, bwd_tier, sq, sk, causa
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse64))  # no row emptied by a wrap
         dout = rng.standard_normal(out.shape).astype(dtype)
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim", **kw)
+    check_grads_close(grads, dout, q, k, v, out, lse, **kw)
+
+
+def test_host_normalises_bounds_that_reach_past_both_sequences():
+    q = np.zeros((1, 1, 7, 8), np.float32)
+    k = np.zeros((1, 1, 5, 8), np.float32)
+    for window, want in [((12, 11), (-1, 11)), ((11, 12), (11, -1)), ((2**31 - 1, 2**70), (-1, -1)),
+                         ((0, 0), (0, 0)), ((-1, 2**31), (-1, -1))]:
+        p = validation.check_attention(q, k, k, window_size=window)
+        assert (p.window_left, p.window_right) == want, window
+    assert validation.check_attention(q, k, k, causal=True, window_size=(2**40, 3)).window_right == 0
+
+
+@pytest.mark.parametrize("backend", ["numpy", "sim_simt", "sim_mma"])
+@pytest.mark.parametrize("window", [(-1, 2**31), (2**31, 2**31 + 1), (2**63, 3), (40, 2**64)],
+                         ids=["r2^31", "both", "l2^63", "r2^64"])
+def test_bounds_at_and_past_2_31_on_every_backend(backend, window, rng):
+    dtype = np.float32 if backend != "sim_mma" else np.float16
+    q, k, v = make_qkv(rng, 1, 2, 1, 90, 70, 64, 64, dtype=dtype)
+    kw = dict(window_size=window)
+    arch = {"sim_simt": "sm_75", "sim_mma": "sm_80"}.get(backend)
+    with cuflash.sim.options(**({"arch": arch} if arch else {})):
+        out, lse = cuflash.attention(q, k, v, return_lse=True, backend=backend.split("_")[0], **kw)
+        grads = cuflash.attention_backward(np.ones_like(out), q, k, v, out, lse, backend=backend.split("_")[0], **kw)
+    check_close(out, q, k, v, **kw)
+    check_grads_close(grads, np.ones_like(out), q, k, v, out, lse, **kw)
+
+
+@pytest.mark.parametrize("arch,dtype,d,fwd_tier,bwd_tier", TIERS, ids=[t[0] for t in TIERS])
+@pytest.mark.parametrize("sq,sk,causal,window", CASES[:4], ids=[f"{c[0]}x{c[1]}-{c[3]}" for c in CASES[:4]])
+def test_kernels_with_raw_bounds_near_int32_max(arch, dtype, d, fwd_tier, bwd_tier, sq, sk, causal, window, rng):
+    """The kernels' own index math, bypassing the host's normalisation: the problem is handed to
+    the tiers with the bounds exactly as given."""
+    q, k, v = make_qkv(rng, 1, 2, 1, sq, sk, d, d, dtype=dtype)
+    kw = dict(causal=causal, window_size=window)
+    problem = validation.check_attention(q, k, v, return_lse=True, **kw)
+    left, right = validation.check_window_size(window, causal, "test")
+    raw = dataclasses.replace(problem, window_left=left, window_right=right)
+    assert (raw.window_left, raw.window_right) != (problem.window_left, problem.window_right)
+    a = cuflash.sim.parse_arch(arch)
+    with cuflash.sim.options(arch=arch):
+        out, lse = fwd_tier.forward(raw, q, k, v, None, True, xp=np, arch=a, launch=launcher.run)
+        check_close(out, q, k, v, **kw)
+        _, lse64 = ref.naive_attention(q, k, v, return_lse=True, **kw)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse64))
+        dout = rng.standard_normal(out.shape).astype(dtype)
+        grads = bwd_tier.backward(raw, dout, q, k, v, out, lse, xp=np, arch=a, launch=launcher.run, deterministic=False)
     check_grads_close(grads, dout, q, k, v, out, lse, **kw)

@@ -30,7 +30,8 @@ class AttentionProblem:
     """A validated attention call, in the canonical ``(*batch, H, S, D)`` terms.
 
     ``window_left``/``window_right`` are the effective bounds (-1 = unbounded): with
-    ``causal=True`` the right bound is 0. ``out_shape`` and ``lse_shape`` are in the caller's
+    ``causal=True`` the right bound is 0, and a bound reaching past both sequences
+    (``>= Sq + Sk``) is -1 (:func:`normalize_window`), so each lies in ``[-1, Sq + Sk)``. ``out_shape`` and ``lse_shape`` are in the caller's
     layout.
     """
 
@@ -113,6 +114,18 @@ def check_window_size(window_size, causal: bool, func: str) -> tuple[int, int]:
     return left, right
 
 
+def normalize_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """The bounds with every bound that reaches past both sequences replaced by -1.
+
+    A bound ``>= seqlen_q + seqlen_k`` excludes no (query, key) pair, even for the kernels'
+    padding rows, so it means "unbounded" exactly. Normalising once here keeps every bound a
+    kernel sees in ``[-1, Sq + Sk)``: ``INT32_MAX`` (flash-attn's "unbounded") and any larger
+    Python int work on every backend, and the kernels' 32-bit arguments never overflow.
+    """
+    reach = seqlen_q + seqlen_k
+    return tuple(-1 if w >= reach else w for w in (left, right))
+
+
 def check_layout(layout, func: str) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"{func}: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -175,8 +188,9 @@ def describe_inputs(arrays: dict, func: str) -> dict:
             if not info.on_cuda:
                 raise ValueError(
                     f"{func}: {name} is a {info.type_name} on {device_type_name(info.device[0])} "
-                    f"(device {info.device}); only CUDA arrays are accepted through DLPack. For the CPU "
-                    f"path pass a NumPy array (e.g. tensor.numpy())"
+                    f"(device {info.device}); here DLPack arrays must be on a CUDA device. For the CPU "
+                    f"path pass a NumPy array (numpy.from_dlpack({name})); cuflash.attention, "
+                    f"attention_backward and softmax take CPU DLPack arrays themselves"
                 )
     for name in names[1:]:
         if infos[name].device != first.device:
@@ -280,7 +294,7 @@ def check_attention(
                 f"{func}: {name}.shape[-1]={dim} exceeds the largest supported head dim {max_head_dim}"
             )
     scale = check_softmax_scale(softmax_scale, d, func)
-    left, right = check_window_size(window_size, causal, func)
+    left, right = normalize_window(*check_window_size(window_size, causal, func), sq, sk)
 
     if layout == "bshd":
         out_shape = (qb[0], sq, hq, dv)
