@@ -202,7 +202,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                                              qi >= key_rows[e >> 1].lo && qi < key_rows[e >> 1].hi;
                         const float p = visible ? exp2f(s[n][e] * scale_log2 - l) : 0.0f;
                         s[n][e] = p;
-                        dp[n][e] = p * (dp[n][e] - dd_s[r]);
+                        // 0, not 0 * (dP - D): a NaN in a V row or in D that this pair does not
+                        // see must not reach dS (DESIGN.md §3: non-finite input travels only
+                        // along visible pairs)
+                        dp[n][e] = visible ? p * (dp[n][e] - dd_s[r]) : 0.0f;
                     }
 
                 // dV += P^T dO, dK += dS^T Q; and dS^T -> ds_s as dS [query][key].

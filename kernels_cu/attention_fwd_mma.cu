@@ -104,9 +104,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int kv_lo = keys.lo, kv_hi = keys.hi;
     const int n_tiles = (kv_hi - kv_lo + BC - 1) / BC;
 
-    // Prologue: Q and the first K/V tile, one group.
-    load_tile_async<BR>(q_s, q_tile, q_row_stride, rows, head_dim);
+    // Prologue: Q and the first K/V tile, one group. A tile that sees no key (causal with
+    // Sq > Sk, a window that misses every key) loads nothing: its loop below never runs, so no
+    // barrier would order other warps' Q copies before the epilogue's O writes into q_s.
     if (n_tiles > 0) {
+        load_tile_async<BR>(q_s, q_tile, q_row_stride, rows, head_dim);
         load_tile_async<BC>(kv_s, k_head + kv_lo * k_row_stride, k_row_stride, min(BC, seqlen_k - kv_lo), head_dim);
         load_tile_async<BC>(kv_s + BC * PITCH, v_head + kv_lo * v_row_stride, v_row_stride, min(BC, seqlen_k - kv_lo),
                             head_dim_v);
@@ -244,7 +246,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             }
         }
     }
-    ptx_cp_async_wait<0>();   // with no K/V tile, Q's group is still open; nothing may stay in flight
+    ptx_cp_async_wait<0>();   // the (empty) last group; nothing may stay in flight
 
     // Epilogue: finish the row sums, normalize, stage O in this warp's own Q rows, store.
     float inv_l[2];
@@ -254,7 +256,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         l += __shfl_xor_sync(CUFLASH_FULL_MASK, l, 1);
         l += __shfl_xor_sync(CUFLASH_FULL_MASK, l, 2);
         l_row[h] = l;
-        inv_l[h] = l > 0.0f ? 1.0f / l : 0.0f;
+        inv_l[h] = l != 0.0f ? 1.0f / l : 0.0f;   // l == 0: no key (O = 0); NaN l stays NaN
     }
     __syncwarp();   // this warp's ldmatrix reads of its Q rows are done
     elem_t* o_s = q_s + 16 * warp * PITCH;
@@ -280,7 +282,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int qi = qi0 + 8 * h;
-            if (qi < seqlen_q) lse_head[qi] = l_row[h] > 0.0f ? m_row[h] * LN2 + logf(l_row[h]) : CUFLASH_NEG_INF;
+            if (qi < seqlen_q) lse_head[qi] = l_row[h] != 0.0f ? m_row[h] * LN2 + logf(l_row[h]) : CUFLASH_NEG_INF;
         }
     }
 }

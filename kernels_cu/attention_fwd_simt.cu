@@ -162,7 +162,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     }
 
     if (row < rows) {
-        const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
+        const float inv_l = l != 0.0f ? 1.0f / l : 0.0f;   // l == 0: no key (O = 0); NaN l stays NaN
         elem_t* o_row = out + batch * o_batch_stride + head * o_head_stride + qi * o_row_stride;
 #pragma unroll
         for (int c = 0; c < DV_PER_THREAD; ++c) {
@@ -171,7 +171,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         }
         if (sub == 0) {
             lse[batch * lse_batch_stride + head * lse_head_stride + qi] =
-                l > 0.0f ? m * LN2 + logf(l) : CUFLASH_NEG_INF;
+                l != 0.0f ? m * LN2 + logf(l) : CUFLASH_NEG_INF;
         }
     }
 }

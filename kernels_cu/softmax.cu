@@ -9,7 +9,10 @@
 // scales the block sum twice and never rescales earlier blocks; this is the published recurrence.)
 //
 // -inf entries contribute exactly 0; a row whose entries are all -inf has no finite normalizer
-// and gives NaN, as SciPy and PyTorch do. NaN anywhere in a row makes the row NaN.
+// and gives NaN, as SciPy and PyTorch do. A NaN or a +inf anywhere in a row makes the whole row
+// NaN (as the three-pass exp(x - max) / sum does): such an element puts NaN into d, and NaN in d
+// is never dropped, so the merges test d == 0 (no element) rather than m == -inf, and pass 2
+// divides every element by it.
 //
 // Variant prelude (cuflash/kernels/softmax.py: SoftmaxVariant.defines()):
 //   CUFLASH_ENTRY           the extern "C" entry name
@@ -26,7 +29,9 @@ typedef CUFLASH_T elem_t;
 // Fold one element into the running (m, d).
 __device__ __forceinline__ void softmax_online_update(float& m, float& d, float x) {
     if (x > m) {
-        d = d * expf(m - x) + 1.0f;   // m == -inf: d == 0 and the product is 0
+        // m == -inf: d == 0 (or NaN, kept) and the product is 0. x == +inf has no finite
+        // normalizer (exp(x - max) is NaN there): d becomes NaN.
+        d = d * expf(m - x) + (x == -CUFLASH_NEG_INF ? __int_as_float(0x7fffffff) : 1.0f);
         m = x;
     } else if (x != CUFLASH_NEG_INF) {
         d += expf(x - m);              // NaN x lands here and poisons d
@@ -35,9 +40,13 @@ __device__ __forceinline__ void softmax_online_update(float& m, float& d, float 
 
 // Merge (m2, d2) into (m, d).
 __device__ __forceinline__ void softmax_online_merge(float& m, float& d, float m2, float d2) {
-    const float mm = fmaxf(m, m2);
-    if (mm == CUFLASH_NEG_INF) return;   // both empty (d and d2 are 0, or NaN is already in d)
-    d = (m == CUFLASH_NEG_INF ? 0.0f : d * expf(m - mm)) + (m2 == CUFLASH_NEG_INF ? 0.0f : d2 * expf(m2 - mm));
+    const float mm = fmaxf(m, m2);   // fmaxf drops a NaN operand; NaN travels in d
+    if (mm == CUFLASH_NEG_INF) {      // no finite maximum on either side: 0 + 0, or NaN
+        d += d2;
+        return;
+    }
+    // d == 0 exactly when a side saw no element above -inf; a NaN d (even with m == -inf) stays
+    d = (d == 0.0f ? 0.0f : d * expf(m - mm)) + (d2 == 0.0f ? 0.0f : d2 * expf(m2 - mm));
     m = mm;
 }
 

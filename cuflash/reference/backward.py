@@ -28,14 +28,17 @@ bottom-right causal masks, ``window_size``, GQA/MQA (the gradient of a kv head s
 contributions of every query head that reads it), 2-D input, any strides with unit last axis.
 A query row whose ``lse`` is ``-inf`` (it sees no key) contributes nothing: its ``P`` row is 0
 (``exp(s - lse)`` is special-cased, never ``exp(-inf - -inf)``), so its ``dq`` row is exactly 0
-and no NaN appears.
+and no NaN appears. Non-finite input (a NaN or inf in q, k, v, dout, or the NaN ``out``/``lse``
+the forward made of it) travels only along the (query, key) pairs that are visible: ``P`` and
+``dS`` are exactly 0 on the others and their products are left out (not multiplied by 0), so a
+gradient entry is non-finite exactly where the math puts a non-finite term into its sum.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from cuflash.reference.masks import problem_mask, query_range
+from cuflash.reference.masks import masked_matmul, problem_mask, query_range
 from cuflash.reference.views import canonical, check_numpy, kv_view, split_heads
 from cuflash.runtime import dtypes
 from cuflash.runtime.interop import describe
@@ -123,10 +126,25 @@ def _lse_view(lse: np.ndarray, p: AttentionProblem, two_dim: bool) -> np.ndarray
     return split_heads(view[..., None], p.num_heads_k)[..., 0]
 
 
-def _probs(s: np.ndarray, lse: np.ndarray) -> np.ndarray:
-    """``exp(s - lse)`` with rows whose ``lse`` is ``-inf`` (no visible key) set to 0, no NaN."""
-    empty = np.isneginf(lse)[..., None]
-    return np.where(empty, 0, np.exp(s - np.where(empty, 0, lse[..., None])))
+def _probs_and_pairs(s: np.ndarray, lse: np.ndarray, mask: np.ndarray | None):
+    """``(P, pairs)``: ``P = exp(s - lse)`` on the visible pairs and exactly 0 elsewhere, and the
+    visible pairs (the mask, less the rows whose ``lse`` is ``-inf``: they see no key).
+
+    Non-finite input stays on its pairs: a NaN ``lse`` (the forward saw NaN in that row) makes
+    that row's visible ``P`` NaN, never its masked entries."""
+    pairs = ~np.isneginf(lse)[..., None]
+    if mask is not None:
+        pairs = pairs & mask
+    with np.errstate(invalid="ignore"):  # inf - inf where a score is +inf: kept as NaN
+        probs = np.where(pairs, np.exp(s - np.where(pairs, lse[..., None], 0)), 0)
+    return probs, pairs
+
+
+def _grad_ds(probs, dp, d_row, pairs):
+    """``dS = P * (dP - D)`` on the visible pairs, exactly 0 elsewhere (a NaN ``dP`` or ``D`` of
+    an invisible pair does not spread)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(pairs, probs * (dp - d_row[..., None]), 0)
 
 
 def _outputs(q, k, v, dtype):
@@ -199,17 +217,17 @@ def attention_backward(
     ov = split_heads(canonical(out, layout), p.num_heads_k).astype(f64)
     lv = _lse_view(lse, p, q.ndim == 2).astype(f64)
 
-    s = (qv @ kv.swapaxes(-1, -2)) * p.softmax_scale
-    mask = problem_mask(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))
-    if mask is not None:
-        s = np.where(mask, s, -np.inf)
-    probs = _probs(s, lv)
-    d_row = np.sum(dov * ov, axis=-1)
-    dp = dov @ vv.swapaxes(-1, -2)
-    ds = probs * (dp - d_row[..., None])
-    split_heads(canonical(dq, layout), p.num_heads_k)[...] = p.softmax_scale * (ds @ kv)
-    canonical(dk, layout)[...] = p.softmax_scale * (ds.swapaxes(-1, -2) @ qv).sum(axis=-3)
-    canonical(dv, layout)[...] = (probs.swapaxes(-1, -2) @ dov).sum(axis=-3)
+    with np.errstate(invalid="ignore"):  # non-finite input: its NaN is kept, never warned about
+        s = (qv @ kv.swapaxes(-1, -2)) * p.softmax_scale
+        mask = problem_mask(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))
+        probs, pairs = _probs_and_pairs(s, lv, mask)
+        d_row = np.sum(dov * ov, axis=-1)
+        dp = dov @ vv.swapaxes(-1, -2)
+        ds = _grad_ds(probs, dp, d_row, pairs)
+        pairs_t = pairs.swapaxes(-1, -2)
+        split_heads(canonical(dq, layout), p.num_heads_k)[...] = p.softmax_scale * masked_matmul(ds, kv, pairs)
+        canonical(dk, layout)[...] = p.softmax_scale * masked_matmul(ds.swapaxes(-1, -2), qv, pairs_t).sum(axis=-3)
+        canonical(dv, layout)[...] = masked_matmul(probs.swapaxes(-1, -2), dov, pairs_t).sum(axis=-3)
     return dq, dk, dv
 
 
@@ -308,16 +326,16 @@ def _flash_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m, block
             r1 = min(r0 + block_m, hi)
             q_tile = qv[..., r0:r1, :].astype(acc_t)
             do_tile = dov[..., r0:r1, :].astype(acc_t)
-            s = (q_tile @ k_tile.swapaxes(-1, -2)) * scale
             mask = problem_mask(p, np.arange(r0, r1), cols)
-            if mask is not None:
-                s = np.where(mask, s, acc_t.type(-np.inf))
-            probs = _probs(s, lv[..., r0:r1].astype(acc_t))
-            dv_j += (probs.swapaxes(-1, -2) @ do_tile).sum(axis=-3)
-            dp = do_tile @ v_tile.swapaxes(-1, -2)
-            ds = probs * (dp - d_row[..., r0:r1, None])
-            dq_acc[..., r0:r1, :] += scale * (ds @ k_tile)
-            dk_j += scale * (ds.swapaxes(-1, -2) @ q_tile).sum(axis=-3)
+            with np.errstate(invalid="ignore"):  # non-finite input: its NaN is kept, never warned about
+                s = (q_tile @ k_tile.swapaxes(-1, -2)) * scale
+                probs, pairs = _probs_and_pairs(s, lv[..., r0:r1].astype(acc_t), mask)
+                pairs_t = pairs.swapaxes(-1, -2)
+                dv_j += masked_matmul(probs.swapaxes(-1, -2), do_tile, pairs_t).sum(axis=-3)
+                dp = do_tile @ v_tile.swapaxes(-1, -2)
+                ds = _grad_ds(probs, dp, d_row[..., r0:r1], pairs)
+                dq_acc[..., r0:r1, :] += scale * masked_matmul(ds, k_tile, pairs)
+                dk_j += scale * masked_matmul(ds.swapaxes(-1, -2), q_tile, pairs_t).sum(axis=-3)
         dk_v[..., c0:c1, :] = dk_j
         dv_v[..., c0:c1, :] = dv_j
     split_heads(canonical(dq, layout), p.num_heads_k)[...] = dq_acc

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuflash.reference.masks import key_range, problem_mask
+from cuflash.reference.masks import key_range, masked_matmul, problem_mask
 from cuflash.reference.normalize import masked_exp
 from cuflash.reference.views import canonical, check_numpy, kv_view, split_heads
 from cuflash.runtime import dtypes
@@ -16,9 +16,10 @@ __all__ = ["naive_attention", "flash_attention", "naive_rows"]
 
 
 def _empty_rows_lse(lse: np.ndarray, l: np.ndarray, m: np.ndarray) -> None:
-    """``lse = m + log(l)`` where the row saw a key, ``-inf`` where it saw none."""
-    seen = l > 0
-    with np.errstate(divide="ignore"):
+    """``lse = m + log(l)`` where the row saw a key, ``-inf`` where it saw none (``l == 0``);
+    a NaN ``l`` (non-finite input the row sees) gives NaN."""
+    seen = l != 0
+    with np.errstate(invalid="ignore"):
         np.copyto(lse, np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf))
 
 
@@ -114,11 +115,13 @@ def naive_rows(p: AttentionProblem, q, k, v, rows, round_to=None):
     kv = kv_view(canonical(k, p.layout)).astype(acc)
     vv = kv_view(canonical(v, p.layout)).astype(acc)
     s = rnd(rnd(qv @ kv.swapaxes(-1, -2)) * acc(p.softmax_scale))
-    e, l, shift = masked_exp(s, problem_mask(p, rows, np.arange(p.seqlen_k)))
-    l_safe = np.where(l > 0, l, 1)[..., None]
-    o = (e @ vv) / l_safe if round_to is None else rnd(rnd(e / l_safe) @ vv)
-    with np.errstate(divide="ignore"):
-        lse = np.where(l > 0, shift + np.log(np.where(l > 0, l, 1)), -np.inf)
+    mask = problem_mask(p, rows, np.arange(p.seqlen_k))
+    e, l, shift = masked_exp(s, mask)
+    seen = l != 0  # NaN l (non-finite input the row sees) counts as seen: its NaN comes out
+    l_safe = np.where(seen, l, 1)[..., None]
+    with np.errstate(invalid="ignore"):
+        o = masked_matmul(e, vv, mask) / l_safe if round_to is None else rnd(rnd(e / l_safe) @ vv)
+        lse = np.where(seen, shift + np.log(np.where(seen, l, 1)), -np.inf)
     return o, lse
 
 
@@ -145,6 +148,9 @@ def flash_attention(
     and after the K/V loop ``out = acc / l`` (one division) and ``lse = m + log(l)``
     (FlashAttention-2, Dao 2023, Algorithm 1). Rows whose running maximum is still ``-inf``
     shift by 0 instead, so a tile in which a row sees no key adds nothing and makes no NaN.
+    Non-finite input is never hidden: a NaN or inf in q row ``i`` or in a key or value that row
+    ``i`` sees makes row ``i`` non-finite (as the float64 oracle's), and nothing else; values
+    the row does not see are left out of ``P V`` rather than multiplied by 0.
     Key tiles that no row of the query tile can see (causal, windows) are skipped.
 
     Parameters
@@ -217,12 +223,13 @@ def _flash_forward(p: AttentionProblem, q, k, v, block_m, block_n, out, return_l
                 s = np.where(mask, s, acc_t.type(-np.inf))
             m_new = np.maximum(m, s.max(axis=-1))
             shift = np.where(np.isneginf(m_new), acc_t.type(0), m_new)
-            alpha = np.exp(m - shift)
-            probs = np.exp(s - shift[..., None])
-            l = alpha * l + probs.sum(axis=-1)
-            acc = alpha[..., None] * acc + probs @ vv[..., c0:c1, :].astype(acc_t)
+            with np.errstate(invalid="ignore"):  # non-finite input: inf - inf, 0 * inf stay NaN
+                alpha = np.exp(m - shift)
+                probs = np.exp(s - shift[..., None])
+                l = alpha * l + probs.sum(axis=-1)
+                acc = alpha[..., None] * acc + masked_matmul(probs, vv[..., c0:c1, :].astype(acc_t), mask)
             m = m_new
-        seen = l > 0
+        seen = l != 0  # l == 0: no key; a NaN l (non-finite input the row sees) stays NaN
         out_v[..., r0:r1, :] = np.where(seen[..., None], acc / np.where(seen, l, 1)[..., None], 0).astype(p.dtype)
         _empty_rows_lse(lse_v[..., r0:r1], l, m)
     return (out, lse) if return_lse else out

@@ -6,7 +6,7 @@ import numpy as np
 
 from cuflash.runtime.validation import AttentionProblem
 
-__all__ = ["visible_mask", "problem_mask", "key_range", "query_range"]
+__all__ = ["visible_mask", "problem_mask", "key_range", "query_range", "masked_matmul"]
 
 
 def visible_mask(rows, cols, seqlen_q: int, seqlen_k: int, window_left: int = -1, window_right: int = -1):
@@ -65,3 +65,34 @@ def query_range(p: AttentionProblem, col_start: int, col_stop: int) -> tuple[int
     if p.window_left >= 0:  # j >= i + offset - left  <=>  i <= j - offset + left
         hi = min(hi, col_stop - 1 - offset + p.window_left + 1)
     return lo, max(lo, hi)
+
+
+def masked_matmul(a: np.ndarray, b: np.ndarray, visible: np.ndarray | None) -> np.ndarray:
+    """``a @ b`` summing only the pairs ``(i, j)`` where ``visible[..., i, j]`` is true.
+
+    ``a`` holds attention weights (or their gradients) and is 0 where a pair is not visible; a
+    plain matmul would still form ``0 * b[j]`` there, which is NaN when row ``j`` of ``b`` holds
+    a NaN or an inf. The rule of DESIGN.md §3 is that non-finite input reaches a row only along
+    the pairs it sees, so here such products are left out: for the (few) rows of ``b`` with a
+    non-finite entry the products are formed one by one and the invisible ones dropped; the rest
+    is one matmul. ``visible=None`` means every pair is visible.
+
+    Parameters
+    ----------
+    a : numpy.ndarray, shape ``(..., M, K)``
+    b : numpy.ndarray, shape ``(..., K, N)`` (broadcasting as ``a @ b``)
+    visible : numpy.ndarray of bool broadcastable to ``a``, or None
+
+    Returns
+    -------
+    numpy.ndarray, shape of ``a @ b``
+    """
+    bad = ~np.isfinite(b)
+    if visible is None or not bad.any():
+        return a @ b
+    ks = np.flatnonzero(bad.any(axis=tuple(range(b.ndim - 2)) + (b.ndim - 1,)))
+    out = a @ np.where(bad, 0, b)
+    vis = np.broadcast_to(visible, a.shape)[..., ks]
+    with np.errstate(invalid="ignore"):  # the invisible 0 * inf formed here are dropped next
+        terms = a[..., ks, None] * np.where(bad, b, 0)[..., ks, :][..., None, :, :]   # (..., M, J, N)
+        return out + np.where(vis[..., None], terms, 0).sum(axis=-2)

@@ -103,7 +103,8 @@ def online_softmax(x, axis=-1, *, block_size=128):
         block = xa[..., start : start + block_size].astype(acc)
         m_new = np.maximum(m, block.max(axis=-1))
         shift = np.where(np.isneginf(m_new), 0, m_new)  # no -inf - -inf while a row is all -inf
-        l = l * np.exp(m - shift) + np.exp(block - shift[..., None]).sum(axis=-1)
+        with np.errstate(invalid="ignore"):  # a NaN or +inf element: inf - inf, kept as NaN
+            l = l * np.exp(m - shift) + np.exp(block - shift[..., None]).sum(axis=-1)
         m = m_new
     with np.errstate(invalid="ignore", divide="ignore"):
         y = np.exp(xa.astype(acc, copy=False) - m[..., None]) / l[..., None]
@@ -116,10 +117,15 @@ def masked_exp(s: np.ndarray, mask: np.ndarray | None):
     Entries where ``mask`` is False become ``-inf``; ``shift`` is each row's maximum, or 0 for a
     row that sees no key (so no ``-inf - -inf`` is formed); ``e = exp(s - shift)`` and ``l`` is
     its row sum, 0 exactly for a row without keys. Then ``P = e / l`` and ``lse = shift + log(l)``.
+
+    Non-finite scores are kept, silently: a NaN or a ``+inf`` among a row's visible scores makes
+    ``shift`` or ``e`` NaN there, so ``l`` is NaN (not 0) and the row's ``P`` and ``lse`` come out
+    NaN; masked entries are ``-inf`` whatever score they held, so they never spread one.
     """
     if mask is not None:
         s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, initial=-np.inf)
     shift = np.where(np.isneginf(m), 0, m)
-    e = np.exp(s - shift[..., None])
+    with np.errstate(invalid="ignore"):  # inf - inf = NaN where a score is +inf: kept
+        e = np.exp(s - shift[..., None])
     return e, e.sum(axis=-1), shift
