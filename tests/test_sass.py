@@ -53,21 +53,10 @@ def cuobjdump() -> str:
     return exe
 
 
-def _complete_elf(cubin: bytes) -> bytes:
-    """The cubin padded to the end its ELF header declares. CuPy 14's ``nvrtc.getCUBIN`` returns
-    one byte less than ``nvrtcGetCUBINSize`` (the last byte, a 0); the driver does not mind but
-    cuobjdump rejects the truncated file ("does not contain device code")."""
-    assert cubin[:4] == b"\x7fELF" and cubin[4] == 2, "not a 64-bit ELF"
-    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
-    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-    return cubin + b"\0" * max(0, end - len(cubin))
-
-
 def sass_opcodes(variant, arch: int, tool: str, tmp_path: Path) -> collections.Counter:
     cubin, _ = cuda_runner.nvrtc_compile(source.build_source(variant), arch, name=variant.source)
     path = tmp_path / f"{variant.entry}_sm{arch}.cubin"
-    path.write_bytes(_complete_elf(cubin))
+    path.write_bytes(cubin)
     env = dict(os.environ, PATH=os.path.dirname(_find_tool("nvdisasm")) + os.pathsep + os.environ.get("PATH", ""))
     r = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, f"cuobjdump failed ({r.returncode}): {r.stderr}"
@@ -82,12 +71,29 @@ def _variants():
             for arch in ARCHS for dt in ("float16", "bfloat16") for d in (128, 256)]
 
 
+def _declared_elf_end(image: bytes) -> int:
+    """Where an ELF-64 file ends by its header (System V gABI): after the program or the section
+    header table, whichever comes last."""
+    phoff, shoff = struct.unpack_from("<QQ", image, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 0x36)
+    return max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+
+
 def test_complete_elf_pads_to_the_declared_end():
     head = bytearray(64)
     head[:5] = b"\x7fELF\x02"
     struct.pack_into("<QQ", head, 0x20, 0, 100)
     struct.pack_into("<HHHH", head, 0x36, 56, 0, 64, 2)
-    assert len(_complete_elf(bytes(head) + b"x" * 163)) == 228
+    assert len(cuda_runner.complete_elf(bytes(head) + b"x" * 163)) == 228
+    assert cuda_runner.complete_elf(b"not an ELF") == b"not an ELF"
+
+
+def test_nvrtc_compile_returns_the_whole_cubin():
+    """CuPy 14's getCUBIN drops the image's last byte; nvrtc_compile hands back all of it."""
+    variant = attention_fwd_mma.choose_variant("float16", 64, 64, 80)
+    cubin, _ = cuda_runner.nvrtc_compile(source.build_source(variant), 80, name=variant.source)
+    assert cubin[:5] == b"\x7fELF\x02"
+    assert len(cubin) == _declared_elf_end(cubin)
 
 
 @pytest.mark.parametrize("arch,variant", _variants(), ids=lambda x: str(getattr(x, "entry", x)))

@@ -92,9 +92,28 @@ def nvrtc_compile(source: str, arch: int, *, name: str = "cuflash.cu", extra_opt
             nvrtc.compileProgram(prog, list(options))
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"NVRTC failed for sm_{arch}:\n{nvrtc.getProgramLog(prog)}") from e
-        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
+        return complete_elf(nvrtc.getCUBIN(prog)), nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def complete_elf(cubin: bytes) -> bytes:
+    """``cubin`` padded with zero bytes to the end its ELF header declares.
+
+    CuPy 14's ``nvrtc.getCUBIN`` returns one byte less than ``nvrtcGetCUBINSize`` (it drops the
+    last byte, a 0, as if the image were a C string); the driver loads the short image, but
+    ``cuobjdump`` and ``nvdisasm`` reject it ("does not contain device code"). The ELF-64 header
+    (System V gABI, e_phoff/e_shoff at 0x20, entry sizes and counts at 0x36) says where the file
+    ends: after the program or the section header table, whichever is last.
+    """
+    import struct
+
+    if len(cubin) < 0x40 or cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        return cubin  # not a 64-bit ELF image: left as it is
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + b"\0" * max(0, end - len(cubin))
 
 
 _modules: dict = {}
