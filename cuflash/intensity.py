@@ -817,6 +817,22 @@ def _time(seconds: float) -> str:
     return f"{seconds / 1e-9:.3g} ns"
 
 
+#: the model's argument names and the command-line options that set them
+_CLI_NAMES = {"seqlen_q": "--seqlen", "seqlen_k": "--seqlen-k", "headdim_v": "--headdim-v",
+              "headdim": "--headdim", "heads_k": "--heads-k", "heads": "--heads", "batch": "--batch",
+              "block_m": "--block-m", "block_n": "--block-n", "window_size[0]": "--window LEFT",
+              "window_size[1]": "--window RIGHT", "dtype": "--dtype"}
+
+
+def _cli_message(message: str) -> str:
+    """A model error reworded for the command line: ``seqlen_q must ...`` -> ``--seqlen must ...``."""
+    import re
+
+    message = message.removeprefix(f"{_WHO}: ")
+    pattern = "|".join(re.escape(n) for n in sorted(_CLI_NAMES, key=len, reverse=True))
+    return re.sub(rf"(?<![\w-])({pattern})(?![\w\[])", lambda m: _CLI_NAMES[m.group(1)], message)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m cuflash intensity",
@@ -879,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
                                     batch=args.batch, heads=args.heads, causal=args.causal)
         roofs = [c.roofline(device, tf32=args.tf32) for c in rows]
     except (TypeError, ValueError) as exc:
-        print(f"python -m cuflash intensity: error: {exc}", file=sys.stderr)
+        print(f"python -m cuflash intensity: error: {_cli_message(str(exc))}", file=sys.stderr)
         return 2
 
     c0 = rows[1]

@@ -345,7 +345,11 @@ def test_cli_backward_gqa_no_l2(capsys):
 
 def test_cli_bad_arguments(capsys):
     assert it.main(["--seqlen", "-3"]) == 2
-    assert "seqlen_q must be a positive int, got -3" in capsys.readouterr().err
+    assert "error: --seqlen must be a positive int, got -3" in capsys.readouterr().err
+    assert it.main(["--heads", "3", "--heads-k", "2"]) == 2
+    assert "--heads=3 must be a multiple of --heads-k=2" in capsys.readouterr().err
+    assert it.main(["--window", "-4", "0"]) == 2
+    assert "--window LEFT must be an int >= -1, got -4" in capsys.readouterr().err
     assert it.main(["--dtype", "int7"]) == 2
     assert "dtype" in capsys.readouterr().err
     with pytest.raises(SystemExit):
