@@ -7,43 +7,67 @@ import os
 import numpy as np
 
 from cuflash.reference import forward as ref_forward
-from cuflash.runtime import dtypes, validation
+from cuflash.runtime import dtypes, interop, validation
 
 BACKENDS = ("auto", "numpy", "sim", "cuda")
+
+
+def env_backend(func: str) -> str | None:
+    """The backend the ``CUFLASH_BACKEND`` environment variable names (surrounding spaces and
+    case ignored), or None when it is unset or empty.
+
+    Raises
+    ------
+    ValueError
+        For a value that names no backend.
+    """
+    raw = os.environ.get("CUFLASH_BACKEND", "")
+    env = raw.strip().lower()
+    if not env:
+        return None
+    if env not in BACKENDS:
+        raise ValueError(
+            f"{func}: environment variable CUFLASH_BACKEND must be one of {BACKENDS} (case and "
+            f"surrounding spaces ignored), got {raw!r}"
+        )
+    return env
 
 
 def resolve_backend(backend, kind: str, func: str) -> str:
     """The concrete backend (``"numpy"``, ``"sim"`` or ``"cuda"``) for arrays of ``kind``.
 
     ``"auto"`` never moves data: NumPy input runs the NumPy path, CuPy or CUDA DLPack input the
-    CUDA kernels. The ``CUFLASH_BACKEND`` environment variable overrides only ``"auto"``.
+    CUDA kernels. The ``CUFLASH_BACKEND`` environment variable overrides only ``"auto"``; its
+    value is read with surrounding spaces and case ignored (``" SIM"`` is ``"sim"``), while the
+    ``backend`` argument must be spelled exactly.
 
     Raises
     ------
     ValueError
         For an unknown backend name (argument or environment variable), or a backend that would
-        need the data moved between host and device.
+        need the data moved between host and device (the message names the variable when the
+        backend came from it).
     """
     if backend not in BACKENDS:
         raise ValueError(f"{func}: backend must be one of {BACKENDS}, got {backend!r}")
+    origin = f"backend={backend!r}"
     if backend == "auto":
-        env = os.environ.get("CUFLASH_BACKEND", "").strip()
+        env = env_backend(func)
         if env:
-            if env not in BACKENDS:
-                raise ValueError(f"{func}: environment variable CUFLASH_BACKEND must be one of {BACKENDS}, got {env!r}")
             backend = env
+            origin = f"backend={env!r} (from the environment variable CUFLASH_BACKEND={os.environ['CUFLASH_BACKEND']!r})"
     if backend == "auto":
         return "numpy" if kind == "numpy" else "cuda"
     host = kind == "numpy"
     if backend in ("numpy", "sim") and not host:
         raise ValueError(
-            f"{func}: backend={backend!r} computes on the host and takes NumPy arrays; got device "
+            f"{func}: {origin} computes on the host and takes NumPy arrays; got device "
             f"arrays ({kind}). Data is never moved implicitly: copy them to NumPy first, or use "
             f"backend='cuda'"
         )
     if backend == "cuda" and host:
         raise ValueError(
-            f"{func}: backend='cuda' needs GPU arrays (CuPy, or torch/JAX CUDA tensors); got NumPy "
+            f"{func}: {origin} needs GPU arrays (CuPy, or torch/JAX CUDA tensors); got NumPy "
             f"arrays. Data is never moved implicitly: move them with cupy.asarray first, or use "
             f"backend='numpy' or 'sim'"
         )
@@ -90,8 +114,10 @@ def attention(
     q : array, shape ``(..., Sq, D)`` for layout "bhsd", ``(B, Sq, Hq, D)`` for "bshd"
     k : array, shape ``(..., Sk, D)`` / ``(B, Sk, Hk, D)``
     v : array, shape ``(..., Sk, Dv)`` / ``(B, Sk, Hk, Dv)``
-        NumPy arrays, CuPy arrays, or CUDA tensors through DLPack (torch, JAX); all of one kind,
-        dtype and device. dtypes: float16, bfloat16 (``ml_dtypes.bfloat16``), float32; float64
+        NumPy arrays, CuPy arrays, or DLPack arrays (torch, JAX, any producer); all of one kind,
+        dtype and device. CPU DLPack arrays run the NumPy path on zero-copy views
+        (``numpy.from_dlpack``) and the results come back as their kind (a bare producer gets
+        NumPy). dtypes: float16, bfloat16 (``ml_dtypes.bfloat16``), float32; float64
         on the NumPy path. Leading (batch) dims must be equal, except the head axis (-3 for
         "bhsd", 2 for "bshd"), where ``Hq % Hk == 0`` (GQA/MQA: query head ``h`` reads kv head
         ``h // (Hq // Hk)``). 2-D "bhsd" input is one head. Any strides with unit stride on the
@@ -110,7 +136,8 @@ def attention(
         Scale applied to ``q k^T``; None means ``1/sqrt(D)``. ``0.0`` is valid (uniform weights).
     window_size : (int, int)
         ``(left, right)``: query ``i`` sees keys ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``;
-        -1 means unbounded on that side. With ``causal=True`` the right bound is 0.
+        -1 means unbounded on that side. With ``causal=True`` the right bound is 0. Any int
+        >= -1: a bound of ``Sq + Sk`` or more (e.g. flash-attn's ``2**31 - 1``) excludes nothing.
     return_lse : bool
         Also return the log-sum-exp of each row's scaled, masked scores (natural log).
     layout : {"bhsd", "bshd"}
@@ -130,16 +157,23 @@ def attention(
         ``(B, Hq, Sq)`` ("bshd"); only when ``return_lse=True``.
 
     A query row that sees no key (e.g. causal with ``Sq > Sk``, or ``Sk = 0``) gets output 0 and
-    ``lse = -inf``. Empty inputs (a zero batch dim or ``Sq = 0``) compute nothing.
+    ``lse = -inf``. Empty inputs (a zero batch dim or ``Sq = 0``) compute nothing. Non-finite
+    input is never hidden (DESIGN.md §3): a NaN or inf in query row ``i``, or in a key or value
+    that row ``i`` sees, makes row ``i``'s output (and, through q or k, its lse) non-finite, as
+    in the float64 oracle; no warning is raised. The CUDA kernels may also turn a row NaN for a
+    NaN value row inside a tile it visits but does not see (``0 * NaN``).
 
     Raises
     ------
     TypeError
-        A non-array, an unsupported dtype, mixed dtypes or array kinds, a non-bool flag.
+        A non-array, an unsupported dtype or non-native byte order, mixed dtypes or array kinds,
+        ``numpy.matrix`` or a masked array, a CPU DLPack array NumPy cannot import, a non-bool
+        flag.
     ValueError
-        Mismatched shapes, non-unit last-axis or negative strides, an unknown layout or backend,
-        a malformed ``window_size``, a non-finite ``softmax_scale``, a bad ``out=``, a CPU tensor
-        through DLPack, arrays on different devices, or a backend that would move data.
+        Mismatched shapes, non-unit last-axis or negative strides, an unknown layout or backend
+        (argument or ``CUFLASH_BACKEND``), a malformed ``window_size``, a non-finite
+        ``softmax_scale``, a bad ``out=``, arrays on different devices, or a backend that would
+        move data.
     NotImplementedError
         A head dim above 256, or a valid call that has no kernel on the chosen backend.
     RuntimeError
@@ -177,6 +211,13 @@ def attention(
     (2, 8, 128, 64)
     """
     func = "cuflash.attention"
+    host = interop.HostImport(func, q=q, k=k, v=v, out=out)
+    if host.framework is not None:  # CPU DLPack arrays: the NumPy views, the result as their kind
+        result = attention(**host.arrays, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                           return_lse=return_lse, layout=layout, backend=backend)
+        if return_lse:
+            return host.export(result[0], "out"), host.export(result[1])
+        return host.export(result, "out")
     problem = validation.check_attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
         out=out, return_lse=return_lse, func=func,
@@ -202,7 +243,7 @@ def _attention_cuda(problem, q, k, v, out, return_lse: bool):
     import functools
 
     from cuflash.kernels import dispatch
-    from cuflash.runtime import cuda_runner, interop
+    from cuflash.runtime import cuda_runner
 
     with interop.CudaCall(problem.func, q, out=out) as call:
         qc, kc, vc = (call.import_array(x) for x in (q, k, v))
@@ -220,6 +261,16 @@ def _attention_cuda(problem, q, k, v, out, return_lse: bool):
             o, lse = result
             return call.export(o, out=out), call.export(lse)
         return call.export(result, out=out)
+
+
+def _parse_cc(arch, func: str) -> int:
+    """A compute capability from ``90``, ``"90"`` or ``"sm_90"`` (any arch: planning only)."""
+    import re
+
+    m = re.fullmatch(r"(?:sm_)?(\d+)", str(arch).strip())
+    if isinstance(arch, bool) or m is None:
+        raise ValueError(f"{func}: arch={arch!r} must be a compute capability such as 90 or 'sm_90'")
+    return int(m.group(1))
 
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
@@ -262,6 +313,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     from cuflash.kernels import dispatch
 
     func = "cuflash.explain"
+    q, k, v = interop.HostImport(func, q=q, k=k, v=v).arrays.values()
     problem = validation.check_attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
         func=func,
@@ -277,12 +329,10 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     if problem.dtype == dtypes.float64:
         raise NotImplementedError(f"{func}: the kernels compute float16, bfloat16 and float32; float64 runs on the NumPy path only")
     if arch is not None:
-        arch = sim.parse_arch(arch) if chosen == "sim" else int(str(arch).removeprefix("sm_"))
+        arch = sim.parse_arch(arch, func) if chosen == "sim" else _parse_cc(arch, func)
     elif chosen == "sim":
         arch = sim.current_options().arch
     else:
-        from cuflash.runtime import interop
-
         cupy = interop.require_cuda(func)
         arch = int(cupy.cuda.Device(int(problem.device[1])).compute_capability)
     arrays = (q, k, v) if problem.kind in ("numpy", "cupy") else None  # DLPack: shape-level checks only

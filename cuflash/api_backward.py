@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cuflash.api import check_kernel_dtype, resolve_backend
 from cuflash.reference import backward as ref_backward
-from cuflash.runtime import validation
+from cuflash.runtime import interop, validation
 
 #: tile sizes of the NumPy path (FlashAttention-2's backward: Bc keys outer, Br queries inner)
 _NUMPY_BLOCK_M = 64
@@ -71,12 +71,18 @@ def attention_backward(
     dq, dk, dv : arrays of q's kind and dtype, the shapes of q, k and v
 
     A row that sees no key (``lse = -inf``) has ``dq = 0`` there and adds nothing to ``dk``/``dv``.
+    Non-finite input (in q, k, v, dout, or the NaN ``out``/``lse`` the forward made of it) travels
+    only along visible (query, key) pairs: a gradient row is non-finite exactly where the float64
+    oracle's is, except that the CUDA kernels may also form ``0 * NaN`` with a row of a tile they
+    visit but whose pair is masked. CPU DLPack arrays (torch, JAX) run the NumPy path on
+    zero-copy views and the gradients come back as their kind.
 
     Raises
     ------
     TypeError
         A non-array, an unsupported or mismatched dtype (``out`` must have q's dtype, ``dout``
-        out's, ``lse`` float32/float64), mixed array kinds, a non-bool flag.
+        out's, ``lse`` float32/float64), mixed array kinds, a CPU DLPack array NumPy cannot
+        import, a non-bool flag.
     ValueError
         Mismatched shapes of q/k/v, ``out``, ``dout`` or ``lse``; bad strides or options; an
         unknown backend or one that would move data.
@@ -94,6 +100,12 @@ def attention_backward(
     """
     func = "cuflash.attention_backward"
     deterministic = validation.check_flag(deterministic, "deterministic", func)
+    host = interop.HostImport(func, dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    if host.framework is not None:  # CPU DLPack arrays: the NumPy views, the gradients as their kind
+        grads = attention_backward(**host.arrays, causal=causal, softmax_scale=softmax_scale,
+                                   window_size=window_size, layout=layout, backend=backend,
+                                   deterministic=deterministic)
+        return tuple(host.export(g) for g in grads)
     problem = ref_backward.check_backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         layout=layout, func=func, max_head_dim=validation.MAX_HEAD_DIM,
@@ -126,7 +138,7 @@ def _backward_cuda(problem, dout, q, k, v, out, lse, deterministic=False):
     import functools
 
     from cuflash.kernels import dispatch
-    from cuflash.runtime import cuda_runner, interop
+    from cuflash.runtime import cuda_runner
 
     with interop.CudaCall(problem.func, q) as call:
         arrays = [call.import_array(x) for x in (dout, q, k, v, out, lse)]

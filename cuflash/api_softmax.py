@@ -10,39 +10,28 @@ block sum twice and never rescales earlier blocks; this is the published, correc
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from cuflash.api import resolve_backend
 from cuflash.kernels import softmax as softmax_kernel
 from cuflash.reference import online_softmax
-from cuflash.runtime import variants
+from cuflash.runtime import interop, variants
 
-_BACKENDS = ("auto", "numpy", "sim", "cuda")
 _NAME = "cuflash.softmax"
 
 
-def _on_device(x) -> bool:
-    """CuPy, or a CUDA tensor through DLPack (torch, JAX)."""
-    from cuflash.runtime.interop import array_kind
-
-    return array_kind(x) in ("cupy", "dlpack")
-
-
-def _validate(x, axis, backend):
-    from cuflash.runtime.interop import array_kind, describe, device_type_name
-
-    kind = array_kind(x)
+def _validate(x, axis):
+    kind = interop.array_kind(x)
     if kind is None:
         raise TypeError(
-            f"{_NAME}: x must be a NumPy or CuPy array, got {type(x).__name__} (CUDA tensors with "
-            f"__dlpack__, e.g. torch or JAX, are accepted too)"
+            f"{_NAME}: x must be an array (numpy.ndarray, cupy.ndarray, or a DLPack array such as "
+            f"torch.Tensor or jax.Array), got {type(x).__module__}.{type(x).__qualname__}"
         )
-    info = describe(x, "x", _NAME)
+    info = interop.describe(x, "x", _NAME)
     if kind == "dlpack" and not info.on_cuda:
         raise ValueError(
-            f"{_NAME}: x is a {info.type_name} on {device_type_name(info.device[0])} (device {info.device}); "
-            f"only CUDA arrays are accepted through DLPack. For the CPU path pass a NumPy array"
+            f"{_NAME}: x is a {info.type_name} on {interop.device_type_name(info.device[0])} (device {info.device}); "
+            f"DLPack arrays must be on the CPU or a CUDA device"
         )
     allowed = [np.dtype(np.float16), variants.DTYPES["bf16"][1], np.dtype(np.float32), np.dtype(np.float64)]
     if info.dtype is None or info.dtype not in allowed:
@@ -54,29 +43,7 @@ def _validate(x, axis, backend):
         raise ValueError(f"{_NAME}: x must have at least 1 dimension, got a 0-d array")
     if not -ndim <= axis < ndim:
         raise ValueError(f"{_NAME}: axis={axis} must be in [{-ndim}, {ndim - 1}] for x.ndim={ndim}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"{_NAME}: backend must be one of {_BACKENDS}, got {backend!r}")
-    return int(axis) % ndim
-
-
-def _resolve_backend(x, backend: str) -> str:
-    device = _on_device(x)
-    if backend == "auto":
-        env = os.environ.get("CUFLASH_BACKEND", "").strip()
-        if env and env != "auto":
-            if env not in _BACKENDS:
-                raise ValueError(f"{_NAME}: CUFLASH_BACKEND must be one of {_BACKENDS}, got {env!r}")
-            backend = env
-        else:
-            return "cuda" if device else "numpy"
-    if backend == "cuda" and not device:
-        raise ValueError(
-            f"{_NAME}: backend='cuda' needs a CuPy array, got {type(x).__name__} (data is never moved implicitly; "
-            "use backend='sim' to run the CUDA kernel on the CPU simulator)"
-        )
-    if backend in ("numpy", "sim") and device:
-        raise ValueError(f"{_NAME}: backend={backend!r} needs a NumPy array, got a device array ({type(x).__name__})")
-    return backend
+    return int(axis) % ndim, kind
 
 
 def softmax(x, axis: int = -1, *, backend: str = "auto"):
@@ -84,9 +51,10 @@ def softmax(x, axis: int = -1, *, backend: str = "auto"):
 
     Parameters
     ----------
-    x : numpy.ndarray or cupy.ndarray
+    x : numpy.ndarray, cupy.ndarray, or a DLPack array (torch, JAX)
         Input of any shape (at least 1-D); dtype float16, bfloat16 (``ml_dtypes.bfloat16``),
-        float32, or float64 (NumPy path only).
+        float32, or float64 (NumPy path only). A CPU DLPack array (a torch or JAX CPU tensor)
+        runs the NumPy path on a zero-copy view and comes back as its own kind.
     axis : int, default -1
         Axis to normalize over.
     backend : {"auto", "numpy", "sim", "cuda"}, default "auto"
@@ -114,20 +82,23 @@ def softmax(x, axis: int = -1, *, backend: str = "auto"):
     Raises
     ------
     TypeError
-        If ``x`` is not a NumPy/CuPy array or has an unsupported dtype, or ``axis`` is not an int.
+        If ``x`` is not an array (or a NumPy subclass such as ``numpy.matrix``), has an
+        unsupported dtype or byte order, is a CPU DLPack array NumPy cannot import, or ``axis``
+        is not an int.
     ValueError
         For a 0-d ``x``, an out-of-range ``axis``, an unknown backend, or a backend that would
         move data between host and device.
     NotImplementedError
         For float64 input on the kernel backends (``"sim"``, ``"cuda"``).
     """
-    axis = _validate(x, axis, backend)
-    which = _resolve_backend(x, backend)
+    host = interop.HostImport(_NAME, x=x)
+    if host.framework is not None:  # a CPU DLPack array: its NumPy view, the result as its kind
+        return host.export(softmax(host.arrays["x"], axis, backend=backend))
+    axis, kind = _validate(x, axis)
+    which = resolve_backend(backend, kind, _NAME)
     if which == "numpy":
         return _numpy_softmax(x, axis)
-    from cuflash.runtime.interop import describe
-
-    if describe(x, "x", _NAME).dtype == np.float64:
+    if interop.describe(x, "x", _NAME).dtype == np.float64:
         raise NotImplementedError(f"{_NAME}: no float64 kernel; use backend='numpy' for float64 input")
     if which == "sim":
         if x.size == 0:
@@ -144,7 +115,7 @@ def _cuda_softmax(x, axis: int):
     x's framework and returned as x's framework array. No host synchronization."""
     import functools
 
-    from cuflash.runtime import cuda_runner, interop
+    from cuflash.runtime import cuda_runner
 
     with interop.CudaCall(_NAME, x) as call:
         xc = call.import_array(x)

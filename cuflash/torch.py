@@ -25,13 +25,12 @@ produces) is copied once with ``.contiguous()``; other strides are used as they 
 
 import math
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from cuflash.reference import backward as ref_backward
 from cuflash.reference import forward as ref_forward
-from cuflash.runtime import validation
+from cuflash.runtime import interop, validation
 
 __all__ = ["attention"]
 
@@ -50,15 +49,10 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach()
     if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         t = t.contiguous()  # the one documented copy: the NumPy path needs a unit last-axis stride
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
+    return interop.torch_to_numpy(t)
 
 
-def _from_numpy(a: np.ndarray) -> torch.Tensor:
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+_from_numpy = interop.numpy_to_torch
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,8 +104,9 @@ def _forward_cuda(q, k, v, causal, softmax_scale, window_left, window_right, lay
 
 def _backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
                    deterministic=False):
-    """CUDA tensors: :func:`cuflash.attention_backward` (the portable backward kernel) on torch's
-    current stream, zero-copy, gradients allocated with ``torch.empty``."""
+    """CUDA tensors: :func:`cuflash.attention_backward` (the dispatcher's backward tier: the
+    tensor-core kernel where it applies, else the SIMT one) on torch's current stream,
+    zero-copy, gradients allocated with ``torch.empty``."""
     import cuflash
 
     if q.device.type != "cuda":
@@ -254,8 +249,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     TypeError, ValueError
         As :func:`cuflash.attention` (raised when the operator runs).
     NotImplementedError
-        Tensors on devices other than CPU and CUDA, float64 CUDA tensors, and the backward of
-        CUDA tensors.
+        Tensors on devices other than CPU and CUDA, float64 CUDA tensors.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -264,6 +258,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     deterministic = validation.check_flag(deterministic, "deterministic", _FUNC)
     layout = validation.check_layout(layout, _FUNC)
     left, right = validation.check_window_size(window_size, False, _FUNC)
+    seq_axis = 1 if layout == "bshd" else -2
+    if q.dim() >= 2 and k.dim() >= 2:  # other ranks are refused when the operator validates
+        # bounds past both sequences mean "unbounded": -1 keeps the operator's int64 arguments in range
+        left, right = validation.normalize_window(left, right, q.shape[seq_axis], k.shape[seq_axis])
     if softmax_scale is None:
         head_dim = q.shape[-1]
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0

@@ -312,3 +312,13 @@ def test_full_model_demo_loss_and_generation():
     assert all(r["q_shape"][-2] == 1 and r["max_abs_err"] < 1e-4 for r in steps)
     text = "\n".join(lines)
     assert "next-token loss" in text and "greedy continuation" in text
+
+
+@needs_model
+def test_text_without_two_tokens_is_refused_before_the_model_loads(monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the text was checked")
+
+    monkeypatch.setattr(smollm2.SmolLM2, "load", no_load)
+    with pytest.raises(ValueError, match=r"the text must have at least 2 tokens .* got 0 for ''"):
+        demo.run_demo(text="", use_embedded=False, out=lambda line: None)

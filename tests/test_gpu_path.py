@@ -3,7 +3,7 @@
 Validation and refusals, the dispatcher's choice for simulated devices, precompile's variant
 list, the check command's structure and oracle, the demo's GPU plumbing, and the DLPack/stream
 plumbing against torch CPU tensors, NumPy and fakes. Nothing here pretends a kernel ran: where
-the GPU path would start device work, the tests assert the clear "no usable CUDA device" error.
+the GPU path would start device work, the tests assert the clear "no GPU" error (NO_GPU).
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ def _gpu() -> bool:
 
 
 no_gpu = pytest.mark.skipif(_gpu(), reason="asserts the behaviour without a GPU")
+
+#: interop.require_cuda's reasons on a machine without a usable GPU (CI has no driver at all)
+NO_GPU = (r"(no NVIDIA driver or GPU found|no NVIDIA GPU found|no usable CUDA device|"
+          r"the NVIDIA driver supports CUDA|needs CuPy|CuPy failed to import)")
 
 
 class FakeCudaTensor:
@@ -77,9 +81,9 @@ def test_cuda_dlpack_input_is_validated_then_reaches_the_gpu_path():
     q, k, v = FakeCudaTensor((2, 4, 5, 64)), FakeCudaTensor((2, 2, 7, 64)), FakeCudaTensor((2, 2, 7, 64))
     with pytest.raises(ValueError, match=r"k.shape\[-1\]=32 must equal q.shape\[-1\]=64"):
         cuflash.attention(q, FakeCudaTensor((2, 2, 7, 32)), v)
-    with pytest.raises(RuntimeError, match=r"cuflash.attention: no usable CUDA device"):
+    with pytest.raises(RuntimeError, match=rf"cuflash.attention: {NO_GPU}"):
         cuflash.attention(q, k, v, causal=True)
-    with pytest.raises(RuntimeError, match=r"no usable CUDA device"):
+    with pytest.raises(RuntimeError, match=NO_GPU):
         cuflash.attention(q, k, v, backend="cuda", return_lse=True)
 
 
@@ -89,13 +93,18 @@ def test_float64_cuda_input_is_not_implemented():
         cuflash.attention(q, q, q)
 
 
-def test_torch_cpu_tensors_are_refused_with_a_pointer_to_numpy():
+def test_torch_cpu_tensors_run_the_numpy_path_and_come_back_as_tensors(rng):
     torch = pytest.importorskip("torch")
-    q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ValueError, match=r"q is a torch.Tensor on kDLCPU .*only CUDA arrays .*NumPy array"):
-        cuflash.attention(q, q, q)
-    with pytest.raises(ValueError, match=r"x is a torch.Tensor on kDLCPU .*only CUDA arrays"):
-        cuflash.softmax(q)
+    q, k, v = (rng.standard_normal((1, 2, 9, 8)).astype(np.float32) for _ in range(3))
+    tq, tk, tv = (torch.from_numpy(x.copy()) for x in (q, k, v))
+    out, lse = cuflash.attention(tq, tk, tv, causal=True, return_lse=True)
+    assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
+    o64, l64 = cuflash.reference.naive_attention(q, k, v, causal=True, return_lse=True)
+    np.testing.assert_allclose(out.numpy(), o64, atol=2e-6)
+    np.testing.assert_allclose(lse.numpy(), l64, atol=2e-6)
+    y = cuflash.softmax(tq)
+    assert isinstance(y, torch.Tensor)
+    np.testing.assert_allclose(y.numpy(), cuflash.reference.softmax(q), atol=1e-6)
 
 
 def test_arrays_on_different_devices_are_refused():
@@ -106,11 +115,11 @@ def test_arrays_on_different_devices_are_refused():
 
 @no_gpu
 def test_softmax_on_a_cuda_tensor_without_gpu_is_a_clear_error():
-    with pytest.raises(RuntimeError, match=r"cuflash.softmax: no usable CUDA device"):
+    with pytest.raises(RuntimeError, match=rf"cuflash.softmax: {NO_GPU}"):
         cuflash.softmax(FakeCudaTensor((4, 9), dtype="float32"))
     with pytest.raises(TypeError, match=r"x.dtype must be .* got int8"):
         cuflash.softmax(FakeCudaTensor((4, 9), dtype="int8"))
-    with pytest.raises(ValueError, match=r"backend='numpy' needs a NumPy array"):
+    with pytest.raises(ValueError, match=r"backend='numpy' computes on the host and takes NumPy arrays; got device arrays"):
         cuflash.softmax(FakeCudaTensor((4, 9), dtype="float32"), backend="numpy")
 
 
@@ -235,7 +244,7 @@ def test_precompile_variant_lists():
 
 @no_gpu
 def test_precompile_without_gpu_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="cuflash.precompile: no usable CUDA device"):
+    with pytest.raises(RuntimeError, match=rf"cuflash.precompile: {NO_GPU}"):
         precompile.precompile()
 
 
@@ -266,7 +275,8 @@ def test_check_without_gpu_exits_2_and_reports_nothing():
     done = subprocess.run([sys.executable, "-m", "cuflash", "check"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "no usable CUDA GPU, so nothing was checked" in done.stderr
+    assert "cuflash check: nothing was checked: " in done.stderr
+    assert done.stderr.count("cuflash check") == 1, done.stderr  # the prefix is said once
     assert "PASS" not in done.stdout + done.stderr and "passed" not in done.stdout
 
 
@@ -384,7 +394,91 @@ def test_demo_without_gpu(monkeypatch, rng):
     monkeypatch.delenv("CUFLASH_BACKEND", raising=False)
     assert demo.gpu_available() is False
     q = rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
-    with pytest.raises(RuntimeError, match="cuflash demo: no usable CUDA device"):
+    with pytest.raises(RuntimeError, match=rf"cuflash demo: {NO_GPU}"):
         demo.run_attention(q, q, q, backend="cuda")
     with pytest.raises(ValueError, match="cuda"):
         demo.run_demo(backend="cuda", use_embedded=True, out=lambda line: None)
+
+
+def _fake_cupy(monkeypatch, *, count_error=None, driver=0, runtime=12090, count=1):
+    """A stand-in ``cupy`` module whose runtime answers as a given machine would."""
+    def get_device_count():
+        if count_error is not None:
+            raise count_error
+        return count
+
+    rt = types.SimpleNamespace(getDeviceCount=get_device_count, driverGetVersion=lambda: driver,
+                               runtimeGetVersion=lambda: runtime)
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(runtime=rt)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+
+
+class _CUDARuntimeError(RuntimeError):
+    pass
+
+
+def test_no_driver_is_said_in_words(monkeypatch):
+    _fake_cupy(monkeypatch, count_error=_CUDARuntimeError("cudaErrorInsufficientDriver: CUDA driver version is "
+                                                          "insufficient for CUDA runtime version"), driver=0)
+    with pytest.raises(RuntimeError, match=r"^cuflash.attention: no NVIDIA driver or GPU found; the CUDA kernels "
+                                           r"cannot run here") as info:
+        interop.require_cuda("cuflash.attention")
+    assert "cudaError" not in str(info.value)
+
+
+def test_old_driver_is_told_apart_from_no_driver(monkeypatch):
+    _fake_cupy(monkeypatch, count_error=_CUDARuntimeError("cudaErrorInsufficientDriver"), driver=11080, runtime=12090)
+    with pytest.raises(RuntimeError, match=r"the NVIDIA driver supports CUDA 11.8 but CuPy was built for CUDA 12.9"):
+        interop.require_cuda("cuflash check")
+
+
+def test_zero_devices_and_other_errors(monkeypatch):
+    _fake_cupy(monkeypatch, count=0)
+    with pytest.raises(RuntimeError, match=r"cuflash bench: no NVIDIA GPU found \(the driver reports 0 CUDA devices\)"):
+        interop.require_cuda("cuflash bench")
+    _fake_cupy(monkeypatch, count_error=_CUDARuntimeError("cudaErrorUnknown"), driver=12090)
+    with pytest.raises(RuntimeError, match=r"no usable CUDA device \(_CUDARuntimeError: cudaErrorUnknown\)"):
+        interop.require_cuda("cuflash bench")
+
+
+def test_bench_and_check_say_their_name_once(monkeypatch, capsys):
+    from cuflash.tools import bench
+
+    _fake_cupy(monkeypatch, count_error=_CUDARuntimeError("cudaErrorInsufficientDriver"), driver=0)
+    assert bench.main(["--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cuflash bench: no NVIDIA driver or GPU found") and err.count("cuflash bench") == 1
+    assert check.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cuflash check: nothing was checked: no NVIDIA driver or GPU found")
+    assert err.count("cuflash check") == 1
+
+
+def test_check_edge_and_nonfinite_cases_through_a_numpy_stand_in(monkeypatch):
+    """The check's grid logic (placement in views, poisoned out=, the oracle comparison, the
+    non-finite row rule) run end to end with NumPy standing in for CuPy, so the cases and their
+    verdicts are right before they ever meet a GPU. (The kernels themselves are not run here.)"""
+    fake = types.ModuleType("cupy")
+    fake.ndarray, fake.full, fake.broadcast_to = np.ndarray, np.full, np.broadcast_to
+    fake.asarray = np.asarray
+    fake.asnumpy = np.asarray
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    cases = [c for c in check.grid_cases() if c.get("nonfinite") or c["window"][1] == 2**40 or c["Sq"] == 146]
+    assert {c.get("nonfinite") for c in cases} >= {"q", "k", "v"} and len(cases) >= 5
+    for c in cases:
+        ok, msg = check.run_case(c, np.random.default_rng(7))
+        assert ok, (check._case_name(c), msg)
+        if c.get("nonfinite"):
+            assert "non-finite rows, as the oracle" in msg and not msg.startswith("0 ")
+    c = dict(cases[-1])
+    real = cuflash.attention
+
+    def hides_nan(*args, **kwargs):  # a backend that zeroes NaN rows must fail the check
+        o, lse = real(*args, **kwargs)
+        o[np.isnan(o.astype(np.float32))] = 0
+        return o, lse
+
+    monkeypatch.setattr(cuflash, "attention", hides_nan)
+    ok, msg = check.run_case(c, np.random.default_rng(7))
+    assert not ok and "non-finite rows differ" in msg

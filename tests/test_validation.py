@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _tolerance import check_close
 
 import cuflash
-from cuflash.runtime import dtypes
+from cuflash.runtime import dtypes, interop
 
 
 def arrays(dtype=np.float32, b=2, hq=4, hk=2, sq=5, sk=7, d=8, dv=8):
@@ -83,18 +84,83 @@ def test_mixed_numpy_and_cupy_kinds():
         cuflash.attention(FakeCupyArray(q), FakeCupyArray(k[..., :4]), FakeCupyArray(v))
 
 
-def test_cpu_dlpack_tensor_is_refused():
+def test_cpu_dlpack_producer_numpy_cannot_import_is_a_type_error():
     shape = (2, 4, 5, 8)
     q, k, v = (FakeDLPackTensor(shape, device=(1, 0)) for _ in range(3))
-    with pytest.raises(ValueError, match=r"q is a .*FakeDLPackTensor on kDLCPU .*only CUDA arrays are accepted through DLPack.*NumPy"):
+    with pytest.raises(TypeError, match=r"q is a .*FakeDLPackTensor on the CPU that NumPy cannot import through "
+                                        r"numpy.from_dlpack \(AssertionError: .*\); accepted: numpy.ndarray"):
         cuflash.attention(q, k, v)
 
 
-def test_torch_cpu_tensor_is_refused():
+class BareDLPack:
+    """The protocol's minimum: ``__dlpack__`` and ``__dlpack_device__``, nothing else."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_bare_cpu_dlpack_producer_runs_the_numpy_path_and_gets_numpy_back():
+    q, k, v = arrays()
+    out, lse = cuflash.attention(BareDLPack(q), BareDLPack(k), BareDLPack(v), causal=True, return_lse=True)
+    assert type(out) is np.ndarray and type(lse) is np.ndarray
+    expected, expected_lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(lse, expected_lse)
+    y = cuflash.softmax(BareDLPack(q))
+    assert type(y) is np.ndarray
+    np.testing.assert_array_equal(y, cuflash.softmax(q))
+    dout = np.ones_like(out)
+    grads = cuflash.attention_backward(*(BareDLPack(x) for x in (dout, q, k, v, out, lse)), causal=True)
+    for g, e in zip(grads, cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)):
+        assert type(g) is np.ndarray
+        np.testing.assert_array_equal(g, e)
+    assert cuflash.explain(BareDLPack(q), BareDLPack(k), BareDLPack(v))["backend"] == "numpy"
+
+
+def test_cpu_dlpack_mixed_with_numpy_is_refused():
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match=r"k is a numpy.ndarray but q is a .*BareDLPack; all arrays must be of one kind"):
+        cuflash.attention(BareDLPack(q), k, v)
+    with pytest.raises(TypeError, match=r"k is a .*BareDLPack but q is a numpy.ndarray"):
+        cuflash.attention(q, BareDLPack(k), v)
+
+
+def test_bare_cuda_dlpack_producer_without_metadata_is_a_type_error():
+    class NoShape:
+        def __dlpack__(self, **kw):  # pragma: no cover - never called
+            raise AssertionError("validation must not export data")
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    with pytest.raises(TypeError, match=r"q is a .*NoShape with __dlpack__ but no .shape/.dtype .*cupy.from_dlpack\(q\)"):
+        cuflash.attention(NoShape(), NoShape(), NoShape())
+
+
+def test_torch_cpu_tensors_come_back_as_tensors_and_out_is_written_in_place(rng):
     torch = pytest.importorskip("torch")  # CI installs torch 2.13.0 (CPU build)
-    q, k, v = (torch.randn(2, 4, 5, 8) for _ in range(3))
-    with pytest.raises(ValueError, match=r"q is a torch.Tensor on kDLCPU"):
-        cuflash.attention(q, k, v)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(2, 4, 5, 8).to(dtype) for _ in range(3))
+        out = torch.full((2, 4, 5, 8), float("nan"), dtype=dtype)
+        got = cuflash.attention(q, k, v, out=out)
+        assert got is out  # the caller's tensor, filled
+        qn, kn, vn = (interop.torch_to_numpy(t) for t in (q, k, v))
+        np.testing.assert_array_equal(interop.torch_to_numpy(out), cuflash.attention(qn, kn, vn))
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)  # a tensor that needs grad is detached, not refused
+    assert isinstance(cuflash.attention(q, q, q), torch.Tensor)
+
+
+def test_torch_cpu_tensor_with_numpy_is_refused():
+    torch = pytest.importorskip("torch")
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match=r"k is a numpy.ndarray but q is a torch.Tensor"):
+        cuflash.attention(torch.from_numpy(q), k, v)
 
 
 def test_dlpack_arrays_on_different_devices():
@@ -249,9 +315,24 @@ def test_backend_environment_variable(monkeypatch):
     monkeypatch.setenv("CUFLASH_BACKEND", "bogus")
     with pytest.raises(ValueError, match=r"environment variable CUFLASH_BACKEND must be one of .* got 'bogus'"):
         cuflash.attention(q, k, v)
-    monkeypatch.setenv("CUFLASH_BACKEND", "cuda")  # overrides "auto" only
-    with pytest.raises(ValueError, match=r"backend='cuda' needs GPU arrays"):
+    monkeypatch.setenv("CUFLASH_BACKEND", "cuda")  # overrides "auto" only, and says so
+    with pytest.raises(ValueError, match=r"backend='cuda' \(from the environment variable "
+                                         r"CUFLASH_BACKEND='cuda'\) needs GPU arrays"):
         cuflash.attention(q, k, v)
+    with pytest.raises(ValueError, match=r"backend='cuda' \(from the environment variable CUFLASH_BACKEND"):
+        cuflash.softmax(q)
+    for spelling in (" sim", "SIM", "Sim\n"):  # one rule: case and surrounding spaces ignored
+        monkeypatch.setenv("CUFLASH_BACKEND", spelling)
+        with cuflash.sim.options(arch="sm_75"):
+            out = cuflash.attention(q, k, v)
+        check_close(out, q, k, v)
+    monkeypatch.setenv("CUFLASH_BACKEND", "si m")
+    with pytest.raises(ValueError, match=r"CUFLASH_BACKEND must be one of .*case and surrounding spaces ignored.* got 'si m'"):
+        cuflash.attention(q, k, v)
+    monkeypatch.setenv("CUFLASH_BACKEND", "bogus")
+    with pytest.raises(ValueError, match=r"cuflash.softmax: environment variable CUFLASH_BACKEND must be one of"):
+        cuflash.softmax(q)
+    monkeypatch.setenv("CUFLASH_BACKEND", "cuda")
     out = cuflash.attention(q, k, v, backend="numpy")  # an explicit backend wins
     assert out.shape == (2, 4, 5, 8)
 
@@ -263,3 +344,40 @@ def test_validation_happens_before_computation(monkeypatch):
     with pytest.raises(TypeError):
         cuflash.attention(q, k, v, out=out)
     assert (out == 7.0).all()
+
+
+def test_non_native_byte_order_is_named():
+    q, k, v = arrays()
+    big = q.astype(q.dtype.newbyteorder(">" if np.little_endian else "<"))
+    with pytest.raises(TypeError, match=r"q.dtype='.f4' has non-native byte order; .*q.astype\(q.dtype.newbyteorder\('='\)\)"):
+        cuflash.attention(big, k, v)
+    with pytest.raises(TypeError, match=r"x.dtype='.f4' has non-native byte order"):
+        cuflash.softmax(big)
+    fixed = big.astype(big.dtype.newbyteorder("="))
+    np.testing.assert_array_equal(cuflash.attention(fixed, k, v), cuflash.attention(q, k, v))
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # numpy's own, for np.matrix
+def test_matrix_and_masked_arrays_are_refused_by_name():
+    q, k, v = (x[0, 0] for x in arrays())
+    with pytest.raises(TypeError, match=r"q is a numpy.matrix, which is not accepted: .*numpy.asarray\(q\)"):
+        cuflash.attention(np.matrix(q), k, v)
+    with pytest.raises(TypeError, match=r"v is a numpy.ma.MaskedArray, .*mask would be ignored"):
+        cuflash.attention(q, k, np.ma.masked_array(v, mask=v > 0))
+    with pytest.raises(TypeError, match=r"x is a numpy.matrix"):
+        cuflash.softmax(np.matrix(q))
+
+
+def test_explain_names_itself_in_arch_errors():
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match=r"^cuflash.explain: arch=60 must be one of 'sm_75'"):
+        cuflash.explain(q, k, v, arch=60)
+    with pytest.raises(ValueError, match=r"^cuflash.explain: arch='volta' must be one of"):
+        cuflash.explain(q, k, v, arch="volta", backend="sim")
+
+
+def test_explain_reason_names_the_dtype_of_the_call():
+    q = np.zeros((1, 1, 4, 64), np.float16)
+    assert "no m16n8k16 f16 mma" in cuflash.explain(q, q, q, arch=75)["choice"]
+    b = q.astype(dtypes.bfloat16)
+    assert "no m16n8k16 bf16 mma" in cuflash.explain(b, b, b, arch=75)["choice"]

@@ -141,7 +141,8 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     """
     p = problem
     if arch < MIN_ARCH:
-        return f"sm_{arch} has no m16n8k16 bf16 mma / cp.async (needs sm_{MIN_ARCH}+)"
+        name = str(np.dtype(p.dtype)).replace("bfloat16", "bf16").replace("float16", "f16")
+        return f"sm_{arch} has no m16n8k16 {name} mma with cp.async (needs sm_{MIN_ARCH}+)"
     try:
         key = variants.dtype_key(p.dtype)
     except KeyError:

@@ -138,8 +138,17 @@ def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
             f"{func}: {name} must be an array (numpy.ndarray, cupy.ndarray, or a GPU tensor supporting "
             f"DLPack such as torch.Tensor or jax.Array); got {_type_name(x)}"
         )
+    if kind == "numpy" and isinstance(x, (np.matrix, np.ma.MaskedArray)):
+        why = ("its operators and indexing follow matrix rules and it is always 2-D" if isinstance(x, np.matrix)
+               else "its mask would be ignored (use causal= or window_size= to mask attention)")
+        raise TypeError(f"{func}: {name} is a {_type_name(x)}, which is not accepted: {why}; pass numpy.asarray({name})")
     if kind in ("numpy", "cupy"):
         dtype = np.dtype(x.dtype)
+        if not dtype.isnative:
+            raise TypeError(
+                f"{func}: {name}.dtype={dtype.str!r} has non-native byte order; cuflash computes in the "
+                f"machine's byte order: pass {name}.astype({name}.dtype.newbyteorder('='))"
+            )
         byte_strides = tuple(int(s) for s in x.strides)
         device = (int(DLDeviceType.kDLCPU), 0) if kind == "numpy" else (int(DLDeviceType.kDLCUDA), int(x.device.id))
         return ArrayInfo(
@@ -154,6 +163,11 @@ def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
         )
     # Generic DLPack producer (torch, JAX, ...): metadata through its Python attributes.
     device = tuple(int(c) for c in x.__dlpack_device__())
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(
+            f"{func}: {name} is a {_type_name(x)} with __dlpack__ but no .shape/.dtype to validate it "
+            f"by; pass it through cupy.from_dlpack({name}) (CUDA) or numpy.from_dlpack({name}) (CPU)"
+        )
     shape = tuple(int(n) for n in x.shape)
     dtype_name = str(x.dtype).removeprefix("torch.")
     dtype = dtypes.from_name(dtype_name)
@@ -214,17 +228,39 @@ def require_cuda(func: str):
             f"{func}: GPU arrays need CuPy, which is not installed ({exc}); install cuflash with "
             f"the 'cuda12' or 'cuda13' extra (e.g. pip install 'cuflash[cuda12]')"
         ) from None
+    except Exception as exc:  # noqa: BLE001 - CuPy installed but broken (missing libraries, ...)
+        raise RuntimeError(f"{func}: CuPy failed to import ({type(exc).__name__}: {exc})") from None
     try:
         count = int(cupy.cuda.runtime.getDeviceCount())
     except Exception as exc:  # noqa: BLE001 - CUDARuntimeError, missing driver library, ...
-        raise RuntimeError(
-            f"{func}: no usable CUDA device: cupy.cuda.runtime.getDeviceCount() failed with "
-            f"{type(exc).__name__}: {exc}. The CUDA kernels cannot run on this machine (NumPy "
-            f"arrays run on the CPU path)"
-        ) from None
+        raise RuntimeError(f"{func}: {_no_device_reason(cupy, exc)}") from None
     if count < 1:
-        raise RuntimeError(f"{func}: no CUDA device found (cupy.cuda.runtime.getDeviceCount() == 0)")
+        raise RuntimeError(f"{func}: no NVIDIA GPU found (the driver reports 0 CUDA devices)")
     return cupy
+
+
+def _no_device_reason(cupy, exc) -> str:
+    """Why ``getDeviceCount`` failed, in words: no driver at all (``cudaDriverGetVersion`` gives 0,
+    CUDA Runtime API), a driver older than CuPy's runtime, or the CUDA error itself."""
+    try:
+        driver = int(cupy.cuda.runtime.driverGetVersion())
+    except Exception:  # noqa: BLE001
+        driver = None
+    try:
+        runtime = int(cupy.cuda.runtime.runtimeGetVersion())
+    except Exception:  # noqa: BLE001
+        runtime = None
+
+    def ver(v):
+        return f"{v // 1000}.{v % 1000 // 10}"
+
+    tail = "the CUDA kernels cannot run here (NumPy arrays run on the CPU path)"
+    if driver == 0:
+        return f"no NVIDIA driver or GPU found; {tail}"
+    if driver and runtime and driver < runtime:
+        return (f"the NVIDIA driver supports CUDA {ver(driver)} but CuPy was built for CUDA {ver(runtime)}: "
+                f"update the driver or install the matching CuPy (cuflash[cuda12] / cuflash[cuda13]); {tail}")
+    return f"no usable CUDA device ({type(exc).__name__}: {exc}); {tail}"
 
 
 def _exporter(x, func: str):
@@ -451,3 +487,125 @@ class CudaCall:
             if view is a:
                 return tensor
         return self._export(a)
+
+
+# --------------------------------------------------------------------------------------------
+# The host side: CPU DLPack arrays (torch and JAX CPU tensors, any producer) on the NumPy path
+
+
+def torch_to_numpy(t):
+    """A zero-copy NumPy view of a CPU ``torch.Tensor`` (detached; bfloat16 through an int16
+    view, since NumPy's DLPack import has no bfloat16)."""
+    import ml_dtypes
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def numpy_to_torch(a: np.ndarray):
+    """A CPU ``torch.Tensor`` sharing ``a``'s memory (bfloat16 through an int16 view)."""
+    import ml_dtypes
+    import torch
+
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+_ACCEPTED = ("numpy.ndarray, cupy.ndarray, or a DLPack array (torch.Tensor, jax.Array, ...) on the "
+             "CPU or a CUDA device, of float16, bfloat16, float32 or float64")
+
+
+def is_host_dlpack(x) -> bool:
+    """True for a DLPack producer (not NumPy, not CuPy) whose ``__dlpack_device__`` is the CPU."""
+    if array_kind(x) != "dlpack":
+        return False
+    try:
+        return int(x.__dlpack_device__()[0]) == DLDeviceType.kDLCPU
+    except Exception:  # noqa: BLE001 - a broken producer is refused later, by describe
+        return False
+
+
+def host_to_numpy(x, name: str, func: str) -> np.ndarray:
+    """A zero-copy NumPy view of the CPU DLPack array ``x`` (``numpy.from_dlpack``; torch
+    tensors are detached first and bfloat16 goes through an int16 view; JAX's bfloat16 through
+    ``numpy.asarray``).
+
+    Raises
+    ------
+    TypeError
+        If NumPy cannot import ``x``: the message names what was passed and what is accepted.
+    """
+    fw = framework_of(x)
+    if fw == "torch":
+        return torch_to_numpy(x)
+    try:
+        return np.from_dlpack(x)
+    except Exception as exc:  # noqa: BLE001 - whatever the producer raises, the message says what it was
+        if fw == "jax":  # bfloat16: NumPy's DLPack import has no such dtype; JAX hands ml_dtypes out
+            return np.asarray(x)
+        raise TypeError(
+            f"{func}: {name} is a {_type_name(x)} on the CPU that NumPy cannot import through "
+            f"numpy.from_dlpack ({type(exc).__name__}: {exc}); accepted: {_ACCEPTED}"
+        ) from None
+
+
+class HostImport:
+    """CPU DLPack arguments of one call, viewed as NumPy, and the way back (DESIGN.md §3).
+
+    ``HostImport(func, q=q, k=k, v=v, out=out).arrays`` holds each argument, the CPU DLPack
+    ones replaced by zero-copy NumPy views (None stays None). :meth:`export` hands a NumPy
+    result back as the callers' kind: a ``torch.Tensor`` (sharing memory), a ``jax.Array``
+    (``jax.numpy.asarray``), or NumPy for any other producer. Arguments of several kinds (a
+    torch CPU tensor and a NumPy array, torch and JAX) are refused.
+
+    Raises
+    ------
+    TypeError
+        Mixed kinds, or a CPU producer NumPy cannot import (see :func:`host_to_numpy`).
+    """
+
+    def __init__(self, func: str, **arrays):
+        self.func = func
+        self.originals = arrays
+        self.framework = None  # the CPU DLPack framework, None when nothing was imported
+        host = {name for name, x in arrays.items() if x is not None and is_host_dlpack(x)}
+        self.arrays = dict(arrays)
+        if not host:
+            return
+        first = next(name for name in arrays if arrays[name] is not None)
+        kinds = {name: (framework_of(x), _type_name(x)) for name, x in arrays.items() if x is not None}
+        for name, (fw, type_name) in kinds.items():
+            if fw != kinds[first][0] or (name in host) != (first in host):
+                raise TypeError(
+                    f"{func}: {name} is a {type_name} but {first} is a {kinds[first][1]}; all arrays must "
+                    f"be of one kind (no implicit conversions)"
+                )
+        self.framework = kinds[first][0]
+        for name in arrays:  # in argument order, so an error names the first bad one
+            if name in host:
+                self.arrays[name] = host_to_numpy(arrays[name], name, func)
+
+    def export(self, a, name: str | None = None):
+        """``a`` (a NumPy result) as the callers' kind; with ``name`` of an argument that was
+        written in place (``out=``), that argument itself."""
+        if self.framework is None or a is None:
+            return a
+        if name is not None and self.originals.get(name) is not None:
+            return self.originals[name]
+        if self.framework == "torch":
+            return numpy_to_torch(a)
+        if self.framework == "jax":
+            import jax.numpy as jnp
+
+            return jnp.asarray(a)
+        return a
+
+    def export_all(self, result):
+        """:meth:`export` of a result or of each item of a tuple of results."""
+        if isinstance(result, tuple):
+            return tuple(self.export(a) for a in result)
+        return self.export(result)

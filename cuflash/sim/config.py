@@ -17,8 +17,9 @@ _FIBERS = ("auto", "asm", "ucontext")
 
 
 
-def parse_arch(arch) -> int:
-    """Return the compute capability of ``"sm_90"``, ``"90"`` or ``90``.
+def parse_arch(arch, func: str = "cuflash.sim.options") -> int:
+    """Return the compute capability of ``"sm_90"``, ``"90"`` or ``90`` (``func`` names the
+    caller in the error).
 
     Raises
     ------
@@ -29,7 +30,7 @@ def parse_arch(arch) -> int:
     cc = int(m.group(1)) if m else None
     if cc not in ARCHS:
         raise ValueError(
-            f"cuflash.sim.options: arch={arch!r} must be one of " + ", ".join(f"'sm_{a}'" for a in ARCHS)
+            f"{func}: arch={arch!r} must be one of " + ", ".join(f"'sm_{a}'" for a in ARCHS)
         )
     return cc
 

@@ -96,16 +96,12 @@ def baselines_for(cfg: Config, quick: bool) -> tuple[str, ...]:
 
 def gpu_available() -> tuple[bool, str]:
     """``(True, device name)`` or ``(False, why not)``."""
+    from cuflash.runtime.interop import require_cuda
+
     try:
-        import cupy
-    except Exception as e:  # noqa: BLE001 - any import failure means no GPU path
-        return False, f"CuPy is not importable ({type(e).__name__}: {e})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001
-        return False, f"no CUDA driver/device ({type(e).__name__}: {e})"
-    if n < 1:
-        return False, "no CUDA device"
+        cupy = require_cuda("cuflash bench")
+    except RuntimeError as e:
+        return False, str(e).removeprefix("cuflash bench: ")
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     return True, name
@@ -420,7 +416,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", choices=("yes", "no"), help="only causal or only non-causal")
     p.add_argument("--no-baselines", action="store_true", help="time cuflash only")
     p.add_argument("--backward", action="store_true",
-                   help="also time the backward (cuflash's portable kernel, and SDPA flash's with torch)")
+                   help="also time the backward (the kernel cuflash's dispatcher picks, and SDPA flash's with torch)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per measurement (default 3)")
     p.add_argument("--iters", type=int, default=10, help="timed calls per measurement; the median is reported (default 10)")
     p.add_argument("--json", metavar="FILE", help="write the records as JSON to FILE ('-' for stdout, table on stderr)")
@@ -444,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     ok, device = gpu_available()
     if not ok:
-        print(f"cuflash bench: no CUDA GPU: {device}. The benchmark needs a GPU (the simulator is not "
+        print(f"cuflash bench: {device}. The benchmark needs a GPU (the simulator is not "
               f"benchmarked); nothing was measured.", file=sys.stderr)
         return 2
     causal = None if args.causal is None else args.causal == "yes"

