@@ -147,7 +147,8 @@ def attention(
         overlapping q, k or v.
     backend : {"auto", "numpy", "sim", "cuda"}
         "auto" never moves data: NumPy input runs the NumPy implementation
-        (:func:`cuflash.reference.flash_attention`), GPU arrays run the CUDA kernels. The
+        (:func:`cuflash.reference.flash_attention`, threaded: ``CUFLASH_NUM_THREADS``), GPU
+        arrays run the CUDA kernels. The
         ``CUFLASH_BACKEND`` environment variable overrides "auto" only.
 
     Returns
@@ -224,7 +225,7 @@ def attention(
     )
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":
-        return ref_forward._flash_forward(problem, q, k, v, 128, 128, out, return_lse)
+        return ref_forward._flash_forward(problem, q, k, v, None, None, out, return_lse)
     check_kernel_dtype(problem, chosen)
     if chosen == "sim":
         from cuflash import sim
@@ -323,8 +324,12 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         # asking for an arch means asking what a device would run: plan as the simulator does
         chosen = "sim"
     if chosen == "numpy":
-        return {"backend": "numpy", "block_m": 128, "block_n": 128,
-                "choice": "NumPy path (cuflash.reference.flash_attention, 128 x 128 tiles); pass arch=... or "
+        from cuflash.runtime import threads
+
+        block_m, block_n = ref_forward.cpu_tiles(problem)
+        return {"backend": "numpy", "block_m": block_m, "block_n": block_n, "threads": threads.num_threads(),
+                "choice": f"NumPy path (cuflash.reference.flash_attention, {block_m} x {block_n} tiles per kv "
+                          f"head, {threads.num_threads()} threads); pass arch=... or "
                           "backend='sim' to see the kernel a GPU would run"}
     if problem.dtype == dtypes.float64:
         raise NotImplementedError(f"{func}: the kernels compute float16, bfloat16 and float32; float64 runs on the NumPy path only")

@@ -6,10 +6,6 @@ from cuflash.api import check_kernel_dtype, resolve_backend
 from cuflash.reference import backward as ref_backward
 from cuflash.runtime import interop, validation
 
-#: tile sizes of the NumPy path (FlashAttention-2's backward: Bc keys outer, Br queries inner)
-_NUMPY_BLOCK_M = 64
-_NUMPY_BLOCK_N = 128
-
 
 def attention_backward(
     dout,
@@ -113,7 +109,7 @@ def attention_backward(
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":
         return ref_backward._flash_backward(
-            problem, dout, q, k, v, out, lse, _NUMPY_BLOCK_M, _NUMPY_BLOCK_N
+            problem, dout, q, k, v, out, lse, None, None
         )
     check_kernel_dtype(problem, chosen)
     if chosen == "sim":

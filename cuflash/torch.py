@@ -35,10 +35,6 @@ from cuflash.runtime import interop, validation
 __all__ = ["attention"]
 
 _FUNC = "cuflash.torch.attention"
-_BLOCK_M = 128  # forward tiles of the NumPy path (as cuflash.attention)
-_BLOCK_N = 128
-_BWD_BLOCK_M = 64  # backward tiles (as cuflash.attention_backward)
-_BWD_BLOCK_N = 128
 
 
 # --------------------------------------------------------------------------------------------
@@ -65,7 +61,7 @@ def _forward_cpu(q, k, v, causal, softmax_scale, window_left, window_right, layo
         qa, ka, va, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
         layout=layout, return_lse=True, func=_FUNC, max_head_dim=validation.MAX_HEAD_DIM,
     )
-    out, lse = ref_forward._flash_forward(problem, qa, ka, va, _BLOCK_M, _BLOCK_N, None, True)
+    out, lse = ref_forward._flash_forward(problem, qa, ka, va, None, None, None, True)
     return _from_numpy(out), _from_numpy(lse)
 
 
@@ -76,7 +72,7 @@ def _backward_cpu(dout, q, k, v, out, lse, causal, softmax_scale, window_left, w
         *arrays, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
         layout=layout, func=_FUNC + " (backward)", max_head_dim=validation.MAX_HEAD_DIM,
     )
-    dq, dk, dv = ref_backward._flash_backward(problem, *arrays, _BWD_BLOCK_M, _BWD_BLOCK_N)
+    dq, dk, dv = ref_backward._flash_backward(problem, *arrays, None, None)
     return _from_numpy(dq), _from_numpy(dk), _from_numpy(dv)
 
 

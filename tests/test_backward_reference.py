@@ -468,7 +468,7 @@ def test_validation_bshd_lse_shape_and_block_sizes(rng):
     match = r"lse.shape=\(2, 5, 4\) must be \(2, 4, 5\) \(\(B, Hq, Sq\) for layout='bshd'\)"
     with pytest.raises(ValueError, match=match):
         flash_attention_backward(out, q, k, v, out, np.ascontiguousarray(lse.swapaxes(1, 2)), layout="bshd")
-    with pytest.raises(ValueError, match=r"block_m must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"block_m must be >= 1 \(or None\), got 0"):
         flash_attention_backward(out, q, k, v, out, lse, layout="bshd", block_m=0)
     with pytest.raises(TypeError, match=r"block_n must be an int, got 2.0"):
         flash_attention_backward(out, q, k, v, out, lse, layout="bshd", block_n=2.0)

@@ -40,12 +40,12 @@ import numpy as np
 
 from cuflash.reference.masks import masked_matmul, problem_mask, query_range
 from cuflash.reference.views import canonical, check_numpy, kv_view, split_heads
-from cuflash.runtime import dtypes
+from cuflash.runtime import dtypes, threads
 from cuflash.runtime.interop import describe
 from cuflash.runtime.validation import (
     AttentionProblem,
     check_attention,
-    check_int,
+    check_block_sizes,
     check_strides,
 )
 
@@ -105,15 +105,6 @@ def check_backward(
     check_strides(oi, "out", func)
     check_strides(di, "dout", func)
     return p
-
-
-def _check_blocks(block_m, block_n, func):
-    block_m = check_int(block_m, "block_m", func)
-    block_n = check_int(block_n, "block_n", func)
-    for name, value in (("block_m", block_m), ("block_n", block_n)):
-        if value < 1:
-            raise ValueError(f"{func}: {name} must be >= 1, got {value}")
-    return block_m, block_n
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,7 +228,7 @@ def attention_backward(
 
 def flash_attention_backward(
     dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-    block_m=64, block_n=128,
+    block_m=None, block_n=None,
 ):
     """The tiled FlashAttention-2 backward in NumPy: the CPU path of :func:`cuflash.attention_backward`.
 
@@ -257,12 +248,18 @@ def flash_attention_backward(
     K/V tile. Tiles of keys no query row can see (causal, windows) are skipped and their
     gradients are 0. With GQA/MQA a kv head's ``dK_j``/``dV_j`` sum over its query heads.
 
+    The key tiles of each kv head are split into chunks run on a thread pool of the machine's
+    size (``CUFLASH_NUM_THREADS``) with BLAS held to one thread; each chunk has its own dQ
+    buffer, and a head's buffers are summed in chunk order (a function of the shape only), so
+    the result is bit-identical run to run and for any number of threads.
+
     Parameters
     ----------
     dout, q, k, v, out, lse, causal, softmax_scale, window_size, layout
         As :func:`attention_backward`.
-    block_m, block_n : int
-        Query rows (Br) and key rows (Bc) per tile, >= 1.
+    block_m, block_n : int, optional
+        Query rows (Br) and key rows (Bc) per tile, >= 1; None (default): the forward's
+        cache-sized tiles (:func:`cuflash.reference.forward.cpu_tiles`).
 
     Returns
     -------
@@ -276,8 +273,9 @@ def flash_attention_backward(
 
     Notes
     -----
-    Peak extra memory is O(batch * heads * (Sq * D + block_m * block_n)): the ``Sq x Sk``
-    matrices never exist.
+    Peak extra memory is O(batch * heads * Sq * D) (the float32 dQ buffers and the per-head
+    float32 copies of q, dO) plus O(threads * G * block_m * block_n) for the tiles: the
+    ``Sq x Sk`` matrices never exist.
     """
     func = "cuflash.reference.flash_attention_backward"
     p = check_backward(
@@ -285,58 +283,121 @@ def flash_attention_backward(
         layout=layout, func=func,
     )
     check_numpy(p)
-    block_m, block_n = _check_blocks(block_m, block_n, func)
+    block_m, block_n = check_block_sizes(block_m, block_n, func)
     return _flash_backward(p, dout, q, k, v, out, lse, block_m, block_n)
 
 
+#: key tiles of one kv head are split into about this many independent chunks in all (over the
+#: heads), so a problem with few heads still fills the pool; a function of the shape alone, so
+#: the summation order of dq, and with it every bit, does not depend on the thread count
+_BWD_CHUNKS = 8
+
+
 def _flash_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m, block_n):
-    """The tiled backward on validated NumPy input (shared with :func:`cuflash.attention_backward`)."""
+    """The tiled backward on validated NumPy input (shared with :func:`cuflash.attention_backward`).
+
+    ``block_m``/``block_n`` None pick the forward's cache-sized tiles
+    (:func:`cuflash.reference.forward.cpu_tiles`). Work items are (kv head, chunk of key tiles)
+    pairs on :func:`cuflash.runtime.threads.run`'s pool with BLAS single-threaded; each keeps
+    its own float32 dQ accumulator, and a head's chunks are added in chunk order afterwards
+    (deterministic, whatever the number of threads). The ``G`` query heads of a kv head are
+    stacked into ``(G * Br)``-row tiles, as in the forward.
+    """
+    from cuflash.reference.forward import cpu_tiles
+
     acc_t = dtypes.accumulator(p.dtype)
     dq, dk, dv = _outputs(q, k, v, p.dtype)
     if p.is_empty or not p.num_heads_k:
         return dq, dk, dv
+    block_m, block_n = cpu_tiles(p, block_m, block_n)
     layout = p.layout
     qv = split_heads(canonical(q, layout), p.num_heads_k)
-    kv = canonical(k, layout)
-    vv = canonical(v, layout)
     dov = split_heads(canonical(dout, layout), p.num_heads_k)
     ov = split_heads(canonical(out, layout), p.num_heads_k)
     lv = _lse_view(lse, p, q.ndim == 2)
+    kv, vv = canonical(k, layout), canonical(v, layout)
+    dq_v = split_heads(canonical(dq, layout), p.num_heads_k)
     dk_v, dv_v = canonical(dk, layout), canonical(dv, layout)
-    scale = acc_t.type(p.softmax_scale)
+    heads = list(np.ndindex(*kv.shape[:-2]))
+    g = p.group_size
 
-    # pre-processing (Algorithm 2, line 4 of FlashAttention-2's backward): D_i = rowsum(dO_i * O_i)
-    d_row = np.empty(qv.shape[:-1], dtype=acc_t)
-    for r0 in range(0, p.seqlen_q, block_m):
-        r1 = min(r0 + block_m, p.seqlen_q)
-        d_row[..., r0:r1] = np.sum(dov[..., r0:r1, :].astype(acc_t) * ov[..., r0:r1, :].astype(acc_t), axis=-1)
-    dq_acc = np.zeros(qv.shape, dtype=acc_t)  # the float32 dQ workspace
+    def stacked(x, h):
+        """``(G, S, D)`` of head ``h`` as ``(S, G, D)`` rows in the accumulation type (one copy)."""
+        a = np.empty((x.shape[-2], g, x.shape[-1]), dtype=acc_t)
+        a[...] = x[h].swapaxes(0, 1)
+        return a
 
-    for c0 in range(0, p.seqlen_k, block_n):
-        c1 = min(c0 + block_n, p.seqlen_k)
-        lo, hi = query_range(p, c0, c1)
-        if lo >= hi:
-            continue  # no query row sees these keys: dK_j = dV_j = 0 (already zero)
-        k_tile = kv[..., c0:c1, :].astype(acc_t)[..., None, :, :]  # (*, Hk, 1, Bc, D)
-        v_tile = vv[..., c0:c1, :].astype(acc_t)[..., None, :, :]
-        dk_j = np.zeros(kv.shape[:-2] + (c1 - c0, p.head_dim), dtype=acc_t)
-        dv_j = np.zeros(vv.shape[:-2] + (c1 - c0, p.head_dim_v), dtype=acc_t)
-        cols = np.arange(c0, c1)
-        for r0 in range(lo - lo % block_m, hi, block_m):
-            r1 = min(r0 + block_m, hi)
-            q_tile = qv[..., r0:r1, :].astype(acc_t)
-            do_tile = dov[..., r0:r1, :].astype(acc_t)
-            mask = problem_mask(p, np.arange(r0, r1), cols)
-            with np.errstate(invalid="ignore"):  # non-finite input: its NaN is kept, never warned about
-                s = (q_tile @ k_tile.swapaxes(-1, -2)) * scale
-                probs, pairs = _probs_and_pairs(s, lv[..., r0:r1].astype(acc_t), mask)
-                pairs_t = pairs.swapaxes(-1, -2)
-                dv_j += masked_matmul(probs.swapaxes(-1, -2), do_tile, pairs_t).sum(axis=-3)
-                dp = do_tile @ v_tile.swapaxes(-1, -2)
-                ds = _grad_ds(probs, dp, d_row[..., r0:r1], pairs)
-                dq_acc[..., r0:r1, :] += scale * masked_matmul(ds, k_tile, pairs)
-                dk_j += scale * masked_matmul(ds.swapaxes(-1, -2), q_tile, pairs_t).sum(axis=-3)
-        dk_v[..., c0:c1, :] = dk_j
-        dv_v[..., c0:c1, :] = dv_j
-    split_heads(canonical(dq, layout), p.num_heads_k)[...] = dq_acc
+    def prepare(h):
+        """Head ``h`` converted once: q, dO stacked by row; lse and D = rowsum(dO * O) likewise."""
+        qf, dof = stacked(qv, h), stacked(dov, h)
+        with np.errstate(invalid="ignore", over="ignore"):
+            d_row = np.einsum("sgd,sgd->sg", dof, stacked(ov, h))  # FA2 Algorithm 2's pre-processing
+        lse_h = np.empty((p.seqlen_q, g), dtype=acc_t)
+        lse_h[...] = lv[h].T
+        kf = kv[h] if kv.dtype == acc_t else kv[h].astype(acc_t)
+        vf = vv[h] if vv.dtype == acc_t else vv[h].astype(acc_t)
+        finite = {name: bool(np.isfinite(a).all()) for name, a in (("q", qf), ("do", dof), ("k", kf))}
+        return qf, dof, d_row, lse_h, kf, vf, finite
+
+    per_head = dict(zip(heads, threads.run(prepare, heads)))
+    n_tiles = -(-p.seqlen_k // block_n)
+    chunks = max(1, min(n_tiles, -(-_BWD_CHUNKS // len(heads))))
+    bounds = [(n_tiles * c // chunks, n_tiles * (c + 1) // chunks) for c in range(chunks)]
+    items = [(h, c, t0, t1) for h in heads for c, (t0, t1) in enumerate(bounds) if t1 > t0]
+
+    def work(item):
+        h, _, t0, t1 = item
+        return _backward_chunk(p, per_head[h], t0, t1, block_m, block_n, acc_t, dk_v[h], dv_v[h])
+
+    by_head: dict = {}
+    for (h, _, _, _), part in zip(items, threads.run(work, items)):  # items are in chunk order per head
+        if part is not None:
+            by_head[h] = part if h not in by_head else by_head[h] + part
+    for h, dq_h in by_head.items():
+        dq_v[h][...] = dq_h.swapaxes(0, 1)
     return dq, dk, dv
+
+
+def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, dk_out, dv_out):
+    """Key tiles ``[t0, t1)`` of one kv head: writes their dK, dV rows into ``dk_out``/``dv_out``
+    (``(Sk, D)`` views) and returns this chunk's dQ contribution, ``(Sq, G, D)`` in the
+    accumulation type (None when no query row sees these keys)."""
+    qf, dof, d_row, lse_h, kf, vf, finite = head
+    g = qf.shape[1]
+    scale = acc_t.type(p.softmax_scale)
+    dq_acc = None
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite input: its NaN is kept, never warned about
+        for t in range(t0, t1):
+            c0 = t * block_n
+            c1 = min(c0 + block_n, p.seqlen_k)
+            lo, hi = query_range(p, c0, c1)
+            if lo >= hi:
+                continue  # no query row sees these keys: dK_j = dV_j = 0 (already zero)
+            kt, vt = kf[c0:c1], vf[c0:c1]
+            dk_j = np.zeros((c1 - c0, p.head_dim), dtype=acc_t)
+            dv_j = np.zeros((c1 - c0, p.head_dim_v), dtype=acc_t)
+            cols = np.arange(c0, c1)
+            if dq_acc is None:
+                dq_acc = np.zeros(qf.shape, dtype=acc_t)
+            for r0 in range(lo, hi, block_m):
+                r1 = min(r0 + block_m, hi)
+                rows = (r1 - r0) * g
+                q_t = qf[r0:r1].reshape(rows, p.head_dim)
+                do_t = dof[r0:r1].reshape(rows, p.head_dim_v)
+                s = q_t @ kt.T
+                s *= scale
+                mask = problem_mask(p, np.arange(r0, r1), cols)
+                if mask is not None:
+                    mask = None if mask.all() else np.repeat(mask, g, axis=0)
+                probs, pairs = _probs_and_pairs(s, lse_h[r0:r1].reshape(rows), mask)
+                pairs_t = pairs.T
+                dv_j += masked_matmul(probs.T, do_t, pairs_t) if not finite["do"] else probs.T @ do_t
+                dp = do_t @ vt.T
+                ds = _grad_ds(probs, dp, d_row[r0:r1].reshape(rows), pairs)
+                ds *= scale
+                dq_acc[r0:r1].reshape(rows, p.head_dim)[...] += (
+                    masked_matmul(ds, kt, pairs) if not finite["k"] else ds @ kt)
+                dk_j += masked_matmul(ds.T, q_t, pairs_t) if not finite["q"] else ds.T @ q_t
+            dk_out[c0:c1] = dk_j
+            dv_out[c0:c1] = dv_j
+    return dq_acc

@@ -80,6 +80,18 @@ def check_int(value, name: str, func: str) -> int:
     return operator.index(value)
 
 
+def check_block_sizes(block_m, block_n, func: str) -> tuple:
+    """Tile sizes of the NumPy path: each an int >= 1, or None (chosen by the implementation)."""
+    sizes = []
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if value is not None:
+            value = check_int(value, name, func)
+            if value < 1:
+                raise ValueError(f"{func}: {name} must be >= 1 (or None), got {value}")
+        sizes.append(value)
+    return tuple(sizes)
+
+
 def check_softmax_scale(softmax_scale, head_dim: int, func: str) -> float:
     """``None`` means ``1/sqrt(head_dim)``; ``0.0`` is a valid scale (uniform weights)."""
     if softmax_scale is None:
