@@ -22,6 +22,16 @@ def _have_gpu() -> bool:
         return False
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """Saved benchmark runs go under ``.benchmarks/<machine>/`` (before pytest-benchmark opens
+    its storage; see :func:`cuflash.tools.bench_compare.storage_per_machine`)."""
+    if hasattr(config.option, "benchmark_storage"):  # pytest-benchmark is installed
+        from cuflash.tools.bench_compare import storage_per_machine
+
+        storage_per_machine(config.option)
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or _have_gpu():

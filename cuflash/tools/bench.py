@@ -17,7 +17,9 @@ result is also checked against a float32 CuPy attention on a slice (max error co
 outside the tolerance makes the command exit 1.
 
 Without a CUDA GPU the command says so and exits 2: the simulator is not benchmarked and no
-number is ever made up.
+number is ever made up. Two modes need no GPU: ``--cpu`` times the CPU path
+(:mod:`cuflash.tools.cpu_bench`), ``--compare BASE.json NEW.json`` checks two saved
+pytest-benchmark runs for a regression (:mod:`cuflash.tools.bench_compare`).
 """
 
 from __future__ import annotations
@@ -422,6 +424,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the records as JSON to FILE ('-' for stdout, table on stderr)")
     p.add_argument("--plot", metavar="FILE.png", help="save TFLOP/s against seqlen (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--cpu", action="store_true",
+                   help="time the CPU path instead (no GPU needed): cuflash on NumPy vs naive NumPy and torch's "
+                        "CPU SDPA, B=1 H=8 D=64 float32, S 2048/8192 (--seqlen, --no-baselines apply)")
+    p.add_argument("--compare", nargs=2, metavar=("BASE.json", "NEW.json"),
+                   help="compare two saved pytest-benchmark runs by their ratios to the baselines; exit 1 on a "
+                        "regression (no GPU needed)")
+    p.add_argument("--tolerance", type=float, default=0.25,
+                   help="--compare: how much a ratio may grow before it counts as a regression (default 0.25)")
     return p
 
 
@@ -438,6 +448,14 @@ def _progress(items, enabled: bool, desc: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.compare:
+        from cuflash.tools import bench_compare
+
+        return bench_compare.main(*args.compare, tolerance=args.tolerance)
+    if args.cpu:
+        from cuflash.tools import cpu_bench
+
+        return cpu_bench.main(seqlens=args.seqlen, rounds=max(1, args.iters // 2), no_baselines=args.no_baselines)
     ok, device = gpu_available()
     if not ok:
         print(f"cuflash bench: {device}. The benchmark needs a GPU (the simulator is not "

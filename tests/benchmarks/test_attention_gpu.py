@@ -64,7 +64,7 @@ def test_forward(benchmark, timer, matmul_peak, cfg, impl):
     peak, peak_src = matmul_peak
     tflops = cfg.flops() / (ms * 1e-3) / 1e12
     benchmark.extra_info.update(
-        config=cfg.label, ms=ms, tflops=tflops, tflops_flash_attn=cfg.flops_flash_attn() / (ms * 1e-3) / 1e12,
+        config=cfg.label, impl=impl, ms=ms, tflops=tflops, tflops_flash_attn=cfg.flops_flash_attn() / (ms * 1e-3) / 1e12,
         matmul_peak_tflops=peak, matmul_peak_source=peak_src, ratio_to_matmul=tflops / peak,
     )
 
@@ -110,7 +110,7 @@ def test_backward(benchmark, timer, matmul_peak, cfg, impl):
     ms = timer.median_ms(fn)
     peak, peak_src = matmul_peak
     tflops = factor * cfg.flops() / (ms * 1e-3) / 1e12
-    benchmark.extra_info.update(config=cfg.label, ms=ms, tflops=tflops, flops_factor=factor,
+    benchmark.extra_info.update(config=cfg.label, impl=impl, ms=ms, tflops=tflops, flops_factor=factor,
                                 matmul_peak_tflops=peak, matmul_peak_source=peak_src, ratio_to_matmul=tflops / peak)
 
     def run():

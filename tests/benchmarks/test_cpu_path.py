@@ -1,11 +1,18 @@
-"""The CPU path (tiled NumPy forward) against naive NumPy attention.
+"""The CPU path (tiled NumPy forward, threaded) against what a CPU user already has.
 
-B=1, H=8, S=2048, D=64, float32: the seed's example size. Run with timing:
+B=1, H=8, D=64, float32 (the seed's example size) at S=2048 and, under the ``slow`` marker
+(not run by default), S=8192; causal or not. Baselines in the same run: naive NumPy attention
+(S and P materialised) and, when torch is installed, torch's CPU
+``scaled_dot_product_attention``. The cases and runners are ``python -m cuflash bench --cpu``'s
+(:mod:`cuflash.tools.cpu_bench`). Run with timing, and save the run for regression checks::
 
-    python -m pytest tests/benchmarks/test_cpu_path.py --benchmark-enable
+    python -m pytest tests/benchmarks/test_cpu_path.py --benchmark-enable --benchmark-autosave
 
-In the default test run (``--benchmark-disable`` in setup.cfg) each benchmark runs once, as a
-test, and its result is checked; no timing is asserted anywhere.
+When a run is saved, tests/benchmarks/conftest.py adds each cuflash benchmark's
+``time_ratio_to_<baseline>`` to its ``extra_info``; ``python -m cuflash bench --compare`` checks
+two saved runs on those ratios (README, "Benchmark regression runs"). In the default test run
+(``--benchmark-disable``) each case runs once, as a test, and its result is checked; no timing
+is asserted anywhere.
 """
 
 from __future__ import annotations
@@ -13,37 +20,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import cuflash
 from cuflash import reference
+from cuflash.tools import cpu_bench
 
-B, H, S, D = 1, 8, 2048, 64
-
-
-@pytest.fixture(scope="module")
-def qkv():
-    rng = np.random.default_rng(2048)
-    return tuple(rng.standard_normal((B, H, S, D)).astype(np.float32) for _ in range(3))
-
-
-def _naive_numpy_float32(q, k, v, causal):
-    """What a user writes in NumPy: S and P materialised in float32."""
-    s = (q @ k.swapaxes(-1, -2)) * np.float32(1 / np.sqrt(q.shape[-1]))
-    if causal:
-        s = np.where(np.tril(np.ones((S, S), bool)), s, -np.inf)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    return (p / p.sum(axis=-1, keepdims=True)) @ v
+CASES = []
+for _case in cpu_bench.cases():
+    for _impl in cpu_bench.IMPLS:
+        _marks = [pytest.mark.slow] if _case.seqlen > 2048 else []
+        CASES.append(pytest.param(_case, _impl, id=f"{_impl}-S{_case.seqlen}-{'causal' if _case.causal else 'full'}",
+                                  marks=_marks))
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("impl", ["cuflash_cpu", "naive_numpy"])
-def test_forward(benchmark, qkv, impl, causal):
-    q, k, v = qkv
-    if impl == "cuflash_cpu":
-        out = benchmark(cuflash.attention, q, k, v, causal=causal)
-    else:
-        out = benchmark(_naive_numpy_float32, q, k, v, causal)
-    flops = 4 * B * H * S * S * D // (2 if causal else 1)
-    benchmark.extra_info.update(flops=flops, shape=f"B={B} H={H} S={S} D={D} float32")
-    check = reference.naive_attention(q[:, :2, -64:], k[:, :2], v[:, :2], causal=causal)
+@pytest.mark.parametrize("case,impl", CASES)
+def test_forward(benchmark, case, impl):
+    if impl == "torch_sdpa" and not cpu_bench.have_torch():
+        pytest.skip("torch is not installed: no SDPA baseline")
+    q, k, v = cpu_bench.make_inputs(case)
+    out = benchmark(cpu_bench.runner(impl, q, k, v, case.causal))
+    benchmark.extra_info.update(case=case.label, impl=impl, flops=case.flops,
+                                shape=f"B={cpu_bench.B} H={cpu_bench.H} S={case.seqlen} D={cpu_bench.D} float32")
     # causal is bottom-right aligned: the last 64 rows of the full problem are rows of a 64 x S one
+    check = reference.naive_attention(q[:, :2, -64:], k[:, :2], v[:, :2], causal=case.causal)
     np.testing.assert_allclose(out[:, :2, -64:], check, rtol=2e-4, atol=2e-5)
