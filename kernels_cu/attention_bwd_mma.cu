@@ -152,7 +152,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             const long long stat_row0 = (batch * num_heads_q + hq) * (long long)seqlen_q;
             for (int row0 = row_lo - (row_lo % BR); row0 < row_hi; row0 += BR) {
                 const int rows = min(BR, seqlen_q - row0);
-                __syncthreads();   // the previous query tile's readers of q_s, do_s, ds_s, lse_s are done
+                // No barrier needed before refilling q_s, do_s, lse_s, dd_s: every read of them (the
+                // S/dP and dK/dV mma, P and dS) precedes the "dS is complete" barrier of the previous
+                // query tile, and ds_s / k_s, which the dQ step reads after it, are written only after
+                // the barrier below (ds_s) or the key tile's own (k_s). (The mutation suite found the
+                // barrier once here redundant; tests/test_mutations.py.)
                 load_tile_async<BR>(q_s, q_head + row0 * q_row_stride, q_row_stride, rows, head_dim);
                 load_tile_async<BR>(do_s, do_head + row0 * do_row_stride, do_row_stride, rows, head_dim_v);
                 ptx_cp_async_commit();

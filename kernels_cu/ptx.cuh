@@ -20,8 +20,11 @@
 //     of the 8 rows of matrix j; r[j] of a lane holds row g, columns 2t..2t+1 of matrix j
 //     (.trans: rows 2t..2t+1 of column g, i.e. the transposed matrix).
 //
-// Simulator strictness: cp.async copies land only at the cp.async.wait_group that covers them
-// (a read before the wait sees the poisoned shared memory); cp.async and ldmatrix addresses must
+// Simulator strictness: a cp.async copy lands, by the launch's seed, either at once or only at
+// the cp.async.wait_group that covers it (the two ends of what a GPU may do: a buffer refilled
+// while others still read it, or read before its wait, gives a wrong result under some seed);
+// in checked mode its bytes are "in flight" from issue to that wait and any access to them is
+// an error (cusim.h: check_async_issue). cp.async and ldmatrix addresses must
 // be 16-byte aligned and in the right state space; an mma is computed once per warp, by the last
 // lane to arrive, from all 32 lanes' fragments.
 #pragma once
@@ -135,6 +138,11 @@ inline void cp_async_16(void* dst, const void* src, uint32_t src_bytes) {
     c.group = f->async_committed;
     if (src_bytes) cusim::checked_copy(c.data, src, src_bytes);   // the global read, checked
     std::memset(c.data + src_bytes, 0, 16 - src_bytes);
+    if (cusim::async_lands_early()) {   // normal mode, by the seed: the copy completes at once
+        std::memcpy(dst, c.data, 16);
+        return;
+    }
+    cusim::check_async_issue(dst, 16);   // checked mode: a write now, in flight until the wait
     f->async.push_back(c);
 }
 
@@ -148,10 +156,13 @@ inline void cp_async_wait(uint32_t pending) {
     size_t keep = 0;
     for (size_t i = 0; i < f->async.size(); ++i) {
         cusim::AsyncCopy& c = f->async[i];
-        if (c.group < limit)
+        if (c.group < limit) {
+            cusim::check_async_land(c.dst, c.bytes);
             cusim::checked_copy(c.dst, c.data, c.bytes);   // lands: the shared bytes count as written
-        else
+        }
+        else {
             f->async[keep++] = c;
+        }
     }
     f->async.resize(keep);
 }

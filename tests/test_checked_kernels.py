@@ -179,3 +179,64 @@ def test_tensor_core_kernel_is_clean(dtype, sq, sk, d, causal):
     assert "tensor-core" in cuflash.explain(q, k, v, causal=causal, backend="sim")["choice"]
     out = cuflash.attention(q, k, v, causal=causal, backend="sim")
     check_close(out, q, k, v, causal=causal)
+
+
+CP_ASYNC_HAZARDS = r"""
+#include "common.cuh"
+#include "ptx.cuh"
+// Two warps; thread 0 fills s[0..7] with one cp.async. mode 0: the correct order (issue, commit,
+// wait, barrier, thread 32 reads). 1: thread 0 reads before any wait. 2: thread 32 reads after
+// thread 0's wait but with no barrier between. 3: write-after-read: thread 32 reads s, then (no
+// barrier) thread 0 refills it. 4: thread 32 reads s while thread 0's copy is in flight, a
+// barrier having passed (the copy crossed it without its wait).
+extern "C" __global__ void cp_async_hazards(const __half* __restrict__ g, float* __restrict__ out, int mode) {
+    __shared__ __align__(16) __half s[8];
+    const int t = threadIdx.x;
+    if (t == 0) s[0] = __float2half(0.0f);
+    if (t == 0) for (int i = 1; i < 8; ++i) s[i] = __float2half(0.0f);
+    __syncthreads();
+    float x = 0.0f;
+    if (mode == 3 && t == 32) x = __half2float(s[0]);
+    if (t == 0) {
+        ptx_cp_async_16(s, g);
+        ptx_cp_async_commit();
+        if (mode == 1) x = __half2float(s[1]);
+        if (mode != 4) ptx_cp_async_wait<0>();
+    }
+    if (mode == 0 || mode == 4) __syncthreads();
+    if ((mode == 0 || mode == 2 || mode == 4) && t == 32) x = __half2float(s[2]);
+    if (mode == 4) {
+        __syncthreads();
+        if (t == 0) ptx_cp_async_wait<0>();
+    }
+    out[t] = x;
+}
+"""
+
+
+@pytest.mark.parametrize("mode,kind", [(0, None), (1, "cp.async in flight"), (2, "shared race"), (3, "shared race"),
+                                       (4, "cp.async in flight")],
+                         ids=["correct", "read-before-wait", "no-barrier-after-wait", "refill-while-read",
+                              "read-across-barrier-in-flight"])
+def test_cp_async_hazards_are_reported(mode, kind):
+    """An access to bytes a cp.async is still filling, by any thread, is an error; the copy counts
+    as the issuer's write at issue (so a refill of bytes another thread read in the same barrier
+    phase is a race) and again at its wait (so a reader needs a barrier after the wait)."""
+    from cuflash.runtime import plan, source
+
+    text = source.build_text(CP_ASYNC_HAZARDS, origin="cp_async_hazards.cu")
+    g = np.arange(1, 9).astype(np.float16)
+    out = np.full(64, np.nan, np.float32)
+    opts = dataclasses.replace(sim.current_options(), arch=80)
+    mod = launcher.load_source(text, origin="cp_async_hazards.cu", options=opts)
+    p = plan.LaunchPlan(None, "cp_async_hazards", (1, 1, 1), (64, 1, 1), 0, (
+        plan.PointerArg.of("g", g), plan.PointerArg.of("out", out, writable=True), plan.ScalarArg("mode", np.int32(mode))))
+    if kind is None:
+        mod.launch(p, opts)
+        assert out[32] == 3.0  # thread 32 saw the landed copy
+        return
+    with pytest.raises(sim.SimCheckError) as info:
+        mod.launch(p, opts)
+    assert info.value.kind == kind, str(info.value)
+    if kind == "cp.async in flight":
+        assert info.value.other_thread == (0, 0, 0) and "still filling it" in str(info.value)

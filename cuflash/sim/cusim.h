@@ -152,6 +152,7 @@ enum CheckKind : uint32_t {
     kSharedUninitRead = 4,
     kSharedRace = 5,
     kSharedOob = 6,
+    kAsyncInFlight = 7,   // an access to shared bytes a cp.async is still filling
 };
 
 // Name and layout of a __shared__ declaration (from the lowering), for reports.
@@ -453,7 +454,9 @@ struct ShadowByte {
     uint8_t pad[3];
 };
 
-enum : uint8_t { kDeclared = 1, kWritten = 2 };
+// kInFlight: a cp.async has been issued into the byte and the issuer's cp.async.wait_group has
+// not covered it yet (PTX ISA, "cp.async": the copy is complete only after the wait).
+enum : uint8_t { kDeclared = 1, kWritten = 2, kInFlight = 4 };
 
 struct CheckState {
     uint64_t cap = 0;
@@ -574,6 +577,17 @@ CUSIM_NOSAN inline void check_shared(Worker* w, uint64_t off, uint64_t n, bool w
             check_fail(w, r, "checked: shared-memory %s of %u bytes at arena offset %llu lies outside every "
                        "__shared__ variable", write ? "write" : "read", unsigned(n), (unsigned long long)off);
         }
+        if (c.state[b] & kInFlight) {
+            r.kind = kAsyncInFlight;
+            r.other_write = 1;
+            thread_xyz(w, c.shadow[b].w_tid, r.other_thread);
+            const uint64_t rel = shared_site(w, b, r);
+            check_fail(w, r, "checked: %s of %s, byte %llu (element %llu), while a cp.async issued by thread "
+                       "(%u,%u,%u) is still filling it (no cp.async.wait_group of the issuer has covered it)",
+                       write ? "write" : "read", r.name, (unsigned long long)rel,
+                       (unsigned long long)(rel / std::max<uint32_t>(1, r.elem_size)), r.other_thread[0],
+                       r.other_thread[1], r.other_thread[2]);
+        }
         if ((!write || atomic) && !(c.state[b] & kWritten)) {
             r.kind = kSharedUninitRead;
             const uint64_t rel = shared_site(w, b, r);
@@ -682,6 +696,44 @@ CUSIM_NOSAN inline void checked_copy(void* d, const void* s, uint64_t n) {
     auto* dc = static_cast<unsigned char*>(d);
     const auto* sc = static_cast<const unsigned char*>(s);
     for (uint64_t i = 0; i < n; ++i) dc[i] = sc[i];
+}
+
+// cp.async in checked mode (ptx.cuh). At issue the destination counts as written by the issuer
+// in the current barrier phase, so refilling a buffer that another thread read (or wrote) in
+// this phase, with no barrier between, is a race; from then on its bytes are in flight until
+// the issuer's covering cp.async.wait_group, and any access to them meanwhile, by any thread, is
+// an error. At the wait the bytes land as the issuer's write in the wait's phase, so a reader
+// in another thread still needs a barrier after that wait.
+CUSIM_NOSAN inline void check_async_issue(void* dst, uint64_t n) {
+    Worker* w = t_worker;
+    if (!w || !w->chk || !w->cur) return;
+    const uint64_t off = reinterpret_cast<uintptr_t>(dst) - reinterpret_cast<uintptr_t>(w->arena);
+    if (off >= w->arena_cap) return;   // not shared memory: ptx.cuh refuses it
+    check_shared(w, off, n, true, false);
+    for (uint64_t k = 0; k < n && off + k < w->chk->cap; ++k) w->chk->state[off + k] |= kInFlight;
+}
+
+CUSIM_NOSAN inline void check_async_land(void* dst, uint64_t n) {
+    Worker* w = t_worker;
+    if (!w || !w->chk) return;
+    const uint64_t off = reinterpret_cast<uintptr_t>(dst) - reinterpret_cast<uintptr_t>(w->arena);
+    for (uint64_t k = 0; k < n && off + k < w->chk->cap; ++k) w->chk->state[off + k] &= uint8_t(~kInFlight);
+}
+
+// Normal mode: whether a cp.async just issued lands at once (true) or at its wait (false), drawn
+// from the block's seeded generator. Landing early is what a GPU may do at any point between
+// issue and wait; drawing both ends makes a buffer refilled while still being read, or read
+// before its wait, give a wrong result under some seed instead of passing by luck.
+inline uint64_t splitmix(uint64_t& s);
+
+inline bool async_lands_early() {
+    Worker* w = t_worker;
+#ifdef CUSIM_CHECKED
+    (void)w;
+    return false;   // checked mode tracks the in-flight bytes instead
+#else
+    return w && (splitmix(w->rng) & 1u);
+#endif
 }
 
 // The runtime's atomic built-ins check their operand themselves (bounds; initialized shared

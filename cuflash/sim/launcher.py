@@ -68,7 +68,8 @@ class SimCheckError(SimError):
     ----------
     kind : str
         ``"out-of-bounds read"``, ``"out-of-bounds write"``, ``"write to read-only argument"``,
-        ``"uninitialized shared read"``, ``"shared race"``, ``"shared out-of-bounds"`` or
+        ``"uninitialized shared read"``, ``"shared race"``, ``"shared out-of-bounds"``,
+        ``"cp.async in flight"`` (an access to shared bytes a ``cp.async`` is still filling) or
         ``"crash"`` (the checked launch died, e.g. on an access far outside every argument).
     kernel : str
         The kernel entry.
@@ -133,7 +134,8 @@ class _Report(ctypes.Structure):
 
 
 _CHECK_KINDS = {1: "out-of-bounds read", 2: "out-of-bounds write", 3: "write to read-only argument",
-                4: "uninitialized shared read", 5: "shared race", 6: "shared out-of-bounds"}
+                4: "uninitialized shared read", 5: "shared race", 6: "shared out-of-bounds",
+                7: "cp.async in flight"}
 
 
 class _Config(ctypes.Structure):
@@ -601,6 +603,10 @@ def _check_error(plan, arch: int, r: _Report, regions: _CheckedRegions, detail: 
                     "in the same barrier phase (no __syncthreads or __syncwarp orders them)")
         elif r.kind == 4:
             text = f"read of uninitialized shared memory {what} (never written in this block)"
+        elif r.kind == 7:
+            other, other_access = _xyz(r.other_thread), "cp.async"
+            text = (f"{access} of {what} while a cp.async issued by thread {other} is still filling it (the "
+                    "issuer's cp.async.wait_group has not covered it)")
         else:
             text = f"{access} outside every __shared__ variable, near {what}"
     msg = f"cuflash simulator (checked): {plan.entry} (sm_{arch}): {kind}: {text}, at {where}"

@@ -1,0 +1,83 @@
+"""The mutation suite over our own kernels (tests/mutation_suite.py says how it works).
+
+CI runs every mutant once, against the probe the kill map records for it, and requires the
+probe to fail; the map and the list of explained survivors must cover exactly the mutants the
+kernels have today (a new barrier or wait in a kernel must be registered, by running
+``python tests/mutation_suite.py --write``). Under ``slow`` the full search runs again and must
+find every mutant killed. Each mutant is one g++ build of the mutated kernel in a private
+simulator cache (about 2 s).
+"""
+
+from __future__ import annotations
+
+import pytest
+from mutation_suite import (
+    FILES,
+    KILL_MAP_PATH,
+    PROBES,
+    SURVIVORS,
+    killed_by,
+    load_kill_map,
+    mutants,
+    mutated_tree,
+    search,
+)
+
+from cuflash.runtime import paths
+
+KILL_MAP = load_kill_map()
+MUTANTS = mutants(paths.kernels_dir())
+
+
+@pytest.fixture
+def private_sim_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUFLASH_SIM_CACHE_DIR", str(tmp_path / "sim-cache"))
+    return tmp_path
+
+
+def test_kill_map_covers_exactly_the_kernels_mutants():
+    ids = {m.id for m in MUTANTS}
+    assert KILL_MAP_PATH.is_file()
+    missing = sorted(ids - set(KILL_MAP) - set(SURVIVORS))
+    stale = sorted((set(KILL_MAP) | set(SURVIVORS)) - ids)
+    assert not missing, f"mutants with no recorded killer (run python tests/mutation_suite.py --write): {missing}"
+    assert not stale, f"kill map entries for statements the kernels no longer have: {stale}"
+    assert all(probe in PROBES for probe in KILL_MAP.values())
+    assert len(MUTANTS) >= 20 and {m.file for m in MUTANTS} == set(FILES)
+
+
+def test_the_three_pipeline_mutations_of_the_tensor_core_forward_are_killed():
+    """Issue 16's named mutations: the barrier before the cp.async refill of the other stage, the
+    barrier after the wait, and the wait relaxed to wait_group 2."""
+    for mid in ("attention_fwd_mma.cu|__syncthreads();|#0|delete", "attention_fwd_mma.cu|__syncthreads();|#1|delete",
+                "attention_fwd_mma.cu|ptx_cp_async_wait<1>();|#0|relax"):
+        assert KILL_MAP.get(mid), mid
+
+
+@pytest.mark.parametrize("probe", sorted(PROBES))
+def test_probes_pass_on_the_real_kernels(probe, private_sim_cache):
+    assert killed_by(probe) is None  # otherwise a "kill" would mean nothing
+
+
+@pytest.mark.parametrize("mutant", [m for m in MUTANTS if m.id in KILL_MAP], ids=lambda m: m.id)
+def test_mutant_is_killed(mutant, private_sim_cache, monkeypatch):
+    tree = mutated_tree(paths.kernels_dir(), mutant, private_sim_cache / "kernels")
+    assert (tree / mutant.file).read_text() != (paths.kernels_dir() / mutant.file).read_text()
+    monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
+    why = killed_by(KILL_MAP[mutant.id])
+    assert why, f"{mutant.id} (line {mutant.line}) survived its recorded probe {KILL_MAP[mutant.id]}"
+
+
+def test_mutant_edit_is_exactly_one_statement():
+    text = (paths.kernels_dir() / "attention_fwd_mma.cu").read_text()
+    m = next(m for m in MUTANTS if m.id == "attention_fwd_mma.cu|ptx_cp_async_wait<1>();|#0|relax")
+    out = m.apply(text)
+    diff = [(a, b) for a, b in zip(text.split("\n"), out.split("\n")) if a != b]
+    assert len(diff) == 1 and "ptx_cp_async_wait<2>();" in diff[0][1] and "//" in diff[0][1]
+
+
+@pytest.mark.slow
+def test_full_search_kills_every_mutant(tmp_path):
+    kill, survive = search(paths.kernels_dir(), tmp_path, log=lambda s: None)
+    assert set(survive) <= set(SURVIVORS), f"new survivors: {sorted(set(survive) - set(SURVIVORS))}"
+    assert set(kill) | set(survive) == {m.id for m in MUTANTS}
