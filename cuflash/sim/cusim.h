@@ -187,6 +187,7 @@ struct Group {
     unsigned mask = 0, arrived = 0, gen = 0;
     CollectiveFn fn = nullptr;
     const char* what = nullptr;
+    unsigned took_part[2] = {0, 0};   // lanes that deposited in each buffer's last collective
     Slot slots[2][32];
 };
 
@@ -239,6 +240,7 @@ struct Worker {
     uint3 block_idx{};
     dim3 block_dim, grid_dim;
     unsigned bar_arrived = 0, bar_alive = 0, bar_gen = 0;
+    const char* bar_site = nullptr;   // the __syncthreads call site of the threads waiting now
     // shared memory arena
     unsigned char* arena = nullptr;
     uint64_t arena_cap = 0, arena_used = 0, arena_dirty = 0, dyn_end = 0;
@@ -333,9 +335,21 @@ inline void release_barrier(Worker* w) {
     if (w->chk) check_barrier(w);
 }
 
-inline void syncthreads() {
+// `site` names the __syncthreads call ("file:line", from the kernel text's #line markers). All
+// threads of a barrier phase must wait at one call site: CUDA allows __syncthreads in
+// conditional code only where the condition is the same for the whole block, so threads meeting
+// at two sites (a branch some threads skip, per-warp trip counts) are an error, not a merge.
+inline void syncthreads(const char* site = nullptr) {
     Worker* w = t_worker;
     Fiber* f = w->cur;
+    if (site) {
+        if (w->bar_arrived == 0) {
+            w->bar_site = site;
+        } else if (w->bar_site && std::strcmp(w->bar_site, site) != 0) {
+            fail("divergent __syncthreads: thread (%u,%u,%u) waits at %s while %u thread(s) of the block wait at %s",
+                 f->tid.x, f->tid.y, f->tid.z, site, w->bar_arrived, w->bar_site);
+        }
+    }
     if (++w->bar_arrived >= w->bar_alive) {
         release_barrier(w);
         return;
@@ -349,6 +363,7 @@ inline void complete_group(Worker* w, Warp& wp, Group& g, unsigned lanes) {
     if (w->chk && g.what && std::strcmp(g.what, "__syncwarp") == 0)
         check_syncwarp(w, unsigned(&wp - w->warps.data()), lanes);
     if (g.fn) g.fn(g.slots[g.gen & 1u], lanes);
+    g.took_part[g.gen & 1u] = lanes;
     g.arrived = 0;
     ++g.gen;
 }
@@ -368,7 +383,8 @@ inline Group& group_for(Warp& wp, unsigned mask) {
 // The warp collective: deposit `n` bytes, wait for the mask's live lanes, let the last arriving
 // lane run `fn` once for the warp; returns this lane's slot (valid until the mask's next-but-one
 // collective).
-inline Slot& collective(unsigned mask, const void* in, size_t n, CollectiveFn fn, const char* what) {
+inline Slot& collective(unsigned mask, const void* in, size_t n, CollectiveFn fn, const char* what,
+                        unsigned* took_part = nullptr) {
     Worker* w = t_worker;
     Fiber* f = w->cur;
     Warp& wp = w->warps[f->warp];
@@ -383,6 +399,7 @@ inline Slot& collective(unsigned mask, const void* in, size_t n, CollectiveFn fn
     if (n) std::memcpy(mine.in, in, n);
     g.arrived |= bit;
     const unsigned expected = mask & wp.alive;
+    const unsigned parity = g.gen & 1u;
     if ((g.arrived & expected) == expected) {
         complete_group(w, wp, g, expected);
     } else {
@@ -391,6 +408,7 @@ inline Slot& collective(unsigned mask, const void* in, size_t n, CollectiveFn fn
         f->wait_gen = g.gen;
         yield_current();
     }
+    if (took_part) *took_part = g.took_part[parity];   // valid until the mask's next-but-one collective
     return mine;
 }
 
@@ -1079,6 +1097,9 @@ static constexpr int warpSize = 32;
 
 // ------------------------------------------------------------------ synchronization
 inline void __syncthreads() { cusim::syncthreads(); }
+#define CUSIM_STR2(x) #x
+#define CUSIM_STR(x) CUSIM_STR2(x)
+#define __syncthreads() ::cusim::syncthreads(__FILE__ ":" CUSIM_STR(__LINE__))
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
     cusim::collective(mask, nullptr, 0, &cusim::no_compute<0>, "__syncwarp");
 }
@@ -1094,7 +1115,8 @@ template <int KIND, class T>
 inline T shfl(unsigned mask, T v, int arg, int width, const char* what) {
     static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle of a type wider than 8 bytes");
     if (width <= 0 || width > 32 || (width & (width - 1))) fail("%s: width %d is not a power of two in [1, 32]", what, width);
-    Slot& mine = collective(mask, &v, sizeof(T), &no_compute<KIND>, what);
+    unsigned took_part = 0;
+    Slot& mine = collective(mask, &v, sizeof(T), &no_compute<KIND>, what, &took_part);
     const unsigned lane = lane_id(), w = unsigned(width), base = lane & ~(w - 1);
     unsigned src;
     switch (KIND) {
@@ -1107,6 +1129,9 @@ inline T shfl(unsigned mask, T v, int arg, int width, const char* what) {
             break;
     }
     if (!(mask & (1u << src))) fail("%s: lane %u reads lane %u, which is not in mask 0x%08x", what, lane, src, mask);
+    if (!(took_part & (1u << src)))   // PTX ISA, shfl.sync: the value read from an inactive lane is undefined
+        fail("%s: lane %u reads lane %u, which has exited (mask 0x%08x; the value would be undefined)", what, lane,
+             src, mask);
     // `mine` lives in the buffer of this collective; its peers' slots sit beside it.
     const Slot* slots = &mine - lane;
     T out;

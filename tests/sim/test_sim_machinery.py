@@ -95,6 +95,7 @@ def test_plan_opt_in_flag():
     assert p.needs_smem_opt_in and p.smem_limit(80) == 163 * 1024 and p.smem_limit(75) == 64 * 1024
 
 
+@pytest.mark.sim_default_options
 def test_sim_options_context_and_environment(monkeypatch):
     for env in ("CUFLASH_SIM_ARCH", "CUFLASH_SIM_SEED", "CUFLASH_SIM_CHECKED", "CUFLASH_SIM_WORKERS",
                 "CUFLASH_SIM_FIBERS"):

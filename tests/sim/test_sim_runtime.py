@@ -264,3 +264,22 @@ def test_device_math(modules):
     ref = np.stack([np.exp(x64), np.exp2(x64), np.exp(x64), np.maximum(x64, 0.25), 1 / np.sqrt(np.abs(x64) + 1),
                     x64 / 3, np.log(np.abs(x64) + 1), np.minimum(x64, -0.25)], axis=1)
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("mode", [0, 1], ids=["if-else", "per-warp-trip-count"])
+def test_barriers_at_two_call_sites_are_reported(modules, mode):
+    """CUDA allows __syncthreads in conditional code only where the condition is uniform over the
+    block; threads meeting at two call sites are an error naming both (not a silent merge)."""
+    out = np.zeros(64, np.float32)
+    with pytest.raises(launcher.SimError, match=r"divergent __syncthreads: thread \(\d+,0,0\) waits at "
+                                                 r"sim_probes.cu:\d+ while \d+ thread\(s\) of the block wait at "
+                                                 r"sim_probes.cu:\d+"):
+        modules["sim"].launch(plan("two_barrier_sites", 1, 64, P(out), i32(mode)))
+
+
+def test_shuffle_from_an_exited_lane_is_reported(modules):
+    out = np.full(32, np.nan, np.float32)
+    modules["sim"].launch(plan("shfl_from_exited", 1, 32, P(out), i32(0)))
+    np.testing.assert_array_equal(out[:16], np.arange(16) ^ 1)
+    with pytest.raises(launcher.SimError, match=r"__shfl_sync: lane \d+ reads lane \d+, which has exited"):
+        modules["sim"].launch(plan("shfl_from_exited", 1, 32, P(out), i32(1)))

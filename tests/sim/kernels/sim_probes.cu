@@ -168,3 +168,29 @@ extern "C" __global__ void device_math(const float* __restrict__ x, float* __res
     o[6] = logf(fabsf(v) + 1.0f);
     o[7] = fminf(v, -0.25f);
 }
+
+// __syncthreads at two call sites in one barrier phase. mode 0: an if/else whose two branches
+// each hold a barrier (warp 0 takes one, warp 1 the other); mode 1: per-warp trip counts (warp 0
+// loops twice over a barrier, warp 1 once, then meets a barrier after the loop).
+extern "C" __global__ void two_barrier_sites(float* out, int mode) {
+    const int warp = threadIdx.x / 32;
+    if (mode == 0) {
+        if (warp == 0)
+            __syncthreads();
+        else
+            __syncthreads();
+    } else {
+        for (int i = 0; i < (warp == 0 ? 2 : 1); ++i) __syncthreads();
+        __syncthreads();
+    }
+    out[threadIdx.x] = 1.0f;
+}
+
+// A shuffle whose full mask names lanes that have exited: lanes 16..31 return first, then lanes
+// 0..15 read lane + 16 (mode 1) or, correctly, lane ^ 1 among themselves (mode 0, mask 0xffff).
+extern "C" __global__ void shfl_from_exited(float* out, int mode) {
+    const int lane = threadIdx.x;
+    if (lane >= 16) return;
+    const float v = float(lane);
+    out[lane] = mode ? __shfl_sync(0xffffffffu, v, lane + 16) : __shfl_xor_sync(0x0000ffffu, v, 1);
+}
