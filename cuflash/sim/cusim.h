@@ -1096,6 +1096,18 @@ inline unsigned lane_id() { return t_worker->cur->lane; }
 static constexpr int warpSize = 32;
 
 // ------------------------------------------------------------------ synchronization
+namespace cusim {
+// __launch_bounds__(max_threads) of a kernel, moved into its body by the lowering
+// (cuflash/sim/lower.py): a launch of more threads per block fails, as PTX's .maxntid makes it.
+inline void check_launch_bounds(unsigned max_threads, const char* text) {
+    const Worker* w = t_worker;
+    const unsigned n = w->block_dim.x * w->block_dim.y * w->block_dim.z;
+    if (n > max_threads)
+        fail("launch of %u threads per block exceeds the kernel's __launch_bounds__(%s) = %u (PTX ISA .maxntid: "
+             "the launch fails)", n, text, max_threads);
+}
+}  // namespace cusim
+
 inline void __syncthreads() { cusim::syncthreads(); }
 #define CUSIM_STR2(x) #x
 #define CUSIM_STR(x) CUSIM_STR2(x)

@@ -40,6 +40,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from cuflash.runtime import plan as plan_mod
 from cuflash.runtime.plan import (
     MAX_THREADS_PER_BLOCK,
     SMEM_DEFAULT_LIMIT,
@@ -245,7 +246,7 @@ def _runtime_hash() -> str:
 
 def module_text(source: str, entries: Sequence[str], origin: str = "kernel.cu") -> str:
     """The C++ translation unit for ``source`` with stubs for ``entries``."""
-    body = lower.lower_shared(source, origin)
+    body = lower.lower_shared(lower.lower_launch_bounds(source), origin)
     stubs = ['\n#line 1 "<cusim entry stubs>"\n']
     for e in entries:
         stubs.append(
@@ -268,7 +269,8 @@ _KIND_NAMES = {"p": "pointer", "i": "signed integer", "u": "unsigned integer", "
 class SimModule:
     """A compiled simulator module (one source text, several entries)."""
 
-    def __init__(self, path: Path, entries: Sequence[str], arch: int, compile_seconds: float, checked: bool = False):
+    def __init__(self, path: Path, entries: Sequence[str], arch: int, compile_seconds: float, checked: bool = False,
+                 restrict: dict | None = None):
         self.path = path
         self.arch = arch
         self.checked = checked
@@ -287,10 +289,30 @@ class SimModule:
             sizes = (ctypes.c_uint32 * 64)()
             n = sig(kinds, sizes, 64)
             self.signatures[e] = tuple((kinds.raw[i : i + 1].decode(), int(sizes[i])) for i in range(n))
+        self.restrict = restrict or {}
 
     @property
     def entries(self) -> tuple[str, ...]:
         return tuple(self._launch)
+
+    def _check_declaration(self, plan) -> None:
+        """What the kernel's declaration promises about its pointers: ``__restrict__`` ones do not
+        alias, so a written one may overlap no other pointer argument (the compiler may reorder
+        their accesses, and checked mode copies arguments separately). (``__launch_bounds__`` is
+        checked by the kernel itself: :func:`cuflash.sim.lower.lower_launch_bounds`.)"""
+        flags = self.restrict.get(plan.entry, ())
+        pointers = [(i, a) for i, a in enumerate(plan.args) if isinstance(a, plan_mod.PointerArg) and a.extent > 0]
+        spans = {}
+        for i, a in pointers:
+            start = plan_mod.array_address(a.base) + a.offset * a.base.dtype.itemsize
+            spans[i] = (start, start + a.extent * a.base.dtype.itemsize)
+        for i, a in pointers:
+            if not (a.writable and i < len(flags) and flags[i]):
+                continue
+            for j, b in pointers:
+                if j != i and spans[i][0] < spans[j][1] and spans[j][0] < spans[i][1]:
+                    raise SimError(f"cuflash simulator: {plan.entry}: __restrict__ argument {a.name} (written) overlaps "
+                                   f"argument {b.name} in memory; the kernel promises they do not alias")
 
     def _marshal(self, plan, addresses: dict | None = None) -> tuple[list, ctypes.Array]:
         sig = self.signatures[plan.entry]
@@ -345,6 +367,7 @@ class SimModule:
                              f"the options say checked={opts.checked}")
         regions = _CheckedRegions(plan) if self.checked else None
         keep, argv = self._marshal(plan, regions.addresses if regions else None)
+        self._check_declaration(plan)
         err = ctypes.create_string_buffer(_ERROR_CAP)
         cfg = _Config()
         cfg.grid[:] = plan.grid
@@ -685,7 +708,11 @@ def load_source(
                     )
                 os.replace(out, so)
             seconds = time.perf_counter() - t0
-        mod = SimModule(so, entries, opts.arch, seconds, opts.checked)
+        written = lower.entry_restrict(source)
+        if len(written) == 1 and len(entries) == 1 and entries[0] not in written:
+            written = {entries[0]: next(iter(written.values()))}   # the entry's name is a macro (CUFLASH_ENTRY)
+        restrict = {e: written[e] for e in entries if e in written}
+        mod = SimModule(so, entries, opts.arch, seconds, opts.checked, restrict)
         _modules[key] = mod
         return mod
 

@@ -119,3 +119,62 @@ _ENTRY = re.compile(r'extern\s+(?:"C"|\s{3})\s+__global__\s+(?:void\s+)?(?:__lau
 def find_entries(text: str) -> list[str]:
     """Names of the ``extern "C" __global__`` kernels written literally in ``text``."""
     return _ENTRY.findall(_masked(text))
+
+
+def _balanced(text: str, open_pos: int) -> int:
+    """Index of the ``)`` closing the ``(`` at ``open_pos``."""
+    depth = 0
+    for i in range(open_pos, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError("unbalanced parentheses")
+
+
+def lower_launch_bounds(text: str) -> str:
+    """``__launch_bounds__(N[, ...])`` of each kernel moved into its body as a run-time check,
+    ``::cusim::check_launch_bounds(N)`` (so the compiler evaluates N in the branch of the text
+    that is compiled, macros and all). Line numbers are kept."""
+    masked = _masked(text)
+    out, pos = [], 0
+    for m in re.finditer(r"\b__launch_bounds__\s*\(", masked):
+        if _is_directive_line(masked, m.start()):
+            continue  # the macro's own definition, or a directive naming it
+        open_pos = m.end() - 1
+        close = _balanced(masked, open_pos)
+        bound = text[open_pos + 1 : close].split(",", 1)[0].strip()
+        params_open = masked.index("(", close + 1)
+        body = masked.index("{", _balanced(masked, params_open) + 1)
+        blank = re.sub(r"[^\n]", " ", text[m.start() : close + 1])
+        out += [text[pos : m.start()], blank, text[close + 1 : body + 1],
+                f" ::cusim::check_launch_bounds(unsigned({bound}), {bound!r:s});".replace("'", '"')]
+        pos = body + 1
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def entry_restrict(text: str) -> dict[str, tuple[bool, ...]]:
+    """For each ``extern "C" __global__`` kernel written in ``text`` (by its name as written, which
+    may be a macro such as ``CUFLASH_ENTRY``), whether each parameter is a ``__restrict__``
+    pointer; a name declared twice (``#if`` branches) with different flags is left out."""
+    masked = _masked(text)
+    found: dict = {}
+    conflicting = set()
+    for m in re.finditer(r'extern\s+(?:"C"|\s{3})\s+__global__\s+', masked):  # "C" is blanked in `masked`
+        pos = m.end()
+        head = re.match(r"(?:void\s+)?__launch_bounds__\s*\(", masked[pos:])
+        if head:
+            pos = _balanced(masked, pos + head.end() - 1) + 1
+        name = re.match(r"\s*(?:void\s+)?([A-Za-z_]\w*)\s*\(", masked[pos:])
+        if not name:
+            continue
+        open_pos = pos + name.end() - 1
+        params = text[open_pos + 1 : _balanced(masked, open_pos)]
+        flags = tuple("__restrict__" in p for p in params.split(",")) if params.strip() else ()
+        if found.get(name.group(1), flags) != flags:
+            conflicting.add(name.group(1))
+        found[name.group(1)] = flags
+    return {k: v for k, v in found.items() if k not in conflicting}

@@ -11,7 +11,7 @@ import pytest
 from simtools import P, i32, plan
 
 from cuflash import sim
-from cuflash.runtime.plan import ScalarArg
+from cuflash.runtime.plan import PointerArg, ScalarArg
 from cuflash.sim import launcher
 
 
@@ -283,3 +283,43 @@ def test_shuffle_from_an_exited_lane_is_reported(modules):
     np.testing.assert_array_equal(out[:16], np.arange(16) ^ 1)
     with pytest.raises(launcher.SimError, match=r"__shfl_sync: lane \d+ reads lane \d+, which has exited"):
         modules["sim"].launch(plan("shfl_from_exited", 1, 32, P(out), i32(1)))
+
+
+def test_launch_bounds_are_enforced(modules):
+    out = np.zeros(256, np.float32)
+    modules["sim"].launch(plan("bounded64", 4, 64, P(out)))
+    assert (out == 1).all()
+    with pytest.raises(launcher.SimError, match=r"launch of 128 threads per block exceeds the kernel's "
+                                                 r"__launch_bounds__\(2 \* 32\) = 64 \(PTX ISA .maxntid"):
+        modules["sim"].launch(plan("bounded64", 2, 128, P(out)))
+
+
+def test_restrict_pointers_must_not_alias(modules):
+    x = np.arange(64, dtype=np.float32)
+    out = np.zeros(64, np.float32)
+    modules["sim"].launch(plan("scale_restrict", 1, 64, P(x), P(out), i32(64)))
+    np.testing.assert_array_equal(out, 2 * x)
+    with pytest.raises(launcher.SimError, match=r"__restrict__ argument out \(written\) overlaps argument in"):
+        modules["sim"].launch(plan("scale_restrict", 1, 64, PointerArg.of("in", x), P(x[8:], name="out"), i32(32)))
+    y = x.copy()
+    modules["sim"].launch(plan("scale_in_place", 1, 64, P(y), P(y), i32(64)))  # no promise: in place is fine
+    np.testing.assert_array_equal(y, 2 * x)
+
+
+@pytest.mark.parametrize("arch,dtype", [("sm_75", np.float32), ("sm_80", np.float16)], ids=["simt", "mma"])
+def test_our_kernels_declare_their_launch_bounds(monkeypatch, arch, dtype):
+    """The attention kernels' __launch_bounds__(NT) holds in the simulator: a plan with twice the
+    threads is refused by the kernel itself."""
+    import dataclasses
+
+    import cuflash
+
+    run = launcher.run
+
+    def doubled(p, options=None):
+        return run(dataclasses.replace(p, block=(2 * p.block[0],) + tuple(p.block[1:])), options)
+
+    monkeypatch.setattr(launcher, "run", doubled)
+    q = np.ones((1, 1, 16, 64), dtype)
+    with sim.options(arch=arch), pytest.raises(launcher.SimError, match=r"exceeds the kernel's __launch_bounds__\(NT\)"):
+        cuflash.attention(q, q, q, backend="sim")

@@ -194,3 +194,18 @@ extern "C" __global__ void shfl_from_exited(float* out, int mode) {
     const float v = float(lane);
     out[lane] = mode ? __shfl_sync(0xffffffffu, v, lane + 16) : __shfl_xor_sync(0x0000ffffu, v, 1);
 }
+
+// Declared for at most 64 threads per block (PTX .maxntid 64).
+extern "C" __global__ void __launch_bounds__(2 * 32) bounded64(float* __restrict__ out) {
+    out[blockIdx.x * blockDim.x + threadIdx.x] = 1.0f;
+}
+
+// out[i] = 2 * in[i] through __restrict__ pointers, and the same without the promise.
+extern "C" __global__ void scale_restrict(const float* __restrict__ in, float* __restrict__ out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = 2.0f * in[i];
+}
+extern "C" __global__ void scale_in_place(const float* in, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = 2.0f * in[i];
+}
