@@ -299,7 +299,8 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         (its name), ``entry`` (kernel symbol), ``block_m``/``block_n`` (tile), ``threads``,
         ``smem_bytes`` (dynamic shared memory), ``blocks`` (thread blocks over all launches) and
         ``choice`` (the dispatcher's one-line account, with why faster tiers were passed over);
-        for the NumPy path ``block_m``/``block_n`` of its tiles.
+        for the NumPy path ``block_m``/``block_n`` of its tiles (per kv head, the group's
+        query heads stacked) and ``threads`` (its pool size).
 
     Raises
     ------

@@ -43,7 +43,7 @@ def _validate(x, axis):
         raise ValueError(f"{_NAME}: x must have at least 1 dimension, got a 0-d array")
     if not -ndim <= axis < ndim:
         raise ValueError(f"{_NAME}: axis={axis} must be in [{-ndim}, {ndim - 1}] for x.ndim={ndim}")
-    return int(axis) % ndim, kind
+    return int(axis) % ndim, kind, info
 
 
 def softmax(x, axis: int = -1, *, backend: str = "auto"):
@@ -94,11 +94,11 @@ def softmax(x, axis: int = -1, *, backend: str = "auto"):
     host = interop.HostImport(_NAME, x=x)
     if host.framework is not None:  # a CPU DLPack array: its NumPy view, the result as its kind
         return host.export(softmax(host.arrays["x"], axis, backend=backend))
-    axis, kind = _validate(x, axis)
+    axis, kind, info = _validate(x, axis)
     which = resolve_backend(backend, kind, _NAME)
     if which == "numpy":
         return _numpy_softmax(x, axis)
-    if interop.describe(x, "x", _NAME).dtype == np.float64:
+    if info.dtype == np.float64:
         raise NotImplementedError(f"{_NAME}: no float64 kernel; use backend='numpy' for float64 input")
     if which == "sim":
         if x.size == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,10 +23,42 @@ def _have_gpu() -> bool:
         return False
 
 
+#: cache variables this session pointed at a temporary folder (pytest_configure), to undo
+_CACHES_SET_HERE: list = []
+
+
+def _temporary_caches() -> None:
+    """Compiled simulator modules and CuPy's kernel cache go to a fresh temporary folder unless
+    ``CUFLASH_SIM_CACHE_DIR`` / ``CUPY_CACHE_DIR`` say otherwise (CI sets both), so a test run
+    never depends on, or writes to, ``~/.cache`` or ``~/.cupy``. Set before collection, which
+    may import CuPy (it reads ``CUPY_CACHE_DIR`` when imported)."""
+    import tempfile
+
+    for var in ("CUFLASH_SIM_CACHE_DIR", "CUPY_CACHE_DIR"):
+        if not os.environ.get(var):
+            os.environ[var] = tempfile.mkdtemp(prefix=f"cuflash-test-{var.lower()}-")
+            _CACHES_SET_HERE.append(var)
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    while _CACHES_SET_HERE:
+        shutil.rmtree(os.environ.pop(_CACHES_SET_HERE.pop()), ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def _sim_cache():
+    """The session's simulator module cache folder."""
+    return Path(os.environ["CUFLASH_SIM_CACHE_DIR"])
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     """Saved benchmark runs go under ``.benchmarks/<machine>/`` (before pytest-benchmark opens
-    its storage; see :func:`cuflash.tools.bench_compare.storage_per_machine`)."""
+    its storage; see :func:`cuflash.tools.bench_compare.storage_per_machine`); the caches go to
+    temporary folders (:func:`_temporary_caches`)."""
+    _temporary_caches()
     if hasattr(config.option, "benchmark_storage"):  # pytest-benchmark is installed
         from cuflash.tools.bench_compare import storage_per_machine
 

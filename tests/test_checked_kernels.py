@@ -26,11 +26,7 @@ DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16, "f32": dtypes.float32}
 
 
 @pytest.fixture(autouse=True)
-def _checked(tmp_path_factory, monkeypatch):
-    import os
-
-    if not os.environ.get("CUFLASH_SIM_CACHE_DIR"):
-        monkeypatch.setenv("CUFLASH_SIM_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cusim_checked_cache"))
+def _checked():
     with sim.options(checked=True):
         yield
 

@@ -1,7 +1,7 @@
 """The mutation suite over our own kernels (tests/mutation_suite.py says how it works).
 
 CI runs every mutant once, against the probe the kill map records for it, and requires the
-probe to fail; the map and the list of explained survivors must cover exactly the mutants the
+probe to fail (mutated texts get their own keys in the session's temporary simulator cache); the map and the list of explained survivors must cover exactly the mutants the
 kernels have today (a new barrier or wait in a kernel must be registered, by running
 ``python tests/mutation_suite.py --write``). Under ``slow`` the full search runs again and must
 find every mutant killed. Each mutant is one g++ build of the mutated kernel in a private
@@ -29,12 +29,6 @@ KILL_MAP = load_kill_map()
 MUTANTS = mutants(paths.kernels_dir())
 
 
-@pytest.fixture
-def private_sim_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUFLASH_SIM_CACHE_DIR", str(tmp_path / "sim-cache"))
-    return tmp_path
-
-
 def test_kill_map_covers_exactly_the_kernels_mutants():
     ids = {m.id for m in MUTANTS}
     assert KILL_MAP_PATH.is_file()
@@ -55,13 +49,13 @@ def test_the_three_pipeline_mutations_of_the_tensor_core_forward_are_killed():
 
 
 @pytest.mark.parametrize("probe", sorted(PROBES))
-def test_probes_pass_on_the_real_kernels(probe, private_sim_cache):
+def test_probes_pass_on_the_real_kernels(probe):
     assert killed_by(probe) is None  # otherwise a "kill" would mean nothing
 
 
 @pytest.mark.parametrize("mutant", [m for m in MUTANTS if m.id in KILL_MAP], ids=lambda m: m.id)
-def test_mutant_is_killed(mutant, private_sim_cache, monkeypatch):
-    tree = mutated_tree(paths.kernels_dir(), mutant, private_sim_cache / "kernels")
+def test_mutant_is_killed(mutant, tmp_path, monkeypatch):
+    tree = mutated_tree(paths.kernels_dir(), mutant, tmp_path / "kernels")
     assert (tree / mutant.file).read_text() != (paths.kernels_dir() / mutant.file).read_text()
     monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
     why = killed_by(KILL_MAP[mutant.id])

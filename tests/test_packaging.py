@@ -29,7 +29,12 @@ def _run(args, cwd, env_extra=None):
 
 
 def _pip(*args, cwd):
-    return _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args], cwd=cwd)
+    # pip and the build backend may write caches and tool settings under $HOME (~/.cache/pip,
+    # ~/.rustup from a probed toolchain shim): point HOME at the test's folder, no pip cache
+    home = Path(cwd) / "home"
+    home.mkdir(exist_ok=True)
+    return _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args], cwd=cwd,
+                env_extra={"HOME": str(home), "PIP_NO_CACHE_DIR": "1"})
 
 
 @pytest.fixture

@@ -39,7 +39,13 @@ from __future__ import annotations
 import numpy as np
 
 from cuflash.reference.masks import masked_matmul, problem_mask, query_range
-from cuflash.reference.views import canonical, check_numpy, kv_view, split_heads
+from cuflash.reference.views import (
+    canonical,
+    check_numpy,
+    in_dtype,
+    kv_view,
+    split_heads,
+)
 from cuflash.runtime import dtypes, threads
 from cuflash.runtime.interop import describe
 from cuflash.runtime.validation import (
@@ -334,8 +340,7 @@ def _flash_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m, block
             d_row = np.einsum("sgd,sgd->sg", dof, stacked(ov, h))  # FA2 Algorithm 2's pre-processing
         lse_h = np.empty((p.seqlen_q, g), dtype=acc_t)
         lse_h[...] = lv[h].T
-        kf = kv[h] if kv.dtype == acc_t else kv[h].astype(acc_t)
-        vf = vv[h] if vv.dtype == acc_t else vv[h].astype(acc_t)
+        kf, vf = in_dtype(kv[h], acc_t), in_dtype(vv[h], acc_t)
         finite = {name: bool(np.isfinite(a).all()) for name, a in (("q", qf), ("do", dof), ("k", kf))}
         return qf, dof, d_row, lse_h, kf, vf, finite
 

@@ -8,7 +8,13 @@ import numpy as np
 
 from cuflash.reference.masks import key_range, masked_matmul, problem_mask
 from cuflash.reference.normalize import masked_exp
-from cuflash.reference.views import canonical, check_numpy, kv_view, split_heads
+from cuflash.reference.views import (
+    canonical,
+    check_numpy,
+    in_dtype,
+    kv_view,
+    split_heads,
+)
 from cuflash.runtime import dtypes, threads
 from cuflash.runtime.validation import (
     AttentionProblem,
@@ -238,8 +244,7 @@ def _flash_forward(p: AttentionProblem, q, k, v, block_m, block_n, out, return_l
     heads = list(np.ndindex(*kv.shape[:-2]))
 
     def head_kv(h):
-        kf = kv[h] if kv.dtype == acc_t else kv[h].astype(acc_t)
-        vf = vv[h] if vv.dtype == acc_t else vv[h].astype(acc_t)
+        kf, vf = in_dtype(kv[h], acc_t), in_dtype(vv[h], acc_t)
         return kf, vf, bool(np.isfinite(vf).all())
 
     kv_acc = dict(zip(heads, threads.run(head_kv, heads)))

@@ -6,7 +6,7 @@ import numpy as np
 
 from cuflash.runtime.validation import AttentionProblem
 
-__all__ = ["canonical", "split_heads", "kv_view", "check_numpy"]
+__all__ = ["canonical", "split_heads", "kv_view", "check_numpy", "in_dtype"]
 
 
 def canonical(x: np.ndarray, layout: str) -> np.ndarray:
@@ -26,6 +26,12 @@ def split_heads(x: np.ndarray, num_heads_k: int) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(
         x, shape=(*batch, num_heads_k, g, s, d), strides=(*bs, g * sh, sh, ss, sd), writeable=x.flags.writeable
     )
+
+
+def in_dtype(x: np.ndarray, dtype) -> np.ndarray:
+    """``x`` itself when it already has ``dtype``, else one converted copy (the accumulation
+    type of the tiled paths: fp16/bf16 converted once per head, not per tile)."""
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 def kv_view(x: np.ndarray) -> np.ndarray:

@@ -239,6 +239,15 @@ def require_cuda(func: str):
     return cupy
 
 
+def device_name(device_id: int = 0) -> str:
+    """The CUDA device's name as the driver reports it (e.g. ``"NVIDIA H200"``); needs CuPy and a
+    device (:func:`require_cuda` first)."""
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(int(device_id))["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def _no_device_reason(cupy, exc) -> str:
     """Why ``getDeviceCount`` failed, in words: no driver at all (``cudaDriverGetVersion`` gives 0,
     CUDA Runtime API), a driver older than CuPy's runtime, or the CUDA error itself."""

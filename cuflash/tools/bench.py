@@ -98,15 +98,13 @@ def baselines_for(cfg: Config, quick: bool) -> tuple[str, ...]:
 
 def gpu_available() -> tuple[bool, str]:
     """``(True, device name)`` or ``(False, why not)``."""
-    from cuflash.runtime.interop import require_cuda
+    from cuflash.runtime.interop import device_name, require_cuda
 
     try:
         cupy = require_cuda("cuflash bench")
     except RuntimeError as e:
         return False, str(e).removeprefix("cuflash bench: ")
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    return True, name
+    return True, device_name(cupy.cuda.Device().id)
 
 
 class Timer:

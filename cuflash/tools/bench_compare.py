@@ -30,14 +30,11 @@ def machine_name() -> str:
     import platform
     import re
 
-    name = None
-    try:
-        import cupy
+    from cuflash.runtime.interop import device_name, require_cuda
 
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            props = cupy.cuda.runtime.getDeviceProperties(0)
-            name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: a CPU machine
+    try:
+        name = device_name(require_cuda("cuflash bench").cuda.Device().id)
+    except RuntimeError:  # no CuPy, no driver, no device: a CPU machine
         name = None
     if name is None:
         model = platform.processor() or platform.machine()

@@ -221,9 +221,10 @@ class _Clock:
 def _device_info() -> dict:
     import cupy
 
+    from cuflash.runtime.interop import device_name
+
     dev = cupy.cuda.Device()
-    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    name = device_name(dev.id)
     free, total = cupy.cuda.runtime.memGetInfo()
     try:
         nvrtc = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))

@@ -307,10 +307,10 @@ def _gpu_line() -> str:
     try:
         import cupy
 
+        from cuflash.runtime.interop import device_name
+
         dev = cupy.cuda.Device()
-        name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"]
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        where = f"GPU {dev.id} ({name}, sm_{dev.compute_capability})"
+        where = f"GPU {dev.id} ({device_name(dev.id)}, sm_{dev.compute_capability})"
     except Exception:  # noqa: BLE001 - the line is informative only
         where = "the GPU"
     return (f"cuflash demo: GPU path on {where}: each layer's numpy q/k/v go to the device with "

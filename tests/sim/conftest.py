@@ -1,9 +1,9 @@
 """Fixtures for the simulator suite.
 
-The compiled modules are shared by all tests through the simulator's disk cache. When
-``CUFLASH_SIM_CACHE_DIR`` is not set (CI sets it to a fresh folder), the session uses a fresh
-temporary folder, so a run never depends on (or pollutes) ``~/.cache``. All modules the suite
-needs are compiled up front, in parallel, by the session fixture ``modules``.
+The compiled modules are shared by all tests through the simulator's disk cache (a fresh
+temporary folder per session unless ``CUFLASH_SIM_CACHE_DIR`` is set: ``_sim_cache`` in
+tests/conftest.py). All modules the suite needs are compiled up front, in parallel, by the
+session fixture ``modules``.
 """
 
 from __future__ import annotations
@@ -20,19 +20,6 @@ from cuflash.runtime import source
 from cuflash.sim import launcher
 
 KERNELS = Path(__file__).parent / "kernels"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _sim_cache(tmp_path_factory):
-    if os.environ.get("CUFLASH_SIM_CACHE_DIR"):
-        yield Path(os.environ["CUFLASH_SIM_CACHE_DIR"])
-        return
-    folder = tmp_path_factory.mktemp("cusim_cache")
-    os.environ["CUFLASH_SIM_CACHE_DIR"] = str(folder)
-    try:
-        yield folder
-    finally:
-        os.environ.pop("CUFLASH_SIM_CACHE_DIR", None)
 
 
 def probe_source(name: str) -> str:
