@@ -35,33 +35,39 @@
 // ============================================================== CPU emulation
 namespace cuflash_ptx_sim {
 
-inline void check_shared16(const void* p, const char* what) {
+CUSIM_NOSAN inline void check_shared16(const void* p, const char* what) {
     if (reinterpret_cast<uintptr_t>(p) & 15u) cusim::fail("%s: shared address %p is not 16-byte aligned", what, p);
     if (!cusim::is_shared(p, 16)) cusim::fail("%s: address %p is not in the block's shared memory", what, p);
 }
 
 template <int X, bool TRANS>
-inline void ldmatrix_compute(cusim::Slot* slots, unsigned lanes) {
+CUSIM_NOSAN inline void ldmatrix_compute(cusim::Slot* slots, unsigned lanes) {
     if (lanes != 0xffffffffu) cusim::fail("ldmatrix: all 32 lanes must execute it (live lanes 0x%08x)", lanes);
     for (unsigned l = 0; l < 32; ++l) {
         const unsigned g = l / 4, t = l % 4;
         for (int j = 0; j < X; ++j) {
             uint16_t lo, hi;
+            // the shared-memory reads, checked as this (the last arriving) lane's
+            const uint16_t *plo, *phi;
             if (!TRANS) {
                 const uint16_t* row = reinterpret_cast<const uint16_t*>(slots[8 * j + g].in[0]);
-                lo = row[2 * t];
-                hi = row[2 * t + 1];
+                plo = row + 2 * t;
+                phi = row + 2 * t + 1;
             } else {
-                lo = reinterpret_cast<const uint16_t*>(slots[8 * j + 2 * t].in[0])[g];
-                hi = reinterpret_cast<const uint16_t*>(slots[8 * j + 2 * t + 1].in[0])[g];
+                plo = reinterpret_cast<const uint16_t*>(slots[8 * j + 2 * t].in[0]) + g;
+                phi = reinterpret_cast<const uint16_t*>(slots[8 * j + 2 * t + 1].in[0]) + g;
             }
+            cusim::check_access(reinterpret_cast<uintptr_t>(plo), 2, false);
+            cusim::check_access(reinterpret_cast<uintptr_t>(phi), 2, false);
+            lo = *plo;
+            hi = *phi;
             slots[l].out[j] = uint32_t(lo) | (uint32_t(hi) << 16);
         }
     }
 }
 
 template <int X, bool TRANS>
-inline void ldmatrix(uint32_t* r, const void* row_addr) {
+CUSIM_NOSAN inline void ldmatrix(uint32_t* r, const void* row_addr) {
     static const char* const names[2][3] = {{"ldmatrix.x1", "ldmatrix.x2", "ldmatrix.x4"},
                                             {"ldmatrix.x1.trans", "ldmatrix.x2.trans", "ldmatrix.x4.trans"}};
     const char* what = names[TRANS][X == 1 ? 0 : X == 2 ? 1 : 2];
@@ -72,7 +78,7 @@ inline void ldmatrix(uint32_t* r, const void* row_addr) {
 }
 
 template <bool BF16>
-inline float unpack(uint32_t reg, int hi) {
+CUSIM_NOSAN inline float unpack(uint32_t reg, int hi) {
     const uint16_t b = uint16_t(hi ? reg >> 16 : reg & 0xffffu);
     return BF16 ? cusim::bf16_bits_to_f32(b) : cusim::f16_bits_to_f32(b);
 }
@@ -80,7 +86,7 @@ inline float unpack(uint32_t reg, int hi) {
 // D = A * B + C for m16n8k16; products of 16-bit values are exact in double and the sum is
 // rounded once to float (the tensor core's internal order and rounding are not specified).
 template <bool BF16>
-inline void mma_m16n8k16_compute(cusim::Slot* slots, unsigned lanes) {
+CUSIM_NOSAN inline void mma_m16n8k16_compute(cusim::Slot* slots, unsigned lanes) {
     if (lanes != 0xffffffffu) cusim::fail("mma.sync: all 32 lanes must execute it (live lanes 0x%08x)", lanes);
     float A[16][16], B[16][8], C[16][8];
     for (unsigned l = 0; l < 32; ++l) {
@@ -117,7 +123,7 @@ inline void mma_m16n8k16_compute(cusim::Slot* slots, unsigned lanes) {
 }
 
 template <bool BF16>
-inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+CUSIM_NOSAN inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
     uint32_t reg[10] = {a[0], a[1], a[2], a[3], b[0], b[1],
                         cusim::f32_bits(c[0]), cusim::f32_bits(c[1]), cusim::f32_bits(c[2]), cusim::f32_bits(c[3])};
     cusim::Slot& s = cusim::collective(0xffffffffu, reg, sizeof reg, &mma_m16n8k16_compute<BF16>,
@@ -125,7 +131,7 @@ inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (
     for (int i = 0; i < 4; ++i) d[i] = cusim::bits_f32(s.out[i]);
 }
 
-inline void cp_async_16(void* dst, const void* src, uint32_t src_bytes) {
+CUSIM_NOSAN inline void cp_async_16(void* dst, const void* src, uint32_t src_bytes) {
     if (reinterpret_cast<uintptr_t>(dst) & 15u || reinterpret_cast<uintptr_t>(src) & 15u)
         cusim::fail("cp.async: addresses %p (shared) and %p (global) must be 16-byte aligned", dst, src);
     if (!cusim::is_shared(dst, 16)) cusim::fail("cp.async: destination %p is not in the block's shared memory", dst);
@@ -142,19 +148,22 @@ inline void cp_async_16(void* dst, const void* src, uint32_t src_bytes) {
         std::memcpy(dst, c.data, 16);
         return;
     }
+    if (f->nasync == cusim::kMaxAsync)
+        cusim::fail("cp.async: more than %u copies of this thread are in flight (no cp.async.wait_group)",
+                    cusim::kMaxAsync);
     cusim::check_async_issue(dst, 16);   // checked mode: a write now, in flight until the wait
-    f->async.push_back(c);
+    f->async[f->nasync++] = c;
 }
 
-inline void cp_async_commit() { ++cusim::fiber()->async_committed; }
+CUSIM_NOSAN inline void cp_async_commit() { ++cusim::fiber()->async_committed; }
 
 // Land every committed group except the newest `pending` ones.
-inline void cp_async_wait(uint32_t pending) {
+CUSIM_NOSAN inline void cp_async_wait(uint32_t pending) {
     cusim::Fiber* f = cusim::fiber();
     if (f->async_committed < pending) return;
     const uint32_t limit = f->async_committed - pending;
-    size_t keep = 0;
-    for (size_t i = 0; i < f->async.size(); ++i) {
+    uint32_t keep = 0;
+    for (uint32_t i = 0; i < f->nasync; ++i) {
         cusim::AsyncCopy& c = f->async[i];
         if (c.group < limit) {
             cusim::check_async_land(c.dst, c.bytes);
@@ -164,7 +173,7 @@ inline void cp_async_wait(uint32_t pending) {
             f->async[keep++] = c;
         }
     }
-    f->async.resize(keep);
+    f->nasync = keep;
 }
 
 }  // namespace cuflash_ptx_sim

@@ -41,6 +41,9 @@
 #include <utility>
 #include <vector>
 #include <sys/mman.h>
+#include <dlfcn.h>
+#include <link.h>
+#include <signal.h>
 #include <unistd.h>
 
 #if !defined(__x86_64__) && !defined(CUSIM_FIBERS_UCONTEXT)
@@ -52,9 +55,19 @@
 
 #define CUFLASH_SIM 1
 
+// The runtime's own functions are not instrumented (checked mode's thread-sanitizer hooks, the
+// alignment check of every mode): what they touch is the simulator's state, not the kernel's.
+// Accesses they make on the kernel's behalf are checked explicitly (check_access).
+#define CUSIM_NOSAN __attribute__((no_sanitize_thread, no_sanitize("alignment")))
+
 // ------------------------------------------------------------------ CUDA keywords
-#define __global__
-#define __device__
+// The kernel's own functions go to one section, so checked mode's hooks can tell an access of
+// kernel code (held to arguments, shared memory, its stack and the module's image) from one of
+// the C++ library's inline code that the runtime uses (its own state). `__device__` variables
+// are not supported (none of kernels_cu/ has one).
+#define CUSIM_KERNEL_CODE __attribute__((section("cusim_kernel_text")))
+#define __global__ CUSIM_KERNEL_CODE
+#define __device__ CUSIM_KERNEL_CODE
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
 #define __noinline__ __attribute__((noinline))
@@ -119,6 +132,9 @@ struct CheckReport {
     uint32_t elem_size, rank;                // shared variable: element size, rank, extents
     uint64_t dims[4];
     char name[64];                           // shared variable name
+    uint32_t other_block[3], other_valid;    // global races: the other access's block (valid: 1)
+    uint64_t address;                        // wild and misaligned accesses: the address
+    uint32_t align, pad;                     // misaligned accesses: the alignment the type needs
 };
 
 struct LaunchConfig {
@@ -153,6 +169,9 @@ enum CheckKind : uint32_t {
     kSharedRace = 5,
     kSharedOob = 6,
     kAsyncInFlight = 7,   // an access to shared bytes a cp.async is still filling
+    kWild = 8,            // outside every argument, the shared memory and the thread's stack
+    kGlobalRace = 9,      // two threads (of one block or two) on one global byte, unordered
+    kMisaligned = 10,     // an access below its type's natural alignment
 };
 
 // Name and layout of a __shared__ declaration (from the lowering), for reports.
@@ -169,6 +188,8 @@ constexpr SiteInfo site_info(const char* name) {
 }
 
 constexpr unsigned kMaxGroupsPerWarp = 8;
+constexpr unsigned kMaxAsync = 512;           // cp.async copies in flight per thread
+constexpr uint64_t kPollLimit = 1ull << 20;   // polls in a block without progress before the watchdog fires
 constexpr uint64_t kDynamicAlign = 128;
 constexpr unsigned char kPoison = 0xFF;
 
@@ -215,8 +236,10 @@ struct Fiber {
     FiberState state = FiberState::Ready;
     unsigned wait_gen = 0;
     Group* wait_group = nullptr;
-    std::vector<AsyncCopy> async;   // cp.async copies not yet landed
+    AsyncCopy async[kMaxAsync];      // cp.async copies not yet landed (async[0..nasync))
+    uint32_t nasync = 0;
     uint32_t async_committed = 0;    // commit_group count
+    const void* poll_addr = nullptr; // the last address this thread polled (volatile or atomic read)
     char* stack = nullptr;           // lowest usable byte (guard page below)
 };
 
@@ -251,6 +274,8 @@ struct Worker {
     ucontext_t sched_uc;
 #endif
     uint64_t rng = 0;
+    uint64_t block_linear = 0;
+    uint64_t idle_polls = 0;   // polls since the last sign of progress (see poll())
     uint64_t switches = 0;
     uint64_t static_smem_max = 0;
     SiteInfo dyn_info{"<dynamic shared memory>", 1, 1, {0, 0, 0, 0}};
@@ -265,15 +290,16 @@ struct Launch {
     std::atomic<bool> failed{false};
     std::mutex mu;
     uint64_t nblocks = 0;
+    std::vector<void*> gshadow;   // checked mode: per region, the race shadow of a written argument
 };
 
 inline thread_local Worker* t_worker = nullptr;
 
-inline Worker* worker() { return t_worker; }
-inline Fiber* fiber() { return t_worker->cur; }
+CUSIM_NOSAN inline Worker* worker() { return t_worker; }
+CUSIM_NOSAN inline Fiber* fiber() { return t_worker->cur; }
 
 // ------------------------------------------------------------------ errors
-inline void record_error(Launch* L, const char* prefix, const char* fmt, va_list ap) {
+CUSIM_NOSAN inline void record_error(Launch* L, const char* prefix, const char* fmt, va_list ap) {
     std::lock_guard<std::mutex> lock(L->mu);
     bool first = !L->failed.exchange(true);
     if (!first || !L->cfg->error || L->cfg->error_cap == 0) return;
@@ -282,7 +308,7 @@ inline void record_error(Launch* L, const char* prefix, const char* fmt, va_list
     if (uint64_t(n) < L->cfg->error_cap) std::vsnprintf(L->cfg->error + n, L->cfg->error_cap - n, fmt, ap);
 }
 
-inline void switch_to_scheduler(Worker* w, Fiber* f) {
+CUSIM_NOSAN inline void switch_to_scheduler(Worker* w, Fiber* f) {
 #ifdef CUSIM_FIBERS_UCONTEXT
     swapcontext(&f->uc, &w->sched_uc);
 #else
@@ -291,7 +317,7 @@ inline void switch_to_scheduler(Worker* w, Fiber* f) {
 }
 
 // Report an error from inside a kernel and abandon the launch: the fiber never resumes.
-[[noreturn]] __attribute__((format(printf, 1, 2))) inline void fail(const char* fmt, ...) {
+[[noreturn]] __attribute__((format(printf, 1, 2))) CUSIM_NOSAN inline void fail(const char* fmt, ...) {
     Worker* w = t_worker;
     char prefix[160];
     Fiber* f = w ? w->cur : nullptr;
@@ -310,7 +336,7 @@ inline void switch_to_scheduler(Worker* w, Fiber* f) {
 }
 
 // Error found by the scheduler itself (not inside a fiber).
-__attribute__((format(printf, 2, 3))) inline void fail_block(Worker* w, const char* fmt, ...) {
+__attribute__((format(printf, 2, 3))) CUSIM_NOSAN inline void fail_block(Worker* w, const char* fmt, ...) {
     char prefix[96];
     std::snprintf(prefix, sizeof prefix, "block (%u,%u,%u): ", w->block_idx.x, w->block_idx.y, w->block_idx.z);
     va_list ap;
@@ -320,16 +346,16 @@ __attribute__((format(printf, 2, 3))) inline void fail_block(Worker* w, const ch
 }
 
 // ------------------------------------------------------------------ scheduling primitives
-inline void yield_current() {
+CUSIM_NOSAN inline void yield_current() {
     Worker* w = t_worker;
     switch_to_scheduler(w, w->cur);
 }
 
-inline void check_barrier(Worker* w);
-inline void check_syncwarp(Worker* w, unsigned warp, unsigned lanes);
-inline void check_declare(Worker* w, uint64_t off, uint64_t size);
+CUSIM_NOSAN inline void check_barrier(Worker* w);
+CUSIM_NOSAN inline void check_syncwarp(Worker* w, unsigned warp, unsigned lanes);
+CUSIM_NOSAN inline void check_declare(Worker* w, uint64_t off, uint64_t size);
 
-inline void release_barrier(Worker* w) {
+CUSIM_NOSAN inline void release_barrier(Worker* w) {
     w->bar_arrived = 0;
     ++w->bar_gen;
     if (w->chk) check_barrier(w);
@@ -339,7 +365,7 @@ inline void release_barrier(Worker* w) {
 // threads of a barrier phase must wait at one call site: CUDA allows __syncthreads in
 // conditional code only where the condition is the same for the whole block, so threads meeting
 // at two sites (a branch some threads skip, per-warp trip counts) are an error, not a merge.
-inline void syncthreads(const char* site = nullptr) {
+CUSIM_NOSAN inline void syncthreads(const char* site = nullptr) {
     Worker* w = t_worker;
     Fiber* f = w->cur;
     if (site) {
@@ -350,6 +376,8 @@ inline void syncthreads(const char* site = nullptr) {
                  f->tid.x, f->tid.y, f->tid.z, site, w->bar_arrived, w->bar_site);
         }
     }
+    w->idle_polls = 0;
+    f->poll_addr = nullptr;
     if (++w->bar_arrived >= w->bar_alive) {
         release_barrier(w);
         return;
@@ -359,7 +387,7 @@ inline void syncthreads(const char* site = nullptr) {
     yield_current();
 }
 
-inline void complete_group(Worker* w, Warp& wp, Group& g, unsigned lanes) {
+CUSIM_NOSAN inline void complete_group(Worker* w, Warp& wp, Group& g, unsigned lanes) {
     if (w->chk && g.what && std::strcmp(g.what, "__syncwarp") == 0)
         check_syncwarp(w, unsigned(&wp - w->warps.data()), lanes);
     if (g.fn) g.fn(g.slots[g.gen & 1u], lanes);
@@ -368,7 +396,7 @@ inline void complete_group(Worker* w, Warp& wp, Group& g, unsigned lanes) {
     ++g.gen;
 }
 
-inline Group& group_for(Warp& wp, unsigned mask) {
+CUSIM_NOSAN inline Group& group_for(Warp& wp, unsigned mask) {
     for (unsigned i = 0; i < wp.ngroups; ++i)
         if (wp.groups[i].mask == mask) return wp.groups[i];
     if (wp.ngroups == kMaxGroupsPerWarp)
@@ -383,7 +411,7 @@ inline Group& group_for(Warp& wp, unsigned mask) {
 // The warp collective: deposit `n` bytes, wait for the mask's live lanes, let the last arriving
 // lane run `fn` once for the warp; returns this lane's slot (valid until the mask's next-but-one
 // collective).
-inline Slot& collective(unsigned mask, const void* in, size_t n, CollectiveFn fn, const char* what,
+CUSIM_NOSAN inline Slot& collective(unsigned mask, const void* in, size_t n, CollectiveFn fn, const char* what,
                         unsigned* took_part = nullptr) {
     Worker* w = t_worker;
     Fiber* f = w->cur;
@@ -395,6 +423,8 @@ inline Slot& collective(unsigned mask, const void* in, size_t n, CollectiveFn fn
         fail("warp divergence: lanes of mask 0x%08x meet at different collectives (%s and %s)", mask, g.what, what);
     g.fn = fn;
     g.what = what;
+    w->idle_polls = 0;
+    f->poll_addr = nullptr;
     Slot& mine = g.slots[g.gen & 1u][f->lane];
     if (n) std::memcpy(mine.in, in, n);
     g.arrived |= bit;
@@ -412,10 +442,73 @@ inline Slot& collective(unsigned mask, const void* in, size_t n, CollectiveFn fn
     return mine;
 }
 
-// ------------------------------------------------------------------ shared memory
-inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+// ------------------------------------------------------------------ spin-waits
+// A thread that reads one address again with a volatile or atomic load (a poll: a spin-wait on a
+// flag) yields to the block's other threads, so the thread that sets the flag gets to run; a
+// write through a volatile or atomic access, a barrier, a warp collective or an exit is
+// progress. kPollLimit polls in a block without progress is a deadlock: the watchdog reports
+// where each warp waits. (Volatile accesses are seen through the thread-sanitizer hooks; the
+// launcher compiles a module whose source has `volatile` data with them, cuflash/sim/launcher.py.)
+CUSIM_NOSAN inline void describe_address(Worker* w, const void* p, char* out, size_t cap) {
+    const uint64_t off = reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(w->arena);
+    if (off < w->arena_cap) {
+        const char* name = off < w->dyn_end ? w->dyn_info.name : "<shared>";
+        uint64_t base = 0;
+        for (const SharedSite& s : w->sites)
+            if (off >= s.offset && off < s.offset + s.size) name = s.info.name, base = s.offset;
+        std::snprintf(out, cap, "__shared__ %s byte %llu", name, (unsigned long long)(off - base));
+    } else {
+        std::snprintf(out, cap, "global address %p", p);
+    }
+}
 
-inline void* shared_static(const void* key, uint64_t size, uint64_t align,
+[[noreturn]] CUSIM_NOSAN inline void watchdog(Worker* w) {
+    char msg[1800];
+    size_t n = std::snprintf(msg, sizeof msg, "deadlock: %llu polls (volatile or atomic re-reads) without progress; ",
+                             (unsigned long long)kPollLimit);
+    for (unsigned wi = 0; wi < w->nwarps && n < sizeof msg - 200; ++wi) {
+        unsigned polling = 0, at_bar = 0, at_coll = 0, done = 0;
+        const void* addr = nullptr;
+        const char* coll = "";
+        for (unsigned l = 0; l < 32 && wi * 32 + l < w->nthreads; ++l) {
+            const Fiber& f = w->fibers[wi * 32 + l];
+            if (f.state == FiberState::Done) ++done;
+            else if (f.state == FiberState::AtBarrier) ++at_bar;
+            else if (f.state == FiberState::AtCollective) ++at_coll, coll = f.wait_group->what;
+            else if (f.poll_addr) ++polling, addr = addr ? addr : f.poll_addr;
+        }
+        char where[96] = "-";
+        if (addr) describe_address(w, addr, where, sizeof where);
+        n += std::snprintf(msg + n, sizeof msg - n, "warp %u: %u lane(s) poll %s, %u at __syncthreads%s%s, %u at %s, "
+                           "%u exited; ", wi, polling, where, at_bar, at_bar && w->bar_site ? " " : "",
+                           at_bar && w->bar_site ? w->bar_site : "", at_coll, at_coll ? coll : "a collective", done);
+    }
+    fail("%s", msg);
+}
+
+CUSIM_NOSAN inline void poll(const void* p) {
+    Worker* w = t_worker;
+    if (!w || !w->cur) return;
+    Fiber* f = w->cur;
+    if (f->poll_addr != p) {
+        f->poll_addr = p;
+        return;
+    }
+    if (++w->idle_polls > kPollLimit) watchdog(w);
+    yield_current();   // stays Ready: the scheduler runs the others first
+}
+
+CUSIM_NOSAN inline void progress() {
+    Worker* w = t_worker;
+    if (!w || !w->cur) return;
+    w->idle_polls = 0;
+    w->cur->poll_addr = nullptr;
+}
+
+// ------------------------------------------------------------------ shared memory
+CUSIM_NOSAN inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+CUSIM_NOSAN inline void* shared_static(const void* key, uint64_t size, uint64_t align,
                            const SiteInfo& info = SiteInfo{"<shared>", 1, 0, {0, 0, 0, 0}}) {
     Worker* w = t_worker;
     for (const SharedSite& s : w->sites)
@@ -437,14 +530,14 @@ inline void* shared_static(const void* key, uint64_t size, uint64_t align,
     return w->arena + off;
 }
 
-inline void* shared_dynamic() { return t_worker->arena; }
-inline void* shared_dynamic(const SiteInfo& info) {
+CUSIM_NOSAN inline void* shared_dynamic() { return t_worker->arena; }
+CUSIM_NOSAN inline void* shared_dynamic(const SiteInfo& info) {
     Worker* w = t_worker;
     w->dyn_info = info;
     return w->arena;
 }
 
-inline bool is_shared(const void* p, uint64_t n) {
+CUSIM_NOSAN inline bool is_shared(const void* p, uint64_t n) {
     Worker* w = t_worker;
     auto a = reinterpret_cast<const unsigned char*>(p);
     return a >= w->arena && a + n <= w->arena + w->arena_cap;
@@ -462,7 +555,6 @@ inline bool is_shared(const void* p, uint64_t n) {
 // earlier in the block, and two threads touching one byte in the same barrier phase (at least
 // one writing) must be ordered by a __syncwarp that both took part in. The first fault fills
 // LaunchConfig::report and stops the launch, before the faulty access is made.
-#define CUSIM_NOSAN __attribute__((no_sanitize_address))
 
 struct ShadowByte {
     uint32_t w_epoch, r_epoch;   // barrier phase of the last write / read of the byte
@@ -580,10 +672,51 @@ CUSIM_NOSAN inline bool check_ordered(const CheckState& c, const Fiber* f, unsig
     return c.pair[size_t(f->warp) * 1024 + (other % 32) * 32 + f->lane] > clock;
 }
 
+// The race rule of one byte within a block: an earlier write in this barrier phase by another
+// thread, or (for a write) an earlier read, not ordered by a __syncwarp both took part in.
+// Returns the other thread's linear id, or 0xffff if none; `other_write` says which it was.
+CUSIM_NOSAN inline unsigned race_other(const CheckState& c, const Fiber* f, const ShadowByte& s, bool write,
+                                       bool& other_write) {
+    if (s.w_epoch == c.epoch && !check_ordered(c, f, s.w_tid, s.w_clock)) {
+        other_write = true;
+        return s.w_tid;
+    }
+    if (write && s.r_epoch == c.epoch) {
+        bool ordered;
+        if (s.r_multi == 0) ordered = check_ordered(c, f, s.r_tid, s.r_clock);
+        else ordered = s.r_multi == 1 && s.r_tid / 32 == f->warp && c.full_sync[f->linear] > s.r_clock;
+        if (!ordered) {
+            other_write = false;
+            return s.r_tid;
+        }
+    }
+    return 0xffffu;
+}
+
+CUSIM_NOSAN inline void race_note(const CheckState& c, const Fiber* f, ShadowByte& s, bool write) {
+    const uint16_t me = uint16_t(f->linear);
+    if (write) {
+        s.w_epoch = c.epoch;
+        s.w_clock = c.clock;
+        s.w_tid = me;
+    } else if (s.r_epoch != c.epoch) {
+        s.r_epoch = c.epoch;
+        s.r_clock = c.clock;
+        s.r_tid = me;
+        s.r_multi = 0;
+    } else if (s.r_tid != me) {
+        if (s.r_multi == 0 && check_ordered(c, f, s.r_tid, s.r_clock)) {
+            s.r_tid = me;   // the earlier read is ordered before this one (and before what follows it)
+        } else {
+            s.r_multi = (s.r_multi == 2 || s.r_tid / 32 != f->warp) ? 2 : 1;
+        }
+        s.r_clock = c.clock;
+    }
+}
+
 CUSIM_NOSAN inline void check_shared(Worker* w, uint64_t off, uint64_t n, bool write, bool atomic) {
     CheckState& c = *w->chk;
     Fiber* f = w->cur;
-    const uint16_t me = uint16_t(f->linear);
     for (uint64_t k = 0; k < n; ++k) {
         const uint64_t b = off + k;
         CheckReport r{};
@@ -618,17 +751,8 @@ CUSIM_NOSAN inline void check_shared(Worker* w, uint64_t off, uint64_t n, bool w
             continue;
         }
         ShadowByte& s = c.shadow[b];
-        unsigned other = 0xffffu;
         bool other_write = false;
-        if (s.w_epoch == c.epoch && !check_ordered(c, f, s.w_tid, s.w_clock)) {
-            other = s.w_tid;
-            other_write = true;
-        } else if (write && s.r_epoch == c.epoch) {
-            bool ordered;
-            if (s.r_multi == 0) ordered = check_ordered(c, f, s.r_tid, s.r_clock);
-            else ordered = s.r_multi == 1 && s.r_tid / 32 == f->warp && c.full_sync[f->linear] > s.r_clock;
-            if (!ordered) other = s.r_tid;
-        }
+        const unsigned other = race_other(c, f, s, write, other_write);
         if (other != 0xffffu) {
             r.kind = kSharedRace;
             r.other_write = other_write;
@@ -640,28 +764,86 @@ CUSIM_NOSAN inline void check_shared(Worker* w, uint64_t off, uint64_t n, bool w
                        write ? "write" : "read", other_write ? "written" : "read", r.other_thread[0],
                        r.other_thread[1], r.other_thread[2]);
         }
-        if (write) {
-            s.w_epoch = c.epoch;
-            s.w_clock = c.clock;
-            s.w_tid = me;
-            c.state[b] |= kWritten;
-        } else if (s.r_epoch != c.epoch) {
-            s.r_epoch = c.epoch;
-            s.r_clock = c.clock;
-            s.r_tid = me;
-            s.r_multi = 0;
-        } else if (s.r_tid != me) {
-            if (s.r_multi == 0 && check_ordered(c, f, s.r_tid, s.r_clock)) {
-                s.r_tid = me;   // the earlier read is ordered before this one (and before what follows it)
-            } else {
-                s.r_multi = (s.r_multi == 2 || s.r_tid / 32 != f->warp) ? 2 : 1;
-            }
-            s.r_clock = c.clock;
-        }
+        race_note(c, f, s, write);
+        if (write) c.state[b] |= kWritten;
     }
 }
 
-CUSIM_NOSAN inline void check_global(Worker* w, uintptr_t a, uint64_t n, bool write) {
+// Global-memory race shadow, per byte of a written argument's region. Blocks of one launch are
+// not ordered (no grid-wide barrier exists here), so a byte written by one block and read or
+// written by another is a race; within a block the shared-memory rule applies (barrier phase,
+// __syncwarp). Atomics are exempt. Blocks run concurrently on several workers, but a byte that
+// only one block touches is only ever updated by that block's worker.
+struct GShadow {
+    ShadowByte s;
+    uint32_t w_block, r_block;   // linear block + 1 of the last writer / reader (0: none)
+    uint32_t r_blocks;           // 1: readers of more than one block
+    uint32_t pad;
+};
+
+CUSIM_NOSAN inline void block_xyz(Worker* w, uint64_t linear, uint32_t out[3]) {
+    const LaunchConfig& c = *w->cfg;
+    out[0] = uint32_t(linear % c.grid[0]);
+    out[1] = uint32_t((linear / c.grid[0]) % c.grid[1]);
+    out[2] = uint32_t(linear / (uint64_t(c.grid[0]) * c.grid[1]));
+}
+
+CUSIM_NOSAN inline void check_global_race(Worker* w, uint64_t region, int64_t off, uint64_t n, bool write) {
+    GShadow* shadow = static_cast<GShadow*>(w->launch->gshadow[region]);
+    if (!shadow) return;
+    CheckState& c = *w->chk;
+    Fiber* f = w->cur;
+    const uint32_t me = uint32_t(w->block_linear + 1);
+    for (uint64_t k = 0; k < n; ++k) {
+        GShadow& g = shadow[off + int64_t(k)];
+        uint32_t other_block = 0;
+        unsigned other = 0xffffu;
+        bool other_write = false;
+        if (g.w_block && g.w_block != me) {
+            other_block = g.w_block, other = g.s.w_tid, other_write = true;
+        } else if (write && g.r_block && (g.r_block != me || g.r_blocks)) {
+            other_block = g.r_block != me ? g.r_block : 0, other = g.s.r_tid;
+        } else {
+            ShadowByte mine = g.s;
+            if (g.w_block != me) mine.w_epoch = 0;
+            if (g.r_block != me) mine.r_epoch = 0;
+            other = race_other(c, f, mine, write, other_write);
+            if (other != 0xffffu) other_block = me;
+        }
+        if (other != 0xffffu || other_block) {
+            CheckReport r{};
+            r.kind = kGlobalRace;
+            r.region = uint32_t(region);
+            r.offset = off + int64_t(k);
+            r.size = uint32_t(n);
+            r.is_write = write;
+            r.other_write = other_write;
+            if (other_block) {
+                block_xyz(w, other_block - 1, r.other_block);
+                r.other_valid = 1;
+                if (other != 0xffffu) thread_xyz(w, other, r.other_thread);
+            }
+            check_fail(w, r, "checked: global-memory race through argument %u, byte %lld of its region: %s here, %s "
+                       "by %s", w->cfg->regions[region].index, (long long)(off + int64_t(k)),
+                       write ? "write" : "read", other_write ? "written" : "read",
+                       other_block == me ? "another thread of this block in the same barrier phase" : "another block");
+        }
+        if (write) {
+            if (g.w_block != me) g.s.w_epoch = 0;
+            g.w_block = me;
+        } else {
+            if (g.r_block && g.r_block != me) {
+                g.r_blocks = 1;
+                g.s.r_epoch = 0;
+            }
+            g.r_block = me;
+        }
+        race_note(c, f, g.s, write);
+    }
+}
+
+// Returns whether [a, a + n) touches a registered argument region (and checks it if so).
+CUSIM_NOSAN inline bool check_global(Worker* w, uintptr_t a, uint64_t n, bool write, bool atomic) {
     const LaunchConfig& cfg = *w->cfg;
     for (uint64_t i = 0; i < cfg.nregions; ++i) {
         const Region& g = cfg.regions[i];
@@ -690,11 +872,83 @@ CUSIM_NOSAN inline void check_global(Worker* w, uintptr_t a, uint64_t n, bool wr
             r.is_write = 1;
             check_fail(w, r, "checked: write through argument %u, which the launch plan marks read-only", g.index);
         }
-        return;
+        if (!atomic) check_global_race(w, i, off, n, write);
+        return true;
     }
+    return false;
 }
 
-CUSIM_NOSAN inline void check_access(uintptr_t a, uint64_t n, bool write, bool atomic = false) {
+// The loaded image of this module (code, constants, __constant__ and other globals).
+struct Image {
+    uintptr_t lo = 0, hi = 0;
+};
+CUSIM_NOSAN inline int image_segments(dl_phdr_info* info, size_t, void* data) {
+    Image& im = *static_cast<Image*>(data);
+    const uintptr_t self = reinterpret_cast<uintptr_t>(&image_segments);
+    uintptr_t lo = ~uintptr_t(0), hi = 0;
+    bool mine = false;
+    for (int i = 0; i < info->dlpi_phnum; ++i) {
+        const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+        if (ph.p_type != PT_LOAD) continue;
+        const uintptr_t s = info->dlpi_addr + ph.p_vaddr, e = s + ph.p_memsz;
+        lo = std::min(lo, s);
+        hi = std::max(hi, e);
+        if (self >= s && self < e) mine = true;
+    }
+    if (!mine) return 0;
+    im.lo = lo, im.hi = hi;
+    return 1;
+}
+CUSIM_NOSAN inline Image find_image() {
+    Image r;
+    dl_iterate_phdr(&image_segments, &r);
+    return r;
+}
+CUSIM_NOSAN inline const Image& image() {
+    static const Image im = find_image();   // (no lambdas here: they would be instrumented)
+    return im;
+}
+
+CUSIM_NOSAN inline bool inside(uintptr_t a, uint64_t n, const void* lo, uint64_t size) {
+    const uintptr_t l = reinterpret_cast<uintptr_t>(lo);
+    return a >= l && a + n <= l + size;
+}
+
+// Checked mode: an access of the kernel's own code that hits no argument and no shared memory
+// must be to the thread's stack (its local memory) or this module's image; the simulator's
+// state (the worker, its fibers and warps) is also tolerated, for the runtime's memcpy calls.
+CUSIM_NOSAN inline void check_wild(Worker* w, uintptr_t a, uint64_t n, bool write) {
+    const Fiber* f = w->cur;
+    const uint64_t stack = w->cfg->stack_size;
+    if (inside(a, n, f->stack, stack)) return;
+    const Image& im = image();
+    if (a >= im.lo && a + n <= im.hi) return;
+    if (inside(a, n, w, sizeof(Worker)) || inside(a, n, w->fibers.data(), w->fibers.size() * sizeof(Fiber)) ||
+        inside(a, n, w->warps.data(), w->warps.size() * sizeof(Warp)))
+        return;
+    CheckReport r{};
+    r.kind = kWild;
+    r.size = uint32_t(n);
+    r.is_write = write;
+    r.address = a;
+    char where[96] = "";
+    for (const Fiber& o : w->fibers)
+        if (&o != f && inside(a, n, o.stack, stack)) {
+            std::snprintf(where, sizeof where, " (it lies in the local memory of thread (%u,%u,%u))", o.tid.x, o.tid.y,
+                          o.tid.z);
+            r.other_thread[0] = o.tid.x, r.other_thread[1] = o.tid.y, r.other_thread[2] = o.tid.z;
+            r.other_valid = 1;
+            break;
+        }
+    check_fail(w, r, "checked: wild %s of %u bytes at address 0x%llx: outside every argument, the block's shared "
+               "memory and the thread's own stack%s", write ? "write" : "read", unsigned(n), (unsigned long long)a,
+               where);
+}
+
+// `kernel_code`: the access is made by the kernel's own code (see CUSIM_KERNEL_CODE), so one
+// outside the arguments and shared memory is checked as a wild access.
+CUSIM_NOSAN inline void check_access(uintptr_t a, uint64_t n, bool write, bool atomic = false,
+                                     bool kernel_code = false) {
     Worker* w = t_worker;
     if (!w || !w->chk || !w->cur || (w->chk->atomic_depth && !atomic)) return;
     const uint64_t off = a - reinterpret_cast<uintptr_t>(w->arena);
@@ -702,7 +956,8 @@ CUSIM_NOSAN inline void check_access(uintptr_t a, uint64_t n, bool write, bool a
         check_shared(w, off, n, write, atomic);
         return;
     }
-    if (w->cfg->nregions) check_global(w, a, n, write);
+    if (check_global(w, a, n, write, atomic)) return;
+    if (kernel_code) check_wild(w, a, n, write);
 }
 
 // Copy n bytes as the current thread. In checked mode the source is checked as a read and the
@@ -742,9 +997,9 @@ CUSIM_NOSAN inline void check_async_land(void* dst, uint64_t n) {
 // from the block's seeded generator. Landing early is what a GPU may do at any point between
 // issue and wait; drawing both ends makes a buffer refilled while still being read, or read
 // before its wait, give a wrong result under some seed instead of passing by luck.
-inline uint64_t splitmix(uint64_t& s);
+CUSIM_NOSAN inline uint64_t splitmix(uint64_t& s);
 
-inline bool async_lands_early() {
+CUSIM_NOSAN inline bool async_lands_early() {
     Worker* w = t_worker;
 #ifdef CUSIM_CHECKED
     (void)w;
@@ -760,7 +1015,7 @@ inline bool async_lands_early() {
 struct AtomicScope {
     Worker* w = nullptr;
     template <class T>
-    explicit AtomicScope(T* p) {
+    CUSIM_NOSAN explicit AtomicScope(T* p) {
 #ifdef CUSIM_CHECKED
         check_access(reinterpret_cast<uintptr_t>(p), sizeof(T), true, true);
         w = t_worker;
@@ -769,7 +1024,7 @@ struct AtomicScope {
         (void)p;
 #endif
     }
-    ~AtomicScope() {
+    CUSIM_NOSAN ~AtomicScope() {
         if (w && w->chk) --w->chk->atomic_depth;
     }
     AtomicScope(const AtomicScope&) = delete;
@@ -777,23 +1032,24 @@ struct AtomicScope {
 };
 
 // ------------------------------------------------------------------ fibers and blocks
-inline uint64_t splitmix(uint64_t& s) {
+CUSIM_NOSAN inline uint64_t splitmix(uint64_t& s) {
     uint64_t z = (s += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
 
-inline void shuffle_order(Worker& w) {
+CUSIM_NOSAN inline void shuffle_order(Worker& w) {
     for (unsigned i = w.nthreads; i > 1; --i) {
         unsigned j = unsigned(splitmix(w.rng) % i);
         std::swap(w.order[i - 1], w.order[j]);
     }
 }
 
-inline void fiber_exit(Worker* w, Fiber* f) {
+CUSIM_NOSAN inline void fiber_exit(Worker* w, Fiber* f) {
     f->state = FiberState::Done;
-    f->async.clear();   // copies never waited for never land
+    f->nasync = 0;   // copies never waited for never land
+    w->idle_polls = 0;
     Warp& wp = w->warps[f->warp];
     wp.alive &= ~(1u << f->lane);
     --w->bar_alive;
@@ -805,7 +1061,7 @@ inline void fiber_exit(Worker* w, Fiber* f) {
     }
 }
 
-extern "C" inline void cusim_fiber_main() {
+extern "C" CUSIM_NOSAN inline void cusim_fiber_main() {
     Worker* w = t_worker;
     w->launch->thunk(w->launch->ctx);
     w = t_worker;
@@ -841,12 +1097,12 @@ struct StackPool {
         free.emplace_back(s, size);
     }
 };
-inline StackPool& stack_pool() {
+CUSIM_NOSAN inline StackPool& stack_pool() {
     static StackPool pool;
     return pool;
 }
 
-inline void start_fiber(Worker& w, Fiber& f) {
+CUSIM_NOSAN inline void start_fiber(Worker& w, Fiber& f) {
     const uint64_t size = w.cfg->stack_size;
     char* top = f.stack + size;
     const uint64_t poison = std::min<uint64_t>(w.cfg->stack_poison, size);
@@ -867,7 +1123,7 @@ inline void start_fiber(Worker& w, Fiber& f) {
 #endif
 }
 
-inline void resume(Worker& w, Fiber& f) {
+CUSIM_NOSAN inline void resume(Worker& w, Fiber& f) {
     w.cur = &f;
     ++w.switches;
 #ifdef CUSIM_FIBERS_UCONTEXT
@@ -878,8 +1134,10 @@ inline void resume(Worker& w, Fiber& f) {
     w.cur = nullptr;
 }
 
-inline bool run_block(Worker& w, uint64_t b) {
+CUSIM_NOSAN inline bool run_block(Worker& w, uint64_t b) {
     const LaunchConfig& c = *w.cfg;
+    w.block_linear = b;
+    w.idle_polls = 0;
     w.block_idx = {unsigned(b % c.grid[0]), unsigned((b / c.grid[0]) % c.grid[1]),
                    unsigned(b / (uint64_t(c.grid[0]) * c.grid[1]))};
     w.bar_arrived = 0;
@@ -903,7 +1161,8 @@ inline bool run_block(Worker& w, uint64_t b) {
         f.warp = i >> 5;
         f.tid = {i % bx, (i / bx) % by, i / (bx * by)};
         f.state = FiberState::Ready;
-        f.async.clear();
+        f.nasync = 0;
+        f.poll_addr = nullptr;
         f.async_committed = 0;
         start_fiber(w, f);
     }
@@ -961,7 +1220,7 @@ inline bool run_block(Worker& w, uint64_t b) {
     return true;
 }
 
-inline void worker_main(Launch& L) {
+CUSIM_NOSAN inline void worker_main(Launch& L) {
     const LaunchConfig& c = *L.cfg;
     Worker w;
     w.launch = &L;
@@ -988,6 +1247,13 @@ inline void worker_main(Launch& L) {
         f.stack = ok ? stack_pool().acquire(c.stack_size) : nullptr;
         if (!f.stack) ok = false;
     }
+    // the crash handler's stack (cusim::on_crash)
+    constexpr size_t kAltStack = 1 << 16;
+    void* alt = std::malloc(kAltStack);
+    stack_t ss{}, old_ss{};
+    ss.ss_sp = alt;
+    ss.ss_size = kAltStack;
+    const bool have_alt = alt && sigaltstack(&ss, &old_ss) == 0;
     t_worker = &w;
     if (!ok) {
         fail_block(&w, "out of memory allocating fiber stacks or the shared memory arena");
@@ -998,6 +1264,8 @@ inline void worker_main(Launch& L) {
         }
     }
     t_worker = nullptr;
+    if (have_alt) sigaltstack(&old_ss, nullptr);
+    std::free(alt);
     for (Fiber& f : w.fibers)
         if (f.stack) stack_pool().release(f.stack, c.stack_size);
     std::free(w.arena);
@@ -1008,6 +1276,56 @@ inline void worker_main(Launch& L) {
     out.static_smem_used = std::max(out.static_smem_used, w.static_smem_max);
 }
 
+// ------------------------------------------------------------------ crashes
+// A fault in a kernel's thread (SIGSEGV: a wild pointer, a stack overflow into the guard page;
+// SIGBUS; SIGFPE: an integer division by zero, which the GPU does not trap) becomes a launch
+// error naming the block and thread, instead of killing the process. The handler is installed
+// for the duration of a launch (the previous one is restored after the last running launch of
+// this module ends) and runs on an alternate stack; a fault outside a kernel thread goes back to
+// the previous handler. It leaves the faulting thread through the scheduler, never returning.
+struct CrashGuard {
+    std::mutex mu;
+    unsigned depth = 0;
+    struct sigaction old[3];
+};
+inline CrashGuard& crash_guard() {
+    static CrashGuard g;
+    return g;
+}
+constexpr int kCrashSignals[3] = {SIGSEGV, SIGBUS, SIGFPE};
+
+CUSIM_NOSAN inline void on_crash(int sig, siginfo_t* info, void*) {
+    Worker* w = t_worker;
+    if (w && w->cur && w->launch) {
+        const char* what = sig == SIGSEGV ? "segmentation fault (an access to unmapped or protected memory)"
+                           : sig == SIGBUS ? "bus error"
+                                           : "arithmetic fault (an integer division by zero)";
+        fail("%s at address %p in the kernel's code", what, info ? info->si_addr : nullptr);
+    }
+    CrashGuard& g = crash_guard();   // not a kernel thread: the previous handler takes it
+    for (int i = 0; i < 3; ++i)
+        if (kCrashSignals[i] == sig) sigaction(sig, &g.old[i], nullptr);
+}
+
+inline void crash_guard_enter() {
+    CrashGuard& g = crash_guard();
+    std::lock_guard<std::mutex> lock(g.mu);
+    if (g.depth++ == 0) {
+        struct sigaction sa {};
+        sa.sa_sigaction = &on_crash;
+        sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+        sigemptyset(&sa.sa_mask);
+        for (int i = 0; i < 3; ++i) sigaction(kCrashSignals[i], &sa, &g.old[i]);
+    }
+}
+
+inline void crash_guard_leave() {
+    CrashGuard& g = crash_guard();
+    std::lock_guard<std::mutex> lock(g.mu);
+    if (--g.depth == 0)
+        for (int i = 0; i < 3; ++i) sigaction(kCrashSignals[i], &g.old[i], nullptr);
+}
+
 // ------------------------------------------------------------------ kernel entry glue
 template <class... A>
 struct KernelCall {
@@ -1016,22 +1334,22 @@ struct KernelCall {
 };
 
 template <class... A, size_t... I>
-inline void invoke(KernelCall<A...>* c, std::index_sequence<I...>) {
+CUSIM_NOSAN inline void invoke(KernelCall<A...>* c, std::index_sequence<I...>) {
     c->kernel(*static_cast<std::decay_t<A>*>(c->args[I])...);
 }
 
 template <class... A>
-inline void call_thunk(void* p) {
+CUSIM_NOSAN inline void call_thunk(void* p) {
     invoke(static_cast<KernelCall<A...>*>(p), std::index_sequence_for<A...>{});
 }
 
-inline int config_error(LaunchConfig* c, const char* msg) {
+CUSIM_NOSAN inline int config_error(LaunchConfig* c, const char* msg) {
     if (c->error && c->error_cap) std::snprintf(c->error, c->error_cap, "%s", msg);
     return 2;
 }
 
 template <class... A>
-inline int launch(void (*kernel)(A...), LaunchConfig* c, void** args) {
+CUSIM_NOSAN inline int launch(void (*kernel)(A...), LaunchConfig* c, void** args) {
     const uint64_t nthreads = uint64_t(c->block[0]) * c->block[1] * c->block[2];
     const uint64_t nblocks = uint64_t(c->grid[0]) * c->grid[1] * c->grid[2];
     if (nthreads == 0 || nblocks == 0) return config_error(c, "empty grid or block");
@@ -1049,11 +1367,25 @@ inline int launch(void (*kernel)(A...), LaunchConfig* c, void** args) {
     L.thunk = &call_thunk<A...>;
     L.ctx = &call;
     L.nblocks = nblocks;
+#ifdef CUSIM_CHECKED
+    L.gshadow.assign(c->nregions, nullptr);
+    for (uint64_t i = 0; i < c->nregions; ++i)
+        if (c->regions[i].writable) {
+            L.gshadow[i] = std::calloc(c->regions[i].size, sizeof(GShadow));
+            if (!L.gshadow[i]) {
+                for (void* p : L.gshadow) std::free(p);
+                return config_error(c, "out of memory for the global-memory race shadow");
+            }
+        }
+#endif
+    crash_guard_enter();
     const uint64_t nworkers = std::max<uint64_t>(1, std::min<uint64_t>(c->workers, nblocks));
     std::vector<std::thread> threads;
     for (uint64_t i = 1; i < nworkers; ++i) threads.emplace_back([&L] { worker_main(L); });
     worker_main(L);
     for (auto& t : threads) t.join();
+    crash_guard_leave();
+    for (void* p : L.gshadow) std::free(p);
     c->blocks_run = std::min<uint64_t>(L.next_block.load(), nblocks);
     return L.failed.load() ? 1 : 0;
 }
@@ -1069,7 +1401,7 @@ constexpr char kind_of() {
 }
 
 template <class... A>
-inline int signature(void (*)(A...), char* kinds, uint32_t* sizes, int cap) {
+CUSIM_NOSAN inline int signature(void (*)(A...), char* kinds, uint32_t* sizes, int cap) {
     constexpr int n = int(sizeof...(A));
     const char ks[n + 1] = {kind_of<std::decay_t<A>>()..., 0};
     const uint32_t ss[n + 1] = {uint32_t(sizeof(std::decay_t<A>))..., 0};
@@ -1082,24 +1414,32 @@ inline int signature(void (*)(A...), char* kinds, uint32_t* sizes, int cap) {
 
 // ------------------------------------------------------------------ collectives used by the built-ins
 template <int KIND>
-inline void no_compute(Slot*, unsigned) {}
+CUSIM_NOSAN inline void no_compute(Slot*, unsigned) {}
 
-inline unsigned lane_id() { return t_worker->cur->lane; }
+CUSIM_NOSAN inline unsigned lane_id() { return t_worker->cur->lane; }
 
 }  // namespace cusim
 
 // ------------------------------------------------------------------ CUDA built-in variables
-#define threadIdx (static_cast<const uint3&>(::cusim::t_worker->cur->tid))
-#define blockIdx (static_cast<const uint3&>(::cusim::t_worker->block_idx))
-#define blockDim (static_cast<const dim3&>(::cusim::t_worker->block_dim))
-#define gridDim (static_cast<const dim3&>(::cusim::t_worker->grid_dim))
+// (Values, read by runtime functions: the kernel's own instrumented code never touches the
+// simulator's state.)
+namespace cusim {
+CUSIM_NOSAN inline uint3 thread_idx() { return t_worker->cur->tid; }
+CUSIM_NOSAN inline uint3 block_idx() { return t_worker->block_idx; }
+CUSIM_NOSAN inline dim3 block_dim() { return t_worker->block_dim; }
+CUSIM_NOSAN inline dim3 grid_dim() { return t_worker->grid_dim; }
+}  // namespace cusim
+#define threadIdx (::cusim::thread_idx())
+#define blockIdx (::cusim::block_idx())
+#define blockDim (::cusim::block_dim())
+#define gridDim (::cusim::grid_dim())
 static constexpr int warpSize = 32;
 
 // ------------------------------------------------------------------ synchronization
 namespace cusim {
 // __launch_bounds__(max_threads) of a kernel, moved into its body by the lowering
 // (cuflash/sim/lower.py): a launch of more threads per block fails, as PTX's .maxntid makes it.
-inline void check_launch_bounds(unsigned max_threads, const char* text) {
+CUSIM_NOSAN inline void check_launch_bounds(unsigned max_threads, const char* text) {
     const Worker* w = t_worker;
     const unsigned n = w->block_dim.x * w->block_dim.y * w->block_dim.z;
     if (n > max_threads)
@@ -1108,23 +1448,23 @@ inline void check_launch_bounds(unsigned max_threads, const char* text) {
 }
 }  // namespace cusim
 
-inline void __syncthreads() { cusim::syncthreads(); }
+CUSIM_NOSAN inline void __syncthreads() { cusim::syncthreads(); }
 #define CUSIM_STR2(x) #x
 #define CUSIM_STR(x) CUSIM_STR2(x)
 #define __syncthreads() ::cusim::syncthreads(__FILE__ ":" CUSIM_STR(__LINE__))
-inline void __syncwarp(unsigned mask = 0xffffffffu) {
+CUSIM_NOSAN inline void __syncwarp(unsigned mask = 0xffffffffu) {
     cusim::collective(mask, nullptr, 0, &cusim::no_compute<0>, "__syncwarp");
 }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-[[noreturn]] inline void __trap() { cusim::fail("__trap() called"); }
-inline unsigned __activemask() { return cusim::t_worker->warps[cusim::t_worker->cur->warp].alive; }
-inline void __nanosleep(unsigned) {}
+CUSIM_NOSAN inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+CUSIM_NOSAN inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+[[noreturn]] CUSIM_NOSAN inline void __trap() { cusim::fail("__trap() called"); }
+CUSIM_NOSAN inline unsigned __activemask() { return cusim::t_worker->warps[cusim::t_worker->cur->warp].alive; }
+CUSIM_NOSAN inline void __nanosleep(unsigned) {}
 
 namespace cusim {
 enum ShflKind { kShflIdx = 1, kShflUp, kShflDown, kShflXor };
 template <int KIND, class T>
-inline T shfl(unsigned mask, T v, int arg, int width, const char* what) {
+CUSIM_NOSAN inline T shfl(unsigned mask, T v, int arg, int width, const char* what) {
     static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle of a type wider than 8 bytes");
     if (width <= 0 || width > 32 || (width & (width - 1))) fail("%s: width %d is not a power of two in [1, 32]", what, width);
     unsigned took_part = 0;
@@ -1151,7 +1491,7 @@ inline T shfl(unsigned mask, T v, int arg, int width, const char* what) {
     return out;
 }
 template <int KIND>
-inline unsigned vote(unsigned mask, int pred, const char* what) {
+CUSIM_NOSAN inline unsigned vote(unsigned mask, int pred, const char* what) {
     const uint64_t p = pred != 0;
     Slot& mine = collective(mask, &p, sizeof p, &no_compute<KIND>, what);
     const Slot* slots = &mine - lane_id();
@@ -1162,48 +1502,78 @@ inline unsigned vote(unsigned mask, int pred, const char* what) {
 }
 }  // namespace cusim
 
-template <class T> inline T __shfl_sync(unsigned m, T v, int src, int w = 32) { return cusim::shfl<cusim::kShflIdx>(m, v, src, w, "__shfl_sync"); }
-template <class T> inline T __shfl_up_sync(unsigned m, T v, unsigned d, int w = 32) { return cusim::shfl<cusim::kShflUp>(m, v, int(d), w, "__shfl_up_sync"); }
-template <class T> inline T __shfl_down_sync(unsigned m, T v, unsigned d, int w = 32) { return cusim::shfl<cusim::kShflDown>(m, v, int(d), w, "__shfl_down_sync"); }
-template <class T> inline T __shfl_xor_sync(unsigned m, T v, int x, int w = 32) { return cusim::shfl<cusim::kShflXor>(m, v, x, w, "__shfl_xor_sync"); }
+template <class T> CUSIM_NOSAN inline T __shfl_sync(unsigned m, T v, int src, int w = 32) { return cusim::shfl<cusim::kShflIdx>(m, v, src, w, "__shfl_sync"); }
+template <class T> CUSIM_NOSAN inline T __shfl_up_sync(unsigned m, T v, unsigned d, int w = 32) { return cusim::shfl<cusim::kShflUp>(m, v, int(d), w, "__shfl_up_sync"); }
+template <class T> CUSIM_NOSAN inline T __shfl_down_sync(unsigned m, T v, unsigned d, int w = 32) { return cusim::shfl<cusim::kShflDown>(m, v, int(d), w, "__shfl_down_sync"); }
+template <class T> CUSIM_NOSAN inline T __shfl_xor_sync(unsigned m, T v, int x, int w = 32) { return cusim::shfl<cusim::kShflXor>(m, v, x, w, "__shfl_xor_sync"); }
 // Lanes of the mask that have exited count as false (the GPU leaves this undefined).
-inline unsigned __ballot_sync(unsigned m, int p) { return cusim::vote<10>(m, p, "__ballot_sync"); }
-inline int __any_sync(unsigned m, int p) { return cusim::vote<11>(m, p, "__any_sync") != 0; }
-inline int __all_sync(unsigned m, int p) {
+CUSIM_NOSAN inline unsigned __ballot_sync(unsigned m, int p) { return cusim::vote<10>(m, p, "__ballot_sync"); }
+CUSIM_NOSAN inline int __any_sync(unsigned m, int p) { return cusim::vote<11>(m, p, "__any_sync") != 0; }
+CUSIM_NOSAN inline int __all_sync(unsigned m, int p) {
     const unsigned live = m & cusim::t_worker->warps[cusim::t_worker->cur->warp].alive;
     return (cusim::vote<12>(m, p, "__all_sync") & live) == live;
 }
 
 // ------------------------------------------------------------------ atomics (global and shared memory)
-template <class T> inline T cusim_atomic_add(T* p, T v) { cusim::AtomicScope scope_(p); return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-template <class T> inline T cusim_atomic_cas_op(T* p, T v, T (*op)(T, T)) {
-    cusim::AtomicScope scope_(p);
-    T old;
-    __atomic_load(p, &old, __ATOMIC_SEQ_CST);
-    T want;
-    do { want = op(old, v); } while (!__atomic_compare_exchange(p, &old, &want, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+// An atomic that leaves memory unchanged (a failed atomicCAS, atomicAdd(p, 0), ...) is a poll of
+// a spin-wait; one that changes it is progress (see poll()).
+namespace cusim {
+template <class T>
+CUSIM_NOSAN inline T after_atomic(T* p, T old, T now) {
+    if (std::memcmp(&old, &now, sizeof(T)) == 0) poll(p);
+    else progress();
     return old;
 }
-inline int atomicAdd(int* p, int v) { return cusim_atomic_add(p, v); }
-inline unsigned atomicAdd(unsigned* p, unsigned v) { return cusim_atomic_add(p, v); }
-inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return cusim_atomic_add(p, v); }
-inline float atomicAdd(float* p, float v) { return cusim_atomic_cas_op<float>(p, v, [](float a, float b) { return a + b; }); }
-inline double atomicAdd(double* p, double v) { return cusim_atomic_cas_op<double>(p, v, [](double a, double b) { return a + b; }); }
-inline int atomicSub(int* p, int v) { cusim::AtomicScope scope_(p); return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned atomicSub(unsigned* p, unsigned v) { cusim::AtomicScope scope_(p); return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
-#define CUSIM_ATOMIC_MINMAX(T)                                                                              \
-    inline T atomicMax(T* p, T v) { return cusim_atomic_cas_op<T>(p, v, [](T a, T b) { return a > b ? a : b; }); } \
-    inline T atomicMin(T* p, T v) { return cusim_atomic_cas_op<T>(p, v, [](T a, T b) { return a < b ? a : b; }); }
+}  // namespace cusim
+template <class T> CUSIM_NOSAN inline T cusim_atomic_cas_op(T* p, T v, T (*op)(T, T)) {
+    T old, want;
+    {
+        cusim::AtomicScope scope_(p);
+        __atomic_load(p, &old, __ATOMIC_SEQ_CST);
+        do { want = op(old, v); } while (!__atomic_compare_exchange(p, &old, &want, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    }
+    return cusim::after_atomic(p, old, want);
+}
+#define CUSIM_ATOMIC_OP(NAME, T, EXPR) \
+    CUSIM_NOSAN inline T NAME(T* p, T v) { return cusim_atomic_cas_op<T>(p, v, [](T a, T b) -> T { return EXPR; }); }
+CUSIM_ATOMIC_OP(atomicAdd, int, a + b)
+CUSIM_ATOMIC_OP(atomicAdd, unsigned, a + b)
+CUSIM_ATOMIC_OP(atomicAdd, unsigned long long, a + b)
+CUSIM_ATOMIC_OP(atomicAdd, float, a + b)
+CUSIM_ATOMIC_OP(atomicAdd, double, a + b)
+CUSIM_ATOMIC_OP(atomicSub, int, a - b)
+CUSIM_ATOMIC_OP(atomicSub, unsigned, a - b)
+CUSIM_ATOMIC_OP(atomicAnd, int, a & b)
+CUSIM_ATOMIC_OP(atomicAnd, unsigned, a & b)
+CUSIM_ATOMIC_OP(atomicOr, int, a | b)
+CUSIM_ATOMIC_OP(atomicOr, unsigned, a | b)
+CUSIM_ATOMIC_OP(atomicXor, int, a ^ b)
+CUSIM_ATOMIC_OP(atomicXor, unsigned, a ^ b)
+#define CUSIM_ATOMIC_MINMAX(T) CUSIM_ATOMIC_OP(atomicMax, T, a > b ? a : b) CUSIM_ATOMIC_OP(atomicMin, T, a < b ? a : b)
 CUSIM_ATOMIC_MINMAX(int)
 CUSIM_ATOMIC_MINMAX(unsigned)
 CUSIM_ATOMIC_MINMAX(long long)
 CUSIM_ATOMIC_MINMAX(unsigned long long)
 #undef CUSIM_ATOMIC_MINMAX
-template <class T> inline T atomicExch(T* p, T v) { cusim::AtomicScope scope_(p); T old; __atomic_exchange(p, &v, &old, __ATOMIC_SEQ_CST); return old; }
-template <class T> inline T atomicCAS(T* p, T cmp, T v) {
-    cusim::AtomicScope scope_(p);
-    __atomic_compare_exchange(p, &cmp, &v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-    return cmp;
+#undef CUSIM_ATOMIC_OP
+template <class T> CUSIM_NOSAN inline T atomicExch(T* p, T v) {
+    T old;
+    {
+        cusim::AtomicScope scope_(p);
+        __atomic_exchange(p, &v, &old, __ATOMIC_SEQ_CST);
+    }
+    cusim::progress();
+    return old;
+}
+template <class T> CUSIM_NOSAN inline T atomicCAS(T* p, T cmp, T v) {
+    T expected = cmp;
+    {
+        cusim::AtomicScope scope_(p);
+        __atomic_compare_exchange(p, &expected, &v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    }
+    if (std::memcmp(&expected, &cmp, sizeof(T)) == 0) cusim::progress();   // swapped
+    else cusim::poll(p);
+    return expected;
 }
 
 // ------------------------------------------------------------------ device math
@@ -1262,28 +1632,143 @@ inline double min(double a, double b) { return ::fmin(a, b); }
 // Entry stubs generated by the launcher call this.
 #define CUSIM_EXPORT extern "C" __attribute__((visibility("default")))
 
+// ------------------------------------------------------------------ instrumentation hooks
+// Checked modules (and normal ones whose kernels have volatile data) are compiled with g++'s
+// thread-sanitizer instrumentation, without its runtime: every load and store of the kernel's
+// code calls __tsan_{read,write}N (separately, so a read-modify-write is seen as both), volatile
+// ones __tsan_volatile_{read,write}N, and atomic built-ins become __tsan_atomicN_* calls.
+#if defined(CUSIM_CHECKED) || defined(CUSIM_POLL_HOOKS)
+extern "C" char __start_cusim_kernel_text[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_cusim_kernel_text[] __attribute__((weak, visibility("hidden")));
+namespace cusim {
+CUSIM_NOSAN inline bool kernel_code(const void* ra) {
+    return ra >= static_cast<const void*>(__start_cusim_kernel_text) &&
+           ra < static_cast<const void*>(__stop_cusim_kernel_text);
+}
+CUSIM_NOSAN inline void hook(void* a, uint64_t n, bool write, const void* ra) {
+    check_access(reinterpret_cast<uintptr_t>(a), n, write, false, kernel_code(ra));
+}
+CUSIM_NOSAN inline void hook_volatile(void* a, uint64_t n, bool write, const void* ra) {
+    if (!kernel_code(ra)) return;
+    check_access(reinterpret_cast<uintptr_t>(a), n, write, false, true);
+    if (write) progress();
+    else poll(a);
+}
+}  // namespace cusim
 #ifdef CUSIM_CHECKED
-// The instrumentation's hooks (see "checked mode" above); no sanitizer runtime is linked.
-#define CUSIM_HOOK(N)                                                                                       \
-    extern "C" CUSIM_NOSAN void __asan_load##N##_noabort(uintptr_t a) { ::cusim::check_access(a, N, false); } \
-    extern "C" CUSIM_NOSAN void __asan_store##N##_noabort(uintptr_t a) { ::cusim::check_access(a, N, true); }
+#define CUSIM_PLAIN(a, n, w) ::cusim::hook(a, n, w, __builtin_return_address(0))
+#else
+#define CUSIM_PLAIN(a, n, w) ((void)(a))
+#endif
+#define CUSIM_HOOK(N)                                                                                      \
+    extern "C" CUSIM_NOSAN void __tsan_read##N(void* a) { CUSIM_PLAIN(a, N, false); }                        \
+    extern "C" CUSIM_NOSAN void __tsan_write##N(void* a) { CUSIM_PLAIN(a, N, true); }                        \
+    extern "C" CUSIM_NOSAN void __tsan_unaligned_read##N(void* a) { CUSIM_PLAIN(a, N, false); }              \
+    extern "C" CUSIM_NOSAN void __tsan_unaligned_write##N(void* a) { CUSIM_PLAIN(a, N, true); }              \
+    extern "C" CUSIM_NOSAN void __tsan_volatile_read##N(void* a) {                                        \
+        ::cusim::hook_volatile(a, N, false, __builtin_return_address(0));                                 \
+    }                                                                                                      \
+    extern "C" CUSIM_NOSAN void __tsan_volatile_write##N(void* a) {                                       \
+        ::cusim::hook_volatile(a, N, true, __builtin_return_address(0));                                  \
+    }
 CUSIM_HOOK(1)
 CUSIM_HOOK(2)
 CUSIM_HOOK(4)
 CUSIM_HOOK(8)
 CUSIM_HOOK(16)
 #undef CUSIM_HOOK
-extern "C" CUSIM_NOSAN void __asan_loadN_noabort(uintptr_t a, size_t n) { ::cusim::check_access(a, n, false); }
-extern "C" CUSIM_NOSAN void __asan_storeN_noabort(uintptr_t a, size_t n) { ::cusim::check_access(a, n, true); }
-extern "C" CUSIM_NOSAN void __asan_handle_no_return() {}
-// memcpy calls of variable size are not instrumented (libasan's interceptors would see them; no
-// runtime is linked here): the module's own memcpy checks both ranges, so cp.async (ptx.cuh) is
+extern "C" CUSIM_NOSAN void __tsan_read_range(void* a, unsigned long n) { CUSIM_PLAIN(a, n, false); }
+extern "C" CUSIM_NOSAN void __tsan_write_range(void* a, unsigned long n) { CUSIM_PLAIN(a, n, true); }
+extern "C" CUSIM_NOSAN void __tsan_init() {}
+extern "C" CUSIM_NOSAN void __tsan_func_entry(void*) {}
+extern "C" CUSIM_NOSAN void __tsan_func_exit() {}
+extern "C" CUSIM_NOSAN void __tsan_vptr_update(void**, void*) {}
+extern "C" CUSIM_NOSAN void __tsan_vptr_read(void**) {}
+// Atomic built-ins in the kernel's code: checked as atomics (exempt from race checks), polls and
+// progress as for the CUDA atomics. (The runtime's std::atomic operations come here too: they are
+// only performed.)
+namespace cusim {
+template <class T>
+CUSIM_NOSAN inline bool tsan_cas(volatile T* a, T* c, T v, const void* ra) {
+    const bool kern = kernel_code(ra);
+    if (kern) check_access(reinterpret_cast<uintptr_t>(a), sizeof(T), true, true, true);
+    const bool ok = __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    if (kern) {
+        if (ok) progress();
+        else poll(const_cast<T*>(a));
+    }
+    return ok;
+}
+// After a read-modify-write: unchanged memory is a poll, a change is progress.
+template <class T>
+CUSIM_NOSAN inline T tsan_rmw_done(volatile T* a, T old, bool kern) {
+    if (kern) {
+        if (__atomic_load_n(a, __ATOMIC_SEQ_CST) == old) poll(const_cast<T*>(a));
+        else progress();
+    }
+    return old;
+}
+}  // namespace cusim
+#define CUSIM_ATOMIC_CHECK(a, N, write)                                                                   \
+    const bool kern_ = ::cusim::kernel_code(__builtin_return_address(0));                                 \
+    if (kern_) ::cusim::check_access(reinterpret_cast<uintptr_t>(a), N / 8, write, true, true)
+#define CUSIM_TSAN_ATOMIC(N, T)                                                                                 \
+    extern "C" CUSIM_NOSAN T __tsan_atomic##N##_load(const volatile T* a, int) {                               \
+        CUSIM_ATOMIC_CHECK(a, N, false);                                                                       \
+        T v = __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                            \
+        if (kern_) ::cusim::poll(const_cast<T*>(a));                                                           \
+        return v;                                                                                              \
+    }                                                                                                          \
+    extern "C" CUSIM_NOSAN void __tsan_atomic##N##_store(volatile T* a, T v, int) {                           \
+        CUSIM_ATOMIC_CHECK(a, N, true);                                                                        \
+        __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                              \
+        if (kern_) ::cusim::progress();                                                                        \
+    }                                                                                                          \
+    extern "C" CUSIM_NOSAN T __tsan_atomic##N##_exchange(volatile T* a, T v, int) {                           \
+        CUSIM_ATOMIC_CHECK(a, N, true);                                                                        \
+        if (kern_) ::cusim::progress();                                                                        \
+        return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                                    \
+    }                                                                                                          \
+    CUSIM_TSAN_RMW(N, T, fetch_add) CUSIM_TSAN_RMW(N, T, fetch_sub) CUSIM_TSAN_RMW(N, T, fetch_and)           \
+    CUSIM_TSAN_RMW(N, T, fetch_or) CUSIM_TSAN_RMW(N, T, fetch_xor) CUSIM_TSAN_RMW(N, T, fetch_nand)           \
+    extern "C" CUSIM_NOSAN int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) { \
+        return ::cusim::tsan_cas(a, c, v, __builtin_return_address(0));                                        \
+    }                                                                                                          \
+    extern "C" CUSIM_NOSAN int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {  \
+        return ::cusim::tsan_cas(a, c, v, __builtin_return_address(0));                                        \
+    }                                                                                                          \
+    extern "C" CUSIM_NOSAN T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int, int) {      \
+        ::cusim::tsan_cas(a, &c, v, __builtin_return_address(0));                                              \
+        return c;                                                                                              \
+    }
+#define CUSIM_TSAN_RMW(N, T, OP)                                                                   \
+    extern "C" CUSIM_NOSAN T __tsan_atomic##N##_##OP(volatile T* a, T v, int) {                   \
+        CUSIM_ATOMIC_CHECK(a, N, true);                                                           \
+        return ::cusim::tsan_rmw_done(a, __atomic_##OP(a, v, __ATOMIC_SEQ_CST), kern_);           \
+    }
+CUSIM_TSAN_ATOMIC(8, uint8_t)
+CUSIM_TSAN_ATOMIC(16, uint16_t)
+CUSIM_TSAN_ATOMIC(32, uint32_t)
+CUSIM_TSAN_ATOMIC(64, uint64_t)
+#undef CUSIM_TSAN_ATOMIC
+#undef CUSIM_TSAN_RMW
+extern "C" CUSIM_NOSAN void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+extern "C" CUSIM_NOSAN void __tsan_atomic_signal_fence(int) {}
+#endif
+
+#ifdef CUSIM_CHECKED
+// memcpy/memset calls are not instrumented (libtsan's interceptors would see them; no runtime is
+// linked here): the module's own memcpy and memset check their ranges, so cp.async (ptx.cuh) is
 // checked on its global read and marks the shared bytes it lands as written by the waiting thread.
-#include <dlfcn.h>
 namespace cusim {
 using MemcpyFn = void* (*)(void*, const void*, size_t);
+using MemsetFn = void* (*)(void*, int, size_t);
 CUSIM_NOSAN inline MemcpyFn real_memcpy() {
     static MemcpyFn fn = reinterpret_cast<MemcpyFn>(dlsym(RTLD_NEXT, "memcpy"));
+    return fn;
+}
+CUSIM_NOSAN inline MemsetFn real_memset() {
+    static MemsetFn fn = reinterpret_cast<MemsetFn>(dlsym(RTLD_NEXT, "memset"));
     return fn;
 }
 }  // namespace cusim
@@ -1293,4 +1778,59 @@ extern "C" CUSIM_NOSAN __attribute__((visibility("hidden"))) void* memcpy(void* 
     ::cusim::check_access(reinterpret_cast<uintptr_t>(d), n, true);
     return ::cusim::real_memcpy()(d, s, n);
 }
+extern "C" CUSIM_NOSAN __attribute__((visibility("hidden"))) void* memset(void* d, int c, size_t n) noexcept {
+    ::cusim::check_access(reinterpret_cast<uintptr_t>(d), n, true);
+    return ::cusim::real_memset()(d, c, n);
+}
 #endif
+
+// ------------------------------------------------------------------ misaligned accesses
+// Every module is compiled with -fsanitize=alignment (no runtime): an access through a pointer
+// below its type's natural alignment (a float4 load from a 4-byte-aligned address: on the GPU a
+// misaligned-address fault, PTX ISA "Memory Consistency Model"/ld alignment rules; on this CPU
+// possibly a crash) calls this handler before it happens, with the kernel's source line.
+namespace cusim {
+struct UbsanLocation {
+    const char* file;
+    uint32_t line, column;
+};
+struct UbsanType {
+    uint16_t kind, info;
+    char name[1];
+};
+struct UbsanMismatch {
+    UbsanLocation loc;
+    const UbsanType* type;
+    unsigned char log_alignment, check_kind;
+};
+CUSIM_NOSAN inline void misaligned(const UbsanMismatch* d, uintptr_t p) {
+    static const char* const kinds[] = {"load of", "store to", "reference binding to", "member access within",
+                                        "member call on", "constructor call on"};
+    const uint64_t align = d->log_alignment < 64 ? uint64_t(1) << d->log_alignment : 0;
+    if (p == 0 || align == 0 || p % align == 0) return;   // only the alignment check is compiled in
+    Worker* w = t_worker;
+    const char* what = d->check_kind < 6 ? kinds[d->check_kind] : "access to";
+    const char* type = d->type ? d->type->name : "?";
+    if (!w || !w->cur) std::abort();
+#ifdef CUSIM_CHECKED
+    CheckReport r{};
+    r.kind = kMisaligned;
+    r.address = p;
+    r.align = uint32_t(align);
+    r.size = uint32_t(align);
+    r.is_write = d->check_kind == 1;
+    std::snprintf(r.name, sizeof r.name, "%s", type);
+    check_fail(w, r, "misaligned access: %s address 0x%llx of type %s, which needs %llu-byte alignment, at %s:%u",
+               what, (unsigned long long)p, type, (unsigned long long)align, d->loc.file, d->loc.line);
+#else
+    fail("misaligned access: %s address 0x%llx of type %s, which needs %llu-byte alignment, at %s:%u", what,
+         (unsigned long long)p, type, (unsigned long long)align, d->loc.file, d->loc.line);
+#endif
+}
+}  // namespace cusim
+extern "C" CUSIM_NOSAN void __ubsan_handle_type_mismatch_v1(const cusim::UbsanMismatch* d, uintptr_t p) {
+    cusim::misaligned(d, p);
+}
+extern "C" CUSIM_NOSAN void __ubsan_handle_type_mismatch_v1_abort(const cusim::UbsanMismatch* d, uintptr_t p) {
+    cusim::misaligned(d, p);
+}

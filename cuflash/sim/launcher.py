@@ -28,6 +28,7 @@ import mmap
 import os
 import pickle
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -53,7 +54,7 @@ from cuflash.sim import lower
 
 SIM_DIR = Path(__file__).resolve().parent
 RUNTIME_FILES = ("cusim.h", "cusim_half.h", "cuda_fp16.h", "cuda_bf16.h", "cusim_switch_x86_64.S")
-_FORMAT_VERSION = "cusim-1"
+_FORMAT_VERSION = "cusim-2"
 _ERROR_CAP = 2048
 STACK_POISON_BYTES = 4096
 
@@ -70,8 +71,12 @@ class SimCheckError(SimError):
     kind : str
         ``"out-of-bounds read"``, ``"out-of-bounds write"``, ``"write to read-only argument"``,
         ``"uninitialized shared read"``, ``"shared race"``, ``"shared out-of-bounds"``,
-        ``"cp.async in flight"`` (an access to shared bytes a ``cp.async`` is still filling) or
-        ``"crash"`` (the checked launch died, e.g. on an access far outside every argument).
+        ``"cp.async in flight"`` (an access to shared bytes a ``cp.async`` is still filling),
+        ``"wild access"`` (outside every argument, the block's shared memory, the thread's own stack
+        and the module's image), ``"global race"`` (two threads of one block in one barrier phase,
+        or of two blocks, on one byte of an argument, at least one writing, neither atomic),
+        ``"misaligned access"`` (below the natural alignment of the accessed type) or ``"crash"``
+        (the checked launch's child died).
     kernel : str
         The kernel entry.
     block, thread : tuple of 3 int or None
@@ -89,10 +94,14 @@ class SimCheckError(SimError):
         For races: the thread whose earlier access in the same barrier phase conflicts.
     other_access : str or None
         For races: ``"read"`` or ``"write"``, that earlier access.
+    other_block : tuple of 3 int or None
+        For global races: ``blockIdx`` of the other access (``None`` when several blocks read).
+    address : int or None
+        For wild and misaligned accesses: the address.
     """
 
     def __init__(self, message: str, *, kind: str, kernel: str, block=None, thread=None, array=None, index=None,
-                 access=None, nbytes=None, other_thread=None, other_access=None):
+                 access=None, nbytes=None, other_thread=None, other_access=None, other_block=None, address=None):
         super().__init__(message)
         self.kind = kind
         self.kernel = kernel
@@ -104,6 +113,8 @@ class SimCheckError(SimError):
         self.nbytes = nbytes
         self.other_thread = other_thread
         self.other_access = other_access
+        self.other_block = other_block
+        self.address = address
 
 
 class _Region(ctypes.Structure):
@@ -131,12 +142,17 @@ class _Report(ctypes.Structure):
         ("rank", ctypes.c_uint32),
         ("dims", ctypes.c_uint64 * 4),
         ("name", ctypes.c_char * 64),
+        ("other_block", ctypes.c_uint32 * 3),
+        ("other_valid", ctypes.c_uint32),
+        ("address", ctypes.c_uint64),
+        ("align", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
     ]
 
 
 _CHECK_KINDS = {1: "out-of-bounds read", 2: "out-of-bounds write", 3: "write to read-only argument",
                 4: "uninitialized shared read", 5: "shared race", 6: "shared out-of-bounds",
-                7: "cp.async in flight"}
+                7: "cp.async in flight", 8: "wild access", 9: "global race", 10: "misaligned access"}
 
 
 class _Config(ctypes.Structure):
@@ -214,21 +230,38 @@ def use_asm_fibers(fibers: str) -> bool:
     return x86 and fibers != "ucontext"
 
 
+#: g++'s thread-sanitizer instrumentation without its runtime (cusim.h defines the hooks): every
+#: load and store of the kernel's code, volatile ones apart, calls a hook
+TSAN_FLAGS = ("-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0", "--param",
+              "tsan-distinguish-volatile=1")
 #: extra g++ flags of checked modules (see the module docstring)
-CHECKED_FLAGS = ("-DCUSIM_CHECKED=1", "-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0",
-                 "--param", "asan-stack=0", "--param", "asan-globals=0", "-ftrivial-auto-var-init=pattern")
+CHECKED_FLAGS = ("-DCUSIM_CHECKED=1", *TSAN_FLAGS, "-ftrivial-auto-var-init=pattern")
+#: every module: an access below its type's alignment calls cusim.h's handler (no runtime)
+ALIGNMENT_FLAGS = ("-fsanitize=alignment", "-fno-sanitize-recover=alignment")
+#: normal modules whose source has volatile data: the hooks see volatile accesses (spin-waits)
+POLL_FLAGS = ("-DCUSIM_POLL_HOOKS=1", *TSAN_FLAGS)
+#: the link step (separate, so that no sanitizer runtime is linked)
+LINK_FLAGS = ("-shared", "-pthread", "-fPIC")
 
 
-def compile_flags(arch: int, asm_fibers: bool, checked: bool = False) -> list[str]:
-    """The g++ flags of a module for ``sm_<arch>``."""
-    flags = ["-std=c++17", "-O2", "-g0", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden",
+def compile_flags(arch: int, asm_fibers: bool, checked: bool = False, polls: bool = False) -> list[str]:
+    """The g++ compile flags of a module for ``sm_<arch>`` (``polls``: instrument volatile accesses)."""
+    flags = ["-std=c++17", "-O2", "-g0", "-fPIC", "-pthread", "-fvisibility=hidden",
              "-fno-strict-aliasing", "-fno-math-errno", "-Wno-attributes",
-             f"-I{SIM_DIR}", f"-D__CUDA_ARCH__={arch * 10}"]
+             f"-I{SIM_DIR}", f"-D__CUDA_ARCH__={arch * 10}", *ALIGNMENT_FLAGS]
     if not asm_fibers:
         flags.append("-DCUSIM_FIBERS_UCONTEXT=1")
     if checked:
         flags += CHECKED_FLAGS
+    elif polls:
+        flags += POLL_FLAGS
     return flags
+
+
+def has_volatile_data(source: str) -> bool:
+    """Whether ``source`` declares volatile data (``asm volatile`` and comments aside)."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", source, flags=re.S)
+    return re.search(r"\bvolatile\b(?!\s*\()", re.sub(r"\b(asm|__asm__)\s+(volatile|__volatile__)", " ", text)) is not None
 
 
 _runtime_digest: str | None = None
@@ -594,8 +627,16 @@ def _check_error(plan, arch: int, r: _Report, regions: _CheckedRegions, detail: 
     kind = _CHECK_KINDS.get(r.kind, f"fault {r.kind}")
     block, thread = _xyz(r.block), _xyz(r.thread)
     where = f"block {block} thread {thread}"
-    other = other_access = None
-    if r.kind in (1, 2, 3):
+    other = other_access = other_block = None
+    if r.kind in (8, 10):
+        array, index = None, None
+        access = "write" if r.is_write else "read"
+        if r.kind == 10:
+            array = r.name.decode(errors="replace")
+        if r.other_valid:
+            other = _xyz(r.other_thread)
+        text = detail.split(": ", 2)[-1] if detail else f"{kind} at address {r.address:#x}"
+    elif r.kind in (1, 2, 3, 9):
         arg, index = regions.locate(r.region, r.offset)
         access = "write" if r.is_write else "read"
         array = arg.name
@@ -604,6 +645,17 @@ def _check_error(plan, arch: int, r: _Report, regions: _CheckedRegions, detail: 
                 + ("" if inside else ", outside the view") + ")")
         if r.kind == 3:
             text = f"write to read-only argument {what}"
+        elif r.kind == 9:
+            other_access = "write" if r.other_write else "read"
+            if r.other_valid:
+                other_block, other = _xyz(r.other_block), _xyz(r.other_thread)
+            if other_block == block:
+                by = f"thread {other} of the same block in the same barrier phase (no __syncthreads orders them)"
+            elif other_block is not None:
+                by = f"block {other_block} thread {other} (blocks of one launch are not ordered; use an atomic)"
+            else:
+                by = "threads of several other blocks (blocks of one launch are not ordered; use an atomic)"
+            text = f"global-memory race on {what}: {access} here, {other_access} by {by}"
         else:
             text = f"out-of-bounds {access} of {r.size} bytes at {what}"
     else:
@@ -634,7 +686,8 @@ def _check_error(plan, arch: int, r: _Report, regions: _CheckedRegions, detail: 
             text = f"{access} outside every __shared__ variable, near {what}"
     msg = f"cuflash simulator (checked): {plan.entry} (sm_{arch}): {kind}: {text}, at {where}"
     return SimCheckError(msg, kind=kind, kernel=plan.entry, block=block, thread=thread, array=array, index=index,
-                         access=access, nbytes=int(r.size), other_thread=other, other_access=other_access)
+                         access=access, nbytes=int(r.size), other_thread=other, other_access=other_access,
+                         other_block=other_block, address=int(r.address) if r.kind in (8, 10) else None)
 
 
 _modules: dict[str, SimModule] = {}
@@ -672,9 +725,9 @@ def load_source(
     if not entries:
         raise ValueError(f"cuflash simulator: no kernel entries in {origin}")
     asm = use_asm_fibers(opts.fibers)
-    flags = compile_flags(opts.arch, asm, opts.checked)
     cxx, ident = compiler()
     text = module_text(source, entries, origin)
+    flags = compile_flags(opts.arch, asm, opts.checked, has_volatile_data(text))
     key = hashlib.sha256(
         "\0".join([_FORMAT_VERSION, _runtime_hash(), ident, " ".join(flags), " ".join(entries), text]).encode()
     ).hexdigest()[:32]
@@ -696,16 +749,16 @@ def load_source(
             with tempfile.TemporaryDirectory(dir=folder, prefix="build-") as tmp:
                 cpp = Path(tmp) / f"{Path(origin).stem}.cpp"
                 cpp.write_text(text, encoding="utf-8")
-                out = Path(tmp) / "module.so"
-                cmd = [cxx, *flags, str(cpp)]
+                obj, out = Path(tmp) / "module.o", Path(tmp) / "module.so"
+                link = [cxx, *LINK_FLAGS, str(obj)]
                 if asm:
-                    cmd.append(str(SIM_DIR / "cusim_switch_x86_64.S"))
-                cmd += ["-o", str(out)]
-                r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-                if r.returncode != 0:
-                    raise RuntimeError(
-                        f"cuflash simulator: g++ failed on {origin} (sm_{opts.arch}):\n{r.stderr[-6000:]}"
-                    )
+                    link.append(str(SIM_DIR / "cusim_switch_x86_64.S"))
+                for cmd in ([cxx, *flags, "-c", str(cpp), "-o", str(obj)], [*link, "-o", str(out)]):
+                    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                    if r.returncode != 0:
+                        raise RuntimeError(
+                            f"cuflash simulator: g++ failed on {origin} (sm_{opts.arch}):\n{r.stderr[-6000:]}"
+                        )
                 os.replace(out, so)
             seconds = time.perf_counter() - t0
         written = lower.entry_restrict(source)
