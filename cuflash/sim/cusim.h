@@ -1650,7 +1650,10 @@ CUSIM_NOSAN inline void hook(void* a, uint64_t n, bool write, const void* ra) {
 }
 CUSIM_NOSAN inline void hook_volatile(void* a, uint64_t n, bool write, const void* ra) {
     if (!kernel_code(ra)) return;
-    check_access(reinterpret_cast<uintptr_t>(a), n, write, false, true);
+    // A volatile read is exempt from the race rule, as an atomic is (the flag of a spin-wait;
+    // PTX ISA memory model: volatile operations are relaxed, not data races); a volatile write is
+    // an ordinary write.
+    check_access(reinterpret_cast<uintptr_t>(a), n, write, !write, true);
     if (write) progress();
     else poll(a);
 }
