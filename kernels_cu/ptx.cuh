@@ -83,8 +83,37 @@ CUSIM_NOSAN inline float unpack(uint32_t reg, int hi) {
     return BF16 ? cusim::bf16_bits_to_f32(b) : cusim::f16_bits_to_f32(b);
 }
 
-// D = A * B + C for m16n8k16; products of 16-bit values are exact in double and the sum is
-// rounded once to float (the tensor core's internal order and rounding are not specified).
+// One element of D = A * B + C: the 16 products of 16-bit values are exact in double. By default
+// the sum is rounded once to float (the tensor core's internal order and rounding are not
+// specified by the PTX ISA). With gpu_numerics (cuflash.sim.options) it is rounded as measured on
+// NVIDIA tensor cores (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor
+// cores", PeerJ Comput. Sci. 7:e330, 2021): every term is aligned to the largest exponent among
+// the products and C and truncated to 24 significant bits of that scale, the aligned terms are
+// added exactly, and the sum is truncated (rounded toward zero) to float.
+CUSIM_NOSAN inline float mma_dot(double c, const double* prod, int k) {
+#ifdef CUSIM_GPU_NUMERICS
+    int emax = INT32_MIN;
+    bool finite = std::isfinite(c);
+    for (int i = -1; i < k; ++i) {
+        const double t = i < 0 ? c : prod[i];
+        finite = finite && std::isfinite(t);
+        if (t != 0.0) emax = std::max(emax, std::ilogb(t));
+    }
+    if (finite && emax != INT32_MIN) {
+        const double quantum = std::ldexp(1.0, emax - 23);
+        double sum = 0.0;
+        for (int i = -1; i < k; ++i) sum += std::trunc((i < 0 ? c : prod[i]) / quantum) * quantum;
+        float r = float(sum);
+        if (std::fabs(double(r)) > std::fabs(sum)) r = std::nextafter(r, 0.0f);   // toward zero
+        return cusim::ftz(r);
+    }
+#endif
+    double acc = c;
+    for (int i = 0; i < k; ++i) acc += prod[i];
+    return float(acc);
+}
+
+// D = A * B + C for m16n8k16 (see mma_dot).
 template <bool BF16>
 CUSIM_NOSAN inline void mma_m16n8k16_compute(cusim::Slot* slots, unsigned lanes) {
     if (lanes != 0xffffffffu) cusim::fail("mma.sync: all 32 lanes must execute it (live lanes 0x%08x)", lanes);
@@ -109,9 +138,9 @@ CUSIM_NOSAN inline void mma_m16n8k16_compute(cusim::Slot* slots, unsigned lanes)
     float D[16][8];
     for (int i = 0; i < 16; ++i)
         for (int j = 0; j < 8; ++j) {
-            double acc = C[i][j];
-            for (int k = 0; k < 16; ++k) acc += double(A[i][k]) * double(B[k][j]);
-            D[i][j] = float(acc);
+            double prod[16];
+            for (int k = 0; k < 16; ++k) prod[k] = double(A[i][k]) * double(B[k][j]);
+            D[i][j] = mma_dot(C[i][j], prod, 16);
         }
     for (unsigned l = 0; l < 32; ++l) {
         const unsigned g = l / 4, c = 2 * (l % 4);

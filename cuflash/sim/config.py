@@ -66,6 +66,7 @@ class SimOptions:
     workers: int | None = None
     fibers: str = "auto"
     stack_kib: int = 256
+    gpu_numerics: bool = False
 
     @property
     def arch_name(self) -> str:
@@ -80,8 +81,8 @@ def _normalize(key: str, value):
         return parse_arch(value)
     if key == "seed":
         return _parse_int("seed", value, 0)
-    if key == "checked":
-        return _parse_bool("checked", value)
+    if key in ("checked", "gpu_numerics"):
+        return _parse_bool(key, value)
     if key == "workers":
         return _parse_int("workers", value, 1)
     if key == "stack_kib":
@@ -103,6 +104,7 @@ _ENV = {
     "workers": "CUFLASH_SIM_WORKERS",
     "fibers": "CUFLASH_SIM_FIBERS",
     "stack_kib": "CUFLASH_SIM_STACK_KIB",
+    "gpu_numerics": "CUFLASH_SIM_GPU_NUMERICS",
 }
 
 
@@ -127,7 +129,7 @@ def current_options() -> SimOptions:
 
 
 @contextlib.contextmanager
-def options(arch=None, checked=None, seed=None, *, workers=None, fibers=None, stack_kib=None):
+def options(arch=None, checked=None, seed=None, *, workers=None, fibers=None, stack_kib=None, gpu_numerics=None):
     """Context manager setting simulator options for the code inside it.
 
     Parameters left as ``None`` keep their current value (an enclosing ``options`` block, else
@@ -148,6 +150,15 @@ def options(arch=None, checked=None, seed=None, *, workers=None, fibers=None, st
         Fiber implementation (``"ucontext"`` is the portable fallback; slower).
     stack_kib : int, optional
         Stack per simulated thread, KiB (multiple of 4, at least 16; default 256).
+    gpu_numerics : bool, optional
+        Round as the GPU does rather than exactly (default off): float32 subnormals flushed to
+        zero (CuPy compiles with ``-ftz=true``), ``a * b + c`` contracted to an FMA (NVRTC's
+        default ``--fmad=true``), ``exp2f``/``expf`` within 2 ulp and ``logf`` within 1 ulp of the
+        exact result, as the CUDA C++ Programming Guide's tables of maximum ulp errors allow
+        (``exp2f`` is ``ex2.approx.ftz.f32``), and ``mma`` sums rounded as tensor cores do
+        (products exact, aligned to the largest and truncated, Fasi et al., "Numerical behavior
+        of NVIDIA tensor cores", PeerJ Comput. Sci. 7:e330, 2021). It needs an x86-64 CPU with
+        FMA. The flush also applies to float64 on the CPU, which the GPU does not do.
 
     Raises
     ------
@@ -155,7 +166,7 @@ def options(arch=None, checked=None, seed=None, *, workers=None, fibers=None, st
         For an invalid value (named in the message).
     """
     given = {"arch": arch, "checked": checked, "seed": seed, "workers": workers, "fibers": fibers,
-             "stack_kib": stack_kib}
+             "stack_kib": stack_kib, "gpu_numerics": gpu_numerics}
     new = dict(_override.get())
     for key, value in given.items():
         if value is not None:

@@ -240,12 +240,16 @@ CHECKED_FLAGS = ("-DCUSIM_CHECKED=1", *TSAN_FLAGS, "-ftrivial-auto-var-init=patt
 ALIGNMENT_FLAGS = ("-fsanitize=alignment", "-fno-sanitize-recover=alignment")
 #: normal modules whose source has volatile data: the hooks see volatile accesses (spin-waits)
 POLL_FLAGS = ("-DCUSIM_POLL_HOOKS=1", *TSAN_FLAGS)
+#: SimOptions(gpu_numerics=True): contraction to FMA as NVRTC does, and cusim.h's GPU rounding
+GPU_NUMERICS_FLAGS = ("-DCUSIM_GPU_NUMERICS=1", "-mfma", "-ffp-contract=fast")
 #: the link step (separate, so that no sanitizer runtime is linked)
 LINK_FLAGS = ("-shared", "-pthread", "-fPIC")
 
 
-def compile_flags(arch: int, asm_fibers: bool, checked: bool = False, polls: bool = False) -> list[str]:
-    """The g++ compile flags of a module for ``sm_<arch>`` (``polls``: instrument volatile accesses)."""
+def compile_flags(arch: int, asm_fibers: bool, checked: bool = False, polls: bool = False,
+                  gpu_numerics: bool = False) -> list[str]:
+    """The g++ compile flags of a module for ``sm_<arch>`` (``polls``: instrument volatile accesses;
+    ``gpu_numerics``: see :func:`cuflash.sim.options`)."""
     flags = ["-std=c++17", "-O2", "-g0", "-fPIC", "-pthread", "-fvisibility=hidden",
              "-fno-strict-aliasing", "-fno-math-errno", "-Wno-attributes",
              f"-I{SIM_DIR}", f"-D__CUDA_ARCH__={arch * 10}", *ALIGNMENT_FLAGS]
@@ -255,7 +259,21 @@ def compile_flags(arch: int, asm_fibers: bool, checked: bool = False, polls: boo
         flags += CHECKED_FLAGS
     elif polls:
         flags += POLL_FLAGS
+    if gpu_numerics:
+        flags += GPU_NUMERICS_FLAGS
     return flags
+
+
+def check_gpu_numerics() -> None:
+    """Raise ``ValueError`` unless this CPU can run ``gpu_numerics`` modules (x86-64 with FMA)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise ValueError(f"cuflash.sim.options: gpu_numerics=True needs an x86-64 CPU; this one is {platform.machine()}")
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        flags = ["fma"]   # not Linux: let the compiler and the CPU decide
+    if "fma" not in flags:
+        raise ValueError("cuflash.sim.options: gpu_numerics=True needs a CPU with FMA instructions; this one has none")
 
 
 def has_volatile_data(source: str) -> bool:
@@ -727,7 +745,9 @@ def load_source(
     asm = use_asm_fibers(opts.fibers)
     cxx, ident = compiler()
     text = module_text(source, entries, origin)
-    flags = compile_flags(opts.arch, asm, opts.checked, has_volatile_data(text))
+    if opts.gpu_numerics:
+        check_gpu_numerics()
+    flags = compile_flags(opts.arch, asm, opts.checked, has_volatile_data(text), opts.gpu_numerics)
     key = hashlib.sha256(
         "\0".join([_FORMAT_VERSION, _runtime_hash(), ident, " ".join(flags), " ".join(entries), text]).encode()
     ).hexdigest()[:32]

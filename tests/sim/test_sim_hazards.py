@@ -1,5 +1,6 @@
 """Planted faults for the hazard classes the simulator catches (issue 16): read-modify-write races,
-global-memory races, misaligned and wild accesses, crashes and spin-waits. Each test runs the
+global-memory races, misaligned and wild accesses, crashes, spin-waits, and the rounding rules of
+``gpu_numerics``. Each test runs the
 clean variant of its kernel too (flag 0), so a check that fires on everything would fail here."""
 
 from __future__ import annotations
@@ -176,3 +177,37 @@ def test_a_real_deadlock_is_reported_by_the_watchdog(hz, hzc):
         with pytest.raises(SimError, match=r"deadlock: .*warp 0: 1 lane\(s\) poll global address"):
             run(mod, plan("hz_spin_atomic", 1, 64, P(np.zeros(1, np.int32), "flag"), P(np.zeros(1, np.int32), "y"),
                           i32(1)))
+
+
+# ---------------------------------------------------------------- class 9: GPU numerics
+def ulps(a, b):
+    """Distance in units of the last place between float32 arrays of one sign."""
+    return np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))
+
+
+def f32(name, v):
+    return ScalarArg(name, np.float32(v))
+
+
+@pytest.mark.skipif(launcher.platform.machine().lower() not in ("x86_64", "amd64"), reason="needs x86-64")
+def test_gpu_numerics_rounding_rules(_sim_cache):
+    src = probe_source("hazard_probes.cu")
+    x = np.linspace(-20, 20, 4001, dtype=np.float32)
+    a = b = np.float32(1 + 2.0**-12)
+    c = -np.float32(a * b)   # a * b rounded: separately the sum is 0; fused it is 2^-24
+    tiny, tiny2 = np.float32(1e-20), np.float32(1e-20)   # 1e-40: subnormal in float32
+    outs = {}
+    for gpu in (False, True):
+        with sim.options(gpu_numerics=gpu) as o:
+            mod = launcher.load_source(src, ["hz_numerics"], origin="hazard_probes.cu", options=o)
+            out = np.full(x.size + 2, np.nan, np.float32)
+            mod.launch(plan("hz_numerics", -(-x.size // 128), 128, PointerArg.of("x", x, writable=False),
+                            P(out, "out"), i32(x.size), f32("a", a), f32("b", b), f32("c", c),
+                            f32("tiny", tiny), f32("tiny2", tiny2)), o)
+            outs[gpu] = out
+    exact = np.exp2(x.astype(np.float64)).astype(np.float32)
+    np.testing.assert_array_equal(outs[False][: x.size], exact)         # exact mode: correctly rounded
+    err = ulps(outs[True][: x.size], exact)
+    assert err.max() == 2 and (err > 0).mean() > 0.5                   # gpu: within 2 ulp, and not exact
+    assert outs[False][x.size] == 0 and outs[True][x.size] == np.float32(2.0**-24)   # FMA contraction
+    assert outs[False][x.size + 1] > 0 and outs[True][x.size + 1] == 0             # flush to zero

@@ -84,3 +84,15 @@ extern "C" __global__ void hz_spin_atomic(int* __restrict__ flag, int* __restric
         atomicExch(flag, 3);
     }
 }
+
+// Rounding probes for SimOptions(gpu_numerics=True): out[0..n) = exp2f(x), out[n] = a * b + c
+// (contracted to one FMA on the GPU), out[n + 1] = tiny * tiny2 (a subnormal result).
+extern "C" __global__ void hz_numerics(const float* __restrict__ x, float* __restrict__ out, int n, float a, float b,
+                                       float c, float tiny, float tiny2) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = exp2f(x[i]);
+    if (i == 0) {
+        out[n] = a * b + c;
+        out[n + 1] = tiny * tiny2;
+    }
+}
