@@ -27,14 +27,26 @@ option              environment variable       meaning
                                                ucontext elsewhere), ``"asm"`` or ``"ucontext"``.
 ``stack_kib``       ``CUFLASH_SIM_STACK_KIB``  stack per simulated thread (default 256 KiB, plus
                                                a guard page).
+``gpu_numerics``    ``CUFLASH_SIM_GPU_NUMERICS`` ``True``: round as the GPU does (flush-to-zero,
+                                               FMA contraction, approximate ``exp2f``/``expf``/
+                                               ``logf``, truncating tensor-core sums; see
+                                               :func:`options`). Default: exact.
 ==================  =========================  ===================================================
+
+In every mode: an access below its type's natural alignment (a ``float4`` load from a 4-byte
+aligned address) is a :class:`SimError` naming the source line; a crash in a kernel's thread
+(a wild pointer, an integer division by zero) is a :class:`SimError` naming the block and thread;
+a thread that re-reads one address with a volatile or atomic load (a spin-wait) yields to the
+others, and 2**20 such polls in a block without progress (a write through a volatile or atomic
+access, a barrier, a collective, an exit) are a deadlock, reported with where each warp waits.
+Flags between blocks are not supported: a block runs to completion on its worker.
 
 Checked mode
 ------------
 ``checked=True`` is the simulator's compute-sanitizer (memcheck, racecheck and initcheck) for CI.
-Kernels are compiled a second time with g++'s address-sanitizer instrumentation in its outlined,
-runtime-free form, which calls a hook of the simulator's runtime before every load and store
-(atomics check themselves). Each pointer argument is copied into its own shared-memory mapping,
+Kernels are compiled a second time with g++'s thread-sanitizer instrumentation, without its
+runtime, which calls a hook of the simulator's runtime before every load and every store
+(separately: a read-modify-write is both; atomics check themselves). Each pointer argument is copied into its own shared-memory mapping,
 with 16 KiB of registered slack and a ``PROT_NONE`` page on either side, and a per-byte map of its
 view's elements built from the launch plan's shape and strides; the launch runs in a forked child
 process, so even a crash comes back as an exception, and written views are copied back after it.
@@ -51,7 +63,18 @@ the array and the element index, before the faulty access happens:
   least one writing, with no ``__syncthreads`` between them and no ``__syncwarp`` (for lanes of
   one warp) that both took part in. Shuffles and votes do not order memory;
 * ``"shared out-of-bounds"``: a shared access outside every ``__shared__`` variable;
-* ``"crash"``: the child died (an access far outside every argument, a stack overflow).
+* ``"cp.async in flight"``: an access to shared bytes a ``cp.async`` is still filling;
+* ``"global race"``: the shared-memory rule for the bytes of written arguments within a block,
+  and across blocks any byte one block writes and another reads or writes (blocks of a launch are
+  not ordered); atomics are exempt, and so are volatile reads (a spin-wait's flag);
+* ``"wild access"``: an access of the kernel's code outside every argument (and its slack), the
+  shared memory, the thread's own stack and the module's image (an ``int`` offset past 2**31, a
+  pointer into another thread's local memory);
+* ``"misaligned access"``: below the natural alignment of the accessed type;
+* ``"crash"``: the child died anyway (a fault in the runtime itself).
+
+The race model knows barriers and ``__syncwarp`` only: data handed from one thread to another
+through a flag (volatile or atomic) in the same barrier phase is reported as a race.
 
 Uninitialized locals are not reported; checked modules fill them with the 0xFE byte pattern
 (``-ftrivial-auto-var-init=pattern``; -1.7e38 as a float), so results show them. A checked launch

@@ -547,17 +547,20 @@ CUSIM_NOSAN inline bool is_shared(const void* p, uint64_t n) {
 }
 
 // ------------------------------------------------------------------ checked mode
-// With -DCUSIM_CHECKED the launcher compiles the module with g++'s address-sanitizer
-// instrumentation in its outlined, runtime-free form (-fsanitize=kernel-address
-// --param asan-instrumentation-with-call-threshold=0): every load and store the compiler cannot
-// prove local calls __asan_{load,store}{1,2,4,8,16,N}_noabort(addr[, size]) before it happens.
-// Those hooks are defined below (no sanitizer runtime is linked): an access inside a registered
+// With -DCUSIM_CHECKED the launcher compiles the module with g++'s thread-sanitizer
+// instrumentation (-fsanitize=thread, no runtime linked): every load and store the compiler
+// cannot prove local calls __tsan_{read,write}{1,2,4,8,16}(addr) (or the _range forms) before it
+// happens, reads and writes apart, so a read-modify-write is seen as both.
+// Those hooks are defined below ("instrumentation hooks"): an access inside a registered
 // argument region must hit a byte of the argument's view (a per-byte map built by the launcher
 // from the plan's shape and strides), and writes need a writable argument; an access to the
 // block's shared-memory arena must hit a declared variable, a read must find the byte written
 // earlier in the block, and two threads touching one byte in the same barrier phase (at least
-// one writing) must be ordered by a __syncwarp that both took part in. The first fault fills
-// LaunchConfig::report and stops the launch, before the faulty access is made.
+// one writing) must be ordered by a __syncwarp that both took part in. Written arguments get the
+// same race rule per byte, across blocks too (check_global_race); an access of the kernel's own
+// code that hits no argument, no shared memory, not its stack and not the module is wild
+// (check_wild). The first fault fills LaunchConfig::report and stops the launch, before the
+// faulty access is made.
 
 struct ShadowByte {
     uint32_t w_epoch, r_epoch;   // barrier phase of the last write / read of the byte

@@ -6,12 +6,16 @@ parameter signature). Flags: ``-std=c++17 -O2 -fPIC -shared -pthread -fvisibilit
 -fno-strict-aliasing`` plus ``-D__CUDA_ARCH__=<arch>0``; on x86-64 the assembly fiber switch is
 linked in, elsewhere (or with ``fibers="ucontext"``) ``-DCUSIM_FIBERS_UCONTEXT``.
 
-Checked mode (``cuflash.sim.options(checked=True)``) compiles a second module per source with
-``-DCUSIM_CHECKED=1 -fsanitize=kernel-address --param asan-instrumentation-with-call-threshold=0
---param asan-stack=0 --param asan-globals=0 -ftrivial-auto-var-init=pattern``: g++'s
-address-sanitizer pass in its runtime-free, outlined form calls a hook before every load and store,
-and cusim.h implements the hooks (see :func:`launch_checked` and ``cusim.h``). Locals the kernel
-never initializes hold the 0xFE byte pattern.
+Every module is compiled with ``-fsanitize=alignment`` (an access below its type's alignment is
+a launch error naming the source line) and linked in a separate step, so no sanitizer runtime is
+linked: cusim.h defines the hooks. Checked mode (``cuflash.sim.options(checked=True)``) compiles a
+second module per source with ``-DCUSIM_CHECKED=1 -fsanitize=thread --param
+tsan-instrument-func-entry-exit=0 --param tsan-distinguish-volatile=1
+-ftrivial-auto-var-init=pattern``: g++'s thread-sanitizer pass calls a hook before every load and
+every store (see :meth:`SimModule._launch_checked` and ``cusim.h``). Locals the kernel never
+initializes hold the 0xFE byte pattern. A normal module whose source has volatile data gets the
+same instrumentation with empty plain hooks, so its volatile reads can yield (spin-waits).
+``gpu_numerics`` adds ``-mfma -ffp-contract=fast -DCUSIM_GPU_NUMERICS=1``.
 
 The shared library lands in the cache folder (``CUFLASH_SIM_CACHE_DIR``, default
 ``~/.cache/cuflash/sim``) under the SHA-256 of everything that determines it: the module text,
