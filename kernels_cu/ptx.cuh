@@ -57,8 +57,10 @@ CUSIM_NOSAN inline void ldmatrix_compute(cusim::Slot* slots, unsigned lanes) {
                 plo = reinterpret_cast<const uint16_t*>(slots[8 * j + 2 * t].in[0]) + g;
                 phi = reinterpret_cast<const uint16_t*>(slots[8 * j + 2 * t + 1].in[0]) + g;
             }
+#ifdef CUSIM_CHECKED
             cusim::check_access(reinterpret_cast<uintptr_t>(plo), 2, false);
             cusim::check_access(reinterpret_cast<uintptr_t>(phi), 2, false);
+#endif
             lo = *plo;
             hi = *phi;
             slots[l].out[j] = uint32_t(lo) | (uint32_t(hi) << 16);
@@ -138,9 +140,15 @@ CUSIM_NOSAN inline void mma_m16n8k16_compute(cusim::Slot* slots, unsigned lanes)
     float D[16][8];
     for (int i = 0; i < 16; ++i)
         for (int j = 0; j < 8; ++j) {
+#ifdef CUSIM_GPU_NUMERICS
             double prod[16];
             for (int k = 0; k < 16; ++k) prod[k] = double(A[i][k]) * double(B[k][j]);
             D[i][j] = mma_dot(C[i][j], prod, 16);
+#else
+            double acc = C[i][j];
+            for (int k = 0; k < 16; ++k) acc += double(A[i][k]) * double(B[k][j]);
+            D[i][j] = float(acc);
+#endif
         }
     for (unsigned l = 0; l < 32; ++l) {
         const unsigned g = l / 4, c = 2 * (l % 4);

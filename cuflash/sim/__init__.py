@@ -33,9 +33,9 @@ option              environment variable       meaning
                                                :func:`options`). Default: exact.
 ==================  =========================  ===================================================
 
-In every mode: an access below its type's natural alignment (a ``float4`` load from a 4-byte
-aligned address) is a :class:`SimError` naming the source line; a crash in a kernel's thread
-(a wild pointer, an integer division by zero) is a :class:`SimError` naming the block and thread;
+In every mode, a crash in a kernel's thread (a wild pointer, a misaligned vector access, an
+integer division by zero) is a :class:`SimError` naming the block and thread (checked mode
+reports a misaligned access before it happens, with the source line: ``"misaligned access"``);
 a thread that re-reads one address with a volatile or atomic load (a spin-wait) yields to the
 others, and 2**20 such polls in a block without progress (a write through a volatile or atomic
 access, a barrier, a collective, an exit) are a deadlock, reported with where each warp waits.

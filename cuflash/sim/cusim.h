@@ -68,7 +68,11 @@
 // kernel code (held to arguments, shared memory, its stack and the module's image) from one of
 // the C++ library's inline code that the runtime uses (its own state). `__device__` variables
 // are not supported (none of kernels_cu/ has one).
+#if defined(CUSIM_CHECKED) || defined(CUSIM_POLL_HOOKS)
 #define CUSIM_KERNEL_CODE __attribute__((section("cusim_kernel_text")))
+#else
+#define CUSIM_KERNEL_CODE
+#endif
 #define __global__ CUSIM_KERNEL_CODE
 #define __device__ CUSIM_KERNEL_CODE
 #define __host__
@@ -191,7 +195,7 @@ constexpr SiteInfo site_info(const char* name) {
 }
 
 constexpr unsigned kMaxGroupsPerWarp = 8;
-constexpr unsigned kMaxAsync = 512;           // cp.async copies in flight per thread
+constexpr unsigned kMaxAsync = 256;           // cp.async copies in flight per thread
 constexpr uint64_t kPollLimit = 1ull << 20;   // polls in a block without progress before the watchdog fires
 constexpr uint64_t kDynamicAlign = 128;
 constexpr unsigned char kPoison = 0xFF;
@@ -239,7 +243,7 @@ struct Fiber {
     FiberState state = FiberState::Ready;
     unsigned wait_gen = 0;
     Group* wait_group = nullptr;
-    AsyncCopy async[kMaxAsync];      // cp.async copies not yet landed (async[0..nasync))
+    AsyncCopy* async = nullptr;      // cp.async copies not yet landed (async[0..nasync)), kMaxAsync slots
     uint32_t nasync = 0;
     uint32_t async_committed = 0;    // commit_group count
     const void* poll_addr = nullptr; // the last address this thread polled (volatile or atomic read)
@@ -261,6 +265,7 @@ struct Worker {
     const LaunchConfig* cfg = nullptr;
     unsigned nthreads = 0, nwarps = 0;
     std::vector<Fiber> fibers;
+    std::vector<AsyncCopy> async_pool;   // kMaxAsync per fiber (outside Fiber: keeps fibers small)
     std::vector<Warp> warps;
     std::vector<unsigned> order;
     uint3 block_idx{};
@@ -1234,6 +1239,8 @@ CUSIM_NOSAN inline void worker_main(Launch& L) {
     w.nthreads = c.block[0] * c.block[1] * c.block[2];
     w.nwarps = (w.nthreads + 31) / 32;
     w.fibers.resize(w.nthreads);
+    w.async_pool.resize(size_t(w.nthreads) * kMaxAsync);
+    for (unsigned i = 0; i < w.nthreads; ++i) w.fibers[i].async = w.async_pool.data() + size_t(i) * kMaxAsync;
     w.warps.resize(w.nwarps);
     w.order.resize(w.nthreads);
     w.block_dim = dim3(c.block[0], c.block[1], c.block[2]);
@@ -1442,10 +1449,17 @@ CUSIM_NOSAN inline uint3 block_idx() { return t_worker->block_idx; }
 CUSIM_NOSAN inline dim3 block_dim() { return t_worker->block_dim; }
 CUSIM_NOSAN inline dim3 grid_dim() { return t_worker->grid_dim; }
 }  // namespace cusim
+#ifdef CUSIM_CHECKED
 #define threadIdx (::cusim::thread_idx())
 #define blockIdx (::cusim::block_idx())
 #define blockDim (::cusim::block_dim())
 #define gridDim (::cusim::grid_dim())
+#else   // (references: the fastest form, where nothing is instrumented)
+#define threadIdx (static_cast<const uint3&>(::cusim::t_worker->cur->tid))
+#define blockIdx (static_cast<const uint3&>(::cusim::t_worker->block_idx))
+#define blockDim (static_cast<const dim3&>(::cusim::t_worker->block_dim))
+#define gridDim (static_cast<const dim3&>(::cusim::t_worker->grid_dim))
+#endif
 static constexpr int warpSize = 32;
 
 // ------------------------------------------------------------------ synchronization
@@ -1837,7 +1851,7 @@ extern "C" CUSIM_NOSAN __attribute__((visibility("hidden"))) void* memset(void* 
 #endif
 
 // ------------------------------------------------------------------ misaligned accesses
-// Every module is compiled with -fsanitize=alignment (no runtime): an access through a pointer
+// Checked modules are compiled with -fsanitize=alignment (no runtime): an access through a pointer
 // below its type's natural alignment (a float4 load from a 4-byte-aligned address: on the GPU a
 // misaligned-address fault, PTX ISA "Memory Consistency Model"/ld alignment rules; on this CPU
 // possibly a crash) calls this handler before it happens, with the kernel's source line.

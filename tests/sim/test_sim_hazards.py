@@ -5,6 +5,8 @@ clean variant of its kernel too (flag 0), so a check that fires on everything wo
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from conftest import probe_source
@@ -112,18 +114,22 @@ def test_global_atomics_are_not_races(hzc):
 
 
 # ---------------------------------------------------------------- class 4: misaligned, wild, crashes
-def test_misaligned_vector_load_is_an_error_in_both_modes(hz, hzc):
+def test_misaligned_vector_load(hz, hzc):
+    """Checked mode: reported before it happens, with the line. Normal mode has no alignment
+    check (g++ may load the float4 with unaligned instructions or four scalar ones); where its code
+    faults, the fault is an error naming the thread, and the process goes on."""
     x = np.arange(64, dtype=np.float32)
     for mod in (hz, hzc):
         y = np.zeros(32, np.float32)
         run(mod, plan("hz_misaligned", 1, 32, ro("x", x), P(y, "y"), i32(4)))
         assert (y == 4 + 5 + 6 + 7).all()
-    with pytest.raises(SimError, match=r"misaligned access: [a-z ]+ address 0x[0-9a-f]+ of type 'const (struct )?float4', "
-                                       r"which needs 16-byte alignment, at .*hazard_probes.cu:\d+") as info:
+    try:
         run(hz, plan("hz_misaligned", 1, 32, ro("x", x), P(np.zeros(32, np.float32), "y"), i32(1)))
-    assert "hz_misaligned" in str(info.value) and "thread (" in str(info.value)
+    except SimError as e:
+        assert re.search(r"hz_misaligned .*block \(0,0,0\) thread \(\d+,0,0\): segmentation fault", str(e))
     e = fault(hzc, plan("hz_misaligned", 1, 32, ro("x", x), P(np.zeros(32, np.float32), "y"), i32(1)))
     assert e.kind == "misaligned access" and e.address % 16 == 4
+    assert re.search(r"of type 'const (struct )?float4', which needs 16-byte alignment, at .*hazard_probes.cu:\d+", str(e))
 
 
 def test_far_index_is_a_wild_access_in_checked_mode(hzc):
