@@ -8,7 +8,6 @@ The table of registers, shared memory and cold compile time is printed at the en
 
 from __future__ import annotations
 
-import re
 import time
 
 import pytest
@@ -19,27 +18,12 @@ from cuflash.runtime import cuda_runner, plan, source
 TARGETS = catalog.compile_targets()
 RESOURCE_TABLE: list[tuple] = []
 
-_REGS = re.compile(r"Used (\d+) registers")
-_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_SMEM = re.compile(r"(\d+) bytes smem")
-
-
 def parse_ptxas(log: str, entry: str) -> dict:
     """Registers, stack frame, spills and static shared memory of ``entry`` from a ptxas -v log."""
-    start = log.find(f"Function properties for {entry}")
-    assert start >= 0, f"ptxas log has no entry {entry}:\n{log}"
-    block = log[start:]
-    nxt = block.find("Compiling entry function", 1)
-    block = block if nxt < 0 else block[:nxt]
-    regs, frame, smem = _REGS.search(block), _FRAME.search(block), _SMEM.search(block)
-    assert regs and frame, f"cannot read ptxas figures for {entry}:\n{block}"
-    return {
-        "registers": int(regs.group(1)),
-        "stack_frame": int(frame.group(1)),
-        "spill_stores": int(frame.group(2)),
-        "spill_loads": int(frame.group(3)),
-        "static_smem": int(smem.group(1)) if smem else 0,
-    }
+    try:
+        return cuda_runner.ptxas_resources(log, entry)
+    except ValueError as e:
+        pytest.fail(str(e))
 
 
 def test_parse_ptxas_reads_the_figures():

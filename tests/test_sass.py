@@ -17,14 +17,13 @@ from __future__ import annotations
 import collections
 import os
 import re
-import shutil
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cuflash import roofline
 from cuflash.kernels import attention_fwd_mma
 from cuflash.runtime import cuda_runner, source
 
@@ -32,16 +31,7 @@ ARCHS = attention_fwd_mma.ARCHES
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
-def _find_tool(name: str) -> str | None:
-    """``name`` from the nvidia-cuda-* wheels of this interpreter (site-packages/nvidia/*/bin),
-    else from PATH."""
-    for entry in sys.path:
-        root = Path(entry) / "nvidia"
-        if root.is_dir():
-            for cand in sorted(root.glob(f"*/bin/{name}")):
-                if os.access(cand, os.X_OK):
-                    return str(cand)
-    return shutil.which(name)
+_find_tool = roofline.find_tool
 
 
 @pytest.fixture(scope="module")

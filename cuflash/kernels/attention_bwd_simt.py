@@ -90,6 +90,12 @@ def all_variants(arch: int) -> tuple[AttentionBwdSimt, ...]:
     return tuple(out)
 
 
+def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int) -> AttentionBwdSimt:
+    """The main-stage variant the backward runs for these head dims (the dot and convert stages
+    have one variant per dtype)."""
+    return AttentionBwdSimt("main", variants.dtype_key(dtype), AttentionBwdSimt.bucket(head_dim, head_dim_v))
+
+
 def _i64(name, value):
     return plan.ScalarArg(name, np.int64(value))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import threading
 
 from cuflash.runtime.source import build_source
@@ -95,6 +96,39 @@ def nvrtc_compile(source: str, arch: int, *, name: str = "cuflash.cu", extra_opt
         return complete_elf(nvrtc.getCUBIN(prog)), nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+_REGS = re.compile(r"Used (\d+) registers")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def ptxas_resources(log: str, entry: str) -> dict:
+    """Registers, stack frame, spills and static shared memory of ``entry`` from an NVRTC log
+    compiled with ``-Xptxas=-v``: keys ``registers``, ``stack_frame``, ``spill_stores``,
+    ``spill_loads``, ``static_smem`` (bytes).
+
+    Raises
+    ------
+    ValueError
+        If the log has no figures for ``entry``.
+    """
+    start = log.find(f"Function properties for {entry}")
+    if start < 0:
+        raise ValueError(f"ptxas log has no entry {entry}:\n{log}")
+    block = log[start:]
+    nxt = block.find("Compiling entry function", 1)
+    block = block if nxt < 0 else block[:nxt]
+    regs, frame, smem = _REGS.search(block), _FRAME.search(block), _SMEM.search(block)
+    if not (regs and frame):
+        raise ValueError(f"cannot read ptxas figures for {entry}:\n{block}")
+    return {
+        "registers": int(regs.group(1)),
+        "stack_frame": int(frame.group(1)),
+        "spill_stores": int(frame.group(2)),
+        "spill_loads": int(frame.group(3)),
+        "static_smem": int(smem.group(1)) if smem else 0,
+    }
 
 
 def complete_elf(cubin: bytes) -> bytes:

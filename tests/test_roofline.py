@@ -1,0 +1,126 @@
+"""``python -m cuflash roofline``: the SASS reader on hand-written code (counts known by
+construction), the model's arithmetic, and the real kernels held to their tile math, so the tool
+cannot drift from the kernels and duplicated products show. Needs NVRTC (CuPy) and the
+cuobjdump/nvdisasm wheels of the test extra; no GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cuflash import intensity, roofline
+from cuflash.kernels import attention_fwd_mma, catalog
+
+# A loop at 0x20..0x90: two HMMAs and an LDSM.x4 always; a masked branch (0x50..0x70) with two
+# extra instructions and a MUFU; the back edge at 0x90.
+SASS = """
+        Function : toy
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;
+        /*0020*/                   LDSM.16.M88.4 R8, [R3] ;
+        /*0030*/                   HMMA.16816.F32.BF16 R12, R8, R16, R12 ;
+        /*0040*/              @P0 BRA 0x80 ;
+        /*0050*/                   FSEL R20, R21, -INF , P1 ;
+        /*0060*/                   MUFU.EX2 R22, R23 ;
+        /*0070*/                   FMNMX R24, R25, R26, !PT ;
+        /*0080*/                   HMMA.16816.F32.BF16 R12, R8, R18, R12 ;
+        /*0090*/              @!P2 BRA 0x20 ;
+        /*00a0*/                   STG.E.128 desc[UR4][R6.64], R12 ;
+        /*00b0*/                   EXIT ;
+        /*00c0*/                   BRA 0xc0 ;
+"""
+
+
+def test_sass_reader_counts_both_paths_of_a_loop():
+    insns = roofline.parse_sass(SASS, "toy")
+    assert [x.op for x in insns[:3]] == ["MOV", "LDGSTS", "LDSM"] and insns[4].target == 0x80
+    head, latch, inner = roofline.main_loop(insns)
+    assert (head, latch, inner) == (0x20, 0x90, 0)
+    unmasked, masked = roofline.loop_paths(insns, head, latch)
+    # unmasked: LDSM, HMMA, BRA, HMMA, BRA = 5 instructions; masked adds FSEL, MUFU, FMNMX
+    assert (unmasked.instructions, unmasked.tensor, unmasked.macs) == (5, 2, 2 * 16 * 8 * 16)
+    assert (unmasked.smem_read, unmasked.mufu, unmasked.other) == (4 * 8 * 16, 0, 3)
+    assert (masked.instructions, masked.mufu, masked.tensor) == (8, 1, 2)
+    with pytest.raises(ValueError, match="function 'nope' is not in the SASS"):
+        roofline.parse_sass(SASS, "nope")
+
+
+def test_model_arithmetic():
+    rates = roofline.RATES["h200"]
+    c = roofline.Counts(instructions=400, tensor=64, macs=64 * 2048, smem_read=64 * 256, smem_write=4096,
+                        global_read=4096, global_write=0, mufu=32, fp32=100, barriers=1)
+    r = roofline.model(c, c, rates=rates, entry="k", direction="fwd", block_m=128, block_n=64, head_dim=64,
+                       head_dim_v=64, threads=256, registers=128, spills=0, smem=50_000, dtype_bytes=2)
+    assert r.macs_per_tile == 8 * 64 * 2048 == 128 * 64 * 128       # the tile math
+    assert r.pipes["tensor"] == pytest.approx(8 * 64 * 2048 / (0.6 * 2048), abs=0.1)
+    assert r.pipes["smem"] == pytest.approx(8 * (64 * 256 + 4096) / 128, abs=0.1)
+    assert r.pipes["mufu"] == pytest.approx(8 * 32 * 32 / 16, abs=0.1)
+    assert r.pipes["issue"] == pytest.approx(8 * 400 / 4, abs=0.1)
+    assert r.bound == max(r.pipes, key=r.pipes.get)
+    clock = 989.4e12 / (132 * 4096)
+    assert rates.clock_ghz * 1e9 == pytest.approx(clock)
+    assert r.ceiling_tflops == pytest.approx(2 * 128 * 64 * 128 / r.pipes[r.bound] * clock * 132 / 1e12, rel=1e-3)
+    # occupancy: 128 registers x 256 threads = 32768 of 65536; 2 x (50000 + 1024) bytes of 228 KB
+    assert (r.ctas_per_sm, r.warps_per_sm) == (2, 16)
+    assert roofline.occupancy(rates, 256, 255, 1000) == 1 and roofline.occupancy(rates, 128, 32, 300_000) == 0
+    hbm = intensity.fused_attention_cost(8192, 64, dtype=2).bytes / (64 * 128)
+    assert r.pipes["hbm"] == pytest.approx(hbm / (4800e9 / (132 * clock)), abs=0.1)
+
+
+@pytest.fixture(scope="module")
+def tools():
+    if roofline.find_tool("cuobjdump") is None or roofline.find_tool("nvdisasm") is None:
+        pytest.fail("cuobjdump/nvdisasm not found: install the test extra")
+
+
+@pytest.mark.parametrize("arch,device", [(90, "h200"), (80, "a100")])
+def test_forward_kernels_do_exactly_their_tile_math(tools, arch, device):
+    """Per CTA and main-loop iteration: Br*Bc*(D + Dv) MACs, split among the warps (m16n8k16:
+    2048 MACs each); no spills; the record carries the issue's keys."""
+    for v in attention_fwd_mma.all_variants(arch):
+        if v.dtype != "bf16" and arch == 90 and v.head_dim_max not in (64, 128):
+            continue
+        r = roofline.analyze(v, device)
+        assert r.inner_loops == 0
+        assert r.macs_per_tile == v.block_m * v.block_n * 2 * v.head_dim_max, r.entry
+        assert r.tensor_per_tile * 2048 * r.warps == r.macs_per_tile and r.spills == 0
+        assert r.masked_instructions_per_tile >= r.instructions_per_tile
+        keys = {"entry", "arch", "direction", "block_m", "block_n", "head_dim", "head_dim_v", "warps",
+                "tensor_per_tile", "macs_per_tile", "smem_read_bytes_per_tile", "other_per_tile",
+                "mufu_per_tile", "registers", "spills", "smem_bytes", "ctas_per_sm", "warps_per_sm", "bound",
+                "ceiling_tflops"}
+        assert keys <= set(r.as_dict()) and r.ceiling_tflops > 0
+
+
+def test_backward_and_simt_variants_run(tools):
+    rows = [roofline.analyze(v) for v in roofline.variants(90, head_dim=128, dtype="bf16", backward=True)]
+    rows += [roofline.analyze(v) for v in roofline.variants(90, head_dim=64, dtype="float32")]
+    dirs = {(r.direction, r.tensor_per_tile > 0) for r in rows}
+    assert dirs == {("bwd", True), ("fwd", False), ("bwd", False)}
+    for r in rows:
+        assert r.ceiling_tflops > 0 and r.bound in r.pipes
+        if r.tensor_per_tile == 0:   # SIMT: FP32-bound at most at the FP32 peak of the model's clock
+            assert r.ceiling_tflops <= 128 * 2 * 132 * roofline.RATES["h200"].clock_ghz / 1e3 + 0.1
+
+
+@pytest.mark.slow
+def test_every_variant_the_dispatcher_can_choose(tools):
+    for arch, device in ((90, "h200"), (80, "a100")):
+        names = [v.entry for _, v in catalog.compile_targets() if _ == arch and roofline._is_main(v)]
+        got = [roofline.analyze(v, device).entry for v in roofline.variants(arch)]
+        assert sorted(got) == sorted(names)
+
+
+def test_command_line(tools, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert roofline.main(["--head-dim", "128", "--json", str(out), "--sass", str(tmp_path / "sass")]) == 0
+    text = capsys.readouterr().out
+    assert "MODEL, not a measurement" in text and "cuflash_attn_fwd_mma_bf16_d128" in text
+    rec = json.loads(out.read_text())
+    assert len(rec) == 1 and rec[0]["direction"] == "fwd" and rec[0]["arch"] == 90
+    assert (tmp_path / "sass" / f"{rec[0]['entry']}.sm_90.sass").read_text().count("HMMA") > 0
+    assert roofline.main(["--device", "h200", "--arch", "80"]) == 2
+    assert "does not match" in capsys.readouterr().err
+    assert roofline.main(["--dtype", "int8", "--head-dim", "64"]) == 2
+    assert "dtype='int8' must be one of" in capsys.readouterr().err
