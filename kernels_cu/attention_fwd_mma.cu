@@ -1,35 +1,47 @@
 // cuflash: the tensor-core attention forward (fp16/bf16, sm_80 and newer).
 //
 // Same algorithm, masks, arguments and results as attention_fwd_simt.cu (FlashAttention-2,
-// Dao 2023, Algorithm 1, with the corrections of DESIGN.md §1), with the FA2 work split:
+// Dao 2023, Algorithm 1, with the corrections of DESIGN.md §1), with FA2's work split (Dao 2023,
+// §3.3: one warp owns whole query rows, so no warp needs another's partial sums):
 //
-// * One thread block of NW warps owns a Br = 16 * NW query tile of one (batch, head); warp w owns
-//   query rows [16w, 16w + 16) of it. Grid is 1-D (blockIdx.x = tile + num_q_tiles * (head +
-//   Hq * batch); grid_coord in common.cuh), so gridDim.y/z never limit B*H.
+// * One thread block of NW warps owns a Br = 16 * MT * NW query tile of one (batch, head); warp w
+//   owns query rows [16 MT w, 16 MT (w + 1)), MT 16-row fragments of it (MT = 2 for head-dim
+//   buckets <= 128: each K and V fragment read from shared memory feeds two mma instead of one,
+//   160 shared-memory bytes per mma at d128 instead of 256; MT = 1 above, where the O
+//   accumulator fills the registers). Grid is 1-D (blockIdx.x = tile + num_q_tiles * (head +
+//   Hq * batch); grid_coord in common.cuh), so gridDim.y/z never limit B*H; the query tiles of a
+//   head run last-first, so the causal tiles that see the most keys start first.
 // * S = Q K^T and O += P V run on tensor cores: mma.sync.aligned.m16n8k16, f16 or bf16 inputs,
 //   f32 accumulators. Operands come from shared memory through ldmatrix (.x4; .trans for V,
-//   which is stored key-major). Q's A fragments are loaded once into registers when the
-//   head-dim bucket is <= 128 (CUFLASH_Q_IN_REGS); for 192/256 they are re-read from shared
-//   memory every tile, which keeps the O accumulator (Dmax / 2 floats per lane) spill-free.
+//   which is stored key-major); Q's A fragments are re-read every tile (registers hold O and S).
 // * P never leaves registers: the S accumulator fragment of two adjacent 8-key blocks is exactly
 //   the A fragment of one 16-key k-step (c[0..1] -> a[0]/a[2], c[2..3] -> a[1]/a[3]), packed to
 //   16 bits with cvt.rn.{f16,bf16}x2.f32.
-// * Softmax in the log2 domain (softmax_scale * log2(e) folded into scale_log2, exp2f). Each lane
-//   holds two rows (g and g + 8 of its warp's slice); the row max is reduced over the 4 lanes of
-//   a quad with __shfl_xor_sync every tile; the row sum stays per-lane (each lane's partial sum
-//   is rescaled by the same alpha) and is reduced once, after the K/V loop.
-// * Shared memory (dynamic, 16-bit elements): Q [Br][Dmax + 8], then two stages of K [Bc][Dmax+8]
-//   and V [Bc][Dmax + 8]. Rows are padded by 16 bytes: the row pitch is an odd number of 16-byte
-//   chunks for every bucket (64, 96, 128, 192, 256), so the 8 row addresses of one ldmatrix
-//   phase and the 16-byte cp.async writes of 8 consecutive chunks hit distinct bank quads (no
-//   bank conflicts, and unlike an XOR swizzle it also works for 12- and 24-chunk rows).
-// * Pipeline: cp.async (16 bytes, .cg) with commit/wait groups. The prologue issues Q and the
-//   first K/V tile as one group; at the top of iteration j the block issues tile j + 1 into the
-//   other stage (its readers of iteration j - 1 are past the barrier) and commits, then waits
-//   for all but that newest group, so the copy of tile j + 1 overlaps the math of tile j.
+// * Softmax in the log2 domain: softmax_scale * log2(e) is scale_log2, and for scale_log2 > 0
+//   the row max is taken over the raw scores and P = exp2(s * scale_log2 - m) is one FFMA and
+//   one MUFU.EX2 per score (scale_log2 <= 0 multiplies the scores first). Each lane holds two
+//   rows per fragment (g and g + 8); the row max is reduced over the 4 lanes of a quad with
+//   __shfl_xor_sync every tile; the row sum stays per-lane (each lane's partial sum is rescaled
+//   by the same alpha) and is reduced once, after the K/V loop.
+// * Shared memory (dynamic, 16-bit elements): Q [Br][Dmax + 8], then STAGES stages of K
+//   [Bc][Dmax + 8] and V [Bc][Dmax + 8]. Rows are padded by 16 bytes: the row pitch is an odd
+//   number of 16-byte chunks for every bucket (64, 96, 128, 192, 256), so the 8 row addresses of
+//   one ldmatrix phase and the 16-byte cp.async writes of 8 consecutive chunks hit distinct bank
+//   quads (no bank conflicts, and unlike an XOR swizzle it also works for 12- and 24-chunk rows).
+// * Pipeline, STAGES = 2 (buckets <= 128): cp.async (16 bytes, .cg) with commit/wait groups. The
+//   prologue issues Q and the first K/V tile as one group. At the top of iteration j each thread
+//   waits for its copies of tile j, and one barrier makes every thread's copies visible and
+//   every thread done with tile j - 1, whose stage the block then refills with tile j + 1: one
+//   barrier per tile, the copy of tile j + 1 overlapping the math of tile j. STAGES = 1 (192,
+//   256: one stage fits two blocks per SM, which overlap each other instead): wait and barrier,
+//   the math, a barrier, then the refill.
+// * Copies: each thread copies the same 16-byte column chunk of rows r0, r0 + NT / CHUNKS, ...
+//   of every tile, so its source offsets are computed once, before the loop (the regular case,
+//   NT a multiple of CHUNKS; otherwise load_tile_async of mma_tile.cuh).
 // * Masks are run-time: K/V tiles no row of the block can see are never visited (causal tiles
 //   above the diagonal, tiles outside a window), and only tiles that straddle Sk, the diagonal
-//   or a window edge pay for the per-element mask; interior tiles run unmasked.
+//   or a window edge pay for the per-element mask (each row's visible key range computed once
+//   per tile); interior tiles run unmasked.
 // * Out of view: rows >= Sq / keys >= Sk and columns >= D / Dv are zero-filled by cp.async's
 //   src-size (never read); zero V rows keep P * V finite. Output goes through shared memory (the
 //   warp's own Q rows) and leaves as 16-byte stores of rows < Sq, columns < Dv.
@@ -40,8 +52,8 @@
 //
 // Variant prelude (cuflash/kernels/attention_fwd_mma.py: AttentionFwdMma.defines()):
 //   CUFLASH_ENTRY, CUFLASH_T (__half, __nv_bfloat16), CUFLASH_BF16 (0/1), CUFLASH_HEAD_DIM_MAX,
-//   CUFLASH_BLOCK_M (Br = 16 * warps), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS, CUFLASH_Q_IN_REGS,
-//   CUFLASH_SMEM_BYTES (checked below).
+//   CUFLASH_BLOCK_M (Br = 16 * MT * warps), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS, CUFLASH_M_FRAGS
+//   (MT), CUFLASH_STAGES, CUFLASH_MIN_BLOCKS (__launch_bounds__), CUFLASH_SMEM_BYTES (checked below).
 #include "ptx.cuh"
 
 typedef CUFLASH_T elem_t;
@@ -50,6 +62,8 @@ typedef CUFLASH_T elem_t;
 #define BC CUFLASH_BLOCK_N
 #define DMAX CUFLASH_HEAD_DIM_MAX
 #define NT CUFLASH_THREADS
+#define MT CUFLASH_M_FRAGS            // 16-row fragments per warp
+#define STAGES CUFLASH_STAGES
 #define NWARPS (NT / 32)
 #define PITCH (DMAX + 8)              // shared-memory row pitch, elements
 #define CHUNKS (DMAX / 8)             // 16-byte chunks per row
@@ -60,15 +74,34 @@ typedef CUFLASH_T elem_t;
 #define STAGE_ELEMS (2 * BC * PITCH)  // one K tile and one V tile
 #define LN2 0.6931471805599453f
 
-static_assert(BR == 16 * NWARPS, "each warp owns 16 query rows");
+static_assert(BR == 16 * MT * NWARPS, "each warp owns MT 16-row fragments of the query tile");
+static_assert(STAGES == 1 || STAGES == 2, "one or two K/V stages");
 static_assert(DMAX % 16 == 0 && BC % 16 == 0, "head-dim bucket and Bc must be multiples of 16");
 static_assert(CHUNKS % 2 == 0, "the row pitch must be an odd number of 16-byte chunks");
-static_assert(2 * (BR * PITCH + 2 * STAGE_ELEMS) == CUFLASH_SMEM_BYTES,
+static_assert(2 * (BR * PITCH + STAGES * STAGE_ELEMS) == CUFLASH_SMEM_BYTES,
               "the variant's shared-memory size (cuflash/kernels/attention_fwd_mma.py) disagrees with this layout");
 
 #include "mma_tile.cuh"
 
-extern "C" __global__ void __launch_bounds__(NT)
+// The regular copy (NT a multiple of CHUNKS and of the tile's chunks): this thread moves chunk
+// `c` of rows r0 + i * RPP of a tile. `dst` and `src` already point at (r0, c) of the tile and
+// its source; `pass_stride` is RPP source rows; `rows_left` = rows in view - r0. A chunk out of
+// view is zero-filled from `base`, the head's first row (16-byte aligned even where a length-1
+// axis has an odd stride: cp.async needs an aligned address even when it reads nothing).
+constexpr bool kRegularCopy = NT % CHUNKS == 0 && (BC * CHUNKS) % NT == 0 && (BR * CHUNKS) % NT == 0;
+constexpr int kRowsPerPass = NT / CHUNKS;
+
+template <int MAX_ROWS>
+__device__ __forceinline__ void copy_rows(elem_t* dst, const elem_t* src, const elem_t* base, long long pass_stride,
+                                          int rows_left, bool col_ok) {
+#pragma unroll
+    for (int i = 0; i < MAX_ROWS / kRowsPerPass; ++i) {
+        const bool valid = col_ok && i * kRowsPerPass < rows_left;
+        ptx_cp_async_16_zfill(dst + i * kRowsPerPass * PITCH, valid ? src + i * pass_stride : base, valid ? 16 : 0);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NT, CUFLASH_MIN_BLOCKS)
 CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
               elem_t* __restrict__ out, float* __restrict__ lse,
               long long q_batch_stride, long long q_head_stride, long long q_row_stride,
@@ -80,7 +113,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               int num_q_tiles, float scale_log2, int window_left, int window_right) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);   // [BR][PITCH]
-    elem_t* kv_s = q_s + BR * PITCH;                     // [2 stages][K, V][BC][PITCH]
+    elem_t* kv_s = q_s + BR * PITCH;                     // [STAGES][K, V][BC][PITCH]
 
     const int tid = threadIdx.x;
     const int warp = tid / 32;
@@ -88,7 +121,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int g = lane / 4;   // fragment row group
     const int t = lane % 4;   // fragment column pair
     const GridCoord at = grid_coord(num_q_tiles, num_heads_q);
-    const int tile = at.tile, head = at.head;
+    const int tile = num_q_tiles - 1 - at.tile, head = at.head;   // last tiles (the most keys) first
     const long long batch = at.batch;
     const int head_k = head / group_size;
 
@@ -104,14 +137,37 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int kv_lo = keys.lo, kv_hi = keys.hi;
     const int n_tiles = (kv_hi - kv_lo + BC - 1) / BC;
 
+    // This thread's chunk of every tile copy (regular case): its source pointers advance by one
+    // tile per copy, so no row-stride product is redone in the loop.
+    const int cp_r0 = tid / CHUNKS, cp_c = tid % CHUNKS;
+    const int s_thread = cp_r0 * PITCH + cp_c * 8;
+    const elem_t* k_src = k_head + (kv_lo + cp_r0) * k_row_stride + cp_c * 8;
+    const elem_t* v_src = v_head + (kv_lo + cp_r0) * v_row_stride + cp_c * 8;
+    // K/V tile starting at key kv into stage `st`; then the sources move on by one tile.
+    auto load_kv = [&](elem_t* st, int kv) {
+        const int n = min(BC, seqlen_k - kv);
+        if (kRegularCopy) {
+            copy_rows<BC>(st + s_thread, k_src, k_head, kRowsPerPass * k_row_stride, n - cp_r0, cp_c * 8 < head_dim);
+            copy_rows<BC>(st + BC * PITCH + s_thread, v_src, v_head, kRowsPerPass * v_row_stride, n - cp_r0,
+                          cp_c * 8 < head_dim_v);
+            k_src += BC * k_row_stride;
+            v_src += BC * v_row_stride;
+        } else {
+            load_tile_async<BC>(st, k_head + kv * k_row_stride, k_row_stride, n, head_dim);
+            load_tile_async<BC>(st + BC * PITCH, v_head + kv * v_row_stride, v_row_stride, n, head_dim_v);
+        }
+    };
+
     // Prologue: Q and the first K/V tile, one group. A tile that sees no key (causal with
     // Sq > Sk, a window that misses every key) loads nothing: its loop below never runs, so no
     // barrier would order other warps' Q copies before the epilogue's O writes into q_s.
     if (n_tiles > 0) {
-        load_tile_async<BR>(q_s, q_tile, q_row_stride, rows, head_dim);
-        load_tile_async<BC>(kv_s, k_head + kv_lo * k_row_stride, k_row_stride, min(BC, seqlen_k - kv_lo), head_dim);
-        load_tile_async<BC>(kv_s + BC * PITCH, v_head + kv_lo * v_row_stride, v_row_stride, min(BC, seqlen_k - kv_lo),
-                            head_dim_v);
+        if (kRegularCopy)
+            copy_rows<BR>(q_s + s_thread, q_tile + cp_r0 * q_row_stride + cp_c * 8, q_tile, kRowsPerPass * q_row_stride,
+                          rows - cp_r0, cp_c * 8 < head_dim);
+        else
+            load_tile_async<BR>(q_s, q_tile, q_row_stride, rows, head_dim);
+        load_kv(kv_s, kv_lo);
     }
     ptx_cp_async_commit();
 
@@ -120,171 +176,199 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     //   B of Q K^T (K, x4): (keys 0-7, k 0-7), (keys 0-7, k 8-15), (keys 8-15, k 0-7), (keys 8-15, k 8-15)
     //   B of P V (V, x4.trans): (keys 0-7, cols 0-7), (keys 8-15, cols 0-7), (keys 0-7, cols 8-15), (keys 8-15, cols 8-15)
     const int mat = lane / 8, mrow = lane % 8;
-    const int a_off = (16 * warp + (mat % 2) * 8 + mrow) * PITCH + (mat / 2) * 8;
+    const int a_off = (16 * MT * warp + (mat % 2) * 8 + mrow) * PITCH + (mat / 2) * 8;
     const int k_off = ((mat / 2) * 8 + mrow) * PITCH + (mat % 2) * 8;
     const int v_off = ((mat % 2) * 8 + mrow) * PITCH + (mat / 2) * 8;
 
-    float o_acc[NFRAG_O][4];
+    float o_acc[MT][NFRAG_O][4];
 #pragma unroll
-    for (int i = 0; i < NFRAG_O; ++i) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.0f;
-    float m_row[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF};   // running max, rows g and g + 8 (log2 domain)
-    float l_row[2] = {0.0f, 0.0f};                         // this lane's part of the running sum
-    const int qi0 = row0 + 16 * warp + g;                  // query index of row g (row g + 8: qi0 + 8)
-
-#if CUFLASH_Q_IN_REGS
-    unsigned q_frag[KSTEPS_D][4];
-#endif
+    for (int f = 0; f < MT; ++f)
+#pragma unroll
+        for (int i = 0; i < NFRAG_O; ++i) o_acc[f][i][0] = o_acc[f][i][1] = o_acc[f][i][2] = o_acc[f][i][3] = 0.0f;
+    float m_row[MT][2], l_row[MT][2];   // running max (log2 domain) and this lane's part of the sum
+#pragma unroll
+    for (int f = 0; f < MT; ++f) m_row[f][0] = m_row[f][1] = CUFLASH_NEG_INF, l_row[f][0] = l_row[f][1] = 0.0f;
+    const int qi0 = row0 + 16 * MT * warp + g;   // query index of fragment f's row g: qi0 + 16 f (+ 8)
+    // scale_log2 > 0: the max over raw scores, P = exp2(s * scale - m) in one FFMA. Otherwise the
+    // scores are scaled first (a negative scale reverses the order; 0 would make -inf * 0 NaN).
+    const bool prescale = !(scale_log2 > 0.0f);
+    const float eff_scale = prescale ? 1.0f : scale_log2;
 
     for (int j = 0; j < n_tiles; ++j) {
         const int kv0 = kv_lo + j * BC;
-        __syncthreads();   // every reader of the stage refilled below (iteration j - 1) is done
-        if (j + 1 < n_tiles) {
-            const int nk = kv0 + BC;
-            elem_t* st = kv_s + ((j + 1) % 2) * STAGE_ELEMS;
-            load_tile_async<BC>(st, k_head + nk * k_row_stride, k_row_stride, min(BC, seqlen_k - nk), head_dim);
-            load_tile_async<BC>(st + BC * PITCH, v_head + nk * v_row_stride, v_row_stride, min(BC, seqlen_k - nk),
-                                head_dim_v);
-        }
-        ptx_cp_async_commit();
-        ptx_cp_async_wait<1>();   // everything but tile j + 1 has landed (this thread's copies)
-        __syncthreads();          // ... and every thread's
-
-#if CUFLASH_Q_IN_REGS
-        if (j == 0) {
-#pragma unroll
-            for (int kk = 0; kk < KSTEPS_D; ++kk) ptx_ldmatrix_x4(q_frag[kk], q_s + a_off + kk * 16);
-        }
-#endif
-        const elem_t* k_s = kv_s + (j % 2) * STAGE_ELEMS;
+        const elem_t* k_s = kv_s + (STAGES == 2 ? j % 2 : 0) * STAGE_ELEMS;
         const elem_t* v_s = k_s + BC * PITCH;
+        ptx_cp_async_wait<0>();   // this thread's copies of tile j (and of Q) have landed
+        __syncthreads();          // every thread's; and every thread is done with tile j - 1
+        if (STAGES == 2 && j + 1 < n_tiles) {
+            load_kv(kv_s + ((j + 1) % 2) * STAGE_ELEMS, kv0 + BC);   // the stage tile j - 1 used
+            ptx_cp_async_commit();
+        }
 
-        // S = Q K^T (16 x BC per warp)
-        float s[NFRAG_S][4];
+        // S = Q K^T (16 MT x BC per warp): each K fragment feeds all MT query fragments.
+        float s[MT][NFRAG_S][4];
 #pragma unroll
-        for (int n = 0; n < NFRAG_S; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        for (int f = 0; f < MT; ++f)
+#pragma unroll
+            for (int n = 0; n < NFRAG_S; ++n) s[f][n][0] = s[f][n][1] = s[f][n][2] = s[f][n][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_D; ++kk) {
-#if CUFLASH_Q_IN_REGS
-            const unsigned(&a)[4] = q_frag[kk];
-#else
-            unsigned a[4];
-            ptx_ldmatrix_x4(a, q_s + a_off + kk * 16);
-#endif
+            unsigned a[MT][4];
+#pragma unroll
+            for (int f = 0; f < MT; ++f) ptx_ldmatrix_x4(a[f], q_s + a_off + f * 16 * PITCH + kk * 16);
 #pragma unroll
             for (int np = 0; np < NFRAG_S / 2; ++np) {
                 unsigned b[4];
                 ptx_ldmatrix_x4(b, k_s + k_off + np * 16 * PITCH + kk * 16);
                 const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-                mma16816(s[2 * np], a, b0);
-                mma16816(s[2 * np + 1], a, b1);
+#pragma unroll
+                for (int f = 0; f < MT; ++f) {
+                    mma16816(s[f][2 * np], a[f], b0);
+                    mma16816(s[f][2 * np + 1], a[f], b1);
+                }
             }
         }
+        if (prescale) {
+#pragma unroll
+            for (int f = 0; f < MT; ++f)
+#pragma unroll
+                for (int n = 0; n < NFRAG_S; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[f][n][e] *= scale_log2;
+        }
 
-        // Scale (log2 domain) and mask. A tile needs the per-element mask only if it reaches past
-        // Sk or some row of the block has a window edge inside it.
+        // Mask: a tile needs it only if it reaches past Sk or some row of the block has a window
+        // edge inside it. Each row's visible keys are computed once per tile.
         const bool need_mask = kv0 + BC > seqlen_k ||
                                !tile_in_window(row0, BR, kv0, BC, seqlen_q, seqlen_k, window_left, window_right);
         if (need_mask) {
 #pragma unroll
-            for (int n = 0; n < NFRAG_S; ++n)
+            for (int f = 0; f < MT; ++f)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int kj = kv0 + 8 * n + 2 * t + (e & 1);
-                    const IndexRange keys_seen =   // the keys query row qi0 + 8 * (e >> 1) sees
-                        window_key_range(qi0 + (e >> 1) * 8, 1, seqlen_q, seqlen_k, window_left, window_right);
-                    const bool visible = kj >= keys_seen.lo && kj < keys_seen.hi;
-                    s[n][e] = visible ? s[n][e] * scale_log2 : CUFLASH_NEG_INF;
+                for (int h = 0; h < 2; ++h) {
+                    const IndexRange seen =
+                        window_key_range(qi0 + 16 * f + 8 * h, 1, seqlen_q, seqlen_k, window_left, window_right);
+                    const int lo = seen.lo - kv0 - 2 * t, hi = seen.hi - kv0 - 2 * t;   // in 8 n + (e & 1)
+#pragma unroll
+                    for (int n = 0; n < NFRAG_S; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int kj = 8 * n + e;
+                            if (kj < lo || kj >= hi) s[f][n][2 * h + e] = CUFLASH_NEG_INF;
+                        }
                 }
-        } else {
-#pragma unroll
-            for (int n = 0; n < NFRAG_S; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
         }
 
-        // Online softmax: rows g (elements 0, 1) and g + 8 (elements 2, 3).
-        float alpha[2];
+        // Online softmax per fragment: rows g (elements 0, 1) and g + 8 (elements 2, 3).
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mx = m_row[h];
+        for (int f = 0; f < MT; ++f) {
+            float alpha[2];
 #pragma unroll
-            for (int n = 0; n < NFRAG_S; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(CUFLASH_FULL_MASK, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(CUFLASH_FULL_MASK, mx, 2));
-            const float shift = mx == CUFLASH_NEG_INF ? 0.0f : mx;   // no -inf - -inf
-            alpha[h] = exp2f(m_row[h] - shift);
-            m_row[h] = mx;
-            float sum = 0.0f;
+            for (int h = 0; h < 2; ++h) {
+                float mx = CUFLASH_NEG_INF;
 #pragma unroll
-            for (int n = 0; n < NFRAG_S; ++n) {
-                s[n][2 * h] = exp2f(s[n][2 * h] - shift);
-                s[n][2 * h + 1] = exp2f(s[n][2 * h + 1] - shift);
-                sum += s[n][2 * h] + s[n][2 * h + 1];
+                for (int n = 0; n < NFRAG_S; ++n) mx = fmaxf(mx, fmaxf(s[f][n][2 * h], s[f][n][2 * h + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(CUFLASH_FULL_MASK, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(CUFLASH_FULL_MASK, mx, 2));
+                const float m_new = fmaxf(m_row[f][h], mx * eff_scale);
+                const float shift = m_new == CUFLASH_NEG_INF ? 0.0f : m_new;   // no -inf - -inf
+                alpha[h] = exp2f(m_row[f][h] - shift);
+                m_row[f][h] = m_new;
+                float sum = 0.0f;
+#pragma unroll
+                for (int n = 0; n < NFRAG_S; ++n) {
+                    s[f][n][2 * h] = exp2f(fmaf(s[f][n][2 * h], eff_scale, -shift));
+                    s[f][n][2 * h + 1] = exp2f(fmaf(s[f][n][2 * h + 1], eff_scale, -shift));
+                    sum += s[f][n][2 * h] + s[f][n][2 * h + 1];
+                }
+                l_row[f][h] = l_row[f][h] * alpha[h] + sum;
             }
-            l_row[h] = l_row[h] * alpha[h] + sum;
-        }
 #pragma unroll
-        for (int i = 0; i < NFRAG_O; ++i) {
-            o_acc[i][0] *= alpha[0];
-            o_acc[i][1] *= alpha[0];
-            o_acc[i][2] *= alpha[1];
-            o_acc[i][3] *= alpha[1];
+            for (int i = 0; i < NFRAG_O; ++i) {
+                o_acc[f][i][0] *= alpha[0];
+                o_acc[f][i][1] *= alpha[0];
+                o_acc[f][i][2] *= alpha[1];
+                o_acc[f][i][3] *= alpha[1];
+            }
         }
 
-        // O += P V: P's A fragments straight from the S accumulators.
+        // O += P V: P's A fragments straight from the S accumulators; each V fragment feeds all
+        // MT query fragments.
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_N; ++kk) {
-            const unsigned a[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
-                                   pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            unsigned a[MT][4];
+#pragma unroll
+            for (int f = 0; f < MT; ++f) {
+                a[f][0] = pack2(s[f][2 * kk][0], s[f][2 * kk][1]);
+                a[f][1] = pack2(s[f][2 * kk][2], s[f][2 * kk][3]);
+                a[f][2] = pack2(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
+                a[f][3] = pack2(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int dp = 0; dp < NFRAG_O / 2; ++dp) {
                 unsigned b[4];
                 ptx_ldmatrix_x4_trans(b, v_s + v_off + kk * 16 * PITCH + dp * 16);
                 const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-                mma16816(o_acc[2 * dp], a, b0);
-                mma16816(o_acc[2 * dp + 1], a, b1);
+#pragma unroll
+                for (int f = 0; f < MT; ++f) {
+                    mma16816(o_acc[f][2 * dp], a[f], b0);
+                    mma16816(o_acc[f][2 * dp + 1], a[f], b1);
+                }
             }
         }
+        if (STAGES == 1 && j + 1 < n_tiles) {
+            __syncthreads();   // every thread is done with the one stage
+            load_kv(kv_s, kv0 + BC);
+            ptx_cp_async_commit();
+        }
     }
-    // No cp.async is in flight here: the last iteration issued nothing (its group is empty) and
-    // waited for everything before it, and a tile without keys issued nothing at all. (A wait
-    // here was redundant; the mutation suite, tests/test_mutations.py, showed no test can tell.)
+    // No cp.async is in flight here: the last iteration issued nothing and waited for everything
+    // before it, and a tile without keys issued nothing at all.
 
     // Epilogue: finish the row sums, normalize, stage O in this warp's own Q rows, store.
-    float inv_l[2];
+    float inv_l[MT][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float l = l_row[h];
-        l += __shfl_xor_sync(CUFLASH_FULL_MASK, l, 1);
-        l += __shfl_xor_sync(CUFLASH_FULL_MASK, l, 2);
-        l_row[h] = l;
-        inv_l[h] = l != 0.0f ? 1.0f / l : 0.0f;   // l == 0: no key (O = 0); NaN l stays NaN
-    }
+    for (int f = 0; f < MT; ++f)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float l = l_row[f][h];
+            l += __shfl_xor_sync(CUFLASH_FULL_MASK, l, 1);
+            l += __shfl_xor_sync(CUFLASH_FULL_MASK, l, 2);
+            l_row[f][h] = l;
+            inv_l[f][h] = l != 0.0f ? 1.0f / l : 0.0f;   // l == 0: no key (O = 0); NaN l stays NaN
+        }
     __syncwarp();   // this warp's ldmatrix reads of its Q rows are done
-    elem_t* o_s = q_s + 16 * warp * PITCH;
+    elem_t* o_s = q_s + 16 * MT * warp * PITCH;
 #pragma unroll
-    for (int i = 0; i < NFRAG_O; ++i) {
-        const int c = 8 * i + 2 * t;
-        *reinterpret_cast<unsigned*>(o_s + g * PITCH + c) = pack2(o_acc[i][0] * inv_l[0], o_acc[i][1] * inv_l[0]);
-        *reinterpret_cast<unsigned*>(o_s + (g + 8) * PITCH + c) = pack2(o_acc[i][2] * inv_l[1], o_acc[i][3] * inv_l[1]);
-    }
+    for (int f = 0; f < MT; ++f)
+#pragma unroll
+        for (int i = 0; i < NFRAG_O; ++i) {
+            const int c = 8 * i + 2 * t;
+            elem_t* r = o_s + (16 * f + g) * PITCH + c;
+            *reinterpret_cast<unsigned*>(r) = pack2(o_acc[f][i][0] * inv_l[f][0], o_acc[f][i][1] * inv_l[f][0]);
+            *reinterpret_cast<unsigned*>(r + 8 * PITCH) = pack2(o_acc[f][i][2] * inv_l[f][1], o_acc[f][i][3] * inv_l[f][1]);
+        }
     __syncwarp();
-    const int wrow0 = row0 + 16 * warp;
+    const int wrow0 = row0 + 16 * MT * warp;
     elem_t* o_warp = out + batch * o_batch_stride + head * o_head_stride + wrow0 * o_row_stride;
+    constexpr int WARP_CHUNKS = 16 * MT * CHUNKS;
 #pragma unroll
-    for (int i = 0; i < (16 * CHUNKS + 31) / 32; ++i) {
+    for (int i = 0; i < (WARP_CHUNKS + 31) / 32; ++i) {
         const int e = lane + 32 * i;
         const int r = e / CHUNKS;
         const int c = e - r * CHUNKS;
-        if ((16 * CHUNKS % 32 == 0 || e < 16 * CHUNKS) && wrow0 + r < seqlen_q && c * 8 < head_dim_v)
+        if ((WARP_CHUNKS % 32 == 0 || e < WARP_CHUNKS) && wrow0 + r < seqlen_q && c * 8 < head_dim_v)
             *reinterpret_cast<uint4*>(o_warp + r * o_row_stride + c * 8) = *reinterpret_cast<const uint4*>(o_s + r * PITCH + c * 8);
     }
     if (t == 0) {
         float* lse_head = lse + batch * lse_batch_stride + head * lse_head_stride;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int qi = qi0 + 8 * h;
-            if (qi < seqlen_q) lse_head[qi] = l_row[h] != 0.0f ? m_row[h] * LN2 + logf(l_row[h]) : CUFLASH_NEG_INF;
-        }
+        for (int f = 0; f < MT; ++f)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int qi = qi0 + 16 * f + 8 * h;
+                if (qi < seqlen_q)
+                    lse_head[qi] = l_row[f][h] != 0.0f ? m_row[f][h] * LN2 + logf(l_row[f][h]) : CUFLASH_NEG_INF;
+            }
     }
 }

@@ -3,7 +3,7 @@
 float16 and bfloat16 on sm_80 and newer (``mma.sync`` m16n8k16, ``ldmatrix``, ``cp.async``).
 Compile-time axes: the dtype, the head-dim bucket (64, 96, 128, 192, 256: the smallest holding
 ``max(D, Dv)``; other multiples of 8 run in the next bucket, the extra columns zero-filled) and
-the tile (Br = 16 x warps query rows, Bc key rows). Causal, windows, lengths, strides and the
+the tile (Br query rows: 32 per warp up to bucket 128, 16 above; Bc key rows). Causal, windows, lengths, strides and the
 scale are run-time arguments, exactly as for the SIMT kernel, whose argument list this kernel
 shares.
 
@@ -31,17 +31,23 @@ MMA_DTYPES = ("f16", "bf16")
 ARCHES = (80, 90)
 #: oldest arch with m16n8k16 for bf16 and cp.async
 MIN_ARCH = 80
-#: tile shapes (warps, Bc) by bucket, in order of preference; Br = 16 * warps. The first that
-#: fits the device's shared memory is used.
+#: tile shapes (Br, Bc) by bucket, in order of preference; the first that fits the device's shared
+#: memory is used. Br = rows per warp x warps: 4 warps of 32 rows (two 16-row mma fragments) up
+#: to bucket 128, 4 warps of 16 rows above. FA2 (Dao 2023; the flash-attention repository) uses
+#: 128 x 128 at head dim 64 and 128 x 64 at 128; here those spill (255 registers: the O and S
+#: accumulators of two fragments, python -m cuflash roofline and the compile gate show it), so
+#: Bc is halved: 128 x 64 at 64, 128 x 32 at 96 and 128, and 64 x 64 with one stage at 192/256.
 TILE_CANDIDATES = {
-    64: ((8, 64), (4, 64)),
-    96: ((8, 64), (4, 64)),
-    128: ((8, 64), (4, 64), (4, 32)),
-    192: ((4, 64), (4, 32)),
-    256: ((4, 64), (4, 32)),
+    64: ((128, 64), (64, 64)),
+    96: ((128, 32), (64, 32)),
+    128: ((128, 32), (64, 32)),
+    192: ((64, 64), (64, 32)),
+    256: ((64, 64), (64, 32)),
 }
-#: buckets whose Q fragments stay in registers for the whole K/V loop
-Q_IN_REGS_MAX_BUCKET = 128
+#: the largest bucket whose warps own 32 query rows (two m16 fragments); above, 16
+TWO_FRAGMENT_MAX_BUCKET = 128
+#: CTAs per SM the kernel declares in __launch_bounds__ (a register cap of 65536 / (2 x threads))
+MIN_BLOCKS = 2
 #: bytes every row (and base address) must be aligned to (fresh outputs are allocated so)
 ALIGN_BYTES = attention_fwd_simt.OUTPUT_ALIGN_BYTES
 
@@ -67,20 +73,29 @@ class AttentionFwdMma(variants.TileVariant):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.block_m % 16 or not 1 <= self.block_m // 16 <= 16 or self.block_n % 16 or self.block_n <= 0:
-            raise ValueError(f"AttentionFwdMma: tile ({self.block_m}, {self.block_n}) must be multiples of 16, <= 16 warps")
+        rows = self.rows_per_warp
+        if self.block_m % rows or not 1 <= self.block_m // rows <= 16 or self.block_n % 16 or self.block_n <= 0:
+            raise ValueError(f"AttentionFwdMma: tile ({self.block_m}, {self.block_n}) must be a multiple of {rows} rows "
+                             f"({rows} per warp, <= 16 warps) by a multiple of 16 keys")
+
+    @property
+    def rows_per_warp(self) -> int:
+        """Query rows per warp: 32 (two m16 fragments, each K/V fragment feeding two mma) up to
+        bucket 128, 16 above (the O accumulator fills the registers)."""
+        return 32 if self.head_dim_max <= TWO_FRAGMENT_MAX_BUCKET else 16
+
+    @property
+    def stages(self) -> int:
+        """K/V pipeline stages: 2 up to bucket 128; 1 above, so that two CTAs fit one SM."""
+        return 2 if self.head_dim_max <= TWO_FRAGMENT_MAX_BUCKET else 1
 
     @property
     def warps(self) -> int:
-        return self.block_m // 16
+        return self.block_m // self.rows_per_warp
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
-
-    @property
-    def q_in_regs(self) -> bool:
-        return self.head_dim_max <= Q_IN_REGS_MAX_BUCKET
 
     @property
     def pitch(self) -> int:
@@ -89,20 +104,22 @@ class AttentionFwdMma(variants.TileVariant):
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: Q (Br rows) and two stages of K and V (Bc rows each), 16-bit
-        elements, row pitch :attr:`pitch`. The kernel ``static_assert``s the same figure."""
-        return 2 * self.pitch * (self.block_m + 4 * self.block_n)
+        """Dynamic shared memory: Q (Br rows) and :attr:`stages` stages of K and V (Bc rows each),
+        16-bit elements, row pitch :attr:`pitch`. The kernel ``static_assert``s the same figure."""
+        return 2 * self.pitch * (self.block_m + 2 * self.stages * self.block_n)
 
     def defines(self) -> tuple[tuple[str, str], ...]:
         return super().defines() + (
             ("CUFLASH_BF16", "1" if self.dtype == "bf16" else "0"),
-            ("CUFLASH_Q_IN_REGS", "1" if self.q_in_regs else "0"),
+            ("CUFLASH_M_FRAGS", str(self.rows_per_warp // 16)),
+            ("CUFLASH_STAGES", str(self.stages)),
+            ("CUFLASH_MIN_BLOCKS", str(MIN_BLOCKS)),
         )
 
     def describe(self) -> str:
-        return (f"{self.entry}: {self.warps} warps, Br={self.block_m} x Bc={self.block_n} tiles, head-dim bucket "
-                f"{self.head_dim_max}, {self.smem_bytes} B shared memory (Q + 2-stage K/V, cp.async), "
-                f"mma.sync m16n8k16 {self.dtype}, Q in {'registers' if self.q_in_regs else 'shared memory'}")
+        return (f"{self.entry}: {self.warps} warps of {self.rows_per_warp} query rows, Br={self.block_m} x "
+                f"Bc={self.block_n} tiles, head-dim bucket {self.head_dim_max}, {self.smem_bytes} B shared memory "
+                f"(Q + {self.stages}-stage K/V, cp.async), mma.sync m16n8k16 {self.dtype}")
 
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int) -> AttentionFwdMma:
@@ -111,7 +128,7 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int) -> Attentio
     if key not in MMA_DTYPES:
         raise NotImplementedError(f"cuflash: the tensor-core kernel computes float16 and bfloat16, not {np.dtype(dtype)}")
     bucket = AttentionFwdMma.bucket(head_dim, head_dim_v)
-    candidates = (AttentionFwdMma(key, bucket, 16 * warps, bn) for warps, bn in TILE_CANDIDATES[bucket])
+    candidates = (AttentionFwdMma(key, bucket, bm, bn) for bm, bn in TILE_CANDIDATES[bucket])
     v = AttentionFwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
     if v is None:
         raise NotImplementedError(f"cuflash: no tensor-core attention tile fits sm_{arch}'s shared memory for head dim {bucket}")
