@@ -222,8 +222,8 @@ def insn_counts(insn: Insn) -> dict:
         c["macs"] = _mma_macs(op, mods)
     elif op == "LDSM":
         c["smem_read"] = 128 * (4 if mods.endswith(".4") else 2 if mods.endswith(".2") else 1)
-    elif op == "LDS":
-        c["smem_read"] = 32 * _width_bytes(mods)
+    elif op == "LDS":   # "LDS RZ, [RZ]" (the compiler's dependency placeholders) moves no data
+        c["smem_read"] = 0 if insn.operands.replace(" ", "").startswith("RZ,") else 32 * _width_bytes(mods)
     elif op == "STS":
         c["smem_write"] = 32 * _width_bytes(mods)
     elif op == "LDGSTS":

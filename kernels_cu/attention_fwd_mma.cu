@@ -283,12 +283,16 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 }
                 l_row[f][h] = l_row[f][h] * alpha[h] + sum;
             }
+            // O *= alpha, skipped (exactly: alpha is 1) when no row of the warp's fragment has a
+            // new maximum, as most tiles of a long row do not (a NaN alpha is != 1: it rescales).
+            if (__any_sync(CUFLASH_FULL_MASK, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-            for (int i = 0; i < NFRAG_O; ++i) {
-                o_acc[f][i][0] *= alpha[0];
-                o_acc[f][i][1] *= alpha[0];
-                o_acc[f][i][2] *= alpha[1];
-                o_acc[f][i][3] *= alpha[1];
+                for (int i = 0; i < NFRAG_O; ++i) {
+                    o_acc[f][i][0] *= alpha[0];
+                    o_acc[f][i][1] *= alpha[0];
+                    o_acc[f][i][2] *= alpha[1];
+                    o_acc[f][i][3] *= alpha[1];
+                }
             }
         }
 

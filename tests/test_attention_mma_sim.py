@@ -192,7 +192,7 @@ def test_describe_choice_names_tier_variant_and_reason():
                                          np.zeros((1, 1, s, dv), dtype))
 
     line = dispatch.describe_choice(prob(dtypes.bfloat16, 128), 90)
-    assert line.startswith("sm_90: tensor-core mma.sync tier, cuflash_attn_fwd_mma_bf16_d128_m128_n32: 4 warps of 32 query rows, Br=128 x Bc=32")
+    assert line.startswith("sm_90: tensor-core mma.sync tier, cuflash_attn_fwd_mma_bf16_d128_m128_n64: 4 warps of 32 query rows, Br=128 x Bc=64")
     assert "portable SIMT" in dispatch.describe_choice(prob(dtypes.float32, 64), 90)
     assert "float32" in dispatch.describe_choice(prob(dtypes.float32, 64), 90)
     assert "needs sm_80+" in dispatch.describe_choice(prob(dtypes.float16, 64), 75)

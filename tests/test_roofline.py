@@ -12,8 +12,8 @@ import pytest
 from cuflash import intensity, roofline
 from cuflash.kernels import attention_fwd_mma, catalog
 
-# A loop at 0x20..0x90: two HMMAs and an LDSM.x4 always; a masked branch (0x50..0x70) with two
-# extra instructions and a MUFU; the back edge at 0x90.
+# A loop at 0x20..0x90: two HMMAs and an LDSM.x4 always; a masked branch (0x50..0x70) with an
+# FSEL, a MUFU and a placeholder load that moves no data; the back edge at 0x90.
 SASS = """
         Function : toy
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -23,7 +23,7 @@ SASS = """
         /*0040*/              @P0 BRA 0x80 ;
         /*0050*/                   FSEL R20, R21, -INF , P1 ;
         /*0060*/                   MUFU.EX2 R22, R23 ;
-        /*0070*/                   FMNMX R24, R25, R26, !PT ;
+        /*0070*/                   LDS RZ, [RZ] ;
         /*0080*/                   HMMA.16816.F32.BF16 R12, R8, R18, R12 ;
         /*0090*/              @!P2 BRA 0x20 ;
         /*00a0*/                   STG.E.128 desc[UR4][R6.64], R12 ;
@@ -38,10 +38,10 @@ def test_sass_reader_counts_both_paths_of_a_loop():
     head, latch, inner = roofline.main_loop(insns)
     assert (head, latch, inner) == (0x20, 0x90, 0)
     unmasked, masked = roofline.loop_paths(insns, head, latch)
-    # unmasked: LDSM, HMMA, BRA, HMMA, BRA = 5 instructions; masked adds FSEL, MUFU, FMNMX
+    # unmasked: LDSM, HMMA, BRA, HMMA, BRA = 5 instructions; masked adds FSEL, MUFU, LDS RZ
     assert (unmasked.instructions, unmasked.tensor, unmasked.macs) == (5, 2, 2 * 16 * 8 * 16)
     assert (unmasked.smem_read, unmasked.mufu, unmasked.other) == (4 * 8 * 16, 0, 3)
-    assert (masked.instructions, masked.mufu, masked.tensor) == (8, 1, 2)
+    assert (masked.instructions, masked.mufu, masked.tensor, masked.smem_read) == (8, 1, 2, 4 * 8 * 16)
     with pytest.raises(ValueError, match="function 'nope' is not in the SASS"):
         roofline.parse_sass(SASS, "nope")
 

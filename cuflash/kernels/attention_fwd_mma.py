@@ -34,16 +34,19 @@ MIN_ARCH = 80
 #: tile shapes (Br, Bc) by bucket, in order of preference; the first that fits the device's shared
 #: memory is used. Br = rows per warp x warps: 4 warps of 32 rows (two 16-row mma fragments) up
 #: to bucket 128, 4 warps of 16 rows above. FA2 (Dao 2023; the flash-attention repository) uses
-#: 128 x 128 at head dim 64 and 128 x 64 at 128; here those spill (255 registers: the O and S
-#: accumulators of two fragments, python -m cuflash roofline and the compile gate show it), so
-#: Bc is halved: 128 x 64 at 64, 128 x 32 at 96 and 128, and 64 x 64 with one stage at 192/256.
+#: 128 x 128 at head dim 64 and 128 x 64 at 128. Here 128 x 128 spills at head dim 64 (255
+#: registers: the S accumulators of two fragments; python -m cuflash roofline and the compile
+#: gate show it), so every bucket up to 128 takes 128 x 64, and 192/256 64 x 64 with one stage.
 TILE_CANDIDATES = {
     64: ((128, 64), (64, 64)),
-    96: ((128, 32), (64, 32)),
-    128: ((128, 32), (64, 32)),
+    96: ((128, 64), (64, 64), (64, 32)),
+    128: ((128, 64), (64, 64), (64, 32)),
     192: ((64, 64), (64, 32)),
     256: ((64, 64), (64, 32)),
 }
+#: before sm_90, ptxas allocates the 128 x 64 tile of bucket 128 8 registers past 255 (64 bytes
+#: of spills; the compile gate refuses them): there it takes 128 x 32
+TILE_CANDIDATES_BEFORE_SM90 = {128: ((128, 32), (64, 32))}
 #: the largest bucket whose warps own 32 query rows (two m16 fragments); above, 16
 TWO_FRAGMENT_MAX_BUCKET = 128
 #: CTAs per SM the kernel declares in __launch_bounds__ (a register cap of 65536 / (2 x threads))
@@ -128,7 +131,8 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int) -> Attentio
     if key not in MMA_DTYPES:
         raise NotImplementedError(f"cuflash: the tensor-core kernel computes float16 and bfloat16, not {np.dtype(dtype)}")
     bucket = AttentionFwdMma.bucket(head_dim, head_dim_v)
-    candidates = (AttentionFwdMma(key, bucket, bm, bn) for bm, bn in TILE_CANDIDATES[bucket])
+    tiles = TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket]) if arch < 90 else TILE_CANDIDATES[bucket]
+    candidates = (AttentionFwdMma(key, bucket, bm, bn) for bm, bn in tiles)
     v = AttentionFwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
     if v is None:
         raise NotImplementedError(f"cuflash: no tensor-core attention tile fits sm_{arch}'s shared memory for head dim {bucket}")

@@ -70,7 +70,7 @@ def describe_choice(problem, arch: int, arrays=None) -> str:
     """One line naming the tier, the variant and its tiles that run ``problem`` on ``sm_<arch>``,
     and why any faster tier was passed over, e.g.::
 
-        sm_90: tensor-core mma.sync tier, cuflash_attn_fwd_mma_bf16_d128_m128_n32: 4 warps of 32 query rows, ...
+        sm_90: tensor-core mma.sync tier, cuflash_attn_fwd_mma_bf16_d128_m128_n64: 4 warps of 32 query rows, ...
         sm_90: portable SIMT tier, cuflash_attn_fwd_simt_f16_d128_m32_n32 (Br=32, Bc=32, ...);
             tensor-core mma.sync tier not used: D=59 is not a multiple of 8 (...)
     """
