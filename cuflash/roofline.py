@@ -6,8 +6,9 @@ variant the dispatcher would choose is compiled with NVRTC (the run-time options
 with ``cuobjdump``/``nvdisasm`` (the ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` wheels),
 and its main loop (the loop with the most tensor instructions, else the most FP32 ones) is
 counted per warp along two paths through its body: the *unmasked* one (every tensor instruction
-and copy, fewest other instructions: a full tile) and the *masked* one (the most instructions: a
-diagonal or window tile). From the counts and per-SM rates (:data:`RATES`, each with its source),
+and copy, fewest other instructions: a full tile in the steady state, where the forward's
+conditional O rescale is skipped because no row's maximum moved) and the *masked* one (the most
+instructions: a diagonal or window tile, with the rescale). From the counts and per-SM rates (:data:`RATES`, each with its source),
 the time of each pipe per tile and CTA, and the binding one's throughput as the predicted
 ceiling. **A model, never a measurement**: it ignores latency, occupancy effects beyond
 ``ctas_per_sm`` > 0, bank conflicts and L2; benchmarks on the GPU (``python -m cuflash bench``)

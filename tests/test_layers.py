@@ -37,7 +37,7 @@ ALLOWED = {
 SUBPACKAGE_LAYERS = {"runtime": "runtime", "reference": "reference", "sim": "sim", "kernels": "kernels",
                      "tools": "tools"}
 #: top-level modules (the package face, the public API, the commands' entry, the adapters)
-TOP_LEVEL_LAYERS = {"__init__": "api", "intensity": "api", "__main__": "tools",
+TOP_LEVEL_LAYERS = {"__init__": "api", "intensity": "api", "roofline": "api", "__main__": "tools",
                     "torch": "adapters", "jax": "adapters", "transformers": "adapters"}
 #: importlib entry points whose first argument is a module name
 IMPORT_CALLS = {"import_module", "__import__", "find_spec"}
