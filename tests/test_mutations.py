@@ -40,11 +40,15 @@ def test_kill_map_covers_exactly_the_kernels_mutants():
     assert len(MUTANTS) >= 20 and {m.file for m in MUTANTS} == set(FILES)
 
 
-def test_the_three_pipeline_mutations_of_the_tensor_core_forward_are_killed():
-    """Issue 16's named mutations: the barrier before the cp.async refill of the other stage, the
-    barrier after the wait, and the wait relaxed to wait_group 2."""
+def test_the_pipeline_mutations_of_the_tensor_core_forward_are_killed():
+    """Issue 16's named mutations, in the one-barrier pipeline of issue 17: the barrier at the top
+    of the K/V loop (it both publishes tile j's copies and orders the refill of the other stage
+    after every reader of tile j - 1, the roles of the old kernel's two barriers), the wait before
+    it deleted or relaxed (wait_group 0 -> 1: tile j read before it lands), and the one-stage
+    kernels' barrier before their refill."""
     for mid in ("attention_fwd_mma.cu|__syncthreads();|#0|delete", "attention_fwd_mma.cu|__syncthreads();|#1|delete",
-                "attention_fwd_mma.cu|ptx_cp_async_wait<1>();|#0|relax"):
+                "attention_fwd_mma.cu|ptx_cp_async_wait<0>();|#0|delete",
+                "attention_fwd_mma.cu|ptx_cp_async_wait<0>();|#0|relax"):
         assert KILL_MAP.get(mid), mid
 
 
@@ -64,10 +68,10 @@ def test_mutant_is_killed(mutant, tmp_path, monkeypatch):
 
 def test_mutant_edit_is_exactly_one_statement():
     text = (paths.kernels_dir() / "attention_fwd_mma.cu").read_text()
-    m = next(m for m in MUTANTS if m.id == "attention_fwd_mma.cu|ptx_cp_async_wait<1>();|#0|relax")
+    m = next(m for m in MUTANTS if m.id == "attention_fwd_mma.cu|ptx_cp_async_wait<0>();|#0|relax")
     out = m.apply(text)
     diff = [(a, b) for a, b in zip(text.split("\n"), out.split("\n")) if a != b]
-    assert len(diff) == 1 and "ptx_cp_async_wait<2>();" in diff[0][1] and "//" in diff[0][1]
+    assert len(diff) == 1 and "ptx_cp_async_wait<1>();" in diff[0][1] and "//" in diff[0][1]
 
 
 @pytest.mark.slow
