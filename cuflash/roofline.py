@@ -527,7 +527,11 @@ def variants(arch: int, *, backward: bool | None = None, dtype: str | None = Non
         q = np.zeros((1, 1, 256, head_dim), dt)
         k = np.zeros((1, 1, 256, head_dim), dt)
         v = np.zeros((1, 1, 256, dv), dt)
-        problem = validation.check_attention(q, k, v)
+        try:
+            problem = validation.check_attention(q, k, v)
+        except (TypeError, ValueError, NotImplementedError) as e:   # its words are attention()'s
+            raise type(e)(f"cuflash.roofline: head_dim={head_dim}, head_dim_v={dv}: "
+                          f"{str(e).replace('cuflash.attention: ', '')}") from None
         out = []
         for bwd in ((False, True) if backward is None else (backward,)):
             tier = dispatch.backward_tier(problem, arch) if bwd else dispatch.forward_tier(problem, arch)

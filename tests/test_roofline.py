@@ -133,3 +133,5 @@ def test_command_line(tools, tmp_path, capsys):
     assert "does not match" in capsys.readouterr().err
     assert roofline.main(["--dtype", "int8", "--head-dim", "64"]) == 2
     assert "dtype='int8' must be one of" in capsys.readouterr().err
+    assert roofline.main(["--head-dim", "1000"]) == 2
+    assert "head_dim=1000" in capsys.readouterr().err
