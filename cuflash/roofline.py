@@ -676,21 +676,43 @@ def main(argv: list[str] | None = None) -> int:
         chosen = variants(rates.arch, backward=backward, dtype=args.dtype, head_dim=args.head_dim,
                           head_dim_v=args.head_dim_v)
     except (TypeError, ValueError, NotImplementedError) as e:
-        print(f"cuflash roofline: {e}", file=sys.stderr)
+        print(_message(e), file=sys.stderr)
         return 2
     try:
         rows = [analyze(v, args.device, seqlen=args.seqlen, sass_dir=args.sass) for v in chosen]
+    except ImportError as e:
+        print(f"cuflash roofline: {e}; the command compiles with NVRTC through CuPy and disassembles with "
+              "cuobjdump/nvdisasm: pip install 'cuflash[cuda12,test]' (or cupy-cuda12x nvidia-cuda-nvrtc-cu12 "
+              "nvidia-cuda-runtime-cu12 nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)", file=sys.stderr)
+        return 1
     except (RuntimeError, ValueError) as e:
-        print(f"cuflash roofline: {e}", file=sys.stderr)
+        print(_message(e), file=sys.stderr)
         return 1
     print(f"MODEL, not a measurement: per-SM rates of the {rates.device.name} (sm_{rates.arch}, {rates.sms} SMs at "
           f"{rates.clock_ghz:.2f} GHz); counts per warp and K/V tile of the main loop (unmasked path), pipe "
           "cycles per tile and CTA; * marks loops with inner loops (counted once: lower bounds). Sources: "
           "python -c 'import cuflash.roofline as r; print(r.RATES[\"h200\"].source)'")
     print(format_table(rows))
+    records = [r.as_dict() for r in rows]
+    if args.head_dim is not None:
+        want_d, want_dv = args.head_dim, args.head_dim_v or args.head_dim
+        for r, rec in zip(rows, records):
+            useful = (want_d + want_dv) / (r.head_dim + r.head_dim_v) if r.direction == "fwd" else \
+                (3 * want_d + 2 * want_dv) / (3 * r.head_dim + 2 * r.head_dim_v)
+            rec.update(requested_head_dim=want_d, requested_head_dim_v=want_dv, useful_fraction=round(useful, 4))
+            if useful < 1:
+                print(f"note: head dim {want_d} (v {want_dv}) runs in the d{r.head_dim} bucket of {r.entry}: the figures "
+                      f"are that kernel's, {useful:.0%} of its FLOPs are useful (ceiling for D={want_d}: "
+                      f"{r.ceiling_tflops * useful:.0f} TFLOP/s, predicted)")
     if args.json:
-        Path(args.json).write_text(json.dumps([r.as_dict() for r in rows], indent=1))
+        Path(args.json).write_text(json.dumps(records, indent=1))
     return 0
+
+
+def _message(e: Exception) -> str:
+    text = str(e)
+    return text.replace("cuflash.roofline: ", "cuflash roofline: ", 1) if text.startswith("cuflash.roofline") else \
+        f"cuflash roofline: {text}"
 
 
 if __name__ == "__main__":

@@ -135,3 +135,18 @@ def test_command_line(tools, tmp_path, capsys):
     assert "dtype='int8' must be one of" in capsys.readouterr().err
     assert roofline.main(["--head-dim", "1000"]) == 2
     assert "head_dim=1000" in capsys.readouterr().err
+    assert roofline.main(["--head-dim", "72", "--json", str(out)]) == 0
+    assert "head dim 72 (v 72) runs in the d96 bucket" in capsys.readouterr().out
+    assert json.loads(out.read_text())[0]["useful_fraction"] == pytest.approx((72 + 72) / (96 + 96))
+
+
+def test_missing_compiler_says_what_to_install(monkeypatch, capsys):
+    from cuflash.runtime import cuda_runner
+
+    def no_cupy(*a, **k):
+        raise ModuleNotFoundError("No module named 'cupy'")
+
+    monkeypatch.setattr(cuda_runner, "nvrtc_compile", no_cupy)
+    assert roofline.main(["--head-dim", "64"]) == 1
+    err = capsys.readouterr().err
+    assert "No module named 'cupy'" in err and "nvidia-cuda-cuobjdump" in err and "cupy-cuda12x" in err
