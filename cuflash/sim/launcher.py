@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import mmap
 import os
@@ -269,6 +270,7 @@ def compile_flags(arch: int, asm_fibers: bool, checked: bool = False, polls: boo
     return flags
 
 
+@functools.cache
 def check_gpu_numerics() -> None:
     """Raise ``ValueError`` unless this CPU can run ``gpu_numerics`` modules (x86-64 with FMA)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -718,6 +720,19 @@ _locks: dict[str, threading.Lock] = {}
 _global_lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=512)
+def _prepare(source: str, entries: tuple, origin: str, arch: int, asm: bool, checked: bool, gpu_numerics: bool,
+             ident: str) -> tuple[str, list, str]:
+    """The module text, its g++ flags and its cache key: computed once per source and options (the
+    lowering and the hash cost milliseconds, and every simulated launch asks)."""
+    text = module_text(source, entries, origin)
+    flags = compile_flags(arch, asm, checked, has_volatile_data(text), gpu_numerics)
+    key = hashlib.sha256(
+        "\0".join([_FORMAT_VERSION, _runtime_hash(), ident, " ".join(flags), " ".join(entries), text]).encode()
+    ).hexdigest()[:32]
+    return text, flags, key
+
+
 def load_source(
     source: str,
     entries: Iterable[str] | None = None,
@@ -749,13 +764,9 @@ def load_source(
         raise ValueError(f"cuflash simulator: no kernel entries in {origin}")
     asm = use_asm_fibers(opts.fibers)
     cxx, ident = compiler()
-    text = module_text(source, entries, origin)
     if opts.gpu_numerics:
         check_gpu_numerics()
-    flags = compile_flags(opts.arch, asm, opts.checked, has_volatile_data(text), opts.gpu_numerics)
-    key = hashlib.sha256(
-        "\0".join([_FORMAT_VERSION, _runtime_hash(), ident, " ".join(flags), " ".join(entries), text]).encode()
-    ).hexdigest()[:32]
+    text, flags, key = _prepare(source, entries, origin, opts.arch, asm, opts.checked, opts.gpu_numerics, ident)
     mod = _modules.get(key)
     if mod is not None:
         return mod
