@@ -41,15 +41,17 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from cuflash import intensity
 
-__all__ = ["SmRates", "RATES", "Counts", "Roofline", "analyze", "variants", "main"]
+__all__ = ["SmRates", "RATES", "Counts", "Roofline", "analyze", "compile_sass", "variants", "main"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,8 +145,30 @@ RATES = {"h200": _hopper(intensity.H200), "h100": _hopper(intensity.H100), "a100
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)([^;]*);")
 _FUNCTION = re.compile(r"Function : (\S+)")
-_COUNT_KEYS = ("instructions", "tensor", "macs", "smem_read", "smem_write", "global_read", "global_write",
-               "mufu", "fp32", "barriers")
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Per-warp counts of one pass through the main loop's body."""
+
+    instructions: int
+    tensor: int
+    macs: int
+    smem_read: int
+    smem_write: int
+    global_read: int
+    global_write: int
+    mufu: int
+    fp32: int
+    barriers: int
+
+    @property
+    def other(self) -> int:
+        """Instructions that are not tensor instructions."""
+        return self.instructions - self.tensor
+
+
+_COUNT_KEYS = tuple(f.name for f in dataclasses.fields(Counts))
 
 
 @dataclass(frozen=True)
@@ -244,27 +268,6 @@ def insn_counts(insn: Insn) -> dict:
 
 def _add(a: dict, b: dict) -> dict:
     return {k: a[k] + b[k] for k in _COUNT_KEYS}
-
-
-@dataclass(frozen=True)
-class Counts:
-    """Per-warp counts of one pass through the main loop's body."""
-
-    instructions: int
-    tensor: int
-    macs: int
-    smem_read: int
-    smem_write: int
-    global_read: int
-    global_write: int
-    mufu: int
-    fp32: int
-    barriers: int
-
-    @property
-    def other(self) -> int:
-        """Instructions that are not tensor instructions."""
-        return self.instructions - self.tensor
 
 
 def _blocks(insns: list[Insn]):
@@ -468,8 +471,6 @@ def model(counts: Counts, masked: Counts, *, rates: SmRates, entry: str, directi
 def find_tool(name: str) -> str | None:
     """``name`` (``cuobjdump``, ``nvdisasm``) from the nvidia-cuda-* wheels of this interpreter
     (site-packages/nvidia/*/bin), else from PATH."""
-    import shutil
-
     for entry in sys.path:
         root = Path(entry) / "nvidia"
         if root.is_dir():
@@ -574,6 +575,24 @@ def _is_main(v) -> bool:
     return v.family.startswith("attn_") and getattr(v, "stage", "main") == "main"
 
 
+@lru_cache(maxsize=128)
+def compile_sass(variant, arch: int) -> tuple[str, dict]:
+    """``(sass, resources)`` of a kernel variant for ``sm_<arch>``: the ``cuobjdump --dump-sass``
+    text and :func:`cuflash.runtime.cuda_runner.ptxas_resources` of its entry, compiled with the
+    run-time NVRTC options once per process.
+
+    Raises
+    ------
+    RuntimeError
+        If NVRTC or the SASS tools fail or are missing; ImportError without CuPy.
+    """
+    from cuflash.runtime import cuda_runner, source
+
+    cubin, log = cuda_runner.nvrtc_compile(source.build_source(variant), arch, name=variant.source,
+                                           extra_options=("-Xptxas=-v",))
+    return disassemble(cubin), cuda_runner.ptxas_resources(log, variant.entry)
+
+
 def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str | None = None) -> Roofline:
     """Compile ``variant`` for the device's arch, read its main loop and model it.
 
@@ -595,15 +614,10 @@ def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str 
     RuntimeError
         If NVRTC or the SASS tools fail or are missing.
     """
-    from cuflash.runtime import cuda_runner, source
-
     if device not in RATES:
         raise ValueError(f"cuflash.roofline: device={device!r} must be one of {sorted(RATES)}")
     rates = RATES[device]
-    cubin, log = cuda_runner.nvrtc_compile(source.build_source(variant), rates.arch, name=variant.source,
-                                           extra_options=("-Xptxas=-v",))
-    res = cuda_runner.ptxas_resources(log, variant.entry)
-    text = disassemble(cubin)
+    text, res = compile_sass(variant, rates.arch)
     if sass_dir is not None:
         Path(sass_dir).mkdir(parents=True, exist_ok=True)
         (Path(sass_dir) / f"{variant.entry}.sm_{rates.arch}.sass").write_text(text)

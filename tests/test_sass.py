@@ -15,11 +15,8 @@ cubins NVRTC 12.9 makes.
 from __future__ import annotations
 
 import collections
-import os
 import re
 import struct
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -31,27 +28,19 @@ ARCHS = attention_fwd_mma.ARCHES
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
-_find_tool = roofline.find_tool
-
-
 @pytest.fixture(scope="module")
 def cuobjdump() -> str:
-    exe = _find_tool("cuobjdump")
-    if exe is None or _find_tool("nvdisasm") is None:
+    exe = roofline.find_tool("cuobjdump")
+    if exe is None or roofline.find_tool("nvdisasm") is None:
         pytest.fail("cuobjdump/nvdisasm not found: install the test extra "
                     "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     return exe
 
 
-def sass_opcodes(variant, arch: int, tool: str, tmp_path: Path) -> collections.Counter:
-    cubin, _ = cuda_runner.nvrtc_compile(source.build_source(variant), arch, name=variant.source)
-    path = tmp_path / f"{variant.entry}_sm{arch}.cubin"
-    path.write_bytes(cubin)
-    env = dict(os.environ, PATH=os.path.dirname(_find_tool("nvdisasm")) + os.pathsep + os.environ.get("PATH", ""))
-    r = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, f"cuobjdump failed ({r.returncode}): {r.stderr}"
-    ops = collections.Counter(_OPCODE.findall(r.stdout))
-    assert ops, f"no SASS in cuobjdump's output:\n{r.stdout[:2000]}\n{r.stderr}"
+def sass_opcodes(variant, arch: int) -> collections.Counter:
+    text, _ = roofline.compile_sass(variant, arch)
+    ops = collections.Counter(_OPCODE.findall(text))
+    assert ops, f"no SASS in cuobjdump's output:\n{text[:2000]}"
     return ops
 
 
@@ -87,8 +76,8 @@ def test_nvrtc_compile_returns_the_whole_cubin():
 
 
 @pytest.mark.parametrize("arch,variant", _variants(), ids=lambda x: str(getattr(x, "entry", x)))
-def test_sass_proves_the_tensor_core_tier(arch, variant, cuobjdump, tmp_path):
-    ops = sass_opcodes(variant, arch, cuobjdump, tmp_path)
+def test_sass_proves_the_tensor_core_tier(arch, variant, cuobjdump):
+    ops = sass_opcodes(variant, arch)
     hmma = "HMMA.16816.F32.BF16" if variant.dtype == "bf16" else "HMMA.16816.F32"
     # one k-loop iteration: (Dmax/16) * (Bc/8) mma for S, (Bc/16) * (Dmax/8) for P V
     d, bn = variant.head_dim_max, variant.block_n
@@ -111,8 +100,8 @@ def _bwd_variants():
 
 
 @pytest.mark.parametrize("arch,variant", _bwd_variants(), ids=lambda x: str(getattr(x, "entry", x)))
-def test_sass_proves_the_tensor_core_backward(arch, variant, cuobjdump, tmp_path):
-    ops = sass_opcodes(variant, arch, cuobjdump, tmp_path)
+def test_sass_proves_the_tensor_core_backward(arch, variant, cuobjdump):
+    ops = sass_opcodes(variant, arch)
     hmma = "HMMA.16816.F32.BF16" if variant.dtype == "bf16" else "HMMA.16816.F32"
     # per query tile and warp: S^T and dP^T (2 * Dmax/16 * Br/8), dV and dK (2 * Br/16 * Dmax/(8 dsplit)),
     # dQ (2 per k-step of one 16-column chunk)
