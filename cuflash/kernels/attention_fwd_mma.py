@@ -49,7 +49,10 @@ TILE_CANDIDATES = {
 TILE_CANDIDATES_BEFORE_SM90 = {128: ((128, 32), (64, 32))}
 #: the largest bucket whose warps own 32 query rows (two m16 fragments); above, 16
 TWO_FRAGMENT_MAX_BUCKET = 128
-#: CTAs per SM the kernel declares in __launch_bounds__ (a register cap of 65536 / (2 x threads))
+#: CTAs per SM the kernel declares in __launch_bounds__: a register cap of 65536 / (2 x threads).
+#: For the 4-warp tiles that is 256, above the 255 a thread can have, so it constrains nothing
+#: today; it states the occupancy the tiles are sized for (python -m cuflash roofline: 8 warps
+#: per SM), and binds if a tile of more warps is added.
 MIN_BLOCKS = 2
 #: bytes every row (and base address) must be aligned to (fresh outputs are allocated so)
 ALIGN_BYTES = attention_fwd_simt.OUTPUT_ALIGN_BYTES

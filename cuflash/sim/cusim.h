@@ -457,14 +457,14 @@ CUSIM_NOSAN inline Slot& collective(unsigned mask, const void* in, size_t n, Col
 // progress. kPollLimit polls in a block without progress is a deadlock: the watchdog reports
 // where each warp waits. (Volatile accesses are seen through the thread-sanitizer hooks; the
 // launcher compiles a module whose source has `volatile` data with them, cuflash/sim/launcher.py.)
+CUSIM_NOSAN inline uint64_t shared_site(Worker* w, uint64_t off, CheckReport& r);   // (checked mode, below)
+
 CUSIM_NOSAN inline void describe_address(Worker* w, const void* p, char* out, size_t cap) {
     const uint64_t off = reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(w->arena);
     if (off < w->arena_cap) {
-        const char* name = off < w->dyn_end ? w->dyn_info.name : "<shared>";
-        uint64_t base = 0;
-        for (const SharedSite& s : w->sites)
-            if (off >= s.offset && off < s.offset + s.size) name = s.info.name, base = s.offset;
-        std::snprintf(out, cap, "__shared__ %s byte %llu", name, (unsigned long long)(off - base));
+        CheckReport r{};
+        const uint64_t rel = shared_site(w, off, r);
+        std::snprintf(out, cap, "__shared__ %s byte %llu", r.name, (unsigned long long)rel);
     } else {
         std::snprintf(out, cap, "global address %p", p);
     }
