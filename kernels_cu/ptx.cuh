@@ -86,14 +86,15 @@ CUSIM_NOSAN inline float unpack(uint32_t reg, int hi) {
 }
 
 // One element of D = A * B + C: the 16 products of 16-bit values are exact in double. By default
-// the sum is rounded once to float (the tensor core's internal order and rounding are not
+// the sum is rounded once to float (the loop in mma_m16n8k16_compute) (the tensor core's internal order and rounding are not
 // specified by the PTX ISA). With gpu_numerics (cuflash.sim.options) it is rounded as measured on
 // NVIDIA tensor cores (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor
 // cores", PeerJ Comput. Sci. 7:e330, 2021): every term is aligned to the largest exponent among
 // the products and C and truncated to 24 significant bits of that scale, the aligned terms are
-// added exactly, and the sum is truncated (rounded toward zero) to float.
-CUSIM_NOSAN inline float mma_dot(double c, const double* prod, int k) {
+// added exactly, and the sum is truncated (rounded toward zero) to float (mma_dot; a non-finite
+// term keeps the plain sum's inf/NaN).
 #ifdef CUSIM_GPU_NUMERICS
+CUSIM_NOSAN inline float mma_dot(double c, const double* prod, int k) {
     int emax = INT32_MIN;
     bool finite = std::isfinite(c);
     for (int i = -1; i < k; ++i) {
@@ -109,11 +110,11 @@ CUSIM_NOSAN inline float mma_dot(double c, const double* prod, int k) {
         if (std::fabs(double(r)) > std::fabs(sum)) r = std::nextafter(r, 0.0f);   // toward zero
         return cusim::ftz(r);
     }
-#endif
     double acc = c;
     for (int i = 0; i < k; ++i) acc += prod[i];
     return float(acc);
 }
+#endif
 
 // D = A * B + C for m16n8k16 (see mma_dot).
 template <bool BF16>
