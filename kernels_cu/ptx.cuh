@@ -86,8 +86,8 @@ CUSIM_NOSAN inline float unpack(uint32_t reg, int hi) {
 }
 
 // One element of D = A * B + C: the 16 products of 16-bit values are exact in double. By default
-// the sum is rounded once to float (the loop in mma_m16n8k16_compute) (the tensor core's internal order and rounding are not
-// specified by the PTX ISA). With gpu_numerics (cuflash.sim.options) it is rounded as measured on
+// the sum is rounded once to float, in mma_m16n8k16_compute's loop (the tensor core's internal
+// order and rounding are not specified by the PTX ISA). With gpu_numerics (cuflash.sim.options) it is rounded as measured on
 // NVIDIA tensor cores (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor
 // cores", PeerJ Comput. Sci. 7:e330, 2021): every term is aligned to the largest exponent among
 // the products and C and truncated to 24 significant bits of that scale, the aligned terms are
