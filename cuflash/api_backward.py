@@ -49,8 +49,8 @@ def attention_backward(
     backend : {"auto", "numpy", "sim", "cuda"}
         Resolved as in :func:`cuflash.attention` ("auto" never moves data; ``CUFLASH_BACKEND``
         overrides "auto" only). "sim" and "cuda" run the tensor-core backward
-        (``kernels_cu/attention_bwd_mma.cu``: float16/bfloat16 on sm_80+, head dims <= 128,
-        16-byte-aligned rows) or else the portable one (``kernels_cu/attention_bwd_simt.cu``);
+        (``kernels_cu/attention_bwd_mma.cu``: float16/bfloat16 on sm_80+, head dims up to 256
+        where a tile fits the shared memory, 16-byte-aligned rows) or else the portable one (``kernels_cu/attention_bwd_simt.cu``);
         :func:`cuflash.kernels.dispatch.backward_tier` chooses.
     deterministic : bool
         Bit-identical results run to run on the kernel backends ("sim", "cuda"): dQ is summed

@@ -1,46 +1,61 @@
 // cuflash: the tensor-core attention backward, main stage (fp16/bf16, sm_80 and newer).
 //
 // Replaces stage 1 of attention_bwd_simt.cu and takes exactly its arguments; stages 0 (Dd =
-// rowsum(dO * O)) and 2 (the float32 dQ workspace to the input dtype, with the deterministic
-// mode's fixed-order reduction of the partials) are the SIMT file's (cuflash/kernels/attention_bwd_mma.py).
+// rowsum(dO * O)) and 2 (the float32 dQ workspace, times softmax_scale, to the input dtype, with
+// the deterministic mode's fixed-order reduction of the partials) are the SIMT file's
+// (cuflash/kernels/attention_bwd_mma.py).
 //
-// FlashAttention-2's split (Dao 2023, Algorithm 2): one block of NW warps owns a Bc-key tile of
-// one (kv head, batch) (the launch covers tiles [tile0, tile_end): block s runs tiles tile0 + s,
-// tile0 + s + num_splits, ...; one launch with num_splits = num_k_tiles by default, and in
-// deterministic mode num_splits < num_k_tiles, each block looping over its tiles in order); the
-// warps form Bc / 16 key groups of DSPLIT warps: warp w owns keys [16 kw, 16 kw + 16), kw =
-// w % (NW / DSPLIT), and columns [dc0, dc0 + Dmax / DSPLIT) of their dK and dV (DSPLIT = 2 for
-// the 128 bucket keeps dK + dV at 64 registers per thread; the warps of a group each compute
-// S^T and dP^T of their keys, a duplicated 2 of the 5 GEMMs, in exchange for no spills). The block loops over the query heads of its kv head
-// (GQA) and over the Br-row query tiles that can see the key tile. Per query tile, on tensor cores
-// (mma.sync m16n8k16, f32 accumulators; operands from shared memory through ldmatrix):
+// FlashAttention-2's backward (Dao 2023, Algorithm 2 and §3.2): one block of NW = 8 warps owns
+// one Bc-key tile of one (kv head, batch): block s of the launch runs key tile tile0 + s (if <
+// tile_end; deterministic mode launches once per round of num_splits tiles, see
+// attention_bwd_simt.cu). K and V stay in shared memory; the block walks one flat loop over the
+// (query head of its kv head (GQA), Br-row query tile that sees the key tile) pairs, so the loop
+// over query tiles is the kernel's only loop with tensor instructions. Per query tile, on tensor
+// cores (mma.sync m16n8k16, f32 accumulators, operands from shared memory through ldmatrix):
 //
-//   S^T  = K Q^T    (warp: 16 keys x Br queries; A = K rows, B = Q rows, both non-transposed)
-//   P^T  = exp2(S^T * scale * log2 e - lse * log2 e)     (masked elements 0; lse = -inf -> 0)
-//   dP^T = V dO^T   (A = V rows, B = dO rows)
-//   dS^T = P^T * (dP^T - Dd)                              (registers)
-//   dV  += P^T dO   (A = P^T straight from the S^T accumulators, packed to 16 bits, as the
-//                    forward's P; B = dO through ldmatrix.trans)
-//   dK  += dS^T Q   (A = dS^T from the dP^T accumulators; B = Q through ldmatrix.trans)
-//   dQ  += dS K     (dS^T is staged in shared memory as dS [Br][Bc]; warp (wm, wn) computes 16
-//                    query rows x every warps_n-th 16-column chunk: A = dS rows, B = K through
-//                    ldmatrix.trans; added to the float32 workspace with atomicAdd, or in
-//                    deterministic mode with plain read-modify-writes of this thread's elements
-//                    of its split's partial buffer, the key tiles in order, barriers between)
+//   S  = Q K^T,  dP = dO V^T                          warps S_WM x S_WN over (queries, keys)
+//   P  = exp2(S * scale log2 e - lse log2 e),  dS = P * (dP - Dd)     (registers; masked pairs 0)
+//   P, dS -> shared memory as [query][key] 16-bit (the other GEMMs split the tile differently)
+//   dV += P^T dO,  dK += dS^T Q                       warps KV_WN x KV_WD over (keys, columns);
+//                                                     A = P^T / dS^T through ldmatrix.trans
+//   dQ += dS K                                        warps Q_WM x Q_WD over (queries, columns),
+//                                                     into the float32 workspace: red.global.add
+//                                                     .v2.f32 (sm_90; two atomicAdd before), or in
+//                                                     deterministic mode this thread's own
+//                                                     read-modify-write of its split's partial
 //
-// dK and dV stay in registers for the whole loop (16 x Dmax per warp each) and are stored once,
-// scaled (dK by softmax_scale), as 4-byte pairs. Masks, the Sk - Sq offset and rows without keys
-// as in attention_bwd_simt.cu. Loads are cp.async (16 bytes, zero-filled beyond Sq/Sk and the
-// head dims), so rows must be 16-byte aligned: q, k, v, dout and their strides multiples of 8
-// elements, D and Dv multiples of 8 (cuflash/kernels/attention_bwd_mma.py: unsupported_reason; the
-// dispatcher falls back to the SIMT backward otherwise).
+// Each product is computed once (no warp repeats another's S or dP), and each warp's tile is as
+// square as the 8 warps allow (32 x 32 of S at Bc = 128), which bounds the shared-memory bytes
+// read per mma (python -m cuflash roofline). dK and dV stay in registers for the whole loop and
+// are stored once, dK scaled by softmax_scale; dQ is left unscaled (the convert stage scales it).
 //
-// Shared memory (dynamic, 16-bit elements unless noted; row pitch Dmax + 8, an odd number of
-// 16-byte chunks, so ldmatrix phases are conflict-free, as in the forward): K [Bc], V [Bc],
-// Q [Br], dO [Br], dS [Br][Bc + 8], then lse (log2 domain) and Dd [Br] as float32.
+// Pipeline (STAGES = 2): Q, dO, lse and Dd of a query tile are one cp.async group, double-
+// buffered. At the top of iteration i each thread waits for its copies of tile i and one barrier
+// makes every thread's copies visible and every thread done with tile i - 1 (its stage, and P/dS),
+// after which the block starts the copy of tile i + 1 into the other stage; a second barrier
+// orders the P/dS stores before the dV/dK/dQ products read them. STAGES = 1 (shared memory too
+// small for two stages): the refill waits for a third barrier at the end of the iteration.
 //
-// Variant prelude: CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BF16, CUFLASH_HEAD_DIM_MAX, CUFLASH_BLOCK_M
-// (Br), CUFLASH_BLOCK_N (Bc = 16 * warps / DSPLIT), CUFLASH_THREADS, CUFLASH_DSPLIT,
+// Masks (bottom-right aligned, common.cuh) are run-time and applied only on tiles that need them:
+// a tile reaching past Sq or Sk, or with a window edge (the causal diagonal) inside it, computes
+// each of this thread's rows' visible key range once and tests its pairs; every other tile is
+// unmasked. A masked pair's P and dS are 0 (not 0 * (dP - Dd): a NaN in a V row or in Dd that
+// the pair does not see must not reach dS; DESIGN.md §3), and an LSE of -inf (a row without keys)
+// gives P = 0, never exp2(-inf + inf).
+//
+// Loads are cp.async (16 bytes, zero-filled beyond Sq/Sk and the head dims; lse and Dd 4 bytes),
+// so rows must be 16-byte aligned: q, k, v, dout and their strides multiples of 8 elements, D and
+// Dv multiples of 8 (cuflash/kernels/attention_bwd_mma.py: unsupported_reason; the dispatcher falls
+// back to the SIMT backward otherwise).
+//
+// Shared memory (dynamic, 16-bit elements unless noted; K/V/Q/dO row pitch Dmax + 8 and P/dS row
+// pitch Bc + 8, both odd numbers of 16-byte chunks, so ldmatrix phases and the 4-byte P/dS stores
+// are free of bank conflicts): K [Bc], V [Bc], Q [STAGES][Br], dO [STAGES][Br], P [Br], dS [Br],
+// then lse (natural log, as stored by the forward) and Dd [STAGES][Br] as float32.
+//
+// Variant prelude (cuflash/kernels/attention_bwd_mma.py): CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BF16,
+// CUFLASH_HEAD_DIM_MAX, CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS,
+// CUFLASH_STAGES, CUFLASH_SDP_WARPS_M, CUFLASH_DKV_WARPS_N, CUFLASH_DQ_WARPS_M, CUFLASH_DQ_PASSES,
 // CUFLASH_SMEM_BYTES (checked below).
 #include "ptx.cuh"
 
@@ -50,30 +65,82 @@ typedef CUFLASH_T elem_t;
 #define BC CUFLASH_BLOCK_N
 #define DMAX CUFLASH_HEAD_DIM_MAX
 #define NT CUFLASH_THREADS
+#define STAGES CUFLASH_STAGES
 #define NWARPS (NT / 32)
-#define PITCH (DMAX + 8)           // row pitch of K, V, Q, dO (elements)
-#define DSP (BC + 8)               // row pitch of dS
-#define CHUNKS (DMAX / 8)          // 16-byte chunks per row
-#define KSTEPS_D (DMAX / 16)       // k-steps over the head dim
-#define NFRAG_Q (BR / 8)           // 8-query accumulator blocks of S^T / dP^T
-#define KSTEPS_Q (BR / 16)         // k-steps over the query tile
-#define DSPLIT CUFLASH_DSPLIT      // warps sharing a key group, each owning a slice of dK / dV's columns
-#define KWARPS (NWARPS / DSPLIT)   // key groups of 16 keys
-#define DCOLS (DMAX / DSPLIT)      // dK / dV columns per warp
-#define NFRAG_D (DCOLS / 8)        // 8-column accumulator blocks of dK / dV per warp
-#define WARPS_M (BR / 16)          // dQ: warps along the query rows ...
-#define WARPS_N (NWARPS / WARPS_M) // ... and along the 16-column chunks
+#define PITCH (DMAX + 8)          // row pitch of K, V, Q, dO (elements)
+#define PP (BC + 8)               // row pitch of P and dS
+#define CHUNKS (DMAX / 8)         // 16-byte chunks per row
+#define KSTEPS_D (DMAX / 16)      // k-steps of S and dP (over the head dim)
 #define LOG2E 1.4426950408889634f
 
-static_assert(BC == 16 * KWARPS && NWARPS % DSPLIT == 0 && DCOLS % 16 == 0, "each key group owns 16 keys");
-static_assert(BR % 16 == 0 && NWARPS % WARPS_M == 0, "dQ rows must split over the warps");
-static_assert(DMAX % 16 == 0 && (CHUNKS % 2) == 0 && ((DSP / 8) % 2) == 1, "pitches must be odd chunk counts");
-static_assert(2 * (2 * BC * PITCH + 2 * BR * PITCH + BR * DSP) + 4 * 2 * BR == CUFLASH_SMEM_BYTES,
+// Warp layouts, one per GEMM shape: warps along the first output axis x along the second.
+#define S_WM CUFLASH_SDP_WARPS_M           // S, dP: along queries ...
+#define S_WN (NWARPS / S_WM)               // ... and keys
+#define KV_WN CUFLASH_DKV_WARPS_N          // dK, dV: along keys ...
+#define KV_WD (NWARPS / KV_WN)             // ... and columns
+#define Q_WM CUFLASH_DQ_WARPS_M            // dQ: along queries ...
+#define Q_WD (NWARPS / Q_WM)               // ... and columns
+#define MF_S (BR / S_WM / 16)              // a warp's 16-row fragments and 8-column blocks of S, dP
+#define NF_S (BC / S_WN / 8)
+#define MF_KV (BC / KV_WN / 16)            // ... of dK, dV
+#define NF_KV (DMAX / KV_WD / 8)
+#define MF_Q (BR / Q_WM / 16)              // ... of dQ
+#define NF_Q (DMAX / Q_WD / 8)
+#define DQ_PASSES CUFLASH_DQ_PASSES        // dQ in column passes (registers: NF_QP blocks at a time)
+#define NF_QP (NF_Q / DQ_PASSES)
+
+static_assert(NWARPS % S_WM == 0 && NWARPS % KV_WN == 0 && NWARPS % Q_WM == 0, "warp layouts must tile the warps");
+static_assert(MF_S >= 1 && MF_KV >= 1 && MF_Q >= 1 && BR % (16 * S_WM) == 0 && BC % (16 * KV_WN) == 0 &&
+              BR % (16 * Q_WM) == 0, "every warp owns whole 16-row fragments");
+static_assert(NF_S % 2 == 0 && NF_KV % 2 == 0 && NF_QP % 2 == 0 && NF_Q % DQ_PASSES == 0 && BC % (16 * S_WN) == 0 &&
+              DMAX % (16 * KV_WD) == 0 && DMAX % (16 * Q_WD) == 0, "B operands come as 16-column ldmatrix.x4 pairs");
+static_assert(STAGES == 1 || STAGES == 2, "one or two Q/dO stages");
+static_assert(DMAX % 16 == 0 && CHUNKS % 2 == 0 && (PP / 8) % 2 == 1, "pitches must be odd chunk counts");
+static_assert(NT >= 2 * BR, "one thread per lse and per Dd element of a query tile");
+static_assert(2 * (2 * BC * PITCH + 2 * STAGES * BR * PITCH + 2 * BR * PP) + 4 * 2 * STAGES * BR == CUFLASH_SMEM_BYTES,
               "the variant's shared-memory size (cuflash/kernels/attention_bwd_mma.py) disagrees with this layout");
 
 #include "mma_tile.cuh"
 
-extern "C" __global__ void __launch_bounds__(NT)
+// One (query head, query tile) step of the block's flat loop.
+struct QueryTile {
+    int hq;     // query head
+    int row0;   // first query row
+};
+
+// A thread's ldmatrix row addresses (elements, relative to a tile base) and its warp's place in
+// each GEMM's layout. A: non-transposed (16 rows x 16 k, rows stored m-major): a_off; A from rows
+// stored k-major (ldmatrix.trans: P^T, dS^T): pat_off; B from rows stored n-major: b_off; B from
+// rows stored k-major (ldmatrix.trans): bt_off (= a_off); A from P/dS rows: pa_off. Matrix order
+// as the mma fragments: A (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15);
+// B x4: two n8 blocks. The loop recomputes them from an opaque copy of the thread index where they
+// are used (ptx_opaque), so they do not hold registers across the phases that need none of them.
+struct LaneOffsets {
+    int g, t, a_off, b_off, pa_off, pat_off;
+    int s_row0, s_col0;     // S, dP: first query, first key
+    int kv_row0, kv_col0;   // dK, dV: first key, first column
+    int q_row0, q_col0;     // dQ: first query, first column
+};
+
+__device__ __forceinline__ LaneOffsets lane_offsets(int tid) {
+    const int warp = tid / 32, lane = tid % 32, mat = lane / 8, mrow = lane % 8;
+    LaneOffsets o;
+    o.g = lane / 4;
+    o.t = lane % 4;
+    o.a_off = ((mat % 2) * 8 + mrow) * PITCH + (mat / 2) * 8;
+    o.b_off = ((mat / 2) * 8 + mrow) * PITCH + (mat % 2) * 8;
+    o.pa_off = ((mat % 2) * 8 + mrow) * PP + (mat / 2) * 8;
+    o.pat_off = ((mat / 2) * 8 + mrow) * PP + (mat % 2) * 8;
+    o.s_row0 = (warp % S_WM) * 16 * MF_S;
+    o.s_col0 = (warp / S_WM) * 8 * NF_S;
+    o.kv_row0 = (warp % KV_WN) * 16 * MF_KV;
+    o.kv_col0 = (warp / KV_WN) * 8 * NF_KV;
+    o.q_row0 = (warp % Q_WM) * 16 * MF_Q;
+    o.q_col0 = (warp / Q_WM) * 8 * NF_Q;
+    return o;
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1)
 CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
               const elem_t* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dd,
               float* __restrict__ dq_accum, elem_t* __restrict__ dk, elem_t* __restrict__ dv,
@@ -88,214 +155,313 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               int num_k_tiles, float softmax_scale, int window_left, int window_right,
               int num_splits, long long dq_split_stride, int deterministic, int tile0, int tile_end) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t* k_s = reinterpret_cast<elem_t*>(smem_raw);   // [BC][PITCH]
-    elem_t* v_s = k_s + BC * PITCH;                      // [BC][PITCH]
-    elem_t* q_s = v_s + BC * PITCH;                      // [BR][PITCH]
-    elem_t* do_s = q_s + BR * PITCH;                     // [BR][PITCH]
-    elem_t* ds_s = do_s + BR * PITCH;                    // [BR][DSP]
-    float* lse_s = reinterpret_cast<float*>(ds_s + BR * DSP);   // [BR], log2 domain
-    float* dd_s = lse_s + BR;                                   // [BR]
+    elem_t* k_s = reinterpret_cast<elem_t*>(smem_raw);     // [BC][PITCH]
+    elem_t* v_s = k_s + BC * PITCH;                        // [BC][PITCH]
+    elem_t* q_s = v_s + BC * PITCH;                        // [STAGES][BR][PITCH]
+    elem_t* do_s = q_s + STAGES * BR * PITCH;              // [STAGES][BR][PITCH]
+    elem_t* p_s = do_s + STAGES * BR * PITCH;              // [BR][PP]
+    elem_t* ds_s = p_s + BR * PP;                          // [BR][PP]
+    float* lse_s = reinterpret_cast<float*>(ds_s + BR * PP);   // [STAGES][BR]
+    float* dd_s = lse_s + STAGES * BR;                         // [STAGES][BR]
 
     const int tid = threadIdx.x;
-    const int warp = tid / 32;
-    const int lane = tid % 32;
-    const int g = lane / 4;
-    const int t = lane % 4;
     const GridCoord at = grid_coord(num_splits, num_heads_k);
     const int split = at.tile, head_k = at.head;
     const long long batch = at.batch;
+    const int tile = tile0 + split;
+    if (tile >= tile_end) return;   // the whole block
     const int num_heads_q = num_heads_k * group_size;
     const float scale_log2 = softmax_scale * LOG2E;
     float* dq_part = dq_accum + (deterministic ? split * dq_split_stride : 0LL);
 
-    // ldmatrix row addresses of this lane (elements, relative to a tile base), as in the forward:
-    //   A, non-transposed (16 rows x 16 k): a_off; B from rows stored n-major: b_off;
-    //   B from rows stored k-major (ldmatrix.trans): bt_off.
-    const int mat = lane / 8, mrow = lane % 8;
-    const int a_off = ((mat % 2) * 8 + mrow) * PITCH + (mat / 2) * 8;
-    const int b_off = ((mat / 2) * 8 + mrow) * PITCH + (mat % 2) * 8;
-    const int bt_off = ((mat % 2) * 8 + mrow) * PITCH + (mat / 2) * 8;
-    const int ds_a_off = ((mat % 2) * 8 + mrow) * DSP + (mat / 2) * 8;
-    const int wm = warp % WARPS_M, wn = warp / WARPS_M;   // this warp's dQ rows and column chunks
-    const int kw = warp % KWARPS;                         // this warp's key group ...
-    const int dc0 = (warp / KWARPS) * DCOLS;              // ... and first dK / dV column
+    const int col0 = tile * BC;
+    const int cols = min(BC, seqlen_k - col0);
+    // Query rows that see some key of this tile, [row_lo, row_hi), and the flat loop's length.
+    const IndexRange rows_seen = window_query_range(col0, cols, seqlen_q, seqlen_k, window_left, window_right);
+    const int first_row0 = rows_seen.lo - rows_seen.lo % BR;
+    const int row_hi = rows_seen.hi;
+    const int q_tiles = rows_seen.hi > rows_seen.lo ? (row_hi - first_row0 + BR - 1) / BR : 0;
+    const int n_iter = q_tiles * group_size;
 
-    for (int tile = tile0 + split; tile < tile_end; tile += num_splits) {
-        const int col0 = tile * BC;
-        const int cols = min(BC, seqlen_k - col0);
-        const int kj0 = col0 + 16 * kw + g;   // key of accumulator row g (row g + 8: kj0 + 8)
-        const IndexRange key_rows[2] = {   // the query rows that see keys kj0 and kj0 + 8
-            window_query_range(kj0, 1, seqlen_q, seqlen_k, window_left, window_right),
-            window_query_range(kj0 + 8, 1, seqlen_q, seqlen_k, window_left, window_right)};
+    // Q, dO, lse, Dd of query tile `at` into stage `st` (one cp.async group with what precedes it).
+    auto load_query_tile = [&](int st, QueryTile at) {
+        const int rows = min(BR, seqlen_q - at.row0);
+        load_tile_async<BR>(q_s + st * BR * PITCH,
+                            q + batch * q_batch_stride + at.hq * q_head_stride + at.row0 * q_row_stride, q_row_stride,
+                            rows, head_dim);
+        load_tile_async<BR>(do_s + st * BR * PITCH,
+                            dout + batch * do_batch_stride + at.hq * do_head_stride + at.row0 * do_row_stride,
+                            do_row_stride, rows, head_dim_v);
+        if (tid < 2 * BR) {   // threads [0, BR): lse; [BR, 2 BR): Dd (rows >= Sq: 0, masked)
+            const int r = tid % BR;
+            const float* src = tid < BR ? lse + batch * lse_batch_stride + at.hq * lse_head_stride
+                                        : dd + (batch * num_heads_q + at.hq) * (long long)seqlen_q;
+            float* dst = (tid < BR ? lse_s : dd_s) + st * BR + r;
+            const bool valid = at.row0 + r < seqlen_q;
+            ptx_cp_async_4_zfill(dst, valid ? src + at.row0 + r : src, valid ? 4 : 0);
+        }
+    };
+    auto next_tile = [&](QueryTile at) {
+        at.row0 += BR;
+        if (at.row0 >= row_hi) {
+            at.row0 = first_row0;
+            ++at.hq;
+        }
+        return at;
+    };
 
-        __syncthreads();   // the previous key tile's readers of k_s / v_s are done
+    QueryTile cur = {head_k * group_size, first_row0};
+    if (n_iter > 0) {   // prologue: K, V and the first query tile, one group
         load_tile_async<BC>(k_s, k + batch * k_batch_stride + head_k * k_head_stride + col0 * k_row_stride,
                             k_row_stride, cols, head_dim);
         load_tile_async<BC>(v_s, v + batch * v_batch_stride + head_k * v_head_stride + col0 * v_row_stride,
                             v_row_stride, cols, head_dim_v);
+        load_query_tile(0, cur);
         ptx_cp_async_commit();
+    }
 
-        // Query rows that can see a key of this tile: [row_lo, row_hi).
-        const IndexRange rows_seen = window_query_range(col0, cols, seqlen_q, seqlen_k, window_left, window_right);
-        const int row_lo = rows_seen.lo, row_hi = rows_seen.hi;
-
-        float dk_acc[NFRAG_D][4], dv_acc[NFRAG_D][4];
+    float dk_acc[MF_KV][NF_KV][4], dv_acc[MF_KV][NF_KV][4];
 #pragma unroll
-        for (int i = 0; i < NFRAG_D; ++i)
+    for (int f = 0; f < MF_KV; ++f)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dk_acc[i][e] = dv_acc[i][e] = 0.0f;
+        for (int n = 0; n < NF_KV; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk_acc[f][n][e] = dv_acc[f][n][e] = 0.0f;
 
-        for (int hq = head_k * group_size; hq < (head_k + 1) * group_size; ++hq) {
-            const elem_t* q_head = q + batch * q_batch_stride + hq * q_head_stride;
-            const elem_t* do_head = dout + batch * do_batch_stride + hq * do_head_stride;
-            const float* lse_head = lse + batch * lse_batch_stride + hq * lse_head_stride;
-            const long long stat_row0 = (batch * num_heads_q + hq) * (long long)seqlen_q;
-            for (int row0 = row_lo - (row_lo % BR); row0 < row_hi; row0 += BR) {
-                const int rows = min(BR, seqlen_q - row0);
-                // No barrier needed before refilling q_s, do_s, lse_s, dd_s: every read of them (the
-                // S/dP and dK/dV mma, P and dS) precedes the "dS is complete" barrier of the previous
-                // query tile, and ds_s / k_s, which the dQ step reads after it, are written only after
-                // the barrier below (ds_s) or the key tile's own (k_s). (The mutation suite found the
-                // barrier once here redundant; tests/test_mutations.py.)
-                load_tile_async<BR>(q_s, q_head + row0 * q_row_stride, q_row_stride, rows, head_dim);
-                load_tile_async<BR>(do_s, do_head + row0 * do_row_stride, do_row_stride, rows, head_dim_v);
-                ptx_cp_async_commit();
-                for (int r = tid; r < BR; r += NT) {
-                    lse_s[r] = r < rows ? lse_head[row0 + r] * LOG2E : CUFLASH_NEG_INF;   // -inf stays -inf
-                    dd_s[r] = r < rows ? dd[stat_row0 + row0 + r] : 0.0f;
+    for (int it = 0; it < n_iter; ++it) {
+        const int st = STAGES == 2 ? it % 2 : 0;
+        const elem_t* qs = q_s + st * BR * PITCH;
+        const elem_t* dos = do_s + st * BR * PITCH;
+        const int row0 = cur.row0;
+        const int rows = min(BR, seqlen_q - row0);
+        ptx_cp_async_wait<0>();   // this thread's copies of tile it (and of K, V) have landed
+        __syncthreads();          // every thread's; and every thread is done with tile it - 1
+        if (STAGES == 2 && it + 1 < n_iter) {
+            load_query_tile(st ^ 1, next_tile(cur));   // the stage tile it - 1 used
+            ptx_cp_async_commit();
+        }
+
+        const LaneOffsets l1 = lane_offsets(ptx_opaque(tid));
+        // S = Q K^T and dP = dO V^T for this warp's 16 MF_S queries x 8 NF_S keys.
+        float s[MF_S][NF_S][4], dp[MF_S][NF_S][4];
+#pragma unroll
+        for (int f = 0; f < MF_S; ++f)
+#pragma unroll
+            for (int n = 0; n < NF_S; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[f][n][e] = dp[f][n][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS_D; ++kk) {
+            unsigned a[MF_S][4];
+#pragma unroll
+            for (int f = 0; f < MF_S; ++f) ptx_ldmatrix_x4(a[f], qs + (l1.s_row0 + 16 * f) * PITCH + l1.a_off + kk * 16);
+#pragma unroll
+            for (int np = 0; np < NF_S / 2; ++np) {
+                unsigned b[4];
+                ptx_ldmatrix_x4(b, k_s + (l1.s_col0 + 16 * np) * PITCH + l1.b_off + kk * 16);
+                const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+#pragma unroll
+                for (int f = 0; f < MF_S; ++f) {
+                    mma16816(s[f][2 * np], a[f], b0);
+                    mma16816(s[f][2 * np + 1], a[f], b1);
                 }
-                ptx_cp_async_wait<0>();
-                __syncthreads();
-
-                // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys.
-                float s[NFRAG_Q][4], dp[NFRAG_Q][4];
+            }
 #pragma unroll
-                for (int n = 0; n < NFRAG_Q; ++n)
+            for (int f = 0; f < MF_S; ++f) ptx_ldmatrix_x4(a[f], dos + (l1.s_row0 + 16 * f) * PITCH + l1.a_off + kk * 16);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+            for (int np = 0; np < NF_S / 2; ++np) {
+                unsigned b[4];
+                ptx_ldmatrix_x4(b, v_s + (l1.s_col0 + 16 * np) * PITCH + l1.b_off + kk * 16);
+                const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
-                for (int kk = 0; kk < KSTEPS_D; ++kk) {
-                    unsigned ak[4], av[4];
-                    ptx_ldmatrix_x4(ak, k_s + 16 * kw * PITCH + a_off + kk * 16);
-                    ptx_ldmatrix_x4(av, v_s + 16 * kw * PITCH + a_off + kk * 16);
-#pragma unroll
-                    for (int np = 0; np < NFRAG_Q / 2; ++np) {
-                        unsigned b[4];
-                        ptx_ldmatrix_x4(b, q_s + b_off + np * 16 * PITCH + kk * 16);
-                        const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-                        mma16816(s[2 * np], ak, b0);
-                        mma16816(s[2 * np + 1], ak, b1);
-                        ptx_ldmatrix_x4(b, do_s + b_off + np * 16 * PITCH + kk * 16);
-                        const unsigned c0[2] = {b[0], b[1]}, c1[2] = {b[2], b[3]};
-                        mma16816(dp[2 * np], av, c0);
-                        mma16816(dp[2 * np + 1], av, c1);
-                    }
+                for (int f = 0; f < MF_S; ++f) {
+                    mma16816(dp[f][2 * np], a[f], b0);
+                    mma16816(dp[f][2 * np + 1], a[f], b1);
                 }
+            }
+        }
 
-                // P^T (in s) and dS^T (in dp); element e of block n: key kj0 + 8 * (e >> 1),
-                // query row0 + 8n + 2t + (e & 1).
+        // P (in s) and dS (in dp). Element e of block (f, n): query row l1.s_row0 + 16 f + l1.g + 8 (e >> 1),
+        // key l1.s_col0 + 8 n + 2 t + (e & 1). Per row: lse in the log2 domain (-inf -> +inf: P = 0) and Dd.
+        float lse2[MF_S][2], ddr[MF_S][2];
 #pragma unroll
-                for (int n = 0; n < NFRAG_Q; ++n)
+        for (int f = 0; f < MF_S; ++f)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = l1.s_row0 + 16 * f + l1.g + 8 * h;
+                const float l = lse_s[st * BR + r];
+                lse2[f][h] = l == CUFLASH_NEG_INF ? -CUFLASH_NEG_INF : l * LOG2E;
+                ddr[f][h] = dd_s[st * BR + r];
+            }
+        const bool need_mask = rows < BR || cols < BC ||
+                               !tile_in_window(row0, BR, col0, BC, seqlen_q, seqlen_k, window_left, window_right);
+        if (need_mask) {
+#pragma unroll
+            for (int f = 0; f < MF_S; ++f)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int qi = row0 + l1.s_row0 + 16 * f + l1.g + 8 * h;
+                    IndexRange seen = window_key_range(qi, 1, seqlen_q, seqlen_k, window_left, window_right);
+                    if (qi >= seqlen_q) seen.hi = seen.lo;   // padding rows see nothing
+#pragma unroll
+                    for (int n = 0; n < NF_S; ++n)
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            const int kj = col0 + l1.s_col0 + 8 * n + 2 * l1.t + c;
+                            const bool visible = kj >= seen.lo && kj < seen.hi;
+                            float& sv = s[f][n][2 * h + c];
+                            float& dv_ = dp[f][n][2 * h + c];
+                            const float p = visible ? exp2f(sv * scale_log2 - lse2[f][h]) : 0.0f;
+                            dv_ = visible ? p * (dv_ - ddr[f][h]) : 0.0f;
+                            sv = p;
+                        }
+                }
+        } else {
+#pragma unroll
+            for (int f = 0; f < MF_S; ++f)
+#pragma unroll
+                for (int n = 0; n < NF_S; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int r = 8 * n + 2 * t + (e & 1);
-                        const int qi = row0 + r;
-                        const int kj = kj0 + 8 * (e >> 1);
-                        const float l = lse_s[r];
-                        const bool visible = kj < seqlen_k && l != CUFLASH_NEG_INF &&
-                                             qi >= key_rows[e >> 1].lo && qi < key_rows[e >> 1].hi;
-                        const float p = visible ? exp2f(s[n][e] * scale_log2 - l) : 0.0f;
-                        s[n][e] = p;
-                        // 0, not 0 * (dP - D): a NaN in a V row or in D that this pair does not
-                        // see must not reach dS (DESIGN.md §3: non-finite input travels only
-                        // along visible pairs)
-                        dp[n][e] = visible ? p * (dp[n][e] - dd_s[r]) : 0.0f;
+                        const float p = exp2f(s[f][n][e] * scale_log2 - lse2[f][e >> 1]);
+                        dp[f][n][e] = p * (dp[f][n][e] - ddr[f][e >> 1]);
+                        s[f][n][e] = p;
                     }
+        }
+        // P, dS -> shared memory, [query][key], one 4-byte store per (row, key pair) (the thread's
+        // offset formed here, not held across the loop: ptx_opaque).
+        const int pds_off = (l1.s_row0 + l1.g) * PP + l1.s_col0 + 2 * l1.t;
+#pragma unroll
+        for (int f = 0; f < MF_S; ++f)
+#pragma unroll
+            for (int n = 0; n < NF_S; ++n)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int off = pds_off + (16 * f + 8 * h) * PP + 8 * n;
+                    *reinterpret_cast<unsigned*>(p_s + off) = pack2(s[f][n][2 * h], s[f][n][2 * h + 1]);
+                    *reinterpret_cast<unsigned*>(ds_s + off) = pack2(dp[f][n][2 * h], dp[f][n][2 * h + 1]);
+                }
+        __syncthreads();   // P and dS are complete
+        const LaneOffsets l2 = lane_offsets(ptx_opaque(tid));
 
-                // dV += P^T dO, dK += dS^T Q; and dS^T -> ds_s as dS [query][key].
+        // dV += P^T dO and dK += dS^T Q for this warp's 16 MF_KV keys x 8 NF_KV columns.
 #pragma unroll
-                for (int kk = 0; kk < KSTEPS_Q; ++kk) {
-                    const unsigned ap[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
-                                            pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                            pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-                    const unsigned as[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1]), pack2(dp[2 * kk][2], dp[2 * kk][3]),
-                                            pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                                            pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+        for (int kk = 0; kk < BR / 16; ++kk) {
+            unsigned a[MF_KV][4];
 #pragma unroll
-                    for (int c = 0; c < NFRAG_D / 2; ++c) {
-                        unsigned b[4];
-                        ptx_ldmatrix_x4_trans(b, do_s + bt_off + kk * 16 * PITCH + dc0 + c * 16);
-                        const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-                        mma16816(dv_acc[2 * c], ap, b0);
-                        mma16816(dv_acc[2 * c + 1], ap, b1);
-                        ptx_ldmatrix_x4_trans(b, q_s + bt_off + kk * 16 * PITCH + dc0 + c * 16);
-                        const unsigned c0[2] = {b[0], b[1]}, c1[2] = {b[2], b[3]};
-                        mma16816(dk_acc[2 * c], as, c0);
-                        mma16816(dk_acc[2 * c + 1], as, c1);
-                    }
-                    // as[i] holds dS^T (key, query pair): a[0] key g, queries 16kk + 2t, +1;
-                    // a[1] key g + 8; a[2], a[3]: queries + 8.
-                    unsigned short* col = reinterpret_cast<unsigned short*>(ds_s) + 16 * kw + g;
+            for (int f = 0; f < MF_KV; ++f) ptx_ldmatrix_x4_trans(a[f], p_s + kk * 16 * PP + l2.pat_off + l2.kv_row0 + 16 * f);
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        if (dc0 != 0) break;   // one warp of the key group writes dS (warp-uniform)
-                        const int qr = 16 * kk + 2 * t + 8 * (i >> 1);
-                        const int kc = 8 * (i & 1);
-                        col[qr * DSP + kc] = (unsigned short)(as[i] & 0xffffu);   // low half: query qr
-                        col[(qr + 1) * DSP + kc] = (unsigned short)(as[i] >> 16);
+            for (int c = 0; c < NF_KV / 2; ++c) {
+                unsigned b[4];
+                ptx_ldmatrix_x4_trans(b, dos + kk * 16 * PITCH + l2.a_off + l2.kv_col0 + 16 * c);
+                const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+#pragma unroll
+                for (int f = 0; f < MF_KV; ++f) {
+                    mma16816(dv_acc[f][2 * c], a[f], b0);
+                    mma16816(dv_acc[f][2 * c + 1], a[f], b1);
+                }
+            }
+#pragma unroll
+            for (int f = 0; f < MF_KV; ++f) ptx_ldmatrix_x4_trans(a[f], ds_s + kk * 16 * PP + l2.pat_off + l2.kv_row0 + 16 * f);
+#pragma unroll
+            for (int c = 0; c < NF_KV / 2; ++c) {
+                unsigned b[4];
+                ptx_ldmatrix_x4_trans(b, qs + kk * 16 * PITCH + l2.a_off + l2.kv_col0 + 16 * c);
+                const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+#pragma unroll
+                for (int f = 0; f < MF_KV; ++f) {
+                    mma16816(dk_acc[f][2 * c], a[f], b0);
+                    mma16816(dk_acc[f][2 * c + 1], a[f], b1);
+                }
+            }
+        }
+
+        // dQ (this warp's 16 MF_Q rows x 8 NF_Q columns) += dS K, unscaled, into the workspace, in
+        // DQ_PASSES passes over the columns (the accumulators of one pass: NF_QP blocks).
+#pragma unroll
+        for (int pass = 0; pass < DQ_PASSES; ++pass) {
+            const int c0 = l2.q_col0 + pass * 8 * NF_QP;   // this pass's first column
+            float acc[MF_Q][NF_QP][4];
+#pragma unroll
+            for (int f = 0; f < MF_Q; ++f)
+#pragma unroll
+                for (int n = 0; n < NF_QP; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[f][n][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
+                unsigned a[MF_Q][4];
+#pragma unroll
+                for (int f = 0; f < MF_Q; ++f) ptx_ldmatrix_x4(a[f], ds_s + (l2.q_row0 + 16 * f) * PP + l2.pa_off + kk * 16);
+#pragma unroll
+                for (int c = 0; c < NF_QP / 2; ++c) {
+                    unsigned b[4];
+                    ptx_ldmatrix_x4_trans(b, k_s + kk * 16 * PITCH + l2.a_off + c0 + 16 * c);
+                    const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+#pragma unroll
+                    for (int f = 0; f < MF_Q; ++f) {
+                        mma16816(acc[f][2 * c], a[f], b0);
+                        mma16816(acc[f][2 * c + 1], a[f], b1);
                     }
                 }
-                __syncthreads();   // dS is complete
-
-                // dQ (16 rows x 16-column chunks of this warp) += dS K, scaled.
-                const int qr0 = 16 * wm;
-                for (int c = wn; c < KSTEPS_D; c += WARPS_N) {
-                    if (16 * c >= head_dim) break;   // warp-uniform
-                    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            }
+            // Rows q_row0 + 16 f + g + 8 h, columns c0 + 8 n + 2 t, +1 (in view: r < rows, c < D);
+            // one per-thread offset per tile (ptx_opaque: kept out of the loop's invariants).
+            float* dq_thread = dq_part + ptx_opaque(((batch * num_heads_q + cur.hq) * (long long)seqlen_q + row0) * head_dim +
+                                                    (l2.q_row0 + l2.g) * head_dim + c0 + 2 * l2.t);
+            if (deterministic) {   // this thread's elements of its split's partial (warp-uniform branch)
 #pragma unroll
-                    for (int kk = 0; kk < BC / 16; ++kk) {
-                        unsigned a[4], b[4];
-                        ptx_ldmatrix_x4(a, ds_s + qr0 * DSP + ds_a_off + kk * 16);
-                        ptx_ldmatrix_x4_trans(b, k_s + bt_off + kk * 16 * PITCH + c * 16);
-                        const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-                        mma16816(acc[0], a, b0);
-                        mma16816(acc[1], a, b1);
-                    }
+                for (int f = 0; f < MF_Q; ++f)
 #pragma unroll
                     for (int h = 0; h < 2; ++h)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int r = qr0 + g + 8 * (e >> 1);
-                            const int cc = 16 * c + 8 * h + 2 * t + (e & 1);
-                            if (r < rows && cc < head_dim) {
-                                float* dst = dq_part + (stat_row0 + row0 + r) * head_dim + cc;
-                                if (deterministic) *dst += acc[h][e] * softmax_scale;   // this thread's element
-                                else atomicAdd(dst, acc[h][e] * softmax_scale);
+                        for (int n = 0; n < NF_QP; ++n)
+                            if (l2.q_row0 + 16 * f + l2.g + 8 * h < rows && c0 + 8 * n + 2 * l2.t < head_dim) {
+                                float2* dst = reinterpret_cast<float2*>(dq_thread + (16 * f + 8 * h) * head_dim + 8 * n);
+                                float2 o = *dst;
+                                o.x += acc[f][n][2 * h];
+                                o.y += acc[f][n][2 * h + 1];
+                                *dst = o;
                             }
-                        }
-                }
+            } else {
+#pragma unroll
+                for (int f = 0; f < MF_Q; ++f)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int n = 0; n < NF_QP; ++n)
+                            if (l2.q_row0 + 16 * f + l2.g + 8 * h < rows && c0 + 8 * n + 2 * l2.t < head_dim)
+                                ptx_red_add_f32x2(dq_thread + (16 * f + 8 * h) * head_dim + 8 * n, acc[f][n][2 * h],
+                                                  acc[f][n][2 * h + 1]);
             }
         }
-        ptx_cp_async_wait<0>();   // with no query tile, K/V's group is still open
-
-        // dK, dV of this warp's 16 keys: rows g, g + 8; columns 8i + 2t, +1.
-        elem_t* dk_tile = dk + batch * dk_batch_stride + head_k * dk_head_stride;
-        elem_t* dv_tile = dv + batch * dv_batch_stride + head_k * dv_head_stride;
-#pragma unroll
-        for (int i = 0; i < NFRAG_D; ++i) {
-            const int c = dc0 + 8 * i + 2 * t;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int kj = kj0 + 8 * h;
-                if (kj < seqlen_k) {
-                    if (c < head_dim)
-                        *reinterpret_cast<unsigned*>(dk_tile + kj * dk_row_stride + c) =
-                            pack2(dk_acc[i][2 * h] * softmax_scale, dk_acc[i][2 * h + 1] * softmax_scale);
-                    if (c < head_dim_v)
-                        *reinterpret_cast<unsigned*>(dv_tile + kj * dv_row_stride + c) =
-                            pack2(dv_acc[i][2 * h], dv_acc[i][2 * h + 1]);
-                }
-            }
+        if (STAGES == 1 && it + 1 < n_iter) {
+            __syncthreads();   // every thread is done with the one stage
+            load_query_tile(0, next_tile(cur));
+            ptx_cp_async_commit();
         }
+        cur = next_tile(cur);
     }
+
+    // dK, dV of this warp's keys le.kv_row0 + 16 f + le.g + 8 h, columns le.kv_col0 + 8 n + 2 t, +1.
+    const LaneOffsets le = lane_offsets(tid);
+    elem_t* dk_tile = dk + batch * dk_batch_stride + head_k * dk_head_stride;
+    elem_t* dv_tile = dv + batch * dv_batch_stride + head_k * dv_head_stride;
+#pragma unroll
+    for (int f = 0; f < MF_KV; ++f)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int kj = col0 + le.kv_row0 + 16 * f + le.g + 8 * h;
+            if (kj >= seqlen_k) continue;
+#pragma unroll
+            for (int n = 0; n < NF_KV; ++n) {
+                const int c = le.kv_col0 + 8 * n + 2 * le.t;
+                if (c < head_dim)
+                    *reinterpret_cast<unsigned*>(dk_tile + kj * dk_row_stride + c) =
+                        pack2(dk_acc[f][n][2 * h] * softmax_scale, dk_acc[f][n][2 * h + 1] * softmax_scale);
+                if (c < head_dim_v)
+                    *reinterpret_cast<unsigned*>(dv_tile + kj * dv_row_stride + c) =
+                        pack2(dv_acc[f][n][2 * h], dv_acc[f][n][2 * h + 1]);
+            }
+        }
 }

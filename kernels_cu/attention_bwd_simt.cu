@@ -9,11 +9,12 @@
 //                                  see the tile, recomputing P = exp(S - lse) from Q, K and the
 //                                  forward's LSE (never stored), and accumulates
 //                                      dV += P^T dO,  dK += scale * dS^T Q   (registers, this block only)
-//                                      dQ += scale * dS K                     (float32 workspace, atomicAdd;
+//                                      dQ += dS K                             (float32 workspace, atomicAdd;
 //                                                                              see deterministic mode)
 //                                  with dS = P * (dO V^T - Dd). dK and dV of a kv head are owned by
 //                                  one block, so GQA sums need no atomics.
-//   CUFLASH_BWD_STAGE 2 (convert): dq = dq_accum converted to the input dtype (any output strides);
+//   CUFLASH_BWD_STAGE 2 (convert): dq = softmax_scale * dq_accum converted to the input dtype (any
+//                                  output strides; the scale is applied once here, not per key tile);
 //                                  with num_splits > 1 the per-split partials are summed first, in
 //                                  split order 0, 1, ... (a fixed order: deterministic).
 //
@@ -25,7 +26,7 @@
 // ordered: no unordered atomics, no run-to-run variation); the convert stage
 // reduces the partials in a fixed order. The default mode is one launch of one block per key tile
 // (num_splits = num_k_tiles) adding into one buffer with atomicAdd. (A loop over key tiles inside
-// the block, as the tensor-core kernel does, costs this kernel 2x its registers.)
+// the block costs this kernel 2x its registers; the tensor-core kernel does not loop either.)
 //
 // Masks as in the forward (run-time): key j is visible to query i iff j < Sk and
 // i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right (-1 = unbounded side). A row
@@ -73,7 +74,7 @@ extern "C" __global__ void __launch_bounds__(NT)
 CUFLASH_ENTRY(const float* __restrict__ dq_accum, elem_t* __restrict__ dq,
               long long dq_batch_stride, long long dq_head_stride, long long dq_row_stride,
               long long total, int num_heads, int seqlen_q, int head_dim,
-              int num_splits, long long split_stride) {
+              int num_splits, long long split_stride, float softmax_scale) {
     const long long e = (long long)blockIdx.x * NT + threadIdx.x;
     if (e >= total) return;
     float acc = dq_accum[e];
@@ -84,7 +85,7 @@ CUFLASH_ENTRY(const float* __restrict__ dq_accum, elem_t* __restrict__ dq,
     const long long bh = row / seqlen_q;
     const int h = (int)(bh % num_heads);
     const long long b = bh / num_heads;
-    dq[b * dq_batch_stride + h * dq_head_stride + i * dq_row_stride + c] = from_float<elem_t>(acc);
+    dq[b * dq_batch_stride + h * dq_head_stride + i * dq_row_stride + c] = from_float<elem_t>(acc * softmax_scale);
 }
 
 #else  // stage 1: the main kernel
@@ -205,7 +206,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 dk_acc[t] += sk;
             }
 
-            // dQ += scale * dS K, accumulated across key tiles (and blocks) with atomics.
+            // dQ += dS K (the convert stage scales it), accumulated across key tiles (and blocks) with atomics.
             for (int e = tid; e < rows * head_dim; e += NT) {
                 const int r = e / head_dim;
                 const int c = e - r * head_dim;
@@ -213,7 +214,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 for (int j = 0; j < cols; ++j) acc = fmaf(ds_s[r * PROW + j], k_s[j * ROW + c], acc);
                 // deterministic mode: the only add to this element in this launch (launches are
                 // ordered), so the atomic's order cannot vary
-                atomicAdd(dq_part + (stat_row0 + row0 + r) * head_dim + c, acc * softmax_scale);
+                atomicAdd(dq_part + (stat_row0 + row0 + r) * head_dim + c, acc);
             }
         }
     }

@@ -26,20 +26,35 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 
 // cp.async a tile of MAX_ROWS rows x CHUNKS 16-byte chunks into shared memory (pitch PITCH): rows
 // < n_rows and chunks < n_cols / 8 come from `src` (row stride in elements); everything else is
-// zero-filled (src-size 0, nothing is read; the address passed is the aligned tile base).
+// zero-filled (src-size 0, nothing is read; the address passed is the aligned tile base). When NT
+// divides the tile's chunks and is a multiple of CHUNKS (the regular case), a thread copies the
+// same chunk of rows r0, r0 + NT / CHUNKS, ...: its offsets cost one multiply per row pass.
 template <int MAX_ROWS>
 __device__ __forceinline__ void load_tile_async(elem_t* dst, const elem_t* __restrict__ src, long long row_stride,
                                                 int n_rows, int n_cols) {
     constexpr int TOTAL = MAX_ROWS * CHUNKS;
+    if constexpr (NT % CHUNKS == 0 && TOTAL % NT == 0) {
+        constexpr int RPP = NT / CHUNKS;   // rows per pass
+        const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
+        const bool col_ok = c * 8 < n_cols;
+        const elem_t* s = src + r0 * row_stride + c * 8;
 #pragma unroll
-    for (int i = 0; i < (TOTAL + NT - 1) / NT; ++i) {
-        const int e = threadIdx.x + i * NT;
-        if (TOTAL % NT == 0 || e < TOTAL) {
-            const int r = e / CHUNKS;
-            const int c = e - r * CHUNKS;
-            const bool valid = r < n_rows && c * 8 < n_cols;
-            const elem_t* s = valid ? src + r * row_stride + c * 8 : src;
-            ptx_cp_async_16_zfill(dst + r * PITCH + c * 8, s, valid ? 16 : 0);
+        for (int i = 0; i < TOTAL / NT; ++i) {
+            const bool valid = col_ok && r0 + i * RPP < n_rows;
+            ptx_cp_async_16_zfill(dst + (r0 + i * RPP) * PITCH + c * 8, valid ? s + i * RPP * row_stride : src,
+                                  valid ? 16 : 0);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < (TOTAL + NT - 1) / NT; ++i) {
+            const int e = threadIdx.x + i * NT;
+            if (TOTAL % NT == 0 || e < TOTAL) {
+                const int r = e / CHUNKS;
+                const int c = e - r * CHUNKS;
+                const bool valid = r < n_rows && c * 8 < n_cols;
+                const elem_t* s = valid ? src + r * row_stride + c * 8 : src;
+                ptx_cp_async_16_zfill(dst + r * PITCH + c * 8, s, valid ? 16 : 0);
+            }
         }
     }
 }

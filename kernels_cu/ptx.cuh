@@ -169,29 +169,33 @@ CUSIM_NOSAN inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], cons
     for (int i = 0; i < 4; ++i) d[i] = cusim::bits_f32(s.out[i]);
 }
 
-CUSIM_NOSAN inline void cp_async_16(void* dst, const void* src, uint32_t src_bytes) {
-    if (reinterpret_cast<uintptr_t>(dst) & 15u || reinterpret_cast<uintptr_t>(src) & 15u)
-        cusim::fail("cp.async: addresses %p (shared) and %p (global) must be 16-byte aligned", dst, src);
-    if (!cusim::is_shared(dst, 16)) cusim::fail("cp.async: destination %p is not in the block's shared memory", dst);
+// cp.async of `size` bytes (4, 8 or 16), the first `src_bytes` of them read, the rest zero-filled.
+CUSIM_NOSAN inline void cp_async(void* dst, const void* src, uint32_t size, uint32_t src_bytes) {
+    const uintptr_t align = size - 1;
+    if (reinterpret_cast<uintptr_t>(dst) & align || reinterpret_cast<uintptr_t>(src) & align)
+        cusim::fail("cp.async: addresses %p (shared) and %p (global) must be %u-byte aligned", dst, src, size);
+    if (!cusim::is_shared(dst, size)) cusim::fail("cp.async: destination %p is not in the block's shared memory", dst);
     if (src_bytes && cusim::is_shared(src, 1)) cusim::fail("cp.async: source %p is shared, not global, memory", src);
-    if (src_bytes > 16) cusim::fail("cp.async: src-size %u exceeds the copy size 16", src_bytes);
+    if (src_bytes > size) cusim::fail("cp.async: src-size %u exceeds the copy size %u", src_bytes, size);
     cusim::Fiber* f = cusim::fiber();
     cusim::AsyncCopy c;
     c.dst = dst;
-    c.bytes = 16;
+    c.bytes = size;
     c.group = f->async_committed;
     if (src_bytes) cusim::checked_copy(c.data, src, src_bytes);   // the global read, checked
-    std::memset(c.data + src_bytes, 0, 16 - src_bytes);
+    std::memset(c.data + src_bytes, 0, size - src_bytes);
     if (cusim::async_lands_early()) {   // normal mode, by the seed: the copy completes at once
-        std::memcpy(dst, c.data, 16);
+        std::memcpy(dst, c.data, size);
         return;
     }
     if (f->nasync == cusim::kMaxAsync)
         cusim::fail("cp.async: more than %u copies of this thread are in flight (no cp.async.wait_group)",
                     cusim::kMaxAsync);
-    cusim::check_async_issue(dst, 16);   // checked mode: a write now, in flight until the wait
+    cusim::check_async_issue(dst, size);   // checked mode: a write now, in flight until the wait
     f->async[f->nasync++] = c;
 }
+
+CUSIM_NOSAN inline void cp_async_16(void* dst, const void* src, uint32_t src_bytes) { cp_async(dst, src, 16, src_bytes); }
 
 CUSIM_NOSAN inline void cp_async_commit() { ++cusim::fiber()->async_committed; }
 
@@ -232,6 +236,19 @@ __device__ __forceinline__ void ptx_cp_async_16(void* smem, const void* gmem) { 
 __device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gmem, int src_bytes) {
     cuflash_ptx_sim::cp_async_16(smem, gmem, uint32_t(src_bytes));
 }
+// cp.async.ca with cp-size 4 (4-byte-aligned addresses): src_bytes 0 zero-fills.
+__device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
+    cuflash_ptx_sim::cp_async(smem, gmem, 4, uint32_t(src_bytes));
+}
+// `x` itself (see the GPU branch: an optimization barrier there, nothing here).
+__device__ __forceinline__ int ptx_opaque(int x) { return x; }
+__device__ __forceinline__ long long ptx_opaque(long long x) { return x; }
+// red.global.add.v2.f32 (sm_90; two scalar atomic adds before): p[0] += a, p[1] += b, p 8-byte aligned.
+__device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
+    if (reinterpret_cast<uintptr_t>(p) & 7u) cusim::fail("red.v2.f32: address %p must be 8-byte aligned", (void*)p);
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+}
 __device__ __forceinline__ void ptx_cp_async_commit() { cuflash_ptx_sim::cp_async_commit(); }
 template <int N> __device__ __forceinline__ void ptx_cp_async_wait() { cuflash_ptx_sim::cp_async_wait(uint32_t(N)); }
 __device__ __forceinline__ void ptx_cp_async_wait_all() { cuflash_ptx_sim::cp_async_commit(); cuflash_ptx_sim::cp_async_wait(0); }
@@ -246,6 +263,19 @@ __device__ __forceinline__ unsigned ptx_cvt_pack_bf16x2(float lo, float hi) {
 #else
 // ============================================================== GPU
 __device__ __forceinline__ unsigned ptx_smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+// `x`, opaque to the optimizer (an empty volatile asm; no instruction): a value formed inside a
+// loop from this opaque copy stays there, instead of the compiler re-associating it into
+// per-thread loop invariants that occupy registers the loop needs (the backward's offsets;
+// ptxas spilled them). The input itself may still be hoisted, so pass a value that is live anyway
+// (the thread index) or one that varies per iteration.
+__device__ __forceinline__ int ptx_opaque(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+__device__ __forceinline__ long long ptx_opaque(long long x) {
+    asm volatile("" : "+l"(x));
+    return x;
+}
 
 __device__ __forceinline__ void ptx_ldmatrix_x1(unsigned (&r)[1], const void* row_addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(ptx_smem_addr(row_addr)));
@@ -285,6 +315,17 @@ __device__ __forceinline__ void ptx_cp_async_16(void* smem, const void* gmem) {
 __device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(ptx_smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
 }
+__device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(ptx_smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(b) : "memory");
+#endif
+}
 __device__ __forceinline__ void ptx_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void ptx_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void ptx_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
@@ -318,6 +359,13 @@ __device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gm
     unsigned char* d = static_cast<unsigned char*>(smem);
     const unsigned char* s = static_cast<const unsigned char*>(gmem);
     for (int i = 0; i < 16; ++i) d[i] = i < src_bytes ? s[i] : 0;
+}
+__device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
+    *static_cast<float*>(smem) = src_bytes ? *static_cast<const float*>(gmem) : 0.0f;
+}
+__device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
 }
 __device__ __forceinline__ void ptx_cp_async_commit() {}
 template <int N> __device__ __forceinline__ void ptx_cp_async_wait() {}

@@ -35,7 +35,8 @@ SYNC = re.compile(r"\b(__syncthreads\(\)|__syncwarp\([^()]*\)|__threadfence(?:_b
 FILES = {
     "attention_fwd_mma.cu": ("fwd_mma_checked", "fwd_mma_seeds", "fwd_mma_d256_checked", "fwd_mma_empty_checked"),
     "attention_fwd_simt.cu": ("fwd_simt_checked", "fwd_simt_seeds"),
-    "attention_bwd_mma.cu": ("bwd_mma_checked", "bwd_mma_seeds", "bwd_mma_det_checked", "bwd_mma_det_window_checked"),
+    "attention_bwd_mma.cu": ("bwd_mma_checked", "bwd_mma_seeds", "bwd_mma_s1_checked", "bwd_mma_det_checked",
+                             "bwd_mma_det_window_checked"),
     "attention_bwd_simt.cu": ("bwd_simt_checked", "bwd_simt_seeds"),
     "softmax.cu": ("softmax_checked", "softmax_seeds"),
 }
@@ -150,13 +151,16 @@ PROBES = {
     "fwd_mma_empty_checked": lambda: _attention_case(F16, 64, 146, 1, True, "sm_80", True, (0,), False),
     "fwd_simt_checked": lambda: _attention_case(F32, 32, 70, 130, True, "sm_75", True, (0,), False),
     "fwd_simt_seeds": lambda: _attention_case(F32, 32, 70, 130, True, "sm_75", False, SEEDS, False),
-    "bwd_mma_checked": lambda: _attention_case(F16, 64, 90, 150, True, "sm_80", True, (0,), True),
-    "bwd_mma_seeds": lambda: _attention_case(F16, 64, 90, 150, True, "sm_80", False, SEEDS, True),
-    # deterministic mode: 18 key tiles over 16 splits, so blocks 0 and 1 run two tiles each
-    "bwd_mma_det_checked": lambda: _attention_case(F16, 64, 64, 1100, True, "sm_80", True, (0,), True, hq=1,
+    # four query tiles per key tile (both Q/dO stages refilled while other warps may still read)
+    "bwd_mma_checked": lambda: _attention_case(F16, 64, 250, 150, True, "sm_80", True, (0,), True),
+    "bwd_mma_seeds": lambda: _attention_case(F16, 64, 250, 150, True, "sm_80", False, SEEDS, True),
+    # the one-stage pipeline of head dim 192 on sm_80 (its refill barrier)
+    "bwd_mma_s1_checked": lambda: _attention_case(F16, 192, 200, 100, False, "sm_80", True, (0,), True),
+    # deterministic mode: 17 key tiles over 16 splits, so split 0 runs in two launches
+    "bwd_mma_det_checked": lambda: _attention_case(F16, 64, 64, 2100, True, "sm_80", True, (0,), True, hq=1,
                                                    deterministic=True),
-    # ... and a window only the last key tiles reach: a block's first tile has no query row
-    "bwd_mma_det_window_checked": lambda: _attention_case(F16, 64, 64, 1100, False, "sm_80", True, (0,), True,
+    # ... and a window only the last key tiles reach: most blocks have no query row
+    "bwd_mma_det_window_checked": lambda: _attention_case(F16, 64, 64, 2100, False, "sm_80", True, (0,), True,
                                                           hq=1, window=(5, 0), deterministic=True),
     "bwd_simt_checked": lambda: _attention_case(F32, 32, 40, 70, True, "sm_75", True, (0,), True),
     "bwd_simt_seeds": lambda: _attention_case(F32, 32, 40, 70, True, "sm_75", False, SEEDS, True),

@@ -33,8 +33,8 @@ PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
 @pytest.fixture(autouse=True)
 def _portable_tier():
     """Run as an sm_75 device would: the portable backward is its only tier there, so every dtype
-    of this grid exercises it. (On the default sm_90, aligned fp16/bf16 views with head dims up to
-    128 go to the tensor-core backward, whose grid is tests/test_attention_bwd_mma_sim.py.)"""
+    of this grid exercises it. (On the default sm_90, aligned fp16/bf16 views go to the
+    tensor-core backward, whose grid is tests/test_attention_bwd_mma_sim.py.)"""
     with cuflash.sim.options(arch="sm_75"):
         yield
 

@@ -39,6 +39,8 @@ TIERS = [
     ("simt_bf16", "sm_75", dtypes.bfloat16, 64, attention_fwd_simt, attention_bwd_simt),
     ("mma_f16", "sm_80", dtypes.float16, 64, attention_fwd_mma, attention_bwd_mma),
     ("mma_bf16_d128", "sm_80", dtypes.bfloat16, 128, attention_fwd_mma, attention_bwd_mma),
+    ("mma_f16_d128_sm90", "sm_90", dtypes.float16, 128, attention_fwd_mma, attention_bwd_mma),   # 64 x 128 keys
+    ("mma_bf16_d256_sm90", "sm_90", dtypes.bfloat16, 256, attention_fwd_mma, attention_bwd_mma),
 ]
 #: (name, Sq, Sk, causal, window_size)
 CASES = [

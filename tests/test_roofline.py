@@ -93,13 +93,25 @@ def test_forward_kernels_do_exactly_their_tile_math(tools, arch, device):
         assert keys <= set(r.as_dict()) and r.ceiling_tflops > 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: the tensor-core backward's dQ loop is a run-time loop inside the "
-                   "main loop (counted once), and each of the DSPLIT warps of a key group recomputes S and dP")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_backward_kernel_does_exactly_its_tile_math(tools, d):
+    """The query-tile loop is the only loop, and it issues exactly the five products' MACs per
+    tile (Br*Bc*(3D + 2Dv)): no warp repeats another's S or dP; no spills."""
     (v,) = roofline.variants(90, head_dim=d, dtype="bf16", backward=True)
     r = roofline.analyze(v)
     assert r.inner_loops == 0 and r.macs_per_tile == v.block_m * v.block_n * 5 * d
+    assert r.tensor_per_tile * 2048 * r.warps == r.macs_per_tile and r.spills == 0
+
+
+def test_backward_d128_meets_the_fa2_design_budget(tools):
+    """Issue 18's budget at head dim 128, bf16, sm_90: at most 4 other instructions per tensor
+    instruction on the unmasked path, Q/dO double-buffered (two stages: cp.async copies in the
+    loop body, two barriers per tile), 0 spills."""
+    (v,) = roofline.variants(90, head_dim=128, dtype="bf16", backward=True)
+    r = roofline.analyze(v)
+    assert (v.block_m, v.block_n, v.stages) == (64, 128, 2)
+    assert r.other_per_tensor <= 4 and r.spills == 0 and r.barriers_per_tile == 2
+    assert r.smem_write_bytes_per_tile > 0   # the next tile's Q/dO copies are issued in the loop
 
 
 def test_backward_and_simt_variants_run(tools):

@@ -103,10 +103,11 @@ def _bwd_variants():
 def test_sass_proves_the_tensor_core_backward(arch, variant, cuobjdump):
     ops = sass_opcodes(variant, arch)
     hmma = "HMMA.16816.F32.BF16" if variant.dtype == "bf16" else "HMMA.16816.F32"
-    # per query tile and warp: S^T and dP^T (2 * Dmax/16 * Br/8), dV and dK (2 * Br/16 * Dmax/(8 dsplit)),
-    # dQ (2 per k-step of one 16-column chunk)
-    d, bm, bn, ds = variant.head_dim_max, variant.block_m, variant.block_n, variant.dsplit
-    assert ops[hmma] >= 2 * (d // 16) * (bm // 8) + 2 * (bm // 16) * (d // (8 * ds)) + 2 * (bn // 16), (hmma, dict(ops))
+    # per query tile, the five products' MACs (Br*Bc*D each) split over the 8 warps, 2048 per mma
+    d, bm, bn = variant.head_dim_max, variant.block_m, variant.block_n
+    assert ops[hmma] >= 5 * bm * bn * d // (2048 * variant.threads // 32), (hmma, dict(ops))
+    if arch >= 90:   # dQ leaves as red.global.add.v2.f32
+        assert re.search(r"\bREDG\.\S*F32x2", roofline.compile_sass(variant, arch)[0]), variant.entry
     other = "HMMA.16816.F32" if variant.dtype == "bf16" else "HMMA.16816.F32.BF16"
     assert ops[other] == 0, f"{variant.entry} mixes mma types: {dict(ops)}"
     assert ops["LDSM.16.M88.4"] > 0 and ops["LDSM.16.MT88.4"] > 0, dict(ops)

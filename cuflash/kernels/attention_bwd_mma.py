@@ -1,14 +1,21 @@
-"""The tensor-core attention backward (``kernels_cu/attention_bwd_mma.cu``): variant and chooser.
+"""The tensor-core attention backward (``kernels_cu/attention_bwd_mma.cu``): variants and chooser.
 
-float16 and bfloat16 on sm_80+ (``mma.sync`` m16n8k16, ``ldmatrix``, ``cp.async``), head dims up
-to 128 (buckets 64 and 128; other multiples of 8 run in the next bucket, zero-filled). Only the
+float16 and bfloat16 on sm_80+ (``mma.sync`` m16n8k16, ``ldmatrix``, ``cp.async``), head-dim
+buckets 64, 128, 192 and 256 (other multiples of 8 run in the next bucket, zero-filled). Only the
 main stage is new: the ``dot`` and ``convert`` stages, the float32 dQ workspace and the
-deterministic mode's per-split partials are those of :mod:`cuflash.kernels.attention_bwd_simt`, whose
-main-stage argument list this kernel shares (:func:`backward` passes this variant to it).
+deterministic mode's per-split partials are those of :mod:`cuflash.kernels.attention_bwd_simt`,
+whose main-stage argument list this kernel shares (:func:`backward` passes this variant to it).
+
+Tiles (FlashAttention-2's backward, Dao 2023, §3.2; the flash-attn repository's sm_80 backward
+uses 64 x 128 with 8 warps at head dim 128 and 64 x 64 at 256): 8 warps; Br = 64 query rows by
+Bc = 128 keys up to bucket 128, 64 x 64 above (dK and dV of Bc x D each stay in registers: 128
+per thread at 128 x 128 and at 64 x 256); Q/dO double-buffered where two stages fit the arch's
+shared memory, else one stage, else a smaller tile (:data:`TILE_CANDIDATES`), else the SIMT
+backward (:func:`unsupported_reason`).
 
 Alignment rules as the forward's (:func:`cuflash.kernels.attention_fwd_mma.unsupported_reason`): q, k, v,
-out and dout rows 16-byte aligned; :func:`unsupported_reason` says why a call cannot run here,
-and the dispatcher (:func:`cuflash.kernels.dispatch.backward_tier`) falls back to the SIMT backward.
+out and dout rows 16-byte aligned; the dispatcher (:func:`cuflash.kernels.dispatch.backward_tier`)
+falls back to the SIMT backward otherwise.
 """
 
 from __future__ import annotations
@@ -17,36 +24,58 @@ import dataclasses
 from typing import ClassVar
 
 from cuflash.kernels import attention_bwd_simt, attention_fwd_mma
-from cuflash.runtime import variants
+from cuflash.runtime import plan, variants
 
-#: head-dim buckets and their (Br, Bc, warps, dsplit): Bc = 16 keys per key group of ``dsplit``
-#: warps, each owning ``1 / dsplit`` of dK's and dV's columns (register budget: no spills)
-CONFIGS = {64: (32, 64, 4, 1), 128: (32, 64, 8, 2)}
-TILES = {b: c[:2] for b, c in CONFIGS.items()}
-HEAD_DIM_BUCKETS = tuple(TILES)
+HEAD_DIM_BUCKETS = (64, 128, 192, 256)
 MMA_DTYPES = attention_fwd_mma.MMA_DTYPES
 ARCHES = attention_fwd_mma.ARCHES
 MIN_ARCH = attention_fwd_mma.MIN_ARCH
+#: warps per block (every tile)
+WARPS = 8
+#: (Br, Bc, Q/dO stages) by bucket, in order of preference: the first whose shared memory fits
+#: the arch is used (sm_90: the first; sm_80's 163 KB: one stage at 192 and 256; sm_86/89's
+#: 99 KB: 64 x 64 one stage at 128, nothing at 192/256)
+TILE_CANDIDATES = {
+    64: ((64, 128, 2), (64, 128, 1)),
+    128: ((64, 128, 2), (64, 128, 1), (64, 64, 2), (64, 64, 1)),
+    192: ((64, 64, 2), (64, 64, 1)),
+    256: ((64, 64, 2), (64, 64, 1)),
+}
+#: before sm_90, ptxas spills the 64 x 128 tile of bucket 128 (72 bytes at one stage; the compile
+#: gate refuses spills): there it takes 64 x 64
+TILE_CANDIDATES_BEFORE_SM90 = {128: ((64, 64, 2), (64, 64, 1))}
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionBwdMma(variants.BucketTiledVariant):
-    """The tensor-core main stage of the backward for one dtype and head-dim bucket."""
+class AttentionBwdMma(variants.TileVariant):
+    """The tensor-core main stage of the backward for one dtype, head-dim bucket and tile.
+
+    Parameters
+    ----------
+    dtype : {"f16", "bf16"}
+    head_dim_max : int
+        Bucket of ``max(D, Dv)``: 64, 128, 192 or 256.
+    block_m, block_n : int
+        Query rows (Br, a multiple of 32) and keys (Bc, a multiple of 64) per tile.
+    stages : {1, 2}
+        Q/dO pipeline stages.
+    """
 
     family: ClassVar[str] = "attn_bwd_mma"
     source: ClassVar[str] = "attention_bwd_mma.cu"
     dtypes: ClassVar[tuple[str, ...]] = MMA_DTYPES
     head_dim_buckets: ClassVar[tuple[int, ...]] = HEAD_DIM_BUCKETS
-    tiles: ClassVar[dict[int, tuple[int, int]]] = TILES
 
-    dtype: str
-    head_dim_max: int
+    stages: int = 2
 
-    #: the kernel loops over the launch's key tiles (see cuflash.kernels.attention_bwd_simt.backward)
-    loops_over_key_tiles: ClassVar[bool] = True
+    def __post_init__(self):
+        super().__post_init__()
+        if self.block_m % 32 or self.block_n % 64 or self.block_m <= 0 or self.block_n <= 0 or self.stages not in (1, 2):
+            raise ValueError(f"AttentionBwdMma: tile ({self.block_m}, {self.block_n}, stages={self.stages}) must be "
+                             "a multiple of 32 rows by a multiple of 64 keys with 1 or 2 stages")
 
     def axes(self) -> tuple[str, ...]:
-        return ("main",) + super().axes()
+        return ("main",) + super().axes() + (f"s{self.stages}",)
 
     @property
     def stage(self) -> str:
@@ -54,55 +83,99 @@ class AttentionBwdMma(variants.BucketTiledVariant):
 
     @property
     def threads(self) -> int:
-        return 32 * CONFIGS[self.head_dim_max][2]
+        return 32 * WARPS
 
     @property
-    def dsplit(self) -> int:
-        return CONFIGS[self.head_dim_max][3]
+    def warp_layouts(self) -> tuple[int, int, int]:
+        """Warps along the first output axis of S/dP (queries), dK/dV (keys) and dQ (queries);
+        the rest of the 8 split the second axis. Each warp's tile is as square as the 8 warps
+        allow: S 32 x 32 at Bc = 128 (16 x 32 at 64: one A fragment per k-step, fewer registers
+        than 32 x 16 for the same shared-memory bytes), dK/dV 32 keys x D/(Bc/32), dQ 32 x D/4."""
+        return (2 if self.block_n >= 128 else 4), self.block_n // 32, 2
 
     @property
     def smem_bytes(self) -> int:
-        """K, V (Bc rows), Q, dO (Br rows) at pitch Dmax + 8 and dS (Br x (Bc + 8)), 16-bit;
-        lse and Dd (Br floats each). The kernel ``static_assert``s the same figure."""
-        bm, bn = self.tile
+        """K, V (Bc rows), Q, dO (stages x Br rows) at pitch Dmax + 8, P and dS (Br x (Bc + 8)),
+        16-bit; lse and Dd (stages x Br floats each). The kernel ``static_assert``s the same figure."""
         pitch = self.head_dim_max + 8
-        return 2 * (2 * bn * pitch + 2 * bm * pitch + bm * (bn + 8)) + 4 * 2 * bm
+        bm, bn, st = self.block_m, self.block_n, self.stages
+        return 2 * (2 * bn * pitch + 2 * st * bm * pitch + 2 * bm * (bn + 8)) + 4 * 2 * st * bm
+
+    @property
+    def dq_passes(self) -> int:
+        """Column passes of the dQ product: 4 where one pass would hold 64 accumulators per thread
+        beside dK's and dV's 128 (Br x D = 64 x 256; with 2 passes ptxas still spills 8-48 bytes
+        on sm_90), else 1. A pass re-reads the dS fragments."""
+        return 4 if self.block_m * self.head_dim_max // self.threads >= 64 else 1
 
     def defines(self) -> tuple[tuple[str, str], ...]:
+        sm, kvn, qm = self.warp_layouts
         return super().defines() + (
             ("CUFLASH_BF16", "1" if self.dtype == "bf16" else "0"),
-            ("CUFLASH_DSPLIT", str(self.dsplit)),
+            ("CUFLASH_STAGES", str(self.stages)),
+            ("CUFLASH_SDP_WARPS_M", str(sm)),
+            ("CUFLASH_DKV_WARPS_N", str(kvn)),
+            ("CUFLASH_DQ_WARPS_M", str(qm)),
+            ("CUFLASH_DQ_PASSES", str(self.dq_passes)),
         )
 
     def describe(self) -> str:
-        bm, bn = self.tile
-        return (f"{self.entry}: {self.threads // 32} warps, Bc={bn} keys x Br={bm} query tiles, head-dim bucket {self.head_dim_max}, "
-                f"{self.smem_bytes} B shared memory, mma.sync m16n8k16 {self.dtype}")
+        return (f"{self.entry}: {WARPS} warps, Bc={self.block_n} keys x Br={self.block_m} query tiles, head-dim bucket "
+                f"{self.head_dim_max}, {self.smem_bytes} B shared memory ({self.stages}-stage Q/dO, cp.async), "
+                f"mma.sync m16n8k16 {self.dtype}")
+
+
+def _candidates(bucket: int, arch: int) -> tuple[tuple[int, int, int], ...]:
+    return TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket]) if arch < 90 else TILE_CANDIDATES[bucket]
+
+
+def _fitting(key: str, bucket: int, arch: int) -> AttentionBwdMma | None:
+    candidates = (AttentionBwdMma(key, bucket, bm, bn, st) for bm, bn, st in _candidates(bucket, arch))
+    return AttentionBwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
 
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int) -> AttentionBwdMma:
-    return AttentionBwdMma(variants.dtype_key(dtype), AttentionBwdMma.bucket(head_dim, head_dim_v))
+    """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory.
+
+    Raises
+    ------
+    NotImplementedError
+        If no tile of the bucket fits (:func:`unsupported_reason` says so first).
+    """
+    key = variants.dtype_key(dtype)
+    bucket = AttentionBwdMma.bucket(head_dim, head_dim_v)
+    v = _fitting(key, bucket, arch)
+    if v is None:
+        raise NotImplementedError(f"cuflash: no tensor-core backward tile fits sm_{arch}'s shared memory "
+                                  f"({plan.max_dynamic_smem(arch)} B) for head dim {bucket}")
+    return v
 
 
 def all_variants(arch: int) -> tuple[AttentionBwdMma, ...]:
     """Every variant the backward dispatcher can choose on ``sm_<arch>`` (for the compile gate)."""
     if arch < MIN_ARCH:
         return ()
-    return tuple(AttentionBwdMma(key, b) for key in MMA_DTYPES for b in HEAD_DIM_BUCKETS)
+    found = (_fitting(key, b, arch) for key in MMA_DTYPES for b in HEAD_DIM_BUCKETS)
+    return tuple(v for v in found if v is not None)
 
 
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     """Why the backward of ``problem`` cannot run on this kernel (None if it can). ``arrays`` is
-    ``(q, k, v, out, dout)``; the forward's rules apply to each, and head dims must be <= 128."""
+    ``(q, k, v, out, dout)``; the forward's rules apply to each, and a tile of the head dims'
+    bucket must fit the arch's shared memory."""
     p = problem
-    if max(p.head_dim, p.head_dim_v) > HEAD_DIM_BUCKETS[-1]:
-        return f"head dim {max(p.head_dim, p.head_dim_v)} > {HEAD_DIM_BUCKETS[-1]} (the tensor-core backward's largest bucket)"
     arrays = tuple(arrays or ())
     why = attention_fwd_mma.unsupported_reason(p, arch, arrays[:4])
     if why is None and len(arrays) > 4:
         why = attention_fwd_mma.unsupported_reason(p, arch, (arrays[4],))
         if why is not None:
             why = why.replace("q ", "dout ", 1)
+    if why is None:
+        bucket = AttentionBwdMma.bucket(p.head_dim, p.head_dim_v)
+        if _fitting(variants.dtype_key(p.dtype), bucket, arch) is None:
+            smallest = AttentionBwdMma("f16", bucket, *_candidates(bucket, arch)[-1]).smem_bytes
+            why = (f"head dim {max(p.head_dim, p.head_dim_v)}: the smallest backward tile needs {smallest} B of shared "
+                   f"memory, sm_{arch} has {plan.max_dynamic_smem(arch)} B")
     return why
 
 

@@ -5,12 +5,11 @@ Three stages, each its own variant of the one source file: ``dot`` (``Dd = rowsu
 ``convert`` (the workspace to the input dtype). Every dtype (fp16, bf16, fp32) on sm_75+.
 
 ``deterministic=True`` (:func:`deterministic_splits`): the main stage runs ``num_splits`` blocks
-per (kv head, batch); block s takes key tiles s, s + num_splits, ... in order (the SIMT kernel in
-successive launches, one tile per block each; the tensor-core kernel in one launch, looping) and
-adds its dQ to its own float32 partial buffer, one add per element at a time, so the order never
+per (kv head, batch); block s takes key tiles s, s + num_splits, ... in order (in successive
+launches, one tile per block each, for both main-stage kernels) and adds its dQ to its own float32 partial buffer, one add per element at a time, so the order never
 varies; the convert stage sums the partials in split order. Cost: a workspace of ``num_splits``
 (at most :data:`MAX_DETERMINISTIC_SPLITS`) float32 copies of dq instead of one, fewer blocks in
-flight when ``batch * kv heads`` is small, and for SIMT ``num_k_tiles / num_splits`` launches.
+flight when ``batch * kv heads`` is small, and ``num_k_tiles / num_splits`` launches.
 """
 
 from __future__ import annotations
@@ -144,7 +143,7 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, determi
     v_dot, v_main, v_conv = (AttentionBwdSimt(s, key, 32 if s != "main" else bucket) for s in STAGES)
     if main_variant is not None:
         v_main = main_variant
-    bm, bn = v_main.tile
+    bn = v_main.block_n
     num_k_tiles = -(-p.seqlen_k // bn)
     # the batch split of the launches depends on the arrays' strides only, not on the workspace
     _, inner = attention_fwd_simt._batch_slices(p.batch_shape, views + [lse_v, dd])
@@ -177,9 +176,8 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, determi
             )))
         blocks_per_head = splits if deterministic else num_k_tiles
         grid = blocks_per_head * p.num_heads_k * inner
-        # a kernel that loops over key tiles in the block takes them all in one launch; the SIMT
-        # one runs one tile per block, so deterministic mode launches it once per round of splits
-        step = num_k_tiles if getattr(v_main, "loops_over_key_tiles", False) else blocks_per_head
+        # one key tile per block: deterministic mode launches once per round of splits
+        step = blocks_per_head
         item = np.dtype(np.float32).itemsize
         for tile0 in range(0, num_k_tiles if grid else 0, max(step, 1)):
             launch(plan.LaunchPlan(v_main, v_main.entry, (grid, 1, 1), v_main.block, v_main.smem_bytes, (
@@ -203,5 +201,6 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, determi
                 ptr("dq_accum", acc), ptr("dq", dqs, writable=True), *_strides3("dq", dqs),
                 _i64("total", total), _i32("num_heads", p.num_heads_q), _i32("seqlen_q", p.seqlen_q),
                 _i32("head_dim", p.head_dim), _i32("num_splits", splits), _i64("split_stride", split_stride),
+                plan.ScalarArg("softmax_scale", np.float32(p.softmax_scale)),
             )))
     return dq, dk, dv

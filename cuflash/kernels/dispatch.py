@@ -56,7 +56,8 @@ def forward_tier(problem, arch: int, arrays=None):
 
 def backward_tier(problem, arch: int, arrays=None):
     """The kernel module that runs the backward of ``problem`` on ``sm_<arch>``: the tensor-core
-    backward (float16/bfloat16, sm_80+, head dims <= 128, rows 16-byte aligned) or the portable
+    backward (float16/bfloat16, sm_80+, a tile of the head dims' bucket fitting the shared memory,
+    rows 16-byte aligned) or the portable
     SIMT one. A tier module provides ``backward(problem, dout, q, k, v, out, lse, *, xp, arch,
     launch, deterministic)``; ``arrays`` is ``(q, k, v, out, dout)`` (alignment of views)."""
     mod, reasons = _choose(problem, arch, arrays, BACKWARD_TIERS)
