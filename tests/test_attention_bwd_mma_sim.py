@@ -172,3 +172,12 @@ def test_strided_views_in_nan_filled_buffers(d, dv, causal, rng):
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="sim")
     assert not any(np.isnan(g.astype(np.float32)).any() for g in grads)
     check_grads_close(grads, dout, q, k, v, out, lse, causal=causal)
+
+
+@pytest.mark.parametrize("sq,sk,d,dv,heads,mask,form,dtype,mode", PAIRWISE)
+def test_pairwise_grid_checked(sq, sk, d, dv, heads, mask, form, dtype, mode, rng, monkeypatch):
+    # the whole grid again in checked mode (races, bounds, uninitialised shared reads, cp.async in
+    # flight; about 40 s), deterministic mode with two splits so partials are read back
+    monkeypatch.setattr(attention_bwd_simt, "MAX_DETERMINISTIC_SPLITS", 2)
+    with cuflash.sim.options(checked=True):
+        run_case(rng, sq, sk, d, dv, heads, mask, form, dtype, mode)

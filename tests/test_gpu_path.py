@@ -482,3 +482,31 @@ def test_check_edge_and_nonfinite_cases_through_a_numpy_stand_in(monkeypatch):
     monkeypatch.setattr(cuflash, "attention", hides_nan)
     ok, msg = check.run_case(c, np.random.default_rng(7))
     assert not ok and "non-finite rows differ" in msg
+
+
+def test_check_backward_section_through_a_numpy_stand_in(monkeypatch):
+    """The check's backward section (its cases, the float64 bound, the deterministic rerun)
+    with NumPy standing in for CuPy: the verdict logic is right before it meets a GPU. (The
+    kernels themselves are not run here; with NumPy arrays the NumPy backward answers.)"""
+    fake = types.ModuleType("cupy")
+    fake.asarray = fake.asnumpy = np.asarray
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    lines = []
+    note = check.section_backward(check._Clock(600), lines.append)
+    assert note.startswith("6 cases (head dims to 256") and len(lines) == 6, (note, lines)
+    real = cuflash.attention_backward
+    runs = []
+
+    def flips_bits(*args, **kwargs):  # a deterministic mode that is not must fail the check
+        grads = real(*args, **kwargs)
+        if kwargs.get("deterministic"):
+            runs.append(1)
+            if len(runs) == 2:
+                dq = grads[0].copy()
+                dq.view(np.uint16).flat[0] ^= 1   # one bit of one element
+                grads = (dq,) + tuple(grads[1:])
+        return grads
+
+    monkeypatch.setattr(cuflash, "attention_backward", flips_bits)
+    with pytest.raises(AssertionError, match="different bits on a second run"):
+        check.section_backward(check._Clock(600), lines.append)

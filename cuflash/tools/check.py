@@ -402,7 +402,12 @@ def section_backward(clock, log) -> str:
     rng = np.random.default_rng(13)
     cases = [dict(dtype="f16", B=1, Hq=8, Hk=2, Sq=257, Sk=300, D=64, Dv=64, causal=True, window=(-1, -1)),
              dict(dtype="bf16", B=2, Hq=4, Hk=4, Sq=130, Sk=130, D=128, Dv=128, causal=False, window=(33, 7)),
-             dict(dtype="f32", B=1, Hq=7, Hk=1, Sq=97, Sk=61, D=40, Dv=72, causal=True, window=(-1, -1))]
+             dict(dtype="f32", B=1, Hq=7, Hk=1, Sq=97, Sk=61, D=40, Dv=72, causal=True, window=(-1, -1)),
+             # the tensor-core backward's 64 x 64 buckets (192, 256) and several query tiles per key tile
+             dict(dtype="bf16", B=1, Hq=4, Hk=2, Sq=300, Sk=200, D=256, Dv=256, causal=True, window=(-1, -1)),
+             dict(dtype="f16", B=2, Hq=2, Hk=1, Sq=150, Sk=333, D=176, Dv=128, causal=False, window=(40, 40)),
+             dict(dtype="bf16", B=1, Hq=2, Hk=2, Sq=520, Sk=520, D=128, Dv=128, causal=True, window=(-1, -1),
+                  deterministic=True)]
     worst = 0.0
     for c in cases:
         if clock.out():
@@ -413,7 +418,12 @@ def section_backward(clock, log) -> str:
         out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)  # the NumPy forward
         dout = rng.standard_normal(out.shape).astype(q.dtype)
         dev = [cupy.asarray(x) for x in (dout, q, k, v, out, lse)]
-        grads = [cupy.asnumpy(g) for g in cuflash.attention_backward(*dev, **kw)]
+        det = bool(c.get("deterministic"))
+        grads = [cupy.asnumpy(g) for g in cuflash.attention_backward(*dev, deterministic=det, **kw)]
+        if det:   # bit-identical on a second run
+            again = [cupy.asnumpy(g) for g in cuflash.attention_backward(*dev, deterministic=True, **kw)]
+            if not all(a.tobytes() == b.tobytes() for a, b in zip(grads, again)):
+                raise AssertionError(f"{_case_name(c)}: deterministic=True gave different bits on a second run")
         cpu = cuflash.attention_backward(dout, q, k, v, out, lse, backend="numpy", **kw)
         x64 = [x.astype(np.float64) for x in (dout, q, k, v)]
         o64, l64 = reference.naive_attention(*x64[1:], return_lse=True, **kw)
@@ -425,7 +435,7 @@ def section_backward(clock, log) -> str:
             if not np.isfinite(g.astype(np.float64)).all() or err > tol:
                 raise AssertionError(f"{_case_name(c)} {name}: error {err:.3g} > {tol:.3g}")
         log(f"  backward {_case_name(c)}: ok")
-    note = f"{len(cases)} cases, worst error {worst:.2f} of the bound"
+    note = f"{len(cases)} cases (head dims to 256, one deterministic, bit-identical twice), worst error {worst:.2f} of the bound"
     try:
         import torch
     except ImportError:
