@@ -513,10 +513,11 @@ def _shape_of(variant) -> tuple[str, int, int, int, int]:
 
 
 def variants(arch: int, *, backward: bool | None = None, dtype: str | None = None,
-             head_dim: int | None = None, head_dim_v: int | None = None) -> list:
+             head_dim: int | None = None, head_dim_v: int | None = None, varlen: bool = False) -> list:
     """The attention variants the dispatcher can choose on ``sm_<arch>`` (the main stage of the
     backward), filtered; with ``head_dim`` (and ``dtype``), the one it would choose for that
-    problem."""
+    problem; ``varlen``: the packed variable-length forms (``cuflash.attention_varlen``) instead
+    of the fixed-shape ones."""
     import numpy as np
 
     from cuflash.kernels import catalog, dispatch
@@ -536,11 +537,15 @@ def variants(arch: int, *, backward: bool | None = None, dtype: str | None = Non
         out = []
         for bwd in ((False, True) if backward is None else (backward,)):
             tier = dispatch.backward_tier(problem, arch) if bwd else dispatch.forward_tier(problem, arch)
-            out.append(tier.choose_variant(dt, head_dim, dv, arch))
+            chosen = tier.choose_variant(dt, head_dim, dv, arch)
+            if varlen:   # the tier's packed form of that variant
+                chosen = next(v for v in tier.all_variants(arch, varlen=True)
+                              if (v.dtype, v.head_dim_max) == (chosen.dtype, chosen.head_dim_max))
+            out.append(chosen)
         return [v for v in out if _is_main(v)]
     found = []
     for v in catalog.variants_for_arch(arch):
-        if not _is_main(v):
+        if not _is_main(v) or getattr(v, "varlen", False) != varlen:
             continue
         if backward is not None and (("bwd" in v.family) != backward):
             continue
@@ -669,6 +674,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim-v", type=int, default=None, help="value head dim (default: --head-dim)")
     p.add_argument("--backward", action="store_true", help="the backward pass")
     p.add_argument("--forward-and-backward", action="store_true", help="both passes")
+    p.add_argument("--varlen", action="store_true", help="the packed variable-length kernels (attention_varlen)")
     p.add_argument("--seqlen", type=int, default=8192, help="reference sequence length of the HBM pipe")
     p.add_argument("--json", metavar="FILE", help="write the records (one per variant) as JSON")
     p.add_argument("--sass", metavar="DIR", help="keep the disassembly read, one file per variant")
@@ -688,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     backward = None if args.forward_and_backward else args.backward
     try:
         chosen = variants(rates.arch, backward=backward, dtype=args.dtype, head_dim=args.head_dim,
-                          head_dim_v=args.head_dim_v)
+                          head_dim_v=args.head_dim_v, varlen=args.varlen)
     except (TypeError, ValueError, NotImplementedError) as e:
         print(_message(e), file=sys.stderr)
         return 2

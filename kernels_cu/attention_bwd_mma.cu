@@ -53,6 +53,10 @@
 // are free of bank conflicts): K [Bc], V [Bc], Q [STAGES][Br], dO [STAGES][Br], P [Br], dS [Br],
 // then lse (natural log, as stored by the forward) and Dd [STAGES][Br] as float32.
 //
+// Variable-length batches (varlen != 0; common.cuh: varlen_seq): the block's sequence offsets the
+// base pointers and sets its lengths; Dd and the dQ workspace are then one packed sequence of
+// total_q rows. Key tiles past the sequence's keys exit; keys past seqused_k get dK = dV = 0.
+//
 // Variant prelude (cuflash/kernels/attention_bwd_mma.py): CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BF16,
 // CUFLASH_HEAD_DIM_MAX, CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS,
 // CUFLASH_STAGES, CUFLASH_SDP_WARPS_M, CUFLASH_DKV_WARPS_N, CUFLASH_DQ_WARPS_M, CUFLASH_DQ_PASSES,
@@ -153,7 +157,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               long long lse_batch_stride, long long lse_head_stride,
               int num_heads_k, int group_size, int seqlen_q, int seqlen_k, int head_dim, int head_dim_v,
               int num_k_tiles, float softmax_scale, int window_left, int window_right,
-              int num_splits, long long dq_split_stride, int deterministic, int tile0, int tile_end) {
+              int num_splits, long long dq_split_stride, int deterministic, int tile0, int tile_end,
+              const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+              const int* __restrict__ seqused_k, int varlen) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* k_s = reinterpret_cast<elem_t*>(smem_raw);     // [BC][PITCH]
     elem_t* v_s = k_s + BC * PITCH;                        // [BC][PITCH]
@@ -173,14 +179,27 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int num_heads_q = num_heads_k * group_size;
     const float scale_log2 = softmax_scale * LOG2E;
     float* dq_part = dq_accum + (deterministic ? split * dq_split_stride : 0LL);
+    // Dd and the dQ workspace are (batch, Hq, stat_rows) rows: Sq per batch, or one packed
+    // sequence of total_q rows (varlen), where this sequence starts at stat_q0.
+    const int stat_rows = seqlen_q, seqlen_k_total = seqlen_k;
+    long long stat_batch = batch;
+    int stat_q0 = 0, keys = seqlen_k;   // keys: the rows of dK/dV this block may write
+    if (CUFLASH_VARLEN) {   // a packed batch: this sequence's rows and lengths (common.cuh)
+        const VarlenSeq sq = varlen_seq_uniform(batch, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k);
+        q += sq.q0 * q_row_stride, dout += sq.q0 * do_row_stride, lse += sq.q0;
+        k += sq.k0 * k_row_stride, v += sq.k0 * v_row_stride;   // dk and dv move in the epilogue
+        seqlen_q = sq.seqlen_q, seqlen_k = sq.seqlen_k, keys = sq.keys;
+        stat_batch = 0, stat_q0 = sq.q0;
+    }
 
     const int col0 = tile * BC;
-    const int cols = min(BC, seqlen_k - col0);
+    if (CUFLASH_VARLEN && col0 >= keys) return;   // a packed sequence shorter than the grid's key tiles
+    const int cols = CUFLASH_VARLEN ? max(0, min(BC, seqlen_k - col0)) : min(BC, seqlen_k - col0);   // 0: past seqused_k
     // Query rows that see some key of this tile, [row_lo, row_hi), and the flat loop's length.
     const IndexRange rows_seen = window_query_range(col0, cols, seqlen_q, seqlen_k, window_left, window_right);
     const int first_row0 = rows_seen.lo - rows_seen.lo % BR;
     const int row_hi = rows_seen.hi;
-    const int q_tiles = rows_seen.hi > rows_seen.lo ? (row_hi - first_row0 + BR - 1) / BR : 0;
+    const int q_tiles = (!CUFLASH_VARLEN || cols > 0) && rows_seen.hi > rows_seen.lo ? (row_hi - first_row0 + BR - 1) / BR : 0;
     const int n_iter = q_tiles * group_size;
 
     // Q, dO, lse, Dd of query tile `at` into stage `st` (one cp.async group with what precedes it).
@@ -195,7 +214,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         if (tid < 2 * BR) {   // threads [0, BR): lse; [BR, 2 BR): Dd (rows >= Sq: 0, masked)
             const int r = tid % BR;
             const float* src = tid < BR ? lse + batch * lse_batch_stride + at.hq * lse_head_stride
-                                        : dd + (batch * num_heads_q + at.hq) * (long long)seqlen_q;
+                                        : dd + (stat_batch * num_heads_q + at.hq) * (long long)stat_rows + stat_q0;
             float* dst = (tid < BR ? lse_s : dd_s) + st * BR + r;
             const bool valid = at.row0 + r < seqlen_q;
             ptx_cp_async_4_zfill(dst, valid ? src + at.row0 + r : src, valid ? 4 : 0);
@@ -407,7 +426,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             }
             // Rows q_row0 + 16 f + g + 8 h, columns c0 + 8 n + 2 t, +1 (in view: r < rows, c < D);
             // one per-thread offset per tile (ptx_opaque: kept out of the loop's invariants).
-            float* dq_thread = dq_part + ptx_opaque(((batch * num_heads_q + cur.hq) * (long long)seqlen_q + row0) * head_dim +
+            float* dq_thread = dq_part + ptx_opaque(((stat_batch * num_heads_q + cur.hq) * (long long)stat_rows + stat_q0 + row0) * head_dim +
                                                     (l2.q_row0 + l2.g) * head_dim + c0 + 2 * l2.t);
             if (deterministic) {   // this thread's elements of its split's partial (warp-uniform branch)
 #pragma unroll
@@ -445,6 +464,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
     // dK, dV of this warp's keys le.kv_row0 + 16 f + le.g + 8 h, columns le.kv_col0 + 8 n + 2 t, +1.
     const LaneOffsets le = lane_offsets(tid);
+    if (CUFLASH_VARLEN) {   // the sequence's first key row, read again (not held across the loop)
+        const int k0 = clamp_index(cu_seqlens_k[ptx_opaque(static_cast<int>(batch))], 0, seqlen_k_total);
+        dk += k0 * dk_row_stride, dv += k0 * dv_row_stride;
+    }
     elem_t* dk_tile = dk + batch * dk_batch_stride + head_k * dk_head_stride;
     elem_t* dv_tile = dv + batch * dv_batch_stride + head_k * dv_head_stride;
 #pragma unroll
@@ -452,7 +475,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int kj = col0 + le.kv_row0 + 16 * f + le.g + 8 * h;
-            if (kj >= seqlen_k) continue;
+            if (kj >= keys) continue;
 #pragma unroll
             for (int n = 0; n < NF_KV; ++n) {
                 const int c = le.kv_col0 + 8 * n + 2 * le.t;

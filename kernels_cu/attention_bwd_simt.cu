@@ -33,6 +33,10 @@
 // whose LSE is -inf saw no key in the forward: its P is 0 (never exp(-inf - -inf)), so it adds
 // nothing and its dq stays 0.
 //
+// Variable-length batches (stage 1, varlen != 0; common.cuh: varlen_seq): the block's sequence
+// offsets the base pointers and sets its lengths; Dd and dq_accum are one packed sequence of
+// total_q rows. Key tiles past the sequence's keys exit; keys past seqused_k get dK = dV = 0.
+//
 // Variant prelude (cuflash/kernels/attention_bwd_simt.py): CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BWD_STAGE,
 // CUFLASH_HEAD_DIM_MAX, CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS,
 // CUFLASH_SMEM_BYTES (stage 1's dynamic shared memory; checked below), CUFLASH_MIN_BLOCKS (stage 1).
@@ -117,7 +121,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               long long lse_batch_stride, long long lse_head_stride,
               int num_heads_k, int group_size, int seqlen_q, int seqlen_k, int head_dim, int head_dim_v,
               int num_k_tiles, float softmax_scale, int window_left, int window_right,
-              int num_splits, long long dq_split_stride, int deterministic, int tile0, int tile_end) {
+              int num_splits, long long dq_split_stride, int deterministic, int tile0, int tile_end,
+              const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+              const int* __restrict__ seqused_k, int varlen) {
     extern __shared__ float smem[];
     float* k_s = smem;                 // [BC][ROW]
     float* v_s = k_s + BC * ROW;       // [BC][ROW]
@@ -137,8 +143,21 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int head_k = at.head;
     const long long batch = at.batch;
     const int num_heads_q = num_heads_k * group_size;
+    // Dd and dq_accum rows: (batch, Hq, stat_rows), or one packed sequence of total_q rows (varlen)
+    const int stat_rows = seqlen_q;
+    long long stat_batch = batch;
+    int stat_q0 = 0, keys = seqlen_k;   // keys: the rows of dK/dV this block may write
+    if (CUFLASH_VARLEN) {   // a packed batch: this sequence's rows and lengths (common.cuh)
+        const VarlenSeq sq = varlen_seq(batch, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k);
+        q += sq.q0 * q_row_stride, dout += sq.q0 * do_row_stride, lse += sq.q0;
+        k += sq.k0 * k_row_stride, v += sq.k0 * v_row_stride, dk += sq.k0 * dk_row_stride, dv += sq.k0 * dv_row_stride;
+        seqlen_q = sq.seqlen_q, seqlen_k = sq.seqlen_k, keys = sq.keys;
+        stat_batch = 0, stat_q0 = sq.q0;
+    }
     const int col0 = tile * BC;
-    const int cols = min(BC, seqlen_k - col0);
+    if (CUFLASH_VARLEN && col0 >= keys) return;   // a packed sequence shorter than the grid's key tiles (the whole block)
+    const int cols = CUFLASH_VARLEN ? max(0, min(BC, seqlen_k - col0)) : min(BC, seqlen_k - col0);   // 0: past seqused_k
+    const int store_cols = min(BC, keys - col0);
     const float scale_log2 = softmax_scale * LOG2E;
 
     load_tile_f32<NT>(k_s, ROW, k + batch * k_batch_stride + head_k * k_head_stride + col0 * k_row_stride, k_row_stride, cols, BC, head_dim);
@@ -146,7 +165,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
     // Query rows that can see a key of this tile: [row_lo, row_hi).
     const IndexRange rows_seen = window_query_range(col0, cols, seqlen_q, seqlen_k, window_left, window_right);
-    const int row_lo = rows_seen.lo, row_hi = rows_seen.hi;
+    const int row_lo = rows_seen.lo, row_hi = (!CUFLASH_VARLEN || cols > 0) ? rows_seen.hi : rows_seen.lo;
 
     float dk_acc[KV_PER_THREAD], dv_acc[KV_PER_THREAD];
 #pragma unroll
@@ -156,7 +175,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         const elem_t* q_head = q + batch * q_batch_stride + hq * q_head_stride;
         const elem_t* do_head = dout + batch * do_batch_stride + hq * do_head_stride;
         const float* lse_head = lse + batch * lse_batch_stride + hq * lse_head_stride;
-        const long long stat_row0 = (batch * num_heads_q + hq) * (long long)seqlen_q;   // Dd and dq_accum rows
+        const long long stat_row0 = (stat_batch * num_heads_q + hq) * (long long)stat_rows + stat_q0;   // Dd, dq_accum rows
         for (int row0 = row_lo - (row_lo % BR); row0 < row_hi; row0 += BR) {
             const int rows = min(BR, seqlen_q - row0);
             __syncthreads();   // K/V are loaded; the previous tile's readers are done
@@ -227,7 +246,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         const int e = tid + t * NT;
         const int j = e / DMAX;
         const int c = e - j * DMAX;
-        if (j < cols) {
+        if (j < store_cols) {
             if (c < head_dim) dk_tile[j * dk_row_stride + c] = from_float<elem_t>(dk_acc[t] * softmax_scale);
             if (c < head_dim_v) dv_tile[j * dv_row_stride + c] = from_float<elem_t>(dv_acc[t]);
         }

@@ -50,6 +50,9 @@
 // D, Dv multiples of 8 (cuflash/kernels/attention_fwd_mma.py: unsupported_reason; the dispatcher falls back
 // to the SIMT kernel otherwise).
 //
+// Variable-length batches (varlen != 0): the block's sequence offsets the base pointers and sets
+// its lengths before anything else (common.cuh: varlen_seq); tiles past its length exit at once.
+//
 // Variant prelude (cuflash/kernels/attention_fwd_mma.py: AttentionFwdMma.defines()):
 //   CUFLASH_ENTRY, CUFLASH_T (__half, __nv_bfloat16), CUFLASH_BF16 (0/1), CUFLASH_HEAD_DIM_MAX,
 //   CUFLASH_BLOCK_M (Br = 16 * MT * warps), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS, CUFLASH_M_FRAGS
@@ -110,7 +113,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               long long o_batch_stride, long long o_head_stride, long long o_row_stride,
               long long lse_batch_stride, long long lse_head_stride,
               int num_heads_q, int group_size, int seqlen_q, int seqlen_k, int head_dim, int head_dim_v,
-              int num_q_tiles, float scale_log2, int window_left, int window_right) {
+              int num_q_tiles, float scale_log2, int window_left, int window_right,
+              const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+              const int* __restrict__ seqused_k, int varlen) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);   // [BR][PITCH]
     elem_t* kv_s = q_s + BR * PITCH;                     // [STAGES][K, V][BC][PITCH]
@@ -124,9 +129,27 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int tile = num_q_tiles - 1 - at.tile, head = at.head;   // last tiles (the most keys) first
     const long long batch = at.batch;
     const int head_k = head / group_size;
+    // A packed batch (common.cuh: varlen_seq): this sequence's rows and lengths. The lengths the
+    // loop and the epilogue need are re-read from shared memory (seq_s, written by thread 0 and
+    // published by the loop's first barrier, or by the epilogue's where no tile runs), and out and
+    // lse are moved only in the epilogue, so the packed form holds no more registers across the
+    // loop than the fixed one (whose lengths are kernel arguments).
+    const int total_q = seqlen_q;
+    int k0 = 0;
+#if CUFLASH_VARLEN
+    {
+        const VarlenSeq sq = varlen_seq_uniform(batch, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k);
+        q += sq.q0 * q_row_stride, out += sq.q0 * o_row_stride, lse += sq.q0;
+        k += sq.k0 * k_row_stride, v += sq.k0 * v_row_stride;
+        seqlen_q = sq.seqlen_q, seqlen_k = sq.seqlen_k;
+    }
+#endif
+#define SEQLEN_Q seqlen_q
+#define SEQLEN_K seqlen_k
 
     const int row0 = tile * BR;
     const int rows = min(BR, seqlen_q - row0);
+    if (CUFLASH_VARLEN && rows <= 0) return;   // a packed sequence shorter than the grid's tiles (the whole block)
 
     const elem_t* q_tile = q + batch * q_batch_stride + head * q_head_stride + row0 * q_row_stride;
     const elem_t* k_head = k + batch * k_batch_stride + head_k * k_head_stride;
@@ -141,20 +164,25 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     // tile per copy, so no row-stride product is redone in the loop.
     const int cp_r0 = tid / CHUNKS, cp_c = tid % CHUNKS;
     const int s_thread = cp_r0 * PITCH + cp_c * 8;
-    const elem_t* k_src = k_head + (kv_lo + cp_r0) * k_row_stride + cp_c * 8;
-    const elem_t* v_src = v_head + (kv_lo + cp_r0) * v_row_stride + cp_c * 8;
+    // (packed: k_head and v_head stay the heads' bases in the packed arrays, block-uniform, the
+    // zero-fill address; only the thread's own sources start at the sequence's first key)
+    const elem_t* k_src = k_head + (k0 + kv_lo + cp_r0) * k_row_stride + cp_c * 8;
+    const elem_t* v_src = v_head + (k0 + kv_lo + cp_r0) * v_row_stride + cp_c * 8;
     // K/V tile starting at key kv into stage `st`; then the sources move on by one tile.
-    auto load_kv = [&](elem_t* st, int kv) {
-        const int n = min(BC, seqlen_k - kv);
+    auto load_kv = [&](elem_t* st, int kv, int sk) {
+        const int n = min(BC, sk - kv);
         if (kRegularCopy) {
-            copy_rows<BC>(st + s_thread, k_src, k_head, kRowsPerPass * k_row_stride, n - cp_r0, cp_c * 8 < head_dim);
-            copy_rows<BC>(st + BC * PITCH + s_thread, v_src, v_head, kRowsPerPass * v_row_stride, n - cp_r0,
-                          cp_c * 8 < head_dim_v);
+            // (packed: the zero-fill address is the thread's own aligned source, not a head base
+            // held in registers across the loop)
+            copy_rows<BC>(st + s_thread, k_src, k_head, kRowsPerPass * k_row_stride, n - cp_r0,
+                          cp_c * 8 < head_dim);
+            copy_rows<BC>(st + BC * PITCH + s_thread, v_src, v_head, kRowsPerPass * v_row_stride,
+                          n - cp_r0, cp_c * 8 < head_dim_v);
             k_src += BC * k_row_stride;
             v_src += BC * v_row_stride;
         } else {
-            load_tile_async<BC>(st, k_head + kv * k_row_stride, k_row_stride, n, head_dim);
-            load_tile_async<BC>(st + BC * PITCH, v_head + kv * v_row_stride, v_row_stride, n, head_dim_v);
+            load_tile_async<BC>(st, k_head + (k0 + kv) * k_row_stride, k_row_stride, n, head_dim);
+            load_tile_async<BC>(st + BC * PITCH, v_head + (k0 + kv) * v_row_stride, v_row_stride, n, head_dim_v);
         }
     };
 
@@ -167,7 +195,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                           rows - cp_r0, cp_c * 8 < head_dim);
         else
             load_tile_async<BR>(q_s, q_tile, q_row_stride, rows, head_dim);
-        load_kv(kv_s, kv_lo);
+        load_kv(kv_s, kv_lo, seqlen_k);
     }
     ptx_cp_async_commit();
 
@@ -201,7 +229,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         ptx_cp_async_wait<0>();   // this thread's copies of tile j (and of Q) have landed
         __syncthreads();          // every thread's; and every thread is done with tile j - 1
         if (STAGES == 2 && j + 1 < n_tiles) {
-            load_kv(kv_s + ((j + 1) % 2) * STAGE_ELEMS, kv0 + BC);   // the stage tile j - 1 used
+            load_kv(kv_s + ((j + 1) % 2) * STAGE_ELEMS, kv0 + BC, SEQLEN_K);   // the stage tile j - 1 used
             ptx_cp_async_commit();
         }
 
@@ -239,15 +267,15 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
         // Mask: a tile needs it only if it reaches past Sk or some row of the block has a window
         // edge inside it. Each row's visible keys are computed once per tile.
-        const bool need_mask = kv0 + BC > seqlen_k ||
-                               !tile_in_window(row0, BR, kv0, BC, seqlen_q, seqlen_k, window_left, window_right);
+        const bool need_mask = kv0 + BC > SEQLEN_K ||
+                               !tile_in_window(row0, BR, kv0, BC, SEQLEN_Q, SEQLEN_K, window_left, window_right);
         if (need_mask) {
 #pragma unroll
             for (int f = 0; f < MT; ++f)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const IndexRange seen =
-                        window_key_range(qi0 + 16 * f + 8 * h, 1, seqlen_q, seqlen_k, window_left, window_right);
+                        window_key_range(qi0 + 16 * f + 8 * h, 1, SEQLEN_Q, SEQLEN_K, window_left, window_right);
                     const int lo = seen.lo - kv0 - 2 * t, hi = seen.hi - kv0 - 2 * t;   // in 8 n + (e & 1)
 #pragma unroll
                     for (int n = 0; n < NFRAG_S; ++n)
@@ -322,7 +350,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         }
         if (STAGES == 1 && j + 1 < n_tiles) {
             __syncthreads();   // every thread is done with the one stage
-            load_kv(kv_s, kv0 + BC);
+            load_kv(kv_s, kv0 + BC, SEQLEN_K);
             ptx_cp_async_commit();
         }
     }
@@ -353,6 +381,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             *reinterpret_cast<unsigned*>(r + 8 * PITCH) = pack2(o_acc[f][i][2] * inv_l[f][1], o_acc[f][i][3] * inv_l[f][1]);
         }
     __syncwarp();
+
     const int wrow0 = row0 + 16 * MT * warp;
     elem_t* o_warp = out + batch * o_batch_stride + head * o_head_stride + wrow0 * o_row_stride;
     constexpr int WARP_CHUNKS = 16 * MT * CHUNKS;
@@ -361,7 +390,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         const int e = lane + 32 * i;
         const int r = e / CHUNKS;
         const int c = e - r * CHUNKS;
-        if ((WARP_CHUNKS % 32 == 0 || e < WARP_CHUNKS) && wrow0 + r < seqlen_q && c * 8 < head_dim_v)
+        if ((WARP_CHUNKS % 32 == 0 || e < WARP_CHUNKS) && wrow0 + r < SEQLEN_Q && c * 8 < head_dim_v)
             *reinterpret_cast<uint4*>(o_warp + r * o_row_stride + c * 8) = *reinterpret_cast<const uint4*>(o_s + r * PITCH + c * 8);
     }
     if (t == 0) {
@@ -371,8 +400,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int qi = qi0 + 16 * f + 8 * h;
-                if (qi < seqlen_q)
+                if (qi < SEQLEN_Q)
                     lse_head[qi] = l_row[f][h] != 0.0f ? m_row[f][h] * LN2 + logf(l_row[f][h]) : CUFLASH_NEG_INF;
             }
     }
 }
+#undef SEQLEN_Q
+#undef SEQLEN_K

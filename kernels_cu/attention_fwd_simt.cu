@@ -27,7 +27,7 @@
 //   CUFLASH_ENTRY, CUFLASH_T (float, __half, __nv_bfloat16), CUFLASH_HEAD_DIM_MAX (bucket of
 //   max(D, Dv)), CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS (NT),
 //   CUFLASH_SMEM_BYTES (the dynamic shared memory the launcher provides; checked below).
-#include "common.cuh"
+#include "ptx.cuh"   // (and common.cuh)
 
 typedef CUFLASH_T elem_t;
 
@@ -72,7 +72,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               long long o_batch_stride, long long o_head_stride, long long o_row_stride,
               long long lse_batch_stride, long long lse_head_stride,
               int num_heads_q, int group_size, int seqlen_q, int seqlen_k, int head_dim, int head_dim_v,
-              int num_q_tiles, float scale_log2, int window_left, int window_right) {
+              int num_q_tiles, float scale_log2, int window_left, int window_right,
+              const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+              const int* __restrict__ seqused_k, int varlen) {
     extern __shared__ float smem[];
     float* q_s = smem;                    // [BR][Q_STRIDE]
     float* kv_s = q_s + BR * Q_STRIDE;    // [BC][KV_STRIDE], K then V
@@ -85,9 +87,17 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int tile = at.tile, head = at.head;
     const long long batch = at.batch;
     const int head_k = head / group_size;
+    const int total_q = seqlen_q;
+    int k0 = 0;   // packed: the sequence's first key row
+    if (CUFLASH_VARLEN) {   // a packed batch: this sequence's rows and lengths (common.cuh)
+        const VarlenSeq sq = varlen_seq_uniform(batch, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k);
+        q += sq.q0 * q_row_stride, k0 = sq.k0;
+        seqlen_q = sq.seqlen_q, seqlen_k = sq.seqlen_k;   // out and lse move at the end
+    }
 
     const int row0 = tile * BR;
     const int rows = min(BR, seqlen_q - row0);
+    if (CUFLASH_VARLEN && rows <= 0) return;   // a packed sequence shorter than the grid's tiles (the whole block)
     const int qi = row0 + row;            // query index of this thread's row
     const IndexRange row_keys = window_key_range(qi, 1, seqlen_q, seqlen_k, window_left, window_right);   // the keys it sees
 
@@ -110,7 +120,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     for (int kv0 = kv_lo; kv0 < kv_hi; kv0 += BC) {
         const int cols = min(BC, kv_hi - kv0);
         __syncthreads();   // Q is in place; the previous tile's readers of kv_s and p_s are done
-        load_tile_f32<NT>(kv_s, KV_STRIDE, k_head + kv0 * k_row_stride, k_row_stride, cols, BC, head_dim);
+        load_tile_f32<NT>(kv_s, KV_STRIDE, k_head + (k0 + kv0) * k_row_stride, k_row_stride, cols, BC, head_dim);
         __syncthreads();
 
         float s[COLS_PER_THREAD];
@@ -147,7 +157,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         for (int c = 0; c < DV_PER_THREAD; ++c) acc[c] *= alpha;
 
         __syncthreads();   // every K read is done and P is written
-        load_tile_f32<NT>(kv_s, KV_STRIDE, v_head + kv0 * v_row_stride, v_row_stride, cols, BC, head_dim_v);
+        load_tile_f32<NT>(kv_s, KV_STRIDE, v_head + (k0 + kv0) * v_row_stride, v_row_stride, cols, BC, head_dim_v);
         __syncthreads();
 
         for (int j = 0; j < cols; ++j) {
@@ -161,6 +171,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         }
     }
 
+    if (CUFLASH_VARLEN) {   // the sequence's first row, read again (not held across the loop)
+        const int q0 = clamp_index(cu_seqlens_q[ptx_opaque(static_cast<int>(batch))], 0, total_q);
+        out += q0 * o_row_stride, lse += q0;
+    }
     if (row < rows) {
         const float inv_l = l != 0.0f ? 1.0f / l : 0.0f;   // l == 0: no key (O = 0); NaN l stays NaN
         elem_t* o_row = out + batch * o_batch_stride + head * o_head_stride + qi * o_row_stride;

@@ -116,3 +116,59 @@ __device__ __forceinline__ bool tile_in_window(int row0, int rows, int col0, int
     return (window_right < 0 || diag_distance(row0, col0 + cols - 1, seqlen_q, seqlen_k) <= window_right) &&
            (window_left < 0 || diag_distance(row0 + rows - 1, col0, seqlen_q, seqlen_k) >= -window_left);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Variable-length batches (cuflash.attention_varlen, flash-attn's packed convention): sequence b
+// owns query rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows [cu_seqlens_k[b],
+// cu_seqlens_k[b + 1]) of the packed arrays, of which it uses the first seqused_k[b] keys when
+// seqused_k is given (FA3). The variants built with CUFLASH_VARLEN 1 (a compile-time axis, so the
+// fixed-shape code is untouched) take `varlen` (bit 0: packed; bit 1: seqused_k given) and the
+// totals in their seqlen_q / seqlen_k arguments. Every index is clamped into
+// [0, total], so whatever a device-resident index holds a kernel reads and writes only inside
+// the arrays (a sequence longer than the grid covers keeps its uncovered rows as they were).
+struct VarlenSeq {
+    int q0, k0;      // first query row and first key row in the packed arrays
+    int seqlen_q;    // the sequence's query rows
+    int seqlen_k;    // keys it attends to (seqused_k[b] when given)
+    int keys;        // key rows it owns (>= seqlen_k; dK/dV rows past seqlen_k are 0)
+};
+
+__device__ __forceinline__ int clamp_index(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+__device__ __forceinline__ VarlenSeq varlen_seq(long long b, int varlen, const int* __restrict__ cu_seqlens_q,
+                                                const int* __restrict__ cu_seqlens_k,
+                                                const int* __restrict__ seqused_k, int total_q, int total_k) {
+    VarlenSeq s;
+    s.q0 = clamp_index(cu_seqlens_q[b], 0, total_q);
+    s.seqlen_q = clamp_index(cu_seqlens_q[b + 1], s.q0, total_q) - s.q0;
+    s.k0 = clamp_index(cu_seqlens_k[b], 0, total_k);
+    s.keys = clamp_index(cu_seqlens_k[b + 1], s.k0, total_k) - s.k0;
+    s.seqlen_k = (varlen & 2) ? clamp_index(seqused_k[b], 0, s.keys) : s.keys;
+    return s;
+}
+
+// `x`, which every lane of the (full) warp holds, as a value the compiler knows is warp-uniform:
+// __reduce_max_sync (redux.sync, sm_80+) writes a uniform register. Before sm_80, `x` itself.
+__device__ __forceinline__ int warp_uniform(int x) {
+#if defined(CUFLASH_SIM) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+    return __reduce_max_sync(CUFLASH_FULL_MASK, x);
+#else
+    return x;
+#endif
+}
+
+// varlen_seq with every field made warp-uniform by a warp reduction (all lanes hold the same
+// values; redux.sync, sm_80+, writes a uniform register): the block's lengths and offsets then
+// live in the uniform datapath, as a fixed-shape kernel's arguments do, instead of taking vector
+// registers across the main loop (without it ptxas spilled the d128 forward).
+__device__ __forceinline__ VarlenSeq varlen_seq_uniform(long long b, int varlen, const int* __restrict__ cu_seqlens_q,
+                                                        const int* __restrict__ cu_seqlens_k,
+                                                        const int* __restrict__ seqused_k, int total_q, int total_k) {
+    VarlenSeq s = varlen_seq(b, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k);
+    s.q0 = warp_uniform(s.q0);
+    s.k0 = warp_uniform(s.k0);
+    s.seqlen_q = warp_uniform(s.seqlen_q);
+    s.seqlen_k = warp_uniform(s.seqlen_k);
+    s.keys = warp_uniform(s.keys);
+    return s;
+}

@@ -151,12 +151,13 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int) -> Attentio
     return v
 
 
-def all_variants(arch: int) -> tuple[AttentionBwdMma, ...]:
-    """Every variant the backward dispatcher can choose on ``sm_<arch>`` (for the compile gate)."""
+def all_variants(arch: int, *, varlen: bool = False) -> tuple[AttentionBwdMma, ...]:
+    """Every variant the backward dispatcher can choose on ``sm_<arch>`` (for the compile gate);
+    with ``varlen``, their packed variable-length forms."""
     if arch < MIN_ARCH:
         return ()
     found = (_fitting(key, b, arch) for key in MMA_DTYPES for b in HEAD_DIM_BUCKETS)
-    return tuple(v for v in found if v is not None)
+    return tuple(dataclasses.replace(v, varlen=True) if varlen else v for v in found if v is not None)
 
 
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:

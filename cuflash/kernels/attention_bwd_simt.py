@@ -80,12 +80,14 @@ class AttentionBwdSimt(variants.BucketTiledVariant):
         )
 
 
-def all_variants(arch: int) -> tuple[AttentionBwdSimt, ...]:
-    """Every backward variant the dispatcher can choose (the same on every arch >= sm_75)."""
+def all_variants(arch: int, *, varlen: bool = False) -> tuple[AttentionBwdSimt, ...]:
+    """Every backward variant the dispatcher can choose (the same on every arch >= sm_75); with
+    ``varlen``, the main stage's packed variable-length forms (the other stages take both)."""
     out = []
     for key in variants.DTYPES:
-        out += [AttentionBwdSimt("dot", key, 32), AttentionBwdSimt("convert", key, 32)]
-        out += [AttentionBwdSimt("main", key, b) for b in TILES]
+        if not varlen:
+            out += [AttentionBwdSimt("dot", key, 32), AttentionBwdSimt("convert", key, 32)]
+        out += [AttentionBwdSimt("main", key, b, varlen=varlen) for b in TILES]
     return tuple(out)
 
 
@@ -103,9 +105,14 @@ def _i32(name, value):
     return plan.ScalarArg(name, np.int32(value))
 
 
-def _strides3(prefix, a):
+def _strides3(prefix, a, varlen=None):
+    """Batch, head and row strides (elements); a packed batch's batch stride is 0 (each block
+    finds its sequence through the index)."""
     item = a.dtype.itemsize
-    return [_i64(f"{prefix}_{w}_stride", int(s) // item) for w, s in zip(("batch", "head", "row"), a.strides[:3])]
+    st = [int(s) // item for s in a.strides[:3]]
+    if varlen is not None:
+        st[0] = 0
+    return [_i64(f"{prefix}_{w}_stride", s) for w, s in zip(("batch", "head", "row"), st)]
 
 
 def deterministic_splits(num_k_tiles: int, kv_blocks: int) -> int:
@@ -126,56 +133,69 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, determi
     when it is not). Fresh outputs are NaN-poisoned on the simulator so unwritten elements show.
     """
     p = problem
+    vl = p.varlen
     key = variants.dtype_key(p.dtype)
     bucket = AttentionBwdSimt.bucket(p.head_dim, p.head_dim_v)
     dq = xp.empty(q.shape, dtype=p.dtype)
     dk = xp.empty(k.shape, dtype=p.dtype)
     dv = xp.empty(v.shape, dtype=p.dtype)
-    if xp is np:
+    if xp is np or (vl is not None and not vl.checked):   # unwritten rows show (or stay NaN)
         for a in (dq, dk, dv):
             a.fill(np.nan)
     lse32 = xp.ascontiguousarray(lse, dtype=np.float32)
-    canon = lambda a: attention_fwd_simt._canonical(a, p.layout, q.ndim)  # noqa: E731
+    if vl is not None:   # packed: one (1, H, total, D) view; the main stage finds each sequence
+        canon = lambda a: attention_fwd_simt._canonical(a[None], "bshd", 4)  # noqa: E731
+        lse_v = lse32[None]
+    else:
+        canon = lambda a: attention_fwd_simt._canonical(a, p.layout, q.ndim)  # noqa: E731
+        lse_v = lse32[None] if (p.layout == "bhsd" and q.ndim == 2) else lse32
     views = [canon(a) for a in (q, k, v, out, dout, dq, dk, dv)]
-    lse_v = lse32[None] if (p.layout == "bhsd" and q.ndim == 2) else lse32
-    stat_shape = views[0].shape[:-1]  # (*batch, Hq, Sq)
+    stat_shape = views[0].shape[:-1]  # (*batch, Hq, Sq), or (1, Hq, total_q) packed
+    seqlen_q = p.seqlen_q if vl is None else vl.total_q   # rows of the Dd / workspace layout
     dd = xp.empty(stat_shape, dtype=np.float32)
     v_dot, v_main, v_conv = (AttentionBwdSimt(s, key, 32 if s != "main" else bucket) for s in STAGES)
     if main_variant is not None:
         v_main = main_variant
+    v_main = attention_fwd_simt.for_problem(v_main, p)
     bn = v_main.block_n
     num_k_tiles = -(-p.seqlen_k // bn)
     # the batch split of the launches depends on the arrays' strides only, not on the workspace
-    _, inner = attention_fwd_simt._batch_slices(p.batch_shape, views + [lse_v, dd])
-    splits = deterministic_splits(num_k_tiles, inner * p.num_heads_k) if deterministic else 1
+    if vl is not None:
+        batch_shape, main_inner = (1,), vl.batch
+    else:
+        batch_shape = p.batch_shape
+        _, main_inner = attention_fwd_simt._batch_slices(batch_shape, views + [lse_v, dd])
+    splits = deterministic_splits(num_k_tiles, main_inner * p.num_heads_k) if deterministic else 1
     # (splits, *stat_shape, D): a split's partial buffer is one contiguous block
     dq_accum = xp.zeros((splits,) + stat_shape + (p.head_dim,), dtype=np.float32)
     split_stride = int(np.prod(stat_shape, dtype=np.int64)) * p.head_dim
-    batches, inner = attention_fwd_simt._batch_slices(p.batch_shape, views + [lse_v, dd, dq_accum[0]])
-    nb = len(p.batch_shape)
+    batches, inner = attention_fwd_simt._batch_slices(batch_shape, views + [lse_v, dd, dq_accum[0]])
+    if vl is None:
+        main_inner = inner
+    nb = len(batch_shape)
     for idx in batches:
         # acc keeps the split axis first (the kernels step between partials by split_stride)
         if idx is None:
             sel = [a.reshape((-1,) + a.shape[nb:]) for a in views + [lse_v, dd]]
             acc = dq_accum.reshape((splits, -1) + dq_accum.shape[1 + nb:])
         elif idx == ():
-            sel = [a if p.batch_shape else a[None] for a in views + [lse_v, dd]]
-            acc = dq_accum if p.batch_shape else dq_accum[:, None]
+            sel = [a if batch_shape else a[None] for a in views + [lse_v, dd]]
+            acc = dq_accum if batch_shape else dq_accum[:, None]
         else:
             sel = [a[idx] for a in views + [lse_v, dd]]
             acc = dq_accum[(slice(None),) + idx]
         qs, ks, vs, os_, dos, dqs, dks, dvs, ls, dds = sel
         ptr = attention_fwd_simt._pointer
-        rows = inner * p.num_heads_q * p.seqlen_q
+        rows = inner * p.num_heads_q * seqlen_q
         if rows:
             launch(plan.LaunchPlan(v_dot, v_dot.entry, (-(-rows // (THREADS // 32)), 1, 1), v_dot.block, 0, (
                 ptr("out", os_), ptr("dout", dos), ptr("dd", dds, writable=True),
                 *_strides3("o", os_), *_strides3("do", dos),
-                _i64("num_rows", rows), _i32("num_heads", p.num_heads_q), _i32("seqlen_q", p.seqlen_q),
+                _i64("num_rows", rows), _i32("num_heads", p.num_heads_q), _i32("seqlen_q", seqlen_q),
                 _i32("head_dim_v", p.head_dim_v),
             )))
         blocks_per_head = splits if deterministic else num_k_tiles
-        grid = blocks_per_head * p.num_heads_k * inner
+        grid = blocks_per_head * p.num_heads_k * main_inner
         # one key tile per block: deterministic mode launches once per round of splits
         step = blocks_per_head
         item = np.dtype(np.float32).itemsize
@@ -183,23 +203,24 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, determi
             launch(plan.LaunchPlan(v_main, v_main.entry, (grid, 1, 1), v_main.block, v_main.smem_bytes, (
                 ptr("q", qs), ptr("k", ks), ptr("v", vs), ptr("dout", dos), ptr("lse", ls), ptr("dd", dds),
                 ptr("dq_accum", acc, writable=True), ptr("dk", dks, writable=True), ptr("dv", dvs, writable=True),
-                *_strides3("q", qs), *_strides3("k", ks), *_strides3("v", vs), *_strides3("do", dos),
-                *_strides3("dk", dks), *_strides3("dv", dvs),
-                _i64("lse_batch_stride", ls.strides[0] // item), _i64("lse_head_stride", ls.strides[1] // item),
+                *_strides3("q", qs, vl), *_strides3("k", ks, vl), *_strides3("v", vs, vl), *_strides3("do", dos, vl),
+                *_strides3("dk", dks, vl), *_strides3("dv", dvs, vl),
+                _i64("lse_batch_stride", 0 if vl else ls.strides[0] // item), _i64("lse_head_stride", ls.strides[1] // item),
                 _i32("num_heads_k", p.num_heads_k), _i32("group_size", p.group_size),
-                _i32("seqlen_q", p.seqlen_q), _i32("seqlen_k", p.seqlen_k),
+                _i32("seqlen_q", seqlen_q), _i32("seqlen_k", p.seqlen_k if vl is None else vl.total_k),
                 _i32("head_dim", p.head_dim), _i32("head_dim_v", p.head_dim_v),
                 _i32("num_k_tiles", num_k_tiles), plan.ScalarArg("softmax_scale", np.float32(p.softmax_scale)),
                 _i32("window_left", p.window_left), _i32("window_right", p.window_right),
                 _i32("num_splits", blocks_per_head), _i64("dq_split_stride", split_stride),
                 _i32("deterministic", int(bool(deterministic))),
                 _i32("tile0", tile0), _i32("tile_end", min(tile0 + step, num_k_tiles)),
+                *attention_fwd_simt.varlen_args(p, q),
             )))
         total = rows * p.head_dim
         if total:
             launch(plan.LaunchPlan(v_conv, v_conv.entry, (-(-total // THREADS), 1, 1), v_conv.block, 0, (
                 ptr("dq_accum", acc), ptr("dq", dqs, writable=True), *_strides3("dq", dqs),
-                _i64("total", total), _i32("num_heads", p.num_heads_q), _i32("seqlen_q", p.seqlen_q),
+                _i64("total", total), _i32("num_heads", p.num_heads_q), _i32("seqlen_q", seqlen_q),
                 _i32("head_dim", p.head_dim), _i32("num_splits", splits), _i64("split_stride", split_stride),
                 plan.ScalarArg("softmax_scale", np.float32(p.softmax_scale)),
             )))

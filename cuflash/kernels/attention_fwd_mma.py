@@ -47,6 +47,11 @@ TILE_CANDIDATES = {
 #: before sm_90, ptxas allocates the 128 x 64 tile of bucket 128 8 registers past 255 (64 bytes
 #: of spills; the compile gate refuses them): there it takes 128 x 32
 TILE_CANDIDATES_BEFORE_SM90 = {128: ((128, 32), (64, 32))}
+#: the packed variable-length forms (``varlen``) on sm_90: at 128 x 64, buckets 96 and 128 spill
+#: 8-92 bytes (the per-sequence lengths and offsets take the registers the fixed kernel, at 255,
+#: does not have; python -m cuflash roofline shows it), so they take 128 x 32 there (predicted
+#: 565 TFLOP/s, shared-memory bound, against 594 for the fixed shapes)
+TILE_CANDIDATES_VARLEN_SM90 = {96: ((128, 32), (64, 32)), 128: ((128, 32), (64, 32))}
 #: the largest bucket whose warps own 32 query rows (two m16 fragments); above, 16
 TWO_FRAGMENT_MAX_BUCKET = 128
 #: CTAs per SM the kernel declares in __launch_bounds__: a register cap of 65536 / (2 x threads).
@@ -128,28 +133,35 @@ class AttentionFwdMma(variants.TileVariant):
                 f"(Q + {self.stages}-stage K/V, cp.async), mma.sync m16n8k16 {self.dtype}")
 
 
-def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int) -> AttentionFwdMma:
-    """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory."""
+def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: bool = False) -> AttentionFwdMma:
+    """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``varlen``: of
+    the packed variable-length form)."""
     key = variants.dtype_key(dtype)
     if key not in MMA_DTYPES:
         raise NotImplementedError(f"cuflash: the tensor-core kernel computes float16 and bfloat16, not {np.dtype(dtype)}")
     bucket = AttentionFwdMma.bucket(head_dim, head_dim_v)
-    tiles = TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket]) if arch < 90 else TILE_CANDIDATES[bucket]
-    candidates = (AttentionFwdMma(key, bucket, bm, bn) for bm, bn in tiles)
+    if arch < 90:
+        tiles = TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket])
+    elif varlen:
+        tiles = TILE_CANDIDATES_VARLEN_SM90.get(bucket, TILE_CANDIDATES[bucket])
+    else:
+        tiles = TILE_CANDIDATES[bucket]
+    candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen) for bm, bn in tiles)
     v = AttentionFwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
     if v is None:
         raise NotImplementedError(f"cuflash: no tensor-core attention tile fits sm_{arch}'s shared memory for head dim {bucket}")
     return v
 
 
-def all_variants(arch: int) -> tuple[AttentionFwdMma, ...]:
-    """Every variant the dispatcher can choose on ``sm_<arch>`` (for the compile gate)."""
+def all_variants(arch: int, *, varlen: bool = False) -> tuple[AttentionFwdMma, ...]:
+    """Every variant the dispatcher can choose on ``sm_<arch>`` (for the compile gate); with
+    ``varlen``, their packed variable-length forms."""
     if arch < MIN_ARCH:
         return ()
     out = []
     for key in MMA_DTYPES:
         for bucket in HEAD_DIM_BUCKETS:
-            out.append(choose_variant(variants.DTYPES[key][1], bucket, bucket, arch))
+            out.append(choose_variant(variants.DTYPES[key][1], bucket, bucket, arch, varlen=varlen))
     return tuple(dict.fromkeys(out))
 
 
@@ -202,5 +214,6 @@ def forward(problem, q, k, v, out, return_lse: bool, *, xp, arch: int, launch):
     """Run ``problem`` with this tier's variant for ``sm_<arch>``: the kernel takes the SIMT
     kernel's argument list, so :func:`~cuflash.kernels.attention_fwd_simt.run_variant` allocates,
     plans and launches it."""
-    variant = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+    variant = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
+                             varlen=problem.varlen is not None)
     return attention_fwd_simt.run_variant(problem, q, k, v, out, return_lse, variant, xp=xp, launch=launch)

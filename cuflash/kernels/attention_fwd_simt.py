@@ -75,13 +75,21 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int) -> Attentio
     return v
 
 
-def all_variants(arch: int) -> tuple[AttentionFwdSimt, ...]:
-    """Every variant the dispatcher can choose on ``sm_<arch>`` (for the compile gate)."""
+def all_variants(arch: int, *, varlen: bool = False) -> tuple[AttentionFwdSimt, ...]:
+    """Every variant the dispatcher can choose on ``sm_<arch>`` (for the compile gate); with
+    ``varlen``, their packed variable-length forms."""
     out = []
     for key in variants.DTYPES:
         for bucket in HEAD_DIM_BUCKETS:
-            out.append(choose_variant(variants.DTYPES[key][1], bucket, bucket, arch))
+            v = choose_variant(variants.DTYPES[key][1], bucket, bucket, arch)
+            out.append(dataclasses.replace(v, varlen=True) if varlen else v)
     return tuple(dict.fromkeys(out))
+
+
+def for_problem(variant, problem):
+    """``variant`` in the form ``problem`` needs: its packed variable-length form for
+    :func:`cuflash.attention_varlen` (a compile-time axis), else itself."""
+    return dataclasses.replace(variant, varlen=True) if problem.varlen is not None else variant
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,10 +157,16 @@ def plan_forward(problem, q, k, v, out, lse, variant) -> list[plan.LaunchPlan]:
     (``variant.block_m`` query tile, head, batch) on a 1-D grid. One launch unless the batch dims
     cannot merge into one stride. ``lse`` must be contiguous float32 of ``lse_shape``."""
     p = problem
-    views = [_canonical(a, p.layout, q.ndim) for a in (q, k, v, out)]
-    lse_v = lse[None] if (p.layout == "bhsd" and q.ndim == 2) else lse  # (*batch, H, Sq)
+    vl = p.varlen
+    if vl is not None:   # packed: one (1, H, total, D) view; each block finds its sequence
+        views = [_canonical(a[None], "bshd", 4) for a in (q, k, v, out)]
+        lse_v = lse[None]
+        batches, inner = [()], vl.batch
+    else:
+        views = [_canonical(a, p.layout, q.ndim) for a in (q, k, v, out)]
+        lse_v = lse[None] if (p.layout == "bhsd" and q.ndim == 2) else lse  # (*batch, H, Sq)
+        batches, inner = _batch_slices(p.batch_shape, views + [lse_v])
     num_q_tiles = -(-p.seqlen_q // variant.block_m)
-    batches, inner = _batch_slices(p.batch_shape, views + [lse_v])
     plans = []
     for idx in batches:
         if idx is None:  # all batch dims merged into one
@@ -161,7 +175,7 @@ def plan_forward(problem, q, k, v, out, lse, variant) -> list[plan.LaunchPlan]:
             if not all(_same_memory(a, b) for a, b in zip(sel, views + [lse_v])):
                 raise AssertionError("cuflash: merging batch dims copied an array")  # never: strides were checked
         elif idx == ():
-            sel = [a if p.batch_shape else a[None] for a in views + [lse_v]]
+            sel = [a if p.batch_shape or vl is not None else a[None] for a in views + [lse_v]]
         else:
             sel = [a[idx] for a in views + [lse_v]]
         qs, ks, vs, os_, ls = sel
@@ -169,8 +183,9 @@ def plan_forward(problem, q, k, v, out, lse, variant) -> list[plan.LaunchPlan]:
         if grid > plan.MAX_GRID_DIMS[0]:
             raise NotImplementedError(f"{p.func}: {grid} thread blocks exceed the grid limit {plan.MAX_GRID_DIMS[0]}")
 
-        def st(a):
-            return tuple(int(s) // a.dtype.itemsize for s in a.strides)
+        def st(a):   # element strides; a packed batch has one sequence index, not a batch stride
+            t = tuple(int(s) // a.dtype.itemsize for s in a.strides)
+            return (0,) + t[1:] if vl is not None else t
 
         qst, kst, vst, ost, lst = st(qs), st(ks), st(vs), st(os_), st(ls)
         args = (
@@ -183,17 +198,39 @@ def plan_forward(problem, q, k, v, out, lse, variant) -> list[plan.LaunchPlan]:
             plan.ScalarArg("lse_head_stride", np.int64(lst[1])),
             plan.ScalarArg("num_heads_q", np.int32(p.num_heads_q)),
             plan.ScalarArg("group_size", np.int32(p.group_size)),
-            plan.ScalarArg("seqlen_q", np.int32(p.seqlen_q)),
-            plan.ScalarArg("seqlen_k", np.int32(p.seqlen_k)),
+            plan.ScalarArg("seqlen_q", np.int32(p.seqlen_q if vl is None else vl.total_q)),
+            plan.ScalarArg("seqlen_k", np.int32(p.seqlen_k if vl is None else vl.total_k)),
             plan.ScalarArg("head_dim", np.int32(p.head_dim)),
             plan.ScalarArg("head_dim_v", np.int32(p.head_dim_v)),
             plan.ScalarArg("num_q_tiles", np.int32(num_q_tiles)),
             plan.ScalarArg("scale_log2", np.float32(p.softmax_scale * math.log2(math.e))),
             plan.ScalarArg("window_left", np.int32(p.window_left)),
             plan.ScalarArg("window_right", np.int32(p.window_right)),
+            *varlen_args(p, q),
         )
         plans.append(plan.LaunchPlan(variant, variant.entry, (grid, 1, 1), variant.block, variant.smem_bytes, args))
     return plans
+
+
+def varlen_args(problem, like) -> tuple:
+    """The attention kernels' trailing arguments ``cu_seqlens_q, cu_seqlens_k, seqused_k, varlen``
+    (common.cuh: varlen_seq): the packed batch's index arrays (int32, on the arrays' device),
+    or, for fixed shapes, ``varlen = 0`` and empty arrays the kernels never read. ``like`` is an
+    array of the launch's kind (NumPy for the simulator, CuPy for the GPU)."""
+    vl = problem.varlen
+    if isinstance(like, np.ndarray):
+        none = np.zeros(0, np.int32)
+    else:
+        import cupy
+
+        none = cupy.zeros(0, np.int32)
+    if vl is None:
+        return (plan.PointerArg.of("cu_seqlens_q", none), plan.PointerArg.of("cu_seqlens_k", none),
+                plan.PointerArg.of("seqused_k", none), plan.ScalarArg("varlen", np.int32(0)))
+    used = vl.seqused_k
+    return (plan.PointerArg.of("cu_seqlens_q", vl.cu_seqlens_q), plan.PointerArg.of("cu_seqlens_k", vl.cu_seqlens_k),
+            plan.PointerArg.of("seqused_k", none if used is None else used),
+            plan.ScalarArg("varlen", np.int32(1 | (0 if used is None else 2))))
 
 
 #: fresh outputs start at this alignment (the tensor-core kernels move rows in 16-byte copies)
@@ -219,12 +256,15 @@ def run_variant(problem, q, k, v, out, return_lse: bool, variant, *, xp, launch)
     ``xp`` is NumPy (the simulator; fresh outputs are NaN-poisoned so an element the kernel never
     writes shows) or CuPy (the GPU). Fresh outputs from either are 16-byte aligned.
     """
+    unchecked = problem.varlen is not None and not problem.varlen.checked
     if out is None:
         out = _aligned_empty(xp, problem.out_shape, problem.dtype)
         if xp is np:
             out.fill(np.nan)
+    if unchecked:   # device-resident index: rows no tile covers (a bad index) read NaN, never stale data
+        out.fill(np.nan)
     lse = xp.empty(problem.lse_shape, dtype=np.float32)
-    if xp is np:
+    if xp is np or unchecked:
         lse.fill(np.nan)
     if not problem.is_empty:
         for launch_plan in plan_forward(problem, q, k, v, out, lse, variant):
@@ -234,5 +274,5 @@ def run_variant(problem, q, k, v, out, return_lse: bool, variant, *, xp, launch)
 
 def forward(problem, q, k, v, out, return_lse: bool, *, xp, arch: int, launch):
     """Run ``problem`` with this tier's variant for ``sm_<arch>`` (see :func:`run_variant`)."""
-    variant = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+    variant = for_problem(choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch), problem)
     return run_variant(problem, q, k, v, out, return_lse, variant, xp=xp, launch=launch)

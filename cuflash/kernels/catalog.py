@@ -25,12 +25,14 @@ def variants_for_arch(arch: int) -> tuple:
     out: list = []
     if arch in SIMT_ARCHS or arch >= 75:
         out.extend(softmax.SoftmaxVariant.all())
-        out.extend(attention_fwd_simt.all_variants(arch))
-        out.extend(attention_bwd_simt.all_variants(arch))
-    if arch >= attention_fwd_mma.MIN_ARCH:
-        out.extend(attention_fwd_mma.all_variants(arch))
-    if arch >= attention_bwd_mma.MIN_ARCH:
-        out.extend(attention_bwd_mma.all_variants(arch))
+    for varlen in (False, True):   # fixed shapes, then the packed variable-length forms
+        if arch in SIMT_ARCHS or arch >= 75:
+            out.extend(attention_fwd_simt.all_variants(arch, varlen=varlen))
+            out.extend(attention_bwd_simt.all_variants(arch, varlen=varlen))
+        if arch >= attention_fwd_mma.MIN_ARCH:
+            out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen))
+        if arch >= attention_bwd_mma.MIN_ARCH:
+            out.extend(attention_bwd_mma.all_variants(arch, varlen=varlen))
     return tuple(dict.fromkeys(out))
 
 

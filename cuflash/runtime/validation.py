@@ -56,6 +56,8 @@ class AttentionProblem:
     q: ArrayInfo
     k: ArrayInfo
     v: ArrayInfo
+    #: a packed variable-length batch (:func:`check_attention_varlen`), else None
+    varlen: "VarlenBatch | None" = None
 
     @property
     def is_empty(self) -> bool:
@@ -353,3 +355,167 @@ def _overlaps(a: np.ndarray, b: np.ndarray) -> bool:
         return bool(np.shares_memory(a, b, max_work=100_000))
     except np.exceptions.TooHardError:
         return True  # cannot prove the buffers are disjoint: refuse rather than risk corruption
+
+
+# --------------------------------------------------------------------------------------------
+# variable-length (packed) batches
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class VarlenBatch:
+    """The sequence index of a packed batch (flash-attn's ``*_varlen`` convention).
+
+    Attributes
+    ----------
+    cu_seqlens_q, cu_seqlens_k : array
+        int32 ``(B + 1,)`` prefix sums: sequence ``b`` owns query rows ``[cu_seqlens_q[b],
+        cu_seqlens_q[b + 1])`` and key rows ``[cu_seqlens_k[b], cu_seqlens_k[b + 1])``, as given
+        (NumPy, CuPy or a DLPack array of the arrays' device).
+    seqused_k : array or None
+        int32 ``(B,)``: sequence ``b`` attends to its first ``seqused_k[b]`` keys only (FA3).
+    batch, total_q, total_k, max_seqlen_q, max_seqlen_k : int
+    checked : bool
+        True when the indices were read and checked in full (NumPy), False for device-resident
+        ones (checked for dtype and shape only; the kernels clamp every index into the arrays).
+    """
+
+    cu_seqlens_q: object
+    cu_seqlens_k: object
+    seqused_k: object
+    batch: int
+    total_q: int
+    total_k: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    checked: bool
+
+    def host_lengths(self):
+        """``(query lengths, key lengths, used keys)`` as NumPy int64 arrays (checked indices only)."""
+        cq = np.asarray(self.cu_seqlens_q, dtype=np.int64)
+        ck = np.asarray(self.cu_seqlens_k, dtype=np.int64)
+        lk = np.diff(ck)
+        used = lk if self.seqused_k is None else np.asarray(self.seqused_k, dtype=np.int64)
+        return np.diff(cq), lk, used
+
+
+def _check_index(x, name: str, func: str, length: int | None, kind: str, device) -> ArrayInfo:
+    info = describe(x, name, func)
+    if info.dtype_name != "int32":
+        raise TypeError(f"{func}: {name} must be int32, got {name}.dtype={info.dtype_name}")
+    if info.ndim != 1:
+        raise ValueError(f"{func}: {name} must be 1-D, got {name}.shape={info.shape}")
+    if length is not None and info.shape[0] != length:
+        raise ValueError(f"{func}: {name}.shape={info.shape} must be ({length},) (one entry per sequence"
+                         f"{' plus one' if name.startswith('cu_') else ''})")
+    if info.kind != "numpy":
+        if kind == "numpy":
+            raise TypeError(f"{func}: {name} is a {info.type_name} on a device but q is a NumPy array; the NumPy "
+                            f"path reads its index on the host: pass a NumPy {name}")
+        if info.device != device:
+            raise ValueError(f"{func}: {name} is on device {info.device} but q is on device {device}")
+    return info
+
+
+def check_attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    seqused_k=None,
+    out=None,
+    return_lse=False,
+    func: str = "cuflash.attention_varlen",
+    max_head_dim: int | None = MAX_HEAD_DIM,
+) -> AttentionProblem:
+    """Validate one packed variable-length attention call (see :func:`cuflash.attention_varlen`).
+
+    The problem is described as ``B`` sequences of ``max_seqlen_q`` query and ``max_seqlen_k``
+    key rows in flash-attn's "bshd" terms; ``out_shape`` is ``(total_q, Hq, Dv)`` and
+    ``lse_shape`` ``(Hq, total_q)``. NumPy index arrays are read and checked in full here;
+    device-resident ones only for dtype and shape (reading them would synchronize the host).
+    """
+    causal = check_flag(causal, "causal", func)
+    check_flag(return_lse, "return_lse", func)
+    infos = describe_inputs({"q": q, "k": k, "v": v}, func)
+    qi, ki, vi = infos["q"], infos["k"], infos["v"]
+    for name, info in infos.items():
+        if info.ndim != 3:
+            raise ValueError(f"{func}: {name}.ndim must be 3 (total_{'q' if name == 'q' else 'k'}, heads, head_dim) "
+                             f"for packed sequences; got {name}.shape={info.shape}")
+        check_strides(info, name, func)
+    total_q, hq, d = qi.shape
+    total_k, hk, dk = ki.shape
+    total_v, hv, dv = vi.shape
+    if total_v != total_k:
+        raise ValueError(f"{func}: v.shape[0]={total_v} must equal k.shape[0]={total_k} (total keys)")
+    if hv != hk:
+        raise ValueError(f"{func}: v.shape[1]={hv} (kv heads) must equal k.shape[1]={hk}")
+    if dk != d:
+        raise ValueError(f"{func}: k.shape[-1]={dk} must equal q.shape[-1]={d} (head dim)")
+    if hk == 0 and hq != 0:
+        raise ValueError(f"{func}: k.shape[1]=0 kv heads cannot serve q.shape[1]={hq} query heads")
+    if hk and hq % hk:
+        raise ValueError(f"{func}: q.shape[1]={hq} query heads must be a multiple of k.shape[1]={hk} kv heads (GQA/MQA)")
+    for name, dim in (("q", d), ("v", dv)):
+        if dim < 1:
+            raise ValueError(f"{func}: {name}.shape[-1] (head dim) must be at least 1, got {dim}")
+        if max_head_dim is not None and dim > max_head_dim:
+            raise NotImplementedError(f"{func}: {name}.shape[-1]={dim} exceeds the largest supported head dim {max_head_dim}")
+    cq = _check_index(cu_seqlens_q, "cu_seqlens_q", func, None, qi.kind, qi.device)
+    batch = cq.shape[0] - 1
+    if batch < 0:
+        raise ValueError(f"{func}: cu_seqlens_q must have at least one entry (0), got shape {cq.shape}")
+    ck = _check_index(cu_seqlens_k, "cu_seqlens_k", func, batch + 1, qi.kind, qi.device)
+    if seqused_k is not None:
+        _check_index(seqused_k, "seqused_k", func, batch, qi.kind, qi.device)
+    max_q = check_int(max_seqlen_q, "max_seqlen_q", func)
+    max_k = check_int(max_seqlen_k, "max_seqlen_k", func)
+    for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+        if not 0 <= value < 2**31 - 256:
+            raise ValueError(f"{func}: {name}={value} must be in [0, 2**31 - 256)")
+    checked = cq.kind == "numpy" and ck.kind == "numpy" and (seqused_k is None or isinstance(seqused_k, np.ndarray))
+    if checked:
+        for name, cu, total, mx, axis in (("cu_seqlens_q", cu_seqlens_q, total_q, max_q, "q"),
+                                          ("cu_seqlens_k", cu_seqlens_k, total_k, max_k, "k")):
+            cu = np.asarray(cu, dtype=np.int64)
+            if cu[0] != 0:
+                raise ValueError(f"{func}: {name}[0]={int(cu[0])} must be 0")
+            lengths = np.diff(cu)
+            if (lengths < 0).any():
+                b = int(np.argmax(lengths < 0))
+                raise ValueError(f"{func}: {name} must be non-decreasing; {name}[{b + 1}]={int(cu[b + 1])} < "
+                                 f"{name}[{b}]={int(cu[b])}")
+            if cu[-1] != total:
+                raise ValueError(f"{func}: {name}[-1]={int(cu[-1])} must equal {axis}.shape[0]={total} "
+                                 f"(the total {'query' if axis == 'q' else 'key'} rows)")
+            if lengths.size and lengths.max() > mx:
+                b = int(np.argmax(lengths))
+                raise ValueError(f"{func}: max_seqlen_{axis}={mx} is smaller than sequence {b}'s length "
+                                 f"{int(lengths[b])} ({name}[{b + 1}] - {name}[{b}])")
+        if seqused_k is not None:
+            used = np.asarray(seqused_k, dtype=np.int64)
+            lk = np.diff(np.asarray(cu_seqlens_k, dtype=np.int64))
+            bad = np.flatnonzero((used < 0) | (used > lk))
+            if bad.size:
+                b = int(bad[0])
+                raise ValueError(f"{func}: seqused_k[{b}]={int(used[b])} must be in [0, {int(lk[b])}] (sequence {b}'s "
+                                 f"keys, cu_seqlens_k[{b + 1}] - cu_seqlens_k[{b}])")
+    scale = check_softmax_scale(softmax_scale, d, func)
+    left, right = normalize_window(*check_window_size(window_size, causal, func), max_q, max_k)
+    problem = AttentionProblem(
+        func=func, kind=qi.kind, dtype=qi.dtype, layout="bshd", batch_shape=(batch,),
+        num_heads_q=hq, num_heads_k=hk, seqlen_q=max_q, seqlen_k=max_k, head_dim=d, head_dim_v=dv,
+        softmax_scale=scale, causal=causal, window_left=left, window_right=right,
+        out_shape=(total_q, hq, dv), lse_shape=(hq, total_q), device=qi.device, q=qi, k=ki, v=vi,
+        varlen=VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_k, batch, total_q, total_k, max_q, max_k, checked),
+    )
+    if out is not None:
+        check_out(out, problem, {"q": q, "k": k, "v": v})
+    return problem

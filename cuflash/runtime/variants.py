@@ -97,6 +97,9 @@ class AttentionVariant(Variant):
     dtypes: ClassVar[tuple[str, ...]] = ("f16", "bf16", "f32")
     #: head-dim buckets: a variant serves every ``max(D, Dv)`` up to its bucket
     head_dim_buckets: ClassVar[tuple[int, ...]] = ()
+    #: the packed variable-length form (``cuflash.attention_varlen``: ``CUFLASH_VARLEN`` 1, entry
+    #: name suffix ``_varlen``); a compile-time axis, so the fixed-shape code is unchanged by it
+    varlen: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
         name = type(self).__name__
@@ -108,6 +111,10 @@ class AttentionVariant(Variant):
 
     def axes(self) -> tuple[str, ...]:
         return (self.dtype, f"d{self.head_dim_max}", f"m{self.block_m}", f"n{self.block_n}")
+
+    @property
+    def name(self) -> str:
+        return "_".join(self.axes()) + ("_varlen" if self.varlen else "")
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -122,6 +129,7 @@ class AttentionVariant(Variant):
             ("CUFLASH_BLOCK_N", str(self.block_n)),
             ("CUFLASH_THREADS", str(self.threads)),
             ("CUFLASH_SMEM_BYTES", str(self.smem_bytes)),
+            ("CUFLASH_VARLEN", "1" if self.varlen else "0"),
         )
 
     @classmethod

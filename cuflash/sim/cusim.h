@@ -1533,6 +1533,31 @@ template <class T> CUSIM_NOSAN inline T __shfl_sync(unsigned m, T v, int src, in
 template <class T> CUSIM_NOSAN inline T __shfl_up_sync(unsigned m, T v, unsigned d, int w = 32) { return cusim::shfl<cusim::kShflUp>(m, v, int(d), w, "__shfl_up_sync"); }
 template <class T> CUSIM_NOSAN inline T __shfl_down_sync(unsigned m, T v, unsigned d, int w = 32) { return cusim::shfl<cusim::kShflDown>(m, v, int(d), w, "__shfl_down_sync"); }
 template <class T> CUSIM_NOSAN inline T __shfl_xor_sync(unsigned m, T v, int x, int w = 32) { return cusim::shfl<cusim::kShflXor>(m, v, x, w, "__shfl_xor_sync"); }
+// __reduce_{add,min,max}_sync (redux.sync, sm_80+): every lane of the mask must take part.
+namespace cusim {
+template <int KIND>
+CUSIM_NOSAN inline int warp_reduce(unsigned mask, int v, const char* what) {
+    unsigned took_part = 0;
+    const int64_t x = v;
+    Slot& mine = collective(mask, &x, sizeof x, &no_compute<KIND>, what, &took_part);
+    if (took_part != mask) fail("%s: lanes 0x%08x of mask 0x%08x have exited (redux.sync needs all of them)", what,
+                                mask & ~took_part, mask);
+    const Slot* slots = &mine - lane_id();
+    int64_t acc = 0;
+    bool first = true;
+    for (unsigned l = 0; l < 32; ++l) {
+        if (!(mask & (1u << l))) continue;
+        int64_t y;
+        std::memcpy(&y, slots[l].in, sizeof y);
+        acc = first ? y : (KIND == 20 ? acc + y : KIND == 21 ? std::min(acc, y) : std::max(acc, y));
+        first = false;
+    }
+    return int(uint32_t(acc));   // add wraps as the 32-bit hardware sum does
+}
+}  // namespace cusim
+CUSIM_NOSAN inline int __reduce_add_sync(unsigned m, int v) { return cusim::warp_reduce<20>(m, v, "__reduce_add_sync"); }
+CUSIM_NOSAN inline int __reduce_min_sync(unsigned m, int v) { return cusim::warp_reduce<21>(m, v, "__reduce_min_sync"); }
+CUSIM_NOSAN inline int __reduce_max_sync(unsigned m, int v) { return cusim::warp_reduce<22>(m, v, "__reduce_max_sync"); }
 // Lanes of the mask that have exited count as false (the GPU leaves this undefined).
 CUSIM_NOSAN inline unsigned __ballot_sync(unsigned m, int p) { return cusim::vote<10>(m, p, "__ballot_sync"); }
 CUSIM_NOSAN inline int __any_sync(unsigned m, int p) { return cusim::vote<11>(m, p, "__any_sync") != 0; }

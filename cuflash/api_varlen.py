@@ -1,0 +1,349 @@
+"""Packed variable-length batches: :func:`attention_varlen` and :func:`attention_varlen_backward`
+(exported as ``cuflash.attention_varlen`` and ``cuflash.attention_varlen_backward``).
+
+flash-attn's ``flash_attn_varlen_func`` convention (and FA3's ``seqused_k``): the sequences of a
+batch are concatenated along one axis, q ``(total_q, Hq, D)``, k/v ``(total_k, Hk, D|Dv)``, and
+``cu_seqlens_q``/``cu_seqlens_k`` (int32, ``(B + 1,)``, prefix sums starting at 0) say where
+each begins. The kernels run the whole batch in one launch: the grid covers ``max_seqlen_q``
+query tiles (``max_seqlen_k`` key tiles in the backward) per sequence, and each block reads its
+sequence's offsets and lengths and exits at once when it lies past the sequence's end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cuflash.api import check_kernel_dtype, resolve_backend
+from cuflash.runtime import interop, validation
+
+_INDEX_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k")
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    seqused_k=None,
+    return_lse=False,
+    out=None,
+    backend="auto",
+):
+    """Exact attention over a packed batch of sequences of different lengths, fused.
+
+    Sequence ``b`` is attention of its query rows ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` over
+    its keys ``k[cu_seqlens_k[b]:cu_seqlens_k[b] + n_k]`` and values likewise, with ``n_k =
+    seqused_k[b]`` if given else ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]``; each as
+    :func:`cuflash.attention` computes it (FlashAttention-2, Dao 2023, Algorithm 1).
+
+    Parameters
+    ----------
+    q : array, shape ``(total_q, Hq, D)``
+    k : array, shape ``(total_k, Hk, D)``
+    v : array, shape ``(total_k, Hk, Dv)``
+        One kind, dtype and device, as :func:`cuflash.attention` takes them (``Hq % Hk == 0``;
+        any strides with unit last axis; ``1 <= D, Dv <= 256``).
+    cu_seqlens_q, cu_seqlens_k : int32 arrays, shape ``(B + 1,)``
+        Prefix sums of the sequences' query and key lengths: 0 first, non-decreasing, last
+        ``total_q`` / ``total_k``. NumPy arrays are checked in full (with GPU q they are copied to
+        the device, a few bytes); device arrays (CuPy, torch, JAX on q's device) are checked for
+        dtype and shape only, since reading them would synchronize the host.
+    max_seqlen_q, max_seqlen_k : int
+        The longest query and key sequence (the grid's tiles per sequence). With device indices a
+        longer sequence is not an error the host can see: its rows past the covered tiles come out
+        NaN (never another sequence's data; every index is clamped into the arrays).
+    causal : bool
+        Causal mask aligned to each sequence's bottom-right corner: row ``i`` of a sequence with
+        ``Sq`` queries and ``Sk`` keys sees key ``j`` iff ``j <= i + Sk - Sq`` (flash-attn).
+    softmax_scale : float, optional
+        Scale of ``q k^T``; None means ``1/sqrt(D)``.
+    window_size : (int, int)
+        ``(left, right)`` as in :func:`cuflash.attention`, per sequence; -1 = unbounded.
+    seqused_k : int32 array, shape ``(B,)``, optional
+        Sequence ``b`` attends to its first ``seqused_k[b]`` keys only (FA3); ``0 <= seqused_k[b]
+        <= `` its key count.
+    return_lse : bool
+        Also return the log-sum-exp (natural log) of each row, float32 ``(Hq, total_q)``.
+    out : array, shape ``(total_q, Hq, Dv)``, optional
+        Output buffer of q's kind and dtype.
+    backend : {"auto", "numpy", "sim", "cuda"}
+        As in :func:`cuflash.attention`.
+
+    Returns
+    -------
+    out : array ``(total_q, Hq, Dv)`` of q's kind and dtype
+    lse : array ``(Hq, total_q)``, float32 (float64 for float64 input); only with ``return_lse``.
+
+    A sequence of length 0 does no work and writes nothing; a query row that sees no key
+    (``seqused_k[b] = 0``, causal with more queries than keys) gets 0 and ``lse = -inf``.
+
+    Raises
+    ------
+    TypeError
+        As :func:`cuflash.attention`; an index array that is not int32, or a device index with
+        NumPy q.
+    ValueError
+        q/k/v not 3-D or mismatched; an index that is not 1-D of length ``B + 1`` (``B`` for
+        ``seqused_k``), does not start at 0, decreases, or does not end at ``total_q`` /
+        ``total_k``; a ``max_seqlen`` below a sequence's length; ``seqused_k`` outside
+        ``[0, keys]``; an index on another device; bad options or ``out=``.
+    NotImplementedError
+        A head dim above 256, or a valid call without a kernel on the chosen backend.
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> cu = np.array([0, 3, 3, 10], dtype=np.int32)       # three sequences: 3, 0 and 7 tokens
+    >>> q, k, v = (np.random.randn(10, 4, 32).astype(np.float32) for _ in range(3))
+    >>> cuflash.attention_varlen(q, k, v, cu, cu, 7, 7, causal=True).shape
+    (10, 4, 32)
+    """
+    func = "cuflash.attention_varlen"
+    host = interop.HostImport(func, q=q, k=k, v=v, out=out)
+    index = _host_indices(func, cu_seqlens_q, cu_seqlens_k, seqused_k, host.framework is not None)
+    if host.framework is not None:  # CPU DLPack arrays: the NumPy views, the result as their kind
+        result = attention_varlen(**host.arrays, **index, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                  causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                  return_lse=return_lse, backend=backend)
+        if return_lse:
+            return host.export(result[0], "out"), host.export(result[1])
+        return host.export(result, "out")
+    problem = validation.check_attention_varlen(
+        q, k, v, index["cu_seqlens_q"], index["cu_seqlens_k"], max_seqlen_q, max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, window_size=window_size, seqused_k=index["seqused_k"], out=out,
+        return_lse=return_lse, func=func,
+    )
+    chosen = resolve_backend(backend, problem.kind, func)
+    if chosen == "numpy":
+        return _forward_numpy(problem, q, k, v, out, return_lse)
+    check_kernel_dtype(problem, chosen)
+    if chosen == "sim":
+        from cuflash import sim
+        from cuflash.kernels import dispatch
+        from cuflash.sim import launcher
+
+        arch = sim.current_options().arch
+        return dispatch.run_forward(problem, q, k, v, out, return_lse, xp=np, arch=arch, launch=launcher.run)
+    return _attention_varlen_cuda(problem, q, k, v, out, return_lse)
+
+
+def attention_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    seqused_k=None,
+    deterministic=False,
+    backend="auto",
+):
+    """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` from its output and log-sum-exp.
+
+    Each sequence's gradients are those of :func:`cuflash.attention_backward` (FlashAttention-2,
+    Dao 2023, Algorithm 2); keys past ``seqused_k[b]`` get ``dk = dv = 0``.
+
+    Parameters
+    ----------
+    dout : array ``(total_q, Hq, Dv)``, out's dtype
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+    window_size, seqused_k
+        Exactly as the forward took them.
+    out : array ``(total_q, Hq, Dv)``
+    lse : array ``(Hq, total_q)``, float32 or float64
+        The forward's output and log-sum-exp (``return_lse=True``).
+    deterministic : bool
+        Bit-identical results run to run on the kernel backends (see
+        :func:`cuflash.attention_backward`).
+    backend : {"auto", "numpy", "sim", "cuda"}
+
+    Returns
+    -------
+    dq, dk, dv : arrays of q's, k's and v's shapes and q's dtype and kind
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        As :func:`attention_varlen`, and for ``dout``, ``out`` or ``lse`` of the wrong shape or
+        dtype.
+    """
+    func = "cuflash.attention_varlen_backward"
+    deterministic = validation.check_flag(deterministic, "deterministic", func)
+    host = interop.HostImport(func, dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    index = _host_indices(func, cu_seqlens_q, cu_seqlens_k, seqused_k, host.framework is not None)
+    if host.framework is not None:
+        grads = attention_varlen_backward(**host.arrays, **index, max_seqlen_q=max_seqlen_q,
+                                          max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                          window_size=window_size, deterministic=deterministic, backend=backend)
+        return tuple(host.export(g) for g in grads)
+    problem = validation.check_attention_varlen(
+        q, k, v, index["cu_seqlens_q"], index["cu_seqlens_k"], max_seqlen_q, max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, window_size=window_size, seqused_k=index["seqused_k"], func=func,
+    )
+    _check_backward_arrays(problem, dout, out, lse)
+    chosen = resolve_backend(backend, problem.kind, func)
+    if chosen == "numpy":
+        return _backward_numpy(problem, dout, q, k, v, out, lse)
+    check_kernel_dtype(problem, chosen)
+    if chosen == "sim":
+        from cuflash import sim
+        from cuflash.kernels import dispatch
+        from cuflash.sim import launcher
+
+        arch = sim.current_options().arch
+        tier = dispatch.backward_tier(problem, arch, (q, k, v, out, dout))
+        return tier.backward(problem, dout, q, k, v, out, lse, xp=np, arch=arch, launch=launcher.run,
+                             deterministic=deterministic)
+    return _backward_varlen_cuda(problem, dout, q, k, v, out, lse, deterministic)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _host_indices(func: str, cu_q, cu_k, used, import_host: bool) -> dict:
+    """The index arguments, CPU DLPack ones (torch CPU tensors) as NumPy when the call runs on
+    the host path."""
+    index = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_k": used}
+    if import_host:
+        for name, x in index.items():
+            if x is not None and interop.is_host_dlpack(x):
+                index[name] = interop.host_to_numpy(x, name, func)
+    return index
+
+
+def _check_backward_arrays(problem, dout, out, lse) -> None:
+    func = problem.func
+    infos = validation.describe_inputs({"out": out, "dout": dout}, func)
+    for name, info in infos.items():
+        if info.dtype != problem.dtype:
+            raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal q.dtype={problem.dtype.name}")
+        if info.shape != problem.out_shape:
+            raise ValueError(f"{func}: {name}.shape={info.shape} must be {problem.out_shape} (total_q, Hq, Dv)")
+        if info.device != problem.device:
+            raise ValueError(f"{func}: {name} is on device {info.device} but q is on device {problem.device}")
+        validation.check_strides(info, name, func)
+    li = interop.describe(lse, "lse", func)
+    if li.dtype_name not in ("float32", "float64"):
+        raise TypeError(f"{func}: lse.dtype={li.dtype_name} must be float32 (or float64 on the NumPy path)")
+    if li.shape != problem.lse_shape:
+        raise ValueError(f"{func}: lse.shape={li.shape} must be {problem.lse_shape} (Hq, total_q)")
+    if li.kind != problem.kind or li.device != problem.device:
+        raise ValueError(f"{func}: lse must be a {problem.q.type_name} on q's device {problem.device}")
+
+
+def _sequences(problem):
+    """``(b, q rows, key rows used, key rows owned)`` slices of each non-empty sequence (host)."""
+    vl = problem.varlen
+    cq = np.asarray(vl.cu_seqlens_q, dtype=np.int64)
+    ck = np.asarray(vl.cu_seqlens_k, dtype=np.int64)
+    _, lk, used = vl.host_lengths()
+    for b in range(vl.batch):
+        yield b, slice(cq[b], cq[b + 1]), slice(ck[b], ck[b] + used[b]), slice(ck[b], ck[b + 1])
+
+
+def _forward_numpy(problem, q, k, v, out, return_lse):
+    """The NumPy path: each sequence through :func:`cuflash.attention`'s NumPy implementation."""
+    from cuflash import api
+
+    p = problem
+    acc = np.float64 if p.dtype == np.float64 else np.float32
+    if out is None:
+        out = np.empty(p.out_shape, dtype=p.dtype)
+    lse = np.empty(p.lse_shape, dtype=acc)
+    kw = dict(causal=p.causal, softmax_scale=p.softmax_scale, window_size=(p.window_left, p.window_right),
+              layout="bshd", return_lse=True, backend="numpy")
+    for _, rq, rk, _ in _sequences(p):
+        if rq.stop == rq.start:
+            continue
+        o, lse_b = api.attention(q[None, rq], k[None, rk], v[None, rk], **kw)
+        out[rq] = o[0]
+        lse[:, rq] = lse_b[0]
+    return (out, lse) if return_lse else out
+
+
+def _backward_numpy(problem, dout, q, k, v, out, lse):
+    """The NumPy path: each sequence through :func:`cuflash.attention_backward`'s NumPy one."""
+    from cuflash import api_backward
+
+    p = problem
+    dq, dk, dv = np.zeros(q.shape, p.dtype), np.zeros(k.shape, p.dtype), np.zeros(v.shape, p.dtype)
+    kw = dict(causal=p.causal, softmax_scale=p.softmax_scale, window_size=(p.window_left, p.window_right),
+              layout="bshd", backend="numpy")
+    for _, rq, rk, _ in _sequences(p):
+        if rq.stop == rq.start or rk.stop == rk.start:
+            continue   # no query: nothing flows; no key used: dq = 0 and dk = dv = 0
+        g = api_backward.attention_backward(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq],
+                                            np.ascontiguousarray(lse[None, :, rq]), **kw)
+        dq[rq], dk[rk], dv[rk] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+def _device_indices(call, problem):
+    """The problem with its index arrays as CuPy arrays on the call's device (NumPy ones copied)."""
+    vl = problem.varlen
+    conv = {}
+    for name in _INDEX_NAMES:
+        x = getattr(vl, name)
+        if x is None:
+            conv[name] = None
+        elif isinstance(x, np.ndarray):
+            conv[name] = call.xp.asarray(x)
+        else:
+            conv[name] = call.import_array(x)
+    return dataclasses.replace(problem, varlen=dataclasses.replace(vl, **conv))
+
+
+def _attention_varlen_cuda(problem, q, k, v, out, return_lse):
+    import functools
+
+    from cuflash.kernels import dispatch
+    from cuflash.runtime import cuda_runner
+
+    with interop.CudaCall(problem.func, q, out=out) as call:
+        qc, kc, vc = (call.import_array(x) for x in (q, k, v))
+        problem = _device_indices(call, problem)
+        if out is not None:
+            oc = call.import_array(out)
+            interop.check_no_overlap(problem.func, oc, {"q": qc, "k": kc, "v": vc})
+        else:
+            oc = call.empty(problem.out_shape, problem.dtype)
+        result = dispatch.run_forward(problem, qc, kc, vc, oc, return_lse, xp=call.xp, arch=call.arch,
+                                      launch=functools.partial(cuda_runner.launch, stream=call.stream))
+        if return_lse:
+            o, lse = result
+            return call.export(o, out=out), call.export(lse)
+        return call.export(result, out=out)
+
+
+def _backward_varlen_cuda(problem, dout, q, k, v, out, lse, deterministic):
+    import functools
+
+    from cuflash.kernels import dispatch
+    from cuflash.runtime import cuda_runner
+
+    with interop.CudaCall(problem.func, q) as call:
+        arrays = [call.import_array(x) for x in (dout, q, k, v, out, lse)]
+        problem = _device_indices(call, problem)
+        tier = dispatch.backward_tier(problem, call.arch, (*arrays[1:5], arrays[0]))
+        grads = tier.backward(problem, *arrays, xp=call.xp, arch=call.arch,
+                              launch=functools.partial(cuda_runner.launch, stream=call.stream),
+                              deterministic=deterministic)
+        return tuple(call.export(g) for g in grads)

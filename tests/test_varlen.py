@@ -1,0 +1,249 @@
+"""Packed variable-length batches: ``cuflash.attention_varlen`` and its backward (issue 21).
+
+Every sequence of a packed batch is held to the float64 oracle of a fixed-shape call on its own
+slices (the tolerance rules of tests/_tolerance.py and tests/test_backward_reference.py), on the
+NumPy path and on the simulator's tiers (tensor-core on sm_90 and sm_80, SIMT on sm_75), over a
+pairwise covering design of batches with mixed lengths (0, 1, up to 300), GQA, head dims 40 to
+256 with Dv != D, causal and windows, ``seqused_k``, both dtypes and both backward modes; in
+checked mode; deterministic bits across thread orders; hostile device-style indices that the
+kernels must clamp; the validation messages; the roofline of the packed kernels against the
+fixed-shape ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from _tolerance import check_close
+from allpairspy import AllPairs
+from test_backward_reference import check_grads_close
+
+import cuflash
+from cuflash import reference as ref
+from cuflash.kernels import attention_bwd_simt, dispatch
+from cuflash.runtime import dtypes, validation
+
+#: (query length, key length) of each sequence of a batch
+BATCHES = {
+    "one_empty": [(0, 0)],
+    "single_token": [(1, 1)],
+    "mixed3": [(5, 7), (0, 3), (33, 40)],
+    "long": [(300, 280)],
+    "mixed5": [(17, 1), (1, 17), (64, 64), (0, 0), (129, 200)],
+}
+HEADS = [(1, 1), (4, 1), (8, 2)]
+HEAD_DIMS = [40, 64, 128, 176, 256]
+DV = ["same", "other"]
+MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False, (9, 4)),
+         "causal_win": (True, (20, -1))}
+USED = ["all", "some"]
+DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
+TIERS = ["mma_sm90", "mma_sm80", "simt_sm75"]
+MODES = ["atomic", "deterministic"]
+ARCH = {"mma_sm90": "sm_90", "mma_sm80": "sm_80", "simt_sm75": "sm_75"}
+
+AXES = [list(BATCHES), HEADS, HEAD_DIMS, DV, list(MASKS), USED, list(DTYPES), TIERS, MODES]
+PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
+
+
+def make_batch(rng, lengths, hq, hk, d, dv, dtype, used="all"):
+    lq = np.array([a for a, _ in lengths], np.int64)
+    lk = np.array([b for _, b in lengths], np.int64)
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    q = rng.standard_normal((int(cq[-1]), hq, d)).astype(dtype)
+    k = rng.standard_normal((int(ck[-1]), hk, d)).astype(dtype)
+    v = rng.standard_normal((int(ck[-1]), hk, dv)).astype(dtype)
+    seqused = None
+    if used == "some":   # every other sequence uses about half of its keys (0 for one key)
+        seqused = np.array([n // 2 if b % 2 == 0 else n for b, n in enumerate(lk)], np.int32)
+    return q, k, v, cq, ck, int(lq.max(initial=0)), int(lk.max(initial=0)), seqused
+
+
+def sequences(cq, ck, seqused):
+    for b in range(len(cq) - 1):
+        n_used = (ck[b + 1] - ck[b]) if seqused is None else seqused[b]
+        yield slice(cq[b], cq[b + 1]), slice(ck[b], ck[b] + n_used), slice(ck[b], ck[b + 1])
+
+
+def check_forward(out, lse, q, k, v, cq, ck, seqused, **kw):
+    assert out.shape == q.shape[:2] + (v.shape[-1],) and lse.shape == (q.shape[1], q.shape[0])
+    for rq, rk, _ in sequences(cq, ck, seqused):
+        if rq.stop == rq.start:
+            continue
+        qs, ks, vs = q[None, rq], k[None, rk], v[None, rk]
+        check_close(out[None, rq], qs, ks, vs, layout="bshd", **kw)
+        _, lse64 = ref.naive_attention(qs.astype(np.float64), ks.astype(np.float64), vs.astype(np.float64),
+                                       layout="bshd", return_lse=True, **kw)
+        got = lse[:, rq]
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(lse64[0]))
+        fin = np.isfinite(lse64[0])
+        np.testing.assert_allclose(got[fin], lse64[0][fin], rtol=1e-3, atol=2e-3)
+
+
+def check_backward(grads, dout, q, k, v, out, lse, cq, ck, seqused, **kw):
+    dq, dk, dv = grads
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    for rq, rk, rall in sequences(cq, ck, seqused):
+        unused = slice(rk.stop, rall.stop)
+        assert (dk[unused] == 0).all() and (dv[unused] == 0).all(), "keys past seqused_k get dk = dv = 0"
+        if rq.stop == rq.start or rk.stop == rk.start:
+            assert (dq[rq] == 0).all() and (dk[rk] == 0).all() and (dv[rk] == 0).all()
+            continue
+        g = (dq[None, rq], dk[None, rk], dv[None, rk])
+        check_grads_close(g, dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq],
+                          np.ascontiguousarray(lse[None, :, rq]), layout="bshd", **kw)
+
+
+def run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, *, checked=False, seed=0):
+    hq, hk = heads
+    dv = d if dv_kind == "same" else HEAD_DIMS[(HEAD_DIMS.index(d) + 2) % len(HEAD_DIMS)]
+    dt = DTYPES[dtype_key]
+    q, k, v, cq, ck, mq, mk, used_k = make_batch(rng, BATCHES[batch], hq, hk, d, dv, dt, used)
+    causal, window = MASKS[mask]
+    kw = dict(causal=causal, window_size=window)
+    out, lse = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, seqused_k=used_k, return_lse=True, **kw)  # NumPy
+    check_forward(out, lse, q, k, v, cq, ck, used_k, **kw)
+    problem = validation.check_attention_varlen(q, k, v, cq, ck, mq, mk, seqused_k=used_k, **kw)
+    arch = int(ARCH[tier][3:])
+    want = "attention_fwd_simt" if tier.startswith("simt") else "attention_fwd_mma"
+    assert dispatch.forward_tier(problem, arch, (q, k, v)).__name__.endswith(want)
+    with cuflash.sim.options(arch=ARCH[tier], checked=checked, seed=seed):
+        o_sim, l_sim = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, seqused_k=used_k, return_lse=True,
+                                                backend="sim", **kw)
+        check_forward(o_sim, l_sim, q, k, v, cq, ck, used_k, **kw)
+        dout = rng.standard_normal(out.shape).astype(dt)
+        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, mq, mk, seqused_k=used_k,
+                                                  deterministic=mode == "deterministic", backend="sim", **kw)
+    check_backward(grads, dout, q, k, v, out, lse, cq, ck, used_k, **kw)
+    numpy_grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, mq, mk, seqused_k=used_k, **kw)
+    check_backward(numpy_grads, dout, q, k, v, out, lse, cq, ck, used_k, **kw)
+    return o_sim, grads
+
+
+@pytest.mark.parametrize("batch,heads,d,dv,mask,used,dtype,tier,mode", PAIRWISE)
+def test_pairwise_grid(batch, heads, d, dv, mask, used, dtype, tier, mode, rng):
+    run_case(rng, batch, heads, d, dv, mask, used, dtype, tier, mode)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_checked_mode(tier, rng, monkeypatch):
+    monkeypatch.setattr(attention_bwd_simt, "MAX_DETERMINISTIC_SPLITS", 2)
+    for mode in MODES:
+        run_case(rng, "mixed5", (4, 2), 64, "other", "causal", "some", "bf16", tier, mode, checked=True)
+        run_case(rng, "long", (2, 1), 128, "same", "window", "all", "f16", tier, mode, checked=True)
+
+
+@pytest.mark.parametrize("tier", ["mma_sm90", "simt_sm75"])
+def test_deterministic_bits_across_thread_orders(tier, monkeypatch):
+    monkeypatch.setattr(attention_bwd_simt, "MAX_DETERMINISTIC_SPLITS", 2)
+    a = run_case(np.random.default_rng(3), "mixed5", (4, 2), 128, "same", "causal", "all", "bf16", tier,
+                 "deterministic", seed=1)[1]
+    b = run_case(np.random.default_rng(3), "mixed5", (4, 2), 128, "same", "causal", "all", "bf16", tier,
+                 "deterministic", seed=777)[1]
+    for x, y in zip(a, b):
+        assert np.array_equal(x.view(np.uint16), y.view(np.uint16))
+
+
+def test_matches_fixed_shape_calls_bit_for_bit_per_sequence(rng):
+    # one sequence of a packed batch is the same computation as a fixed-shape call on its slices
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 4, 2, 64, 64, dtypes.bfloat16)
+    with cuflash.sim.options(arch="sm_90"):
+        packed = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, backend="sim")
+        for b in (0, 2):
+            rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            alone = cuflash.attention(q[None, rq], k[None, rk], v[None, rk], causal=True, layout="bshd", backend="sim")
+            assert np.array_equal(packed[rq].view(np.uint16), alone[0].view(np.uint16))
+
+
+@pytest.mark.parametrize("tier", ["mma_sm90", "simt_sm75"])
+def test_hostile_indices_stay_inside_the_arrays(tier, rng):
+    """Device-resident indices are not read by the host: whatever they hold, the kernels clamp
+    every index into the arrays (checked mode would report any access outside q, k, v, out or
+    lse), and rows no tile covers come out NaN (the fresh output is NaN-filled), never stale
+    data. The problem is built from valid indices, then handed garbage as if unchecked."""
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 2, 1, 64, 64, dtypes.float16)
+    problem = validation.check_attention_varlen(q, k, v, cq, ck, mq, mk)
+    # decreasing, negative, past the end; clamped, the sequences do not overlap (overlapping
+    # ones would race on dk/dv between blocks, inside the arrays, which checked mode reports too)
+    bad_q = np.array([5, -7, 10**6, 2], np.int32)   # -> [5, 5), [0, 38), [38, 38)
+    bad_k = np.array([0, 80, 90, 2**31 - 1], np.int32)   # -> [0, 50), [50, 50), [50, 50)
+    used = np.array([10**6, -3, 1], np.int32)
+    vl = dataclasses.replace(problem.varlen, cu_seqlens_q=bad_q, cu_seqlens_k=bad_k, seqused_k=used, checked=False)
+    hostile = dataclasses.replace(problem, varlen=vl)
+    from cuflash.sim import launcher
+
+    with cuflash.sim.options(arch=ARCH[tier], checked=True):
+        arch = int(ARCH[tier][3:])
+        out, lse = dispatch.run_forward(hostile, q, k, v, None, True, xp=np, arch=arch, launch=launcher.run)
+        tier_mod = dispatch.backward_tier(hostile, arch, (q, k, v, out, out))
+        dout = np.ones_like(out)
+        grads = tier_mod.backward(hostile, dout, q, k, v, out, np.nan_to_num(lse, nan=0.0), xp=np, arch=arch,
+                                  launch=launcher.run)
+    # the one non-empty query sequence has no key: output 0, lse -inf; no query sees any key:
+    # every gradient 0 (and nothing NaN: every row of this batch is covered by a tile)
+    assert (out == 0).all() and np.isneginf(lse).all()
+    assert all((g == 0).all() for g in grads)
+
+
+BAD = [
+    (lambda a: dict(a, cu_seqlens_q=a["cu_seqlens_q"].astype(np.int64)), TypeError, "cu_seqlens_q must be int32"),
+    (lambda a: dict(a, cu_seqlens_k=a["cu_seqlens_k"][None]), ValueError, "cu_seqlens_k must be 1-D"),
+    (lambda a: dict(a, cu_seqlens_k=a["cu_seqlens_k"][:-1]), ValueError, r"cu_seqlens_k.shape=\(3,\) must be \(4,\)"),
+    (lambda a: dict(a, cu_seqlens_q=a["cu_seqlens_q"] + 1), ValueError, r"cu_seqlens_q\[0\]=1 must be 0"),
+    (lambda a: dict(a, cu_seqlens_q=np.array([0, 5, 3, 78], np.int32)), ValueError, "must be non-decreasing"),
+    (lambda a: dict(a, cu_seqlens_k=np.array([0, 7, 10, 49], np.int32)), ValueError,
+     r"cu_seqlens_k\[-1\]=49 must equal k.shape\[0\]=50"),
+    (lambda a: dict(a, max_seqlen_q=20), ValueError, "max_seqlen_q=20 is smaller than sequence 2's length 33"),
+    (lambda a: dict(a, max_seqlen_k=-1), ValueError, r"max_seqlen_k=-1 must be in \[0"),
+    (lambda a: dict(a, max_seqlen_k=1.5), TypeError, "max_seqlen_k must be an int"),
+    (lambda a: dict(a, seqused_k=np.array([1, 2], np.int32)), ValueError, r"seqused_k.shape=\(2,\) must be \(3,\)"),
+    (lambda a: dict(a, seqused_k=np.array([8, 0, 0], np.int32)), ValueError, r"seqused_k\[0\]=8 must be in \[0, 7\]"),
+    (lambda a: dict(a, q=a["q"][None]), ValueError, "q.ndim must be 3"),
+    (lambda a: dict(a, v=a["v"][:-1]), ValueError, r"v.shape\[0\]=49 must equal k.shape\[0\]=50"),
+    (lambda a: dict(a, k=a["k"][:, :, :32], v=a["v"][:, :, :32]), ValueError, r"k.shape\[-1\]=32 must equal q.shape\[-1\]=64"),
+    (lambda a: dict(a, q=a["q"][:, :3]), ValueError, "3 query heads must be a multiple of"),
+    (lambda a: dict(a, k=a["k"].astype(np.float32)), TypeError, "k.dtype=float32 must equal q.dtype=float16"),
+    (lambda a: dict(a, cu_seqlens_q=[0, 5, 5, 38]), TypeError, "cu_seqlens_q must be an array"),
+]
+
+
+@pytest.mark.parametrize("edit,exc,match", BAD, ids=[b[2][:40] for b in BAD])
+def test_bad_input_is_refused_before_any_work(edit, exc, match, rng):
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 4, 2, 64, 64, dtypes.float16)
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
+    for backend in ("numpy", "sim"):
+        with pytest.raises(exc, match=match):
+            cuflash.attention_varlen(**edit(args), backend=backend)
+
+
+def test_backward_bad_input(rng):
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 4, 2, 64, 64, dtypes.float16)
+    out, lse = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, return_lse=True)
+    with pytest.raises(ValueError, match=r"lse.shape=\(38, 4\) must be \(4, 38\)"):
+        cuflash.attention_varlen_backward(out, q, k, v, out, lse.T, cq, ck, mq, mk)
+    with pytest.raises(ValueError, match=r"dout.shape=\(38, 4, 32\) must be \(38, 4, 64\)"):
+        cuflash.attention_varlen_backward(out[..., :32], q, k, v, out, lse, cq, ck, mq, mk)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        cuflash.attention_varlen_backward(out, q, k, v, out, lse, cq, ck, mq, mk, deterministic=1)
+
+
+def test_empty_batch_and_out(rng):
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 2, 1, 64, 64, dtypes.float16)
+    empty = np.zeros(1, np.int32)
+    z = cuflash.attention_varlen(q[:0], k[:0], v[:0], empty, empty, 0, 0, backend="sim")
+    assert z.shape == (0, 2, 64)
+    buf = np.full(q.shape[:2] + (64,), np.nan, np.float16)
+    got = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, out=buf, backend="sim")
+    assert got is buf and not np.isnan(buf.astype(np.float32)).any()
+
+
+def test_torch_cpu_tensors_come_back_as_tensors(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 2, 1, 32, 32, np.float32)
+    out = cuflash.attention_varlen(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
+                                   torch.from_numpy(cq), torch.from_numpy(ck), mq, mk, causal=True)
+    assert isinstance(out, torch.Tensor)
+    np.testing.assert_array_equal(out.numpy(), cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True))
