@@ -8,6 +8,14 @@ It registers two custom operators with :func:`torch.library.custom_op`:
 * ``cuflash::attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, window_left,
   window_right, layout, deterministic=False) -> (dq, dk, dv)``
 
+and, for packed variable-length batches (:func:`attention_varlen`),
+
+* ``cuflash::attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+  max_seqlen_k, causal, softmax_scale, window_left, window_right, deterministic=False) -> (out, lse)``
+* ``cuflash::attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+  max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, deterministic=False)
+  -> (dq, dk, dv)``
+
 each with a ``register_fake`` implementation (shapes and dtypes only), so ``torch.compile``
 traces through them without graph breaks (``fullgraph=True`` works), and the forward with
 ``register_autograd`` (the context saves q, k, v, out and lse; the backward is the
@@ -32,7 +40,7 @@ from cuflash.reference import backward as ref_backward
 from cuflash.reference import forward as ref_forward
 from cuflash.runtime import interop, validation
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen"]
 
 _FUNC = "cuflash.torch.attention"
 
@@ -264,4 +272,146 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     else:
         scale = validation.check_softmax_scale(softmax_scale, 1, _FUNC)
     out, _ = attention_fwd(q, k, v, causal, scale, left, right, layout, deterministic)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# packed variable-length batches
+
+_FUNC_VARLEN = "cuflash.torch.attention_varlen"
+
+
+def _varlen_call(fn, arrays, index, device, **kw):
+    """``fn`` (cuflash.attention_varlen or its backward) on CPU tensors through NumPy views, or
+    on CUDA tensors through the CUDA kernels (``backend="cuda"``)."""
+    cu_q, cu_k, used = index
+    if device.type == "cpu":
+        res = fn(*(_to_numpy(t) for t in arrays), _to_numpy(cu_q), _to_numpy(cu_k),
+                 seqused_k=None if used is None else _to_numpy(used), backend="numpy", **kw)
+        return tuple(_from_numpy(np.ascontiguousarray(r) if not r.flags.writeable else r) for r in res)
+    if device.type != "cuda":
+        raise NotImplementedError(f"{_FUNC_VARLEN}: tensors on device {device} are not supported; expected CPU or CUDA")
+
+    def prepare(t):
+        if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            t = t.contiguous()  # the one documented copy (e.g. a stride-0 gradient)
+        return t.detach()
+
+    return tuple(fn(*(prepare(t) for t in arrays), cu_q, cu_k, seqused_k=used, backend="cuda", **kw))
+
+
+@torch.library.custom_op("cuflash::attention_varlen_fwd", mutates_args=())
+def attention_varlen_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    seqused_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+    window_left: int, window_right: int, deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed forward: ``(out (total_q, Hq, Dv), lse (Hq, total_q))``; ``deterministic`` is the
+    backward's (saved for it)."""
+    import cuflash
+
+    return _varlen_call(cuflash.attention_varlen, (q, k, v), (cu_seqlens_q, cu_seqlens_k, seqused_k), q.device,
+                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+                        softmax_scale=softmax_scale, window_size=(window_left, window_right), return_lse=True)
+
+
+@attention_varlen_fwd.register_fake
+def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal,
+                               softmax_scale, window_left, window_right, deterministic=False):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]),
+                                                                           dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("cuflash::attention_varlen_bwd", mutates_args=())
+def attention_varlen_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor | None, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed backward: ``(dq, dk, dv)`` in q's, k's and v's shapes (keys past seqused_k: 0)."""
+    import cuflash
+
+    kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+              window_size=(window_left, window_right))
+    if q.device.type == "cuda":
+        kw["deterministic"] = deterministic
+    return _varlen_call(cuflash.attention_varlen_backward, (dout, q, k, v, out, lse),
+                        (cu_seqlens_q, cu_seqlens_k, seqused_k), q.device, **kw)
+
+
+@attention_varlen_bwd.register_fake
+def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                               max_seqlen_k, causal, softmax_scale, window_left, window_right, deterministic=False):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, used, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used)
+    ctx.options = tuple(options)
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, used = ctx.saved_tensors
+    dq, dk, dv = attention_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used, *ctx.options)
+    return (dq, dk, dv) + (None,) * 10
+
+
+attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window_size=(-1, -1), seqused_k=None, deterministic=False):
+    """Differentiable attention over a packed batch of variable-length sequences.
+
+    The conventions of :func:`cuflash.attention_varlen` (flash-attn's ``flash_attn_varlen_func``
+    with FA3's ``seqused_k``); gradients with respect to q, k and v from
+    :func:`cuflash.attention_varlen_backward`. Works under ``torch.compile`` (``fullgraph=True``)
+    through the custom operators ``cuflash::attention_varlen_fwd`` / ``_bwd``.
+
+    Parameters
+    ----------
+    q : torch.Tensor ``(total_q, Hq, D)``
+    k, v : torch.Tensor ``(total_k, Hk, D)``, ``(total_k, Hk, Dv)``
+        One dtype and device (CPU: the NumPy implementation; CUDA: the kernels, torch's current
+        stream).
+    cu_seqlens_q, cu_seqlens_k : torch.Tensor, int32 ``(B + 1,)``
+        On the tensors' device (CPU indices are checked in full; CUDA ones for dtype and shape).
+    max_seqlen_q, max_seqlen_k : int
+    causal, softmax_scale, window_size
+        As :func:`cuflash.torch.attention`, per sequence (bottom-right causal alignment).
+    seqused_k : torch.Tensor, int32 ``(B,)``, optional
+    deterministic : bool
+        The backward's, on CUDA tensors (CPU is always deterministic).
+
+    Returns
+    -------
+    torch.Tensor ``(total_q, Hq, Dv)``, differentiable with respect to q, k, v.
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        As :func:`cuflash.attention_varlen` (raised when the operator runs).
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{_FUNC_VARLEN}: {name} must be a torch.Tensor, got {type(x).__module__}.{type(x).__qualname__}")
+    if seqused_k is not None and not isinstance(seqused_k, torch.Tensor):
+        raise TypeError(f"{_FUNC_VARLEN}: seqused_k must be a torch.Tensor or None, got {type(seqused_k).__qualname__}")
+    causal = validation.check_flag(causal, "causal", _FUNC_VARLEN)
+    deterministic = validation.check_flag(deterministic, "deterministic", _FUNC_VARLEN)
+    max_q = validation.check_int(max_seqlen_q, "max_seqlen_q", _FUNC_VARLEN)
+    max_k = validation.check_int(max_seqlen_k, "max_seqlen_k", _FUNC_VARLEN)
+    left, right = validation.normalize_window(*validation.check_window_size(window_size, False, _FUNC_VARLEN),
+                                              max(max_q, 0), max(max_k, 0))
+    if softmax_scale is None:
+        head_dim = q.shape[-1] if q.dim() else 0
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    else:
+        scale = validation.check_softmax_scale(softmax_scale, 1, _FUNC_VARLEN)
+    out, _ = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_q, max_k, causal, scale, left,
+                                  right, deterministic)
     return out

@@ -493,7 +493,8 @@ def test_check_backward_section_through_a_numpy_stand_in(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     lines = []
     note = check.section_backward(check._Clock(600), lines.append)
-    assert note.startswith("6 cases (head dims to 256") and len(lines) == 6, (note, lines)
+    assert note.startswith("6 cases (head dims to 256") and len(lines) == 7, (note, lines)
+    assert "attention_varlen" in lines[-1]
     real = cuflash.attention_backward
     runs = []
 
