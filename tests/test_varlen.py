@@ -123,9 +123,10 @@ def run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, *
     return o_sim, grads
 
 
-@pytest.mark.parametrize("batch,heads,d,dv,mask,used,dtype,tier,mode", PAIRWISE)
-def test_pairwise_grid(batch, heads, d, dv, mask, used, dtype, tier, mode, rng):
-    run_case(rng, batch, heads, d, dv, mask, used, dtype, tier, mode)
+@pytest.mark.parametrize("case", range(len(PAIRWISE)), ids=["-".join(map(str, c)) for c in PAIRWISE])
+def test_pairwise_grid(case, rng):
+    # the simulator's thread-order seed varies over the grid (0..3): copies land early or late
+    run_case(rng, *PAIRWISE[case], seed=case % 4)
 
 
 @pytest.mark.parametrize("tier", TIERS)

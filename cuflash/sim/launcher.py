@@ -179,6 +179,7 @@ class _Config(ctypes.Structure):
         ("regions", ctypes.c_void_p),
         ("nregions", ctypes.c_uint64),
         ("report", ctypes.c_void_p),
+        ("stack_pool", ctypes.c_void_p),
     ]
 
 
@@ -324,6 +325,23 @@ _SCALAR_KINDS = {
 _KIND_NAMES = {"p": "pointer", "i": "signed integer", "u": "unsigned integer", "f": "floating point", "s": "struct"}
 
 
+#: the process's fiber-stack pool (cusim.h: StackPool), made by the first module loaded and
+#: handed to every launch, so the modules of a session share one set of stacks (a pool per
+#: module would exhaust the kernel's memory-map limit over a test session)
+_STACK_POOL = None
+_STACK_POOL_LOCK = threading.Lock()
+
+
+def _share_stack_pool(lib) -> None:
+    global _STACK_POOL
+    with _STACK_POOL_LOCK:
+        if _STACK_POOL is None:
+            make = lib.cusim_new_stack_pool
+            make.restype = ctypes.c_void_p
+            make.argtypes = []
+            _STACK_POOL = make()
+
+
 class SimModule:
     """A compiled simulator module (one source text, several entries)."""
 
@@ -334,6 +352,7 @@ class SimModule:
         self.checked = checked
         self.compile_seconds = compile_seconds
         self._lib = ctypes.CDLL(str(path))
+        _share_stack_pool(self._lib)
         self._launch = {}
         self.signatures: dict[str, tuple[tuple[str, int], ...]] = {}
         for e in entries:
@@ -438,6 +457,7 @@ class SimModule:
         cfg.seed = opts.seed
         cfg.stack_size = opts.stack_kib * 1024
         cfg.stack_poison = min(STACK_POISON_BYTES, cfg.stack_size)
+        cfg.stack_pool = _STACK_POOL
         cfg.error = ctypes.cast(err, ctypes.c_char_p)
         cfg.error_cap = _ERROR_CAP
         if plan.shared_mem_bytes > cfg.smem_limit:
