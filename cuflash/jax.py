@@ -60,8 +60,7 @@ def _forward_callback(causal, scale, window, ctx, outs, q, k, v):
 
     o_buf, l_buf = outs
     if _on_gpu(q):
-        import cupy
-
+        cupy = _cupy()
         with cupy.cuda.ExternalStream(int(ctx.stream)):
             qc, kc, vc, oc, lc = (cupy.asarray(b) for b in (q, k, v, o_buf, l_buf))
             _, lse = cuflash.attention(qc, kc, vc, causal=causal, softmax_scale=scale, window_size=window,
@@ -78,8 +77,7 @@ def _backward_callback(causal, scale, window, deterministic, ctx, outs, dout, q,
     import cuflash
 
     if _on_gpu(q):
-        import cupy
-
+        cupy = _cupy()
         with cupy.cuda.ExternalStream(int(ctx.stream)):
             args = [cupy.asarray(b) for b in (dout, q, k, v, out, lse)]
             grads = cuflash.attention_backward(*args, causal=causal, softmax_scale=scale, window_size=window,
@@ -91,6 +89,16 @@ def _backward_callback(causal, scale, window, deterministic, ctx, outs, dout, q,
                                        softmax_scale=scale, window_size=window, backend="numpy")
     for buf, g in zip(outs, grads):
         np.asarray(buf)[...] = g
+
+
+def _cupy():
+    """CuPy, which the GPU branch of the callbacks needs (a clear error where it is missing)."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise RuntimeError("cuflash.jax: JAX GPU arrays run the CUDA kernels through CuPy, which is not "
+                           f"installed ({e}); pip install 'cuflash[cuda12]' (or [cuda13])") from None
+    return cupy
 
 
 def _lse_dtype(dtype):
@@ -189,8 +197,7 @@ def _varlen_forward_callback(opts, ctx, outs, q, k, v, cu_q, cu_k, used):
     o_buf, l_buf = outs
     kw = dict(opts, return_lse=True)
     if _on_gpu(q):
-        import cupy
-
+        cupy = _cupy()
         with cupy.cuda.ExternalStream(int(ctx.stream)):
             a = [cupy.asarray(b) for b in (q, k, v, cu_q, cu_k, used)]
             _, lse = cuflash.attention_varlen(*a[:5], seqused_k=a[5] if opts["seqused"] else None,
@@ -208,8 +215,7 @@ def _varlen_backward_callback(opts, ctx, outs, dout, q, k, v, out, lse, cu_q, cu
     import cuflash
 
     if _on_gpu(q):
-        import cupy
-
+        cupy = _cupy()
         with cupy.cuda.ExternalStream(int(ctx.stream)):
             a = [cupy.asarray(b) for b in (dout, q, k, v, out, lse, cu_q, cu_k, used)]
             grads = cuflash.attention_varlen_backward(*a[:8], seqused_k=a[8] if opts["seqused"] else None,
