@@ -250,13 +250,13 @@ def _check_backward_arrays(problem, dout, out, lse) -> None:
 
 
 def _sequences(problem):
-    """``(b, q rows, key rows used, key rows owned)`` slices of each non-empty sequence (host)."""
+    """``(query rows, key rows used)`` slices of each sequence (host indices)."""
     vl = problem.varlen
     cq = np.asarray(vl.cu_seqlens_q, dtype=np.int64)
     ck = np.asarray(vl.cu_seqlens_k, dtype=np.int64)
-    _, lk, used = vl.host_lengths()
+    used = vl.used_keys()
     for b in range(vl.batch):
-        yield b, slice(cq[b], cq[b + 1]), slice(ck[b], ck[b] + used[b]), slice(ck[b], ck[b + 1])
+        yield slice(cq[b], cq[b + 1]), slice(ck[b], ck[b] + used[b])
 
 
 def _forward_numpy(problem, q, k, v, out, return_lse):
@@ -270,7 +270,7 @@ def _forward_numpy(problem, q, k, v, out, return_lse):
     lse = np.empty(p.lse_shape, dtype=acc)
     kw = dict(causal=p.causal, softmax_scale=p.softmax_scale, window_size=(p.window_left, p.window_right),
               layout="bshd", return_lse=True, backend="numpy")
-    for _, rq, rk, _ in _sequences(p):
+    for rq, rk in _sequences(p):
         if rq.stop == rq.start:
             continue
         o, lse_b = api.attention(q[None, rq], k[None, rk], v[None, rk], **kw)
@@ -287,7 +287,7 @@ def _backward_numpy(problem, dout, q, k, v, out, lse):
     dq, dk, dv = np.zeros(q.shape, p.dtype), np.zeros(k.shape, p.dtype), np.zeros(v.shape, p.dtype)
     kw = dict(causal=p.causal, softmax_scale=p.softmax_scale, window_size=(p.window_left, p.window_right),
               layout="bshd", backend="numpy")
-    for _, rq, rk, _ in _sequences(p):
+    for rq, rk in _sequences(p):
         if rq.stop == rq.start or rk.stop == rk.start:
             continue   # no query: nothing flows; no key used: dq = 0 and dk = dv = 0
         g = api_backward.attention_backward(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq],

@@ -55,40 +55,44 @@ def _on_gpu(buf) -> bool:
         return False
 
 
+def _run(ctx, outs, ins, compute) -> None:
+    """The body every callback shares: view JAX's buffers as CuPy arrays on XLA's stream (GPU)
+    or as NumPy arrays (CPU), call ``compute(inputs, outputs, backend)``, and write each result
+    it returns into its output buffer (a result that is the output itself was written in place)."""
+    if _on_gpu(ins[0]):
+        cupy = _cupy()
+        with cupy.cuda.ExternalStream(int(ctx.stream)):
+            o = [cupy.asarray(b) for b in outs]
+            _write(compute([cupy.asarray(b) for b in ins], o, "cuda"), o)
+        return
+    o = [np.asarray(b) for b in outs]
+    _write(compute([np.asarray(b) for b in ins], o, "numpy"), o)
+
+
+def _write(results, outs) -> None:
+    for dst, r in zip(outs, results):
+        if r is not dst:
+            dst[...] = r
+
+
 def _forward_callback(causal, scale, window, ctx, outs, q, k, v):
     import cuflash
 
-    o_buf, l_buf = outs
-    if _on_gpu(q):
-        cupy = _cupy()
-        with cupy.cuda.ExternalStream(int(ctx.stream)):
-            qc, kc, vc, oc, lc = (cupy.asarray(b) for b in (q, k, v, o_buf, l_buf))
-            _, lse = cuflash.attention(qc, kc, vc, causal=causal, softmax_scale=scale, window_size=window,
-                                       return_lse=True, out=oc, backend="cuda")
-            lc[...] = lse
-        return
-    o, lse = cuflash.attention(np.asarray(q), np.asarray(k), np.asarray(v), causal=causal, softmax_scale=scale,
-                               window_size=window, return_lse=True, backend="numpy")
-    np.asarray(o_buf)[...] = o
-    np.asarray(l_buf)[...] = lse
+    def compute(a, o, backend):
+        return cuflash.attention(*a, causal=causal, softmax_scale=scale, window_size=window, return_lse=True,
+                                 out=o[0], backend=backend)
+
+    _run(ctx, outs, (q, k, v), compute)
 
 
 def _backward_callback(causal, scale, window, deterministic, ctx, outs, dout, q, k, v, out, lse):
     import cuflash
 
-    if _on_gpu(q):
-        cupy = _cupy()
-        with cupy.cuda.ExternalStream(int(ctx.stream)):
-            args = [cupy.asarray(b) for b in (dout, q, k, v, out, lse)]
-            grads = cuflash.attention_backward(*args, causal=causal, softmax_scale=scale, window_size=window,
-                                               deterministic=deterministic, backend="cuda")
-            for buf, g in zip(outs, grads):
-                cupy.asarray(buf)[...] = g
-        return
-    grads = cuflash.attention_backward(*(np.asarray(b) for b in (dout, q, k, v, out, lse)), causal=causal,
-                                       softmax_scale=scale, window_size=window, backend="numpy")
-    for buf, g in zip(outs, grads):
-        np.asarray(buf)[...] = g
+    def compute(a, o, backend):
+        return cuflash.attention_backward(*a, causal=causal, softmax_scale=scale, window_size=window,
+                                          deterministic=deterministic, backend=backend)
+
+    _run(ctx, outs, (dout, q, k, v, out, lse), compute)
 
 
 def _cupy():
@@ -194,46 +198,26 @@ _FUNC_VARLEN = "cuflash.jax.attention_varlen"
 def _varlen_forward_callback(opts, ctx, outs, q, k, v, cu_q, cu_k, used):
     import cuflash
 
-    o_buf, l_buf = outs
-    kw = dict(opts, return_lse=True)
-    if _on_gpu(q):
-        cupy = _cupy()
-        with cupy.cuda.ExternalStream(int(ctx.stream)):
-            a = [cupy.asarray(b) for b in (q, k, v, cu_q, cu_k, used)]
-            _, lse = cuflash.attention_varlen(*a[:5], seqused_k=a[5] if opts["seqused"] else None,
-                                              out=cupy.asarray(o_buf), backend="cuda", **_varlen_kw(kw))
-            cupy.asarray(l_buf)[...] = lse
-        return
-    a = [np.asarray(b) for b in (q, k, v, cu_q, cu_k, used)]
-    o, lse = cuflash.attention_varlen(*a[:5], seqused_k=a[5] if opts["seqused"] else None, backend="numpy",
-                                      **_varlen_kw(kw))
-    np.asarray(o_buf)[...] = o
-    np.asarray(l_buf)[...] = lse
+    def compute(a, o, backend):
+        return cuflash.attention_varlen(*a[:5], seqused_k=a[5] if opts["seqused"] else None, return_lse=True,
+                                        out=o[0], backend=backend, **_varlen_kw(opts))
+
+    _run(ctx, outs, (q, k, v, cu_q, cu_k, used), compute)
 
 
 def _varlen_backward_callback(opts, ctx, outs, dout, q, k, v, out, lse, cu_q, cu_k, used):
     import cuflash
 
-    if _on_gpu(q):
-        cupy = _cupy()
-        with cupy.cuda.ExternalStream(int(ctx.stream)):
-            a = [cupy.asarray(b) for b in (dout, q, k, v, out, lse, cu_q, cu_k, used)]
-            grads = cuflash.attention_varlen_backward(*a[:8], seqused_k=a[8] if opts["seqused"] else None,
-                                                      deterministic=opts["deterministic"], backend="cuda",
-                                                      **_varlen_kw(opts))
-            for buf, g in zip(outs, grads):
-                cupy.asarray(buf)[...] = g
-        return
-    a = [np.asarray(b) for b in (dout, q, k, v, out, lse, cu_q, cu_k, used)]
-    grads = cuflash.attention_varlen_backward(*a[:8], seqused_k=a[8] if opts["seqused"] else None, backend="numpy",
-                                              **_varlen_kw(opts))
-    for buf, g in zip(outs, grads):
-        np.asarray(buf)[...] = g
+    def compute(a, o, backend):
+        return cuflash.attention_varlen_backward(*a[:8], seqused_k=a[8] if opts["seqused"] else None,
+                                                 deterministic=opts["deterministic"], backend=backend,
+                                                 **_varlen_kw(opts))
+
+    _run(ctx, outs, (dout, q, k, v, out, lse, cu_q, cu_k, used), compute)
 
 
 def _varlen_kw(opts):
-    return {key: opts[key] for key in ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_size")} | (
-        {"return_lse": True} if opts.get("return_lse") else {})
+    return {key: opts[key] for key in ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_size")}
 
 
 def _varlen_forward(q, k, v, cu_q, cu_k, used, opts):

@@ -53,9 +53,9 @@
 // are free of bank conflicts): K [Bc], V [Bc], Q [STAGES][Br], dO [STAGES][Br], P [Br], dS [Br],
 // then lse (natural log, as stored by the forward) and Dd [STAGES][Br] as float32.
 //
-// Variable-length batches (varlen != 0; common.cuh: varlen_seq): the block's sequence offsets the
-// base pointers and sets its lengths; Dd and the dQ workspace are then one packed sequence of
-// total_q rows. Key tiles past the sequence's keys exit; keys past seqused_k get dK = dV = 0.
+// Variable-length batches (the CUFLASH_VARLEN 1 variants; common.cuh: varlen_seq_uniform): the
+// block's sequence offsets the base pointers and sets its lengths; Dd and the dQ workspace are
+// then one packed sequence of total_q rows. Key tiles past the sequence's keys exit; keys past seqused_k get dK = dV = 0.
 //
 // Variant prelude (cuflash/kernels/attention_bwd_mma.py): CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BF16,
 // CUFLASH_HEAD_DIM_MAX, CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS,

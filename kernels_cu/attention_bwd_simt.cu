@@ -33,9 +33,9 @@
 // whose LSE is -inf saw no key in the forward: its P is 0 (never exp(-inf - -inf)), so it adds
 // nothing and its dq stays 0.
 //
-// Variable-length batches (stage 1, varlen != 0; common.cuh: varlen_seq): the block's sequence
-// offsets the base pointers and sets its lengths; Dd and dq_accum are one packed sequence of
-// total_q rows. Key tiles past the sequence's keys exit; keys past seqused_k get dK = dV = 0.
+// Variable-length batches (stage 1, the CUFLASH_VARLEN 1 variants; common.cuh: varlen_seq): the
+// block's sequence offsets the base pointers and sets its lengths; Dd and dq_accum are one packed
+// sequence of total_q rows. Key tiles past the sequence's keys exit; keys past seqused_k get dK = dV = 0.
 //
 // Variant prelude (cuflash/kernels/attention_bwd_simt.py): CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BWD_STAGE,
 // CUFLASH_HEAD_DIM_MAX, CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS,

@@ -50,8 +50,9 @@
 // D, Dv multiples of 8 (cuflash/kernels/attention_fwd_mma.py: unsupported_reason; the dispatcher falls back
 // to the SIMT kernel otherwise).
 //
-// Variable-length batches (varlen != 0): the block's sequence offsets the base pointers and sets
-// its lengths before anything else (common.cuh: varlen_seq); tiles past its length exit at once.
+// Variable-length batches (the CUFLASH_VARLEN 1 variants): the block's sequence moves the base
+// pointers and sets the lengths before anything else (common.cuh: varlen_seq_uniform; the lengths
+// stay in uniform registers, as the fixed form's arguments do); tiles past it exit at once.
 //
 // Variant prelude (cuflash/kernels/attention_fwd_mma.py: AttentionFwdMma.defines()):
 //   CUFLASH_ENTRY, CUFLASH_T (__half, __nv_bfloat16), CUFLASH_BF16 (0/1), CUFLASH_HEAD_DIM_MAX,
@@ -129,23 +130,14 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int tile = num_q_tiles - 1 - at.tile, head = at.head;   // last tiles (the most keys) first
     const long long batch = at.batch;
     const int head_k = head / group_size;
-    // A packed batch (common.cuh: varlen_seq): this sequence's rows and lengths. The lengths the
-    // loop and the epilogue need are re-read from shared memory (seq_s, written by thread 0 and
-    // published by the loop's first barrier, or by the epilogue's where no tile runs), and out and
-    // lse are moved only in the epilogue, so the packed form holds no more registers across the
-    // loop than the fixed one (whose lengths are kernel arguments).
-    const int total_q = seqlen_q;
-    int k0 = 0;
 #if CUFLASH_VARLEN
-    {
+    {   // a packed batch: this sequence's rows and lengths
         const VarlenSeq sq = varlen_seq_uniform(batch, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k);
         q += sq.q0 * q_row_stride, out += sq.q0 * o_row_stride, lse += sq.q0;
         k += sq.k0 * k_row_stride, v += sq.k0 * v_row_stride;
         seqlen_q = sq.seqlen_q, seqlen_k = sq.seqlen_k;
     }
 #endif
-#define SEQLEN_Q seqlen_q
-#define SEQLEN_K seqlen_k
 
     const int row0 = tile * BR;
     const int rows = min(BR, seqlen_q - row0);
@@ -164,25 +156,20 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     // tile per copy, so no row-stride product is redone in the loop.
     const int cp_r0 = tid / CHUNKS, cp_c = tid % CHUNKS;
     const int s_thread = cp_r0 * PITCH + cp_c * 8;
-    // (packed: k_head and v_head stay the heads' bases in the packed arrays, block-uniform, the
-    // zero-fill address; only the thread's own sources start at the sequence's first key)
-    const elem_t* k_src = k_head + (k0 + kv_lo + cp_r0) * k_row_stride + cp_c * 8;
-    const elem_t* v_src = v_head + (k0 + kv_lo + cp_r0) * v_row_stride + cp_c * 8;
+    const elem_t* k_src = k_head + (kv_lo + cp_r0) * k_row_stride + cp_c * 8;
+    const elem_t* v_src = v_head + (kv_lo + cp_r0) * v_row_stride + cp_c * 8;
     // K/V tile starting at key kv into stage `st`; then the sources move on by one tile.
-    auto load_kv = [&](elem_t* st, int kv, int sk) {
-        const int n = min(BC, sk - kv);
+    auto load_kv = [&](elem_t* st, int kv) {
+        const int n = min(BC, seqlen_k - kv);
         if (kRegularCopy) {
-            // (packed: the zero-fill address is the thread's own aligned source, not a head base
-            // held in registers across the loop)
-            copy_rows<BC>(st + s_thread, k_src, k_head, kRowsPerPass * k_row_stride, n - cp_r0,
-                          cp_c * 8 < head_dim);
-            copy_rows<BC>(st + BC * PITCH + s_thread, v_src, v_head, kRowsPerPass * v_row_stride,
-                          n - cp_r0, cp_c * 8 < head_dim_v);
+            copy_rows<BC>(st + s_thread, k_src, k_head, kRowsPerPass * k_row_stride, n - cp_r0, cp_c * 8 < head_dim);
+            copy_rows<BC>(st + BC * PITCH + s_thread, v_src, v_head, kRowsPerPass * v_row_stride, n - cp_r0,
+                          cp_c * 8 < head_dim_v);
             k_src += BC * k_row_stride;
             v_src += BC * v_row_stride;
         } else {
-            load_tile_async<BC>(st, k_head + (k0 + kv) * k_row_stride, k_row_stride, n, head_dim);
-            load_tile_async<BC>(st + BC * PITCH, v_head + (k0 + kv) * v_row_stride, v_row_stride, n, head_dim_v);
+            load_tile_async<BC>(st, k_head + kv * k_row_stride, k_row_stride, n, head_dim);
+            load_tile_async<BC>(st + BC * PITCH, v_head + kv * v_row_stride, v_row_stride, n, head_dim_v);
         }
     };
 
@@ -195,7 +182,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                           rows - cp_r0, cp_c * 8 < head_dim);
         else
             load_tile_async<BR>(q_s, q_tile, q_row_stride, rows, head_dim);
-        load_kv(kv_s, kv_lo, seqlen_k);
+        load_kv(kv_s, kv_lo);
     }
     ptx_cp_async_commit();
 
@@ -229,7 +216,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         ptx_cp_async_wait<0>();   // this thread's copies of tile j (and of Q) have landed
         __syncthreads();          // every thread's; and every thread is done with tile j - 1
         if (STAGES == 2 && j + 1 < n_tiles) {
-            load_kv(kv_s + ((j + 1) % 2) * STAGE_ELEMS, kv0 + BC, SEQLEN_K);   // the stage tile j - 1 used
+            load_kv(kv_s + ((j + 1) % 2) * STAGE_ELEMS, kv0 + BC);   // the stage tile j - 1 used
             ptx_cp_async_commit();
         }
 
@@ -267,15 +254,15 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
         // Mask: a tile needs it only if it reaches past Sk or some row of the block has a window
         // edge inside it. Each row's visible keys are computed once per tile.
-        const bool need_mask = kv0 + BC > SEQLEN_K ||
-                               !tile_in_window(row0, BR, kv0, BC, SEQLEN_Q, SEQLEN_K, window_left, window_right);
+        const bool need_mask = kv0 + BC > seqlen_k ||
+                               !tile_in_window(row0, BR, kv0, BC, seqlen_q, seqlen_k, window_left, window_right);
         if (need_mask) {
 #pragma unroll
             for (int f = 0; f < MT; ++f)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const IndexRange seen =
-                        window_key_range(qi0 + 16 * f + 8 * h, 1, SEQLEN_Q, SEQLEN_K, window_left, window_right);
+                        window_key_range(qi0 + 16 * f + 8 * h, 1, seqlen_q, seqlen_k, window_left, window_right);
                     const int lo = seen.lo - kv0 - 2 * t, hi = seen.hi - kv0 - 2 * t;   // in 8 n + (e & 1)
 #pragma unroll
                     for (int n = 0; n < NFRAG_S; ++n)
@@ -350,7 +337,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         }
         if (STAGES == 1 && j + 1 < n_tiles) {
             __syncthreads();   // every thread is done with the one stage
-            load_kv(kv_s, kv0 + BC, SEQLEN_K);
+            load_kv(kv_s, kv0 + BC);
             ptx_cp_async_commit();
         }
     }
@@ -381,7 +368,6 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             *reinterpret_cast<unsigned*>(r + 8 * PITCH) = pack2(o_acc[f][i][2] * inv_l[f][1], o_acc[f][i][3] * inv_l[f][1]);
         }
     __syncwarp();
-
     const int wrow0 = row0 + 16 * MT * warp;
     elem_t* o_warp = out + batch * o_batch_stride + head * o_head_stride + wrow0 * o_row_stride;
     constexpr int WARP_CHUNKS = 16 * MT * CHUNKS;
@@ -390,7 +376,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         const int e = lane + 32 * i;
         const int r = e / CHUNKS;
         const int c = e - r * CHUNKS;
-        if ((WARP_CHUNKS % 32 == 0 || e < WARP_CHUNKS) && wrow0 + r < SEQLEN_Q && c * 8 < head_dim_v)
+        if ((WARP_CHUNKS % 32 == 0 || e < WARP_CHUNKS) && wrow0 + r < seqlen_q && c * 8 < head_dim_v)
             *reinterpret_cast<uint4*>(o_warp + r * o_row_stride + c * 8) = *reinterpret_cast<const uint4*>(o_s + r * PITCH + c * 8);
     }
     if (t == 0) {
@@ -400,10 +386,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int qi = qi0 + 16 * f + 8 * h;
-                if (qi < SEQLEN_Q)
+                if (qi < seqlen_q)
                     lse_head[qi] = l_row[f][h] != 0.0f ? m_row[f][h] * LN2 + logf(l_row[f][h]) : CUFLASH_NEG_INF;
             }
     }
 }
-#undef SEQLEN_Q
-#undef SEQLEN_K

@@ -237,14 +237,16 @@ def test_empty_batch_and_out(rng):
     z = cuflash.attention_varlen(q[:0], k[:0], v[:0], empty, empty, 0, 0, backend="sim")
     assert z.shape == (0, 2, 64)
     buf = np.full(q.shape[:2] + (64,), np.nan, np.float16)
-    got = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, out=buf, backend="sim")
-    assert got is buf and not np.isnan(buf.astype(np.float32)).any()
+    got, lse = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, out=buf, return_lse=True, backend="sim")
+    assert got is buf
+    check_forward(buf, lse, q, k, v, cq, ck, None)
 
 
 def test_torch_cpu_tensors_come_back_as_tensors(rng):
     torch = pytest.importorskip("torch")
     q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 2, 1, 32, 32, np.float32)
-    out = cuflash.attention_varlen(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
-                                   torch.from_numpy(cq), torch.from_numpy(ck), mq, mk, causal=True)
-    assert isinstance(out, torch.Tensor)
-    np.testing.assert_array_equal(out.numpy(), cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True))
+    out, lse = cuflash.attention_varlen(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
+                                        torch.from_numpy(cq), torch.from_numpy(ck), mq, mk, causal=True,
+                                        return_lse=True)
+    assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
+    check_forward(out.numpy(), lse.numpy(), q, k, v, cq, ck, None, causal=True)

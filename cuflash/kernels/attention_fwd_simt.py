@@ -8,6 +8,7 @@ tile shape; causal, windows, lengths, strides and the scale are run-time argumen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar
 
@@ -212,18 +213,26 @@ def plan_forward(problem, q, k, v, out, lse, variant) -> list[plan.LaunchPlan]:
     return plans
 
 
+#: the empty index the fixed-shape launches pass (never read: varlen = 0)
+_NO_INDEX = np.zeros(0, np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_index_on(device_id: int):
+    """An empty CuPy int32 array on device ``device_id``, made once (launches allocate nothing)."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return cupy.empty(0, np.int32)
+
+
 def varlen_args(problem, like) -> tuple:
     """The attention kernels' trailing arguments ``cu_seqlens_q, cu_seqlens_k, seqused_k, varlen``
     (common.cuh: varlen_seq): the packed batch's index arrays (int32, on the arrays' device),
     or, for fixed shapes, ``varlen = 0`` and empty arrays the kernels never read. ``like`` is an
     array of the launch's kind (NumPy for the simulator, CuPy for the GPU)."""
     vl = problem.varlen
-    if isinstance(like, np.ndarray):
-        none = np.zeros(0, np.int32)
-    else:
-        import cupy
-
-        none = cupy.zeros(0, np.int32)
+    none = _NO_INDEX if isinstance(like, np.ndarray) else _no_index_on(like.device.id)
     if vl is None:
         return (plan.PointerArg.of("cu_seqlens_q", none), plan.PointerArg.of("cu_seqlens_k", none),
                 plan.PointerArg.of("seqused_k", none), plan.ScalarArg("varlen", np.int32(0)))

@@ -225,6 +225,35 @@ def _heads_and_batch(info: ArrayInfo, layout: str):
     return s[:-3], s[-3], s[-2], s[-1]
 
 
+def _check_heads_and_dims(func: str, heads, key_lengths, dims, head_axis: str, seq_axis: str, seq_what: str,
+                          max_head_dim) -> None:
+    """The shape rules q, k and v share in every layout: ``heads = (Hq, Hk, Hv)``, ``key_lengths
+    = (k's, v's)`` along ``seq_axis``, ``dims = (D of q, D of k, Dv)``; the messages name the axes."""
+    hq, hk, hv = heads
+    sk, skv = key_lengths
+    d, dk, dv = dims
+    if hv != hk:
+        raise ValueError(f"{func}: v.shape[{head_axis}]={hv} (kv heads) must equal k.shape[{head_axis}]={hk}")
+    if skv != sk:
+        raise ValueError(f"{func}: v.shape[{seq_axis}]={skv} must equal k.shape[{seq_axis}]={sk} ({seq_what})")
+    if dk != d:
+        raise ValueError(f"{func}: k.shape[-1]={dk} must equal q.shape[-1]={d} (head dim)")
+    if hk == 0 and hq != 0:
+        raise ValueError(f"{func}: k.shape[{head_axis}]=0 kv heads cannot serve q.shape[{head_axis}]={hq} query heads")
+    if hk and hq % hk:
+        raise ValueError(
+            f"{func}: q.shape[{head_axis}]={hq} query heads must be a multiple of "
+            f"k.shape[{head_axis}]={hk} kv heads (GQA/MQA)"
+        )
+    for name, dim in (("q", d), ("v", dv)):
+        if dim < 1:
+            raise ValueError(f"{func}: {name}.shape[-1] (head dim) must be at least 1, got {dim}")
+        if max_head_dim is not None and dim > max_head_dim:
+            raise NotImplementedError(
+                f"{func}: {name}.shape[-1]={dim} exceeds the largest supported head dim {max_head_dim}"
+            )
+
+
 def check_attention(
     q,
     k,
@@ -285,28 +314,7 @@ def check_attention(
             f"{func}: batch dims must match: q.shape={qi.shape}, k.shape={ki.shape}, v.shape={vi.shape} "
             f"(batch dims {qb}, {kb}, {vb}); broadcasting is not done, use stride-0 views instead"
         )
-    if hv != hk:
-        raise ValueError(
-            f"{func}: v.shape[{head_axis}]={hv} (kv heads) must equal k.shape[{head_axis}]={hk}"
-        )
-    if skv != sk:
-        raise ValueError(f"{func}: v.shape[{seq_axis}]={skv} must equal k.shape[{seq_axis}]={sk} (key length)")
-    if dk != d:
-        raise ValueError(f"{func}: k.shape[-1]={dk} must equal q.shape[-1]={d} (head dim)")
-    if hk == 0 and hq != 0:
-        raise ValueError(f"{func}: k.shape[{head_axis}]=0 kv heads cannot serve q.shape[{head_axis}]={hq} query heads")
-    if hk and hq % hk:
-        raise ValueError(
-            f"{func}: q.shape[{head_axis}]={hq} query heads must be a multiple of "
-            f"k.shape[{head_axis}]={hk} kv heads (GQA/MQA)"
-        )
-    for name, dim in (("q", d), ("v", dv)):
-        if dim < 1:
-            raise ValueError(f"{func}: {name}.shape[-1] (head dim) must be at least 1, got {dim}")
-        if max_head_dim is not None and dim > max_head_dim:
-            raise NotImplementedError(
-                f"{func}: {name}.shape[-1]={dim} exceeds the largest supported head dim {max_head_dim}"
-            )
+    _check_heads_and_dims(func, (hq, hk, hv), (sk, skv), (d, dk, dv), head_axis, seq_axis, "key length", max_head_dim)
     scale = check_softmax_scale(softmax_scale, d, func)
     left, right = normalize_window(*check_window_size(window_size, causal, func), sq, sk)
 
@@ -389,13 +397,12 @@ class VarlenBatch:
     max_seqlen_k: int
     checked: bool
 
-    def host_lengths(self):
-        """``(query lengths, key lengths, used keys)`` as NumPy int64 arrays (checked indices only)."""
-        cq = np.asarray(self.cu_seqlens_q, dtype=np.int64)
-        ck = np.asarray(self.cu_seqlens_k, dtype=np.int64)
-        lk = np.diff(ck)
-        used = lk if self.seqused_k is None else np.asarray(self.seqused_k, dtype=np.int64)
-        return np.diff(cq), lk, used
+    def used_keys(self) -> np.ndarray:
+        """Keys each sequence attends to, int64 ``(B,)`` (host indices only): ``seqused_k``, or
+        its key count."""
+        if self.seqused_k is not None:
+            return np.asarray(self.seqused_k, dtype=np.int64)
+        return np.diff(np.asarray(self.cu_seqlens_k, dtype=np.int64))
 
 
 def _check_index(x, name: str, func: str, length: int | None, kind: str, device) -> ArrayInfo:
@@ -453,21 +460,7 @@ def check_attention_varlen(
     total_q, hq, d = qi.shape
     total_k, hk, dk = ki.shape
     total_v, hv, dv = vi.shape
-    if total_v != total_k:
-        raise ValueError(f"{func}: v.shape[0]={total_v} must equal k.shape[0]={total_k} (total keys)")
-    if hv != hk:
-        raise ValueError(f"{func}: v.shape[1]={hv} (kv heads) must equal k.shape[1]={hk}")
-    if dk != d:
-        raise ValueError(f"{func}: k.shape[-1]={dk} must equal q.shape[-1]={d} (head dim)")
-    if hk == 0 and hq != 0:
-        raise ValueError(f"{func}: k.shape[1]=0 kv heads cannot serve q.shape[1]={hq} query heads")
-    if hk and hq % hk:
-        raise ValueError(f"{func}: q.shape[1]={hq} query heads must be a multiple of k.shape[1]={hk} kv heads (GQA/MQA)")
-    for name, dim in (("q", d), ("v", dv)):
-        if dim < 1:
-            raise ValueError(f"{func}: {name}.shape[-1] (head dim) must be at least 1, got {dim}")
-        if max_head_dim is not None and dim > max_head_dim:
-            raise NotImplementedError(f"{func}: {name}.shape[-1]={dim} exceeds the largest supported head dim {max_head_dim}")
+    _check_heads_and_dims(func, (hq, hk, hv), (total_k, total_v), (d, dk, dv), "1", "0", "total keys", max_head_dim)
     cq = _check_index(cu_seqlens_q, "cu_seqlens_q", func, None, qi.kind, qi.device)
     batch = cq.shape[0] - 1
     if batch < 0:
