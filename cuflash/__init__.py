@@ -11,8 +11,10 @@ __version__ = "0.1.0"
 from cuflash import intensity, reference, sim
 from cuflash.api import attention, explain
 from cuflash.api_backward import attention_backward
+from cuflash.api_kvcache import attention_with_kvcache, merge_attention
 from cuflash.api_softmax import softmax
 from cuflash.api_varlen import attention_varlen, attention_varlen_backward
 from cuflash.kernels.precompile import precompile
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "softmax", "explain", "precompile", "reference", "intensity", "sim", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
+           "merge_attention", "softmax", "explain", "precompile", "reference", "intensity", "sim", "__version__"]

@@ -54,10 +54,26 @@
 // pointers and sets the lengths before anything else (common.cuh: varlen_seq_uniform; the lengths
 // stay in uniform registers, as the fixed form's arguments do); tiles past it exit at once.
 //
+// KV-cache attention (the CUFLASH_KVCACHE 1 variants; cuflash.attention_with_kvcache, and
+// attention_varlen with a block table): the keys of sequence b are its cache indices [start,
+// end), start = cache_leftpad[b] (0 without), end = cache_seqlens[b] + seqlen_new (the append
+// kernel, kvcache_append.cu, wrote the new keys before this launch), or the key count of a
+// packed batch (varlen). A contiguous cache is the fixed-shape kernel with the batch remapped
+// (cache_batch_idx) and the base moved to row `start`; a paged cache (cache_flags & 8) gathers
+// each tile row by row with cp.async from row p % page_size of page block_table[b][p / page_size].
+// The query heads that share a kv head are packed into the rows of one tile (FA3's pack-GQA;
+// `pack` heads, packed row r is query row r / pack of head r % pack), so each K/V byte is read once
+// per kv head; warps whose rows are all past the sequence's skip the math (they still copy).
+// With num_splits > 1 the block handles split `s` of the key tiles (flash-decoding) and writes
+// its normalized float32 O and its LSE into o_partial / lse_partial for attention_combine.cu.
+// Indices are clamped into the cache; a sequence whose index was out of range (device-resident
+// indices the host could not check) gets NaN in every row it writes.
+//
 // Variant prelude (cuflash/kernels/attention_fwd_mma.py: AttentionFwdMma.defines()):
 //   CUFLASH_ENTRY, CUFLASH_T (__half, __nv_bfloat16), CUFLASH_BF16 (0/1), CUFLASH_HEAD_DIM_MAX,
 //   CUFLASH_BLOCK_M (Br = 16 * MT * warps), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS, CUFLASH_M_FRAGS
-//   (MT), CUFLASH_STAGES, CUFLASH_MIN_BLOCKS (__launch_bounds__), CUFLASH_SMEM_BYTES (checked below).
+//   (MT), CUFLASH_STAGES, CUFLASH_MIN_BLOCKS (__launch_bounds__), CUFLASH_SMEM_BYTES (checked below),
+//   CUFLASH_VARLEN, CUFLASH_KVCACHE (0/1).
 #include "ptx.cuh"
 
 typedef CUFLASH_T elem_t;
@@ -82,6 +98,9 @@ static_assert(BR == 16 * MT * NWARPS, "each warp owns MT 16-row fragments of the
 static_assert(STAGES == 1 || STAGES == 2, "one or two K/V stages");
 static_assert(DMAX % 16 == 0 && BC % 16 == 0, "head-dim bucket and Bc must be multiples of 16");
 static_assert(CHUNKS % 2 == 0, "the row pitch must be an odd number of 16-byte chunks");
+#ifndef CUFLASH_KVCACHE
+#define CUFLASH_KVCACHE 0
+#endif
 static_assert(2 * (BR * PITCH + STAGES * STAGE_ELEMS) == CUFLASH_SMEM_BYTES,
               "the variant's shared-memory size (cuflash/kernels/attention_fwd_mma.py) disagrees with this layout");
 
@@ -105,6 +124,50 @@ __device__ __forceinline__ void copy_rows(elem_t* dst, const elem_t* src, const 
     }
 }
 
+#if CUFLASH_KVCACHE
+// Where the keys of one sequence live in a KV cache (see the header comment).
+struct CacheSeq {
+    int start;      // first cache index the sequence keeps
+    int seqlen_k;   // keys it attends to
+    int cache_b;    // contiguous cache: its cache batch
+    int bad;        // 1 when an index was out of range (the rows come out NaN)
+};
+
+__device__ __forceinline__ CacheSeq cache_seq(long long b, int keys, int capacity, const int* __restrict__ leftpad,
+                                              const int* __restrict__ batch_idx, int num_batches, int flags) {
+    CacheSeq c;
+    c.bad = keys < 0 || keys > capacity;
+    const int end = clamp_index(keys, 0, capacity);
+    int start = (flags & 2) ? leftpad[b] : 0;
+    c.bad |= start < 0 || start > end;
+    c.start = clamp_index(start, 0, end);
+    c.seqlen_k = end - c.start;
+    int cb = (flags & 4) ? batch_idx[b] : (int)b;
+    c.bad |= cb < 0 || cb >= num_batches;
+    c.cache_b = clamp_index(cb, 0, num_batches - 1);
+    c.start = warp_uniform(c.start), c.seqlen_k = warp_uniform(c.seqlen_k);
+    c.cache_b = warp_uniform(c.cache_b), c.bad = warp_uniform(c.bad);
+    return c;
+}
+
+// Cache index `p` of a paged sequence: row p % page_size of page bt_row[p / page_size], the page
+// clamped into [0, num_pages) (`bad` set when it was not).
+struct PageRow {
+    long long page;
+    int row;
+};
+
+__device__ __forceinline__ PageRow page_row(const int* __restrict__ bt_row, int p, int page_size, int num_pages, int& bad) {
+    const int slot = p / page_size;
+    const int page = bt_row[slot];
+    bad |= page < 0 || page >= num_pages;
+    PageRow r;
+    r.page = clamp_index(page, 0, num_pages - 1);
+    r.row = p - slot * page_size;
+    return r;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(NT, CUFLASH_MIN_BLOCKS)
 CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
               elem_t* __restrict__ out, float* __restrict__ lse,
@@ -116,7 +179,16 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               int num_heads_q, int group_size, int seqlen_q, int seqlen_k, int head_dim, int head_dim_v,
               int num_q_tiles, float scale_log2, int window_left, int window_right,
               const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-              const int* __restrict__ seqused_k, int varlen) {
+              const int* __restrict__ seqused_k, int varlen
+#if CUFLASH_KVCACHE
+              , const int* __restrict__ cache_seqlens, const int* __restrict__ cache_leftpad,
+              const int* __restrict__ cache_batch_idx, const int* __restrict__ block_table,
+              long long block_table_stride, int page_size, int num_pages, int cache_seqlen, int seqlen_new,
+              int cache_capacity, int cache_flags, int pack, int num_splits, long long partial_rows,
+              float* __restrict__ o_partial,
+              float* __restrict__ lse_partial
+#endif
+              ) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);   // [BR][PITCH]
     elem_t* kv_s = q_s + BR * PITCH;                     // [STAGES][K, V][BC][PITCH]
@@ -126,31 +198,63 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int lane = tid % 32;
     const int g = lane / 4;   // fragment row group
     const int t = lane % 4;   // fragment column pair
-    const GridCoord at = grid_coord(num_q_tiles, num_heads_q);
-    const int tile = num_q_tiles - 1 - at.tile, head = at.head;   // last tiles (the most keys) first
+    // pk query heads per block (pack-GQA; 1 otherwise): packed row r is query row r / pk of head
+    // head0 + r % pk. split / nsplit: this block's share of the key tiles (split-KV).
+    int pk = 1, nsplit = 1;
+#if CUFLASH_KVCACHE
+    pk = pack, nsplit = num_splits;
+#endif
+    const GridCoord at = grid_coord(num_q_tiles * nsplit, num_heads_q / pk);
+    const int split = at.tile % nsplit;
+    const int tile = num_q_tiles - 1 - at.tile / nsplit;   // last tiles (the most keys) first
+    const int head0 = at.head * pk;
     const long long batch = at.batch;
-    const int head_k = head / group_size;
+    const int head_k = head0 / group_size;
 #if CUFLASH_VARLEN
     {   // a packed batch: this sequence's rows and lengths
         const VarlenSeq sq = varlen_seq_uniform(batch, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k);
         q += sq.q0 * q_row_stride, out += sq.q0 * o_row_stride, lse += sq.q0;
+#if !CUFLASH_KVCACHE
         k += sq.k0 * k_row_stride, v += sq.k0 * v_row_stride;
+#endif
         seqlen_q = sq.seqlen_q, seqlen_k = sq.seqlen_k;
     }
 #endif
+#if CUFLASH_KVCACHE
+    const int capacity = cache_capacity;
+    const int keys_end = CUFLASH_VARLEN ? seqlen_k : ((cache_flags & 1) ? cache_seqlens[batch] : cache_seqlen) + seqlen_new;
+    const CacheSeq cs = cache_seq(batch, keys_end, capacity, cache_leftpad, cache_batch_idx, num_pages, cache_flags);
+    seqlen_k = cs.seqlen_k;
+    int bad = cs.bad;
+    const bool paged = cache_flags & 8;
+    const int* bt_row = block_table + batch * block_table_stride;
+#endif
 
+    const int q_rows = seqlen_q * pk;   // packed rows of this (batch, head group)
     const int row0 = tile * BR;
-    const int rows = min(BR, seqlen_q - row0);
+    const int rows = min(BR, q_rows - row0);
     if (CUFLASH_VARLEN && rows <= 0) return;   // a packed sequence shorter than the grid's tiles (the whole block)
 
-    const elem_t* q_tile = q + batch * q_batch_stride + head * q_head_stride + row0 * q_row_stride;
+    const elem_t* q_tile = q + batch * q_batch_stride + head0 * q_head_stride + row0 * q_row_stride;
+#if CUFLASH_KVCACHE
+    const long long kv_batch = paged ? 0 : cs.cache_b;
+    const elem_t* k_head = k + kv_batch * k_batch_stride + head_k * k_head_stride + (paged ? 0 : cs.start * k_row_stride);
+    const elem_t* v_head = v + kv_batch * v_batch_stride + head_k * v_head_stride + (paged ? 0 : cs.start * v_row_stride);
+#else
     const elem_t* k_head = k + batch * k_batch_stride + head_k * k_head_stride;
     const elem_t* v_head = v + batch * v_batch_stride + head_k * v_head_stride;
+#endif
 
-    // Keys any row of this tile can see: [kv_lo, kv_hi).
-    const IndexRange keys = window_key_range(row0, rows, seqlen_q, seqlen_k, window_left, window_right);
-    const int kv_lo = keys.lo, kv_hi = keys.hi;
-    const int n_tiles = (kv_hi - kv_lo + BC - 1) / BC;
+    // Keys any row of this tile can see: [kv_lo, kv_hi) (rows are query positions r / pk).
+    const int pos0 = row0 / pk, pos_n = (row0 + rows - 1) / pk - pos0 + 1;
+    const IndexRange keys = window_key_range(pos0, pos_n, seqlen_q, seqlen_k, window_left, window_right);
+    int kv_lo = keys.lo, n_tiles = (keys.hi - keys.lo + BC - 1) / BC;
+    if (nsplit > 1) {   // split-KV: this block's run of the tiles
+        const int per = (n_tiles + nsplit - 1) / nsplit;
+        const int first = split * per;
+        n_tiles = max(0, min(per, n_tiles - first));
+        kv_lo += first * BC;
+    }
 
     // This thread's chunk of every tile copy (regular case): its source pointers advance by one
     // tile per copy, so no row-stride product is redone in the loop.
@@ -161,6 +265,27 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     // K/V tile starting at key kv into stage `st`; then the sources move on by one tile.
     auto load_kv = [&](elem_t* st, int kv) {
         const int n = min(BC, seqlen_k - kv);
+#if CUFLASH_KVCACHE
+        if (paged) {   // row by row through the block table (pages of any size); not unrolled: the
+                       // registers belong to the accumulators
+#pragma unroll 1
+            for (int i = 0; i < (BC * CHUNKS + NT - 1) / NT; ++i) {
+                const int e = tid + i * NT;
+                const int r = e / CHUNKS, c = e - r * CHUNKS;
+                if ((BC * CHUNKS) % NT == 0 || e < BC * CHUNKS) {
+                    const bool kv_ok = r < n;
+                    PageRow pr = {0, 0};
+                    if (kv_ok) pr = page_row(bt_row, cs.start + kv + r, page_size, num_pages, bad);
+                    const bool k_ok = kv_ok && c * 8 < head_dim, v_ok = kv_ok && c * 8 < head_dim_v;
+                    const elem_t* ks = k_head + pr.page * k_batch_stride + pr.row * k_row_stride + c * 8;
+                    const elem_t* vs = v_head + pr.page * v_batch_stride + pr.row * v_row_stride + c * 8;
+                    ptx_cp_async_16_zfill(st + r * PITCH + c * 8, k_ok ? ks : k_head, k_ok ? 16 : 0);
+                    ptx_cp_async_16_zfill(st + BC * PITCH + r * PITCH + c * 8, v_ok ? vs : v_head, v_ok ? 16 : 0);
+                }
+            }
+            return;
+        }
+#endif
         if (kRegularCopy) {
             copy_rows<BC>(st + s_thread, k_src, k_head, kRowsPerPass * k_row_stride, n - cp_r0, cp_c * 8 < head_dim);
             copy_rows<BC>(st + BC * PITCH + s_thread, v_src, v_head, kRowsPerPass * v_row_stride, n - cp_r0,
@@ -177,7 +302,20 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     // Sq > Sk, a window that misses every key) loads nothing: its loop below never runs, so no
     // barrier would order other warps' Q copies before the epilogue's O writes into q_s.
     if (n_tiles > 0) {
-        if (kRegularCopy)
+        if (CUFLASH_KVCACHE && pk > 1) {   // packed heads: each row's own head and query row
+#pragma unroll 1
+            for (int i = 0; i < (BR * CHUNKS + NT - 1) / NT; ++i) {
+                const int e = tid + i * NT;
+                const int r = e / CHUNKS, c = e - r * CHUNKS;
+                if ((BR * CHUNKS) % NT == 0 || e < BR * CHUNKS) {
+                    const int pr = row0 + r;
+                    const bool ok = r < rows && c * 8 < head_dim;
+                    const elem_t* q_head = q + batch * q_batch_stride + head0 * q_head_stride;   // row 0: in view
+                    const elem_t* src = q_head + (pr % pk) * q_head_stride + (long long)(pr / pk) * q_row_stride + c * 8;
+                    ptx_cp_async_16_zfill(q_s + r * PITCH + c * 8, ok ? src : q_head, ok ? 16 : 0);
+                }
+            }
+        } else if (kRegularCopy)
             copy_rows<BR>(q_s + s_thread, q_tile + cp_r0 * q_row_stride + cp_c * 8, q_tile, kRowsPerPass * q_row_stride,
                           rows - cp_r0, cp_c * 8 < head_dim);
         else
@@ -203,7 +341,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     float m_row[MT][2], l_row[MT][2];   // running max (log2 domain) and this lane's part of the sum
 #pragma unroll
     for (int f = 0; f < MT; ++f) m_row[f][0] = m_row[f][1] = CUFLASH_NEG_INF, l_row[f][0] = l_row[f][1] = 0.0f;
-    const int qi0 = row0 + 16 * MT * warp + g;   // query index of fragment f's row g: qi0 + 16 f (+ 8)
+    const int qi0 = row0 + 16 * MT * warp + g;   // (packed) row of fragment f's row g: qi0 + 16 f (+ 8)
+    const bool warp_active = 16 * MT * warp < rows;
+    const int pos_span = (row0 + BR - 1) / pk - pos0 + 1;   // query positions the tile's BR rows span
     // scale_log2 > 0: the max over raw scores, P = exp2(s * scale - m) in one FFMA. Otherwise the
     // scores are scaled first (a negative scale reverses the order; 0 would make -inf * 0 NaN).
     const bool prescale = !(scale_log2 > 0.0f);
@@ -220,118 +360,120 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             ptx_cp_async_commit();
         }
 
-        // S = Q K^T (16 MT x BC per warp): each K fragment feeds all MT query fragments.
-        float s[MT][NFRAG_S][4];
+        if (!CUFLASH_KVCACHE || warp_active) {   // (a warp whose rows are all past the sequence only copies)
+            // S = Q K^T (16 MT x BC per warp): each K fragment feeds all MT query fragments.
+            float s[MT][NFRAG_S][4];
 #pragma unroll
-        for (int f = 0; f < MT; ++f)
+            for (int f = 0; f < MT; ++f)
 #pragma unroll
-            for (int n = 0; n < NFRAG_S; ++n) s[f][n][0] = s[f][n][1] = s[f][n][2] = s[f][n][3] = 0.0f;
+                for (int n = 0; n < NFRAG_S; ++n) s[f][n][0] = s[f][n][1] = s[f][n][2] = s[f][n][3] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < KSTEPS_D; ++kk) {
-            unsigned a[MT][4];
+            for (int kk = 0; kk < KSTEPS_D; ++kk) {
+                unsigned a[MT][4];
 #pragma unroll
-            for (int f = 0; f < MT; ++f) ptx_ldmatrix_x4(a[f], q_s + a_off + f * 16 * PITCH + kk * 16);
+                for (int f = 0; f < MT; ++f) ptx_ldmatrix_x4(a[f], q_s + a_off + f * 16 * PITCH + kk * 16);
 #pragma unroll
-            for (int np = 0; np < NFRAG_S / 2; ++np) {
-                unsigned b[4];
-                ptx_ldmatrix_x4(b, k_s + k_off + np * 16 * PITCH + kk * 16);
-                const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+                for (int np = 0; np < NFRAG_S / 2; ++np) {
+                    unsigned b[4];
+                    ptx_ldmatrix_x4(b, k_s + k_off + np * 16 * PITCH + kk * 16);
+                    const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
-                for (int f = 0; f < MT; ++f) {
-                    mma16816(s[f][2 * np], a[f], b0);
-                    mma16816(s[f][2 * np + 1], a[f], b1);
+                    for (int f = 0; f < MT; ++f) {
+                        mma16816(s[f][2 * np], a[f], b0);
+                        mma16816(s[f][2 * np + 1], a[f], b1);
+                    }
                 }
             }
-        }
-        if (prescale) {
+            if (prescale) {
 #pragma unroll
-            for (int f = 0; f < MT; ++f)
-#pragma unroll
-                for (int n = 0; n < NFRAG_S; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[f][n][e] *= scale_log2;
-        }
-
-        // Mask: a tile needs it only if it reaches past Sk or some row of the block has a window
-        // edge inside it. Each row's visible keys are computed once per tile.
-        const bool need_mask = kv0 + BC > seqlen_k ||
-                               !tile_in_window(row0, BR, kv0, BC, seqlen_q, seqlen_k, window_left, window_right);
-        if (need_mask) {
-#pragma unroll
-            for (int f = 0; f < MT; ++f)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const IndexRange seen =
-                        window_key_range(qi0 + 16 * f + 8 * h, 1, seqlen_q, seqlen_k, window_left, window_right);
-                    const int lo = seen.lo - kv0 - 2 * t, hi = seen.hi - kv0 - 2 * t;   // in 8 n + (e & 1)
+                for (int f = 0; f < MT; ++f)
 #pragma unroll
                     for (int n = 0; n < NFRAG_S; ++n)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int kj = 8 * n + e;
-                            if (kj < lo || kj >= hi) s[f][n][2 * h + e] = CUFLASH_NEG_INF;
-                        }
-                }
-        }
-
-        // Online softmax per fragment: rows g (elements 0, 1) and g + 8 (elements 2, 3).
-#pragma unroll
-        for (int f = 0; f < MT; ++f) {
-            float alpha[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float mx = CUFLASH_NEG_INF;
-#pragma unroll
-                for (int n = 0; n < NFRAG_S; ++n) mx = fmaxf(mx, fmaxf(s[f][n][2 * h], s[f][n][2 * h + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(CUFLASH_FULL_MASK, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(CUFLASH_FULL_MASK, mx, 2));
-                const float m_new = fmaxf(m_row[f][h], mx * eff_scale);
-                const float shift = m_new == CUFLASH_NEG_INF ? 0.0f : m_new;   // no -inf - -inf
-                alpha[h] = exp2f(m_row[f][h] - shift);
-                m_row[f][h] = m_new;
-                float sum = 0.0f;
-#pragma unroll
-                for (int n = 0; n < NFRAG_S; ++n) {
-                    s[f][n][2 * h] = exp2f(fmaf(s[f][n][2 * h], eff_scale, -shift));
-                    s[f][n][2 * h + 1] = exp2f(fmaf(s[f][n][2 * h + 1], eff_scale, -shift));
-                    sum += s[f][n][2 * h] + s[f][n][2 * h + 1];
-                }
-                l_row[f][h] = l_row[f][h] * alpha[h] + sum;
+                        for (int e = 0; e < 4; ++e) s[f][n][e] *= scale_log2;
             }
-            // O *= alpha, skipped (exactly: alpha is 1) when no row of the warp's fragment has a
-            // new maximum, as most tiles of a long row do not (a NaN alpha is != 1: it rescales).
-            if (__any_sync(CUFLASH_FULL_MASK, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-                for (int i = 0; i < NFRAG_O; ++i) {
-                    o_acc[f][i][0] *= alpha[0];
-                    o_acc[f][i][1] *= alpha[0];
-                    o_acc[f][i][2] *= alpha[1];
-                    o_acc[f][i][3] *= alpha[1];
-                }
-            }
-        }
 
-        // O += P V: P's A fragments straight from the S accumulators; each V fragment feeds all
-        // MT query fragments.
+            // Mask: a tile needs it only if it reaches past Sk or some row of the block has a window
+            // edge inside it. Each row's visible keys are computed once per tile.
+            const bool need_mask = kv0 + BC > seqlen_k ||
+                                   !tile_in_window(pos0, pos_span, kv0, BC, seqlen_q, seqlen_k, window_left, window_right);
+            if (need_mask) {
 #pragma unroll
-        for (int kk = 0; kk < KSTEPS_N; ++kk) {
-            unsigned a[MT][4];
+                for (int f = 0; f < MT; ++f)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const IndexRange seen =
+                            window_key_range((qi0 + 16 * f + 8 * h) / pk, 1, seqlen_q, seqlen_k, window_left, window_right);
+                        const int lo = seen.lo - kv0 - 2 * t, hi = seen.hi - kv0 - 2 * t;   // in 8 n + (e & 1)
+#pragma unroll
+                        for (int n = 0; n < NFRAG_S; ++n)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                const int kj = 8 * n + e;
+                                if (kj < lo || kj >= hi) s[f][n][2 * h + e] = CUFLASH_NEG_INF;
+                            }
+                    }
+            }
+
+            // Online softmax per fragment: rows g (elements 0, 1) and g + 8 (elements 2, 3).
 #pragma unroll
             for (int f = 0; f < MT; ++f) {
-                a[f][0] = pack2(s[f][2 * kk][0], s[f][2 * kk][1]);
-                a[f][1] = pack2(s[f][2 * kk][2], s[f][2 * kk][3]);
-                a[f][2] = pack2(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
-                a[f][3] = pack2(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
-            }
+                float alpha[2];
 #pragma unroll
-            for (int dp = 0; dp < NFRAG_O / 2; ++dp) {
-                unsigned b[4];
-                ptx_ldmatrix_x4_trans(b, v_s + v_off + kk * 16 * PITCH + dp * 16);
-                const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+                for (int h = 0; h < 2; ++h) {
+                    float mx = CUFLASH_NEG_INF;
+#pragma unroll
+                    for (int n = 0; n < NFRAG_S; ++n) mx = fmaxf(mx, fmaxf(s[f][n][2 * h], s[f][n][2 * h + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(CUFLASH_FULL_MASK, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(CUFLASH_FULL_MASK, mx, 2));
+                    const float m_new = fmaxf(m_row[f][h], mx * eff_scale);
+                    const float shift = m_new == CUFLASH_NEG_INF ? 0.0f : m_new;   // no -inf - -inf
+                    alpha[h] = exp2f(m_row[f][h] - shift);
+                    m_row[f][h] = m_new;
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int n = 0; n < NFRAG_S; ++n) {
+                        s[f][n][2 * h] = exp2f(fmaf(s[f][n][2 * h], eff_scale, -shift));
+                        s[f][n][2 * h + 1] = exp2f(fmaf(s[f][n][2 * h + 1], eff_scale, -shift));
+                        sum += s[f][n][2 * h] + s[f][n][2 * h + 1];
+                    }
+                    l_row[f][h] = l_row[f][h] * alpha[h] + sum;
+                }
+                // O *= alpha, skipped (exactly: alpha is 1) when no row of the warp's fragment has a
+                // new maximum, as most tiles of a long row do not (a NaN alpha is != 1: it rescales).
+                if (__any_sync(CUFLASH_FULL_MASK, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+                    for (int i = 0; i < NFRAG_O; ++i) {
+                        o_acc[f][i][0] *= alpha[0];
+                        o_acc[f][i][1] *= alpha[0];
+                        o_acc[f][i][2] *= alpha[1];
+                        o_acc[f][i][3] *= alpha[1];
+                    }
+                }
+            }
+
+            // O += P V: P's A fragments straight from the S accumulators; each V fragment feeds all
+            // MT query fragments.
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS_N; ++kk) {
+                unsigned a[MT][4];
 #pragma unroll
                 for (int f = 0; f < MT; ++f) {
-                    mma16816(o_acc[f][2 * dp], a[f], b0);
-                    mma16816(o_acc[f][2 * dp + 1], a[f], b1);
+                    a[f][0] = pack2(s[f][2 * kk][0], s[f][2 * kk][1]);
+                    a[f][1] = pack2(s[f][2 * kk][2], s[f][2 * kk][3]);
+                    a[f][2] = pack2(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
+                    a[f][3] = pack2(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
+                }
+#pragma unroll
+                for (int dp = 0; dp < NFRAG_O / 2; ++dp) {
+                    unsigned b[4];
+                    ptx_ldmatrix_x4_trans(b, v_s + v_off + kk * 16 * PITCH + dp * 16);
+                    const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+#pragma unroll
+                    for (int f = 0; f < MT; ++f) {
+                        mma16816(o_acc[f][2 * dp], a[f], b0);
+                        mma16816(o_acc[f][2 * dp + 1], a[f], b1);
+                    }
                 }
             }
         }
@@ -345,6 +487,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     // before it, and a tile without keys issued nothing at all.
 
     // Epilogue: finish the row sums, normalize, stage O in this warp's own Q rows, store.
+#if CUFLASH_KVCACHE
+    const bool nan_rows = __syncthreads_or(bad);   // an index was out of range: every row NaN
+#else
+    const bool nan_rows = false;
+#endif
     float inv_l[MT][2];
 #pragma unroll
     for (int f = 0; f < MT; ++f)
@@ -353,9 +500,34 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             float l = l_row[f][h];
             l += __shfl_xor_sync(CUFLASH_FULL_MASK, l, 1);
             l += __shfl_xor_sync(CUFLASH_FULL_MASK, l, 2);
+            if (nan_rows) l = __int_as_float(0x7fffffff);
             l_row[f][h] = l;
             inv_l[f][h] = l != 0.0f ? 1.0f / l : 0.0f;   // l == 0: no key (O = 0); NaN l stays NaN
         }
+#if CUFLASH_KVCACHE
+    if (nsplit > 1) {   // split-KV: this split's normalized float32 O and LSE, for attention_combine.cu
+#pragma unroll
+        for (int f = 0; f < MT; ++f)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int pr = qi0 + 16 * f + 8 * h;
+                if (pr >= q_rows) continue;
+                const long long row = split * partial_rows +
+                                      ((batch * num_heads_q + head0 + pr % pk) * (long long)seqlen_q + pr / pk);
+                float* o_p = o_partial + row * head_dim_v;
+#pragma unroll
+                for (int i = 0; i < NFRAG_O; ++i) {
+                    const int c = 8 * i + 2 * t;
+                    if (c < head_dim_v)
+                        *reinterpret_cast<float2*>(o_p + c) =
+                            make_float2(o_acc[f][i][2 * h] * inv_l[f][h], o_acc[f][i][2 * h + 1] * inv_l[f][h]);
+                }
+                if (t == 0)
+                    lse_partial[row] = l_row[f][h] != 0.0f ? m_row[f][h] * LN2 + logf(l_row[f][h]) : CUFLASH_NEG_INF;
+            }
+        return;
+    }
+#endif
     __syncwarp();   // this warp's ldmatrix reads of its Q rows are done
     elem_t* o_s = q_s + 16 * MT * warp * PITCH;
 #pragma unroll
@@ -369,25 +541,28 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         }
     __syncwarp();
     const int wrow0 = row0 + 16 * MT * warp;
-    elem_t* o_warp = out + batch * o_batch_stride + head * o_head_stride + wrow0 * o_row_stride;
+    elem_t* o_head = out + batch * o_batch_stride + head0 * o_head_stride;
     constexpr int WARP_CHUNKS = 16 * MT * CHUNKS;
 #pragma unroll
     for (int i = 0; i < (WARP_CHUNKS + 31) / 32; ++i) {
         const int e = lane + 32 * i;
         const int r = e / CHUNKS;
         const int c = e - r * CHUNKS;
-        if ((WARP_CHUNKS % 32 == 0 || e < WARP_CHUNKS) && wrow0 + r < seqlen_q && c * 8 < head_dim_v)
-            *reinterpret_cast<uint4*>(o_warp + r * o_row_stride + c * 8) = *reinterpret_cast<const uint4*>(o_s + r * PITCH + c * 8);
+        const int pr = wrow0 + r;   // packed row: query row pr / pk of head head0 + pr % pk
+        if ((WARP_CHUNKS % 32 == 0 || e < WARP_CHUNKS) && pr < q_rows && c * 8 < head_dim_v)
+            *reinterpret_cast<uint4*>(o_head + (pr % pk) * o_head_stride + (long long)(pr / pk) * o_row_stride + c * 8) =
+                *reinterpret_cast<const uint4*>(o_s + r * PITCH + c * 8);
     }
     if (t == 0) {
-        float* lse_head = lse + batch * lse_batch_stride + head * lse_head_stride;
+        float* lse_head = lse + batch * lse_batch_stride + head0 * lse_head_stride;
 #pragma unroll
         for (int f = 0; f < MT; ++f)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int qi = qi0 + 16 * f + 8 * h;
-                if (qi < seqlen_q)
-                    lse_head[qi] = l_row[f][h] != 0.0f ? m_row[f][h] * LN2 + logf(l_row[f][h]) : CUFLASH_NEG_INF;
+                const int pr = qi0 + 16 * f + 8 * h;
+                if (pr < q_rows)
+                    lse_head[(pr % pk) * lse_head_stride + pr / pk] =
+                        l_row[f][h] != 0.0f ? m_row[f][h] * LN2 + logf(l_row[f][h]) : CUFLASH_NEG_INF;
             }
     }
 }

@@ -16,6 +16,7 @@ the SIMT kernel and says so (:func:`cuflash.kernels.dispatch.describe_choice`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import numpy as np
@@ -52,6 +53,10 @@ TILE_CANDIDATES_BEFORE_SM90 = {128: ((128, 32), (64, 32))}
 #: does not have; python -m cuflash roofline shows it), so they take 128 x 32 there (predicted
 #: 565 TFLOP/s, shared-memory bound, against 594 for the fixed shapes)
 TILE_CANDIDATES_VARLEN_SM90 = {96: ((128, 32), (64, 32)), 128: ((128, 32), (64, 32))}
+#: the KV-cache forms (``kvcache``): 4 warps of 16 rows (one fragment each; a decode step's packed
+#: rows fill one or two of them, and the others only copy) by 64 keys; 64 x 32 where 64 x 64 does
+#: not fit (bucket 256 before sm_90)
+TILE_CANDIDATES_KVCACHE = ((64, 64), (64, 32))
 #: the largest bucket whose warps own 32 query rows (two m16 fragments); above, 16
 TWO_FRAGMENT_MAX_BUCKET = 128
 #: CTAs per SM the kernel declares in __launch_bounds__: a register cap of 65536 / (2 x threads).
@@ -75,7 +80,12 @@ class AttentionFwdMma(variants.TileVariant):
         Bucket of ``max(D, Dv)``: 64, 96, 128, 192 or 256.
     block_m, block_n : int
         Query rows (Br = 16 per warp) and key rows (Bc, a multiple of 16) per tile.
+    kvcache : bool
+        The KV-cache form (``CUFLASH_KVCACHE`` 1, entry suffix ``_kvcache``): keys from a
+        contiguous or paged cache, pack-GQA and split-KV (see the kernel's header comment).
     """
+
+    kvcache: bool = dataclasses.field(default=False, kw_only=True)
 
     family: ClassVar[str] = "attn_fwd_mma"
     source: ClassVar[str] = "attention_fwd_mma.cu"
@@ -92,8 +102,8 @@ class AttentionFwdMma(variants.TileVariant):
     @property
     def rows_per_warp(self) -> int:
         """Query rows per warp: 32 (two m16 fragments, each K/V fragment feeding two mma) up to
-        bucket 128, 16 above (the O accumulator fills the registers)."""
-        return 32 if self.head_dim_max <= TWO_FRAGMENT_MAX_BUCKET else 16
+        bucket 128, 16 above (the O accumulator fills the registers) and in the KV-cache form."""
+        return 32 if self.head_dim_max <= TWO_FRAGMENT_MAX_BUCKET and not self.kvcache else 16
 
     @property
     def stages(self) -> int:
@@ -119,8 +129,13 @@ class AttentionFwdMma(variants.TileVariant):
         16-bit elements, row pitch :attr:`pitch`. The kernel ``static_assert``s the same figure."""
         return 2 * self.pitch * (self.block_m + 2 * self.stages * self.block_n)
 
+    @property
+    def name(self) -> str:
+        return super().name + ("_kvcache" if self.kvcache else "")
+
     def defines(self) -> tuple[tuple[str, str], ...]:
         return super().defines() + (
+            ("CUFLASH_KVCACHE", "1" if self.kvcache else "0"),
             ("CUFLASH_BF16", "1" if self.dtype == "bf16" else "0"),
             ("CUFLASH_M_FRAGS", str(self.rows_per_warp // 16)),
             ("CUFLASH_STAGES", str(self.stages)),
@@ -133,35 +148,38 @@ class AttentionFwdMma(variants.TileVariant):
                 f"(Q + {self.stages}-stage K/V, cp.async), mma.sync m16n8k16 {self.dtype}")
 
 
-def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: bool = False) -> AttentionFwdMma:
+def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: bool = False,
+                   kvcache: bool = False) -> AttentionFwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``varlen``: of
-    the packed variable-length form)."""
+    the packed variable-length form; ``kvcache``: of the KV-cache form)."""
     key = variants.dtype_key(dtype)
     if key not in MMA_DTYPES:
         raise NotImplementedError(f"cuflash: the tensor-core kernel computes float16 and bfloat16, not {np.dtype(dtype)}")
     bucket = AttentionFwdMma.bucket(head_dim, head_dim_v)
-    if arch < 90:
+    if kvcache:
+        tiles = TILE_CANDIDATES_KVCACHE
+    elif arch < 90:
         tiles = TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket])
     elif varlen:
         tiles = TILE_CANDIDATES_VARLEN_SM90.get(bucket, TILE_CANDIDATES[bucket])
     else:
         tiles = TILE_CANDIDATES[bucket]
-    candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen) for bm, bn in tiles)
+    candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, kvcache=kvcache) for bm, bn in tiles)
     v = AttentionFwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
     if v is None:
         raise NotImplementedError(f"cuflash: no tensor-core attention tile fits sm_{arch}'s shared memory for head dim {bucket}")
     return v
 
 
-def all_variants(arch: int, *, varlen: bool = False) -> tuple[AttentionFwdMma, ...]:
+def all_variants(arch: int, *, varlen: bool = False, kvcache: bool = False) -> tuple[AttentionFwdMma, ...]:
     """Every variant the dispatcher can choose on ``sm_<arch>`` (for the compile gate); with
-    ``varlen``, their packed variable-length forms."""
+    ``varlen``, their packed variable-length forms; with ``kvcache``, their KV-cache forms."""
     if arch < MIN_ARCH:
         return ()
     out = []
     for key in MMA_DTYPES:
         for bucket in HEAD_DIM_BUCKETS:
-            out.append(choose_variant(variants.DTYPES[key][1], bucket, bucket, arch, varlen=varlen))
+            out.append(choose_variant(variants.DTYPES[key][1], bucket, bucket, arch, varlen=varlen, kvcache=kvcache))
     return tuple(dict.fromkeys(out))
 
 
@@ -217,3 +235,119 @@ def forward(problem, q, k, v, out, return_lse: bool, *, xp, arch: int, launch):
     variant = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
                              varlen=problem.varlen is not None)
     return attention_fwd_simt.run_variant(problem, q, k, v, out, return_lse, variant, xp=xp, launch=launch)
+
+
+# --------------------------------------------------------------------------------------------
+# the KV-cache form
+
+#: the most key splits of one row (the combine kernel's limit)
+MAX_SPLITS = 256
+#: a split-KV grid aims at this many waves of resident blocks, and a split at least this many key
+#: tiles (below, the combine's extra pass costs more than the parallelism gains)
+SPLIT_WAVES = 1
+MIN_TILES_PER_SPLIT = 2
+
+
+def kvcache_pack(problem) -> int:
+    """Query heads per block: the whole GQA group (pack-GQA, FA3), so each K/V byte is read once
+    per kv head."""
+    return problem.group_size
+
+
+def kvcache_query_tiles(problem, variant) -> int:
+    """Query tiles per (sequence, kv-head group): ``ceil(Sq * pack / Br)`` (``max_seqlen_q`` for a
+    packed batch)."""
+    sq = problem.varlen.max_seqlen_q if problem.varlen is not None else problem.seqlen_q
+    return -(-sq * kvcache_pack(problem) // variant.block_m)
+
+
+def kvcache_splits(problem, variant, arch: int, num_sms: int) -> int:
+    """The split-KV count: ``num_splits`` when given, else enough splits for
+    :data:`SPLIT_WAVES` waves of the blocks the SMs hold (``num_sms`` x the blocks that fit one
+    SM's shared memory), keeping :data:`MIN_TILES_PER_SPLIT` key tiles per split; never more
+    splits than key tiles (the longest sequence's, when the host knows the lengths; else the
+    cache's). A packed batch (chunked prefill) runs unsplit."""
+    c = problem.kvcache
+    if problem.varlen is not None:
+        return 1
+    batch = problem.batch_shape[0]
+    keys = c.capacity
+    if c.checked and (c.cache_seqlens is None or isinstance(c.cache_seqlens, np.ndarray)) and batch:
+        keys = int((c.host_seqlens(batch) + c.seqlen_new - c.host_leftpad(batch)).max())
+    n_tiles = max(1, -(-keys // variant.block_n))
+    if c.num_splits:
+        return max(1, min(c.num_splits, n_tiles, MAX_SPLITS))
+    blocks = kvcache_query_tiles(problem, variant) * (problem.num_heads_q // kvcache_pack(problem)) * batch
+    resident = num_sms * max(1, plan.max_dynamic_smem(arch) // variant.smem_bytes)
+    want = -(-SPLIT_WAVES * resident // max(blocks, 1))
+    return max(1, min(want, n_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def plan_kvcache(problem, q, out, lse, variant, *, splits: int, o_partial, lse_partial, index: dict,
+                 none) -> plan.LaunchPlan:
+    """The KV-cache forward's launch plan: ``q`` (possibly the rotated copy) against the cache of
+    ``problem.kvcache``; ``index`` holds the launch's index arrays by name (None where absent),
+    ``none`` an empty int32 array of the launch's kind; with ``splits > 1`` the kernel writes
+    ``o_partial`` ``(splits, B * Hq * Sq, Dv)`` and ``lse_partial`` ``(splits, B * Hq * Sq)``
+    (float32) instead of ``out`` and ``lse``."""
+    p, c = problem, problem.kvcache
+    vl = p.varlen
+    ptr = attention_fwd_simt._pointer
+
+    def st(a):
+        return tuple(int(s) // a.dtype.itemsize for s in a.strides)
+
+    if vl is None:   # q/out (B, Sq, H, D): (batch, head, row) = axes (0, 2, 1); lse (B, Hq, Sq)
+        qst, ost = ((s[0], s[2], s[1]) for s in (st(q), st(out)))
+        lst = st(lse)[:2]
+        batch, seqlen_q, seqlen_k = p.batch_shape[0], p.seqlen_q, c.capacity
+    else:            # packed q/out (total, H, D); lse (Hq, total)
+        qst, ost = ((0, s[1], s[0]) for s in (st(q), st(out)))
+        lst = (0, st(lse)[0])
+        batch, seqlen_q, seqlen_k = vl.batch, vl.total_q, 2**31 - 257
+    kst, vst = ((s[0], s[2], s[1]) for s in (st(c.k_cache), st(c.v_cache)))
+    pack = kvcache_pack(p)
+    tiles = kvcache_query_tiles(p, variant)
+    grid = tiles * splits * (p.num_heads_q // pack) * batch
+    if grid > plan.MAX_GRID_DIMS[0]:
+        raise NotImplementedError(f"{p.func}: {grid} thread blocks exceed the grid limit {plan.MAX_GRID_DIMS[0]}")
+    flags = (1 if c.cache_seqlens is not None else 0) | (2 if c.cache_leftpad is not None else 0) | \
+        (4 if c.cache_batch_idx is not None else 0) | (8 if c.paged else 0)
+    bt = index["block_table"]
+
+    def idx(name):
+        return plan.PointerArg.of(name, index[name] if index[name] is not None else none)
+
+    args = (
+        ptr("q", q), ptr("k", c.k_cache), ptr("v", c.v_cache), ptr("out", out, writable=True),
+        ptr("lse", lse, writable=True),
+        *(plan.ScalarArg(f"{n}_{w}_stride", np.int64(s[i]))
+          for n, s in (("q", qst), ("k", kst), ("v", vst), ("o", ost)) for i, w in enumerate(("batch", "head", "row"))),
+        plan.ScalarArg("lse_batch_stride", np.int64(lst[0])),
+        plan.ScalarArg("lse_head_stride", np.int64(lst[1])),
+        plan.ScalarArg("num_heads_q", np.int32(p.num_heads_q)),
+        plan.ScalarArg("group_size", np.int32(p.group_size)),
+        plan.ScalarArg("seqlen_q", np.int32(seqlen_q)),
+        plan.ScalarArg("seqlen_k", np.int32(seqlen_k)),
+        plan.ScalarArg("head_dim", np.int32(p.head_dim)),
+        plan.ScalarArg("head_dim_v", np.int32(p.head_dim_v)),
+        plan.ScalarArg("num_q_tiles", np.int32(tiles)),
+        plan.ScalarArg("scale_log2", np.float32(p.softmax_scale * math.log2(math.e))),
+        plan.ScalarArg("window_left", np.int32(p.window_left)),
+        plan.ScalarArg("window_right", np.int32(p.window_right)),
+        *attention_fwd_simt.varlen_args(p, none),
+        idx("cache_seqlens"), idx("cache_leftpad"), idx("cache_batch_idx"), idx("block_table"),
+        plan.ScalarArg("block_table_stride", np.int64(st(bt)[0] if bt is not None else 0)),
+        plan.ScalarArg("page_size", np.int32(c.page_size)),
+        plan.ScalarArg("num_pages", np.int32(c.num_pages)),
+        plan.ScalarArg("cache_seqlen", np.int32(c.cache_seqlen)),
+        plan.ScalarArg("seqlen_new", np.int32(c.seqlen_new)),
+        plan.ScalarArg("cache_capacity", np.int32(c.capacity)),
+        plan.ScalarArg("cache_flags", np.int32(flags)),
+        plan.ScalarArg("pack", np.int32(pack)),
+        plan.ScalarArg("num_splits", np.int32(splits)),
+        plan.ScalarArg("partial_rows", np.int64(lse_partial.shape[1])),
+        plan.PointerArg.of("o_partial", o_partial, writable=True),
+        plan.PointerArg.of("lse_partial", lse_partial, writable=True),
+    )
+    return plan.LaunchPlan(variant, variant.entry, (grid, 1, 1), variant.block, variant.smem_bytes, args)

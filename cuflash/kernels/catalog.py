@@ -9,8 +9,10 @@ from __future__ import annotations
 from cuflash.kernels import (
     attention_bwd_mma,
     attention_bwd_simt,
+    attention_combine,
     attention_fwd_mma,
     attention_fwd_simt,
+    kvcache_append,
     softmax,
 )
 
@@ -33,6 +35,12 @@ def variants_for_arch(arch: int) -> tuple:
             out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen))
         if arch >= attention_bwd_mma.MIN_ARCH:
             out.extend(attention_bwd_mma.all_variants(arch, varlen=varlen))
+    if arch >= attention_fwd_mma.MIN_ARCH:   # the KV-cache forms (fixed q, and packed q for chunked prefill)
+        for varlen in (False, True):
+            out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen, kvcache=True))
+    if arch >= 75:
+        out.extend(kvcache_append.KVCacheAppend.all())
+        out.extend(attention_combine.AttentionCombine.all())
     return tuple(dict.fromkeys(out))
 
 

@@ -58,6 +58,8 @@ class AttentionProblem:
     v: ArrayInfo
     #: a packed variable-length batch (:func:`check_attention_varlen`), else None
     varlen: "VarlenBatch | None" = None
+    #: where the keys live for KV-cache attention (:mod:`cuflash.runtime.validation_kvcache`), else None
+    kvcache: "object | None" = None
 
     @property
     def is_empty(self) -> bool:

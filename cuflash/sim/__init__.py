@@ -102,7 +102,14 @@ Layout
 Imports: :mod:`cuflash.runtime` only (the simulator knows nothing of attention).
 """
 
-from cuflash.sim.config import ARCHS, SimOptions, current_options, options, parse_arch
+from cuflash.sim.config import (
+    ARCHS,
+    SimOptions,
+    current_options,
+    options,
+    parse_arch,
+    sm_count,
+)
 from cuflash.sim.launcher import SimCheckError, SimError
 
-__all__ = ["SimOptions", "options", "current_options", "parse_arch", "ARCHS", "SimError", "SimCheckError"]
+__all__ = ["SimOptions", "options", "current_options", "parse_arch", "sm_count", "ARCHS", "SimError", "SimCheckError"]

@@ -9,10 +9,18 @@ import dataclasses
 import os
 import re
 
-__all__ = ["SimOptions", "options", "current_options", "parse_arch", "ARCHS"]
+__all__ = ["SimOptions", "options", "current_options", "parse_arch", "sm_count", "ARCHS"]
 
 #: emulated compute capabilities
 ARCHS = (75, 80, 86, 87, 89, 90)
+#: SMs of the device each emulated arch stands for (T4, A100, A40, Orin, L4, H100/H200 SXM), which
+#: plans that depend on the device's size (split-KV counts) use on the simulator
+SM_COUNTS = {75: 40, 80: 108, 86: 84, 87: 16, 89: 58, 90: 132}
+
+
+def sm_count(arch: int) -> int:
+    """The SM count the simulator plans with for ``sm_<arch>`` (:data:`SM_COUNTS`)."""
+    return SM_COUNTS[arch]
 _FIBERS = ("auto", "asm", "ucontext")
 
 

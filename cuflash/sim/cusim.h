@@ -274,6 +274,8 @@ struct Worker {
     dim3 block_dim, grid_dim;
     unsigned bar_arrived = 0, bar_alive = 0, bar_gen = 0;
     const char* bar_site = nullptr;   // the __syncthreads call site of the threads waiting now
+    int bar_or_acc = 0;               // __syncthreads_or: the OR of this phase's predicates so far
+    int bar_or_done[2] = {0, 0};      // ... and of the last two released phases (by generation parity)
     // shared memory arena
     unsigned char* arena = nullptr;
     uint64_t arena_cap = 0, arena_used = 0, arena_dirty = 0, dyn_end = 0;
@@ -367,6 +369,8 @@ CUSIM_NOSAN inline void check_declare(Worker* w, uint64_t off, uint64_t size);
 
 CUSIM_NOSAN inline void release_barrier(Worker* w) {
     w->bar_arrived = 0;
+    w->bar_or_done[w->bar_gen & 1u] = w->bar_or_acc;
+    w->bar_or_acc = 0;
     ++w->bar_gen;
     if (w->chk) check_barrier(w);
 }
@@ -395,6 +399,17 @@ CUSIM_NOSAN inline void syncthreads(const char* site = nullptr) {
     f->state = FiberState::AtBarrier;
     f->wait_gen = w->bar_gen;
     yield_current();
+}
+
+// __syncthreads_or: a barrier that also returns whether any thread's predicate was nonzero. The
+// phase's OR is saved when the barrier releases, under its generation's parity; a thread reads
+// it after waking, before it can reach the next-but-one barrier that would overwrite it.
+CUSIM_NOSAN inline int syncthreads_or(int pred, const char* site = nullptr) {
+    Worker* w = t_worker;
+    const unsigned gen = w->bar_gen;
+    w->bar_or_acc |= pred != 0;
+    syncthreads(site);
+    return w->bar_or_done[gen & 1u];
 }
 
 CUSIM_NOSAN inline void complete_group(Worker* w, Warp& wp, Group& g, unsigned lanes) {
@@ -1487,6 +1502,7 @@ CUSIM_NOSAN inline void __syncthreads() { cusim::syncthreads(); }
 #define CUSIM_STR2(x) #x
 #define CUSIM_STR(x) CUSIM_STR2(x)
 #define __syncthreads() ::cusim::syncthreads(__FILE__ ":" CUSIM_STR(__LINE__))
+#define __syncthreads_or(p) ::cusim::syncthreads_or((p), __FILE__ ":" CUSIM_STR(__LINE__))
 CUSIM_NOSAN inline void __syncwarp(unsigned mask = 0xffffffffu) {
     cusim::collective(mask, nullptr, 0, &cusim::no_compute<0>, "__syncwarp");
 }

@@ -1,0 +1,118 @@
+"""The KV-cache append (``kernels_cu/kvcache_append.cu``): variant and planner.
+
+Writes the new keys and values of :func:`cuflash.attention_with_kvcache` into the cache in place
+(rotating the keys first when rotary tables are given) and the rotated queries into a workspace.
+Every dtype, every arch; one block per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+
+from cuflash.runtime import plan, variants
+
+#: threads per block (a row's columns are strided over them)
+THREADS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheAppend(variants.Variant):
+    """The append kernel for one element type and one rotary-table type.
+
+    Parameters
+    ----------
+    dtype : {"f16", "bf16", "f32"}
+        Element type of the cache, the new rows and q.
+    rot_dtype : {"f16", "bf16", "f32"}
+        Element type of ``rotary_cos``/``rotary_sin`` (q's, or float32).
+    """
+
+    family: ClassVar[str] = "kvcache_append"
+    source: ClassVar[str] = "kvcache_append.cu"
+
+    dtype: str
+    rot_dtype: str
+
+    def __post_init__(self):
+        for name in ("dtype", "rot_dtype"):
+            if getattr(self, name) not in variants.DTYPES:
+                raise ValueError(f"KVCacheAppend: {name}={getattr(self, name)!r} must be one of {sorted(variants.DTYPES)}")
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (THREADS, 1, 1)
+
+    def defines(self) -> tuple[tuple[str, str], ...]:
+        return super().defines() + (
+            ("CUFLASH_T", variants.DTYPES[self.dtype][0]),
+            ("CUFLASH_ROT_T", variants.DTYPES[self.rot_dtype][0]),
+            ("CUFLASH_THREADS", str(THREADS)),
+        )
+
+    @classmethod
+    def all(cls) -> tuple["KVCacheAppend", ...]:
+        """Every variant (for the compile gate and precompilation): same-dtype and float32 tables."""
+        return tuple(dict.fromkeys(cls(d, r) for d in variants.DTYPES for r in (d, "f32")))
+
+
+def _strides(a) -> tuple[int, ...]:
+    return tuple(int(s) // a.dtype.itemsize for s in a.strides)
+
+
+def plan_append(problem, q, q_rot, index, *, none) -> plan.LaunchPlan | None:
+    """The append's launch plan, or None when there is nothing to write (no new rows and no
+    rotated queries). ``q_rot`` receives the rotated queries (None without rotary tables).
+    ``index`` holds the launch's ``cache_seqlens``, ``cache_batch_idx`` and ``block_table``
+    arrays (None where absent), ``no_float`` (an empty float32 array of the launch's kind, the
+    tables' stand-in) and ``q_per_row`` (flash-attn's query-rotation rule); ``none`` is an empty
+    int32 array of the launch's kind, passed for each absent index (never read)."""
+    from cuflash.kernels import attention_fwd_simt
+
+    p, c = problem, problem.kvcache
+    batch, sq = p.batch_shape[0], p.seqlen_q
+    rotary = c.rotary_cos is not None
+    kv_rows = batch * c.seqlen_new * p.num_heads_k
+    q_rows = batch * sq * p.num_heads_q if rotary else 0
+    if kv_rows + q_rows == 0:
+        return None
+    if kv_rows + q_rows > plan.MAX_GRID_DIMS[0]:
+        raise NotImplementedError(f"{p.func}: {kv_rows + q_rows} rows to append or rotate exceed the grid limit")
+    key = variants.dtype_key(p.dtype)
+    rot_key = variants.dtype_key(c.rotary_cos.dtype) if rotary else key
+    v = KVCacheAppend(key, rot_key)
+    kn = c.k_new if c.k_new is not None else c.k_cache[:0, :0]
+    vn = c.v_new if c.v_new is not None else c.v_cache[:0, :0]
+    ptr = attention_fwd_simt._pointer
+    q_out = q_rot if rotary else q
+    st = [_strides(a) for a in (kn, vn, c.k_cache, c.v_cache, q, q_out)]
+    rot_stride = _strides(c.rotary_cos)[0] if rotary else 0
+    flags = (1 if c.cache_seqlens is not None else 0) | (4 if c.cache_batch_idx is not None else 0) | \
+        (8 if c.paged else 0)
+    bt = index["block_table"]
+    args = (
+        ptr("k_new", kn), ptr("v_new", vn), ptr("k_cache", c.k_cache, writable=True),
+        ptr("v_cache", c.v_cache, writable=True), ptr("q", q), ptr("q_rot", q_out, writable=rotary),
+        *(plan.PointerArg.of(n, x) for n, x in (("rot_cos", c.rotary_cos if rotary else index["no_float"]),
+                                                ("rot_sin", c.rotary_sin if rotary else index["no_float"]))),
+        *(plan.ScalarArg(f"{n}_{w}_stride", np.int64(s[i] if len(s) > i else 0))
+          for n, s in zip(("kn", "vn", "kc", "vc", "q", "qr"), st) for i, w in enumerate(("batch", "row", "head"))),
+        plan.ScalarArg("rot_row_stride", np.int64(rot_stride)),
+        *(plan.ScalarArg(n, np.int32(x)) for n, x in (
+            ("batch", batch), ("seqlen_new", c.seqlen_new), ("seqlen_q", sq), ("num_heads_k", p.num_heads_k),
+            ("num_heads_q", p.num_heads_q), ("head_dim", p.head_dim), ("head_dim_v", p.head_dim_v),
+            ("rotary_dim", c.rotary_dim), ("interleaved", int(c.rotary_interleaved)),
+            ("q_per_row", int(index["q_per_row"])), ("seqlen_ro", c.rotary_cos.shape[0] if rotary else 0))),
+        plan.PointerArg.of("cache_seqlens", index["cache_seqlens"] if index["cache_seqlens"] is not None else none),
+        plan.ScalarArg("cache_seqlen", np.int32(c.cache_seqlen)),
+        plan.PointerArg.of("cache_batch_idx", index["cache_batch_idx"] if index["cache_batch_idx"] is not None else none),
+        plan.PointerArg.of("block_table", bt if bt is not None else none),
+        plan.ScalarArg("block_table_stride", np.int64(_strides(bt)[0] if bt is not None else 0)),
+        plan.ScalarArg("page_size", np.int32(c.page_size)),
+        plan.ScalarArg("num_pages", np.int32(c.num_pages)),
+        plan.ScalarArg("capacity", np.int32(c.capacity)),
+        plan.ScalarArg("cache_flags", np.int32(flags)),
+    )
+    return plan.LaunchPlan(v, v.entry, (kv_rows + q_rows, 1, 1), v.block, 0, args)

@@ -1,0 +1,132 @@
+"""The KV cache in NumPy: rotary embedding, the in-place append, the gather of a sequence's
+keys from a contiguous or paged cache, and the merge of partial attention results.
+
+These are the NumPy path of :func:`cuflash.attention_with_kvcache` and
+:func:`cuflash.merge_attention`, and the tests' expectations for the kernels.
+
+Conventions (flash-attn's ``flash_attn_with_kvcache``)
+------------------------------------------------------
+* Sequence ``b`` keeps its keys at cache indices ``[leftpad[b], seqlens[b])`` (``leftpad = 0``
+  without ``cache_leftpad``); the ``Snew`` new keys go to ``[seqlens[b], seqlens[b] + Snew)``.
+  Contiguous cache ``(B_cache, S_cache, Hk, D)``: index ``p`` of sequence ``b`` is row ``p`` of
+  cache batch ``cache_batch_idx[b]`` (``b`` without it). Paged cache ``(num_pages, page_size, Hk,
+  D)``: index ``p`` is row ``p % page_size`` of page ``block_table[b, p // page_size]``.
+* Rotary embedding (Su et al. 2021, "RoFormer", eq. 34) at absolute cache positions: new key
+  ``t`` at position ``seqlens[b] + t``; query row ``i`` at ``seqlens[b] + i`` with causal or local
+  masks, else every query row at ``seqlens[b]``. Non-interleaved (GPT-NeoX) pairs dimension
+  ``i`` with ``i + rotary_dim / 2``; interleaved pairs ``2 i`` with ``2 i + 1``. Dimensions past
+  ``rotary_dim`` pass unchanged. The arithmetic is float32, each product and sum rounded
+  (``x1 c - x2 s``, ``x2 c + x1 s``; no fused multiply-add), so the kernels write the same bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["apply_rotary", "rotary_positions", "cache_rows", "append", "gather", "merge_attention"]
+
+
+def rotary_positions(seqlens: np.ndarray, length: int, *, per_row: bool = True) -> np.ndarray:
+    """Positions ``(B, length)`` of rows starting at ``seqlens[b]``: ``seqlens[b] + i`` when
+    ``per_row``, else ``seqlens[b]`` for every row (flash-attn's non-causal query rotation)."""
+    base = np.asarray(seqlens, dtype=np.int64)[:, None]
+    return base + (np.arange(length)[None, :] if per_row else 0)
+
+
+def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray, *,
+                 interleaved: bool) -> np.ndarray:
+    """Rotate the first ``rotary_dim = 2 * cos.shape[1]`` dims of ``x`` ``(B, S, H, D)`` at
+    ``positions`` ``(B, S)`` (rows of ``cos``/``sin``, shape ``(seqlen_ro, rotary_dim / 2)``).
+
+    Returns a new array of ``x``'s dtype (float64 input is computed in float64, everything else in
+    float32, rounded once per operation as the module docstring says).
+    """
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    half = cos.shape[1]
+    c = cos.astype(acc)[positions][:, :, None, :]   # (B, S, 1, half)
+    s = sin.astype(acc)[positions][:, :, None, :]
+    xf = x.astype(acc)
+    if interleaved:
+        x1, x2 = xf[..., 0:2 * half:2], xf[..., 1:2 * half:2]
+    else:
+        x1, x2 = xf[..., :half], xf[..., half:2 * half]
+    r1 = x1 * c - x2 * s
+    r2 = x2 * c + x1 * s
+    out = xf.copy()
+    if interleaved:
+        out[..., 0:2 * half:2], out[..., 1:2 * half:2] = r1, r2
+    else:
+        out[..., :half], out[..., half:2 * half] = r1, r2
+    return out.astype(x.dtype)
+
+
+def cache_rows(b: int, start: int, stop: int, *, page_size: int | None, block_table=None,
+               cache_batch_idx=None) -> tuple[np.ndarray, np.ndarray]:
+    """``(first index, second index)`` arrays addressing cache indices ``[start, stop)`` of
+    sequence ``b``: ``cache[first, second]`` are its rows (pages and in-page rows for a paged
+    cache, the cache batch and rows for a contiguous one)."""
+    p = np.arange(start, stop)
+    if block_table is not None:
+        return np.asarray(block_table)[b, p // page_size].astype(np.int64), p % page_size
+    cb = b if cache_batch_idx is None else int(cache_batch_idx[b])
+    return np.full(p.shape, cb, np.int64), p
+
+
+def append(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, seqlens: np.ndarray, *,
+           page_size=None, block_table=None, cache_batch_idx=None) -> None:
+    """Write ``k_new``/``v_new`` ``(B, Snew, Hk, D|Dv)`` into the caches in place at cache indices
+    ``[seqlens[b], seqlens[b] + Snew)`` of each sequence (rotate ``k_new`` first if wanted)."""
+    snew = k_new.shape[1]
+    for b in range(k_new.shape[0]):
+        i0, i1 = cache_rows(b, int(seqlens[b]), int(seqlens[b]) + snew, page_size=page_size, block_table=block_table,
+                            cache_batch_idx=cache_batch_idx)
+        k_cache[i0, i1] = k_new[b]
+        v_cache[i0, i1] = v_new[b]
+
+
+def gather(cache: np.ndarray, b: int, start: int, stop: int, *, page_size=None, block_table=None,
+           cache_batch_idx=None) -> np.ndarray:
+    """Sequence ``b``'s cache rows ``[start, stop)`` as one ``(stop - start, Hk, D)`` array (a copy
+    for a paged cache, a view for a contiguous one)."""
+    if block_table is None:
+        cb = b if cache_batch_idx is None else int(cache_batch_idx[b])
+        return cache[cb, start:stop]
+    i0, i1 = cache_rows(b, start, stop, page_size=page_size, block_table=block_table)
+    return cache[i0, i1]
+
+
+def merge_attention(outs, lses, *, xp=np):
+    """Combine attention results over disjoint key sets by their log-sum-exp.
+
+    With parts ``o_i = softmax(s_i) v_i`` and ``lse_i = log sum exp(s_i)`` (natural log) over key
+    sets ``K_i``, attention over their union is ``lse = log sum_i exp(lse_i)`` and ``o = sum_i
+    exp(lse_i - lse) o_i`` (the split-KV combine of flash-decoding, Dao et al. 2023; the same
+    identity as the online softmax, Milakov & Gimelshein 2018). A part with ``lse_i = -inf`` (no
+    key) adds nothing; when every part has ``-inf`` the result is 0 with ``lse = -inf``. NaN in
+    any part's ``lse`` or ``o`` reaches the row's result.
+
+    Parameters
+    ----------
+    outs : sequence of arrays ``(..., Sq, Dv)``, one dtype
+    lses : sequence of arrays ``(..., Sq)``, float32 or float64
+    xp : module
+        The array namespace (NumPy or CuPy).
+
+    Returns
+    -------
+    out : array ``(..., Sq, Dv)`` of the parts' dtype; lse : array ``(..., Sq)`` (float64 if any
+    input is float64, else float32)
+    """
+    acc = np.float64 if any(np.dtype(o.dtype) == np.float64 or np.dtype(s.dtype) == np.float64
+                            for o, s in zip(outs, lses)) else np.float32
+    lse = xp.stack([xp.asarray(s, dtype=acc) for s in lses])                 # (n, ..., Sq)
+    m = lse.max(axis=0)
+    m_safe = xp.where(xp.isneginf(m), acc(0), m)                              # every part empty: shift 0
+    w = xp.exp(lse - m_safe)                                                  # (n, ..., Sq); 0 for -inf parts
+    total = w.sum(axis=0)
+    empty = total == 0
+    total_safe = xp.where(empty, acc(1), total)
+    lse_out = xp.where(empty, acc(-np.inf), m_safe + xp.log(total_safe))
+    o = sum(w[i][..., None] * xp.asarray(outs[i], dtype=acc) for i in range(len(outs)))
+    out = (o / total_safe[..., None]).astype(outs[0].dtype)
+    return out, lse_out
