@@ -301,6 +301,19 @@ def _kvcache_numpy(problem, q, out, return_lse):
     return (out, lse) if return_lse else out
 
 
+def device_cache(call, cache):
+    """``cache`` with its arrays as CuPy views on the call's device (NumPy indices copied over:
+    a few bytes each)."""
+    conv = {}
+    for name in ("k_cache", "v_cache", "k_new", "v_new", "rotary_cos", "rotary_sin"):
+        x = getattr(cache, name)
+        conv[name] = None if x is None else call.import_array(x)
+    for name in ("cache_seqlens", "cache_leftpad", "cache_batch_idx", "block_table"):
+        x = getattr(cache, name)
+        conv[name] = None if x is None else (call.xp.asarray(x) if isinstance(x, np.ndarray) else call.import_array(x))
+    return dataclasses.replace(cache, **conv)
+
+
 def _kvcache_cuda(problem, q, out, return_lse):
     import functools
 
@@ -310,14 +323,8 @@ def _kvcache_cuda(problem, q, out, return_lse):
     c = problem.kvcache
     with interop.CudaCall(problem.func, q, out=out) as call:
         qc = call.import_array(q)
-        conv = {}
-        for name in ("k_cache", "v_cache", "k_new", "v_new", "rotary_cos", "rotary_sin"):
-            x = getattr(c, name)
-            conv[name] = None if x is None else call.import_array(x)
-        for name in ("cache_seqlens", "cache_leftpad", "cache_batch_idx", "block_table"):
-            x = getattr(c, name)
-            conv[name] = None if x is None else (call.xp.asarray(x) if isinstance(x, np.ndarray) else call.import_array(x))
-        problem = dataclasses.replace(problem, kvcache=dataclasses.replace(c, **conv))
+        problem = dataclasses.replace(problem, kvcache=device_cache(call, c))
+        conv = {"k_cache": problem.kvcache.k_cache, "v_cache": problem.kvcache.v_cache}
         if out is not None:
             oc = call.import_array(out)
             interop.check_no_overlap(problem.func, oc, {"q": qc, "k_cache": conv["k_cache"],

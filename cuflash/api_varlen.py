@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from cuflash.api import check_kernel_dtype, resolve_backend
+from cuflash.reference import kvcache as ref_kvcache
 from cuflash.runtime import interop, validation
 
 _INDEX_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k")
@@ -34,6 +35,7 @@ def attention_varlen(
     softmax_scale=None,
     window_size=(-1, -1),
     seqused_k=None,
+    block_table=None,
     return_lse=False,
     out=None,
     backend="auto",
@@ -71,6 +73,14 @@ def attention_varlen(
     seqused_k : int32 array, shape ``(B,)``, optional
         Sequence ``b`` attends to its first ``seqused_k[b]`` keys only (FA3); ``0 <= seqused_k[b]
         <= `` its key count.
+    block_table : int32 array, shape ``(B, max_pages)``, optional
+        Chunked prefill over a paged KV cache (flash-attn's varlen ``block_table``): k and v are
+        then the caches ``(num_pages, page_size, Hk, D|Dv)`` (any ``page_size >= 1``), and
+        sequence ``b``'s keys are cache indices ``[0, n_k)`` of its pages (row ``p % page_size``
+        of page ``block_table[b, p // page_size]``), ``n_k`` as above from ``cu_seqlens_k`` /
+        ``seqused_k``. Host indices are checked (the pages a sequence uses inside the cache); with
+        device ones an out-of-range page gives NaN in that sequence's rows. Runs on the
+        tensor-core KV-cache kernel (float16/bfloat16) or the NumPy path; no backward.
     return_lse : bool
         Also return the log-sum-exp (natural log) of each row, float32 ``(Hq, total_q)``.
     out : array, shape ``(total_q, Hq, Dv)``, optional
@@ -109,7 +119,8 @@ def attention_varlen(
     """
     func = "cuflash.attention_varlen"
     host = interop.HostImport(func, q=q, k=k, v=v, out=out)
-    index = _host_indices(func, cu_seqlens_q, cu_seqlens_k, seqused_k, host.framework is not None)
+    index = _host_indices(func, cu_seqlens_q, cu_seqlens_k, seqused_k, host.framework is not None,
+                          block_table=block_table)
     if host.framework is not None:  # CPU DLPack arrays: the NumPy views, the result as their kind
         result = attention_varlen(**host.arrays, **index, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                   causal=causal, softmax_scale=softmax_scale, window_size=window_size,
@@ -119,8 +130,8 @@ def attention_varlen(
         return host.export(result, "out")
     problem = validation.check_attention_varlen(
         q, k, v, index["cu_seqlens_q"], index["cu_seqlens_k"], max_seqlen_q, max_seqlen_k, causal=causal,
-        softmax_scale=softmax_scale, window_size=window_size, seqused_k=index["seqused_k"], out=out,
-        return_lse=return_lse, func=func,
+        softmax_scale=softmax_scale, window_size=window_size, seqused_k=index["seqused_k"],
+        block_table=index["block_table"], out=out, return_lse=return_lse, func=func,
     )
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":
@@ -132,6 +143,9 @@ def attention_varlen(
         from cuflash.sim import launcher
 
         arch = sim.current_options().arch
+        if problem.kvcache is not None:
+            return dispatch.run_kvcache(problem, q, out, return_lse, xp=np, arch=arch, launch=launcher.run,
+                                        num_sms=sim.sm_count(arch))
         return dispatch.run_forward(problem, q, k, v, out, return_lse, xp=np, arch=arch, launch=launcher.run)
     return _attention_varlen_cuda(problem, q, k, v, out, return_lse)
 
@@ -218,10 +232,10 @@ def attention_varlen_backward(
 # helpers
 
 
-def _host_indices(func: str, cu_q, cu_k, used, import_host: bool) -> dict:
+def _host_indices(func: str, cu_q, cu_k, used, import_host: bool, **more) -> dict:
     """The index arguments, CPU DLPack ones (torch CPU tensors) as NumPy when the call runs on
     the host path."""
-    index = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_k": used}
+    index = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_k": used, **more}
     if import_host:
         for name, x in index.items():
             if x is not None and interop.is_host_dlpack(x):
@@ -270,10 +284,17 @@ def _forward_numpy(problem, q, k, v, out, return_lse):
     lse = np.empty(p.lse_shape, dtype=acc)
     kw = dict(causal=p.causal, softmax_scale=p.softmax_scale, window_size=(p.window_left, p.window_right),
               layout="bshd", return_lse=True, backend="numpy")
-    for rq, rk in _sequences(p):
+    c = p.kvcache
+    for b, (rq, rk) in enumerate(_sequences(p)):
         if rq.stop == rq.start:
             continue
-        o, lse_b = api.attention(q[None, rq], k[None, rk], v[None, rk], **kw)
+        if c is not None:   # keys [0, n) of the sequence's pages
+            where = dict(page_size=c.page_size, block_table=c.block_table)
+            kb = ref_kvcache.gather(k, b, 0, rk.stop - rk.start, **where)
+            vb = ref_kvcache.gather(v, b, 0, rk.stop - rk.start, **where)
+        else:
+            kb, vb = k[rk], v[rk]
+        o, lse_b = api.attention(q[None, rq], kb[None], vb[None], **kw)
         out[rq] = o[0]
         lse[:, rq] = lse_b[0]
     return (out, lse) if return_lse else out
@@ -297,7 +318,10 @@ def _backward_numpy(problem, dout, q, k, v, out, lse):
 
 
 def _device_indices(call, problem):
-    """The problem with its index arrays as CuPy arrays on the call's device (NumPy ones copied)."""
+    """The problem with its index arrays as CuPy arrays on the call's device (NumPy ones copied),
+    and its paged cache's (chunked prefill)."""
+    from cuflash.api_kvcache import device_cache
+
     vl = problem.varlen
     conv = {}
     for name in _INDEX_NAMES:
@@ -308,7 +332,8 @@ def _device_indices(call, problem):
             conv[name] = call.xp.asarray(x)
         else:
             conv[name] = call.import_array(x)
-    return dataclasses.replace(problem, varlen=dataclasses.replace(vl, **conv))
+    cache = problem.kvcache if problem.kvcache is None else device_cache(call, problem.kvcache)
+    return dataclasses.replace(problem, varlen=dataclasses.replace(vl, **conv), kvcache=cache)
 
 
 def _attention_varlen_cuda(problem, q, k, v, out, return_lse):
@@ -325,8 +350,14 @@ def _attention_varlen_cuda(problem, q, k, v, out, return_lse):
             interop.check_no_overlap(problem.func, oc, {"q": qc, "k": kc, "v": vc})
         else:
             oc = call.empty(problem.out_shape, problem.dtype)
-        result = dispatch.run_forward(problem, qc, kc, vc, oc, return_lse, xp=call.xp, arch=call.arch,
-                                      launch=functools.partial(cuda_runner.launch, stream=call.stream))
+        launch = functools.partial(cuda_runner.launch, stream=call.stream)
+        if problem.kvcache is not None:
+            num_sms = int(call.xp.cuda.Device().attributes["MultiProcessorCount"])
+            result = dispatch.run_kvcache(problem, qc, oc, return_lse, xp=call.xp, arch=call.arch, launch=launch,
+                                          num_sms=num_sms)
+        else:
+            result = dispatch.run_forward(problem, qc, kc, vc, oc, return_lse, xp=call.xp, arch=call.arch,
+                                          launch=launch)
         if return_lse:
             o, lse = result
             return call.export(o, out=out), call.export(lse)

@@ -394,3 +394,81 @@ def test_torch_cpu_tensors_append_in_place(rng):
     out = cuflash.attention_with_kvcache(**t)
     assert isinstance(out, torch.Tensor) and out.shape == (2, 2, 4, 64)
     assert t["k_cache"].numpy().tobytes() == want_k.tobytes()
+
+
+# --------------------------------------------------------------------------------------------
+# chunked prefill: attention_varlen over a paged cache
+
+#: (query chunk, keys in the cache including the chunk) per sequence
+CHUNKS = {"single": [(3, 10)], "mixed": [(5, 5), (0, 4), (17, 60)], "decode_mix": [(1, 33), (64, 64), (2, 130)]}
+PREFILL_AXES = [list(CHUNKS), [1, 3, 16, 256], HEADS, list(MASKS), [40, 128, 256], ["all", "some"], list(DTYPES)]
+PREFILL = [tuple(c) for c in AllPairs(PREFILL_AXES)]
+
+
+def make_prefill(rng, chunks, page, heads, d, dtype, used):
+    hq, hk = heads
+    lq = np.array([a for a, _ in chunks], np.int64)
+    lk = np.array([b for _, b in chunks], np.int64)
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    seqused = None if used == "all" else np.array([n - n // 3 for n in lk], np.int32)
+    per_seq = [-(-int(n) // page) for n in lk]
+    num_pages = sum(per_seq) + 1
+    ids = rng.permutation(num_pages).astype(np.int32)
+    bt = np.full((len(chunks), max(per_seq) + 1), 2**30, np.int32)   # unused entries: never read
+    at = 0
+    for i, n in enumerate(per_seq):
+        bt[i, :n], at = ids[at:at + n], at + n
+    kc = np.full((num_pages, page, hk, d), np.nan, dtype)
+    vc = np.full((num_pages, page, hk, d), np.nan, dtype)
+    for i, n in enumerate(lk):
+        i0, i1 = ref_kvcache.cache_rows(i, 0, int(n if seqused is None else seqused[i]), page_size=page, block_table=bt)
+        kc[i0, i1] = rng.standard_normal((len(i0), hk, d))
+        vc[i0, i1] = rng.standard_normal((len(i0), hk, d))
+    q = rng.standard_normal((int(cq[-1]), hq, d)).astype(dtype)
+    return q, kc, vc, cq, ck, int(lq.max()), int(lk.max()), seqused, bt
+
+
+def run_prefill(rng, chunks, page, heads, mask, d, used, dtype_key, *, checked=False):
+    q, kc, vc, cq, ck, mq, mk, seqused, bt = make_prefill(rng, CHUNKS[chunks], page, heads, d, DTYPES[dtype_key], used)
+    causal, window = MASKS[mask]
+    for backend in ("numpy", "sim"):
+        with cuflash.sim.options(checked=checked):
+            out, lse = cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, causal=causal, window_size=window,
+                                                seqused_k=seqused, block_table=bt, return_lse=True, backend=backend)
+        for b in range(len(cq) - 1):
+            rq = slice(cq[b], cq[b + 1])
+            if rq.stop == rq.start:
+                continue
+            n = int(ck[b + 1] - ck[b]) if seqused is None else int(seqused[b])
+            kb = ref_kvcache.gather(kc, b, 0, n, page_size=page, block_table=bt)[None]
+            vb = ref_kvcache.gather(vc, b, 0, n, page_size=page, block_table=bt)[None]
+            check_close(out[None, rq], q[None, rq], kb, vb, layout="bshd", causal=causal, window_size=window)
+            _, lse64 = ref.naive_attention(q[None, rq].astype(np.float64), kb.astype(np.float64),
+                                           vb.astype(np.float64), layout="bshd", return_lse=True, causal=causal,
+                                           window_size=window)
+            fin = np.isfinite(lse64[0])
+            assert np.array_equal(np.isneginf(lse[:, rq]), np.isneginf(lse64[0]))
+            np.testing.assert_allclose(lse[:, rq][fin], lse64[0][fin], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("case", PREFILL, ids=["-".join(map(str, c)) for c in PREFILL])
+def test_chunked_prefill_pairwise(case, rng):
+    run_prefill(rng, *case)
+
+
+@pytest.mark.parametrize("case", PREFILL[::4], ids=["-".join(map(str, c)) for c in PREFILL[::4]])
+def test_chunked_prefill_checked(case, rng):
+    run_prefill(rng, *case, checked=True)
+
+
+def test_chunked_prefill_refuses_pages_outside_the_cache(rng):
+    q, kc, vc, cq, ck, mq, mk, _, bt = make_prefill(rng, CHUNKS["mixed"], 16, (2, 2), 64, np.float32, "all")
+    bad = bt.copy()
+    bad[2, 1] = kc.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[2, 1\]=\d+ must be in \[0, "):
+        cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, block_table=bad)
+    with pytest.raises(ValueError, match="sequence 2 has 60 keys but its block_table row addresses 48"):
+        cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, block_table=bt[:, :3])
+    with pytest.raises(ValueError, match="k is a paged cache"):
+        cuflash.attention_varlen(q, kc[:, 0], vc, cq, ck, mq, mk, block_table=bt)

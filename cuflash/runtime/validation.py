@@ -425,6 +425,38 @@ def _check_index(x, name: str, func: str, length: int | None, kind: str, device)
     return info
 
 
+def check_host_cu_seqlens(func: str, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q: int, total_k: int | None,
+                          max_q: int, max_k: int) -> None:
+    """Host index arrays of a packed batch: 0 first, non-decreasing, ending at the totals (no
+    check of the key total when ``total_k`` is None: keys in a paged cache), no sequence longer
+    than its ``max_seqlen``, ``seqused_k`` inside each sequence's keys."""
+    for name, cu, total, mx, axis in (("cu_seqlens_q", cu_seqlens_q, total_q, max_q, "q"),
+                                      ("cu_seqlens_k", cu_seqlens_k, total_k, max_k, "k")):
+        cu = np.asarray(cu, dtype=np.int64)
+        if cu[0] != 0:
+            raise ValueError(f"{func}: {name}[0]={int(cu[0])} must be 0")
+        lengths = np.diff(cu)
+        if (lengths < 0).any():
+            b = int(np.argmax(lengths < 0))
+            raise ValueError(f"{func}: {name} must be non-decreasing; {name}[{b + 1}]={int(cu[b + 1])} < "
+                             f"{name}[{b}]={int(cu[b])}")
+        if total is not None and cu[-1] != total:
+            raise ValueError(f"{func}: {name}[-1]={int(cu[-1])} must equal {axis}.shape[0]={total} "
+                             f"(the total {'query' if axis == 'q' else 'key'} rows)")
+        if lengths.size and lengths.max() > mx:
+            b = int(np.argmax(lengths))
+            raise ValueError(f"{func}: max_seqlen_{axis}={mx} is smaller than sequence {b}'s length "
+                             f"{int(lengths[b])} ({name}[{b + 1}] - {name}[{b}])")
+    if seqused_k is not None:
+        used = np.asarray(seqused_k, dtype=np.int64)
+        lk = np.diff(np.asarray(cu_seqlens_k, dtype=np.int64))
+        bad = np.flatnonzero((used < 0) | (used > lk))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"{func}: seqused_k[{b}]={int(used[b])} must be in [0, {int(lk[b])}] (sequence {b}'s "
+                             f"keys, cu_seqlens_k[{b + 1}] - cu_seqlens_k[{b}])")
+
+
 def check_attention_varlen(
     q,
     k,
@@ -438,6 +470,7 @@ def check_attention_varlen(
     softmax_scale=None,
     window_size=(-1, -1),
     seqused_k=None,
+    block_table=None,
     out=None,
     return_lse=False,
     func: str = "cuflash.attention_varlen",
@@ -449,12 +482,24 @@ def check_attention_varlen(
     key rows in flash-attn's "bshd" terms; ``out_shape`` is ``(total_q, Hq, Dv)`` and
     ``lse_shape`` ``(Hq, total_q)``. NumPy index arrays are read and checked in full here;
     device-resident ones only for dtype and shape (reading them would synchronize the host).
+    With ``block_table`` (chunked prefill over a paged KV cache), k and v are the caches
+    ``(num_pages, page_size, Hk, D|Dv)``, ``cu_seqlens_k`` counts each sequence's keys in its
+    pages, and ``kvcache`` says where they are.
     """
     causal = check_flag(causal, "causal", func)
     check_flag(return_lse, "return_lse", func)
     infos = describe_inputs({"q": q, "k": k, "v": v}, func)
     qi, ki, vi = infos["q"], infos["k"], infos["v"]
-    for name, info in infos.items():
+    if block_table is not None:
+        for name, info in (("k", ki), ("v", vi)):
+            if info.ndim != 4:
+                raise ValueError(f"{func}: with a block_table, {name} is a paged cache (num_pages, page_size, Hk, "
+                                 f"head_dim); got {name}.shape={info.shape}")
+        ki, vi = (dataclasses.replace(i, shape=(i.shape[0] * i.shape[1],) + i.shape[2:]) for i in (ki, vi))
+    for name, info in {"q": qi, "k": ki, "v": vi}.items():
+        if block_table is not None and name != "q":
+            check_strides(infos[name], name, func)
+            continue
         if info.ndim != 3:
             raise ValueError(f"{func}: {name}.ndim must be 3 (total_{'q' if name == 'q' else 'k'}, heads, head_dim) "
                              f"for packed sequences; got {name}.shape={info.shape}")
@@ -476,32 +521,16 @@ def check_attention_varlen(
         if not 0 <= value < 2**31 - 256:
             raise ValueError(f"{func}: {name}={value} must be in [0, 2**31 - 256)")
     checked = cq.kind == "numpy" and ck.kind == "numpy" and (seqused_k is None or isinstance(seqused_k, np.ndarray))
+    cache = None
+    if block_table is not None:
+        from cuflash.runtime import validation_kvcache
+
+        cache = validation_kvcache.varlen_cache(func, qi, k, v, block_table, batch, cu_seqlens_k, seqused_k, checked)
+        checked = checked and cache.checked
+        total_k = cache.capacity
     if checked:
-        for name, cu, total, mx, axis in (("cu_seqlens_q", cu_seqlens_q, total_q, max_q, "q"),
-                                          ("cu_seqlens_k", cu_seqlens_k, total_k, max_k, "k")):
-            cu = np.asarray(cu, dtype=np.int64)
-            if cu[0] != 0:
-                raise ValueError(f"{func}: {name}[0]={int(cu[0])} must be 0")
-            lengths = np.diff(cu)
-            if (lengths < 0).any():
-                b = int(np.argmax(lengths < 0))
-                raise ValueError(f"{func}: {name} must be non-decreasing; {name}[{b + 1}]={int(cu[b + 1])} < "
-                                 f"{name}[{b}]={int(cu[b])}")
-            if cu[-1] != total:
-                raise ValueError(f"{func}: {name}[-1]={int(cu[-1])} must equal {axis}.shape[0]={total} "
-                                 f"(the total {'query' if axis == 'q' else 'key'} rows)")
-            if lengths.size and lengths.max() > mx:
-                b = int(np.argmax(lengths))
-                raise ValueError(f"{func}: max_seqlen_{axis}={mx} is smaller than sequence {b}'s length "
-                                 f"{int(lengths[b])} ({name}[{b + 1}] - {name}[{b}])")
-        if seqused_k is not None:
-            used = np.asarray(seqused_k, dtype=np.int64)
-            lk = np.diff(np.asarray(cu_seqlens_k, dtype=np.int64))
-            bad = np.flatnonzero((used < 0) | (used > lk))
-            if bad.size:
-                b = int(bad[0])
-                raise ValueError(f"{func}: seqused_k[{b}]={int(used[b])} must be in [0, {int(lk[b])}] (sequence {b}'s "
-                                 f"keys, cu_seqlens_k[{b + 1}] - cu_seqlens_k[{b}])")
+        check_host_cu_seqlens(func, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q,
+                              None if cache is not None else total_k, max_q, max_k)
     scale = check_softmax_scale(softmax_scale, d, func)
     left, right = normalize_window(*check_window_size(window_size, causal, func), max_q, max_k)
     problem = AttentionProblem(
@@ -510,6 +539,7 @@ def check_attention_varlen(
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
         out_shape=(total_q, hq, dv), lse_shape=(hq, total_q), device=qi.device, q=qi, k=ki, v=vi,
         varlen=VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_k, batch, total_q, total_k, max_q, max_k, checked),
+        kvcache=cache,
     )
     if out is not None:
         check_out(out, problem, {"q": q, "k": k, "v": v})

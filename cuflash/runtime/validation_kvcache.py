@@ -178,6 +178,31 @@ def _check_rotary(func, q: ArrayInfo, rotary_cos, rotary_sin, interleaved, head_
     return interleaved
 
 
+def varlen_cache(func: str, q: ArrayInfo, k_cache, v_cache, block_table, batch: int, cu_seqlens_k, seqused_k,
+                 index_checked: bool) -> KVCache:
+    """The paged cache of :func:`cuflash.attention_varlen` with a ``block_table`` (chunked
+    prefill): sequence ``b``'s keys are cache indices ``[0, n_b)`` of its pages, ``n_b`` its
+    ``cu_seqlens_k`` length (``seqused_k[b]`` when given); host indices are checked to fit."""
+    ki, vi, paged, page_size, num_pages, capacity, _ = check_cache_arrays(func, q, k_cache, v_cache, block_table,
+                                                                          batch, writable=False)
+    if capacity >= MAX_LENGTH:
+        raise ValueError(f"{func}: the cache holds {capacity} rows per sequence; at most {MAX_LENGTH - 1}")
+    checked = index_checked and isinstance(block_table, np.ndarray)
+    if index_checked:
+        n = np.diff(np.asarray(cu_seqlens_k, dtype=np.int64))
+        if seqused_k is not None:
+            n = np.minimum(n, np.asarray(seqused_k, dtype=np.int64))
+        bad = n > capacity
+        if bad.any():
+            b = _first(bad)
+            raise ValueError(f"{func}: sequence {b} has {int(n[b])} keys but its block_table row addresses "
+                             f"{capacity} (max_pages x page_size)")
+        if checked:
+            check_block_table(func, block_table, np.zeros_like(n), n, page_size, num_pages)
+    return KVCache(k_cache, v_cache, paged, page_size, num_pages, capacity, None, 0, None, None, block_table, None,
+                   None, 0, None, None, False, 1, checked)
+
+
 def check_num_splits(num_splits, func: str) -> int:
     n = check_int(num_splits, "num_splits", func)
     if not 0 <= n <= 256:
