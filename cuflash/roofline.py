@@ -319,21 +319,22 @@ def main_loop(insns: list[Insn]) -> tuple[int, int, int]:
     return head, latch, inner
 
 
-def loop_paths(insns: list[Insn], head: int, latch: int) -> tuple[Counts, Counts]:
+def loop_paths(insns: list[Insn], head: int, latch: int, keys=None) -> tuple[Counts, ...]:
     """(unmasked, masked) per-warp counts of one pass from ``head`` to the branch at ``latch``.
 
     Paths follow forward edges only (inner loops count one pass). Unmasked: the most tensor
     instructions, then the most copies into shared memory, then the fewest instructions;
-    masked: the same but the most instructions.
+    masked: the same but the most instructions. ``keys``: other path preferences instead (each
+    a function of the running counts; the path maximizing it is taken), one result per key.
     """
     blocks = [b for b in _blocks(insns) if head <= insns[b[0]].addr <= latch]
     start_of = {insns[s].addr: (s, e, succ) for s, e, succ in blocks}
     if head not in start_of:
         raise ValueError(f"cuflash.roofline: loop header {head:#x} is not a block start")
+    if keys is None:
+        keys = [lambda c, sign=sign: (c["tensor"], c["smem_write"], -sign * c["instructions"]) for sign in (1, -1)]
     results = []
-    for sign in (1, -1):
-        def key(c, sign=sign):
-            return (c["tensor"], c["smem_write"], -sign * c["instructions"])
+    for key in keys:
         best = {head: dict.fromkeys(_COUNT_KEYS, 0)}
         end = None
         for s, e, succ in blocks:
@@ -352,7 +353,7 @@ def loop_paths(insns: list[Insn], head: int, latch: int) -> tuple[Counts, Counts
         if end is None:
             raise ValueError(f"cuflash.roofline: no path from {head:#x} to the latch {latch:#x}")
         results.append(Counts(**end))
-    return results[0], results[1]
+    return tuple(results)
 
 
 # --------------------------------------------------------------------------------------------
@@ -577,7 +578,8 @@ def _dtype_key(dtype) -> str:
 
 
 def _is_main(v) -> bool:
-    return v.family.startswith("attn_") and getattr(v, "stage", "main") == "main"
+    return v.family.startswith("attn_") and hasattr(v, "block_m") and getattr(v, "stage", "main") == "main" \
+        and not getattr(v, "kvcache", False)
 
 
 @lru_cache(maxsize=128)
@@ -628,7 +630,7 @@ def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str 
         (Path(sass_dir) / f"{variant.entry}.sm_{rates.arch}.sass").write_text(text)
     insns = parse_sass(text, variant.entry)
     head, latch, inner = main_loop(insns)
-    unmasked, masked = loop_paths(insns, head, latch)
+    unmasked, masked = loop_paths(insns, head, latch)[:2]
     direction, bm, bn, d, dv = _shape_of(variant)
     wgmma = any(x.op == "HGMMA" for x in insns if head <= x.addr <= latch)
     return model(unmasked, masked, rates=rates, entry=variant.entry, direction=direction, block_m=bm, block_n=bn,
@@ -636,6 +638,115 @@ def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str 
                  spills=res["spill_stores"] + res["spill_loads"], smem=variant.smem_bytes + res["static_smem"],
                  dtype_bytes=2 if variant.dtype in ("f16", "bf16") else 4, seqlen=seqlen, inner_loops=inner,
                  wgmma=wgmma)
+
+
+# --------------------------------------------------------------------------------------------
+# the decode kernel (the KV-cache form)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeRoofline:
+    """The roofline of one decode step on the KV-cache kernel (a prediction): per K/V tile of
+    ``block_n`` keys and CTA, the pipes' cycles when ``rows`` packed query rows (GQA group x Sq)
+    share each tile, ``active_warps`` of the CTA's warps computing and the others only copying.
+    ``cache_reads_per_kv_head`` is how many times one kv head's cache bytes are read (the query
+    tiles a (sequence, kv head, split) needs: 1 while ``rows <= block_m``); ``hbm_fraction`` the
+    share of the device's HBM bandwidth the binding pipe leaves (1.0 when HBM binds)."""
+
+    entry: str
+    device: str
+    arch: int
+    cache: str
+    rows: int
+    block_m: int
+    block_n: int
+    head_dim: int
+    head_dim_v: int
+    warps: int
+    active_warps: int
+    registers: int
+    spills: int
+    smem_bytes: int
+    ctas_per_sm: int
+    cache_bytes_per_tile: int
+    cache_reads_per_kv_head: int
+    pipes: dict
+    bound: str
+    hbm_fraction: float
+    predicted_gb_per_s: float
+
+
+def analyze_decode(variant, device: str = "h200", *, rows: int = 4, cache: str = "paged") -> DecodeRoofline:
+    """Model a decode step of the KV-cache kernel ``variant`` from its SASS (a prediction).
+
+    ``rows`` packed query rows per CTA (GQA group x Sq); ``cache`` "paged" (the row-by-row
+    gather through the block table, its copy loop counted at its trip count) or "contiguous"
+    (the unrolled regular copy). Warps whose rows are all past ``rows`` skip the math: they count
+    the loop's path with the fewest tensor instructions.
+    """
+    if device not in RATES:
+        raise ValueError(f"cuflash.roofline: device={device!r} must be one of {sorted(RATES)}")
+    if not getattr(variant, "kvcache", False):
+        raise ValueError(f"cuflash.roofline: {variant.entry} is not a KV-cache variant")
+    rates = RATES[device]
+    text, res = compile_sass(variant, rates.arch)
+    insns = parse_sass(text, variant.entry)
+    head, latch, _ = main_loop(insns)
+    inner = [(x.target, x.addr) for x in insns
+             if x.target is not None and head < x.target <= x.addr < latch]   # the paged copy loop
+    paged = cache == "paged"
+    sel = -1 if paged else 1   # paged: the path through the (one-pass) copy loop, fewest copies
+    math_c, copy_c = loop_paths(insns, head, latch, keys=[
+        lambda c: (c["tensor"], sel * c["smem_write"], -c["instructions"]),
+        lambda c: (-c["tensor"], sel * c["smem_write"], -c["instructions"])])
+    extra = dict.fromkeys(_COUNT_KEYS, 0)
+    if paged and inner:
+        ih, il = max(inner, key=lambda t: t[1] - t[0])
+        body = loop_paths(insns, ih, il, keys=[lambda c: (c["smem_write"], c["instructions"])])[0]
+        trips = -(-variant.block_n * (variant.head_dim_max // 8) // variant.threads)
+        extra = {k: (trips - 1) * getattr(body, k) for k in _COUNT_KEYS}
+    warps = variant.threads // 32
+    active = min(warps, -(-rows // variant.rows_per_warp))
+    idle = warps - active
+
+    def per_cta(name):
+        return active * getattr(math_c, name) + idle * getattr(copy_c, name) + warps * extra[name]
+
+    d = dv = variant.head_dim_max
+    tile_bytes = variant.block_n * (d + dv) * (2 if variant.dtype in ("f16", "bf16") else 4)
+    hbm_per_cycle = rates.device.hbm_gb_per_s * 1e9 / (rates.sms * rates.clock_ghz * 1e9)
+    pipes = {
+        "tensor": active * math_c.macs / rates.mma_sync_macs,
+        "smem": (per_cta("smem_read") + per_cta("smem_write")) / rates.smem_bytes,
+        "mufu": active * 32 * math_c.mufu / rates.mufu_lanes,
+        "fp32": active * 32 * math_c.fp32 / rates.fp32_lanes,
+        "issue": per_cta("instructions") / rates.issue,
+        "hbm": tile_bytes / hbm_per_cycle,
+    }
+    bound = max(pipes, key=pipes.get)
+    ctas = occupancy(rates, variant.threads, res["registers"], variant.smem_bytes + res["static_smem"])
+    frac = pipes["hbm"] / pipes[bound]
+    return DecodeRoofline(
+        entry=variant.entry, device=rates.device.name, arch=rates.arch, cache=cache, rows=rows,
+        block_m=variant.block_m, block_n=variant.block_n, head_dim=d, head_dim_v=dv, warps=warps, active_warps=active,
+        registers=res["registers"], spills=res["spill_stores"] + res["spill_loads"],
+        smem_bytes=variant.smem_bytes + res["static_smem"], ctas_per_sm=ctas, cache_bytes_per_tile=tile_bytes,
+        cache_reads_per_kv_head=-(-rows // variant.block_m), pipes={k: round(v, 1) for k, v in pipes.items()},
+        bound=bound if ctas else "occupancy", hbm_fraction=round(frac, 3),
+        predicted_gb_per_s=round(rates.device.hbm_gb_per_s * frac, 1))
+
+
+def format_decode_table(rows: list[DecodeRoofline]) -> str:
+    head = (f"{'entry':<46} {'cache':>10} {'rows':>4} {'act/w':>5} {'regs':>4} {'CTA/SM':>6} {'KB/tile':>7} "
+            f"{'tensor':>7} {'smem':>7} {'issue':>7} {'hbm':>7} {'bound':>6} {'HBM %':>6} {'GB/s':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        p = r.pipes
+        lines.append(f"{r.entry:<46} {r.cache:>10} {r.rows:>4} {f'{r.active_warps}/{r.warps}':>5} {r.registers:>4} "
+                     f"{r.ctas_per_sm:>6} {r.cache_bytes_per_tile / 1024:>7.1f} {p['tensor']:>7.0f} {p['smem']:>7.0f} "
+                     f"{p['issue']:>7.0f} {p['hbm']:>7.0f} {r.bound:>6} {100 * r.hbm_fraction:>5.0f}% "
+                     f"{r.predicted_gb_per_s:>7.0f}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -676,6 +787,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--forward-and-backward", action="store_true", help="both passes")
     p.add_argument("--varlen", action="store_true", help="the packed variable-length kernels (attention_varlen)")
     p.add_argument("--seqlen", type=int, default=8192, help="reference sequence length of the HBM pipe")
+    p.add_argument("--decode", action="store_true",
+                   help="the KV-cache (decode) kernel: per key tile, paged and contiguous caches, for --rows packed "
+                        "query rows (GQA group x Sq)")
+    p.add_argument("--rows", type=int, default=4, help="packed query rows per CTA for --decode (default 4)")
     p.add_argument("--json", metavar="FILE", help="write the records (one per variant) as JSON")
     p.add_argument("--sass", metavar="DIR", help="keep the disassembly read, one file per variant")
     return p
@@ -691,6 +806,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.seqlen < 1:
         print(f"cuflash roofline: --seqlen must be >= 1, got {args.seqlen}", file=sys.stderr)
         return 2
+    if args.decode:
+        return _main_decode(args, rates)
     backward = None if args.forward_and_backward else args.backward
     try:
         chosen = variants(rates.arch, backward=backward, dtype=args.dtype, head_dim=args.head_dim,
@@ -726,6 +843,29 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r.ceiling_tflops * useful:.0f} TFLOP/s, predicted)")
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
+    return 0
+
+
+def _main_decode(args, rates) -> int:
+    from cuflash.kernels import attention_fwd_mma
+
+    if args.rows < 1:
+        print(f"cuflash roofline: --rows must be >= 1, got {args.rows}", file=sys.stderr)
+        return 2
+    try:
+        dt = _numpy_dtype(args.dtype)
+        dims = [args.head_dim] if args.head_dim else list(attention_fwd_mma.HEAD_DIM_BUCKETS)
+        chosen = [attention_fwd_mma.choose_variant(dt, d, args.head_dim_v or d, rates.arch, kvcache=True) for d in dims]
+        rows = [analyze_decode(v, args.device, rows=args.rows, cache=c) for v in chosen for c in ("paged", "contiguous")]
+    except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
+        print(_message(e), file=sys.stderr)
+        return 1 if isinstance(e, RuntimeError) else 2
+    print(f"MODEL, not a measurement: a decode step on the KV-cache kernel, per key tile and CTA, with {args.rows} "
+          f"packed query rows; per-SM rates of the {rates.device.name} (sm_{rates.arch}); HBM % is the share of "
+          "its bandwidth the binding pipe leaves (throughput only: latency and bytes in flight are not modelled)")
+    print(format_decode_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     return 0
 
 

@@ -8,7 +8,7 @@ It registers two custom operators with :func:`torch.library.custom_op`:
 * ``cuflash::attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, window_left,
   window_right, layout, deterministic=False) -> (dq, dk, dv)``
 
-and, for packed variable-length batches (:func:`attention_varlen`),
+for packed variable-length batches (:func:`attention_varlen`),
 
 * ``cuflash::attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
   max_seqlen_k, causal, softmax_scale, window_left, window_right, deterministic=False) -> (out, lse)``
@@ -16,7 +16,11 @@ and, for packed variable-length batches (:func:`attention_varlen`),
   max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, deterministic=False)
   -> (dq, dk, dv)``
 
-each with a ``register_fake`` implementation (shapes and dtypes only), so ``torch.compile``
+and, for serving, ``cuflash::attention_with_kvcache`` (:func:`attention_with_kvcache`; it mutates
+its ``k_cache`` and ``v_cache`` arguments, no backward); :func:`merge_attention` is plain torch
+operations (differentiable).
+
+Each operator has a ``register_fake`` implementation (shapes and dtypes only), so ``torch.compile``
 traces through them without graph breaks (``fullgraph=True`` works), and the forward with
 ``register_autograd`` (the context saves q, k, v, out and lse; the backward is the
 FlashAttention-2 backward, :func:`cuflash.attention_backward`).
@@ -40,7 +44,7 @@ from cuflash.reference import backward as ref_backward
 from cuflash.reference import forward as ref_forward
 from cuflash.runtime import interop, validation
 
-__all__ = ["attention", "attention_varlen"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_attention"]
 
 _FUNC = "cuflash.torch.attention"
 
@@ -415,3 +419,135 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     out, _ = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_q, max_k, causal, scale, left,
                                   right, deterministic)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache (serving): attention_with_kvcache (no backward) and merge_attention (differentiable)
+
+_FUNC_KVCACHE = "cuflash.torch.attention_with_kvcache"
+
+
+@torch.library.custom_op("cuflash::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def attention_with_kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None,
+    cache_seqlen: int, k: torch.Tensor | None, v: torch.Tensor | None, rotary_cos: torch.Tensor | None,
+    rotary_sin: torch.Tensor | None, cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None,
+    block_table: torch.Tensor | None, rotary_interleaved: bool, causal: bool, softmax_scale: float,
+    window_left: int, window_right: int, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, Sq, Hq, Dv), lse (B, Hq, Sq))``; k/v appended into the caches in place."""
+    import cuflash
+
+    backend = "cuda" if q.device.type == "cuda" else "numpy"
+    if q.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"{_FUNC_KVCACHE}: tensors on device {q.device} are not supported")
+    out, lse = cuflash.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlen if cache_seqlens is None else cache_seqlens, k=k, v=v,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
+        softmax_scale=softmax_scale, window_size=(window_left, window_right), num_splits=num_splits,
+        return_lse=True, backend=backend)
+    return out, lse
+
+
+@attention_with_kvcache_op.register_fake
+def _attention_with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_seqlen, k, v, rotary_cos, rotary_sin,
+                                 cache_batch_idx, cache_leftpad, block_table, rotary_interleaved, causal,
+                                 softmax_scale, window_left, window_right, num_splits):
+    b, sq, hq, _ = q.shape
+    return (q.new_empty((b, sq, hq, v_cache.shape[-1])),
+            q.new_empty((b, hq, sq), dtype=_lse_dtype(q.dtype)))
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                           causal=False, softmax_scale=None, window_size=(-1, -1), num_splits=0, return_lse=False):
+    """:func:`cuflash.attention_with_kvcache` as the custom operator
+    ``cuflash::attention_with_kvcache`` (it mutates ``k_cache`` and ``v_cache``; no backward, as
+    flash-attn's), so a decode step traces under ``torch.compile`` and, on CUDA with a warm
+    compile cache, can be captured in a CUDA graph (no host synchronization).
+
+    Parameters and conventions are those of :func:`cuflash.attention_with_kvcache`; every array is
+    a ``torch.Tensor`` on one device (CPU: the NumPy path; CUDA: the kernels on torch's current
+    stream), ``cache_seqlens`` an int or an int32 tensor.
+
+    Returns
+    -------
+    out : torch.Tensor ``(B, Sq, Hq, Dv)``; lse : float32 ``(B, Hq, Sq)`` with ``return_lse``.
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        As :func:`cuflash.attention_with_kvcache` (raised when the operator runs).
+    """
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache)
+    optional = dict(k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+                    cache_leftpad=cache_leftpad, block_table=block_table)
+    for name, x in {**tensors, **{n: t for n, t in optional.items() if t is not None}}.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{_FUNC_KVCACHE}: {name} must be a torch.Tensor, got {type(x).__module__}."
+                            f"{type(x).__qualname__}")
+    scalar = isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
+    if not scalar and not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"{_FUNC_KVCACHE}: cache_seqlens must be an int or an int32 torch.Tensor, got "
+                        f"{type(cache_seqlens).__qualname__}")
+    left, right = validation.check_window_size(window_size, validation.check_flag(causal, "causal", _FUNC_KVCACHE),
+                                               _FUNC_KVCACHE)
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() and q.shape[-1] > 0 else 1.0
+    else:
+        scale = validation.check_softmax_scale(softmax_scale, 1, _FUNC_KVCACHE)
+    out, lse = attention_with_kvcache_op(
+        q, k_cache, v_cache, None if scalar else cache_seqlens, cache_seqlens if scalar else 0, k, v, rotary_cos,
+        rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+        validation.check_flag(rotary_interleaved, "rotary_interleaved", _FUNC_KVCACHE), bool(causal), scale,
+        left, right, validation.check_int(num_splits, "num_splits", _FUNC_KVCACHE))
+    return (out, lse) if return_lse else out
+
+
+def merge_attention(outs, lses):
+    """:func:`cuflash.merge_attention` in torch operations: differentiable in every ``out`` and
+    ``lse`` (ring attention's backward needs it), any device, traceable by ``torch.compile``.
+
+    ``lse = log(sum_i exp(lse_i))``, ``out = sum_i exp(lse_i - lse) out_i`` in float32 (float64
+    for float64), a part with ``lse = -inf`` adding nothing and a row empty in every part giving
+    0 and ``-inf`` with zero gradients (no NaN from ``-inf - -inf``).
+
+    Parameters
+    ----------
+    outs : sequence of torch.Tensor ``(..., Sq, Dv)``
+    lses : sequence of torch.Tensor ``(..., Sq)``
+
+    Returns
+    -------
+    out : torch.Tensor of the parts' dtype; lse : float32 (float64) torch.Tensor
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`cuflash.merge_attention`.
+    """
+    func = "cuflash.torch.merge_attention"
+    outs, lses = list(outs), list(lses)
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"{func}: outs and lses must be non-empty and of one length, got {len(outs)} and {len(lses)}")
+    for i, (o, s) in enumerate(zip(outs, lses)):
+        if not isinstance(o, torch.Tensor) or not isinstance(s, torch.Tensor):
+            raise TypeError(f"{func}: outs[{i}] and lses[{i}] must be torch.Tensors")
+        if o.shape != outs[0].shape or o.dtype != outs[0].dtype:
+            raise ValueError(f"{func}: outs[{i}] is {tuple(o.shape)} {o.dtype}, outs[0] {tuple(outs[0].shape)} "
+                             f"{outs[0].dtype}; the parts must agree")
+        if s.shape != o.shape[:-1]:
+            raise ValueError(f"{func}: lses[{i}].shape={tuple(s.shape)} must be {tuple(o.shape[:-1])}")
+    acc = torch.float64 if outs[0].dtype == torch.float64 or any(s.dtype == torch.float64 for s in lses) \
+        else torch.float32
+    lse = torch.stack([s.to(acc) for s in lses])
+    m = lse.detach().amax(dim=0)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m)
+    total = w.sum(dim=0)
+    empty = total == 0
+    total_safe = torch.where(empty, torch.ones_like(total), total)
+    lse_out = torch.where(empty, torch.full_like(total, -math.inf), m + torch.log(total_safe))
+    o = sum(w[i].unsqueeze(-1) * outs[i].to(acc) for i in range(len(outs)))
+    return (o / total_safe.unsqueeze(-1)).to(outs[0].dtype), lse_out

@@ -39,6 +39,7 @@ FILES = {
                              "bwd_mma_det_window_checked"),
     "attention_bwd_simt.cu": ("bwd_simt_checked", "bwd_simt_seeds"),
     "softmax.cu": ("softmax_checked", "softmax_seeds"),
+    "attention_combine.cu": ("kvcache_split_checked", "kvcache_split_seeds"),
 }
 #: mutants no probe kills, each with why removing that line is harmless (or what gap it shows)
 SURVIVORS: dict[str, str] = {}
@@ -143,6 +144,28 @@ def _softmax_case(checked, seeds):
         np.testing.assert_allclose(y, ref.softmax(x.astype(np.float64)), rtol=1e-5, atol=1e-7)
 
 
+def _kvcache_case(checked, seeds):
+    """A paged decode step split three ways over the keys: the KV-cache forward, then the combine."""
+    import cuflash
+    from cuflash import sim
+    from cuflash.reference import tolerance
+
+    rng = np.random.default_rng(11)
+    page, lengths = 16, np.array([150, 40], np.int32)
+    kc = rng.standard_normal((24, page, 2, 64)).astype(np.float16)
+    vc = rng.standard_normal((24, page, 2, 64)).astype(np.float16)
+    bt = rng.permutation(24)[:20].reshape(2, 10).astype(np.int32)
+    q = rng.standard_normal((2, 1, 8, 64)).astype(np.float16)
+    for seed in seeds:
+        with sim.options(checked=checked, seed=seed):
+            out = cuflash.attention_with_kvcache(q, kc, vc, lengths, block_table=bt, num_splits=3, backend="sim")
+        for b, n in enumerate(lengths):
+            idx = np.arange(n)
+            kb, vb = kc[bt[b, idx // page], idx % page][None], vc[bt[b, idx // page], idx % page][None]
+            ok, msg, _ = tolerance.compare(out[b:b + 1], q[b:b + 1], kb, vb, layout="bshd")
+            assert ok, f"kv cache, seed {seed}, sequence {b}: {msg}"
+
+
 F16, F32 = np.float16, np.float32
 PROBES = {
     "fwd_mma_checked": lambda: _attention_case(F16, 64, 200, 300, True, "sm_80", True, (0,), False),
@@ -165,6 +188,8 @@ PROBES = {
     "bwd_simt_checked": lambda: _attention_case(F32, 32, 40, 70, True, "sm_75", True, (0,), True),
     "bwd_simt_seeds": lambda: _attention_case(F32, 32, 40, 70, True, "sm_75", False, SEEDS, True),
     "softmax_checked": lambda: _softmax_case(True, (0,)),
+    "kvcache_split_checked": lambda: _kvcache_case(True, (0,)),
+    "kvcache_split_seeds": lambda: _kvcache_case(False, SEEDS),
     "softmax_seeds": lambda: _softmax_case(False, SEEDS),
 }
 

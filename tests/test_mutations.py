@@ -37,7 +37,13 @@ def test_kill_map_covers_exactly_the_kernels_mutants():
     assert not missing, f"mutants with no recorded killer (run python tests/mutation_suite.py --write): {missing}"
     assert not stale, f"kill map entries for statements the kernels no longer have: {stale}"
     assert all(probe in PROBES for probe in KILL_MAP.values())
-    assert len(MUTANTS) >= 19 and {m.file for m in MUTANTS} == set(FILES)   # 19 syncs today
+    assert len(MUTANTS) >= 20 and {m.file for m in MUTANTS} == set(FILES)   # 20 syncs today
+
+
+def test_the_split_kv_combine_barrier_is_killed():
+    """Issue 22's combine: each lane publishes its splits' weights in shared memory and the warp
+    reads all of them after a __syncwarp; without it a lane reads a weight not yet written."""
+    assert KILL_MAP.get("attention_combine.cu|__syncwarp();|#0|delete")
 
 
 def test_the_pipeline_mutations_of_the_tensor_core_forward_are_killed():
