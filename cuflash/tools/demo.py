@@ -147,11 +147,16 @@ class _CheckedAttention:
         self.backend = backend
         self.records: list[dict] = []
 
-    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, cache=None) -> np.ndarray:
         start = time.perf_counter()
-        result = run_attention(q, k, v, backend=self.backend, causal=True)
-        seconds = time.perf_counter() - start
-        expected = oracle_attention(q, k, v, causal=True)
+        if cache is not None:   # a paged KV cache: append and attend in one attention_with_kvcache call
+            result = cache.attend(layer, q, k, v)
+            seconds = time.perf_counter() - start
+            k, v = cache.stored(layer)
+        else:
+            result = run_attention(q, k, v, backend=self.backend, causal=True)
+            seconds = time.perf_counter() - start
+        expected = oracle_attention(*(a.astype(np.float64) for a in (q, k, v)), causal=True)
         self.records.append(_record(layer, q, k, self.backend, result, expected, seconds))
         return result
 
@@ -346,6 +351,10 @@ def _run_embedded(backend: str, out, *, model_missing: bool) -> dict:
     }
 
 
+#: tokens per page of the demo's paged KV cache
+PAGE_SIZE = 16
+
+
 def _run_model(gguf_path: Path, text: str, backend: str, generate: int, out) -> dict:
     # the text is checked with the tokenizer alone, before the weights load (seconds)
     tokenizer = smollm2.load_tokenizer(gguf_path)
@@ -381,7 +390,10 @@ def _run_model(gguf_path: Path, text: str, backend: str, generate: int, out) -> 
 
     generated: list[int] = []
     gen_checker = _CheckedAttention(backend)
-    if generate:
+    if generate:   # decode on a paged KV cache, prefilled with the prompt (chunked prefill)
+        cache = smollm2.PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity=len(token_ids) + generate,
+                                     page_size=PAGE_SIZE, backend=backend)
+        model.forward(token_ids, _CheckedAttention(backend), cache)
         next_id = int(np.argmax(logits[-1]))
         for _ in range(generate):
             if next_id == cfg.eos_id:
@@ -389,14 +401,15 @@ def _run_model(gguf_path: Path, text: str, backend: str, generate: int, out) -> 
             generated.append(next_id)
             if len(generated) == generate:
                 break
-            hidden = model.forward([next_id], gen_checker, cache)  # Sq=1 against Sk=t
+            hidden = model.forward([next_id], gen_checker, cache)  # Sq=1 against the t cached keys
             next_id = int(np.argmax(model.logits(hidden[-1:])[0]))
     continuation = model.decode(generated) if generate else None
     if generate:
         worst = max((r["max_abs_err"] for r in gen_checker.records), default=0.0)
         out("")
         out(f"greedy continuation, in brackets ({len(generated)} tokens; each step one query "
-            f"against the cached keys, causal bottom-right; worst max|err| {worst:.2e}):")
+            f"against a paged KV cache (cuflash.attention_with_kvcache: pages of {PAGE_SIZE} tokens, scattered; "
+            f"append in place), causal bottom-right; worst max|err| {worst:.2e}):")
         out(f"  {text}[{continuation}]")
     return {
         "source": "model", "backend": backend, "text": text, "token_ids": list(token_ids),

@@ -125,6 +125,79 @@ class KVCache:
         return self.keys[layer], self.values[layer]
 
 
+class PagedKVCache:
+    """Keys (after RoPE) and values of every layer in a paged cache that
+    :func:`cuflash.attention_with_kvcache` fills in place: per layer ``(num_pages, page_size, Hk,
+    D)`` pages, one sequence whose block table lists the pages in shuffled order (so they are
+    really scattered), and the tokens stored so far.
+
+    Parameters
+    ----------
+    n_layers, n_kv_heads, head_dim : int
+    capacity : int
+        Tokens the cache can hold.
+    page_size : int
+    backend : str
+        ``"cuda"`` keeps the pages on the GPU (CuPy) and runs the kernels; ``"sim"`` stores float16
+        (the tensor-core kernel's dtypes) for the simulator; otherwise float32 for the NumPy path.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, capacity: int, page_size: int = 16,
+                 backend: str = "numpy"):
+        self.backend = backend
+        self.page_size = page_size
+        self.dtype = np.float16 if backend in ("sim", "cuda") else np.float32
+        pages = max(1, -(-capacity // page_size))
+        xp = self._xp()
+        shape = (pages, page_size, n_kv_heads, head_dim)
+        self.k_pages = [xp.zeros(shape, self.dtype) for _ in range(n_layers)]
+        self.v_pages = [xp.zeros(shape, self.dtype) for _ in range(n_layers)]
+        order = np.random.default_rng(0).permutation(pages).astype(np.int32)[None]
+        self.block_table = xp.asarray(order)
+        self.lengths = [0] * n_layers
+
+    def _xp(self):
+        if self.backend == "cuda":
+            from cuflash.runtime.interop import require_cuda
+
+            return require_cuda("cuflash demo")
+        return np
+
+    @property
+    def length(self) -> int:
+        """Number of positions already stored (layer 0's; every layer advances together)."""
+        return self.lengths[0]
+
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Append ``layer``'s new keys and values and attend to everything stored, causally, in one
+        :func:`cuflash.attention_with_kvcache` call; ``q`` ``(1, Hq, S, D)``, ``k``/``v`` ``(1, Hk,
+        S, D)`` float32, the result ``(1, Hq, S, D)`` float32."""
+        import cuflash
+
+        xp = self._xp()
+        q_b, k_b, v_b = (xp.asarray(np.ascontiguousarray(a.transpose(0, 2, 1, 3)), dtype=self.dtype) for a in (q, k, v))
+        out = cuflash.attention_with_kvcache(q_b, self.k_pages[layer], self.v_pages[layer],
+                                             xp.asarray(np.array([self.lengths[layer]], np.int32)), k=k_b, v=v_b,
+                                             block_table=self.block_table, causal=True,
+                                             backend="cuda" if self.backend == "cuda" else self.backend)
+        self.lengths[layer] += q.shape[-2]
+        out = out.get() if xp is not np else out
+        return np.ascontiguousarray(out.transpose(0, 2, 1, 3)).astype(np.float32)
+
+    def stored(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """``layer``'s stored keys and values as ``(1, Hk, t, D)`` NumPy arrays (gathered from the
+        pages, for the oracle)."""
+        from cuflash.reference import kvcache as ref_kvcache
+
+        out = []
+        for pages in (self.k_pages[layer], self.v_pages[layer]):
+            host = pages.get() if not isinstance(pages, np.ndarray) else pages
+            bt = self.block_table.get() if not isinstance(self.block_table, np.ndarray) else self.block_table
+            rows = ref_kvcache.gather(host, 0, 0, self.lengths[layer], page_size=self.page_size, block_table=bt)
+            out.append(rows.transpose(1, 0, 2)[None])
+        return out[0], out[1]
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis: ``x / sqrt(mean(x**2) + eps) * weight``."""
     scale = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(eps))
@@ -325,7 +398,7 @@ class SmolLM2:
         seq = x.shape[0]
         return (x @ weight.T).reshape(seq, n_heads, self.config.head_dim).transpose(1, 0, 2)
 
-    def forward(self, token_ids, attend: AttendFn, cache: KVCache | None = None) -> np.ndarray:
+    def forward(self, token_ids, attend: AttendFn, cache: "KVCache | PagedKVCache | None" = None) -> np.ndarray:
         """Run the decoder layers on ``token_ids``; return the final normalized hidden states.
 
         Parameters
@@ -333,8 +406,9 @@ class SmolLM2:
         token_ids : sequence of int
             The S new tokens.
         attend : callable
-            ``attend(layer, q, k, v) -> out``, see :data:`AttendFn`.
-        cache : KVCache, optional
+            ``attend(layer, q, k, v) -> out``, see :data:`AttendFn`; with a :class:`PagedKVCache`
+            it is called as ``attend(layer, q, k_new, v_new, cache=cache)`` and appends itself.
+        cache : KVCache or PagedKVCache, optional
             Keys and values of earlier positions; the new tokens continue after them and their
             keys and values are appended. Without a cache the tokens start at position 0.
 
@@ -356,9 +430,12 @@ class SmolLM2:
             k = apply_rope(k, positions, cfg.rope_base)
             v = np.ascontiguousarray(self._project_heads(h, layer.wv, cfg.n_kv_heads))
             q, k, v = q[None], k[None], v[None]  # batch axis: (1, H, S, D)
-            if cache is not None:
-                k, v = cache.extend(index, k, v)
-            attended = np.asarray(attend(index, q, k, v), dtype=np.float32)
+            if isinstance(cache, PagedKVCache):   # the append happens inside the attention call
+                attended = np.asarray(attend(index, q, k, v, cache=cache), dtype=np.float32)
+            else:
+                if cache is not None:
+                    k, v = cache.extend(index, k, v)
+                attended = np.asarray(attend(index, q, k, v), dtype=np.float32)
             x = x + attended[0].transpose(1, 0, 2).reshape(ids.shape[0], -1) @ layer.wo.T
             h = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
             gate = h @ layer.w_gate.T
