@@ -190,3 +190,24 @@ def test_missing_compiler_says_what_to_install(monkeypatch, capsys):
     assert roofline.main(["--head-dim", "64"]) == 1
     err = capsys.readouterr().err
     assert "No module named 'cupy'" in err and "nvidia-cuda-cuobjdump" in err and "cupy-cuda12x" in err
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_decode_kernel_is_bandwidth_bound_and_reads_the_cache_once(tools, d):
+    """Issue 22: a decode step (a GQA group of 4 packed into one CTA's rows) on the KV-cache
+    kernel is HBM-bound on the H200 for paged and contiguous caches, each kv head's cache bytes
+    read once (one query tile per kv head), one computing warp, no spills; a prefill-sized tile
+    (64 rows, every warp computing) still leaves HBM binding at these head dims."""
+    from cuflash.runtime import dtypes
+
+    v = attention_fwd_mma.choose_variant(dtypes.bfloat16, d, d, 90, kvcache=True)
+    for cache in ("paged", "contiguous"):
+        r = roofline.analyze_decode(v, "h200", rows=4, cache=cache)
+        assert r.bound == "hbm" and r.hbm_fraction == 1.0 and r.spills == 0, r
+        assert r.cache_reads_per_kv_head == 1 and r.active_warps == 1
+        assert r.cache_bytes_per_tile == v.block_n * 2 * d * 2
+        assert r.pipes["tensor"] > 0 and r.pipes["issue"] < r.pipes["hbm"]
+    full = roofline.analyze_decode(v, "h200", rows=64, cache="paged")
+    assert full.active_warps == 4 and full.pipes["tensor"] == pytest.approx(4 * r.pipes["tensor"], rel=0.01)
+    with pytest.raises(ValueError, match="not a KV-cache variant"):
+        roofline.analyze_decode(attention_fwd_mma.choose_variant(dtypes.bfloat16, d, d, 90), "h200")

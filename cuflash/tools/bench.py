@@ -417,6 +417,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baselines", action="store_true", help="time cuflash only")
     p.add_argument("--backward", action="store_true",
                    help="also time the backward (the kernel cuflash's dispatcher picks, and SDPA flash's with torch)")
+    p.add_argument("--decode", action="store_true",
+                   help="also time a paged decode step (attention_with_kvcache) against the copy bandwidth")
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per measurement (default 3)")
     p.add_argument("--iters", type=int, default=10, help="timed calls per measurement; the median is reported (default 10)")
     p.add_argument("--json", metavar="FILE", help="write the records as JSON to FILE ('-' for stdout, table on stderr)")
@@ -496,6 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(records, args.plot)
     out = sys.stderr if args.json == "-" else sys.stdout
+    if args.decode:
+        from cuflash.tools import bench_decode
+
+        print(bench_decode.format_table(bench_decode.run(timer), device), file=out)
     print(table, file=out)
     print(summary, file=out)
     return 1 if bad else 0
