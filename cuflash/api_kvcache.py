@@ -145,7 +145,7 @@ def attention_with_kvcache(
     >>> k = np.random.randn(2, 1, 2, 64).astype(np.float32); v = np.random.randn(2, 1, 2, 64).astype(np.float32)
     >>> out = cuflash.attention_with_kvcache(q, k_cache, v_cache, np.array([5, 20], np.int32), k=k, v=v,
     ...                                      block_table=block_table, causal=True)
-    >>> out.shape, bool((k_cache[0, 4] == k[1, 0]).all())       # sequence 1's token 20 is row 4 of page 0
+    >>> out.shape, bool((k_cache[3, 4] == k[1, 0]).all())   # token 20 of sequence 1: row 4 of page block_table[1, 1]
     ((2, 1, 8, 64), True)
     """
     func = "cuflash.attention_with_kvcache"

@@ -362,6 +362,7 @@ BAD = [
     (lambda a: dict(a, num_splits=2.0), TypeError, "num_splits must be an int"),
     (lambda a: dict(a, q=a["q"][0]), ValueError, r"q.ndim must be 4 \(B, Sq, Hq, D\)"),
     (lambda a: dict(a, cache_seqlens=None), TypeError, "cache_seqlens must be an int"),
+    (lambda a: dict(a, v_cache=a["k_cache"]), ValueError, "k_cache and v_cache share memory"),
 ]
 
 

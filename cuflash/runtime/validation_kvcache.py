@@ -237,6 +237,9 @@ def check_attention_with_kvcache(
         raise ValueError(f"{func}: k and v are appended together; got only {'k' if v is None else 'v'}")
     ki, vi, paged, page_size, num_pages, capacity, _ = check_cache_arrays(func, qi, k_cache, v_cache, block_table,
                                                                           batch, writable=have_new)
+    if have_new and isinstance(k_cache, np.ndarray) and validation._overlaps(k_cache, v_cache):
+        raise ValueError(f"{func}: k_cache and v_cache share memory; the values appended would overwrite the keys "
+                         f"(pass two separate caches)")
     hk, dk, dv = ki.shape[2], ki.shape[3], vi.shape[3]
     validation._check_heads_and_dims(func, (hq, hk, vi.shape[2]), (ki.shape[1], vi.shape[1]), (d, dk, dv), "2", "1",
                                      "cache rows", max_head_dim)
