@@ -17,7 +17,7 @@ import numpy as np
 
 from cuflash.api import check_kernel_dtype, resolve_backend
 from cuflash.reference import kvcache as ref_kvcache
-from cuflash.runtime import interop, validation
+from cuflash.runtime import interop, validation, validation_kvcache
 
 _INDEX_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k")
 
@@ -132,6 +132,7 @@ def attention_varlen(
         q, k, v, index["cu_seqlens_q"], index["cu_seqlens_k"], max_seqlen_q, max_seqlen_k, causal=causal,
         softmax_scale=softmax_scale, window_size=window_size, seqused_k=index["seqused_k"],
         block_table=index["block_table"], out=out, return_lse=return_lse, func=func,
+        cache_check=validation_kvcache.varlen_cache,
     )
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":

@@ -473,3 +473,19 @@ def test_chunked_prefill_refuses_pages_outside_the_cache(rng):
         cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, block_table=bt[:, :3])
     with pytest.raises(ValueError, match="k is a paged cache"):
         cuflash.attention_varlen(q, kc[:, 0], vc, cq, ck, mq, mk, block_table=bt)
+
+
+def test_docstring_and_readme_examples_run():
+    """The docstring's example (doctest) and the README's KV-cache example run as written."""
+    import doctest
+    from pathlib import Path
+
+    import cuflash.api_kvcache
+
+    assert doctest.testmod(cuflash.api_kvcache).failed == 0
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = "import numpy as np, cuflash\nk_cache" + text.split("```python\nimport numpy as np, cuflash\nk_cache")[1]
+    scope: dict = {}
+    exec(block.split("```")[0], scope)   # noqa: S102 - the README's own example
+    assert scope["out"].shape == (2, 1, 8, 64) and np.isfinite(scope["out"]).all()
+    assert (scope["k_cache"][scope["block_table"][1, 40 // 16], 40 % 16] == scope["k"][1, 0]).all()

@@ -475,6 +475,7 @@ def check_attention_varlen(
     return_lse=False,
     func: str = "cuflash.attention_varlen",
     max_head_dim: int | None = MAX_HEAD_DIM,
+    cache_check=None,
 ) -> AttentionProblem:
     """Validate one packed variable-length attention call (see :func:`cuflash.attention_varlen`).
 
@@ -484,7 +485,9 @@ def check_attention_varlen(
     device-resident ones only for dtype and shape (reading them would synchronize the host).
     With ``block_table`` (chunked prefill over a paged KV cache), k and v are the caches
     ``(num_pages, page_size, Hk, D|Dv)``, ``cu_seqlens_k`` counts each sequence's keys in its
-    pages, and ``kvcache`` says where they are.
+    pages, and ``kvcache`` says where they are: ``cache_check`` (required with a block table:
+    :func:`cuflash.runtime.validation_kvcache.varlen_cache`, passed in so that this module does not
+    import that one) checks the cache and returns its description.
     """
     causal = check_flag(causal, "causal", func)
     check_flag(return_lse, "return_lse", func)
@@ -523,9 +526,9 @@ def check_attention_varlen(
     checked = cq.kind == "numpy" and ck.kind == "numpy" and (seqused_k is None or isinstance(seqused_k, np.ndarray))
     cache = None
     if block_table is not None:
-        from cuflash.runtime import validation_kvcache
-
-        cache = validation_kvcache.varlen_cache(func, qi, k, v, block_table, batch, cu_seqlens_k, seqused_k, checked)
+        if cache_check is None:
+            raise TypeError(f"{func}: a block_table needs cache_check (validation_kvcache.varlen_cache)")
+        cache = cache_check(func, qi, k, v, block_table, batch, cu_seqlens_k, seqused_k, checked)
         checked = checked and cache.checked
         total_k = cache.capacity
     if checked:
