@@ -18,7 +18,9 @@ for packed variable-length batches (:func:`attention_varlen`),
 
 and, for serving, ``cuflash::attention_with_kvcache`` (:func:`attention_with_kvcache`; it mutates
 its ``k_cache`` and ``v_cache`` arguments, no backward); :func:`merge_attention` is plain torch
-operations (differentiable).
+operations (differentiable). Context parallelism over ``torch.distributed`` (:func:`ring_attention`,
+:func:`ulysses_attention`, :func:`zigzag_split`, :func:`zigzag_merge`) lives in
+:mod:`cuflash.context_parallel` and is exported here.
 
 Each operator has a ``register_fake`` implementation (shapes and dtypes only), so ``torch.compile``
 traces through them without graph breaks (``fullgraph=True`` works), and the forward with
@@ -40,11 +42,19 @@ import math
 import numpy as np
 import torch
 
+from cuflash.context_parallel import (
+    merge_attention,
+    ring_attention,
+    ulysses_attention,
+    zigzag_merge,
+    zigzag_split,
+)
 from cuflash.reference import backward as ref_backward
 from cuflash.reference import forward as ref_forward
 from cuflash.runtime import interop, validation
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_attention"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_attention", "ring_attention",
+           "ulysses_attention", "zigzag_split", "zigzag_merge"]
 
 _FUNC = "cuflash.torch.attention"
 
@@ -503,51 +513,3 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         validation.check_flag(rotary_interleaved, "rotary_interleaved", _FUNC_KVCACHE), bool(causal), scale,
         left, right, validation.check_int(num_splits, "num_splits", _FUNC_KVCACHE))
     return (out, lse) if return_lse else out
-
-
-def merge_attention(outs, lses):
-    """:func:`cuflash.merge_attention` in torch operations: differentiable in every ``out`` and
-    ``lse`` (ring attention's backward needs it), any device, traceable by ``torch.compile``.
-
-    ``lse = log(sum_i exp(lse_i))``, ``out = sum_i exp(lse_i - lse) out_i`` in float32 (float64
-    for float64), a part with ``lse = -inf`` adding nothing and a row empty in every part giving
-    0 and ``-inf`` with zero gradients (no NaN from ``-inf - -inf``).
-
-    Parameters
-    ----------
-    outs : sequence of torch.Tensor ``(..., Sq, Dv)``
-    lses : sequence of torch.Tensor ``(..., Sq)``
-
-    Returns
-    -------
-    out : torch.Tensor of the parts' dtype; lse : float32 (float64) torch.Tensor
-
-    Raises
-    ------
-    TypeError, ValueError
-        As :func:`cuflash.merge_attention`.
-    """
-    func = "cuflash.torch.merge_attention"
-    outs, lses = list(outs), list(lses)
-    if not outs or len(outs) != len(lses):
-        raise ValueError(f"{func}: outs and lses must be non-empty and of one length, got {len(outs)} and {len(lses)}")
-    for i, (o, s) in enumerate(zip(outs, lses)):
-        if not isinstance(o, torch.Tensor) or not isinstance(s, torch.Tensor):
-            raise TypeError(f"{func}: outs[{i}] and lses[{i}] must be torch.Tensors")
-        if o.shape != outs[0].shape or o.dtype != outs[0].dtype:
-            raise ValueError(f"{func}: outs[{i}] is {tuple(o.shape)} {o.dtype}, outs[0] {tuple(outs[0].shape)} "
-                             f"{outs[0].dtype}; the parts must agree")
-        if s.shape != o.shape[:-1]:
-            raise ValueError(f"{func}: lses[{i}].shape={tuple(s.shape)} must be {tuple(o.shape[:-1])}")
-    acc = torch.float64 if outs[0].dtype == torch.float64 or any(s.dtype == torch.float64 for s in lses) \
-        else torch.float32
-    lse = torch.stack([s.to(acc) for s in lses])
-    m = lse.detach().amax(dim=0)
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    w = torch.exp(lse - m)
-    total = w.sum(dim=0)
-    empty = total == 0
-    total_safe = torch.where(empty, torch.ones_like(total), total)
-    lse_out = torch.where(empty, torch.full_like(total, -math.inf), m + torch.log(total_safe))
-    o = sum(w[i].unsqueeze(-1) * outs[i].to(acc) for i in range(len(outs)))
-    return (o / total_safe.unsqueeze(-1)).to(outs[0].dtype), lse_out

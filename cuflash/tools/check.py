@@ -45,12 +45,12 @@ from cuflash.reference import tolerance
 #: seconds the whole check may take (the issue asks for under 3 minutes)
 DEFAULT_BUDGET_S = 170.0
 
-SECTIONS = ("device", "compile", "grid", "large", "softmax", "backward", "kvcache", "sim", "torch", "jax", "graph",
-            "demo")
+SECTIONS = ("device", "compile", "grid", "large", "softmax", "backward", "kvcache", "sim", "torch", "distributed",
+            "jax", "graph", "demo")
 
 #: share of the budget each section may use at most (soft: sections stop between cases)
 _SHARE = {"device": 0.05, "compile": 0.45, "grid": 0.35, "large": 0.25, "softmax": 0.1, "backward": 0.15, "kvcache": 0.1, "sim": 0.3,
-          "torch": 0.1, "jax": 0.15, "graph": 0.1, "demo": 0.1}
+          "torch": 0.1, "distributed": 0.1, "jax": 0.15, "graph": 0.1, "demo": 0.1}
 
 
 
@@ -703,6 +703,47 @@ def section_torch(clock, log) -> str:
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
     return "fp16/bf16/fp32 round-trips on a side stream, torch-allocated outputs, out=; " + "; ".join(notes)
+
+
+def section_distributed(clock, log) -> str:
+    """Ring and Ulysses attention on CUDA tensors over NCCL with a world of one (one GPU cannot
+    host two NCCL ranks): equal to plain attention, forward and gradients, bit for bit."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as e:
+        raise Skip(f"torch is not installed ({e})")
+    if not torch.cuda.is_available() or not dist.is_available() or not dist.is_nccl_available():
+        raise Skip("torch has no CUDA or no NCCL here")
+    if dist.is_initialized():
+        raise Skip("a process group is already initialised in this process")
+    import socket
+
+    import cuflash.torch as ct
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        g = torch.Generator(device="cuda").manual_seed(3)
+        shapes = ((2, 1000, 8, 128), (2, 1000, 2, 128), (2, 1000, 2, 128))
+        q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=g) for s in shapes)
+        for causal in (False, True):
+            base = [x.clone().requires_grad_() for x in (q, k, v)]
+            want = ct.attention(*base, causal=causal, layout="bshd", deterministic=True)   # dQ bits fixed
+            want.float().square().sum().backward()
+            for fn in (ct.ring_attention, ct.ulysses_attention):
+                leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+                got = fn(*leaves, causal=causal, deterministic=True)
+                got.float().square().sum().backward()
+                if not torch.equal(got, want) or not all(torch.equal(a.grad, b.grad) for a, b in zip(leaves, base)):
+                    raise AssertionError(f"{fn.__name__} (causal={causal}) on one NCCL rank differs from attention")
+            log(f"  NCCL world of 1, causal={causal}: ring and Ulysses equal plain attention (out, dq, dk, dv)")
+    finally:
+        dist.destroy_process_group()
+    return "ring and Ulysses over NCCL (world 1) bit for bit equal to plain attention, forward and backward"
 
 
 def section_jax(clock, log) -> str:
