@@ -95,12 +95,11 @@ def merge_attention(outs, lses):
 
 def _merge_into(out_acc, lse_acc, o, lse):
     """Merge one block's ``o`` ``(B, S, H, Dv)`` and ``lse`` ``(B, H, S)`` into the running float32
-    (float64) accumulators, in place (no autograd: the ring's own backward handles gradients)."""
-    new = torch.logaddexp(lse_acc, lse.to(lse_acc.dtype))
-    shift = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    w_old = torch.exp(lse_acc - shift).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(lse.to(lse_acc.dtype) - shift).transpose(1, 2).unsqueeze(-1)
-    out_acc.mul_(w_old).add_(w_new * o.to(out_acc.dtype))
+    (float64) accumulators (views of this rank's rows) with :func:`merge_attention`, in place; no
+    autograd (the ring's own backward handles the gradients)."""
+    with torch.no_grad():
+        out, new = merge_attention([out_acc.transpose(1, 2), o.transpose(1, 2)], [lse_acc, lse])
+    out_acc.copy_(out.transpose(1, 2))
     lse_acc.copy_(new)
 
 
