@@ -101,6 +101,9 @@ def attention(
     layout="bhsd",
     out=None,
     backend="auto",
+    dropout_p=0.0,
+    dropout_seed=None,
+    dropout_offset=0,
 ):
     """Exact scaled-dot-product attention, ``softmax(softmax_scale * q k^T + mask) v``, fused.
 
@@ -150,6 +153,14 @@ def attention(
         (:func:`cuflash.reference.flash_attention`, threaded: ``CUFLASH_NUM_THREADS``), GPU
         arrays run the CUDA kernels. The
         ``CUFLASH_BACKEND`` environment variable overrides "auto" only.
+    dropout_p : float
+        Attention dropout probability in ``[0, 1)`` (0: none, the kernel without dropout): P is
+        multiplied by ``Z / (1 - p)`` after the softmax, ``Z`` the keep mask of
+        :func:`cuflash.reference.dropout_mask` (Philox 4x32-10, the same bits on every backend).
+        The LSE is the undropped softmax's.
+    dropout_seed, dropout_offset : int
+        The mask's Philox key, each in ``[0, 2**32)``; the seed is required with ``dropout_p >
+        0``, and the backward must get the same pair to regenerate the mask.
 
     Returns
     -------
@@ -215,13 +226,15 @@ def attention(
     host = interop.HostImport(func, q=q, k=k, v=v, out=out)
     if host.framework is not None:  # CPU DLPack arrays: the NumPy views, the result as their kind
         result = attention(**host.arrays, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                           return_lse=return_lse, layout=layout, backend=backend)
+                           return_lse=return_lse, layout=layout, backend=backend, dropout_p=dropout_p,
+                           dropout_seed=dropout_seed, dropout_offset=dropout_offset)
         if return_lse:
             return host.export(result[0], "out"), host.export(result[1])
         return host.export(result, "out")
     problem = validation.check_attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
-        out=out, return_lse=return_lse, func=func,
+        out=out, return_lse=return_lse, func=func, dropout_p=dropout_p, dropout_seed=dropout_seed,
+        dropout_offset=dropout_offset,
     )
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":

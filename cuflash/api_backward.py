@@ -21,6 +21,9 @@ def attention_backward(
     layout="bhsd",
     backend="auto",
     deterministic=False,
+    dropout_p=0.0,
+    dropout_seed=None,
+    dropout_offset=0,
 ):
     """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` from its output and log-sum-exp.
 
@@ -61,6 +64,9 @@ def attention_backward(
         is small (expect a slower backward; the default, ``False``, adds dQ with atomics, whose
         order, and so the last bits of dq, may vary between runs). dk and dv are always
         deterministic. The NumPy path is always deterministic.
+    dropout_p, dropout_seed, dropout_offset
+        The forward's dropout (see :func:`cuflash.attention`); the mask is regenerated from them:
+        ``dV = (P Z / (1 - p))^T dout``, ``dS = P (dout V^T Z / (1 - p) - D)``.
 
     Returns
     -------
@@ -100,11 +106,13 @@ def attention_backward(
     if host.framework is not None:  # CPU DLPack arrays: the NumPy views, the gradients as their kind
         grads = attention_backward(**host.arrays, causal=causal, softmax_scale=softmax_scale,
                                    window_size=window_size, layout=layout, backend=backend,
-                                   deterministic=deterministic)
+                                   deterministic=deterministic, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                   dropout_offset=dropout_offset)
         return tuple(host.export(g) for g in grads)
     problem = ref_backward.check_backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        layout=layout, func=func, max_head_dim=validation.MAX_HEAD_DIM,
+        layout=layout, func=func, max_head_dim=validation.MAX_HEAD_DIM, dropout_p=dropout_p,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":

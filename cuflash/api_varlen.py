@@ -39,6 +39,9 @@ def attention_varlen(
     return_lse=False,
     out=None,
     backend="auto",
+    dropout_p=0.0,
+    dropout_seed=None,
+    dropout_offset=0,
 ):
     """Exact attention over a packed batch of sequences of different lengths, fused.
 
@@ -87,6 +90,9 @@ def attention_varlen(
         Output buffer of q's kind and dtype.
     backend : {"auto", "numpy", "sim", "cuda"}
         As in :func:`cuflash.attention`.
+    dropout_p, dropout_seed, dropout_offset
+        Attention dropout as in :func:`cuflash.attention`; the mask's batch index is the
+        sequence's and its rows and keys count from the sequence's start.
 
     Returns
     -------
@@ -124,7 +130,8 @@ def attention_varlen(
     if host.framework is not None:  # CPU DLPack arrays: the NumPy views, the result as their kind
         result = attention_varlen(**host.arrays, **index, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                   causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                  return_lse=return_lse, backend=backend)
+                                  return_lse=return_lse, backend=backend, dropout_p=dropout_p,
+                                  dropout_seed=dropout_seed, dropout_offset=dropout_offset)
         if return_lse:
             return host.export(result[0], "out"), host.export(result[1])
         return host.export(result, "out")
@@ -132,7 +139,8 @@ def attention_varlen(
         q, k, v, index["cu_seqlens_q"], index["cu_seqlens_k"], max_seqlen_q, max_seqlen_k, causal=causal,
         softmax_scale=softmax_scale, window_size=window_size, seqused_k=index["seqused_k"],
         block_table=index["block_table"], out=out, return_lse=return_lse, func=func,
-        cache_check=validation_kvcache.varlen_cache,
+        cache_check=validation_kvcache.varlen_cache, dropout_p=dropout_p, dropout_seed=dropout_seed,
+        dropout_offset=dropout_offset,
     )
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":
@@ -169,6 +177,9 @@ def attention_varlen_backward(
     seqused_k=None,
     deterministic=False,
     backend="auto",
+    dropout_p=0.0,
+    dropout_seed=None,
+    dropout_offset=0,
 ):
     """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` from its output and log-sum-exp.
 
@@ -187,6 +198,8 @@ def attention_varlen_backward(
     deterministic : bool
         Bit-identical results run to run on the kernel backends (see
         :func:`cuflash.attention_backward`).
+    dropout_p, dropout_seed, dropout_offset
+        The forward's dropout.
     backend : {"auto", "numpy", "sim", "cuda"}
 
     Returns
@@ -206,11 +219,14 @@ def attention_varlen_backward(
     if host.framework is not None:
         grads = attention_varlen_backward(**host.arrays, **index, max_seqlen_q=max_seqlen_q,
                                           max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                          window_size=window_size, deterministic=deterministic, backend=backend)
+                                          window_size=window_size, deterministic=deterministic, backend=backend,
+                                          dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                          dropout_offset=dropout_offset)
         return tuple(host.export(g) for g in grads)
     problem = validation.check_attention_varlen(
         q, k, v, index["cu_seqlens_q"], index["cu_seqlens_k"], max_seqlen_q, max_seqlen_k, causal=causal,
         softmax_scale=softmax_scale, window_size=window_size, seqused_k=index["seqused_k"], func=func,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )
     _check_backward_arrays(problem, dout, out, lse)
     chosen = resolve_backend(backend, problem.kind, func)
@@ -274,17 +290,23 @@ def _sequences(problem):
         yield slice(cq[b], cq[b + 1]), slice(ck[b], ck[b] + used[b])
 
 
+def _sequence_problem(p, q, k, v, b: int):
+    """The fixed-shape problem of sequence ``b`` (``(1, S, H, D)`` views), its dropout counting
+    batches from ``b``."""
+    sp = validation.check_attention(q, k, v, causal=p.causal, softmax_scale=p.softmax_scale,
+                                    window_size=(p.window_left, p.window_right), layout="bshd", func=p.func)
+    return sp if p.dropout is None else dataclasses.replace(sp, dropout=dataclasses.replace(p.dropout, batch0=b))
+
+
 def _forward_numpy(problem, q, k, v, out, return_lse):
     """The NumPy path: each sequence through :func:`cuflash.attention`'s NumPy implementation."""
-    from cuflash import api
+    from cuflash.reference import forward as ref_forward
 
     p = problem
     acc = np.float64 if p.dtype == np.float64 else np.float32
     if out is None:
         out = np.empty(p.out_shape, dtype=p.dtype)
     lse = np.empty(p.lse_shape, dtype=acc)
-    kw = dict(causal=p.causal, softmax_scale=p.softmax_scale, window_size=(p.window_left, p.window_right),
-              layout="bshd", return_lse=True, backend="numpy")
     c = p.kvcache
     for b, (rq, rk) in enumerate(_sequences(p)):
         if rq.stop == rq.start:
@@ -295,7 +317,8 @@ def _forward_numpy(problem, q, k, v, out, return_lse):
             vb = ref_kvcache.gather(v, b, 0, rk.stop - rk.start, **where)
         else:
             kb, vb = k[rk], v[rk]
-        o, lse_b = api.attention(q[None, rq], kb[None], vb[None], **kw)
+        qs, ks, vs = q[None, rq], kb[None], vb[None]
+        o, lse_b = ref_forward._flash_forward(_sequence_problem(p, qs, ks, vs, b), qs, ks, vs, None, None, None, True)
         out[rq] = o[0]
         lse[:, rq] = lse_b[0]
     return (out, lse) if return_lse else out
@@ -303,17 +326,16 @@ def _forward_numpy(problem, q, k, v, out, return_lse):
 
 def _backward_numpy(problem, dout, q, k, v, out, lse):
     """The NumPy path: each sequence through :func:`cuflash.attention_backward`'s NumPy one."""
-    from cuflash import api_backward
+    from cuflash.reference import backward as ref_backward
 
     p = problem
     dq, dk, dv = np.zeros(q.shape, p.dtype), np.zeros(k.shape, p.dtype), np.zeros(v.shape, p.dtype)
-    kw = dict(causal=p.causal, softmax_scale=p.softmax_scale, window_size=(p.window_left, p.window_right),
-              layout="bshd", backend="numpy")
-    for rq, rk in _sequences(p):
+    for b, (rq, rk) in enumerate(_sequences(p)):
         if rq.stop == rq.start or rk.stop == rk.start:
             continue   # no query: nothing flows; no key used: dq = 0 and dk = dv = 0
-        g = api_backward.attention_backward(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq],
-                                            np.ascontiguousarray(lse[None, :, rq]), **kw)
+        qs, ks, vs = q[None, rq], k[None, rk], v[None, rk]
+        g = ref_backward._flash_backward(_sequence_problem(p, qs, ks, vs, b), dout[None, rq], qs, ks, vs,
+                                         out[None, rq], np.ascontiguousarray(lse[None, :, rq]), None, None)
         dq[rq], dk[rk], dv[rk] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
 

@@ -105,6 +105,15 @@ static_assert(2 * (2 * BC * PITCH + 2 * STAGES * BR * PITCH + 2 * BR * PP) + 4 *
               "the variant's shared-memory size (cuflash/kernels/attention_bwd_mma.py) disagrees with this layout");
 
 #include "mma_tile.cuh"
+#ifndef CUFLASH_DROPOUT
+#define CUFLASH_DROPOUT 0
+#endif
+#if CUFLASH_DROPOUT
+#if DMAX == 192
+#define CUFLASH_PHILOX_UNROLL 2   // d192: the unrolled rounds' temporaries spill 8 bytes beside dK/dV
+#endif
+#include "dropout.cuh"
+#endif
 
 // One (query head, query tile) step of the block's flat loop.
 struct QueryTile {
@@ -159,7 +168,12 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               int num_k_tiles, float softmax_scale, int window_left, int window_right,
               int num_splits, long long dq_split_stride, int deterministic, int tile0, int tile_end,
               const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-              const int* __restrict__ seqused_k, int varlen) {
+              const int* __restrict__ seqused_k, int varlen
+#if CUFLASH_DROPOUT
+              , unsigned dropout_seed, unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale,
+              long long dropout_batch0
+#endif
+              ) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* k_s = reinterpret_cast<elem_t*>(smem_raw);     // [BC][PITCH]
     elem_t* v_s = k_s + BC * PITCH;                        // [BC][PITCH]
@@ -261,6 +275,25 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         }
 
         const LaneOffsets l1 = lane_offsets(ptx_opaque(tid));
+#if CUFLASH_DROPOUT
+        // The keep bits of this lane's S elements, drawn before the products (where registers are
+        // free): bits 2 ((f * 2 + h) * NF_S + n) + c for row 16 f + 8 h + g, key 8 n + 2 t + c.
+        static_assert(MF_S * 2 * NF_S * 2 <= 32, "a lane's keep bits fit one register");
+        unsigned keep_word = 0;
+        {
+            const DropoutArgs dr = {dropout_seed, dropout_offset, dropout_threshold, dropout_scale};
+            const unsigned b32 = (unsigned)(dropout_batch0 + batch);
+#pragma unroll 1
+            for (int fhn = 0; fhn < MF_S * 2 * NF_S; ++fhn) {   // not unrolled: one draw's registers at a time
+                const int f = fhn / (2 * NF_S), h = fhn / NF_S % 2, n = fhn % NF_S;
+                keep_word |= dropout_keep2(dr, b32, (unsigned)cur.hq,
+                                                   (unsigned)(row0 + l1.s_row0 + 16 * f + l1.g + 8 * h),
+                                           (unsigned)(col0 + l1.s_col0 + 8 * n + 2 * l1.t))
+                             << (2 * fhn);
+            }
+        }
+#define CUFLASH_KEPT(f, h, n, c) ((keep_word >> (2 * (((f) * 2 + (h)) * NF_S + (n)) + (c))) & 1u)
+#endif
         // S = Q K^T and dP = dO V^T for this warp's 16 MF_S queries x 8 NF_S keys.
         float s[MF_S][NF_S][4], dp[MF_S][NF_S][4];
 #pragma unroll
@@ -300,6 +333,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             }
         }
 
+        // Dropout (CUFLASH_DROPOUT): with Z a pair's keep bit (dropout.cuh) and c = 1 / (1 - p), dV
+        // takes P Z c (stored as P) and dS = P (dP Z c - Dd); Z from keep_word (drawn above).
         // P (in s) and dS (in dp). Element e of block (f, n): query row l1.s_row0 + 16 f + l1.g + 8 (e >> 1),
         // key l1.s_col0 + 8 n + 2 t + (e & 1). Per row: lse in the log2 domain (-inf -> +inf: P = 0) and Dd.
         float lse2[MF_S][2], ddr[MF_S][2];
@@ -331,8 +366,14 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                             float& sv = s[f][n][2 * h + c];
                             float& dv_ = dp[f][n][2 * h + c];
                             const float p = visible ? exp2f(sv * scale_log2 - lse2[f][h]) : 0.0f;
+#if CUFLASH_DROPOUT
+                            const bool kept = CUFLASH_KEPT(f, h, n, c);
+                            dv_ = visible ? p * ((kept ? dv_ * dropout_scale : 0.0f) - ddr[f][h]) : 0.0f;
+                            sv = kept ? p * dropout_scale : 0.0f;
+#else
                             dv_ = visible ? p * (dv_ - ddr[f][h]) : 0.0f;
                             sv = p;
+#endif
                         }
                 }
         } else {
@@ -343,8 +384,14 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const float p = exp2f(s[f][n][e] * scale_log2 - lse2[f][e >> 1]);
+#if CUFLASH_DROPOUT
+                        const bool kept = CUFLASH_KEPT(f, e >> 1, n, e & 1);
+                        dp[f][n][e] = p * ((kept ? dp[f][n][e] * dropout_scale : 0.0f) - ddr[f][e >> 1]);
+                        s[f][n][e] = kept ? p * dropout_scale : 0.0f;
+#else
                         dp[f][n][e] = p * (dp[f][n][e] - ddr[f][e >> 1]);
                         s[f][n][e] = p;
+#endif
                     }
         }
         // P, dS -> shared memory, [query][key], one 4-byte store per (row, key pair) (the thread's

@@ -69,6 +69,10 @@
 // Indices are clamped into the cache; a sequence whose index was out of range (device-resident
 // indices the host could not check) gets NaN in every row it writes.
 //
+// Dropout (the CUFLASH_DROPOUT 1 variants): after the online softmax of a tile, each P element
+// whose Philox draw fails the threshold is zeroed and the others scaled by 1 / (1 - p)
+// (dropout.cuh); the row sums, and so the LSE, are the undropped softmax's.
+//
 // Variant prelude (cuflash/kernels/attention_fwd_mma.py: AttentionFwdMma.defines()):
 //   CUFLASH_ENTRY, CUFLASH_T (__half, __nv_bfloat16), CUFLASH_BF16 (0/1), CUFLASH_HEAD_DIM_MAX,
 //   CUFLASH_BLOCK_M (Br = 16 * MT * warps), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS, CUFLASH_M_FRAGS
@@ -105,6 +109,12 @@ static_assert(2 * (BR * PITCH + STAGES * STAGE_ELEMS) == CUFLASH_SMEM_BYTES,
               "the variant's shared-memory size (cuflash/kernels/attention_fwd_mma.py) disagrees with this layout");
 
 #include "mma_tile.cuh"
+#ifndef CUFLASH_DROPOUT
+#define CUFLASH_DROPOUT 0
+#endif
+#if CUFLASH_DROPOUT
+#include "dropout.cuh"
+#endif
 
 // The regular copy (NT a multiple of CHUNKS and of the tile's chunks): this thread moves chunk
 // `c` of rows r0 + i * RPP of a tile. `dst` and `src` already point at (r0, c) of the tile and
@@ -187,6 +197,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               int cache_capacity, int cache_flags, int pack, int num_splits, long long partial_rows,
               float* __restrict__ o_partial,
               float* __restrict__ lse_partial
+#endif
+#if CUFLASH_DROPOUT
+              , unsigned dropout_seed, unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale,
+              long long dropout_batch0
 #endif
               ) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -452,6 +466,24 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 }
             }
 
+#if CUFLASH_DROPOUT
+            {   // dropout on P, after the row sums (the LSE stays the undropped softmax's): pair (row, key)
+                // kept iff its Philox draw is below the threshold (dropout.cuh), survivors scaled
+                const DropoutArgs dr = {dropout_seed, dropout_offset, dropout_threshold, dropout_scale};
+                const unsigned b32 = (unsigned)(dropout_batch0 + batch);
+#pragma unroll
+                for (int f = 0; f < MT; ++f)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int n = 0; n < NFRAG_S; ++n) {
+                            const unsigned keep = dropout_keep2(dr, b32, (unsigned)head0, (unsigned)(qi0 + 16 * f + 8 * h),
+                                                                (unsigned)(kv0 + 8 * n + 2 * t));
+                            s[f][n][2 * h] = (keep & 1u) ? s[f][n][2 * h] * dropout_scale : 0.0f;
+                            s[f][n][2 * h + 1] = (keep & 2u) ? s[f][n][2 * h + 1] * dropout_scale : 0.0f;
+                        }
+            }
+#endif
             // O += P V: P's A fragments straight from the S accumulators; each V fragment feeds all
             // MT query fragments.
 #pragma unroll

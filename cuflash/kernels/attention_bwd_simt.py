@@ -115,6 +115,11 @@ def _strides3(prefix, a, varlen=None):
     return [_i64(f"{prefix}_{w}_stride", s) for w, s in zip(("batch", "head", "row"), st)]
 
 
+def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
+    """Why the portable backward cannot take ``problem`` (None if it can): it has no dropout."""
+    return attention_fwd_simt.unsupported_reason(problem, arch, arrays)
+
+
 def deterministic_splits(num_k_tiles: int, kv_blocks: int) -> int:
     """Partial dQ buffers of the deterministic mode for ``num_k_tiles`` key tiles and
     ``kv_blocks = batch * kv heads`` (a function of the shape only)."""
@@ -215,6 +220,8 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, determi
                 _i32("deterministic", int(bool(deterministic))),
                 _i32("tile0", tile0), _i32("tile_end", min(tile0 + step, num_k_tiles)),
                 *attention_fwd_simt.varlen_args(p, q),
+                *attention_fwd_simt.dropout_args(
+                    p, 0 if idx in (None, ()) else int(np.ravel_multi_index(idx + (0,), batch_shape)), v_main.dropout),
             )))
         total = rows * p.head_dim
         if total:

@@ -57,6 +57,9 @@ TILE_CANDIDATES_VARLEN_SM90 = {96: ((128, 32), (64, 32)), 128: ((128, 32), (64, 
 #: rows fill one or two of them, and the others only copy) by 64 keys; 64 x 32 where 64 x 64 does
 #: not fit (bucket 256 before sm_90)
 TILE_CANDIDATES_KVCACHE = ((64, 64), (64, 32))
+#: the dropout forms (``dropout``): the Philox draws take the registers a second fragment would
+#: need (one call per lane, row and 4 keys), so 4 warps of 16 rows, as the KV-cache forms
+TILE_CANDIDATES_DROPOUT = ((64, 64), (64, 32))
 #: the largest bucket whose warps own 32 query rows (two m16 fragments); above, 16
 TWO_FRAGMENT_MAX_BUCKET = 128
 #: CTAs per SM the kernel declares in __launch_bounds__: a register cap of 65536 / (2 x threads).
@@ -103,7 +106,7 @@ class AttentionFwdMma(variants.TileVariant):
     def rows_per_warp(self) -> int:
         """Query rows per warp: 32 (two m16 fragments, each K/V fragment feeding two mma) up to
         bucket 128, 16 above (the O accumulator fills the registers) and in the KV-cache form."""
-        return 32 if self.head_dim_max <= TWO_FRAGMENT_MAX_BUCKET and not self.kvcache else 16
+        return 32 if self.head_dim_max <= TWO_FRAGMENT_MAX_BUCKET and not (self.kvcache or self.dropout) else 16
 
     @property
     def stages(self) -> int:
@@ -149,7 +152,7 @@ class AttentionFwdMma(variants.TileVariant):
 
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: bool = False,
-                   kvcache: bool = False) -> AttentionFwdMma:
+                   kvcache: bool = False, dropout: bool = False) -> AttentionFwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``varlen``: of
     the packed variable-length form; ``kvcache``: of the KV-cache form)."""
     key = variants.dtype_key(dtype)
@@ -158,20 +161,24 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
     bucket = AttentionFwdMma.bucket(head_dim, head_dim_v)
     if kvcache:
         tiles = TILE_CANDIDATES_KVCACHE
+    elif dropout:
+        tiles = TILE_CANDIDATES_DROPOUT
     elif arch < 90:
         tiles = TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket])
     elif varlen:
         tiles = TILE_CANDIDATES_VARLEN_SM90.get(bucket, TILE_CANDIDATES[bucket])
     else:
         tiles = TILE_CANDIDATES[bucket]
-    candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, kvcache=kvcache) for bm, bn in tiles)
+    candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, kvcache=kvcache, dropout=dropout)
+                  for bm, bn in tiles)
     v = AttentionFwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
     if v is None:
         raise NotImplementedError(f"cuflash: no tensor-core attention tile fits sm_{arch}'s shared memory for head dim {bucket}")
     return v
 
 
-def all_variants(arch: int, *, varlen: bool = False, kvcache: bool = False) -> tuple[AttentionFwdMma, ...]:
+def all_variants(arch: int, *, varlen: bool = False, kvcache: bool = False,
+                 dropout: bool = False) -> tuple[AttentionFwdMma, ...]:
     """Every variant the dispatcher can choose on ``sm_<arch>`` (for the compile gate); with
     ``varlen``, their packed variable-length forms; with ``kvcache``, their KV-cache forms."""
     if arch < MIN_ARCH:
@@ -179,7 +186,8 @@ def all_variants(arch: int, *, varlen: bool = False, kvcache: bool = False) -> t
     out = []
     for key in MMA_DTYPES:
         for bucket in HEAD_DIM_BUCKETS:
-            out.append(choose_variant(variants.DTYPES[key][1], bucket, bucket, arch, varlen=varlen, kvcache=kvcache))
+            out.append(choose_variant(variants.DTYPES[key][1], bucket, bucket, arch, varlen=varlen, kvcache=kvcache,
+                                      dropout=dropout))
     return tuple(dict.fromkeys(out))
 
 
@@ -233,7 +241,7 @@ def forward(problem, q, k, v, out, return_lse: bool, *, xp, arch: int, launch):
     kernel's argument list, so :func:`~cuflash.kernels.attention_fwd_simt.run_variant` allocates,
     plans and launches it."""
     variant = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
-                             varlen=problem.varlen is not None)
+                             varlen=problem.varlen is not None, dropout=problem.dropout is not None)
     return attention_fwd_simt.run_variant(problem, q, k, v, out, return_lse, variant, xp=xp, launch=launch)
 
 

@@ -89,8 +89,12 @@ def all_variants(arch: int, *, varlen: bool = False) -> tuple[AttentionFwdSimt, 
 
 def for_problem(variant, problem):
     """``variant`` in the form ``problem`` needs: its packed variable-length form for
-    :func:`cuflash.attention_varlen` (a compile-time axis), else itself."""
-    return dataclasses.replace(variant, varlen=True) if problem.varlen is not None else variant
+    :func:`cuflash.attention_varlen` and its dropout form (compile-time axes), else itself."""
+    if problem.varlen is not None:
+        variant = dataclasses.replace(variant, varlen=True)
+    if problem.dropout is not None:
+        variant = dataclasses.replace(variant, dropout=True)
+    return variant
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,9 +212,32 @@ def plan_forward(problem, q, k, v, out, lse, variant) -> list[plan.LaunchPlan]:
             plan.ScalarArg("window_left", np.int32(p.window_left)),
             plan.ScalarArg("window_right", np.int32(p.window_right)),
             *varlen_args(p, q),
+            *dropout_args(p, 0 if idx in (None, ()) else int(np.ravel_multi_index(idx + (0,), p.batch_shape)),
+                          getattr(variant, "dropout", False)),
         )
         plans.append(plan.LaunchPlan(variant, variant.entry, (grid, 1, 1), variant.block, variant.smem_bytes, args))
     return plans
+
+
+def dropout_args(problem, batch0: int, enabled: bool) -> tuple:
+    """The dropout variants' trailing arguments ``dropout_seed, dropout_offset, dropout_threshold,
+    dropout_scale, dropout_batch0`` (kernels_cu/dropout.cuh), or none for the other variants;
+    ``batch0`` is the launch's first batch in the flattened batch index."""
+    if not enabled:
+        return ()
+    d = problem.dropout
+    return (plan.ScalarArg("dropout_seed", np.uint32(d.seed)), plan.ScalarArg("dropout_offset", np.uint32(d.offset)),
+            plan.ScalarArg("dropout_threshold", np.uint32(d.threshold)),
+            plan.ScalarArg("dropout_scale", np.float32(d.scale)),
+            plan.ScalarArg("dropout_batch0", np.int64(d.batch0 + batch0)))
+
+
+def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
+    """Why this portable kernel cannot take ``problem`` (None if it can): it has no dropout."""
+    if problem.dropout is not None:
+        return ("dropout: the portable kernels have none (it runs on the tensor-core kernels: float16/bfloat16, "
+                "head dims multiples of 8, 16-byte-aligned rows, sm_80+)")
+    return None
 
 
 #: the empty index the fixed-shape launches pass (never read: varlen = 0)

@@ -6,12 +6,15 @@ GPU self-check, so a new kernel family is added in one place.
 
 from __future__ import annotations
 
+import dataclasses
+
 from cuflash.kernels import (
     attention_bwd_mma,
     attention_bwd_simt,
     attention_combine,
     attention_fwd_mma,
     attention_fwd_simt,
+    dropout_mask,
     kvcache_append,
     softmax,
 )
@@ -38,7 +41,12 @@ def variants_for_arch(arch: int) -> tuple:
     if arch >= attention_fwd_mma.MIN_ARCH:   # the KV-cache forms (fixed q, and packed q for chunked prefill)
         for varlen in (False, True):
             out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen, kvcache=True))
+    if arch >= attention_fwd_mma.MIN_ARCH:   # the dropout forms (fixed and packed), forward and backward
+        for varlen in (False, True):
+            out.extend(dataclasses.replace(v, varlen=varlen) for v in attention_fwd_mma.all_variants(arch, dropout=True))
+            out.extend(dataclasses.replace(v, varlen=varlen) for v in attention_bwd_mma.all_variants(arch, dropout=True))
     if arch >= 75:
+        out.extend(dropout_mask.DropoutMaskVariant.all())
         out.extend(kvcache_append.KVCacheAppend.all())
         out.extend(attention_combine.AttentionCombine.all())
     return tuple(dict.fromkeys(out))

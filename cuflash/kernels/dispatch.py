@@ -41,7 +41,7 @@ def _choose(problem, arch: int, arrays=None, tiers=TIERS):
         if why is None:
             return mod, reasons
         reasons.append(f"{name} tier not used: {why}")
-    raise AssertionError("cuflash: the SIMT tier takes every problem")  # never
+    raise NotImplementedError(f"{problem.func}: no kernel takes this call on sm_{arch}: " + "; ".join(reasons))
 
 
 def forward_tier(problem, arch: int, arrays=None):

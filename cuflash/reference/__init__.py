@@ -38,14 +38,17 @@ Layout
 (naive and tiled backward), :mod:`~cuflash.reference.normalize` (three-pass and online softmax),
 :mod:`~cuflash.reference.masks` (the masking rule and the tile ranges it implies),
 :mod:`~cuflash.reference.views` (zero-copy canonical and per-group views),
+:mod:`~cuflash.reference.dropout` (Philox 4x32-10 and the dropout keep mask, :func:`dropout_mask`),
+:mod:`~cuflash.reference.kvcache` (rotary, the KV-cache append and gather, the LSE merge),
 :mod:`~cuflash.reference.tolerance` (the accuracy rule every backend is held to).
 Imports: :mod:`cuflash.runtime` only.
 """
 
 from cuflash.reference.backward import attention_backward, flash_attention_backward
+from cuflash.reference.dropout import dropout_mask
 from cuflash.reference.forward import flash_attention, naive_attention
 from cuflash.reference.masks import visible_mask
 from cuflash.reference.normalize import online_softmax, softmax
 
 __all__ = ["naive_attention", "softmax", "online_softmax", "flash_attention", "attention_backward",
-           "flash_attention_backward", "visible_mask"]
+           "flash_attention_backward", "visible_mask", "dropout_mask"]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cuflash.reference.dropout import problem_keep
 from cuflash.reference.masks import masked_matmul, problem_mask, query_range
 from cuflash.reference.views import (
     canonical,
@@ -66,7 +67,7 @@ _LSE_DTYPES = (dtypes.float32, dtypes.float64)
 
 def check_backward(
     dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-    func: str, max_head_dim=None,
+    func: str, max_head_dim=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
 ) -> AttentionProblem:
     """Validate a backward call: the forward's checks on q, k, v and options, then ``out``,
     ``dout`` and ``lse`` (kind, dtype, shape, strides). Reads no array data.
@@ -82,7 +83,8 @@ def check_backward(
     """
     p = check_attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
-        func=func, max_head_dim=max_head_dim,
+        func=func, max_head_dim=max_head_dim, dropout_p=dropout_p, dropout_seed=dropout_seed,
+        dropout_offset=dropout_offset,
     )
     infos = {name: describe(x, name, func) for name, x in (("out", out), ("dout", dout), ("lse", lse))}
     for name, info in infos.items():
@@ -155,6 +157,7 @@ def _outputs(q, k, v, dtype):
 
 def attention_backward(
     dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
+    dropout_p=0.0, dropout_seed=None, dropout_offset=0,
 ):
     """Gradients of attention with S, P, dP and dS materialised, in float64: the ground truth.
 
@@ -180,6 +183,9 @@ def attention_backward(
         The forward's natural-log log-sum-exp; ``-inf`` for a row that sees no key.
     causal, softmax_scale, window_size, layout
         As the forward (bottom-right causal alignment; ``softmax_scale=None`` is ``1/sqrt(D)``).
+    dropout_p, dropout_seed, dropout_offset
+        The forward's dropout: with the mask ``Z`` of :func:`cuflash.reference.dropout_mask`,
+        ``dV = (P Z / (1 - p))^T dO`` and ``dS = P (dP Z / (1 - p) - D)``.
 
     Returns
     -------
@@ -200,7 +206,7 @@ def attention_backward(
     func = "cuflash.reference.attention_backward"
     p = check_backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        layout=layout, func=func,
+        layout=layout, func=func, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )
     check_numpy(p)
     dq, dk, dv = _outputs(q, k, v, np.float64)
@@ -220,11 +226,13 @@ def attention_backward(
         probs, pairs = _probs_and_pairs(s, lv, mask)
         d_row = np.sum(dov * ov, axis=-1)
         dp = dov @ vv.swapaxes(-1, -2)
-        ds = _grad_ds(probs, dp, d_row, pairs)
+        keep = problem_keep(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))   # Z / (1 - p), or None
+        ds = _grad_ds(probs, dp if keep is None else dp * keep, d_row, pairs)
         pairs_t = pairs.swapaxes(-1, -2)
         split_heads(canonical(dq, layout), p.num_heads_k)[...] = p.softmax_scale * masked_matmul(ds, kv, pairs)
         canonical(dk, layout)[...] = p.softmax_scale * masked_matmul(ds.swapaxes(-1, -2), qv, pairs_t).sum(axis=-3)
-        canonical(dv, layout)[...] = masked_matmul(probs.swapaxes(-1, -2), dov, pairs_t).sum(axis=-3)
+        dropped = probs if keep is None else probs * keep
+        canonical(dv, layout)[...] = masked_matmul(dropped.swapaxes(-1, -2), dov, pairs_t).sum(axis=-3)
     return dq, dk, dv
 
 
@@ -352,7 +360,7 @@ def _flash_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m, block
 
     def work(item):
         h, _, t0, t1 = item
-        return _backward_chunk(p, per_head[h], t0, t1, block_m, block_n, acc_t, dk_v[h], dv_v[h])
+        return _backward_chunk(p, per_head[h], t0, t1, block_m, block_n, acc_t, dk_v[h], dv_v[h], head_index=h)
 
     by_head: dict = {}
     for (h, _, _, _), part in zip(items, threads.run(work, items)):  # items are in chunk order per head
@@ -363,7 +371,7 @@ def _flash_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m, block
     return dq, dk, dv
 
 
-def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, dk_out, dv_out):
+def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, dk_out, dv_out, head_index=None):
     """Key tiles ``[t0, t1)`` of one kv head: writes their dK, dV rows into ``dk_out``/``dv_out``
     (``(Sk, D)`` views) and returns this chunk's dQ contribution, ``(Sq, G, D)`` in the
     accumulation type (None when no query row sees these keys)."""
@@ -396,8 +404,13 @@ def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, 
                     mask = None if mask.all() else np.repeat(mask, g, axis=0)
                 probs, pairs = _probs_and_pairs(s, lse_h[r0:r1].reshape(rows), mask)
                 pairs_t = pairs.T
-                dv_j += masked_matmul(probs.T, do_t, pairs_t) if not finite["do"] else probs.T @ do_t
+                keep = problem_keep(p, np.arange(r0, r1), cols, head_index)   # dropout: Z / (1 - p)
+                keep = None if keep is None else keep.reshape(rows, c1 - c0).astype(acc_t)
+                dropped = probs if keep is None else probs * keep
+                dv_j += masked_matmul(dropped.T, do_t, pairs_t) if not finite["do"] else dropped.T @ do_t
                 dp = do_t @ vt.T
+                if keep is not None:
+                    dp *= keep
                 ds = _grad_ds(probs, dp, d_row[r0:r1].reshape(rows), pairs)
                 ds *= scale
                 dq_acc[r0:r1].reshape(rows, p.head_dim)[...] += (

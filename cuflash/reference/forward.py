@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cuflash.reference.dropout import problem_keep
 from cuflash.reference.masks import key_range, masked_matmul, problem_mask
 from cuflash.reference.normalize import masked_exp
 from cuflash.reference.views import (
@@ -29,7 +30,8 @@ __all__ = ["naive_attention", "flash_attention", "naive_rows"]
 # naive attention (float64 ground truth)
 
 
-def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd"):
+def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
+                    dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """Attention with S and P materialised, in float64: the ground truth.
 
     ``out = softmax(softmax_scale * q @ k^T + mask) @ v``, computed entirely in float64
@@ -51,6 +53,9 @@ def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     return_lse : bool
         Also return the natural-log log-sum-exp of each row's scaled scores.
     layout : {"bhsd", "bshd"}
+    dropout_p, dropout_seed, dropout_offset
+        Attention dropout with the mask of :func:`cuflash.reference.dropout_mask` (P after the
+        softmax times ``Z / (1 - p)``; the LSE is the undropped softmax's).
 
     Returns
     -------
@@ -69,6 +74,7 @@ def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     p = check_attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
         return_lse=return_lse, func="cuflash.reference.naive_attention", max_head_dim=None,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )
     check_numpy(p)
     out = np.zeros(p.out_shape, dtype=np.float64)
@@ -121,8 +127,13 @@ def naive_rows(p: AttentionProblem, q, k, v, rows, round_to=None):
     e, l, shift = masked_exp(s, mask)
     seen = l != 0  # NaN l (non-finite input the row sees) counts as seen: its NaN comes out
     l_safe = np.where(seen, l, 1)[..., None]
+    keep = problem_keep(p, rows, np.arange(p.seqlen_k))   # dropout: Z / (1 - p) on P, after the softmax
     with np.errstate(invalid="ignore"):
-        o = masked_matmul(e, vv, mask) / l_safe if round_to is None else rnd(rnd(e / l_safe) @ vv)
+        if keep is not None:
+            o = masked_matmul(e * keep, vv, mask) / l_safe if round_to is None else \
+                rnd(rnd(rnd(e / l_safe) * keep.astype(acc)) @ vv)
+        else:
+            o = masked_matmul(e, vv, mask) / l_safe if round_to is None else rnd(rnd(e / l_safe) @ vv)
         lse = np.where(seen, shift + np.log(np.where(seen, l, 1)), -np.inf)
     return o, lse
 
@@ -258,7 +269,8 @@ def _flash_forward(p: AttentionProblem, q, k, v, block_m, block_n, out, return_l
     def tile(item):
         _, h, r0 = item
         kf, vf, v_finite = kv_acc[h]
-        o, row_lse = _forward_tile(p, qv[h], kf, vf, v_finite, r0, min(r0 + block_m, p.seqlen_q), block_n, acc_t)
+        o, row_lse = _forward_tile(p, qv[h], kf, vf, v_finite, r0, min(r0 + block_m, p.seqlen_q), block_n, acc_t,
+                                   head_index=h)
         out_v[h][:, r0 : r0 + o.shape[1]] = o
         lse_v[h][:, r0 : r0 + o.shape[1]] = row_lse
 
@@ -266,7 +278,8 @@ def _flash_forward(p: AttentionProblem, q, k, v, block_m, block_n, out, return_l
     return (out, lse) if return_lse else out
 
 
-def _forward_tile(p: AttentionProblem, q_head, kf, vf, v_finite: bool, r0: int, r1: int, block_n: int, acc_t):
+def _forward_tile(p: AttentionProblem, q_head, kf, vf, v_finite: bool, r0: int, r1: int, block_n: int, acc_t,
+                  head_index=None):
     """Rows ``[r0, r1)`` of the ``G`` query heads ``q_head`` (``(G, Sq, D)``) against one kv head
     (``kf``, ``vf``: ``(Sk, D)``, ``(Sk, Dv)`` in the accumulation type): ``(out, lse)`` of shapes
     ``(G, R, Dv)`` (q's dtype) and ``(G, R)``. The G heads' rows are stacked row-major by query
@@ -307,6 +320,8 @@ def _forward_tile(p: AttentionProblem, q_head, kf, vf, v_finite: bool, r0: int, 
             np.exp(s, out=s)
             l *= alpha
             l += s.sum(axis=1)
+            if p.dropout is not None:   # the row sum is the undropped softmax's; P V takes P * Z / (1 - p)
+                s *= problem_keep(p, query_rows, np.arange(c0, c1), head_index).reshape(m_rows, n).astype(acc_t)
             acc *= alpha[:, None]
             if v_finite or mask is None:
                 np.matmul(s, vf[c0:c1], out=pv)

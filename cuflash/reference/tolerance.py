@@ -27,7 +27,7 @@ _FUNC = "cuflash.reference.tolerance"
 
 
 def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-                   rows=None, same_dtype=False):
+                   rows=None, same_dtype=False, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """Naive attention of the query ``rows`` (default: all), float64 or as a same-dtype framework.
 
     ``same_dtype=False``: float64 throughout, the reference. ``same_dtype=True``: the baseline of
@@ -44,6 +44,9 @@ def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1
         As for :func:`cuflash.attention`.
     rows : array_like of int, optional
         Query indices to compute (the mask keeps the full problem's bottom-right alignment).
+    dropout_p, dropout_seed, dropout_offset
+        Dropout with :func:`cuflash.reference.dropout_mask`'s mask (the framework baseline drops
+        the rounded P and rounds again).
 
     Returns
     -------
@@ -51,7 +54,8 @@ def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1
         canonical "bhsd" layout, R rows); a row that sees no key gives 0 and ``-inf``.
     """
     p = check_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                        layout=layout, max_head_dim=None, func=_FUNC)
+                        layout=layout, max_head_dim=None, func=_FUNC, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                        dropout_offset=dropout_offset)
     rows = np.arange(p.seqlen_q) if rows is None else np.asarray(rows)
     lowp = same_dtype and p.dtype != dtypes.float64
     o, lse = naive_rows(p, q, k, v, rows, round_to=p.dtype if lowp else None)
@@ -116,10 +120,12 @@ def bound(dtype, naive_error: float, *, q=None, k=None, v=None, softmax_scale=No
     return b
 
 
-def _reference_and_bound(q, k, v, *, causal, softmax_scale, window_size, layout, rows, large_logits):
+def _reference_and_bound(q, k, v, *, causal, softmax_scale, window_size, layout, rows, large_logits, dropout=()):
     """``(reference, reference lse, bound, naive error)`` of the rule for these inputs; with
-    ``rows=None`` in the caller's layout, else canonical rows."""
+    ``rows=None`` in the caller's layout, else canonical rows. ``dropout``: ``(p, seed, offset)``."""
     kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, rows=rows)
+    if dropout:
+        kw.update(dropout_p=dropout[0], dropout_seed=dropout[1], dropout_offset=dropout[2])
     ref, ref_lse = attention_rows(q, k, v, **kw)
     naive, _ = attention_rows(q, k, v, same_dtype=True, **kw)
     if rows is None:
@@ -139,7 +145,8 @@ def rule_bound(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1
 
 
 def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-            rows=None, lse=None, large_logits=False) -> tuple[bool, str, float]:
+            rows=None, lse=None, large_logits=False, dropout_p=0.0, dropout_seed=None,
+            dropout_offset=0) -> tuple[bool, str, float]:
     """Hold ``actual`` (and optionally its ``lse``) to the rule.
 
     Parameters
@@ -157,6 +164,8 @@ def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-
         finite values agree within ``1e-3 + 1e-4 |lse|``.
     large_logits : bool
         Allow at least :func:`score_rounding_bound` (scores of magnitude ~1e4).
+    dropout_p, dropout_seed, dropout_offset
+        The call's dropout (reference and baseline apply the same mask).
 
     Returns
     -------
@@ -165,7 +174,8 @@ def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     """
     ref, ref_lse, tol, base = _reference_and_bound(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                                    window_size=window_size, layout=layout, rows=rows,
-                                                   large_logits=large_logits)
+                                                   large_logits=large_logits,
+                                                   dropout=(dropout_p, dropout_seed, dropout_offset) if dropout_p else ())
     a = np.asarray(actual, np.float64)
     if a.shape != ref.shape:
         return False, f"shape {a.shape} != expected {ref.shape}", math.inf

@@ -60,6 +60,8 @@ class AttentionProblem:
     varlen: "VarlenBatch | None" = None
     #: where the keys live for KV-cache attention (:mod:`cuflash.runtime.validation_kvcache`), else None
     kvcache: "object | None" = None
+    #: attention dropout (:func:`check_dropout`), else None
+    dropout: "Dropout | None" = None
 
     @property
     def is_empty(self) -> bool:
@@ -70,6 +72,60 @@ class AttentionProblem:
     def group_size(self) -> int:
         """Query heads per kv head (1 for MHA, ``Hq`` for MQA)."""
         return self.num_heads_q // self.num_heads_k
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+    """Attention dropout of one call (:mod:`cuflash.reference.dropout` has the convention).
+
+    Attributes
+    ----------
+    p : float
+        Drop probability, in (0, 1).
+    seed, offset : int
+        The Philox key, each in ``[0, 2**32)``.
+    """
+
+    p: float
+    seed: int
+    offset: int
+    #: the flattened batch index of the call's first batch (a packed batch's sequences run one
+    #: call each on the NumPy path: sequence b's is b)
+    batch0: int = 0
+
+    @property
+    def threshold(self) -> int:
+        """A pair is kept iff its 32-bit draw is below this."""
+        return min(2**32 - 1, max(0, int(round((1.0 - self.p) * 2.0**32))))
+
+    @property
+    def scale(self) -> float:
+        """The survivors' scale, ``1 / (1 - p)``."""
+        return 1.0 / (1.0 - self.p)
+
+
+def check_dropout(dropout_p, dropout_seed, dropout_offset, func: str) -> "Dropout | None":
+    """``dropout_p`` a real number in ``[0, 1)``; with ``p > 0``, ``dropout_seed`` and
+    ``dropout_offset`` ints in ``[0, 2**32)`` (the seed is required: the backward regenerates
+    the mask from it). ``p = 0`` is no dropout (None)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"{func}: dropout_p must be a real number in [0, 1), got {dropout_p!r} "
+                        f"({type(dropout_p).__name__})")
+    p = float(dropout_p)
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"{func}: dropout_p must be in [0, 1), got {p!r}")
+    for name, value in (("dropout_seed", dropout_seed), ("dropout_offset", dropout_offset)):
+        if value is None and name == "dropout_seed":
+            if p > 0:
+                raise ValueError(f"{func}: dropout_p={p} needs dropout_seed (an int in [0, 2**32)): the mask comes "
+                                 f"from it, and the backward regenerates it from the same seed and offset")
+            continue
+        v = check_int(value, name, func)
+        if not 0 <= v < 2**32:
+            raise ValueError(f"{func}: {name} must be an int in [0, 2**32), got {v}")
+    if p == 0.0:
+        return None
+    return Dropout(p, int(dropout_seed), int(dropout_offset))
 
 
 def check_flag(value, name: str, func: str) -> bool:
@@ -270,6 +326,9 @@ def check_attention(
     func: str = "cuflash.attention",
     max_head_dim: int | None = MAX_HEAD_DIM,
     dtypes: tuple | None = None,
+    dropout_p=0.0,
+    dropout_seed=None,
+    dropout_offset=0,
 ) -> AttentionProblem:
     """Validate one attention call and return its :class:`AttentionProblem`.
 
@@ -331,6 +390,7 @@ def check_attention(
         num_heads_q=hq, num_heads_k=hk, seqlen_q=sq, seqlen_k=sk, head_dim=d, head_dim_v=dv,
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
         out_shape=out_shape, lse_shape=lse_shape, device=qi.device, q=qi, k=ki, v=vi,
+        dropout=check_dropout(dropout_p, dropout_seed, dropout_offset, func),
     )
     if out is not None:
         check_out(out, problem, {"q": q, "k": k, "v": v})
@@ -476,6 +536,9 @@ def check_attention_varlen(
     func: str = "cuflash.attention_varlen",
     max_head_dim: int | None = MAX_HEAD_DIM,
     cache_check=None,
+    dropout_p=0.0,
+    dropout_seed=None,
+    dropout_offset=0,
 ) -> AttentionProblem:
     """Validate one packed variable-length attention call (see :func:`cuflash.attention_varlen`).
 
@@ -542,7 +605,7 @@ def check_attention_varlen(
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
         out_shape=(total_q, hq, dv), lse_shape=(hq, total_q), device=qi.device, q=qi, k=ki, v=vi,
         varlen=VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_k, batch, total_q, total_k, max_q, max_k, checked),
-        kvcache=cache,
+        kvcache=cache, dropout=check_dropout(dropout_p, dropout_seed, dropout_offset, func),
     )
     if out is not None:
         check_out(out, problem, {"q": q, "k": k, "v": v})

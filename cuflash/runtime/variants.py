@@ -100,6 +100,9 @@ class AttentionVariant(Variant):
     #: the packed variable-length form (``cuflash.attention_varlen``: ``CUFLASH_VARLEN`` 1, entry
     #: name suffix ``_varlen``); a compile-time axis, so the fixed-shape code is unchanged by it
     varlen: bool = dataclasses.field(default=False, kw_only=True)
+    #: the dropout form (``CUFLASH_DROPOUT`` 1, entry suffix ``_dropout``: Philox keep mask on P);
+    #: a compile-time axis, so ``dropout_p = 0`` runs the kernel without it
+    dropout: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
         name = type(self).__name__
@@ -114,7 +117,7 @@ class AttentionVariant(Variant):
 
     @property
     def name(self) -> str:
-        return "_".join(self.axes()) + ("_varlen" if self.varlen else "")
+        return "_".join(self.axes()) + ("_varlen" if self.varlen else "") + ("_dropout" if self.dropout else "")
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -130,6 +133,7 @@ class AttentionVariant(Variant):
             ("CUFLASH_THREADS", str(self.threads)),
             ("CUFLASH_SMEM_BYTES", str(self.smem_bytes)),
             ("CUFLASH_VARLEN", "1" if self.varlen else "0"),
+            ("CUFLASH_DROPOUT", "1" if self.dropout else "0"),
         )
 
     @classmethod

@@ -1,0 +1,46 @@
+// cuflash: attention dropout's keep decisions, the same bits on every backend
+// (cuflash/reference/dropout.py is the NumPy twin and says the convention).
+//
+// Pair (batch b, query head h, query row i, key j) is kept iff word j % 4 of
+// Philox4x32-10(counter = (j / 4, i, h, b), key = (seed, offset)) is below `threshold` (an
+// integer the host computes once); survivors are scaled by `scale` = 1 / (1 - p). Philox 4x32
+// (Salmon et al., SC 2011; Random123's constants): each round multiplies words 0 and 2 by
+// M0 / M1 (hi and lo halves, __umulhi), mixes in the key, and the key is bumped by the Weyl
+// constants W0 / W1 between rounds.
+#pragma once
+
+#define CUFLASH_PHILOX_M0 0xD2511F53u
+#define CUFLASH_PHILOX_M1 0xCD9E8D57u
+#define CUFLASH_PHILOX_W0 0x9E3779B9u
+#define CUFLASH_PHILOX_W1 0xBB67AE85u
+#ifndef CUFLASH_PHILOX_UNROLL
+#define CUFLASH_PHILOX_UNROLL 10   // rounds unrolled (a kernel short of registers may ask for fewer)
+#endif
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned k0, unsigned k1) {
+#pragma unroll CUFLASH_PHILOX_UNROLL
+    for (int r = 0; r < 10; ++r) {
+        const unsigned hi0 = __umulhi(CUFLASH_PHILOX_M0, c.x), lo0 = CUFLASH_PHILOX_M0 * c.x;
+        const unsigned hi1 = __umulhi(CUFLASH_PHILOX_M1, c.z), lo1 = CUFLASH_PHILOX_M1 * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+        k0 += CUFLASH_PHILOX_W0;
+        k1 += CUFLASH_PHILOX_W1;
+    }
+    return c;
+}
+
+// One call's dropout parameters (kernel arguments of the CUFLASH_DROPOUT variants).
+struct DropoutArgs {
+    unsigned seed, offset, threshold;
+    float scale;
+};
+
+// The keep bits of keys `col` and `col + 1` (col even) of query row `row`: bit 0 for col, bit 1
+// for col + 1 (both come from one Philox call: words 2 (col & 2) and the next).
+__device__ __forceinline__ unsigned dropout_keep2(const DropoutArgs& d, unsigned batch, unsigned head, unsigned row,
+                                                  unsigned col) {
+    const uint4 w = philox4x32_10(make_uint4(col >> 2, row, head, batch), d.seed, d.offset);
+    const bool hi = col & 2u;
+    const unsigned a = hi ? w.z : w.x, b = hi ? w.w : w.y;
+    return (a < d.threshold ? 1u : 0u) | (b < d.threshold ? 2u : 0u);
+}
