@@ -77,28 +77,32 @@ _from_numpy = interop.numpy_to_torch
 # per-device implementations
 
 
-def _forward_cpu(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False):
+def _forward_cpu(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False,
+                 dropout=(0.0, 0, 0)):
     qa, ka, va = _to_numpy(q), _to_numpy(k), _to_numpy(v)
     problem = validation.check_attention(
         qa, ka, va, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
         layout=layout, return_lse=True, func=_FUNC, max_head_dim=validation.MAX_HEAD_DIM,
+        dropout_p=dropout[0], dropout_seed=dropout[1], dropout_offset=dropout[2],
     )
     out, lse = ref_forward._flash_forward(problem, qa, ka, va, None, None, None, True)
     return _from_numpy(out), _from_numpy(lse)
 
 
 def _backward_cpu(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
-                  deterministic=False):  # the NumPy path is always deterministic
+                  deterministic=False, dropout=(0.0, 0, 0)):  # the NumPy path is always deterministic
     arrays = [_to_numpy(t) for t in (dout, q, k, v, out, lse)]
     problem = ref_backward.check_backward(
         *arrays, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
         layout=layout, func=_FUNC + " (backward)", max_head_dim=validation.MAX_HEAD_DIM,
+        dropout_p=dropout[0], dropout_seed=dropout[1], dropout_offset=dropout[2],
     )
     dq, dk, dv = ref_backward._flash_backward(problem, *arrays, None, None)
     return _from_numpy(dq), _from_numpy(dk), _from_numpy(dv)
 
 
-def _forward_cuda(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False):
+def _forward_cuda(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False,
+                  dropout=(0.0, 0, 0)):
     """CUDA tensors: :func:`cuflash.attention` on torch's current stream, zero-copy through
     DLPack, outputs allocated with ``torch.empty`` (see :class:`cuflash.runtime.interop.CudaCall`)."""
     import cuflash
@@ -116,12 +120,13 @@ def _forward_cuda(q, k, v, causal, softmax_scale, window_left, window_right, lay
     out, lse = cuflash.attention(
         prepare(q), prepare(k), prepare(v), causal=causal, softmax_scale=softmax_scale,
         window_size=(window_left, window_right), layout=layout, return_lse=True, backend="cuda",
+        dropout_p=dropout[0], dropout_seed=dropout[1], dropout_offset=dropout[2],
     )
     return out, lse
 
 
 def _backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
-                   deterministic=False):
+                   deterministic=False, dropout=(0.0, 0, 0)):
     """CUDA tensors: :func:`cuflash.attention_backward` (the dispatcher's backward tier: the
     tensor-core kernel where it applies, else the SIMT one) on torch's current stream,
     zero-copy, gradients allocated with ``torch.empty``."""
@@ -140,7 +145,7 @@ def _backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, window_left, 
     return cuflash.attention_backward(
         prepare(dout), prepare(q), prepare(k), prepare(v), prepare(out), lse.detach(), causal=causal,
         softmax_scale=softmax_scale, window_size=(window_left, window_right), layout=layout, backend="cuda",
-        deterministic=deterministic,
+        deterministic=deterministic, dropout_p=dropout[0], dropout_seed=dropout[1], dropout_offset=dropout[2],
     )
 
 
@@ -168,16 +173,19 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 @torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-    window_left: int, window_right: int, layout: str, deterministic: bool = False,
+    window_left: int, window_right: int, layout: str, deterministic: bool = False, dropout_p: float = 0.0,
+    dropout_seed: int = 0, dropout_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out, lse)``; ``lse`` is float32 (float64 for float64 input). ``deterministic``
-    is the backward's (saved for it)."""
+    is the backward's (saved for it); the dropout arguments are :func:`cuflash.attention`'s."""
     impl = _pick(_FORWARD, q.device, "forward")
-    return impl(q, k, v, causal, softmax_scale, window_left, window_right, layout)
+    return impl(q, k, v, causal, softmax_scale, window_left, window_right, layout,
+                dropout=(dropout_p, dropout_seed, dropout_offset))
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False):
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False,
+                        dropout_p=0.0, dropout_seed=0, dropout_offset=0):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if layout == "bshd":
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])
@@ -190,16 +198,17 @@ def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_righ
 def attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int, layout: str,
-    deterministic: bool = False,
+    deterministic: bool = False, dropout_p: float = 0.0, dropout_seed: int = 0, dropout_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv)`` in the dtypes and shapes of q, k and v (FlashAttention-2, Alg. 2)."""
     impl = _pick(_BACKWARD, q.device, "backward")
-    return impl(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout, deterministic)
+    return impl(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout, deterministic,
+                dropout=(dropout_p, dropout_seed, dropout_offset))
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
-                        deterministic=False):
+                        deterministic=False, dropout_p=0.0, dropout_seed=0, dropout_offset=0):
     return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
         k, memory_format=torch.contiguous_format
     ), torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -209,14 +218,15 @@ def _setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale, window_left, window_right, layout, *rest = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = (causal, softmax_scale, window_left, window_right, layout, bool(rest[0]) if rest else False)
+    rest = list(rest) + [False, 0.0, 0, 0][len(rest):]   # deterministic, dropout_p, dropout_seed, dropout_offset
+    ctx.options = (causal, softmax_scale, window_left, window_right, layout, bool(rest[0]), *rest[1:])
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -227,7 +237,7 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-              deterministic=False):
+              deterministic=False, dropout_p=0.0):
     """Differentiable exact attention, ``softmax(softmax_scale * q k^T + mask) v``, for torch tensors.
 
     The conventions of :func:`cuflash.attention` (GQA/MQA, ``window_size``, layouts, empty rows
@@ -256,6 +266,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         The backward's: bit-identical gradients run to run on CUDA tensors (no atomics in the dQ
         sum; a float32 workspace of up to 16 copies of dq and a slower backward, see
         :func:`cuflash.attention_backward`). CPU tensors are always deterministic.
+    dropout_p : float
+        Attention dropout in ``[0, 1)`` (applied whenever it is > 0, as ``F.dropout(training=True)``;
+        pass 0 to evaluate). The mask's seed and offset are drawn from torch's default CPU generator
+        (``torch.randint``, no device synchronization), so ``torch.manual_seed`` reproduces a run;
+        the backward regenerates the same mask (:func:`cuflash.reference.dropout_mask` shows it).
+        Drawing them is a graph break under ``torch.compile``.
 
     Returns
     -------
@@ -285,8 +301,19 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     else:
         scale = validation.check_softmax_scale(softmax_scale, 1, _FUNC)
-    out, _ = attention_fwd(q, k, v, causal, scale, left, right, layout, deterministic)
+    seed, offset = _dropout_key(dropout_p, _FUNC)
+    out, _ = attention_fwd(q, k, v, causal, scale, left, right, layout, deterministic, float(dropout_p), seed, offset)
     return out
+
+
+def _dropout_key(dropout_p, func: str) -> tuple[int, int]:
+    """``(seed, offset)`` of a dropout mask from torch's default generator ((0, 0) without
+    dropout; validation of ``dropout_p`` itself happens in the operator)."""
+    validation.check_dropout(dropout_p, 0, 0, func)
+    if not dropout_p:
+        return 0, 0
+    seed, offset = (int(x) for x in torch.randint(0, 2**32, (2,), dtype=torch.int64))
+    return seed, offset
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,7 +345,8 @@ def _varlen_call(fn, arrays, index, device, **kw):
 def attention_varlen_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     seqused_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
-    window_left: int, window_right: int, deterministic: bool = False,
+    window_left: int, window_right: int, deterministic: bool = False, dropout_p: float = 0.0, dropout_seed: int = 0,
+    dropout_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward: ``(out (total_q, Hq, Dv), lse (Hq, total_q))``; ``deterministic`` is the
     backward's (saved for it)."""
@@ -326,12 +354,14 @@ def attention_varlen_fwd(
 
     return _varlen_call(cuflash.attention_varlen, (q, k, v), (cu_seqlens_q, cu_seqlens_k, seqused_k), q.device,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
-                        softmax_scale=softmax_scale, window_size=(window_left, window_right), return_lse=True)
+                        softmax_scale=softmax_scale, window_size=(window_left, window_right), return_lse=True,
+                        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset)
 
 
 @attention_varlen_fwd.register_fake
 def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal,
-                               softmax_scale, window_left, window_right, deterministic=False):
+                               softmax_scale, window_left, window_right, deterministic=False, dropout_p=0.0,
+                               dropout_seed=0, dropout_offset=0):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]),
                                                                            dtype=_lse_dtype(q.dtype))
 
@@ -341,13 +371,14 @@ def attention_varlen_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor | None, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
-    deterministic: bool = False,
+    deterministic: bool = False, dropout_p: float = 0.0, dropout_seed: int = 0, dropout_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed backward: ``(dq, dk, dv)`` in q's, k's and v's shapes (keys past seqused_k: 0)."""
     import cuflash
 
     kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-              window_size=(window_left, window_right))
+              window_size=(window_left, window_right), dropout_p=dropout_p, dropout_seed=dropout_seed,
+              dropout_offset=dropout_offset)
     if q.device.type == "cuda":
         kw["deterministic"] = deterministic
     return _varlen_call(cuflash.attention_varlen_backward, (dout, q, k, v, out, lse),
@@ -356,7 +387,8 @@ def attention_varlen_bwd(
 
 @attention_varlen_bwd.register_fake
 def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                               max_seqlen_k, causal, softmax_scale, window_left, window_right, deterministic=False):
+                               max_seqlen_k, causal, softmax_scale, window_left, window_right, deterministic=False,
+                               dropout_p=0.0, dropout_seed=0, dropout_offset=0):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
@@ -371,14 +403,14 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, used = ctx.saved_tensors
     dq, dk, dv = attention_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used, *ctx.options)
-    return (dq, dk, dv) + (None,) * 10
+    return (dq, dk, dv) + (None,) * 13
 
 
 attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window_size=(-1, -1), seqused_k=None, deterministic=False):
+                     softmax_scale=None, window_size=(-1, -1), seqused_k=None, deterministic=False, dropout_p=0.0):
     """Differentiable attention over a packed batch of variable-length sequences.
 
     The conventions of :func:`cuflash.attention_varlen` (flash-attn's ``flash_attn_varlen_func``
@@ -400,6 +432,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     seqused_k : torch.Tensor, int32 ``(B,)``, optional
     deterministic : bool
         The backward's, on CUDA tensors (CPU is always deterministic).
+    dropout_p : float
+        As :func:`attention` (seed and offset from torch's default generator).
 
     Returns
     -------
@@ -426,8 +460,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     else:
         scale = validation.check_softmax_scale(softmax_scale, 1, _FUNC_VARLEN)
+    seed, offset = _dropout_key(dropout_p, _FUNC_VARLEN)
     out, _ = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_q, max_k, causal, scale, left,
-                                  right, deterministic)
+                                  right, deterministic, float(dropout_p), seed, offset)
     return out
 
 

@@ -35,12 +35,21 @@ struct DropoutArgs {
     float scale;
 };
 
-// The keep bits of keys `col` and `col + 1` (col even) of query row `row`: bit 0 for col, bit 1
-// for col + 1 (both come from one Philox call: words 2 (col & 2) and the next).
+// The keep bits of keys `col` and `col + 1` of query row `row`: bit 0 for col, bit 1 for col + 1.
+// One Philox call gives both unless they straddle two counters (col % 4 == 3: a second call for
+// the next counter's word 0); a forward tile starts at the first key its rows see, so col may be
+// odd.
 __device__ __forceinline__ unsigned dropout_keep2(const DropoutArgs& d, unsigned batch, unsigned head, unsigned row,
                                                   unsigned col) {
     const uint4 w = philox4x32_10(make_uint4(col >> 2, row, head, batch), d.seed, d.offset);
-    const bool hi = col & 2u;
-    const unsigned a = hi ? w.z : w.x, b = hi ? w.w : w.y;
+    const unsigned sel = col & 3u;
+    unsigned a, b;
+    if (sel == 3u) {
+        a = w.w;
+        b = philox4x32_10(make_uint4((col >> 2) + 1u, row, head, batch), d.seed, d.offset).x;
+    } else {
+        a = sel == 0u ? w.x : (sel == 1u ? w.y : w.z);
+        b = sel == 0u ? w.y : (sel == 1u ? w.z : w.w);
+    }
     return (a < d.threshold ? 1u : 0u) | (b < d.threshold ? 2u : 0u);
 }

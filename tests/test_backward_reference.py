@@ -10,6 +10,7 @@ from cuflash import reference as ref
 from cuflash.api_backward import attention_backward as api_backward
 from cuflash.reference import masks, views
 from cuflash.reference.backward import attention_backward, flash_attention_backward
+from cuflash.reference.dropout import problem_keep
 from cuflash.runtime import dtypes, validation
 
 LOW = [dtypes.float16, dtypes.bfloat16, dtypes.float32]
@@ -74,7 +75,12 @@ def naive_backward_same_dtype(dout, q, k, v, out, *, layout="bhsd", **kw):
     l = e.sum(axis=-1)
     probs = rnd(e / np.where(l > 0, l, 1)[..., None])
     dp = rnd(dov @ vv.swapaxes(-1, -2))
+    keep = problem_keep(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))   # dropout: Z / (1 - p)
+    if keep is not None:
+        dp = rnd(dp * keep.astype(f32))
     ds = rnd(probs * (dp - rnd(np.sum(dov * ov, axis=-1))[..., None]))
+    if keep is not None:
+        probs = rnd(probs * keep.astype(f32))   # dV takes the dropped P
     dq, dk, dv = (np.zeros(x.shape) for x in (q, k, v))
     views.split_heads(views.canonical(dq, layout), p.num_heads_k)[...] = rnd(rnd(ds @ kv) * f32(p.softmax_scale))
     views.canonical(dk, layout)[...] = rnd(rnd(ds.swapaxes(-1, -2) @ qv).sum(axis=-3) * f32(p.softmax_scale))
@@ -117,11 +123,13 @@ def recompute_sensitivity(dout, q, k, v, lse, *, layout="bhsd", **kw):
         s = np.where(mask, s, -np.inf)
     empty = np.isneginf(lse_v)[..., None]
     probs = np.where(empty, 0, np.exp(s - np.where(empty, 0, lse_v[..., None])))
-    a = probs * np.abs(dov @ vv.swapaxes(-1, -2) - np.sum(dov * ov, axis=-1)[..., None])
+    keep = problem_keep(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))
+    keep = 1.0 if keep is None else keep
+    a = probs * np.abs((dov @ vv.swapaxes(-1, -2)) * keep - np.sum(dov * ov, axis=-1)[..., None])
     sens = [np.zeros(x.shape) for x in (q, k, v)]
     split(sens[0])[...] = abs(scale) * (a @ np.abs(kv))
     views.canonical(sens[1], layout)[...] = abs(scale) * (a.swapaxes(-1, -2) @ np.abs(qv)).sum(axis=-3)
-    views.canonical(sens[2], layout)[...] = (probs.swapaxes(-1, -2) @ np.abs(dov)).sum(axis=-3)
+    views.canonical(sens[2], layout)[...] = ((probs * keep).swapaxes(-1, -2) @ np.abs(dov)).sum(axis=-3)
     u = 2.0**-53 if q.dtype == dtypes.float64 else 2.0**-24  # unit roundoff of the accumulator
     s_abs = abs(scale) * np.max(np.abs(qv) @ np.abs(kv).swapaxes(-1, -2), initial=0.0)
     finite = np.isfinite(lse)
@@ -153,7 +161,16 @@ def cancellation_term(dout, q, k, v, *, layout="bhsd", **kw):
     probs = np.where(empty, 0, np.exp(s - np.where(empty, 0, lse_v[..., None])))
     u = 2.0**-53 if q.dtype == dtypes.float64 else 2.0**-24
     c = 2 * np.sqrt(p.head_dim_v) * u * np.max(np.abs(dov) @ np.abs(vv).swapaxes(-1, -2), axis=-1, initial=0.0)
-    pc = probs * c[..., None]
+    keep = problem_keep(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))   # dP's rounding scaled by Z / (1 - p)
+    if keep is not None:
+        # With dropout, D = dO . O uses the stored O, rounded to the dtype, while dP Z / (1 - p)
+        # uses V: they no longer cancel exactly even with one visible key (O = V / (1 - p) is not
+        # representable; without dropout O = V is), an error the same-dtype baseline can dodge
+        # when its rounded dP and D round alike. Its size: |dO_i| . |O_i| times the dtype's unit.
+        out64 = ref.naive_attention(q64, k64, v64, layout=layout, **kw)
+        unit = {np.dtype(dtypes.float16): 2.0**-11, np.dtype(dtypes.bfloat16): 2.0**-8}.get(np.dtype(q.dtype), u)
+        c = c + unit * np.sum(np.abs(dov) * np.abs(split(out64)), axis=-1)
+    pc = probs * c[..., None] * (1.0 if keep is None else 1.0 + keep)
     terms = [np.zeros(x.shape) for x in (q, k, v)]
     split(terms[0])[...] = abs(p.softmax_scale) * (pc @ np.abs(kv))
     views.canonical(terms[1], layout)[...] = abs(p.softmax_scale) * (pc.swapaxes(-1, -2) @ np.abs(qv)).sum(axis=-3)

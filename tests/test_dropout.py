@@ -58,3 +58,161 @@ def test_kept_fraction_and_independence(p):
         expect = (1 - p) ** 2
         assert abs(both - expect) < 4 * np.sqrt(expect * (1 - expect) / n)
     assert rd.keep_threshold(0.0) == 2**32 - 1 and rd.keep_threshold(0.5) == 2**31
+
+
+# --------------------------------------------------------------------------------------------
+# attention with dropout against the float64 oracle given the same mask
+
+from _tolerance import check_close  # noqa: E402
+from allpairspy import AllPairs  # noqa: E402
+from test_backward_reference import check_grads_close  # noqa: E402
+
+from cuflash.runtime import dtypes  # noqa: E402
+
+SHAPES = [(1, 1), (37, 45), (64, 64), (130, 70)]
+HEADS = [(2, 2), (4, 2), (4, 1)]
+HEAD_DIMS = [40, 64, 96, 128, 256]
+MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False, (9, 4)),
+         "causal_win": (True, (20, -1))}
+PS = [0.1, 0.5, 0.9]
+DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
+ARCHS = ["sm_90", "sm_80"]
+GRID = [tuple(c) for c in AllPairs([SHAPES, HEADS, HEAD_DIMS, list(MASKS), PS, list(DTYPES), ARCHS])]
+
+
+def run_dropout_case(rng, shape, heads, d, mask, p, dtype_key, arch, *, checked=False, seed=0):
+    sq, sk = shape
+    hq, hk = heads
+    dt = DTYPES[dtype_key]
+    q = rng.standard_normal((2, hq, sq, d)).astype(dt)
+    k = rng.standard_normal((2, hk, sk, d)).astype(dt)
+    v = rng.standard_normal((2, hk, sk, d)).astype(dt)
+    causal, window = MASKS[mask]
+    drop = dict(dropout_p=p, dropout_seed=int(rng.integers(2**32)), dropout_offset=int(rng.integers(2**32)))
+    kw = dict(causal=causal, window_size=window, **drop)
+    dout = rng.standard_normal((2, hq, sq, d)).astype(dt)
+    for backend in ("numpy", "sim"):
+        with cuflash.sim.options(arch=arch, checked=checked, seed=seed):
+            out, lse = cuflash.attention(q, k, v, return_lse=True, backend=backend, **kw)
+            check_close(out, q, k, v, lse=lse, **kw)
+            grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend=backend, **kw)
+        check_grads_close(grads, dout, q, k, v, out, lse, **kw)
+
+
+@pytest.mark.parametrize("case", GRID, ids=["-".join(map(str, c)) for c in GRID])
+def test_dropout_pairwise(case, rng):
+    run_dropout_case(rng, *case)
+
+
+@pytest.mark.parametrize("case", GRID[::4], ids=["-".join(map(str, c)) for c in GRID[::4]])
+def test_dropout_checked(case, rng):
+    run_dropout_case(rng, *case, checked=True, seed=2)
+
+
+def test_dropout_changes_the_result_and_p0_is_the_plain_kernel(rng):
+    """The mask really applies (a different seed changes the output); ``dropout_p=0`` runs the
+    kernel without the dropout axis (the dispatcher picks the plain variant)."""
+    from cuflash.kernels import dispatch
+    from cuflash.runtime import validation
+
+    q, k, v = (rng.standard_normal((1, 2, 40, 64)).astype(dtypes.float16) for _ in range(3))
+    a = cuflash.attention(q, k, v, dropout_p=0.5, dropout_seed=1, backend="sim")
+    b = cuflash.attention(q, k, v, dropout_p=0.5, dropout_seed=2, backend="sim")
+    assert not np.array_equal(a, b)
+    assert np.array_equal(cuflash.attention(q, k, v, dropout_p=0.0, dropout_seed=1, backend="sim"),
+                          cuflash.attention(q, k, v, backend="sim"))
+    plain = validation.check_attention(q, k, v)
+    dropped = validation.check_attention(q, k, v, dropout_p=0.5, dropout_seed=1)
+    assert "dropout" not in dispatch.describe_choice(plain, 90, (q, k, v))
+    tier = dispatch.forward_tier(dropped, 90, (q, k, v))
+    assert tier.choose_variant(q.dtype, 64, 64, 90, dropout=True).name.endswith("_dropout")
+
+
+def test_dropout_on_a_packed_batch_counts_each_sequence(rng):
+    """attention_varlen with dropout: sequence b uses batch index b and its own row and key
+    positions (each sequence against a fixed-shape call of its slices with batch0 = b), on the
+    NumPy path and the simulator, forward and backward."""
+    from test_varlen import BATCHES, make_batch, sequences
+
+    q, k, v, cq, ck, mq, mk, used = make_batch(rng, BATCHES["mixed3"], 4, 2, 64, 64, dtypes.bfloat16)
+    drop = dict(dropout_p=0.3, dropout_seed=99, dropout_offset=4)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    for backend in ("numpy", "sim"):
+        out, lse = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, return_lse=True, backend=backend,
+                                            **drop)
+        g = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, mq, mk, causal=True,
+                                              backend=backend, **drop)
+        for b, (rq, rk, _) in enumerate(sequences(cq, ck, used)):
+            if rq.stop == rq.start:
+                continue
+            zb = rd.dropout_mask((1, 4, rq.stop - rq.start, rk.stop - rk.start), 0.3, 99, 4, batch0=b)
+            qs, ks, vs = q[None, rq], k[None, rk], v[None, rk]
+            ref_o = cuflash.reference.naive_attention(*(x.astype(np.float64) for x in (qs, ks, vs)), causal=True,
+                                                      layout="bshd", dropout_p=0.3, dropout_seed=99, dropout_offset=4)
+            assert zb.shape[1] == 4
+            err = np.abs(out[None, rq].astype(np.float64) - _batch0_oracle(qs, ks, vs, zb)).max()
+            assert err < 2e-2, err
+            assert ref_o.shape == out[None, rq].shape
+            assert np.isfinite(g[0][rq].astype(np.float32)).all()
+
+
+def _batch0_oracle(q, k, v, keep):
+    """float64 attention of one "bshd" sequence with an explicit keep mask (B, H, Sq, Sk)."""
+    q64, k64, v64 = (x.astype(np.float64).swapaxes(1, 2) for x in (q, k, v))
+    g = q64.shape[1] // k64.shape[1]
+    k64, v64 = np.repeat(k64, g, axis=1), np.repeat(v64, g, axis=1)
+    s = q64 @ k64.swapaxes(-1, -2) / np.sqrt(q64.shape[-1])
+    sq, sk = s.shape[-2:]
+    s = np.where(np.tril(np.ones((sq, sk), bool), sk - sq), s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    l = e.sum(-1, keepdims=True)
+    o = (e * keep / 0.7) @ v64 / np.where(l > 0, l, 1)
+    return o.swapaxes(1, 2)
+
+
+BAD = [
+    (dict(dropout_p=1.0, dropout_seed=1), ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
+    (dict(dropout_p=-0.1, dropout_seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
+    (dict(dropout_p="0.1", dropout_seed=1), TypeError, "dropout_p must be a real number"),
+    (dict(dropout_p=float("nan"), dropout_seed=1), ValueError, "dropout_p must be in"),
+    (dict(dropout_p=0.1), ValueError, "needs dropout_seed"),
+    (dict(dropout_p=0.1, dropout_seed=2**32), ValueError, r"dropout_seed must be an int in \[0, 2\*\*32\)"),
+    (dict(dropout_p=0.1, dropout_seed=1.5), TypeError, "dropout_seed must be an int"),
+    (dict(dropout_p=0.1, dropout_seed=1, dropout_offset=-1), ValueError, "dropout_offset must be an int"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,match", BAD, ids=[m for _, _, m in BAD])
+def test_bad_dropout_arguments(kw, exc, match):
+    q = np.zeros((1, 1, 4, 8), np.float32)
+    with pytest.raises(exc, match=match):
+        cuflash.attention(q, q, q, **kw)
+    with pytest.raises(exc, match=match):
+        cuflash.attention_backward(q, q, q, q, q, np.zeros((1, 1, 4), np.float32), **kw)
+
+
+def test_dropout_on_the_portable_tier_is_refused_with_the_reason():
+    q = np.zeros((1, 1, 4, 8), np.float32)
+    with pytest.raises(NotImplementedError, match="dropout: the portable kernels have none"):
+        cuflash.attention(q, q, q, dropout_p=0.1, dropout_seed=1, backend="sim")
+
+
+def test_torch_manual_seed_reproduces_and_gradcheck():
+    torch = pytest.importorskip("torch")
+    import cuflash.torch as ct
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 16, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return ct.attention(q, k, v, dropout_p=0.3, causal=True)
+
+    assert torch.equal(run(5), run(5)) and not torch.equal(run(5), run(6))
+    torch.manual_seed(5)
+    seed, offset = (int(x) for x in torch.randint(0, 2**32, (2,), dtype=torch.int64))
+    want = cuflash.reference.naive_attention(*(x.detach().numpy() for x in (q, k, v)), causal=True, dropout_p=0.3,
+                                             dropout_seed=seed, dropout_offset=offset)
+    np.testing.assert_allclose(run(5).detach().numpy(), want, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda *t: (torch.manual_seed(5), ct.attention(*t, dropout_p=0.3))[1], (q, k, v))
