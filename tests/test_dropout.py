@@ -216,3 +216,14 @@ def test_torch_manual_seed_reproduces_and_gradcheck():
                                              dropout_seed=seed, dropout_offset=offset)
     np.testing.assert_allclose(run(5).detach().numpy(), want, atol=1e-12)
     assert torch.autograd.gradcheck(lambda *t: (torch.manual_seed(5), ct.attention(*t, dropout_p=0.3))[1], (q, k, v))
+
+
+def test_readme_example_runs():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    head = "import numpy as np, cuflash\nq, k, v = (np.random.randn(2, 4, 100, 64)"
+    scope: dict = {}
+    exec(head + text.split("```python\n" + head)[1].split("```")[0], scope)   # noqa: S102 - the README's example
+    keep = scope["keep"]
+    assert keep.shape == (2, 4, 100, 100) and abs(keep.mean() - 0.9) < 0.01 and scope["dq"].shape == (2, 4, 100, 64)
