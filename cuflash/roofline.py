@@ -579,7 +579,7 @@ def _dtype_key(dtype) -> str:
 
 def _is_main(v) -> bool:
     return v.family.startswith("attn_") and hasattr(v, "block_m") and getattr(v, "stage", "main") == "main" \
-        and not getattr(v, "kvcache", False)
+        and not getattr(v, "kvcache", False) and not getattr(v, "dropout", False)
 
 
 @lru_cache(maxsize=128)
