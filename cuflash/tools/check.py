@@ -45,11 +45,11 @@ from cuflash.reference import tolerance
 #: seconds the whole check may take (the issue asks for under 3 minutes)
 DEFAULT_BUDGET_S = 170.0
 
-SECTIONS = ("device", "compile", "grid", "large", "softmax", "backward", "kvcache", "sim", "torch", "distributed",
-            "jax", "graph", "demo")
+SECTIONS = ("device", "compile", "grid", "large", "softmax", "backward", "kvcache", "dropout", "sim", "torch",
+            "distributed", "jax", "graph", "demo")
 
 #: share of the budget each section may use at most (soft: sections stop between cases)
-_SHARE = {"device": 0.05, "compile": 0.45, "grid": 0.35, "large": 0.25, "softmax": 0.1, "backward": 0.15, "kvcache": 0.1, "sim": 0.3,
+_SHARE = {"device": 0.05, "compile": 0.45, "grid": 0.35, "large": 0.25, "softmax": 0.1, "backward": 0.15, "kvcache": 0.1, "dropout": 0.1, "sim": 0.3,
           "torch": 0.1, "distributed": 0.1, "jax": 0.15, "graph": 0.1, "demo": 0.1}
 
 
@@ -599,6 +599,50 @@ def section_kvcache(clock, log) -> str:
     if not bool(cupy.array_equal(got, want)) or not bool(cupy.array_equal(kc_d, k2)):
         raise AssertionError("a captured decode step replays differently from a direct call")
     return f"3 paged decode/prefill cases within the rule (worst {worst:.2f} of the bound); CUDA-graph replay identical"
+
+
+def section_dropout(clock, log) -> str:
+    """Dropout on the GPU: the mask kernel's bits equal the NumPy generator's; the forward and the
+    backward with dropout within the rule of the NumPy path's error against float64 (the same mask)."""
+    import cupy
+
+    import cuflash
+    from cuflash.kernels import dropout_mask as dm
+    from cuflash.reference import dropout as rd
+    from cuflash.runtime import cuda_runner
+
+    shape, p, seed, offset = (2, 8, 300, 517), 0.2, 2024, 11
+    keep = cupy.zeros(shape, np.uint8)
+    cuda_runner.launch(dm.plan_mask(keep, 3, seed, offset, rd.keep_threshold(p)))
+    if not np.array_equal(cupy.asnumpy(keep).astype(bool), rd.dropout_mask(shape, p, seed, offset, batch0=3)):
+        raise AssertionError("the GPU's dropout mask differs from the NumPy generator's")
+    rng = np.random.default_rng(31)
+    dt = _dtype("bf16")
+    q = rng.standard_normal((2, 8, 333, 128)).astype(dt)
+    k = rng.standard_normal((2, 2, 517, 128)).astype(dt)
+    v = rng.standard_normal((2, 2, 517, 128)).astype(dt)
+    dout = rng.standard_normal(q.shape).astype(dt)
+    kw = dict(causal=True, dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+    x64 = [x.astype(np.float64) for x in (q, k, v)]
+    o64, l64 = cuflash.attention(*x64, return_lse=True, **kw)
+    o_np, l_np = cuflash.attention(q, k, v, return_lse=True, **kw)
+    g64 = cuflash.attention_backward(dout.astype(np.float64), *x64, o64, l64, **kw)
+    g_np = cuflash.attention_backward(dout, q, k, v, o_np, l_np, **kw)
+    dev = [cupy.asarray(x) for x in (q, k, v, dout)]
+    o, l_ = cuflash.attention(*dev[:3], return_lse=True, **kw)
+    g = cuflash.attention_backward(dev[3], *dev[:3], o, l_, **kw)
+    worst = 0.0
+    for name, a, ref_np, exact in (("out", o, o_np, o64), ("dq", g[0], g_np[0], g64[0]), ("dk", g[1], g_np[1], g64[1]),
+                                   ("dv", g[2], g_np[2], g64[2])):
+        a = cupy.asnumpy(a).astype(np.float64)
+        err = float(np.abs(a - exact).max())
+        tol = 2 * float(np.abs(ref_np.astype(np.float64) - exact).max()) + \
+            tolerance.floor_for(q.dtype) * max(1.0, float(np.abs(exact).max()))
+        if not np.isfinite(a).all() or err > tol:
+            raise AssertionError(f"dropout {name}: error {err:.3g} > {tol:.3g}")
+        worst = max(worst, err / tol)
+        log(f"  dropout {name}: err {err:.2e} (bound {tol:.2e})")
+    return f"mask bit-identical to NumPy's; forward and backward within the rule (worst {worst:.2f} of the bound)"
 
 
 def section_sim(clock, log) -> str:
