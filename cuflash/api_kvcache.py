@@ -331,7 +331,7 @@ def _kvcache_cuda(problem, q, out, return_lse):
                                                         "v_cache": conv["v_cache"]})
         else:
             oc = call.empty(problem.out_shape, problem.dtype)
-        num_sms = int(call.xp.cuda.Device().attributes["MultiProcessorCount"])
+        num_sms = interop.sm_count(call.device_id)
         result = dispatch.run_kvcache(problem, qc, oc, return_lse, xp=call.xp, arch=call.arch,
                                       launch=functools.partial(cuda_runner.launch, stream=call.stream),
                                       num_sms=num_sms)

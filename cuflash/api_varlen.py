@@ -375,7 +375,7 @@ def _attention_varlen_cuda(problem, q, k, v, out, return_lse):
             oc = call.empty(problem.out_shape, problem.dtype)
         launch = functools.partial(cuda_runner.launch, stream=call.stream)
         if problem.kvcache is not None:
-            num_sms = int(call.xp.cuda.Device().attributes["MultiProcessorCount"])
+            num_sms = interop.sm_count(call.device_id)
             result = dispatch.run_kvcache(problem, qc, oc, return_lse, xp=call.xp, arch=call.arch, launch=launch,
                                           num_sms=num_sms)
         else:

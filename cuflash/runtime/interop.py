@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 import numpy as np
 
@@ -385,6 +386,16 @@ def _torch_dtype(dtype):
 
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
             "float64": torch.float64}[np.dtype(dtype).name]
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    """The SM count of CUDA device ``device_id`` (one attribute query, then cached: split-KV plans
+    ask for it on every call)."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    return int(rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, device_id))
 
 
 class CudaCall:
