@@ -275,29 +275,40 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc_t, device=q.device)
         kv = (k.contiguous(), v.contiguous())
-        dkv = (torch.zeros(k.shape, dtype=acc_t, device=k.device), torch.zeros(v.shape, dtype=acc_t, device=v.device))
         kw = dict(softmax_scale=scale, layout="bshd")
         if q.device.type == "cuda":
             kw["deterministic"] = deterministic
+        incoming = None   # the dK/dV accumulators of the block held next, in flight from the previous rank
         for step in range(world):
             src = (rank - step) % world
             pending = _exchange(kv, group, rank, world) if step + 1 < world else None
+            # this rank's share of the held block's dK/dV, while its accumulators are still travelling
+            local = (torch.zeros(k.shape, dtype=acc_t, device=k.device), torch.zeros(v.shape, dtype=acc_t, device=v.device))
             for qs, ks, c in _pieces(rank, src, world, length, causal, zigzag):
                 g = cuflash.attention_backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
                                                lse[:, :, qs].contiguous(), causal=c, **kw)
                 dq[:, qs] += g[0].to(acc_t)
-                dkv[0][:, ks] += g[1].to(acc_t)
-                dkv[1][:, ks] += g[2].to(acc_t)
-            # this block's dK/dV move on with it (after the last step they reach their owner)
-            dbufs, dreqs = _exchange(dkv, group, rank, world) if world > 1 else (dkv, [])
-            for r in dreqs:
-                r.wait()
-            dkv = tuple(dbufs)
+                local[0][:, ks] += g[1].to(acc_t)
+                local[1][:, ks] += g[2].to(acc_t)
+            if incoming is not None:
+                bufs_d, reqs_d = incoming
+                for r in reqs_d:
+                    r.wait()
+                local[0].add_(bufs_d[0])
+                local[1].add_(bufs_d[1])
+            dkv = local
+            if world > 1:   # the block's dK/dV move on with it (after the last step they reach their owner)
+                incoming = _exchange(dkv, group, rank, world)
             if pending is not None:
                 bufs, reqs = pending
                 for r in reqs:
                     r.wait()
                 kv = tuple(bufs)
+        if incoming is not None:
+            bufs_d, reqs_d = incoming
+            for r in reqs_d:
+                r.wait()
+            dkv = tuple(bufs_d)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
@@ -351,7 +362,9 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, win
     -----
     Per rank and step, the forward sends one K/V shard (``B S_local Hk (D + Dv)`` elements) and
     the backward that and its float32 dK/dV (``2x`` the bytes of K/V in float32 for 16-bit input):
-    forward ``(W - 1)`` shard transfers, backward ``W`` of (K, V, dK, dV) minus the last K/V.
+    forward ``(W - 1)`` shard transfers, backward ``W`` of (K, V, dK, dV) minus the last K/V. Every
+    transfer overlaps a block's attention: the next K/V while the current block is attended, the
+    held block's incoming dK/dV while this rank computes its own share of them.
     """
     func = "cuflash.torch.ring_attention"
     group = _group_of(group, func)
