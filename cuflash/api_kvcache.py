@@ -194,8 +194,9 @@ def merge_attention(outs, lses):
 
     Parameters
     ----------
-    outs : sequence of arrays ``(..., Sq, Dv)``
-        At least one; one kind, dtype and shape (NumPy, CuPy, or DLPack arrays: torch, JAX).
+    outs : list or tuple of arrays ``(..., Sq, Dv)``
+        At least one; one kind, dtype and shape (NumPy, CuPy, or DLPack arrays: torch, JAX, on the
+        CPU through NumPy views, on the GPU through CuPy).
     lses : sequence of arrays ``(..., Sq)``
         The parts' natural-log log-sum-exp (as ``return_lse=True`` gives them in layout "bhsd"),
         float32 or float64, the kind of ``outs``.
@@ -208,7 +209,8 @@ def merge_attention(outs, lses):
     Raises
     ------
     TypeError
-        Not a sequence of arrays, mixed kinds or dtypes.
+        Not a list or tuple of arrays (an array itself is refused: its first axis is not a list of
+        parts), mixed kinds or dtypes.
     ValueError
         No part, different numbers of ``outs`` and ``lses``, shapes that disagree, arrays on
         different devices.
@@ -218,17 +220,22 @@ def merge_attention(outs, lses):
     For autograd use :func:`cuflash.torch.merge_attention` (differentiable in every input).
     """
     func = "cuflash.merge_attention"
+    for name, seq in (("outs", outs), ("lses", lses)):
+        if not isinstance(seq, (list, tuple)):
+            raise TypeError(f"{func}: {name} must be a list or tuple of arrays (one per part), got "
+                            f"{type(seq).__module__}.{type(seq).__qualname__}")
+    outs, lses = list(outs), list(lses)
+    host = interop.HostImport(func, **{f"outs[{i}]": x for i, x in enumerate(outs)},
+                              **{f"lses[{i}]": x for i, x in enumerate(lses)})
+    if host.framework is not None:   # CPU DLPack arrays (torch CPU tensors): their NumPy views
+        o, s = merge_attention([host.arrays[f"outs[{i}]"] for i in range(len(outs))],
+                               [host.arrays[f"lses[{i}]"] for i in range(len(lses))])
+        return host.export(o), host.export(s)
     outs, lses = _check_merge(outs, lses, func)
     kind = interop.describe(outs[0], "outs[0]", func).kind
     if kind == "numpy":
-        return ref_kvcache.merge_attention(outs, lses)
-    if all(interop.is_host_dlpack(x) for x in outs + lses):
-        host = interop.HostImport(func, **{f"outs{i}": x for i, x in enumerate(outs)},
-                                  **{f"lses{i}": x for i, x in enumerate(lses)})
-        arrays = host.arrays
-        o, s = ref_kvcache.merge_attention([arrays[f"outs{i}"] for i in range(len(outs))],
-                                           [arrays[f"lses{i}"] for i in range(len(lses))])
-        return host.export(o), host.export(s)
+        with np.errstate(invalid="ignore", over="ignore"):   # a +inf or NaN lse: NaN out, quietly
+            return ref_kvcache.merge_attention(outs, lses)
     with interop.CudaCall(func, outs[0]) as call:
         o, s = ref_kvcache.merge_attention([call.import_array(x) for x in outs], [call.import_array(x) for x in lses],
                                            xp=call.xp)
@@ -240,9 +247,6 @@ def merge_attention(outs, lses):
 
 
 def _check_merge(outs, lses, func):
-    if isinstance(outs, (str, bytes)) or not hasattr(outs, "__len__") or not hasattr(lses, "__len__"):
-        raise TypeError(f"{func}: outs and lses must be sequences of arrays, got {type(outs).__name__} and "
-                        f"{type(lses).__name__}")
     outs, lses = list(outs), list(lses)
     if not outs:
         raise ValueError(f"{func}: outs must hold at least one part, got none")
@@ -329,6 +333,11 @@ def _kvcache_cuda(problem, q, out, return_lse):
             oc = call.import_array(out)
             interop.check_no_overlap(problem.func, oc, {"q": qc, "k_cache": conv["k_cache"],
                                                         "v_cache": conv["v_cache"]})
+        c2 = problem.kvcache
+        for cname in ("k_cache", "v_cache"):   # the append writes the caches while q, k, v are read
+            interop.check_no_overlap(problem.func, getattr(c2, cname),
+                                     {n: x for n, x in (("q", qc), ("k", c2.k_new), ("v", c2.v_new)) if x is not None},
+                                     out_name=cname)
         else:
             oc = call.empty(problem.out_shape, problem.dtype)
         num_sms = interop.sm_count(call.device_id)

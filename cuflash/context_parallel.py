@@ -97,8 +97,8 @@ def _merge_into(out_acc, lse_acc, o, lse):
     """Merge one block's ``o`` ``(B, S, H, Dv)`` and ``lse`` ``(B, H, S)`` into the running float32
     (float64) accumulators (views of this rank's rows) with :func:`merge_attention`, in place; no
     autograd (the ring's own backward handles the gradients)."""
-    with torch.no_grad():
-        out, new = merge_attention([out_acc.transpose(1, 2), o.transpose(1, 2)], [lse_acc, lse])
+    with torch.no_grad():   # the block (16-bit for 16-bit input) joins in the accumulators' dtype
+        out, new = merge_attention([out_acc.transpose(1, 2), o.to(out_acc.dtype).transpose(1, 2)], [lse_acc, lse])
     out_acc.copy_(out.transpose(1, 2))
     lse_acc.copy_(new)
 

@@ -188,6 +188,8 @@ def test_bad_dropout_arguments(kw, exc, match):
     q = np.zeros((1, 1, 4, 8), np.float32)
     with pytest.raises(exc, match=match):
         cuflash.attention(q, q, q, **kw)
+    with pytest.raises(exc, match=match if "needs dropout_seed" not in match else "dropout_seed must be an int"):
+        rd.dropout_mask((1, 1, 4, 8), kw["dropout_p"], kw.get("dropout_seed"), kw.get("dropout_offset", 0))
     with pytest.raises(exc, match=match):
         cuflash.attention_backward(q, q, q, q, q, np.zeros((1, 1, 4), np.float32), **kw)
 

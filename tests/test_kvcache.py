@@ -317,7 +317,8 @@ MERGE_BAD = [
     (lambda o, s: (o, [s[0], s[1][..., :-1]]), ValueError, "lses[1].shape"),
     (lambda o, s: ([o[0], o[1].astype(np.float16)], s), TypeError, "outs[1].dtype"),
     (lambda o, s: (o, [s[0], s[1].astype(np.int32)]), TypeError, "lses[1].dtype=int32"),
-    (lambda o, s: ("ab", s), TypeError, "sequences of arrays"),
+    (lambda o, s: ("ab", s), TypeError, "outs must be a list or tuple of arrays"),
+    (lambda o, s: (np.stack(o), s), TypeError, "outs must be a list or tuple of arrays"),
 ]
 
 
@@ -363,6 +364,10 @@ BAD = [
     (lambda a: dict(a, q=a["q"][0]), ValueError, r"q.ndim must be 4 \(B, Sq, Hq, D\)"),
     (lambda a: dict(a, cache_seqlens=None), TypeError, "cache_seqlens must be an int"),
     (lambda a: dict(a, v_cache=a["k_cache"]), ValueError, "k_cache and v_cache share memory"),
+    (lambda a: dict(a, k=a["k_cache"][:2, :1]), ValueError, "k overlaps k_cache in memory"),
+    (lambda a: dict(a, rotary_cos=a["rotary_cos"].astype(np.float64), rotary_sin=a["rotary_sin"].astype(np.float64)),
+     TypeError, "rotary_cos.dtype=float64 must be q's dtype float32 or float32"),
+    (lambda a: dict(a, cache_seqlens=3.0), TypeError, "cache_seqlens must be an int or an int32 array"),
 ]
 
 
@@ -373,6 +378,37 @@ def test_bad_input_is_refused_before_any_write(mutate, exc, match, rng):
     with pytest.raises(exc, match=match):
         cuflash.attention_with_kvcache(**a)
     assert (a["k_cache"].tobytes(), a["v_cache"].tobytes()) == before
+
+
+@pytest.mark.parametrize("backend", ["numpy", "sim"])
+def test_more_sequences_than_cache_batches_is_refused(backend):
+    """A contiguous cache serves sequence b from cache batch b: more sequences than cache batches
+    (and no cache_batch_idx) is an error before anything is written, on every backend."""
+    q = np.zeros((3, 1, 4, 64), dtypes.float16)
+    kc = np.zeros((2, 16, 2, 64), dtypes.float16)
+    vc, k = kc.copy(), np.ones((3, 1, 2, 64), dtypes.float16)
+    with pytest.raises(ValueError, match=r"q.shape\[0\]=3 sequences but k_cache.shape\[0\]=2 cache batches"):
+        cuflash.attention_with_kvcache(q, kc, vc, 3, k=k, v=k, backend=backend)
+    assert not kc.any() and not vc.any()
+
+
+def test_shape_messages_name_the_caches():
+    q = np.zeros((2, 1, 4, 32), np.float32)
+    kc = np.zeros((2, 16, 2, 64), np.float32)
+    with pytest.raises(ValueError, match=r"k_cache.shape\[-1\]=64 must equal q.shape\[-1\]=32"):
+        cuflash.attention_with_kvcache(q, kc, kc.copy(), 3)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\]=-1 must be >= 0"):
+        cuflash.attention_with_kvcache(np.zeros((1, 1, 4, 64), np.float32), kc[:1], kc[:1].copy(),
+                                       np.array([-1], np.int32))
+
+
+def test_merge_attention_takes_torch_cpu_tensors():
+    torch = pytest.importorskip("torch")
+    o = [torch.zeros(2, 3, 4), torch.ones(2, 3, 4)]
+    s = [torch.zeros(2, 3), torch.zeros(2, 3)]
+    out, lse = cuflash.merge_attention(o, s)
+    assert isinstance(out, torch.Tensor) and torch.allclose(out, torch.full((2, 3, 4), 0.5))
+    assert torch.allclose(lse, torch.full((2, 3), float(np.log(2))))
 
 
 def test_contiguous_batch_idx_out_of_range(rng):

@@ -89,7 +89,18 @@ def dropout_mask(shape, dropout_p: float, dropout_seed: int, dropout_offset: int
     >>> m.shape, m.dtype
     ((1, 2, 3, 8), dtype('bool'))
     """
-    b, h, sq, sk = (int(n) for n in shape)
+    from cuflash.runtime import validation
+
+    func = "cuflash.reference.dropout_mask"
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__") or len(shape) != 4:
+        raise ValueError(f"{func}: shape must be (B, H, Sq, Sk), got {shape!r}")
+    b, h, sq, sk = (validation.check_int(n, f"shape[{i}]", func) for i, n in enumerate(shape))
+    if min(b, h, sq, sk) < 0:
+        raise ValueError(f"{func}: shape={tuple(shape)} must be non-negative")
+    if dropout_seed is None:
+        raise ValueError(f"{func}: dropout_seed must be an int in [0, 2**32), got None")
+    if validation.check_dropout(dropout_p, dropout_seed, dropout_offset, func) is None:
+        return np.ones((b, h, sq, sk), dtype=bool)   # p = 0: nothing is dropped (the plain kernels run)
     thr = keep_threshold(dropout_p)
     return keep_mask(dropout_seed, dropout_offset, thr,
                      (batch0 + np.arange(b))[:, None, None, None], np.arange(h)[None, :, None, None],

@@ -336,8 +336,9 @@ def cover_span(a):
     return cupy.ndarray(a.shape, a.dtype, cupy.cuda.MemoryPointer(owned, 0), strides=a.strides)
 
 
-def check_no_overlap(func: str, out, inputs: dict) -> None:
-    """Refuse an ``out`` whose device memory span meets an input's span (conservative).
+def check_no_overlap(func: str, out, inputs: dict, out_name: str = "out") -> None:
+    """Refuse an ``out`` (named ``out_name``) whose device memory span meets an input's span
+    (conservative).
 
     Raises
     ------
@@ -353,7 +354,8 @@ def check_no_overlap(func: str, out, inputs: dict) -> None:
             continue
         xlo = int(x.data.ptr)
         if xlo < hi and lo < xlo + span_bytes(x):
-            raise ValueError(f"{func}: out overlaps {name} in device memory; pass a separate output buffer")
+            raise ValueError(f"{func}: {out_name} overlaps {name} in device memory; pass a separate "
+                             f"{'output buffer' if out_name == 'out' else 'array'}")
 
 
 class _FrameworkNamespace:

@@ -284,26 +284,28 @@ def _heads_and_batch(info: ArrayInfo, layout: str):
 
 
 def _check_heads_and_dims(func: str, heads, key_lengths, dims, head_axis: str, seq_axis: str, seq_what: str,
-                          max_head_dim) -> None:
+                          max_head_dim, names=("k", "v")) -> None:
     """The shape rules q, k and v share in every layout: ``heads = (Hq, Hk, Hv)``, ``key_lengths
-    = (k's, v's)`` along ``seq_axis``, ``dims = (D of q, D of k, Dv)``; the messages name the axes."""
+    = (k's, v's)`` along ``seq_axis``, ``dims = (D of q, D of k, Dv)``; the messages name the axes
+    (and the key and value arrays by ``names``: the caches for KV-cache attention)."""
+    kn, vn = names
     hq, hk, hv = heads
     sk, skv = key_lengths
     d, dk, dv = dims
     if hv != hk:
-        raise ValueError(f"{func}: v.shape[{head_axis}]={hv} (kv heads) must equal k.shape[{head_axis}]={hk}")
+        raise ValueError(f"{func}: {vn}.shape[{head_axis}]={hv} (kv heads) must equal {kn}.shape[{head_axis}]={hk}")
     if skv != sk:
-        raise ValueError(f"{func}: v.shape[{seq_axis}]={skv} must equal k.shape[{seq_axis}]={sk} ({seq_what})")
+        raise ValueError(f"{func}: {vn}.shape[{seq_axis}]={skv} must equal {kn}.shape[{seq_axis}]={sk} ({seq_what})")
     if dk != d:
-        raise ValueError(f"{func}: k.shape[-1]={dk} must equal q.shape[-1]={d} (head dim)")
+        raise ValueError(f"{func}: {kn}.shape[-1]={dk} must equal q.shape[-1]={d} (head dim)")
     if hk == 0 and hq != 0:
-        raise ValueError(f"{func}: k.shape[{head_axis}]=0 kv heads cannot serve q.shape[{head_axis}]={hq} query heads")
+        raise ValueError(f"{func}: {kn}.shape[{head_axis}]=0 kv heads cannot serve q.shape[{head_axis}]={hq} query heads")
     if hk and hq % hk:
         raise ValueError(
             f"{func}: q.shape[{head_axis}]={hq} query heads must be a multiple of "
-            f"k.shape[{head_axis}]={hk} kv heads (GQA/MQA)"
+            f"{kn}.shape[{head_axis}]={hk} kv heads (GQA/MQA)"
         )
-    for name, dim in (("q", d), ("v", dv)):
+    for name, dim in (("q", d), (vn, dv)):
         if dim < 1:
             raise ValueError(f"{func}: {name}.shape[-1] (head dim) must be at least 1, got {dim}")
         if max_head_dim is not None and dim > max_head_dim:

@@ -162,7 +162,7 @@ def _check_rotary(func, q: ArrayInfo, rotary_cos, rotary_sin, interleaved, head_
         if info.kind != q.kind or info.device != q.device:
             raise ValueError(f"{func}: {name} must be a {q.type_name} on q's device {q.device}; got a "
                              f"{info.type_name} on {info.device}")
-        if info.dtype is None or (info.dtype != q.dtype and info.dtype_name not in ("float32", "float64")):
+        if info.dtype is None or (info.dtype != q.dtype and info.dtype_name != "float32"):
             raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must be q's dtype {q.dtype_name} or float32")
         if info.ndim != 2:
             raise ValueError(f"{func}: {name}.ndim must be 2 (seqlen_ro, rotary_dim / 2); got {name}.shape={info.shape}")
@@ -240,11 +240,20 @@ def check_attention_with_kvcache(
     if have_new and isinstance(k_cache, np.ndarray) and validation._overlaps(k_cache, v_cache):
         raise ValueError(f"{func}: k_cache and v_cache share memory; the values appended would overwrite the keys "
                          f"(pass two separate caches)")
+    if isinstance(k_cache, np.ndarray):   # device arrays: checked by address range on the CUDA path
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            for cname, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if isinstance(x, np.ndarray) and validation._overlaps(x, c):
+                    raise ValueError(f"{func}: {name} overlaps {cname} in memory; the append writes the cache while "
+                                     f"the kernels read {name}: pass a separate array")
     hk, dk, dv = ki.shape[2], ki.shape[3], vi.shape[3]
     validation._check_heads_and_dims(func, (hq, hk, vi.shape[2]), (ki.shape[1], vi.shape[1]), (d, dk, dv), "2", "1",
-                                     "cache rows", max_head_dim)
+                                     "cache rows", max_head_dim, names=("k_cache", "v_cache"))
     if not paged and batch and num_pages == 0:
         raise ValueError(f"{func}: k_cache.shape[0]=0 cache batches cannot serve B={batch} sequences")
+    if not paged and cache_batch_idx is None and batch > num_pages:
+        raise ValueError(f"{func}: q.shape[0]={batch} sequences but k_cache.shape[0]={num_pages} cache batches; "
+                         f"sequence b uses cache batch b, so pass cache_batch_idx to map them (or a larger cache)")
     if paged and cache_batch_idx is not None:
         raise ValueError(f"{func}: cache_batch_idx selects rows of a contiguous cache; with a block_table the pages "
                          f"already say where each sequence lives (flash-attn refuses the pair too)")
@@ -271,8 +280,8 @@ def check_attention_with_kvcache(
     seqlens_arr, seqlen_scalar = None, 0
     if isinstance(cache_seqlens, (bool, np.bool_)) or isinstance(cache_seqlens, numbers.Integral):
         seqlen_scalar = check_int(cache_seqlens, "cache_seqlens", func)
-    elif cache_seqlens is None:
-        raise TypeError(f"{func}: cache_seqlens must be an int or an int32 array (B,), got None")
+    elif cache_seqlens is None or isinstance(cache_seqlens, numbers.Number):
+        raise TypeError(f"{func}: cache_seqlens must be an int or an int32 array (B,), got {cache_seqlens!r}")
     else:
         _check_index(cache_seqlens, "cache_seqlens", func, (batch,), qi)
         seqlens_arr = cache_seqlens
@@ -325,11 +334,14 @@ def _check_host_indices(func: str, c: KVCache, batch: int, sq: int, per_row_rota
     snew = c.seqlen_new
     seqlens = c.host_seqlens(batch) if (c.cache_seqlens is None or isinstance(c.cache_seqlens, np.ndarray)) else None
     if seqlens is not None:
-        bad = (seqlens < 0) | (seqlens + snew > c.capacity)
+        if (seqlens < 0).any():
+            b = _first(seqlens < 0)
+            raise ValueError(f"{func}: cache_seqlens[{b}]={int(seqlens[b])} must be >= 0 (keys already in the cache)")
+        bad = seqlens + snew > c.capacity
         if bad.any():
             b = _first(bad)
-            raise ValueError(f"{func}: cache_seqlens[{b}]={int(seqlens[b])} plus Snew={snew} new keys must lie in "
-                             f"[0, {c.capacity}] (the cache's rows per sequence)")
+            raise ValueError(f"{func}: cache_seqlens[{b}]={int(seqlens[b])} plus Snew={snew} new keys must be at most "
+                             f"{c.capacity} (the cache's rows per sequence)")
     leftpad = None
     if c.cache_leftpad is None:
         leftpad = np.zeros(batch, np.int64)
