@@ -21,10 +21,6 @@ from cuflash.runtime.validation_kvcache import (
     rotates_per_row,
 )
 
-#: the call's arrays that may be CPU DLPack tensors (viewed as NumPy on the host path)
-_ARRAY_ARGS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
-               "cache_leftpad", "block_table", "out")
-
 
 def attention_with_kvcache(
     q,

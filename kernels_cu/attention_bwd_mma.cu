@@ -276,22 +276,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
         const LaneOffsets l1 = lane_offsets(ptx_opaque(tid));
 #if CUFLASH_DROPOUT
-        // The keep bits of this lane's S elements, drawn before the products (where registers are
-        // free): bits 2 ((f * 2 + h) * NF_S + n) + c for row 16 f + 8 h + g, key 8 n + 2 t + c.
-        static_assert(MF_S * 2 * NF_S * 2 <= 32, "a lane's keep bits fit one register");
-        unsigned keep_word = 0;
-        {
-            const DropoutArgs dr = {dropout_seed, dropout_offset, dropout_threshold, dropout_scale};
-            const unsigned b32 = (unsigned)(dropout_batch0 + batch);
-#pragma unroll 1
-            for (int fhn = 0; fhn < MF_S * 2 * NF_S; ++fhn) {   // not unrolled: one draw's registers at a time
-                const int f = fhn / (2 * NF_S), h = fhn / NF_S % 2, n = fhn % NF_S;
-                keep_word |= dropout_keep2(dr, b32, (unsigned)cur.hq,
-                                                   (unsigned)(row0 + l1.s_row0 + 16 * f + l1.g + 8 * h),
-                                           (unsigned)(col0 + l1.s_col0 + 8 * n + 2 * l1.t))
-                             << (2 * fhn);
-            }
-        }
+        // The keep bits of this lane's S elements, drawn before the products, where registers are
+        // free (dropout.cuh: bit 2 ((f * 2 + h) * NF_S + n) + c for row 16 f + 8 h + g, key 8 n + 2 t + c)
+        const DropoutArgs dr = {dropout_seed, dropout_offset, dropout_threshold, dropout_scale};
+        const unsigned keep_word = dropout_tile_bits<MF_S, NF_S>(dr, (unsigned)(dropout_batch0 + batch), (unsigned)cur.hq,
+                                                                 row0 + l1.s_row0 + l1.g, col0 + l1.s_col0 + 2 * l1.t);
 #define CUFLASH_KEPT(f, h, n, c) ((keep_word >> (2 * (((f) * 2 + (h)) * NF_S + (n)) + (c))) & 1u)
 #endif
         // S = Q K^T and dP = dO V^T for this warp's 16 MF_S queries x 8 NF_S keys.

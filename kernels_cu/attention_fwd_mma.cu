@@ -376,21 +376,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
         if (!CUFLASH_KVCACHE || warp_active) {   // (a warp whose rows are all past the sequence only copies)
 #if CUFLASH_DROPOUT
-            // This lane's keep bits for the tile (dropout.cuh), drawn before the products, one pair
-            // of keys at a time (not unrolled: the registers belong to the accumulators): bit
-            // 2 ((f * 2 + h) * NFRAG_S + n) + c for row 16 f + 8 h + g, key 8 n + 2 t + c.
-            static_assert(MT * 2 * NFRAG_S * 2 <= 32, "a lane's keep bits fit one register");
-            unsigned keep_word = 0;
-            {
-                const DropoutArgs dr = {dropout_seed, dropout_offset, dropout_threshold, dropout_scale};
-                const unsigned b32 = (unsigned)(dropout_batch0 + batch);
-#pragma unroll 1
-                for (int fhn = 0; fhn < MT * 2 * NFRAG_S; ++fhn) {
-                    const int f = fhn / (2 * NFRAG_S), h = fhn / NFRAG_S % 2, n = fhn % NFRAG_S;
-                    keep_word |= dropout_keep2(dr, b32, (unsigned)head0, (unsigned)(qi0 + 16 * f + 8 * h),
-                                               (unsigned)(kv0 + 8 * n + 2 * t)) << (2 * fhn);
-                }
-            }
+            // This lane's keep bits for the tile, drawn before the products (dropout.cuh)
+            const DropoutArgs dr = {dropout_seed, dropout_offset, dropout_threshold, dropout_scale};
+            const unsigned keep_word = dropout_tile_bits<MT, NFRAG_S>(dr, (unsigned)(dropout_batch0 + batch),
+                                                                      (unsigned)head0, qi0, kv0 + 2 * t);
 #endif
             // S = Q K^T (16 MT x BC per warp): each K fragment feeds all MT query fragments.
             float s[MT][NFRAG_S][4];

@@ -53,3 +53,22 @@ __device__ __forceinline__ unsigned dropout_keep2(const DropoutArgs& d, unsigned
     }
     return (a < d.threshold ? 1u : 0u) | (b < d.threshold ? 2u : 0u);
 }
+
+// A lane's keep bits for its part of an mma.sync S tile (m16n8 accumulator fragments: MF row
+// fragments of 16 rows, NF column blocks of 8 keys; the lane holds rows row_base + 16 f + 8 h
+// and keys col_base + 8 n + {0, 1}): bit 2 ((f * 2 + h) * NF + n) + c for key col_base + 8 n + c.
+// Drawn one key pair at a time in a loop that is not unrolled, so that only one Philox call's
+// registers are live beside the kernel's accumulators.
+template <int MF, int NF>
+__device__ __forceinline__ unsigned dropout_tile_bits(const DropoutArgs& d, unsigned batch, unsigned head, int row_base,
+                                                      int col_base) {
+    static_assert(MF * 2 * NF * 2 <= 32, "a lane's keep bits fit one register");
+    unsigned bits = 0;
+#pragma unroll 1
+    for (int fhn = 0; fhn < MF * 2 * NF; ++fhn) {
+        const int f = fhn / (2 * NF), h = fhn / NF % 2, n = fhn % NF;
+        bits |= dropout_keep2(d, batch, head, (unsigned)(row_base + 16 * f + 8 * h), (unsigned)(col_base + 8 * n))
+                << (2 * fhn);
+    }
+    return bits;
+}

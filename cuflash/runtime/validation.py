@@ -469,13 +469,19 @@ class VarlenBatch:
         return np.diff(np.asarray(self.cu_seqlens_k, dtype=np.int64))
 
 
-def _check_index(x, name: str, func: str, length: int | None, kind: str, device) -> ArrayInfo:
+def _check_index(x, name: str, func: str, length: int | None, kind: str, device, *, shape=None) -> ArrayInfo:
+    """An int32 index array: 1-D of ``length`` entries (None: any), or of exactly ``shape``; on
+    q's device (device arrays with device q only); unit stride on its last axis (the kernels index
+    it densely)."""
     info = describe(x, name, func)
     if info.dtype_name != "int32":
         raise TypeError(f"{func}: {name} must be int32, got {name}.dtype={info.dtype_name}")
-    if info.ndim != 1:
+    if shape is not None:
+        if info.shape != tuple(shape):
+            raise ValueError(f"{func}: {name}.shape={info.shape} must be {tuple(shape)}")
+    elif info.ndim != 1:
         raise ValueError(f"{func}: {name} must be 1-D, got {name}.shape={info.shape}")
-    if length is not None and info.shape[0] != length:
+    elif length is not None and info.shape[0] != length:
         raise ValueError(f"{func}: {name}.shape={info.shape} must be ({length},) (one entry per sequence"
                          f"{' plus one' if name.startswith('cu_') else ''})")
     if info.kind != "numpy":
@@ -484,6 +490,7 @@ def _check_index(x, name: str, func: str, length: int | None, kind: str, device)
                             f"path reads its index on the host: pass a NumPy {name}")
         if info.device != device:
             raise ValueError(f"{func}: {name} is on device {info.device} but q is on device {device}")
+    check_strides(info, name, func)
     return info
 
 

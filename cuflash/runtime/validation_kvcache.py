@@ -95,24 +95,12 @@ class KVCache:
 
 
 def _check_index(x, name: str, func: str, shape: tuple, q: ArrayInfo) -> ArrayInfo:
-    info = describe(x, name, func)
-    if info.dtype_name != "int32":
-        raise TypeError(f"{func}: {name} must be int32, got {name}.dtype={info.dtype_name}")
-    if info.shape != shape:
-        raise ValueError(f"{func}: {name}.shape={info.shape} must be {shape}")
-    if info.kind != "numpy":
-        if q.kind == "numpy":
-            raise TypeError(f"{func}: {name} is a {info.type_name} on a device but q is a NumPy array; the NumPy "
-                            f"path reads its index on the host: pass a NumPy {name}")
-        if info.device != q.device:
-            raise ValueError(f"{func}: {name} is on device {info.device} but q is on device {q.device}")
-    validation.check_strides(info, name, func)
-    return info
+    return validation._check_index(x, name, func, None, q.kind, q.device, shape=shape)
 
 
 def check_cache_arrays(func: str, q: ArrayInfo, k_cache, v_cache, block_table, batch: int, *, writable: bool):
     """The caches' shapes against q, and the block table's; ``(k_info, v_info, paged, page_size,
-    num_pages, capacity, max_pages)``."""
+    num_pages, capacity)``."""
     ki = describe(k_cache, "k_cache", func)
     vi = describe(v_cache, "v_cache", func)
     for name, info in (("k_cache", ki), ("v_cache", vi)):
@@ -136,15 +124,14 @@ def check_cache_arrays(func: str, q: ArrayInfo, k_cache, v_cache, block_table, b
                          f"axes (pages or batch, rows, kv heads)")
     n0, rows = ki.shape[0], ki.shape[1]
     if block_table is None:
-        return ki, vi, False, rows, n0, rows, 0
+        return ki, vi, False, rows, n0, rows
     shape = describe(block_table, "block_table", func).shape
     if len(shape) != 2 or shape[0] != batch:
         raise ValueError(f"{func}: block_table.shape={shape} must be (B, max_pages) with B={batch}")
     bt = _check_index(block_table, "block_table", func, shape, q)
     if rows < 1:
         raise ValueError(f"{func}: k_cache.shape[1]={rows} is the page size and must be >= 1")
-    max_pages = bt.shape[1]
-    return ki, vi, True, rows, n0, max_pages * rows, max_pages
+    return ki, vi, True, rows, n0, bt.shape[1] * rows
 
 
 def _check_rotary(func, q: ArrayInfo, rotary_cos, rotary_sin, interleaved, head_dim: int, have_new: bool):
@@ -183,7 +170,7 @@ def varlen_cache(func: str, q: ArrayInfo, k_cache, v_cache, block_table, batch: 
     """The paged cache of :func:`cuflash.attention_varlen` with a ``block_table`` (chunked
     prefill): sequence ``b``'s keys are cache indices ``[0, n_b)`` of its pages, ``n_b`` its
     ``cu_seqlens_k`` length (``seqused_k[b]`` when given); host indices are checked to fit."""
-    ki, vi, paged, page_size, num_pages, capacity, _ = check_cache_arrays(func, q, k_cache, v_cache, block_table,
+    ki, vi, paged, page_size, num_pages, capacity = check_cache_arrays(func, q, k_cache, v_cache, block_table,
                                                                           batch, writable=False)
     if capacity >= MAX_LENGTH:
         raise ValueError(f"{func}: the cache holds {capacity} rows per sequence; at most {MAX_LENGTH - 1}")
@@ -235,7 +222,7 @@ def check_attention_with_kvcache(
     have_new = k is not None or v is not None
     if (k is None) != (v is None):
         raise ValueError(f"{func}: k and v are appended together; got only {'k' if v is None else 'v'}")
-    ki, vi, paged, page_size, num_pages, capacity, _ = check_cache_arrays(func, qi, k_cache, v_cache, block_table,
+    ki, vi, paged, page_size, num_pages, capacity = check_cache_arrays(func, qi, k_cache, v_cache, block_table,
                                                                           batch, writable=have_new)
     if have_new and isinstance(k_cache, np.ndarray) and validation._overlaps(k_cache, v_cache):
         raise ValueError(f"{func}: k_cache and v_cache share memory; the values appended would overwrite the keys "
