@@ -512,3 +512,18 @@ def test_check_backward_section_through_a_numpy_stand_in(monkeypatch):
     monkeypatch.setattr(cuflash, "attention_backward", flips_bits)
     with pytest.raises(AssertionError, match="different bits on a second run"):
         check.section_backward(check._Clock(600), lines.append)
+
+
+def test_check_rule_helper_bounds_the_gpu_result_by_the_numpy_paths_error():
+    """check._held_to_rule, which every GPU section applies: at most twice the NumPy path's error
+    against float64 plus the floor; beyond it, or non-finite, is a failure naming the result."""
+    exact = np.linspace(-1.0, 1.0, 50)
+    numpy_ref = exact + 1e-3
+    floor = check.tolerance.floor_for(np.float16)
+    assert check._held_to_rule("x", exact + 2e-3, numpy_ref, exact, np.float16) <= 1.0
+    with pytest.raises(AssertionError, match="x: error"):
+        check._held_to_rule("x", exact + 2e-3 + 2 * floor, numpy_ref, exact, np.float16)
+    bad = exact.copy()
+    bad[3] = np.nan
+    with pytest.raises(AssertionError, match="x: error"):
+        check._held_to_rule("x", bad, numpy_ref, exact, np.float16)
