@@ -105,8 +105,11 @@ def attention_with_kvcache(
 
     A row that sees no key (an empty cache with no append, a window that misses every key) gets 0
     and ``lse = -inf``. Unused cache rows and unused pages are never read, so NaN there never
-    reaches a result. No host synchronization happens on the GPU path (split-KV's workspace comes
-    from the caller's allocator), so a decode step with ``out=`` can be captured in a CUDA graph.
+    reaches a result. With device-resident index arrays (or an int ``cache_seqlens``) no host
+    synchronization happens on the GPU path (split-KV's workspace comes from the caller's
+    allocator), so a decode step with ``out=`` can be captured in a CUDA graph; NumPy index arrays
+    with GPU q are copied to the device on every call (a few bytes, but a blocking copy that a
+    graph capture refuses: keep decode-loop indices on the device).
 
     Raises
     ------

@@ -137,23 +137,25 @@ def test_dropout_on_a_packed_batch_counts_each_sequence(rng):
     q, k, v, cq, ck, mq, mk, used = make_batch(rng, BATCHES["mixed3"], 4, 2, 64, 64, dtypes.bfloat16)
     drop = dict(dropout_p=0.3, dropout_seed=99, dropout_offset=4)
     dout = rng.standard_normal(q.shape).astype(q.dtype)
+    results = {}
     for backend in ("numpy", "sim"):
         out, lse = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, return_lse=True, backend=backend,
                                             **drop)
         g = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, mq, mk, causal=True,
                                               backend=backend, **drop)
+        results[backend] = g
         for b, (rq, rk, _) in enumerate(sequences(cq, ck, used)):
             if rq.stop == rq.start:
                 continue
             zb = rd.dropout_mask((1, 4, rq.stop - rq.start, rk.stop - rk.start), 0.3, 99, 4, batch0=b)
-            qs, ks, vs = q[None, rq], k[None, rk], v[None, rk]
-            ref_o = cuflash.reference.naive_attention(*(x.astype(np.float64) for x in (qs, ks, vs)), causal=True,
-                                                      layout="bshd", dropout_p=0.3, dropout_seed=99, dropout_offset=4)
-            assert zb.shape[1] == 4
-            err = np.abs(out[None, rq].astype(np.float64) - _batch0_oracle(qs, ks, vs, zb)).max()
-            assert err < 2e-2, err
-            assert ref_o.shape == out[None, rq].shape
-            assert np.isfinite(g[0][rq].astype(np.float32)).all()
+            err = np.abs(out[None, rq].astype(np.float64) - _batch0_oracle(q[None, rq], k[None, rk], v[None, rk], zb))
+            assert err.max() < 2e-2, (backend, b, err.max())
+    # the backward: the kernels against the NumPy path (whose per-sequence mask the forward check
+    # above pins down), gradient by gradient
+    for got, want in zip(results["sim"], results["numpy"]):
+        want = want.astype(np.float64)
+        assert np.abs(got.astype(np.float64) - want).max() <= 2e-2 * max(1.0, np.abs(want).max())
+        assert np.abs(want).max() > 0
 
 
 def _batch0_oracle(q, k, v, keep):
