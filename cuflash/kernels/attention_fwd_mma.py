@@ -16,7 +16,6 @@ the SIMT kernel and says so (:func:`cuflash.kernels.dispatch.describe_choice`).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar
 
 import numpy as np
@@ -300,7 +299,6 @@ def plan_kvcache(problem, q, out, lse, variant, *, splits: int, o_partial, lse_p
     (float32) instead of ``out`` and ``lse``."""
     p, c = problem, problem.kvcache
     vl = p.varlen
-    ptr = attention_fwd_simt._pointer
 
     def st(a):
         return tuple(int(s) // a.dtype.itemsize for s in a.strides)
@@ -327,22 +325,8 @@ def plan_kvcache(problem, q, out, lse, variant, *, splits: int, o_partial, lse_p
         return plan.PointerArg.of(name, index[name] if index[name] is not None else none)
 
     args = (
-        ptr("q", q), ptr("k", c.k_cache), ptr("v", c.v_cache), ptr("out", out, writable=True),
-        ptr("lse", lse, writable=True),
-        *(plan.ScalarArg(f"{n}_{w}_stride", np.int64(s[i]))
-          for n, s in (("q", qst), ("k", kst), ("v", vst), ("o", ost)) for i, w in enumerate(("batch", "head", "row"))),
-        plan.ScalarArg("lse_batch_stride", np.int64(lst[0])),
-        plan.ScalarArg("lse_head_stride", np.int64(lst[1])),
-        plan.ScalarArg("num_heads_q", np.int32(p.num_heads_q)),
-        plan.ScalarArg("group_size", np.int32(p.group_size)),
-        plan.ScalarArg("seqlen_q", np.int32(seqlen_q)),
-        plan.ScalarArg("seqlen_k", np.int32(seqlen_k)),
-        plan.ScalarArg("head_dim", np.int32(p.head_dim)),
-        plan.ScalarArg("head_dim_v", np.int32(p.head_dim_v)),
-        plan.ScalarArg("num_q_tiles", np.int32(tiles)),
-        plan.ScalarArg("scale_log2", np.float32(p.softmax_scale * math.log2(math.e))),
-        plan.ScalarArg("window_left", np.int32(p.window_left)),
-        plan.ScalarArg("window_right", np.int32(p.window_right)),
+        *attention_fwd_simt.forward_args(p, (q, c.k_cache, c.v_cache, out, lse), (qst, kst, vst, ost), lst, seqlen_q,
+                                         seqlen_k, tiles),
         *attention_fwd_simt.varlen_args(p, none),
         idx("cache_seqlens"), idx("cache_leftpad"), idx("cache_batch_idx"), idx("block_table"),
         plan.ScalarArg("block_table_stride", np.int64(st(bt)[0] if bt is not None else 0)),

@@ -194,23 +194,9 @@ def plan_forward(problem, q, k, v, out, lse, variant) -> list[plan.LaunchPlan]:
 
         qst, kst, vst, ost, lst = st(qs), st(ks), st(vs), st(os_), st(ls)
         args = (
-            _pointer("q", qs), _pointer("k", ks), _pointer("v", vs),
-            _pointer("out", os_, writable=True), _pointer("lse", ls, writable=True),
-            *(plan.ScalarArg(f"{n}_{w}_stride", np.int64(s[i]))
-              for n, s in (("q", qst), ("k", kst), ("v", vst), ("o", ost))
-              for i, w in enumerate(("batch", "head", "row"))),
-            plan.ScalarArg("lse_batch_stride", np.int64(lst[0])),
-            plan.ScalarArg("lse_head_stride", np.int64(lst[1])),
-            plan.ScalarArg("num_heads_q", np.int32(p.num_heads_q)),
-            plan.ScalarArg("group_size", np.int32(p.group_size)),
-            plan.ScalarArg("seqlen_q", np.int32(p.seqlen_q if vl is None else vl.total_q)),
-            plan.ScalarArg("seqlen_k", np.int32(p.seqlen_k if vl is None else vl.total_k)),
-            plan.ScalarArg("head_dim", np.int32(p.head_dim)),
-            plan.ScalarArg("head_dim_v", np.int32(p.head_dim_v)),
-            plan.ScalarArg("num_q_tiles", np.int32(num_q_tiles)),
-            plan.ScalarArg("scale_log2", np.float32(p.softmax_scale * math.log2(math.e))),
-            plan.ScalarArg("window_left", np.int32(p.window_left)),
-            plan.ScalarArg("window_right", np.int32(p.window_right)),
+            *forward_args(p, (qs, ks, vs, os_, ls), (qst, kst, vst, ost), lst,
+                          p.seqlen_q if vl is None else vl.total_q, p.seqlen_k if vl is None else vl.total_k,
+                          num_q_tiles),
             *varlen_args(p, q),
             *dropout_args(p, 0 if idx in (None, ()) else int(np.ravel_multi_index(idx + (0,), p.batch_shape)),
                           getattr(variant, "dropout", False)),
@@ -238,6 +224,33 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         return ("dropout: the portable kernels have none (it runs on the tensor-core kernels: float16/bfloat16, "
                 "head dims multiples of 8, 16-byte-aligned rows, sm_80+)")
     return None
+
+
+def forward_args(problem, arrays, strides, lse_strides, seqlen_q: int, seqlen_k: int, num_q_tiles: int) -> tuple:
+    """The forward kernels' leading arguments, up to ``window_right``: the pointers ``q, k, v,
+    out, lse`` (``arrays``), the (batch, head, row) element strides of q, k, v and out
+    (``strides``), lse's (batch, head) strides, then the sizes, the tile count, the scale (log2
+    domain) and the window. Shared by every forward form (fixed, packed, KV-cache)."""
+    p = problem
+    q, k, v, out, lse = arrays
+    return (
+        _pointer("q", q), _pointer("k", k), _pointer("v", v),
+        _pointer("out", out, writable=True), _pointer("lse", lse, writable=True),
+        *(plan.ScalarArg(f"{n}_{w}_stride", np.int64(s[i]))
+          for n, s in zip(("q", "k", "v", "o"), strides) for i, w in enumerate(("batch", "head", "row"))),
+        plan.ScalarArg("lse_batch_stride", np.int64(lse_strides[0])),
+        plan.ScalarArg("lse_head_stride", np.int64(lse_strides[1])),
+        plan.ScalarArg("num_heads_q", np.int32(p.num_heads_q)),
+        plan.ScalarArg("group_size", np.int32(p.group_size)),
+        plan.ScalarArg("seqlen_q", np.int32(seqlen_q)),
+        plan.ScalarArg("seqlen_k", np.int32(seqlen_k)),
+        plan.ScalarArg("head_dim", np.int32(p.head_dim)),
+        plan.ScalarArg("head_dim_v", np.int32(p.head_dim_v)),
+        plan.ScalarArg("num_q_tiles", np.int32(num_q_tiles)),
+        plan.ScalarArg("scale_log2", np.float32(p.softmax_scale * math.log2(math.e))),
+        plan.ScalarArg("window_left", np.int32(p.window_left)),
+        plan.ScalarArg("window_right", np.int32(p.window_right)),
+    )
 
 
 #: the empty index the fixed-shape launches pass (never read: varlen = 0)
