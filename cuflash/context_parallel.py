@@ -170,6 +170,7 @@ def zigzag_split(x, group=None, *, dim: int = 1):
     """This rank's shard of the full sequence ``x`` in the zigzag layout causal ring attention
     balances with: the sequence axis ``dim`` (1 for "bshd") is cut into ``2W`` equal chunks and
     rank ``r`` keeps chunks ``r`` and ``2W - 1 - r``, concatenated (``W`` the group's size).
+    Returns a tensor of ``x``'s dtype, ``1 / W`` of its length along ``dim``.
 
     Raises
     ------
@@ -188,7 +189,26 @@ def zigzag_split(x, group=None, *, dim: int = 1):
 
 def zigzag_merge(shard, group=None, *, dim: int = 1):
     """The full sequence from every rank's zigzag shard (:func:`zigzag_split`'s inverse), gathered
-    with ``all_gather``; every rank gets it."""
+    with ``all_gather``; every rank gets it.
+
+    Parameters
+    ----------
+    shard : torch.Tensor
+        This rank's shard, its two chunks concatenated along ``dim`` (any dtype; one shape on every
+        rank).
+    group : torch.distributed.ProcessGroup, optional
+    dim : int
+        The sequence axis (1 for "bshd").
+
+    Returns
+    -------
+    torch.Tensor, ``shard``'s shape with ``W`` times its length along ``dim``.
+
+    Raises
+    ------
+    ValueError
+        No process group, or an odd shard length.
+    """
     func = "cuflash.torch.zigzag_merge"
     group = _group_of(group, func)
     world = dist.get_world_size(group)

@@ -80,7 +80,16 @@ def dropout_mask(shape, dropout_p: float, dropout_seed: int, dropout_offset: int
 
     Returns
     -------
-    numpy.ndarray of bool, ``shape``: True where the pair is kept (its P scaled by ``1 / (1 - p)``).
+    numpy.ndarray of bool, ``shape``: True where the pair is kept (its P scaled by ``1 / (1 - p)``);
+    all True for ``dropout_p = 0``.
+
+    Raises
+    ------
+    TypeError
+        A non-number ``dropout_p``, a non-int seed, offset or extent.
+    ValueError
+        ``dropout_p`` outside ``[0, 1)``, a seed or offset outside ``[0, 2**32)`` or a missing seed,
+        a shape that is not four non-negative ints.
 
     Examples
     --------
