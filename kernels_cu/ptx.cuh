@@ -31,6 +31,26 @@
 
 #include "common.cuh"
 
+// ---------------------------------------------------------------- sm_90a (Hopper) instructions
+// Beside the Ampere set: wgmma (PTX ISA 9.7.15 "Asynchronous Warpgroup Level Matrix Multiply-
+// Accumulate"), mbarrier (9.7.13.15), TMA (9.7.9.25 "cp.async.bulk.tensor"), bulk groups
+// (9.7.9.26/27), fence.proxy.async (9.7.13.4 "membar/fence"), named barriers (9.7.13.1
+// "bar.sync / bar.arrive"), setmaxnreg (9.7.17.1), elect.sync (9.7.13.10), stmatrix (9.7.14.5.16).
+// The simulator's emulations live in cuflash/sim/cusim_sm90.h; each wrapper here names its PTX.
+//
+// wgmma m64nNk16 fragments (warpgroup = 4 warps; warp j of it, lane = 4g + t):
+//   A from registers (64x16): warp j holds rows 16j..16j+15 as mma.m16n8k16's A above.
+//   D (64xN, f32, N/2 registers): d[i] = D[16j + g + 8 * ((i % 4) / 2)][8 * (i / 4) + 2t + i % 2].
+//   A or B from shared memory: a 64-bit matrix descriptor (ptx_wgmma_desc); `trans` 0 is K-major
+//   (rows of K contiguous: Q, K for S = Q K^T), 1 is M/N-major (V as B of O = P V).
+// TMA boxes are described by a tensor map (cuflash/runtime/tensor_map.py) passed as a
+// `const __grid_constant__ cuflash_tensor_map` kernel parameter.
+
+// CUtensorMap's size and alignment (the driver's encoding on a GPU, the simulator's own on the CPU).
+struct __align__(64) cuflash_tensor_map {
+    unsigned long long opaque[16];
+};
+
 #if defined(CUFLASH_SIM)
 // ============================================================== CPU emulation
 namespace cuflash_ptx_sim {
@@ -260,6 +280,119 @@ __device__ __forceinline__ unsigned ptx_cvt_pack_bf16x2(float lo, float hi) {
     return unsigned(cusim::f32_to_bf16_bits(lo)) | (unsigned(cusim::f32_to_bf16_bits(hi)) << 16);
 }
 
+// ---------------------------------------------------------------- sm_90a (cusim_sm90.h)
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned ptx_smem_addr(const void* p) { return cusim::shared_window_address(p); }
+__device__ __forceinline__ void ptx_wgmma_fence() { cusim::wgmma_fence(); }
+__device__ __forceinline__ void ptx_wgmma_commit() { cusim::wgmma_commit(); }
+template <int N> __device__ __forceinline__ void ptx_wgmma_wait() { cusim::wgmma_wait(uint32_t(N)); }
+template <int N, bool BF16, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void ptx_wgmma_ss(float (&d)[N / 2], unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
+    cusim::wgmma<N, BF16>(d, desc_a, nullptr, desc_b, TRANS_A != 0, TRANS_B != 0, scale_d != 0);
+}
+template <int N, bool BF16, int TRANS_B>
+__device__ __forceinline__ void ptx_wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
+    cusim::wgmma<N, BF16>(d, 0, a, desc_b, false, TRANS_B != 0, scale_d != 0);
+}
+__device__ __forceinline__ void ptx_mbarrier_init(unsigned long long* bar, unsigned count) { cusim::mbar_init(bar, count); }
+__device__ __forceinline__ void ptx_fence_mbarrier_init() { cusim::progress(); }
+__device__ __forceinline__ void ptx_mbarrier_arrive(unsigned long long* bar) { cusim::mbar_arrive(bar, 0, "mbarrier.arrive"); }
+__device__ __forceinline__ void ptx_mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    cusim::mbar_arrive(bar, bytes, "mbarrier.arrive.expect_tx");
+}
+__device__ __forceinline__ bool ptx_mbarrier_try_wait(unsigned long long* bar, unsigned parity) { return cusim::mbar_try_wait(bar, parity); }
+__device__ __forceinline__ void ptx_mbarrier_wait(unsigned long long* bar, unsigned parity) { cusim::mbar_wait(bar, parity); }
+__device__ __forceinline__ void ptx_tma_load_2d(void* dst, const cuflash_tensor_map* map, int c0, int c1, unsigned long long* bar) {
+    const int32_t c[2] = {c0, c1};
+    cusim::tma_load(dst, map, c, 2, bar);
+}
+__device__ __forceinline__ void ptx_tma_load_3d(void* dst, const cuflash_tensor_map* map, int c0, int c1, int c2, unsigned long long* bar) {
+    const int32_t c[3] = {c0, c1, c2};
+    cusim::tma_load(dst, map, c, 3, bar);
+}
+__device__ __forceinline__ void ptx_tma_load_4d(void* dst, const cuflash_tensor_map* map, int c0, int c1, int c2, int c3, unsigned long long* bar) {
+    const int32_t c[4] = {c0, c1, c2, c3};
+    cusim::tma_load(dst, map, c, 4, bar);
+}
+__device__ __forceinline__ void ptx_tma_load_5d(void* dst, const cuflash_tensor_map* map, int c0, int c1, int c2, int c3, int c4, unsigned long long* bar) {
+    const int32_t c[5] = {c0, c1, c2, c3, c4};
+    cusim::tma_load(dst, map, c, 5, bar);
+}
+__device__ __forceinline__ void ptx_tma_store_2d(const cuflash_tensor_map* map, int c0, int c1, const void* src) {
+    const int32_t c[2] = {c0, c1};
+    cusim::tma_store(map, c, 2, src);
+}
+__device__ __forceinline__ void ptx_tma_store_3d(const cuflash_tensor_map* map, int c0, int c1, int c2, const void* src) {
+    const int32_t c[3] = {c0, c1, c2};
+    cusim::tma_store(map, c, 3, src);
+}
+__device__ __forceinline__ void ptx_tma_store_4d(const cuflash_tensor_map* map, int c0, int c1, int c2, int c3, const void* src) {
+    const int32_t c[4] = {c0, c1, c2, c3};
+    cusim::tma_store(map, c, 4, src);
+}
+__device__ __forceinline__ void ptx_tma_store_5d(const cuflash_tensor_map* map, int c0, int c1, int c2, int c3, int c4, const void* src) {
+    const int32_t c[5] = {c0, c1, c2, c3, c4};
+    cusim::tma_store(map, c, 5, src);
+}
+__device__ __forceinline__ void ptx_bulk_commit() { cusim::bulk_commit(); }
+template <int N> __device__ __forceinline__ void ptx_bulk_wait() { cusim::bulk_wait(uint32_t(N)); }
+template <int N> __device__ __forceinline__ void ptx_bulk_wait_read() { cusim::bulk_wait(uint32_t(N)); }
+__device__ __forceinline__ void ptx_fence_proxy_async() { cusim::fence_proxy_async(); }
+__device__ __forceinline__ void ptx_bar_sync(int id, int count) { cusim::bar_sync(unsigned(id), unsigned(count)); }
+__device__ __forceinline__ void ptx_bar_arrive(int id, int count) { cusim::bar_arrive(unsigned(id), unsigned(count)); }
+template <int R> __device__ __forceinline__ void ptx_setmaxnreg_inc() { cusim::setmaxnreg(unsigned(R), true); }
+template <int R> __device__ __forceinline__ void ptx_setmaxnreg_dec() { cusim::setmaxnreg(unsigned(R), false); }
+__device__ __forceinline__ bool ptx_elect_one() { return cusim::elect_one(0xffffffffu); }
+
+namespace cuflash_ptx_sim {
+// stmatrix m8n8 (x1/x2/x4, .trans): ldmatrix's inverse: lanes 8j..8j+7 give the 16-byte-aligned
+// row addresses of matrix j; r[j] of lane 4g + t is row g, columns 2t..2t+1 of matrix j (.trans:
+// rows 2t..2t+1 of column g).
+template <int X, bool TRANS>
+CUSIM_NOSAN inline void stmatrix_compute(cusim::Slot* slots, unsigned lanes) {
+    if (lanes != 0xffffffffu) cusim::fail("stmatrix: all 32 lanes must execute it (live lanes 0x%08x)", lanes);
+    for (unsigned l = 0; l < 32; ++l) {
+        const unsigned g = l / 4, t = l % 4;
+        for (int j = 0; j < X; ++j) {
+            const uint32_t v = uint32_t(slots[l].in[1 + j / 2] >> (32 * (j % 2)));
+            uint16_t *plo, *phi;
+            if (!TRANS) {
+                uint16_t* row = reinterpret_cast<uint16_t*>(slots[8 * j + g].in[0]);
+                plo = row + 2 * t;
+                phi = row + 2 * t + 1;
+            } else {
+                plo = reinterpret_cast<uint16_t*>(slots[8 * j + 2 * t].in[0]) + g;
+                phi = reinterpret_cast<uint16_t*>(slots[8 * j + 2 * t + 1].in[0]) + g;
+            }
+#ifdef CUSIM_CHECKED
+            cusim::check_access(reinterpret_cast<uintptr_t>(plo), 2, true);
+            cusim::check_access(reinterpret_cast<uintptr_t>(phi), 2, true);
+#endif
+            *plo = uint16_t(v & 0xffffu);
+            *phi = uint16_t(v >> 16);
+        }
+    }
+}
+
+template <int X, bool TRANS>
+CUSIM_NOSAN inline void stmatrix(void* row_addr, const uint32_t* r) {
+    static const char* const names[2][3] = {{"stmatrix.x1", "stmatrix.x2", "stmatrix.x4"},
+                                            {"stmatrix.x1.trans", "stmatrix.x2.trans", "stmatrix.x4.trans"}};
+    const char* what = names[TRANS][X == 1 ? 0 : X == 2 ? 1 : 2];
+    if (cusim::lane_id() < 8u * X) check_shared16(row_addr, what);
+    uint64_t in[3] = {reinterpret_cast<uintptr_t>(row_addr), 0, 0};
+    for (int j = 0; j < X; ++j) in[1 + j / 2] |= uint64_t(r[j]) << (32 * (j % 2));
+    cusim::collective(0xffffffffu, in, sizeof in, &stmatrix_compute<X, TRANS>, what);
+}
+}  // namespace cuflash_ptx_sim
+__device__ __forceinline__ void ptx_stmatrix_x1(void* row_addr, const unsigned (&r)[1]) { cuflash_ptx_sim::stmatrix<1, false>(row_addr, r); }
+__device__ __forceinline__ void ptx_stmatrix_x2(void* row_addr, const unsigned (&r)[2]) { cuflash_ptx_sim::stmatrix<2, false>(row_addr, r); }
+__device__ __forceinline__ void ptx_stmatrix_x4(void* row_addr, const unsigned (&r)[4]) { cuflash_ptx_sim::stmatrix<4, false>(row_addr, r); }
+__device__ __forceinline__ void ptx_stmatrix_x1_trans(void* row_addr, const unsigned (&r)[1]) { cuflash_ptx_sim::stmatrix<1, true>(row_addr, r); }
+__device__ __forceinline__ void ptx_stmatrix_x2_trans(void* row_addr, const unsigned (&r)[2]) { cuflash_ptx_sim::stmatrix<2, true>(row_addr, r); }
+__device__ __forceinline__ void ptx_stmatrix_x4_trans(void* row_addr, const unsigned (&r)[4]) { cuflash_ptx_sim::stmatrix<4, true>(row_addr, r); }
+#endif  // __CUDA_ARCH__ >= 900
+
 #else
 // ============================================================== GPU
 __device__ __forceinline__ unsigned ptx_smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
@@ -379,4 +512,113 @@ __device__ __forceinline__ unsigned ptx_cvt_pack_bf16x2(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 #endif
+// ---------------------------------------------------------------- sm_90 / sm_90a
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void ptx_mbarrier_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(ptx_smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void ptx_fence_mbarrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void ptx_mbarrier_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(ptx_smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void ptx_mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(ptx_smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool ptx_mbarrier_try_wait(unsigned long long* bar, unsigned parity) {
+    unsigned ok;
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(ok) : "r"(ptx_smem_addr(bar)), "r"(parity) : "memory");
+    return ok != 0;
+}
+__device__ __forceinline__ void ptx_mbarrier_wait(unsigned long long* bar, unsigned parity) {
+    while (!ptx_mbarrier_try_wait(bar, parity)) {
+    }
+}
+__device__ __forceinline__ void ptx_tma_load_2d(void* dst, const cuflash_tensor_map* map, int c0, int c1, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(ptx_smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(ptx_smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void ptx_tma_load_3d(void* dst, const cuflash_tensor_map* map, int c0, int c1, int c2, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 ::"r"(ptx_smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(ptx_smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void ptx_tma_load_4d(void* dst, const cuflash_tensor_map* map, int c0, int c1, int c2, int c3, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                 ::"r"(ptx_smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(ptx_smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void ptx_tma_load_5d(void* dst, const cuflash_tensor_map* map, int c0, int c1, int c2, int c3, int c4, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n"
+                 ::"r"(ptx_smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(ptx_smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void ptx_tma_store_2d(const cuflash_tensor_map* map, int c0, int c1, const void* src) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+                 ::"l"(map), "r"(c0), "r"(c1), "r"(ptx_smem_addr(src)) : "memory");
+}
+__device__ __forceinline__ void ptx_tma_store_3d(const cuflash_tensor_map* map, int c0, int c1, int c2, const void* src) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                 ::"l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(ptx_smem_addr(src)) : "memory");
+}
+__device__ __forceinline__ void ptx_tma_store_4d(const cuflash_tensor_map* map, int c0, int c1, int c2, int c3, const void* src) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+                 ::"l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(ptx_smem_addr(src)) : "memory");
+}
+__device__ __forceinline__ void ptx_tma_store_5d(const cuflash_tensor_map* map, int c0, int c1, int c2, int c3, int c4, const void* src) {
+    asm volatile("cp.async.bulk.tensor.5d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4, %5}], [%6];\n"
+                 ::"l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(ptx_smem_addr(src)) : "memory");
+}
+__device__ __forceinline__ void ptx_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void ptx_bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
+template <int N> __device__ __forceinline__ void ptx_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void ptx_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void ptx_bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ void ptx_bar_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ bool ptx_elect_one() {
+    unsigned ok;
+    asm volatile("{\n .reg .pred p;\n .reg .b32 r;\n elect.sync r|p, 0xffffffff;\n selp.u32 %0, 1, 0, p;\n}\n" : "=r"(ok));
+    return ok != 0;
+}
+__device__ __forceinline__ void ptx_stmatrix_x1(void* row_addr, const unsigned (&r)[1]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x1.shared.b16 [%0], {%1};\n" ::"r"(ptx_smem_addr(row_addr)), "r"(r[0]) : "memory");
+}
+__device__ __forceinline__ void ptx_stmatrix_x2(void* row_addr, const unsigned (&r)[2]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};\n" ::"r"(ptx_smem_addr(row_addr)), "r"(r[0]), "r"(r[1]) : "memory");
+}
+__device__ __forceinline__ void ptx_stmatrix_x4(void* row_addr, const unsigned (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(ptx_smem_addr(row_addr)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+__device__ __forceinline__ void ptx_stmatrix_x1_trans(void* row_addr, const unsigned (&r)[1]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x1.trans.shared.b16 [%0], {%1};\n" ::"r"(ptx_smem_addr(row_addr)), "r"(r[0]) : "memory");
+}
+__device__ __forceinline__ void ptx_stmatrix_x2_trans(void* row_addr, const unsigned (&r)[2]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(ptx_smem_addr(row_addr)), "r"(r[0]), "r"(r[1]) : "memory");
+}
+__device__ __forceinline__ void ptx_stmatrix_x4_trans(void* row_addr, const unsigned (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(ptx_smem_addr(row_addr)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void ptx_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void ptx_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void ptx_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+template <int R> __device__ __forceinline__ void ptx_setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)); }
+template <int R> __device__ __forceinline__ void ptx_setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
+// ptx_wgmma_ss<N, BF16, TRANS_A, TRANS_B> and ptx_wgmma_rs<N, BF16, TRANS_B>, N = 16..256 in steps of
+// 16: one asm statement per N (its N/2 accumulator operands), generated by cuflash/runtime/ptx_gen.py.
+#include "ptx_wgmma.gen.cuh"
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+#endif  // __CUDA_ARCH__ >= 900
+#endif
+
+#if __CUDA_ARCH__ >= 900
+// The 64-bit wgmma matrix descriptor (PTX ISA 9.7.15.5.1.2 "Matrix Descriptor Format"): bits 0-13
+// start address, 16-29 leading-dimension byte offset, 32-45 stride-dimension byte offset (each
+// (x & 0x3FFFF) >> 4), 49-51 base offset (0: tiles start where their swizzle pattern does),
+// 62-63 swizzle: 0 none, 1 128 B, 2 64 B, 3 32 B. `swizzle_bytes` is 0, 32, 64 or 128.
+__device__ __forceinline__ unsigned long long ptx_wgmma_desc(const void* smem, unsigned lbo_bytes, unsigned sbo_bytes, int swizzle_bytes) {
+    const unsigned long long enc_start = (ptx_smem_addr(smem) & 0x3FFFFu) >> 4;
+    const unsigned long long enc_lbo = (lbo_bytes & 0x3FFFFu) >> 4, enc_sbo = (sbo_bytes & 0x3FFFFu) >> 4;
+    const unsigned long long mode = swizzle_bytes == 128 ? 1ull : swizzle_bytes == 64 ? 2ull : swizzle_bytes == 32 ? 3ull : 0ull;
+    return enc_start | (enc_lbo << 16) | (enc_sbo << 32) | (mode << 62);
+}
 #endif

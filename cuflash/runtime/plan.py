@@ -161,6 +161,41 @@ class ScalarArg:
         return _SCALAR_TYPES[np.dtype(type(self.value))]
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorMapArg:
+    """A ``const __grid_constant__ cuflash_tensor_map`` kernel argument: a TMA view of an array.
+
+    Each runner encodes it for the address it gives the array (the driver's form on a GPU, the
+    simulator's on the CPU: :mod:`cuflash.runtime.tensor_map`); :attr:`pointer` is the region the
+    kernel may reach through it (checked mode registers it like a pointer argument).
+
+    Attributes
+    ----------
+    name : str
+        Parameter name (for messages).
+    pointer : PointerArg
+        The array, its view (the map's shape and strides in elements) and whether the kernel
+        writes through the map (TMA stores).
+    tmap : cuflash.runtime.tensor_map.TensorMap
+        The geometry (box, swizzle).
+    """
+
+    name: str
+    pointer: PointerArg
+    tmap: Any
+
+    @classmethod
+    def of(cls, name: str, array, box, *, swizzle: int = 0, writable: bool = False) -> "TensorMapArg":
+        """The map of ``array`` (its shape and strides) with ``box``."""
+        from cuflash.runtime.tensor_map import TensorMap
+
+        return cls(name, PointerArg.of(name, array, writable=writable), TensorMap.of(array, box, swizzle=swizzle))
+
+    def encode(self, address: int, *, simulator: bool) -> bytes:
+        """The 128-byte map for the view at ``address`` (host address for the simulator)."""
+        return self.tmap.encode_sim(address) if simulator else self.tmap.encode_cuda(address)
+
+
 def _dim3(v, what: str) -> tuple[int, int, int]:
     t = tuple(int(x) for x in (v if isinstance(v, (tuple, list)) else (v,)))
     if not 1 <= len(t) <= 3:
@@ -182,7 +217,7 @@ class LaunchPlan:
         Launch shape (``gridDim``, ``blockDim``).
     shared_mem_bytes : int
         Dynamic shared memory per block, bytes.
-    args : tuple of PointerArg or ScalarArg
+    args : tuple of PointerArg, ScalarArg or TensorMapArg
         Kernel arguments in parameter order.
     """
 
@@ -198,8 +233,8 @@ class LaunchPlan:
         object.__setattr__(self, "block", _dim3(self.block, "block"))
         object.__setattr__(self, "args", tuple(self.args))
         for a in self.args:
-            if not isinstance(a, (PointerArg, ScalarArg)):
-                raise TypeError(f"LaunchPlan: argument {a!r} must be a PointerArg or ScalarArg")
+            if not isinstance(a, (PointerArg, ScalarArg, TensorMapArg)):
+                raise TypeError(f"LaunchPlan: argument {a!r} must be a PointerArg, ScalarArg or TensorMapArg")
         for i, (n, lim) in enumerate(zip(self.block, MAX_BLOCK_DIMS)):
             if not 1 <= n <= lim:
                 raise ValueError(f"LaunchPlan {self.entry}: block[{i}]={n} must be in [1, {lim}]")

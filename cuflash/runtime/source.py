@@ -2,7 +2,8 @@
 
 The text handed to a compiler (NVRTC for the GPU, g++ for the simulator) is: the variant's
 ``#define`` prelude, then its ``kernels_cu/`` file with every ``#include "..."`` of our own
-headers replaced by the header's text (once per header, as ``#pragma once`` would), with
+headers replaced by the header's text (once per header, as ``#pragma once`` would; the
+generated ``ptx_wgmma.gen.cuh`` from :mod:`cuflash.runtime.ptx_gen`), with
 ``#line`` markers so diagnostics name the original files. Includes in angle brackets (the CUDA
 toolkit's ``<cuda_fp16.h>``/``<cuda_bf16.h>``) stay: NVRTC finds them through ``-I``, the
 simulator through its stand-ins. Because everything of ours is in the text, a cache keyed on the
@@ -15,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Iterable
 
-from cuflash.runtime import paths
+from cuflash.runtime import paths, ptx_gen
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.MULTILINE)
 _PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[^\n]*$", re.MULTILINE)
@@ -28,6 +29,12 @@ def _expand(text: str, origin: str, dirs: tuple[Path, ...], seen: set[str]) -> s
         out.append(text[pos : m.start()])
         name = m.group(1)
         line_after = text.count("\n", 0, m.end()) + 2
+        if name in ptx_gen.GENERATED:  # generated text (the wgmma wrappers), pasted once
+            if name not in seen:
+                seen.add(name)
+                out.append(f'#line 1 "{name}"\n' + ptx_gen.GENERATED[name]() + f'\n#line {line_after} "{origin}"')
+            pos = m.end()
+            continue
         path = next((d / name for d in dirs if (d / name).is_file()), None)
         if path is None:
             raise FileNotFoundError(

@@ -63,7 +63,16 @@ the array and the element index, before the faulty access happens:
   least one writing, with no ``__syncthreads`` between them and no ``__syncwarp`` (for lanes of
   one warp) that both took part in. Shuffles and votes do not order memory;
 * ``"shared out-of-bounds"``: a shared access outside every ``__shared__`` variable;
-* ``"cp.async in flight"``: an access to shared bytes a ``cp.async`` is still filling;
+* ``"cp.async in flight"``: an access to shared bytes a ``cp.async`` or a TMA load
+  (``cp.async.bulk.tensor``) is still filling, by a thread, a wgmma or another TMA;
+* sm_90a (``cusim_sm90.h``; PTX ISA "Memory Consistency Model: proxies"):
+  ``"proxy fence"``, shared bytes a thread wrote read by a wgmma or a TMA store with no
+  ``fence.proxy.async`` of the writer in between; ``"async overlap"``, bytes an unfinished wgmma
+  or TMA store still reads, written by a thread or a TMA load; ``"wgmma registers"``, a thread's
+  wgmma accumulator read or written before its ``wgmma.wait_group``, an A register written then,
+  or registers touched after a wgmma landed in them used by the next wgmma with no ``wgmma.fence``
+  (or a first wgmma with none at all); ``"mbarrier object"``, an mbarrier's bytes touched by
+  ordinary loads or stores;
 * ``"global race"``: the shared-memory rule for the bytes of written arguments within a block,
   and across blocks any byte one block writes and another reads or writes (blocks of a launch are
   not ordered); atomics are exempt, and so are volatile reads (a spin-wait's flag);
@@ -73,8 +82,11 @@ the array and the element index, before the faulty access happens:
 * ``"misaligned access"``: below the natural alignment of the accessed type;
 * ``"crash"``: the child died anyway (a fault in the runtime itself).
 
-The race model knows barriers and ``__syncwarp`` only: data handed from one thread to another
-through a flag (volatile or atomic) in the same barrier phase is reported as a race.
+The race model knows ``__syncthreads``, ``__syncwarp``, named barriers (``bar.sync`` /
+``bar.arrive``: the participants of a phase are ordered) and mbarriers (a thread's accesses before
+its arrive are ordered before a waiter that sees that phase complete); these edges are not
+transitive across different mechanisms. Data handed from one thread to another through a flag
+(volatile or atomic) in the same barrier phase is reported as a race.
 
 Uninitialized locals are not reported; checked modules fill them with the 0xFE byte pattern
 (``-ftrivial-auto-var-init=pattern``; -1.7e38 as a float), so results show them. A checked launch

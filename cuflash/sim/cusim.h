@@ -82,6 +82,7 @@
 #define __align__(n) __attribute__((aligned(n)))
 #define __constant__
 #define __managed__
+#define __grid_constant__
 // `__shared__` declarations are rewritten by the launcher before compilation; one that escaped
 // the rewrite is a compile error naming the problem.
 #define __shared__ CUSIM_ERROR_unlowered_shared_declaration
@@ -261,6 +262,12 @@ struct SharedSite {
 };
 
 struct CheckState;   // checked mode: shadow of shared memory (below)
+struct Worker;
+struct Sm90State;    // sm_90a machinery (cusim_sm90.h), made at its first use in a worker
+CUSIM_NOSAN inline void sm90_block_start(Worker* w);
+CUSIM_NOSAN inline void sm90_free(Worker* w);
+CUSIM_NOSAN inline void sm90_thread_exit(Worker* w, unsigned me);
+CUSIM_NOSAN inline void check_wgmma_regs(Worker* w, uintptr_t a, uint64_t n, bool write);
 
 struct Worker {
     Launch* launch = nullptr;
@@ -292,6 +299,7 @@ struct Worker {
     uint64_t static_smem_max = 0;
     SiteInfo dyn_info{"<dynamic shared memory>", 1, 1, {0, 0, 0, 0}};
     CheckState* chk = nullptr;   // checked mode only
+    Sm90State* sm90 = nullptr;   // wgmma, mbarrier, TMA, named-barrier state (cusim_sm90.h)
 };
 
 struct Launch {
@@ -594,7 +602,9 @@ struct ShadowByte {
 
 // kInFlight: a cp.async has been issued into the byte and the issuer's cp.async.wait_group has
 // not covered it yet (PTX ISA, "cp.async": the copy is complete only after the wait).
-enum : uint8_t { kDeclared = 1, kWritten = 2, kInFlight = 4 };
+// kGenericDirty: written by a thread (the generic proxy) since that thread's last
+// fence.proxy.async; kMbarrierObj: the 8 bytes of an mbarrier (cusim_sm90.h).
+enum : uint8_t { kDeclared = 1, kWritten = 2, kInFlight = 4, kGenericDirty = 8, kMbarrierObj = 16 };
 
 struct CheckState {
     uint64_t cap = 0;
@@ -604,7 +614,11 @@ struct CheckState {
     uint32_t* full_sync = nullptr;  // per thread: clock of its last __syncwarp with all live lanes of its warp
     uint32_t epoch = 1, clock = 1;
     uint32_t atomic_depth = 0;   // inside an atomic built-in: the hooks stay silent
-    CheckState(uint64_t cap_, unsigned nwarps, unsigned nthreads) : cap(cap_) {
+    unsigned nthreads = 0;
+    uint32_t* hb = nullptr;        // sm_90a: thread x thread ordering edges (cusim_sm90.h: hb_matrix)
+    uint16_t* readers = nullptr;   // sm_90a: per arena byte, unfinished wgmma / TMA-store reads
+    CheckState(uint64_t cap_, unsigned nwarps, unsigned nthreads_) : cap(cap_), nthreads(nthreads_) {
+        const unsigned nthreads = nthreads_;
         shadow = static_cast<ShadowByte*>(std::calloc(cap, sizeof(ShadowByte)));
         state = static_cast<uint8_t*>(std::calloc(cap, 1));
         pair = static_cast<uint32_t*>(std::calloc(size_t(nwarps) * 1024, 4));
@@ -615,6 +629,8 @@ struct CheckState {
         std::free(state);
         std::free(pair);
         std::free(full_sync);
+        std::free(hb);
+        std::free(readers);
     }
     bool ok() const { return shadow && state && pair && full_sync; }
 };
@@ -639,6 +655,8 @@ CUSIM_NOSAN inline void check_block_start(Worker* w, uint64_t dirty) {
     ++c.epoch;
     std::memset(c.state, 0, std::min<uint64_t>(std::max(dirty, w->dyn_end), c.cap));
     std::memset(c.state, kDeclared, std::min<uint64_t>(w->cfg->dynamic_smem, c.cap));
+    if (c.hb) std::memset(c.hb, 0, size_t(c.nthreads) * c.nthreads * 4);
+    if (c.readers) std::memset(c.readers, 0, c.cap * 2);
 }
 
 CUSIM_NOSAN inline void check_declare(Worker* w, uint64_t off, uint64_t size) {
@@ -696,6 +714,7 @@ CUSIM_NOSAN inline void thread_xyz(Worker* w, unsigned linear, uint32_t out[3]) 
 
 CUSIM_NOSAN inline bool check_ordered(const CheckState& c, const Fiber* f, unsigned other, uint32_t clock) {
     if (other == f->linear) return true;
+    if (c.hb && c.hb[size_t(other) * c.nthreads + f->linear] > clock) return true;
     if (other / 32 != f->warp) return false;
     return c.pair[size_t(f->warp) * 1024 + (other % 32) * 32 + f->lane] > clock;
 }
@@ -756,13 +775,28 @@ CUSIM_NOSAN inline void check_shared(Worker* w, uint64_t off, uint64_t n, bool w
             check_fail(w, r, "checked: shared-memory %s of %u bytes at arena offset %llu lies outside every "
                        "__shared__ variable", write ? "write" : "read", unsigned(n), (unsigned long long)off);
         }
+        if (c.state[b] & kMbarrierObj) {
+            r.kind = 14;   // kMbarrierAccess (cusim_sm90.h)
+            const uint64_t rel = shared_site(w, b, r);
+            check_fail(w, r, "checked: %s of %s, byte %llu, which holds an mbarrier object: only mbarrier "
+                       "instructions may access it (PTX ISA: mbarrier)", write ? "write" : "read", r.name,
+                       (unsigned long long)rel);
+        }
+        if (write && c.readers && c.readers[b]) {
+            r.kind = 13;   // kAsyncOverlap (cusim_sm90.h)
+            const uint64_t rel = shared_site(w, b, r);
+            check_fail(w, r, "checked: write of %s, byte %llu (element %llu), while an unfinished wgmma or TMA store "
+                       "still reads it (no wgmma.wait_group / cp.async.bulk.wait_group.read covers that read)",
+                       r.name, (unsigned long long)rel, (unsigned long long)(rel / std::max<uint32_t>(1, r.elem_size)));
+        }
         if (c.state[b] & kInFlight) {
             r.kind = kAsyncInFlight;
             r.other_write = 1;
             thread_xyz(w, c.shadow[b].w_tid, r.other_thread);
             const uint64_t rel = shared_site(w, b, r);
-            check_fail(w, r, "checked: %s of %s, byte %llu (element %llu), while a cp.async issued by thread "
-                       "(%u,%u,%u) is still filling it (no cp.async.wait_group of the issuer has covered it)",
+            check_fail(w, r, "checked: %s of %s, byte %llu (element %llu), while a cp.async or TMA load issued by "
+                       "thread (%u,%u,%u) is still filling it (no cp.async.wait_group of the issuer, or completed "
+                       "mbarrier phase, has covered it)",
                        write ? "write" : "read", r.name, (unsigned long long)rel,
                        (unsigned long long)(rel / std::max<uint32_t>(1, r.elem_size)), r.other_thread[0],
                        r.other_thread[1], r.other_thread[2]);
@@ -793,7 +827,7 @@ CUSIM_NOSAN inline void check_shared(Worker* w, uint64_t off, uint64_t n, bool w
                        r.other_thread[1], r.other_thread[2]);
         }
         race_note(c, f, s, write);
-        if (write) c.state[b] |= kWritten;
+        if (write) c.state[b] |= kWritten | kGenericDirty;
     }
 }
 
@@ -985,6 +1019,7 @@ CUSIM_NOSAN inline void check_access(uintptr_t a, uint64_t n, bool write, bool a
         return;
     }
     if (check_global(w, a, n, write, atomic)) return;
+    if (w->sm90 && inside(a, n, w->cur->stack, w->cfg->stack_size)) check_wgmma_regs(w, a, n, write);
     if (kernel_code) check_wild(w, a, n, write);
 }
 
@@ -1078,6 +1113,7 @@ CUSIM_NOSAN inline void fiber_exit(Worker* w, Fiber* f) {
     f->state = FiberState::Done;
     f->nasync = 0;   // copies never waited for never land
     w->idle_polls = 0;
+    if (w->sm90) sm90_thread_exit(w, f->linear);
     Warp& wp = w->warps[f->warp];
     wp.alive &= ~(1u << f->lane);
     --w->bar_alive;
@@ -1179,6 +1215,7 @@ CUSIM_NOSAN inline bool run_block(Worker& w, uint64_t b) {
     // Shared memory: poison what the previous block touched (the first block sees a fresh arena).
     std::memset(w.arena, kPoison, std::max(w.arena_dirty, w.dyn_end));
     if (w.chk) check_block_start(&w, w.arena_dirty);
+    if (w.sm90) sm90_block_start(&w);
     w.arena_used = w.dyn_end;
     w.sites.clear();
     for (unsigned i = 0; i < w.nwarps; ++i) {
@@ -1311,6 +1348,7 @@ CUSIM_NOSAN inline void worker_main(Launch& L) {
     std::free(alt);
     for (Fiber& f : w.fibers)
         if (f.stack) stack_pool(c).release(f.stack, c.stack_size);
+    sm90_free(&w);
     std::free(w.arena);
     delete w.chk;
     std::lock_guard<std::mutex> lock(L.mu);
@@ -1589,6 +1627,8 @@ CUSIM_NOSAN inline int __all_sync(unsigned m, int p) {
     const unsigned live = m & cusim::t_worker->warps[cusim::t_worker->cur->warp].alive;
     return (cusim::vote<12>(m, p, "__all_sync") & live) == live;
 }
+
+#include "cusim_sm90.h"
 
 // ------------------------------------------------------------------ atomics (global and shared memory)
 // An atomic that leaves memory unchanged (a failed atomicCAS, atomicAdd(p, 0), ...) is a poll of

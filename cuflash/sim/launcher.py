@@ -51,13 +51,14 @@ from cuflash.runtime.plan import (
     SMEM_DEFAULT_LIMIT,
     PointerArg,
     ScalarArg,
+    TensorMapArg,
 )
 from cuflash.runtime.source import build_source
 from cuflash.sim import config as sim_config
 from cuflash.sim import lower
 
 SIM_DIR = Path(__file__).resolve().parent
-RUNTIME_FILES = ("cusim.h", "cusim_half.h", "cuda_fp16.h", "cuda_bf16.h", "cusim_switch_x86_64.S")
+RUNTIME_FILES = ("cusim.h", "cusim_half.h", "cusim_sm90.h", "cuda_fp16.h", "cuda_bf16.h", "cusim_switch_x86_64.S")
 _FORMAT_VERSION = "cusim-2"
 _ERROR_CAP = 2048
 STACK_POISON_BYTES = 4096
@@ -79,8 +80,9 @@ class SimCheckError(SimError):
         ``"wild access"`` (outside every argument, the block's shared memory, the thread's own stack
         and the module's image), ``"global race"`` (two threads of one block in one barrier phase,
         or of two blocks, on one byte of an argument, at least one writing, neither atomic),
-        ``"misaligned access"`` (below the natural alignment of the accessed type) or ``"crash"``
-        (the checked launch's child died).
+        ``"misaligned access"`` (below the natural alignment of the accessed type), the sm_90a kinds
+        ``"wgmma registers"``, ``"proxy fence"``, ``"async overlap"``, ``"mbarrier object"``
+        (:mod:`cuflash.sim`) or ``"crash"`` (the checked launch's child died).
     kernel : str
         The kernel entry.
     block, thread : tuple of 3 int or None
@@ -156,7 +158,9 @@ class _Report(ctypes.Structure):
 
 _CHECK_KINDS = {1: "out-of-bounds read", 2: "out-of-bounds write", 3: "write to read-only argument",
                 4: "uninitialized shared read", 5: "shared race", 6: "shared out-of-bounds",
-                7: "cp.async in flight", 8: "wild access", 9: "global race", 10: "misaligned access"}
+                7: "cp.async in flight", 8: "wild access", 9: "global race", 10: "misaligned access",
+                # sm_90a (cusim_sm90.h)
+                11: "wgmma registers", 12: "proxy fence", 13: "async overlap", 14: "mbarrier object"}
 
 
 class _Config(ctypes.Structure):
@@ -258,8 +262,10 @@ def compile_flags(arch: int, asm_fibers: bool, checked: bool = False, polls: boo
     """The g++ compile flags of a module for ``sm_<arch>`` (``polls``: instrument volatile accesses;
     ``gpu_numerics``: see :func:`cuflash.sim.options`)."""
     flags = ["-std=c++17", "-O2", "-g0", "-fPIC", "-pthread", "-fvisibility=hidden",
-             "-fno-strict-aliasing", "-fno-math-errno", "-Wno-attributes",
+             "-fno-strict-aliasing", "-fno-math-errno", "-Wno-attributes", "-Wno-psabi",
              f"-I{SIM_DIR}", f"-D__CUDA_ARCH__={arch * 10}"]
+    if arch == 90:  # the simulator's sm_90 is sm_90a: wgmma, setmaxnreg (kernels_cu/ptx.cuh)
+        flags.append("-D__CUDA_ARCH_FEAT_SM90_ALL=1")
     if not asm_fibers:
         flags.append("-DCUSIM_FIBERS_UCONTEXT=1")
     if checked:
@@ -407,6 +413,13 @@ class SimModule:
                     raise ValueError(f"{plan.entry}: argument {i} ({a.name}) is written but its array is read-only")
                 got = ("p", 8)
                 keep.append(ctypes.c_void_p(addresses[i] if addresses else a.address))
+            elif isinstance(a, TensorMapArg):
+                if not isinstance(a.pointer.base, np.ndarray):
+                    raise TypeError(f"{plan.entry}: argument {i} ({a.name}) must map a NumPy array for the simulator, "
+                                    f"got {type(a.pointer.base).__name__}")
+                got = ("s", 128)
+                keep.append((ctypes.c_char * 128).from_buffer_copy(
+                    a.encode(addresses[i] if addresses else a.pointer.address, simulator=True)))
             else:
                 got = _SCALAR_KINDS[np.dtype(type(a.value))]
                 keep.append(np.ctypeslib.as_ctypes(np.array(a.value)))
@@ -581,6 +594,8 @@ class _CheckedRegions:
         self.addresses: dict[int, int] = {}
         self._keep: list = []
         for i, a in enumerate(plan.args):
+            if isinstance(a, TensorMapArg):
+                a = a.pointer  # the view the map reaches
             if not isinstance(a, PointerArg) or not isinstance(a.base, np.ndarray):
                 continue
             item = a.dtype.itemsize
@@ -673,7 +688,7 @@ def _check_error(plan, arch: int, r: _Report, regions: _CheckedRegions, detail: 
     block, thread = _xyz(r.block), _xyz(r.thread)
     where = f"block {block} thread {thread}"
     other = other_access = other_block = None
-    if r.kind in (8, 10):
+    if r.kind in (8, 10, 11):
         array, index = None, None
         access = "write" if r.is_write else "read"
         if r.kind == 10:
@@ -725,8 +740,10 @@ def _check_error(plan, arch: int, r: _Report, regions: _CheckedRegions, detail: 
             text = f"read of uninitialized shared memory {what} (never written in this block)"
         elif r.kind == 7:
             other, other_access = _xyz(r.other_thread), "cp.async"
-            text = (f"{access} of {what} while a cp.async issued by thread {other} is still filling it (the "
-                    "issuer's cp.async.wait_group has not covered it)")
+            text = (f"{access} of {what} while a cp.async or TMA load issued by thread {other} is still filling "
+                    "it (the issuer's cp.async.wait_group, or a completed mbarrier phase, has not covered it)")
+        elif r.kind in (12, 13, 14):
+            text = (detail.split(": ", 2)[-1] if detail else kind) + f" [{what}]"
         else:
             text = f"{access} outside every __shared__ variable, near {what}"
     msg = f"cuflash simulator (checked): {plan.entry} (sm_{arch}): {kind}: {text}, at {where}"

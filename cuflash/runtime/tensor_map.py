@@ -1,0 +1,175 @@
+"""TMA tensor maps: one host-side description of a tiled view of a global array.
+
+A kernel's ``cp.async.bulk.tensor`` instructions (kernels_cu/ptx.cuh) name a tensor map, a 128-byte
+object passed as a ``const __grid_constant__ cuflash_tensor_map`` parameter. :class:`TensorMap`
+holds its geometry once, in NumPy order (outermost dimension first), and encodes it two ways:
+
+* :meth:`TensorMap.encode_cuda`: the driver's own encoding, by ``cuTensorMapEncodeTiled`` (CUDA
+  Driver API, "Tensor Map Object Management"), called through ``ctypes`` on the driver library
+  that is loaded wherever a GPU is (``libcuda.so.1``); needs a GPU machine.
+* :meth:`TensorMap.encode_sim`: the simulator's form (cuflash/sim/cusim_sm90.h ``SimTensorMap``):
+  magic ``"TMAP"``, rank, element bytes, swizzle / 16, the address, dims and strides innermost
+  first, the box.
+
+Validation follows the driver's documented requirements of ``cuTensorMapEncodeTiled``: rank 1..5,
+a 16-byte-aligned address, dims in 1..2**32, strides (all but the innermost, which must be the
+element size) multiples of 16 below 2**40, box extents in 1..256 with an inner box of a
+multiple of 16 bytes, and with a swizzle an inner box of at most the swizzle span. The simulator
+models swizzled boxes whose inner extent equals the swizzle span (what wgmma's canonical layouts
+use), and :class:`TensorMap` refuses the others rather than guess; out-of-bounds box elements
+are zero-filled on load and dropped on store (``CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE``), element
+strides are 1, no interleave, no L2 promotion.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import struct
+
+import numpy as np
+
+SWIZZLES = (0, 32, 64, 128)
+_MAGIC = 0x50414D54  # "TMAP", little-endian
+
+#: CUtensorMapDataType for the element types cuflash's kernels move
+_CU_DTYPE = {np.dtype(np.uint8): 0, np.dtype(np.uint16): 1, np.dtype(np.uint32): 2, np.dtype(np.int32): 3,
+             np.dtype(np.uint64): 4, np.dtype(np.int64): 5, np.dtype(np.float16): 6, np.dtype(np.float32): 7,
+             np.dtype(np.float64): 8}
+_CU_BFLOAT16 = 9
+_CU_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
+
+
+def _cu_dtype(dtype: np.dtype) -> int:
+    if dtype.name == "bfloat16":
+        return _CU_BFLOAT16
+    if dtype not in _CU_DTYPE:
+        raise TypeError(f"TensorMap: dtype {dtype} has no CUtensorMapDataType; expected one of "
+                        f"{sorted(str(d) for d in _CU_DTYPE)} or bfloat16")
+    return _CU_DTYPE[dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """A tiled TMA view of a global array (``cuTensorMapEncodeTiled``'s arguments).
+
+    Attributes
+    ----------
+    dtype : numpy.dtype
+        Element type (1, 2, 4 or 8 bytes; ``ml_dtypes.bfloat16`` for bf16).
+    shape : tuple of int
+        Extents, outermost first (NumPy order), rank 1..5.
+    strides : tuple of int
+        Byte strides, outermost first; the innermost must equal the element size.
+    box : tuple of int
+        The box one instruction moves, outermost first; each in 1..256.
+    swizzle : int
+        Shared-memory swizzle span in bytes: 0 (none), 32, 64 or 128.
+
+    Raises
+    ------
+    TypeError
+        For an element type without a CUtensorMapDataType.
+    ValueError
+        For geometry the driver (or the simulator's model) refuses, naming the field.
+    """
+
+    dtype: np.dtype
+    shape: tuple
+    strides: tuple
+    box: tuple
+    swizzle: int = 0
+
+    def __post_init__(self):
+        dt = np.dtype(self.dtype)
+        object.__setattr__(self, "dtype", dt)
+        for f in ("shape", "strides", "box"):
+            object.__setattr__(self, f, tuple(int(x) for x in getattr(self, f)))
+        _cu_dtype(dt)
+        rank = len(self.shape)
+        if not 1 <= rank <= 5:
+            raise ValueError(f"TensorMap: rank must be 1..5, got shape {self.shape}")
+        if len(self.strides) != rank or len(self.box) != rank:
+            raise ValueError(f"TensorMap: shape {self.shape}, strides {self.strides} and box {self.box} must have "
+                             "the same rank")
+        if any(not 1 <= n <= 2**32 for n in self.shape):
+            raise ValueError(f"TensorMap: every extent must be in 1..2**32, got shape {self.shape}")
+        if self.strides[-1] != dt.itemsize:
+            raise ValueError(f"TensorMap: the innermost stride must be the element size {dt.itemsize} bytes "
+                             f"(contiguous rows), got strides {self.strides}")
+        for s in self.strides[:-1]:
+            if s <= 0 or s % 16 or s >= 2**40:
+                raise ValueError(f"TensorMap: outer strides must be positive multiples of 16 bytes below 2**40 "
+                                 f"(cuTensorMapEncodeTiled), got strides {self.strides}")
+        if any(not 1 <= b <= 256 for b in self.box):
+            raise ValueError(f"TensorMap: box extents must be in 1..256, got box {self.box}")
+        inner = self.box[-1] * dt.itemsize
+        if inner % 16:
+            raise ValueError(f"TensorMap: the box's inner extent must be a multiple of 16 bytes, got "
+                             f"{self.box[-1]} x {dt.itemsize} = {inner} bytes")
+        if self.swizzle not in SWIZZLES:
+            raise ValueError(f"TensorMap: swizzle must be one of {SWIZZLES} bytes, got {self.swizzle!r}")
+        if self.swizzle and inner != self.swizzle:
+            raise ValueError(f"TensorMap: with a {self.swizzle}-byte swizzle the box's inner extent must be "
+                             f"{self.swizzle} bytes (the driver allows less; the simulator models the canonical "
+                             f"case only), got {inner} bytes")
+
+    @classmethod
+    def of(cls, array, box, *, swizzle: int = 0) -> "TensorMap":
+        """The map of a NumPy or CuPy ``array`` (any strides TMA can describe) with ``box``."""
+        return cls(array.dtype, tuple(array.shape), tuple(int(s) for s in array.strides), tuple(box), swizzle)
+
+    @property
+    def box_bytes(self) -> int:
+        """Bytes one instruction moves (the mbarrier's transaction count of a load)."""
+        return int(np.prod(self.box)) * self.dtype.itemsize
+
+    def span_bytes(self) -> int:
+        """Bytes from the first element to one past the last."""
+        return (1 + sum((n - 1) * s for n, s in zip(self.shape, self.strides)) - 1) + self.dtype.itemsize
+
+    def _check_address(self, address: int) -> None:
+        if address % 16:
+            raise ValueError(f"TensorMap: the global address {address:#x} must be 16-byte aligned "
+                             "(cuTensorMapEncodeTiled)")
+
+    def encode_sim(self, address: int) -> bytes:
+        """The simulator's 128-byte form for a view starting at host ``address``."""
+        self._check_address(address)
+        rank = len(self.shape)
+        dims = list(reversed(self.shape)) + [1] * (5 - rank)
+        strides = list(reversed(self.strides))[1:] + [0] * (5 - rank)
+        box = list(reversed(self.box)) + [1] * (5 - rank)
+        blob = struct.pack("<IBBBBQ5II4Q5H", _MAGIC, rank, self.dtype.itemsize, self.swizzle // 16, 0, address,
+                           *dims, 0, *strides[:4], *box)
+        return blob + bytes(128 - len(blob))
+
+    def encode_cuda(self, address: int) -> bytes:
+        """The driver's encoding (``cuTensorMapEncodeTiled``) for device ``address``.
+
+        Raises
+        ------
+        RuntimeError
+            If the driver library cannot be loaded (no GPU driver) or refuses the map (its
+            CUresult is in the message).
+        """
+        self._check_address(address)
+        rank = len(self.shape)
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise RuntimeError(f"TensorMap.encode_cuda: the CUDA driver library is not loadable ({e}); "
+                               "tensor maps for a GPU need its driver") from e
+        fn = lib.cuTensorMapEncodeTiled
+        fn.restype = ctypes.c_int
+        u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+        out = (ctypes.c_uint64 * 16)()
+        dims = (u64 * rank)(*reversed(self.shape))
+        strides = (u64 * max(1, rank - 1))(*list(reversed(self.strides))[1:])
+        box = (u32 * rank)(*reversed(self.box))
+        elem = (u32 * rank)(*([1] * rank))
+        rc = fn(out, ctypes.c_int(_cu_dtype(self.dtype)), u32(rank), ctypes.c_void_p(address), dims, strides, box,
+                elem, ctypes.c_int(0), ctypes.c_int(_CU_SWIZZLE[self.swizzle]), ctypes.c_int(0), ctypes.c_int(0))
+        if rc != 0:
+            raise RuntimeError(f"cuTensorMapEncodeTiled refused {self} at {address:#x}: CUresult {rc}")
+        return bytes(out)
