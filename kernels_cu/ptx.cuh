@@ -295,7 +295,7 @@ __device__ __forceinline__ void ptx_wgmma_rs(float (&d)[N / 2], const unsigned (
     cusim::wgmma<N, BF16>(d, 0, a, desc_b, false, TRANS_B != 0, scale_d != 0);
 }
 __device__ __forceinline__ void ptx_mbarrier_init(unsigned long long* bar, unsigned count) { cusim::mbar_init(bar, count); }
-__device__ __forceinline__ void ptx_fence_mbarrier_init() { cusim::progress(); }
+__device__ __forceinline__ void ptx_fence_mbarrier_init() { cusim::fence_mbarrier_init(); }
 __device__ __forceinline__ void ptx_mbarrier_arrive(unsigned long long* bar) { cusim::mbar_arrive(bar, 0, "mbarrier.arrive"); }
 __device__ __forceinline__ void ptx_mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
     cusim::mbar_arrive(bar, bytes, "mbarrier.arrive.expect_tx");

@@ -268,6 +268,7 @@ CUSIM_NOSAN inline void sm90_block_start(Worker* w);
 CUSIM_NOSAN inline void sm90_free(Worker* w);
 CUSIM_NOSAN inline void sm90_thread_exit(Worker* w, unsigned me);
 CUSIM_NOSAN inline void check_wgmma_regs(Worker* w, uintptr_t a, uint64_t n, bool write);
+CUSIM_NOSAN inline void check_own_pending_read(Worker* w, uint64_t byte, bool tma);
 
 struct Worker {
     Launch* launch = nullptr;
@@ -782,6 +783,7 @@ CUSIM_NOSAN inline void check_shared(Worker* w, uint64_t off, uint64_t n, bool w
                        "instructions may access it (PTX ISA: mbarrier)", write ? "write" : "read", r.name,
                        (unsigned long long)rel);
         }
+        if (write && w->sm90) check_own_pending_read(w, b, false);
         if (write && c.readers && c.readers[b]) {
             r.kind = 13;   // kAsyncOverlap (cusim_sm90.h)
             const uint64_t rel = shared_site(w, b, r);

@@ -97,6 +97,8 @@ struct WgThread {
 struct MBar {
     uint64_t off = 0;                       // arena offset of the 8-byte object
     uint32_t expected = 0, pending = 0, phase = 0;
+    unsigned initializer = 0;               // the thread that ran mbarrier.init
+    bool fenced = false;                    // ... and has since run fence.mbarrier_init (or fence.proxy.async)
     int64_t tx = 0;
     std::vector<std::pair<uint16_t, uint32_t>> arrivals, last;   // checked: (thread, clock) per phase
 };
@@ -338,6 +340,30 @@ CUSIM_NOSAN inline uint16_t* async_readers(Worker* w) {
     return c.readers;
 }
 
+// Whether a wgmma of this thread's warpgroup that this thread has not waited for reads `byte`: a
+// thread learns that its warpgroup's wgmma finished only from its own wgmma.wait_group (threads of
+// other warpgroups, from the first waiter on: they are ordered after it by an mbarrier or barrier).
+CUSIM_NOSAN inline bool own_pending_read(Worker* w, uint64_t byte) {
+    const WgThread& t = w->sm90->threads[w->cur->linear];
+    const uint32_t g = uint32_t(byte / 16);
+    for (uint32_t i = 0; i < t.nops; ++i) {
+        const std::vector<uint32_t>& gr = w->sm90->ops[t.ops[i].op].granules;
+        if (std::binary_search(gr.begin(), gr.end(), g)) return true;
+    }
+    return false;
+}
+
+CUSIM_NOSAN inline void check_own_pending_read(Worker* w, uint64_t byte, bool tma) {
+    if (!w->sm90 || !w->sm90->threads[w->cur->linear].nops || !own_pending_read(w, byte)) return;
+    CheckReport r{};
+    r.kind = kAsyncOverlap;
+    r.is_write = 1;
+    const uint64_t rel = shared_site(w, byte, r);
+    check_fail(w, r, "checked: %s of %s, byte %llu, which a wgmma of this thread's warpgroup still reads: this "
+               "thread has not waited for it (wgmma.commit_group + wgmma.wait_group) - an unfinished wgmma or "
+               "TMA store read", tma ? "a TMA load into" : "write", r.name, (unsigned long long)rel);
+}
+
 // An async-proxy write of shared bytes (a TMA load landing or issuing): not read by an
 // unfinished wgmma or TMA store, not being filled by another TMA.
 CUSIM_NOSAN inline void check_async_write(Worker* w, uint64_t off, uint64_t n, const char* who) {
@@ -350,6 +376,7 @@ CUSIM_NOSAN inline void check_async_write(Worker* w, uint64_t off, uint64_t n, c
             proxy_fail(w, kSharedOob, b, true, "checked: %s writes shared memory outside every __shared__ variable "
                        "(arena offset %llu)", who, (unsigned long long)b);
         }
+        check_own_pending_read(w, b, true);
         if (rd && rd[b]) {
             describe_shared(w, b, where, sizeof where);
             proxy_fail(w, kAsyncOverlap, b, true, "checked: %s writes %s while an unfinished wgmma or TMA store "
@@ -372,8 +399,23 @@ CUSIM_NOSAN inline void add_readers(Worker* w, uint64_t off, uint64_t n, int d) 
 
 // fence.proxy.async.shared::cta by the current thread: its generic writes become visible to the
 // async proxy.
+CUSIM_NOSAN inline void mark_mbarriers_fenced(Worker* w) {
+    if (!w->sm90) return;
+    for (MBar& b : w->sm90->bars)
+        if (b.initializer == w->cur->linear) b.fenced = true;
+}
+
+// fence.mbarrier_init.release.cluster: this thread's mbarrier.init become visible to the async
+// proxy (the TMA unit's complete_tx) and to the cluster (PTX ISA 9.7.13.4).
+CUSIM_NOSAN inline void fence_mbarrier_init() {
+    Worker* w = t_worker;
+    mark_mbarriers_fenced(w);
+    progress();
+}
+
 CUSIM_NOSAN inline void fence_proxy_async() {
     Worker* w = t_worker;
+    mark_mbarriers_fenced(w);
     progress();
     if (!w->chk) return;
     CheckState& c = *w->chk;
@@ -824,6 +866,7 @@ CUSIM_NOSAN inline void mbar_init(void* p, uint32_t count) {
     *b = MBar{};
     b->off = off;
     b->expected = b->pending = count;
+    b->initializer = w->cur->linear;
     progress();
 }
 
@@ -991,6 +1034,13 @@ CUSIM_NOSAN inline void tma_load(void* smem, const void* map, const int32_t* coo
     if (t.rank != rank) fail("%s: a %dd instruction with a rank-%u tensor map", what, rank, unsigned(t.rank));
     check_box_smem(w, smem, t, what);
     MBar& b = get_mbar(w, bar, what);
+    if (w->chk && !b.fenced) {
+        char where[128];
+        describe_shared(w, b.off, where, sizeof where);
+        proxy_fail(w, kProxyFence, b.off, false, "checked: %s completes on the mbarrier %s, whose mbarrier.init "
+                   "(by thread %u) was never followed by that thread's fence.mbarrier_init (or fence.proxy.async): "
+                   "the async proxy may not see the initialized object", what, where, b.initializer);
+    }
     TmaLoad l;
     l.bar_off = b.off;
     l.dst_off = arena_off(w, smem);
@@ -1080,6 +1130,14 @@ CUSIM_NOSAN inline void sm90_thread_exit(Worker* w, unsigned me) {
     if (!s) return;
     for (size_t i = 0; i < s->stores.size();) {
         if (s->stores[i].issuer == me) {
+            if (w->chk) {   // the block's shared memory may be gone before the store has read it
+                CheckReport r{};
+                r.kind = kAsyncOverlap;
+                shared_site(w, s->stores[i].src_off, r);
+                check_fail(w, r, "checked: the thread exits with a TMA store of %s still in flight (no "
+                           "cp.async.bulk.commit_group + cp.async.bulk.wait_group covers it): the block's shared "
+                           "memory may be released before the store reads it", r.name);
+            }
             TmaStore st = s->stores[i];
             s->stores.erase(s->stores.begin() + long(i));
             land_store(w, st);
