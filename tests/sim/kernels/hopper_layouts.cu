@@ -1,0 +1,67 @@
+// Probes of the simulator's layouts against images built independently in Python
+// (tests/sim/test_sim_hopper_layouts.py): what a TMA load leaves in shared memory, what a TMA store
+// takes from it, and which elements a wgmma reads through descriptors the test encodes itself.
+#include "ptx.cuh"
+
+// The box at (c0, c1) of `map`, loaded by TMA, copied out byte for byte (`bytes` of it).
+extern "C" __global__ void __launch_bounds__(128) tma_raw_load(const __grid_constant__ cuflash_tensor_map map,
+                                                               unsigned char* out, int bytes, int c0, int c1) {
+    extern __shared__ unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bar;
+    if (threadIdx.x == 0) {
+        ptx_mbarrier_init(&bar, 1);
+        ptx_fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ptx_mbarrier_arrive_expect_tx(&bar, unsigned(bytes));
+        ptx_tma_load_2d(smem, &map, c0, c1, &bar);
+    }
+    ptx_mbarrier_wait(&bar, 0);
+    for (int i = threadIdx.x; i < bytes; i += blockDim.x) out[i] = smem[i];
+}
+
+// A shared-memory image written by the threads, stored by TMA as the box at (c0, c1) of `map`.
+extern "C" __global__ void __launch_bounds__(128) tma_raw_store(const __grid_constant__ cuflash_tensor_map map,
+                                                                const unsigned char* image, int bytes, int c0, int c1) {
+    extern __shared__ unsigned char smem[];
+    for (int i = threadIdx.x; i < bytes; i += blockDim.x) smem[i] = image[i];
+    ptx_fence_proxy_async();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ptx_tma_store_2d(&map, c0, c1, smem);
+        ptx_bulk_commit();
+        ptx_bulk_wait<0>();
+    }
+}
+
+// D (64 x 64) = sum over k16 steps of A B, both operands from shared-memory images the threads copy
+// in, through descriptors the test encodes (start offsets relative to the images' base).
+template <int TRANS_B>
+__device__ void wgmma_raw_impl(const unsigned char* img_a, const unsigned char* img_b, int bytes_a, int bytes_b,
+                               const unsigned long long* desc_a, const unsigned long long* desc_b, int ksteps,
+                               float* out) {
+    extern __shared__ unsigned char smem[];
+    unsigned char* a_s = smem;
+    unsigned char* b_s = smem + 64 * 1024;
+    for (int i = threadIdx.x; i < bytes_a; i += blockDim.x) a_s[i] = img_a[i];
+    for (int i = threadIdx.x; i < bytes_b; i += blockDim.x) b_s[i] = img_b[i];
+    ptx_fence_proxy_async();
+    __syncthreads();
+    float acc[32];
+    for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+    ptx_wgmma_fence();
+    for (int kk = 0; kk < ksteps; ++kk)
+        ptx_wgmma_ss<64, true, 0, TRANS_B>(acc, desc_a[kk] + (ptx_smem_addr(a_s) >> 4), desc_b[kk] + (ptx_smem_addr(b_s) >> 4), 1);
+    ptx_wgmma_commit();
+    ptx_wgmma_wait<0>();
+    for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = acc[i];
+}
+
+extern "C" __global__ void __launch_bounds__(128) wgmma_raw(const unsigned char* img_a, const unsigned char* img_b,
+                                                            int bytes_a, int bytes_b, const unsigned long long* desc_a,
+                                                            const unsigned long long* desc_b, int ksteps, int trans_b,
+                                                            float* out) {
+    if (trans_b) wgmma_raw_impl<1>(img_a, img_b, bytes_a, bytes_b, desc_a, desc_b, ksteps, out);
+    else wgmma_raw_impl<0>(img_a, img_b, bytes_a, bytes_b, desc_a, desc_b, ksteps, out);
+}
