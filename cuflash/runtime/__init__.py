@@ -10,8 +10,12 @@ kernel source text and the CUDA runner.
 * :mod:`~cuflash.runtime.plan`: launch plans, shared by the CUDA runner and the simulator;
 * :mod:`~cuflash.runtime.paths` and :mod:`~cuflash.runtime.source`: finding ``kernels_cu/`` and
   building a variant's exact source text;
-* :mod:`~cuflash.runtime.cuda_runner`: NVRTC options and compilation, per-device memoized
-  modules, launching a plan on a stream (CuPy imported lazily).
+* :mod:`~cuflash.runtime.nvrtc`: NVRTC 12.x and 13.x found and loaded side by side (ctypes);
+* :mod:`~cuflash.runtime.cubin`: arch names, which device loads which cubin, a cubin's arch
+  read from its ELF header;
+* :mod:`~cuflash.runtime.cuda_runner`: NVRTC options and compilation for an explicit arch, the
+  cubin disk cache, per-device memoized modules, launching a plan on a stream (CuPy imported
+  lazily).
 
 Imports: nothing else of cuflash (this is the bottom layer).
 """

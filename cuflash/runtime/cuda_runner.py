@@ -1,18 +1,34 @@
-"""NVRTC options, the per-device memoized ``cupy.RawModule`` and the CUDA runner of launch plans.
+"""NVRTC compilation, the per-device memoized modules and the CUDA runner of launch plans.
 
-CuPy is imported lazily: ``import cuflash`` works without it. The options here are exactly the
-ones used at run time; :func:`nvrtc_compile` reproduces what ``RawModule`` does (our options, plus
-the ones CuPy adds by itself: :data:`CUPY_IMPLICIT_OPTIONS` and ``-arch``) with CuPy's low-level
-NVRTC binding, which needs no GPU, so CI checks that every variant compiles for every target.
+Every variant is compiled for an explicit arch by NVRTC (:mod:`cuflash.runtime.nvrtc`: 12.x or
+13.x through ctypes, no GPU needed) to a cubin, which is cached on disk under CuPy's cache
+directory and loaded with ``cupy.RawModule(path=...)`` (DESIGN.md §4, "Compile path"). The
+options are exactly the ones CuPy's ``RawModule(code=...)`` used before: ours
+(:func:`nvrtc_options`), plus those CuPy adds by itself (:data:`CUPY_IMPLICIT_OPTIONS`) and
+``-arch``. The arch is the device's own compute capability for the tensor-core and SIMT tiers and
+``sm_90a`` for a variant whose :attr:`~cuflash.runtime.variants.Variant.target_arch` says so (the
+Hopper tier), which loads on compute capability 9.0 only. The compile gate uses
+:func:`nvrtc_compile` with each installed NVRTC. CuPy is imported lazily: ``import cuflash``
+works without it.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
+import tempfile
 import threading
 
+from cuflash.runtime import nvrtc as _nvrtc
+from cuflash.runtime.cubin import (  # noqa: F401
+    arch_name,
+    arch_reason,
+    complete_elf,
+    cubin_arch,
+    parse_arch,
+)
 from cuflash.runtime.source import build_source
 
 #: options ``cupy.RawModule`` adds by itself (CuPy 14: -ftz=true in its cache layer,
@@ -22,19 +38,10 @@ CUPY_IMPLICIT_OPTIONS = ("-ftz=true", "--device-as-default-execution-space", "-s
 #: compute capabilities every SIMT kernel is compiled and checked for
 SIMT_ARCHS = (75, 80, 90)
 
+_CUDART_VERSION = re.compile(r"^#define\s+CUDART_VERSION\s+(\d+)", re.M)
 
-@functools.lru_cache(maxsize=None)
-def cuda_include_dir() -> str:
-    """Folder holding the CUDA runtime headers (``cuda_fp16.h``, ``cuda_bf16.h``) for NVRTC.
 
-    Found with ``cuda.pathfinder.find_nvidia_header_directory("cudart")`` (which CuPy 14
-    brings), else in the ``nvidia-cuda-runtime`` wheel, else under ``CUDA_PATH``.
-
-    Raises
-    ------
-    FileNotFoundError
-        If no folder with ``cuda_fp16.h`` is found.
-    """
+def _include_candidates() -> list[str]:
     candidates: list[str] = []
     try:
         from cuda import pathfinder  # type: ignore
@@ -55,47 +62,204 @@ def cuda_include_dir() -> str:
         if os.environ.get(env):
             candidates.append(os.path.join(os.environ[env], "include"))
     candidates.append("/usr/local/cuda/include")
-    for c in candidates:
-        if os.path.isfile(os.path.join(c, "cuda_fp16.h")):
-            return c
-    raise FileNotFoundError(
-        "cuflash: CUDA runtime headers (cuda_fp16.h) not found; install nvidia-cuda-runtime-cu12 "
-        "(extra 'cuda12') or set CUDA_PATH. Looked in: " + ", ".join(candidates)
-    )
+    return list(dict.fromkeys(candidates))
 
 
-def nvrtc_options() -> tuple[str, ...]:
-    """The options cuflash passes to ``cupy.RawModule`` for every kernel."""
-    return (f"-I{cuda_include_dir()}", "-DCUFLASH_NVRTC=1")
+def headers_major(include_dir: str) -> int | None:
+    """The CUDA major of the runtime headers in ``include_dir`` (``CUDART_VERSION`` in
+    ``cuda_runtime_api.h`` divided by 1000), or None if it cannot be read."""
+    try:
+        with open(os.path.join(include_dir, "cuda_runtime_api.h"), encoding="utf-8", errors="replace") as f:
+            m = _CUDART_VERSION.search(f.read())
+    except OSError:
+        return None
+    return int(m.group(1)) // 1000 if m else None
 
 
-def nvrtc_compile(source: str, arch: int, *, name: str = "cuflash.cu", extra_options: tuple = ()) -> tuple[bytes, str]:
-    """Compile ``source`` for ``sm_<arch>`` with the run-time options, without a GPU.
+@functools.lru_cache(maxsize=None)
+def cuda_include_dir(major: int | None = None) -> str:
+    """Folder holding the CUDA runtime headers (``cuda_fp16.h``, ``cuda_bf16.h``) for NVRTC.
 
-    ``extra_options`` are appended (the compile gate adds ``-Xptxas=-v`` to read registers,
-    spills and shared memory from the log).
+    Looked for with ``cuda.pathfinder.find_nvidia_header_directory("cudart")`` (which CuPy 14
+    brings), in the ``nvidia-cuda-runtime`` wheel, under ``CUDA_PATH``/``CUDA_HOME`` and in
+    ``/usr/local/cuda/include``. With ``major`` (the NVRTC's major), the first folder whose
+    headers are of that CUDA major wins, else the first folder with headers at all (NVRTC 13.5
+    compiles every cuflash kernel with the 12.9 headers of ``nvidia-cuda-runtime-cu12`` too, as the
+    compile gate checks).
 
-    Returns
-    -------
-    (cubin, log) : (bytes, str)
+    Raises
+    ------
+    FileNotFoundError
+        If no folder with ``cuda_fp16.h`` is found.
+    """
+    candidates = _include_candidates()
+    found = [c for c in candidates if os.path.isfile(os.path.join(c, "cuda_fp16.h"))]
+    if not found:
+        raise FileNotFoundError(
+            "cuflash: CUDA runtime headers (cuda_fp16.h) not found; install nvidia-cuda-runtime-cu12 "
+            "(extra 'cuda12') or set CUDA_PATH. Looked in: " + ", ".join(candidates)
+        )
+    if major is not None:
+        for c in found:
+            if headers_major(c) == major:
+                return c
+    return found[0]
+
+
+def _resolve_nvrtc(nvrtc) -> _nvrtc.Nvrtc:
+    if nvrtc is None:
+        return default_nvrtc()
+    if isinstance(nvrtc, _nvrtc.Nvrtc):
+        return nvrtc
+    if isinstance(nvrtc, int) and not isinstance(nvrtc, bool):
+        return _nvrtc.load(nvrtc)
+    raise TypeError(f"cuflash: nvrtc={nvrtc!r} must be None, an NVRTC major (12, 13) or a "
+                    f"cuflash.runtime.nvrtc.Nvrtc, not {type(nvrtc).__name__}")
+
+
+def _cupy_cuda_major() -> int | None:
+    """The CUDA major CuPy was built for (``cupy-cuda12x``: 12), None without CuPy."""
+    try:
+        from cupy_backends.cuda.api import runtime  # type: ignore
+    except ImportError:
+        return None
+    try:
+        return int(runtime.runtimeGetVersion()) // 1000
+    except Exception:  # noqa: BLE001 - a broken CuPy: choose without it
+        return None
+
+
+def default_nvrtc() -> _nvrtc.Nvrtc:
+    """The NVRTC cuflash compiles with unless told otherwise.
+
+    ``CUFLASH_NVRTC`` (``12`` or ``13``) if set; else the NVRTC of the CUDA major CuPy was built
+    for (``cupy-cuda12x``: 12.x, which CuPy's own ``RawModule`` used before), if installed; else
+    the newest installed. A variant that needs a newer NVRTC gets one from :func:`nvrtc_for`.
+
+    Raises
+    ------
+    ValueError
+        If ``CUFLASH_NVRTC`` is not one of 12, 13.
+    RuntimeError
+        If no NVRTC is installed (the message names the wheels) or the one asked for is missing.
+    """
+    env = os.environ.get("CUFLASH_NVRTC", "").strip()
+    if env:
+        if env not in {str(m) for m in _nvrtc.MAJORS}:
+            raise ValueError(f"cuflash: CUFLASH_NVRTC={env!r} must be one of " + ", ".join(map(str, _nvrtc.MAJORS)))
+        return _nvrtc.load(int(env))
+    installed = _nvrtc.installed_majors()
+    if not installed:
+        raise RuntimeError("cuflash: no NVRTC found; install the 'cuda12' extra (nvidia-cuda-nvrtc-cu12) or the "
+                           "'cuda13' extra (nvidia-cuda-nvrtc 13.x)")
+    want = _cupy_cuda_major()
+    return _nvrtc.load(want if want in installed else installed[-1])
+
+
+def nvrtc_for(variant) -> _nvrtc.Nvrtc:
+    """The NVRTC that compiles ``variant``: :func:`default_nvrtc`, or the newest installed one if
+    the default is older than the variant's :attr:`~cuflash.runtime.variants.Variant.min_nvrtc_major`.
 
     Raises
     ------
     RuntimeError
-        With NVRTC's log if compilation fails.
+        If no installed NVRTC is new enough (the message names the wheel to install).
     """
-    from cupy.cuda import nvrtc  # lazily: needs CuPy's NVRTC binding only
+    need = getattr(variant, "min_nvrtc_major", 12)
+    lib = default_nvrtc()
+    if lib.major >= need:
+        return lib
+    newer = [m for m in _nvrtc.installed_majors() if m >= need]
+    if not newer:
+        raise RuntimeError(f"cuflash: {variant.entry} is CUDA-{need}-only (NVRTC {lib.version_string} cannot "
+                           f"compile it); install {_nvrtc.WHEELS.get(need, f'NVRTC {need}.x')!r}")
+    return _nvrtc.load(newer[-1])
 
-    options = nvrtc_options() + CUPY_IMPLICIT_OPTIONS + (f"-arch=sm_{arch}",) + tuple(extra_options)
-    prog = nvrtc.createProgram(source, name, [], [])
+
+def nvrtc_majors() -> tuple[int, ...]:
+    """The NVRTC majors installed, e.g. ``(12, 13)`` (found on disk, nothing loaded)."""
+    return _nvrtc.installed_majors()
+
+
+def available_nvrtcs() -> tuple[_nvrtc.Nvrtc, ...]:
+    """Every installed NVRTC that loads, oldest first (``python -c "from cuflash.runtime import
+    cuda_runner; print(cuda_runner.available_nvrtcs())"`` lists them)."""
+    return _nvrtc.available()
+
+
+def nvrtc_options(nvrtc=None) -> tuple[str, ...]:
+    """The options cuflash passes to NVRTC for every kernel (``-I`` the CUDA headers for that
+    NVRTC's major, :func:`cuda_include_dir`), before :data:`CUPY_IMPLICIT_OPTIONS` and ``-arch``.
+
+    ``nvrtc`` is None (:func:`default_nvrtc`; without any NVRTC installed, the first headers
+    found), a major (12, 13) or an :class:`~cuflash.runtime.nvrtc.Nvrtc`.
+    """
+    if nvrtc is None and not _nvrtc.installed_majors():
+        major = None
+    else:
+        major = _resolve_nvrtc(nvrtc).major
+    return (f"-I{cuda_include_dir(major)}", "-DCUFLASH_NVRTC=1")
+
+
+def device_arch(cc: int, nvrtc=None) -> int:
+    """The ``sm_XY`` an NVRTC compiles for a device of compute capability ``cc``: ``cc`` itself
+    if the NVRTC knows it, else the newest arch it knows of the same major and not above ``cc``
+    (SASS runs on later minors of its major).
+
+    Raises
+    ------
+    RuntimeError
+        If the NVRTC knows no arch that runs on ``cc`` (a device newer than the compiler).
+    """
+    lib = _resolve_nvrtc(nvrtc)
+    if cc in lib.supported_archs:
+        return cc
+    same = [a for a in lib.supported_archs if a // 10 == cc // 10 and a <= cc]
+    if not same:
+        raise RuntimeError(f"cuflash: NVRTC {lib.version_string} cannot compile for compute capability "
+                           f"{cc // 10}.{cc % 10} (it knows sm_{', sm_'.join(map(str, lib.supported_archs))}); "
+                           "install a newer NVRTC")
+    return max(same)
+
+
+def nvrtc_compile(source: str, arch, *, name: str = "cuflash.cu", extra_options: tuple = (),
+                  nvrtc=None) -> tuple[bytes, str]:
+    """Compile ``source`` for ``arch`` with the run-time options, without a GPU.
+
+    Parameters
+    ----------
+    source : str
+        The full CUDA C++ text (:func:`cuflash.runtime.source.build_source`).
+    arch : int or str
+        ``80``, ``90`` (``sm_80``, ``sm_90``) or ``"90a"`` / ``"sm_90a"``.
+    name : str
+        The program's file name in NVRTC's diagnostics.
+    extra_options : tuple of str
+        Appended after the run-time options (the compile gate adds ``-Xptxas=-v`` to read
+        registers, spills and shared memory from the log).
+    nvrtc : None, int or cuflash.runtime.nvrtc.Nvrtc
+        The compiler: None for :func:`default_nvrtc`, 12 or 13 for that major.
+
+    Returns
+    -------
+    (cubin, log) : (bytes, str)
+        The whole image (:func:`complete_elf`) and NVRTC's log.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For an ``arch`` or ``nvrtc`` of the wrong kind or value.
+    RuntimeError
+        With NVRTC's log if compilation fails, or if the NVRTC asked for is not installed.
+    """
+    target = arch_name(arch)
+    lib = _resolve_nvrtc(nvrtc)
+    options = nvrtc_options(lib) + CUPY_IMPLICIT_OPTIONS + (f"-arch={target}",) + tuple(extra_options)
     try:
-        try:
-            nvrtc.compileProgram(prog, list(options))
-        except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed for sm_{arch}:\n{nvrtc.getProgramLog(prog)}") from e
-        return complete_elf(nvrtc.getCUBIN(prog)), nvrtc.getProgramLog(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+        cubin, log = lib.compile(source, options, name=name)
+    except _nvrtc.NVRTCError as e:
+        raise RuntimeError(f"NVRTC {lib.version_string} failed for {target}:\n{e.log or e}") from e
+    return complete_elf(cubin), log
 
 
 _REGS = re.compile(r"Used (\d+) registers")
@@ -131,23 +295,90 @@ def ptxas_resources(log: str, entry: str) -> dict:
     }
 
 
-def complete_elf(cubin: bytes) -> bytes:
-    """``cubin`` padded with zero bytes to the end its ELF header declares.
+_modules: dict = {}
+_modules_lock = threading.Lock()
 
-    CuPy 14's ``nvrtc.getCUBIN`` returns one byte less than ``nvrtcGetCUBINSize`` (it drops the
-    last byte, a 0, as if the image were a C string); the driver loads the short image, but
-    ``cuobjdump`` and ``nvdisasm`` reject it ("does not contain device code"). The ELF-64 header
-    (System V gABI, e_phoff/e_shoff at 0x20, entry sizes and counts at 0x36) says where the file
-    ends: after the program or the section header table, whichever is last.
+
+def cache_dir() -> str:
+    """CuPy's kernel cache folder: ``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache`` (read on
+    every call, as CuPy does)."""
+    return os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+
+
+def cubin_cache_key(source: str, arch, options, nvrtc_version) -> str:
+    """SHA-256 (hex) of everything that decides a cubin: the source text, the options (which
+    hold the header folder), the NVRTC version and the arch."""
+    h = hashlib.sha256()
+    for part in (source, "\0".join(options), ".".join(map(str, nvrtc_version)), arch_name(arch)):
+        h.update(part.encode())
+        h.update(b"\1")
+    return h.hexdigest()
+
+
+def cached_cubin(source: str, arch, *, name: str = "cuflash.cu", nvrtc=None, stem: str = "cuflash") -> str:
+    """The path of the cubin of ``source`` for ``arch`` in :func:`cache_dir`, compiling it with
+    :func:`nvrtc_compile` (and writing it atomically) unless a valid one is there.
+
+    The file is ``<stem>_<key>.cubin`` with :func:`cubin_cache_key` as key; a file that is not a
+    whole ELF image for ``arch`` (a torn or foreign file) is compiled again.
+
+    Raises
+    ------
+    RuntimeError
+        As :func:`nvrtc_compile`.
     """
-    import struct
+    lib = _resolve_nvrtc(nvrtc)
+    target = arch_name(arch)
+    options = nvrtc_options(lib) + CUPY_IMPLICIT_OPTIONS + (f"-arch={target}",)
+    folder = cache_dir()
+    path = os.path.join(folder, f"{stem}_{cubin_cache_key(source, target, options, lib.version)}.cubin")
+    try:
+        with open(path, "rb") as f:
+            image = f.read()
+        if complete_elf(image) == image and cubin_arch(image) == target:
+            return path
+    except (OSError, ValueError):
+        pass
+    cubin, _ = nvrtc_compile(source, target, name=name, nvrtc=lib)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".cuflash-", suffix=".cubin.tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
 
-    if len(cubin) < 0x40 or cubin[:4] != b"\x7fELF" or cubin[4] != 2:
-        return cubin  # not a 64-bit ELF image: left as it is
-    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
-    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-    return cubin + b"\0" * max(0, end - len(cubin))
+
+def compile_arch(variant, cc: int, nvrtc=None):
+    """The arch ``variant`` is compiled for on a device of compute capability ``cc``: its
+    :attr:`~cuflash.runtime.variants.Variant.target_arch` (``"90a"``) if it has one, else
+    :func:`device_arch`.
+
+    Raises
+    ------
+    ValueError
+        If the variant's target arch does not run on ``cc`` (sm_90a off compute capability 9.0).
+    """
+    target = getattr(variant, "target_arch", None)
+    if target is None:
+        return device_arch(cc, nvrtc)
+    why = arch_reason(target, cc)
+    if why is not None:
+        raise ValueError(f"cuflash: {variant.entry} cannot load on this device: {why}")
+    return target
+
+
+def check_loadable(cubin: bytes, cc: int, what: str = "cubin") -> None:
+    """Refuse a cubin the device of compute capability ``cc`` cannot run (its ELF header's arch,
+    :func:`cubin_arch`, against :func:`arch_reason`): a ValueError saying why, before the driver
+    would answer with an opaque "no kernel image"."""
+    why = arch_reason(cubin_arch(cubin), cc)
+    if why is not None:
+        raise ValueError(f"cuflash: {what} cannot load on this device: {why}")
 
 
 _modules: dict = {}
@@ -155,7 +386,22 @@ _modules_lock = threading.Lock()
 
 
 def get_module(variant, device_id: int):
-    """Return the ``cupy.RawModule`` of ``variant`` for device ``device_id`` (memoized, thread-safe)."""
+    """Return the ``cupy.RawModule`` of ``variant`` for device ``device_id`` (memoized per
+    device and variant, thread-safe).
+
+    The variant is compiled by :func:`nvrtc_for` for :func:`compile_arch` (the device's compute
+    capability, or ``sm_90a`` for a Hopper-tier variant), cached on disk by :func:`cached_cubin`,
+    checked against the device (:func:`check_loadable`) and loaded with
+    ``cupy.RawModule(path=...)``.
+
+    Raises
+    ------
+    ValueError
+        If the variant's cubin cannot run on the device (an ``sm_90a`` variant off compute
+        capability 9.0).
+    RuntimeError
+        If NVRTC fails or the NVRTC the variant needs is not installed.
+    """
     key = (device_id, variant)
     mod = _modules.get(key)
     if mod is not None:
@@ -165,9 +411,16 @@ def get_module(variant, device_id: int):
     with _modules_lock:
         mod = _modules.get(key)
         if mod is None:
+            cc = int(cupy.cuda.Device(device_id).compute_capability)
+            lib = nvrtc_for(variant)
+            arch = compile_arch(variant, cc, lib)
+            path = cached_cubin(build_source(variant), arch, name=variant.source, nvrtc=lib,
+                                stem=variant.entry)
+            with open(path, "rb") as f:
+                check_loadable(f.read(), cc, variant.entry)
             with cupy.cuda.Device(device_id):
-                mod = cupy.RawModule(code=build_source(variant), options=nvrtc_options())
-                mod.compile()
+                mod = cupy.RawModule(path=path)
+                mod.compile()   # loads the module into this device's context now
             _modules[key] = mod
     return mod
 

@@ -58,6 +58,22 @@ class Variant:
 
     family: ClassVar[str] = ""
     source: ClassVar[str] = ""
+    #: the arch the kernel is compiled for: None for the device's own compute capability (the
+    #: tensor-core and SIMT tiers), ``"90a"`` for ``sm_90a`` (the Hopper tier: ``wgmma``,
+    #: ``setmaxnreg``), whose cubin runs on compute capability 9.0 only (DESIGN.md §4)
+    target_arch: ClassVar[str | None] = None
+    #: the oldest NVRTC major that compiles the kernel; 13 marks a CUDA-13-only variant (one the
+    #: compile gate found NVRTC 12.x cannot compile)
+    min_nvrtc_major: ClassVar[int] = 12
+
+    def unsupported_device_reason(self, cc: int) -> str | None:
+        """Why this variant's cubin cannot run on a device of compute capability ``cc`` (``90``
+        for 9.0), or None: only a :attr:`target_arch` restricts it (``"90a"``: 9.0 only)."""
+        if self.target_arch is None:
+            return None
+        from cuflash.runtime.cubin import arch_reason
+
+        return arch_reason(self.target_arch, cc)
 
     def axes(self) -> tuple[str, ...]:
         """The axis values in field order, as they appear in :attr:`name`."""

@@ -228,7 +228,10 @@ def _device_info() -> dict:
     name = device_name(dev.id)
     free, total = cupy.cuda.runtime.memGetInfo()
     try:
-        nvrtc = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
+        from cuflash.runtime import cuda_runner
+
+        installed = ", ".join(lib.version_string for lib in cuda_runner.available_nvrtcs())
+        nvrtc = f"{cuda_runner.default_nvrtc().version_string} (installed: {installed})"
     except Exception as exc:  # noqa: BLE001
         nvrtc = f"? ({exc})"
     return {"name": name, "id": dev.id, "arch": int(dev.compute_capability), "total_gib": total / 2**30,

@@ -1,0 +1,121 @@
+"""sm_90a on the CPU: both NVRTCs compile Hopper-only PTX (``wgmma``, ``setmaxnreg``) for
+``sm_90a``, the cubin's ELF header says so, its SASS holds the warpgroup instructions, and the
+arch rules decide which device may load which cubin. No GPU needed."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from cuflash import roofline
+from cuflash.runtime import cubin, cuda_runner, nvrtc
+
+#: the smallest sm_90a program: the three wgmma fences and a register hand-back, guarded as the
+#: Hopper kernels guard them (the macro is defined only when compiling for sm_90a); the launch
+#: bounds let ptxas know the register count at entry, without which it ignores setmaxnreg
+SM90A_PROBE = r"""
+extern "C" __global__ void __launch_bounds__(384, 1) cuflash_probe_sm90a(float* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+#endif
+    out[threadIdx.x] = 1.0f;
+}
+"""
+PLAIN = r'extern "C" __global__ void cuflash_probe_plain(float* x) { x[threadIdx.x] += 1.0f; }'
+
+
+def _compiler(major: int) -> nvrtc.Nvrtc:
+    if nvrtc.find(major) is None:
+        pytest.skip(f"NVRTC {major}.x is not installed: pip install '{nvrtc.WHEELS[major]}' (the test extra installs it)")
+    return nvrtc.load(major)
+
+
+@pytest.fixture(scope="module")
+def cuobjdump() -> str:
+    exe = roofline.find_tool("cuobjdump")
+    if exe is None or roofline.find_tool("nvdisasm") is None:
+        pytest.fail("cuobjdump/nvdisasm not found: install the test extra "
+                    "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    return exe
+
+
+def _listed_arch(cuobjdump: str, image: bytes, tmp_path) -> str:
+    """The arch ``cuobjdump --list-elf`` names (``ELF file 1: kernel.sm_90a.cubin``)."""
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(image)
+    r = subprocess.run([cuobjdump, "--list-elf", str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().rsplit(".", 2)[-2]
+
+
+@pytest.mark.parametrize("major", nvrtc.MAJORS)
+def test_sm90a_probe_compiles_and_says_sm90a(major, cuobjdump, tmp_path):
+    lib = _compiler(major)
+    image, log = cuda_runner.nvrtc_compile(SM90A_PROBE, "90a", nvrtc=major)
+    assert "setmaxnreg" not in log, f"ptxas ignored setmaxnreg with NVRTC {lib.version_string}: {log}"
+    assert cubin.cubin_arch(image) == "sm_90a" == _listed_arch(cuobjdump, image, tmp_path)
+    sass = roofline.disassemble(image)
+    # wgmma.fence -> WARPGROUP.ARRIVE, wait_group 0 -> WARPGROUP.DEPBAR.LE gsb0, 0x0,
+    # setmaxnreg.dec 40 -> USETMAXREG.DEALLOC.CTAPOOL 0x28 (NVRTC 12.9 and 13.5 alike)
+    assert "WARPGROUP.ARRIVE" in sass and "WARPGROUP.DEPBAR" in sass, sass
+    assert "USETMAXREG.DEALLOC" in sass and "0x28" in sass, sass
+
+
+@pytest.mark.parametrize("major", nvrtc.MAJORS)
+def test_the_guard_drops_the_hopper_code_for_plain_sm90(major):
+    _compiler(major)
+    image, _ = cuda_runner.nvrtc_compile(SM90A_PROBE, 90, nvrtc=major)
+    assert cubin.cubin_arch(image) == "sm_90"
+    sass = roofline.disassemble(image)
+    assert "WARPGROUP" not in sass and "SETMAXREG" not in sass
+
+
+@pytest.mark.parametrize("major", nvrtc.MAJORS)
+@pytest.mark.parametrize("arch", [75, 80, 86, 89, 90, "90a", 100, "100a", 120, "120a"])
+def test_cubin_arch_agrees_with_cuobjdump(major, arch, cuobjdump, tmp_path):
+    """Both ELF layouts (ABI 7: NVRTC 12.x up to sm_90; ABI 8: sm_100+ and all of 13.x, where
+    13.x marks ``a`` in ``.nv.compat``) read back as cuobjdump names them."""
+    _compiler(major)
+    image, _ = cuda_runner.nvrtc_compile(PLAIN, arch, nvrtc=major)
+    assert cubin.cubin_arch(image) == cubin.arch_name(arch) == _listed_arch(cuobjdump, image, tmp_path)
+
+
+def test_cubin_arch_refuses_what_is_not_gpu_code():
+    with pytest.raises(ValueError, match="64-bit little-endian ELF"):
+        cubin.cubin_arch(b"not an ELF image at all, but long enough to have a header............")
+    head = bytearray(64)
+    head[:6] = b"\x7fELF\x02\x01"
+    head[0x12] = 62   # EM_X86_64
+    with pytest.raises(ValueError, match="e_machine 190"):
+        cubin.cubin_arch(bytes(head))
+
+
+@pytest.mark.parametrize("arch,cc,ok", [
+    ("90a", 90, True), ("90a", 100, False), ("90a", 120, False), ("90a", 80, False),
+    (90, 90, True), (80, 86, True), (86, 80, False), (90, 100, False), ("sm_120", 121, True),
+])
+def test_which_device_runs_which_arch(arch, cc, ok):
+    why = cubin.arch_reason(arch, cc)
+    assert (why is None) is ok, why
+
+
+def test_sm90a_on_blackwell_says_why():
+    why = cubin.arch_reason("90a", 100)
+    assert "sm_90a" in why and "9.0 only" in why and "10.0 (Blackwell)" in why
+    assert "12.0 (Blackwell)" in cubin.arch_reason("sm_90a", 120)
+
+
+@pytest.mark.parametrize("bad,exc", [(True, TypeError), (9.0, TypeError), ("sm_90x", ValueError), ("9", ValueError),
+                                     ("compute_90", ValueError)])
+def test_arch_names_are_checked(bad, exc):
+    with pytest.raises(exc, match="arch="):
+        cubin.arch_name(bad)
+
+
+def test_arch_names():
+    assert [cubin.arch_name(a) for a in (80, "90", "90a", "sm_90a", " sm_100a ")] == \
+        ["sm_80", "sm_90", "sm_90a", "sm_90a", "sm_100a"]
