@@ -8,6 +8,13 @@ fallback, why; the ``cuflash.dispatch`` logger logs the same line at DEBUG level
    aligned (head dims, strides and view offsets multiples of 8 elements);
 2. portable SIMT (:mod:`cuflash.kernels.attention_fwd_simt`): every dtype, sm_75+.
 
+A tier module may declare ``TARGET_ARCH`` (``"90a"``: its kernels are compiled for ``sm_90a``,
+as the Hopper tier's will be) and ``MIN_NVRTC_MAJOR`` (13: CUDA-13-only). Before asking the
+module, the dispatcher applies the rule of :func:`target_reason`: an ``sm_90a`` tier runs only on
+compute capability 9.0 (Blackwell, 10.x and 12.x, gets the next tier, and ``explain`` says why),
+and a CUDA-13-only tier only where NVRTC 13.x is installed (under the ``cuda12`` extra the next
+tier runs, visibly).
+
 The simulator (``backend="sim"``) asks with its emulated arch (``cuflash.sim.options(arch=...)``,
 sm_90 by default), so it runs the variant an sm_90 device would get.
 """
@@ -22,6 +29,7 @@ from cuflash.kernels import (
     attention_fwd_mma,
     attention_fwd_simt,
 )
+from cuflash.runtime import cubin, cuda_runner, nvrtc
 
 log = logging.getLogger("cuflash.dispatch")
 
@@ -32,12 +40,40 @@ TIERS = (("tensor-core mma.sync", attention_fwd_mma), ("portable SIMT", attentio
 BACKWARD_TIERS = (("tensor-core mma.sync", attention_bwd_mma), ("portable SIMT", attention_bwd_simt))
 
 
-def _choose(problem, arch: int, arrays=None, tiers=TIERS):
-    """``(module, reasons)``: the tier that runs ``problem`` and why each faster one does not."""
+def target_reason(mod, arch: int, nvrtc_majors=None) -> str | None:
+    """Why the tier module ``mod`` cannot run on compute capability ``arch`` whatever the call,
+    from its ``TARGET_ARCH`` and ``MIN_NVRTC_MAJOR`` (None if it can, or if it declares neither).
+
+    ``nvrtc_majors`` are the installed NVRTC majors; None asks
+    :func:`cuflash.runtime.cuda_runner.nvrtc_majors`. With no NVRTC installed at all (a
+    simulator-only install) the compiler condition is not applied.
+    """
+    target = getattr(mod, "TARGET_ARCH", None)
+    if target is not None:
+        why = cubin.arch_reason(target, arch)
+        if why is not None:
+            return why
+    need = getattr(mod, "MIN_NVRTC_MAJOR", 12)
+    if need > 12:
+        if nvrtc_majors is None:
+            nvrtc_majors = cuda_runner.nvrtc_majors()
+        if nvrtc_majors and max(nvrtc_majors) < need:
+            wheel = nvrtc.WHEELS.get(need, f"NVRTC {need}.x")
+            return (f"its kernels are CUDA-{need}-only (NVRTC 12.x cannot compile them) and the newest NVRTC "
+                    f"here is {max(nvrtc_majors)}.x: install {wheel!r} beside it")
+    return None
+
+
+def _choose(problem, arch: int, arrays=None, tiers=None, nvrtc_majors=None):
+    """``(module, reasons)``: the tier that runs ``problem`` and why each faster one does not
+    (``tiers`` default: :data:`TIERS`, looked up at call time)."""
+    tiers = TIERS if tiers is None else tiers
     reasons = []
     for name, mod in tiers:
-        check = getattr(mod, "unsupported_reason", None)
-        why = check(problem, arch, arrays) if check is not None else None
+        why = target_reason(mod, arch, nvrtc_majors)
+        if why is None:
+            check = getattr(mod, "unsupported_reason", None)
+            why = check(problem, arch, arrays) if check is not None else None
         if why is None:
             return mod, reasons
         reasons.append(f"{name} tier not used: {why}")
