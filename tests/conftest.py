@@ -129,7 +129,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Print the compile gate's resource table (registers, shared memory, cold NVRTC time)."""
+    """Print the compile gate's resource table (registers, shared memory, NVRTC time) per
+    compiler, and each compiler's total compile time and the wall time of its thread pool."""
     import sys
 
     gate = sys.modules.get("test_compile_gate")
@@ -138,6 +139,10 @@ def pytest_terminal_summary(terminalreporter):
         return
     tr = terminalreporter
     tr.section("NVRTC compile gate: resources per variant")
-    tr.write_line(f"{'arch':<6} {'entry':<44} {'regs':>5} {'smem B':>7} {'compile s':>9}")
-    for arch, entry, regs, smem, seconds in sorted(rows):
-        tr.write_line(f"{arch:<6} {entry:<44} {regs:>5} {smem:>7} {seconds:>9.2f}")
+    tr.write_line(f"{'nvrtc':<6} {'arch':<7} {'entry':<52} {'regs':>5} {'smem B':>7} {'compile s':>9}")
+    for nvrtc, arch, entry, regs, smem, seconds in sorted(rows):
+        tr.write_line(f"{nvrtc:<6} {arch:<7} {entry:<52} {regs:>5} {smem:>7} {seconds:>9.2f}")
+    for nvrtc, (total, wall) in sorted(getattr(gate, "COMPILE_TIMES", {}).items()):
+        n = sum(1 for r in rows if r[0] == nvrtc)
+        tr.write_line(f"NVRTC {nvrtc}: {n} compiles, {total:.1f} s of compiler time, {wall:.1f} s wall on "
+                      f"{getattr(gate, 'WORKERS', '?')} threads")
