@@ -1,8 +1,10 @@
 """The mutation suite's machinery: mutants of our kernels and the probes that must notice them.
 
 A mutant is one kernel file of ``kernels_cu/`` with one synchronisation removed (a
-``__syncthreads``, a ``__syncwarp``, a ``cp.async`` wait, a fence) or one ``cp.async`` wait
-relaxed (``wait_group N`` -> ``N + 1``). A probe runs one kernel tier on the simulator, in
+``__syncthreads``, a ``__syncwarp``, a ``cp.async`` wait, a fence; on sm_90a also a
+``wgmma.fence`` / ``commit_group`` / ``wait_group``, an mbarrier wait or arrive, a
+``fence.proxy.async`` or ``fence.mbarrier_init``, a named barrier, a bulk commit or wait) or one
+numbered wait relaxed (``wait_group N`` -> ``N + 1``). A probe runs one kernel tier on the simulator, in
 normal mode under several seeds or in checked mode, and holds its result to the float64 oracle;
 a probe *kills* a mutant when it fails on it (a wrong result or a simulator error) while it
 passes on the real kernels. ``KILL_MAP`` (``tests/mutation_kill_map.json``) records, for every
@@ -30,7 +32,10 @@ KILL_MAP_PATH = HERE / "mutation_kill_map.json"
 
 #: the statements a mutant removes (or, for the waits, relaxes)
 SYNC = re.compile(r"\b(__syncthreads\(\)|__syncwarp\([^()]*\)|__threadfence(?:_block)?\(\)|"
-                  r"ptx_cp_async_wait<(\d+)>\(\)|ptx_cp_async_wait_all\(\)|ptx_mbarrier_wait[a-z_]*\([^;]*\))\s*;")
+                  r"ptx_(?:cp_async|wgmma|bulk)_wait(?:_read)?<(\d+)>\(\)|ptx_cp_async_wait_all\(\)|"
+                  r"ptx_mbarrier_wait[a-z_]*\([^;]*\)|ptx_mbarrier_arrive\([^;]*\)|ptx_wgmma_fence\(\)|"
+                  r"ptx_wgmma_commit\(\)|ptx_fence_proxy_async\(\)|ptx_fence_mbarrier_init\(\)|"
+                  r"ptx_bar_sync\([^;]*\)|ptx_bulk_commit\(\))\s*;")
 #: kernel files and the probes of the tiers built from them
 FILES = {
     "attention_fwd_mma.cu": ("fwd_mma_checked", "fwd_mma_seeds", "fwd_mma_d256_checked", "fwd_mma_empty_checked"),
@@ -40,6 +45,7 @@ FILES = {
     "attention_bwd_simt.cu": ("bwd_simt_checked", "bwd_simt_seeds"),
     "softmax.cu": ("softmax_checked", "softmax_seeds"),
     "attention_combine.cu": ("kvcache_split_checked", "kvcache_split_seeds"),
+    "hopper_probe.cu": ("hopper_checked", "hopper_seeds"),
 }
 #: mutants no probe kills, each with why removing that line is harmless (or what gap it shows)
 SURVIVORS: dict[str, str] = {}
@@ -166,6 +172,29 @@ def _kvcache_case(checked, seeds):
             assert ok, f"kv cache, seed {seed}, sequence {b}: {msg}"
 
 
+def _hopper_case(checked, seeds):
+    """The sm_90a probes (kernels_cu/hopper_probe.cu): a TMA-fed wgmma GEMM from shared memory and
+    one from registers, the warp-specialized pipeline, stmatrix."""
+    from cuflash import sim
+    from cuflash.kernels import hopper_probe as hp
+    from cuflash.runtime import source
+    from cuflash.sim import launcher
+
+    for seed in seeds:
+        with sim.options(arch=90, checked=checked, seed=seed) as o:
+            mod = launcher.load_source(source.build_source(hp.VARIANT), origin=hp.VARIANT.source, options=o)
+            for sw, nm, regs, m, k in ((128, False, False, 100, 128), (128, True, True, 64, 128)):
+                a, b, c, want = hp.gemm_inputs(m, k, nm, seed=seed)
+                mod.launch(hp.plan_gemm(a, b, c, swizzle=sw, nmajor=nm, a_regs=regs), o)
+                np.testing.assert_array_equal(c, want, err_msg=f"gemm sw{sw} nmajor={nm} regs={regs}, seed {seed}")
+            a, b, c, want = hp.gemm_inputs(200, 256, False, seed=seed)
+            mod.launch(hp.plan_pipeline(a, b, c), o)
+            np.testing.assert_array_equal(c, want, err_msg=f"pipeline, seed {seed}")
+            out = np.zeros((6, 16, 16), np.uint16)
+            mod.launch(hp.plan_stmatrix(out), o)
+            np.testing.assert_array_equal(out, hp.expected_stmatrix(), err_msg=f"stmatrix, seed {seed}")
+
+
 F16, F32 = np.float16, np.float32
 PROBES = {
     "fwd_mma_checked": lambda: _attention_case(F16, 64, 200, 300, True, "sm_80", True, (0,), False),
@@ -191,6 +220,8 @@ PROBES = {
     "kvcache_split_checked": lambda: _kvcache_case(True, (0,)),
     "kvcache_split_seeds": lambda: _kvcache_case(False, SEEDS),
     "softmax_seeds": lambda: _softmax_case(False, SEEDS),
+    "hopper_checked": lambda: _hopper_case(True, (0,)),
+    "hopper_seeds": lambda: _hopper_case(False, SEEDS),
 }
 
 

@@ -97,3 +97,16 @@ def test_full_search_kills_every_mutant(tmp_path):
     kill, survive = search(paths.kernels_dir(), tmp_path, log=lambda s: None)
     assert set(survive) <= set(SURVIVORS), f"new survivors: {sorted(set(survive) - set(SURVIVORS))}"
     assert set(kill) | set(survive) == {m.id for m in MUTANTS}
+
+
+def test_the_hopper_synchronisations_are_killed():
+    """Issue 19's deletions in the sm_90a probes: every wgmma fence, commit and wait, every mbarrier
+    wait and arrive, the fences of the proxies (fence.proxy.async before the TMA store,
+    fence.mbarrier_init before TMA completes on a barrier), the named barrier before the store, the
+    bulk commit and wait; the kill map names a probe for each (none survives)."""
+    hopper = [m for m in MUTANTS if m.file == "hopper_probe.cu"]
+    kinds = {m.statement.split("(")[0].split("<")[0] for m in hopper}
+    assert {"ptx_wgmma_fence", "ptx_wgmma_commit", "ptx_wgmma_wait", "ptx_mbarrier_wait", "ptx_mbarrier_arrive",
+            "ptx_fence_proxy_async", "ptx_fence_mbarrier_init", "ptx_bar_sync", "ptx_bulk_commit",
+            "ptx_bulk_wait"} <= kinds
+    assert all(KILL_MAP.get(m.id) for m in hopper) and not any(m.id in SURVIVORS for m in hopper)

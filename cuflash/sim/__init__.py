@@ -72,7 +72,8 @@ the array and the element index, before the faulty access happens:
   wgmma accumulator read or written before its ``wgmma.wait_group``, an A register written then,
   or registers touched after a wgmma landed in them used by the next wgmma with no ``wgmma.fence``
   (or a first wgmma with none at all); ``"mbarrier object"``, an mbarrier's bytes touched by
-  ordinary loads or stores;
+  ordinary loads or stores, or an mbarrier used by a thread that no barrier orders after its
+  ``mbarrier.init``;
 * ``"global race"``: the shared-memory rule for the bytes of written arguments within a block,
   and across blocks any byte one block writes and another reads or writes (blocks of a launch are
   not ordered); atomics are exempt, and so are volatile reads (a spin-wait's flag);

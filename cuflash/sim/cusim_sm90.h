@@ -98,6 +98,7 @@ struct MBar {
     uint64_t off = 0;                       // arena offset of the 8-byte object
     uint32_t expected = 0, pending = 0, phase = 0;
     unsigned initializer = 0;               // the thread that ran mbarrier.init
+    uint32_t init_epoch = 0, init_clock = 0;   // checked: its barrier phase and clock then
     bool fenced = false;                    // ... and has since run fence.mbarrier_init (or fence.proxy.async)
     int64_t tx = 0;
     std::vector<std::pair<uint16_t, uint32_t>> arrivals, last;   // checked: (thread, clock) per phase
@@ -845,6 +846,17 @@ CUSIM_NOSAN inline MBar& get_mbar(Worker* w, const void* p, const char* what) {
         fail("%s on %s, which is not an initialized mbarrier (no mbarrier.init in this block, or it is not ordered "
              "before this use)", what, where);
     }
+    // checked: another thread's use must be ordered after the init (a __syncthreads, a named
+    // barrier or an mbarrier edge), or the object it sees may not be initialized yet
+    if (w->chk && b->initializer != w->cur->linear && w->chk->epoch == b->init_epoch &&
+        !(w->chk->hb && w->chk->hb[size_t(b->initializer) * w->nthreads + w->cur->linear] > b->init_clock)) {
+        char where[128];
+        describe_shared(w, off, where, sizeof where);
+        uint32_t xyz[3];
+        thread_xyz(w, b->initializer, xyz);
+        proxy_fail(w, kMbarrierAccess, off, false, "checked: %s on the mbarrier %s, initialized by thread (%u,%u,%u) with no "
+                   "barrier between that mbarrier.init and this use", what, where, xyz[0], xyz[1], xyz[2]);
+    }
     return *b;
 }
 
@@ -867,6 +879,7 @@ CUSIM_NOSAN inline void mbar_init(void* p, uint32_t count) {
     b->off = off;
     b->expected = b->pending = count;
     b->initializer = w->cur->linear;
+    if (w->chk) b->init_epoch = w->chk->epoch, b->init_clock = w->chk->clock;
     progress();
 }
 
