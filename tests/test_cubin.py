@@ -119,3 +119,25 @@ def test_arch_names_are_checked(bad, exc):
 def test_arch_names():
     assert [cubin.arch_name(a) for a in (80, "90", "90a", "sm_90a", " sm_100a ")] == \
         ["sm_80", "sm_90", "sm_90a", "sm_90a", "sm_100a"]
+
+
+@pytest.mark.parametrize("major", nvrtc.MAJORS)
+def test_hopper_probes_compile_for_sm90a_with_the_tma_and_wgmma_sass(major, cuobjdump, tmp_path):
+    """kernels_cu/hopper_probe.cu (the simulator's sm_90a probes, and check's on a GPU) with each
+    NVRTC: the cubin says sm_90a, its SASS has the tensor-core and TMA instructions the PTX asks
+    for (wgmma -> HGMMA, cp.async.bulk.tensor -> UTMALDG / UTMASTG, mbarrier -> SYNCS, stmatrix ->
+    STSM, setmaxnreg -> USETMAXREG), and no entry spills."""
+    import re
+
+    from cuflash.kernels import hopper_probe as hp
+    from cuflash.runtime import source
+
+    _compiler(major)
+    image, log = cuda_runner.nvrtc_compile(source.build_source(hp.VARIANT), "90a", name=hp.VARIANT.source,
+                                           extra_options=("-Xptxas=-v",), nvrtc=major)
+    assert cubin.cubin_arch(image) == "sm_90a" == _listed_arch(cuobjdump, image, tmp_path)
+    sass = roofline.disassemble(image)
+    for op in ("HGMMA.64x64x16.F32.BF16", "UTMALDG.2D", "UTMASTG.2D", "SYNCS.", "STSM.", "USETMAXREG", "ELECT"):
+        assert op in sass, f"{op} missing from the probes' SASS (NVRTC {major})"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills and all(s == ("0", "0") for s in spills), log

@@ -527,3 +527,14 @@ def test_check_rule_helper_bounds_the_gpu_result_by_the_numpy_paths_error():
     bad[3] = np.nan
     with pytest.raises(AssertionError, match="x: error"):
         check._held_to_rule("x", bad, numpy_ref, exact, np.float16)
+
+
+@pytest.mark.parametrize("cc", ["80", "100", "120"])
+def test_check_hopper_section_skips_off_compute_capability_9_0(monkeypatch, cc):
+    """The sm_90a probes run only where their cubin loads (compute capability 9.0); elsewhere the
+    section is skipped with the reason, never reported as passed."""
+
+    device = types.SimpleNamespace(compute_capability=cc)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: device)))
+    with pytest.raises(check.Skip, match="9.0"):
+        check.section_hopper(check._Clock(60), lambda s: None)

@@ -56,8 +56,10 @@ def _panel(swizzle: int) -> int:
 
 def _check_gemm_shapes(a, b, c, nmajor: bool) -> tuple[int, int]:
     m, k = a.shape
-    if a.dtype.name != "bfloat16" or b.dtype.name != "bfloat16" or c.dtype != np.float32:
-        raise TypeError(f"hopper_probe: a and b must be bfloat16 and c float32, got {a.dtype}, {b.dtype}, {c.dtype}")
+    bf16 = ("bfloat16", "uint16")   # (uint16: bf16 bits, as CuPy arrays hold them)
+    if a.dtype.name not in bf16 or b.dtype.name not in bf16 or c.dtype != np.float32:
+        raise TypeError(f"hopper_probe: a and b must be bfloat16 (or its bits as uint16) and c float32, got {a.dtype}, "
+                        f"{b.dtype}, {c.dtype}")
     if k % 64 or not 64 <= k <= MAX_K:
         raise ValueError(f"hopper_probe: K={k} must be a multiple of 64 in 64..{MAX_K}")
     want_b = (k, BN) if nmajor else (BN, k)

@@ -428,10 +428,13 @@ def get_module(variant, device_id: int):
 def _cuda_arg(a):
     import numpy as np
 
-    from cuflash.runtime.plan import PointerArg
+    from cuflash.runtime.plan import PointerArg, TensorMapArg
 
     if isinstance(a, PointerArg):
         return np.uint64(a.address)  # 64-bit pointer including the view's offset
+    if isinstance(a, TensorMapArg):  # the driver's 128-byte CUtensorMap, passed by value as a structured scalar
+        struct = np.dtype([("opaque", "<u8", (16,))])   # (CuPy's custom-structure kernel arguments)
+        return np.frombuffer(a.encode(a.pointer.address, simulator=False), dtype=struct)[0]
     return a.value
 
 
