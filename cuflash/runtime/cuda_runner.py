@@ -85,7 +85,7 @@ def cuda_include_dir(major: int | None = None) -> str:
     ``/usr/local/cuda/include``. With ``major`` (the NVRTC's major), the first folder whose
     headers are of that CUDA major wins, else the first folder with headers at all: measured,
     NVRTC 13.5 compiles every variant of the compile gate with the 12.9 headers of
-    ``nvidia-cuda-runtime-cu12`` as with CUDA 13.0's, to the same registers and spills.
+    ``nvidia-cuda-runtime-cu12`` as with CUDA 13.0's, the same variants spilling.
 
     Raises
     ------
