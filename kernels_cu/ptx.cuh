@@ -105,38 +105,10 @@ CUSIM_NOSAN inline float unpack(uint32_t reg, int hi) {
     return BF16 ? cusim::bf16_bits_to_f32(b) : cusim::f16_bits_to_f32(b);
 }
 
-// One element of D = A * B + C: the 16 products of 16-bit values are exact in double. By default
-// the sum is rounded once to float, in mma_m16n8k16_compute's loop (the tensor core's internal
-// order and rounding are not specified by the PTX ISA). With gpu_numerics (cuflash.sim.options) it is rounded as measured on
-// NVIDIA tensor cores (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor
-// cores", PeerJ Comput. Sci. 7:e330, 2021): every term is aligned to the largest exponent among
-// the products and C and truncated to 24 significant bits of that scale, the aligned terms are
-// added exactly, and the sum is truncated (rounded toward zero) to float (mma_dot; a non-finite
-// term keeps the plain sum's inf/NaN).
-#ifdef CUSIM_GPU_NUMERICS
-CUSIM_NOSAN inline float mma_dot(double c, const double* prod, int k) {
-    int emax = INT32_MIN;
-    bool finite = std::isfinite(c);
-    for (int i = -1; i < k; ++i) {
-        const double t = i < 0 ? c : prod[i];
-        finite = finite && std::isfinite(t);
-        if (t != 0.0) emax = std::max(emax, std::ilogb(t));
-    }
-    if (finite && emax != INT32_MIN) {
-        const double quantum = std::ldexp(1.0, emax - 23);
-        double sum = 0.0;
-        for (int i = -1; i < k; ++i) sum += std::trunc((i < 0 ? c : prod[i]) / quantum) * quantum;
-        float r = float(sum);
-        if (std::fabs(double(r)) > std::fabs(sum)) r = std::nextafter(r, 0.0f);   // toward zero
-        return cusim::ftz(r);
-    }
-    double acc = c;
-    for (int i = 0; i < k; ++i) acc += prod[i];
-    return float(acc);
-}
-#endif
-
-// D = A * B + C for m16n8k16 (see mma_dot).
+// One element of D = A * B + C: the 16 products of 16-bit values are exact in double; the sum is
+// rounded once to float by default, or as measured on tensor cores with gpu_numerics
+// (cusim::tensor_core_dot, cuflash/sim/cusim_sm90.h, shared with wgmma).
+// D = A * B + C for m16n8k16.
 template <bool BF16>
 CUSIM_NOSAN inline void mma_m16n8k16_compute(cusim::Slot* slots, unsigned lanes) {
     if (lanes != 0xffffffffu) cusim::fail("mma.sync: all 32 lanes must execute it (live lanes 0x%08x)", lanes);
@@ -164,7 +136,7 @@ CUSIM_NOSAN inline void mma_m16n8k16_compute(cusim::Slot* slots, unsigned lanes)
 #ifdef CUSIM_GPU_NUMERICS
             double prod[16];
             for (int k = 0; k < 16; ++k) prod[k] = double(A[i][k]) * double(B[k][j]);
-            D[i][j] = mma_dot(C[i][j], prod, 16);
+            D[i][j] = cusim::tensor_core_dot(C[i][j], prod, 16);
 #else
             double acc = C[i][j];
             for (int k = 0; k < 16; ++k) acc += double(A[i][k]) * double(B[k][j]);

@@ -141,3 +141,38 @@ def test_hopper_probes_compile_for_sm90a_with_the_tma_and_wgmma_sass(major, cuob
         assert op in sass, f"{op} missing from the probes' SASS (NVRTC {major})"
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills and all(s == ("0", "0") for s in spills), log
+
+
+def _all_widths_source() -> str:
+    """One kernel per (N, dtype, A source) calling the generated wgmma wrapper once."""
+    from cuflash.runtime import ptx_gen
+
+    body = ['#include "ptx.cuh"', "#if defined(__CUDA_ARCH_FEAT_SM90_ALL)"]
+    for n in ptx_gen.WGMMA_N:
+        for bf16 in ("true", "false"):
+            tag = f"{n}_{'bf16' if bf16 == 'true' else 'f16'}"
+            body.append(f'extern "C" __global__ void __launch_bounds__(128) w_{tag}(float* out, unsigned long long da, '
+                        f"unsigned long long db, unsigned a0) {{\n  float d[{n // 2}] = {{}};\n  const unsigned a[4] = "
+                        "{a0, a0, a0, a0};\n  ptx_wgmma_fence();\n"
+                        f"  ptx_wgmma_ss<{n}, {bf16}, 0, 1>(d, da, db, 1);\n  ptx_wgmma_rs<{n}, {bf16}, 0>(d, a, db, 1);\n"
+                        f"  ptx_wgmma_commit();\n  ptx_wgmma_wait<0>();\n  for (int i = 0; i < {n // 2}; ++i) "
+                        f"out[threadIdx.x * {n // 2} + i] = d[i];\n}}")
+    body.append("#endif")
+    return "\n".join(body)
+
+
+@pytest.mark.parametrize("major", nvrtc.MAJORS)
+def test_every_generated_wgmma_width_assembles(major):
+    """cuflash/runtime/ptx_gen.py's wrappers, N = 16..256 in steps of 16, f16 and bf16, A from shared
+    memory and from registers: each assembles, and its HGMMA has the N asked for."""
+    import re
+
+    from cuflash.runtime import ptx_gen, source
+
+    _compiler(major)
+    text = source.build_text(_all_widths_source(), origin="wgmma_widths.cu")
+    image, _ = cuda_runner.nvrtc_compile(text, "90a", name="wgmma_widths.cu", nvrtc=major)
+    sass = roofline.disassemble(image)
+    # (the SASS names bf16 inputs `.BF16`; f16, the default, has no suffix)
+    shapes = {(n, t or ".F16") for n, t in re.findall(r"HGMMA\.64x(\d+)x16\.F32(\.BF16)?\b", sass)}
+    assert shapes == {(str(n), t) for n in ptx_gen.WGMMA_N for t in (".BF16", ".F16")}, sorted(shapes)

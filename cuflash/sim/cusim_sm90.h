@@ -140,6 +140,39 @@ struct Sm90State {
     int64_t free_regs = 0;
 };
 
+// ------------------------------------------------------------------ tensor-core rounding
+// One element of D = A * B + C: the 16 products of 16-bit values are exact in double. By default
+// the sum is rounded once to float, in mma_m16n8k16_compute's and wgmma_compute's loops (the tensor core's internal
+// order and rounding are not specified by the PTX ISA). With gpu_numerics (cuflash.sim.options) it is rounded as measured on
+// NVIDIA tensor cores (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor
+// cores", PeerJ Comput. Sci. 7:e330, 2021): every term is aligned to the largest exponent among
+// the products and C and truncated to 24 significant bits of that scale, the aligned terms are
+// added exactly, and the sum is truncated (rounded toward zero) to float (tensor_core_dot; a non-finite
+// term keeps the plain sum's inf/NaN).
+#ifdef CUSIM_GPU_NUMERICS
+CUSIM_NOSAN inline float tensor_core_dot(double c, const double* prod, int k) {
+    int emax = INT32_MIN;
+    bool finite = std::isfinite(c);
+    for (int i = -1; i < k; ++i) {
+        const double t = i < 0 ? c : prod[i];
+        finite = finite && std::isfinite(t);
+        if (t != 0.0) emax = std::max(emax, std::ilogb(t));
+    }
+    if (finite && emax != INT32_MIN) {
+        const double quantum = std::ldexp(1.0, emax - 23);
+        double sum = 0.0;
+        for (int i = -1; i < k; ++i) sum += std::trunc((i < 0 ? c : prod[i]) / quantum) * quantum;
+        float r = float(sum);
+        if (std::fabs(double(r)) > std::fabs(sum)) r = std::nextafter(r, 0.0f);   // toward zero
+        return ftz(r);
+    }
+    double acc = c;
+    for (int i = 0; i < k; ++i) acc += prod[i];
+    return float(acc);
+}
+#endif
+
+
 // ------------------------------------------------------------------ state
 CUSIM_NOSAN inline Sm90State& sm90(Worker* w) {
     if (!w->sm90) {
@@ -689,9 +722,15 @@ CUSIM_NOSAN inline void wgmma_compute(Worker* w, WgSlot* slots, unsigned wg) {
         const unsigned j = i / 32, l = i % 32, g = l / 4, c = 2 * (l % 4);
         for (unsigned r = 0; r < N / 2; ++r) {
             const unsigned row = 16 * j + g + 8 * ((r % 4) / 2), col = 8 * (r / 4) + c + (r % 2);
+#ifdef CUSIM_GPU_NUMERICS
+            double prod[16];
+            for (unsigned k = 0; k < 16; ++k) prod[k] = double(A[row][k]) * double(B[col][k]);
+            acc->vals[r] = tensor_core_dot(scale_d ? double(din[r]) : 0.0, prod, 16);
+#else
             double sum = scale_d ? double(din[r]) : 0.0;
             for (unsigned k = 0; k < 16; ++k) sum += double(A[row][k]) * double(B[col][k]);
             acc->vals[r] = float(sum);
+#endif
         }
         if (early) std::memcpy(regs, acc->vals, 4 * (N / 2));
         if (w->chk) {

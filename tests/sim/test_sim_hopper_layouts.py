@@ -100,13 +100,14 @@ def layouts():
     return mods
 
 
-def _fragment(out: np.ndarray) -> np.ndarray:
-    """The 64 x 64 D from the per-thread accumulators (PTX ISA, wgmma .m64nNk16 D fragment)."""
-    d = np.full((64, 64), np.nan, np.float32)
+def _fragment(out: np.ndarray, n: int = 64) -> np.ndarray:
+    """The 64 x n D from the per-thread accumulators (PTX ISA, wgmma .m64nNk16 D fragment)."""
+    d = np.full((64, n), np.nan, np.float32)
+    r = n // 2
     for tid in range(128):
         j, g, t = tid // 32, (tid % 32) // 4, tid % 4
-        for i in range(32):
-            d[16 * j + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2] = out[tid * 32 + i]
+        for i in range(r):
+            d[16 * j + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2] = out[tid * r + i]
     return d
 
 
@@ -167,3 +168,55 @@ def test_tma_store_takes_the_image_and_drops_out_of_bounds(layouts, swizzle, box
     keep = (r < 37) & (c < 104)
     want[r[keep], c[keep]] = vals[keep]
     np.testing.assert_array_equal(y.astype(np.float32), want)
+
+
+@pytest.mark.parametrize("n", [16, 96, 128, 192, 256])
+@pytest.mark.parametrize("trans_b,swizzle", [(0, 128), (1, 128), (1, 0), (0, 32)], ids=["kmajor-sw128", "nmajor-sw128",
+                                                                                        "nmajor-none", "kmajor-sw32"])
+def test_wgmma_widths(layouts, n, trans_b, swizzle):
+    """The other N of m64nNk16 the attention kernels use (Bc for S = Q K^T, the head dim for
+    O = P V): the fragment's N / 2 registers per thread, B's panels along N at LBO (N-major) or its
+    8-row groups at SBO (K-major)."""
+    if trans_b and swizzle and n % (swizzle // 2):
+        pytest.skip("an N-major swizzled B holds whole swizzle panels")
+    rng = np.random.default_rng(n + trans_b)
+    k = 32
+    a = rng.integers(-4, 5, (64, k)).astype(np.float32)
+    b = rng.integers(-4, 5, (k, n)).astype(np.float32)
+    img_a, da = kmajor(a, 128)
+    img_b, db = nmajor(b, swizzle) if trans_b else kmajor(b.T.copy(), swizzle)
+    assert img_a.size <= 64 * 1024 and img_b.size <= 64 * 1024
+    out = np.full(128 * n // 2, np.nan, np.float32)
+    args = (PointerArg.of("img_a", img_a), PointerArg.of("img_b", img_b), i32(img_a.size), i32(img_b.size),
+            PointerArg.of("desc_a", np.array(da, np.uint64)), PointerArg.of("desc_b", np.array(db, np.uint64)),
+            i32(len(da)), i32(trans_b), P(out))
+    mod, o = layouts[False]
+    mod.launch(LaunchPlan(None, f"wgmma_raw_n{n}", 1, 128, 128 * 1024, args), o)
+    np.testing.assert_array_equal(_fragment(out, n), a @ b)
+
+
+@pytest.mark.skipif(launcher.platform.machine().lower() not in ("x86_64", "amd64"), reason="needs x86-64")
+def test_wgmma_gpu_numerics_truncates_as_tensor_cores_do():
+    """gpu_numerics (cuflash.sim.options) rounds wgmma's sums as mma.sync's (Fasi et al. 2021: terms
+    aligned to the largest exponent, truncated to 24 bits, the sum truncated): 1 + 2^-24 + 2^-25 is
+    1 + 2^-23 rounded to nearest, 1 on a tensor core."""
+    a = np.zeros((64, 16), np.float32)
+    a[:, :3] = [1.0, 2.0**-24, 2.0**-25]
+    b = np.zeros((16, 64), np.float32)
+    b[:3] = 1.0
+    img_a, da = kmajor(a, 128)
+    img_b, db = kmajor(b.T.copy(), 128)
+    text = source.build_text((KERNELS / "hopper_layouts.cu").read_text(), origin="hopper_layouts.cu",
+                             search_dirs=[KERNELS])
+    got = {}
+    for gpu in (False, True):
+        out = np.full(128 * 32, np.nan, np.float32)
+        args = (PointerArg.of("img_a", img_a), PointerArg.of("img_b", img_b), i32(img_a.size), i32(img_b.size),
+                PointerArg.of("desc_a", np.array(da, np.uint64)), PointerArg.of("desc_b", np.array(db, np.uint64)),
+                i32(1), i32(0), P(out))
+        with sim.options(arch=90, gpu_numerics=gpu) as o:
+            mod = launcher.load_source(text, origin="hopper_layouts.cu", options=o)
+            mod.launch(LaunchPlan(None, "wgmma_raw", 1, 128, 128 * 1024, args), o)
+        got[gpu] = _fragment(out)
+    assert (got[False] == np.float32(1 + 2.0**-23)).all()
+    assert (got[True] == np.float32(1.0)).all()

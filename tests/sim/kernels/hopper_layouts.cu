@@ -35,9 +35,9 @@ extern "C" __global__ void __launch_bounds__(128) tma_raw_store(const __grid_con
     }
 }
 
-// D (64 x 64) = sum over k16 steps of A B, both operands from shared-memory images the threads copy
+// D (64 x N) = sum over k16 steps of A B, both operands from shared-memory images the threads copy
 // in, through descriptors the test encodes (start offsets relative to the images' base).
-template <int TRANS_B>
+template <int N, int TRANS_B>
 __device__ void wgmma_raw_impl(const unsigned char* img_a, const unsigned char* img_b, int bytes_a, int bytes_b,
                                const unsigned long long* desc_a, const unsigned long long* desc_b, int ksteps,
                                float* out) {
@@ -48,20 +48,31 @@ __device__ void wgmma_raw_impl(const unsigned char* img_a, const unsigned char* 
     for (int i = threadIdx.x; i < bytes_b; i += blockDim.x) b_s[i] = img_b[i];
     ptx_fence_proxy_async();
     __syncthreads();
-    float acc[32];
-    for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+    float acc[N / 2];
+    for (int i = 0; i < N / 2; ++i) acc[i] = 0.0f;
     ptx_wgmma_fence();
     for (int kk = 0; kk < ksteps; ++kk)
-        ptx_wgmma_ss<64, true, 0, TRANS_B>(acc, desc_a[kk] + (ptx_smem_addr(a_s) >> 4), desc_b[kk] + (ptx_smem_addr(b_s) >> 4), 1);
+        ptx_wgmma_ss<N, true, 0, TRANS_B>(acc, desc_a[kk] + (ptx_smem_addr(a_s) >> 4), desc_b[kk] + (ptx_smem_addr(b_s) >> 4), 1);
     ptx_wgmma_commit();
     ptx_wgmma_wait<0>();
-    for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = acc[i];
+    for (int i = 0; i < N / 2; ++i) out[threadIdx.x * (N / 2) + i] = acc[i];
 }
 
+// (N = 64 here; wgmma_raw_n<N> below for the other widths the attention kernels use)
 extern "C" __global__ void __launch_bounds__(128) wgmma_raw(const unsigned char* img_a, const unsigned char* img_b,
                                                             int bytes_a, int bytes_b, const unsigned long long* desc_a,
                                                             const unsigned long long* desc_b, int ksteps, int trans_b,
                                                             float* out) {
-    if (trans_b) wgmma_raw_impl<1>(img_a, img_b, bytes_a, bytes_b, desc_a, desc_b, ksteps, out);
-    else wgmma_raw_impl<0>(img_a, img_b, bytes_a, bytes_b, desc_a, desc_b, ksteps, out);
+    if (trans_b) wgmma_raw_impl<64, 1>(img_a, img_b, bytes_a, bytes_b, desc_a, desc_b, ksteps, out);
+    else wgmma_raw_impl<64, 0>(img_a, img_b, bytes_a, bytes_b, desc_a, desc_b, ksteps, out);
 }
+
+#define WGMMA_RAW_ARGS const unsigned char* img_a, const unsigned char* img_b, int bytes_a, int bytes_b, const unsigned long long* desc_a, const unsigned long long* desc_b, int ksteps, int trans_b, float* out
+#define WGMMA_RAW_BODY(N) if (trans_b) wgmma_raw_impl<N, 1>(img_a, img_b, bytes_a, bytes_b, desc_a, desc_b, ksteps, out); else wgmma_raw_impl<N, 0>(img_a, img_b, bytes_a, bytes_b, desc_a, desc_b, ksteps, out);
+extern "C" __global__ void __launch_bounds__(128) wgmma_raw_n16(WGMMA_RAW_ARGS) { WGMMA_RAW_BODY(16) }
+extern "C" __global__ void __launch_bounds__(128) wgmma_raw_n96(WGMMA_RAW_ARGS) { WGMMA_RAW_BODY(96) }
+extern "C" __global__ void __launch_bounds__(128) wgmma_raw_n128(WGMMA_RAW_ARGS) { WGMMA_RAW_BODY(128) }
+extern "C" __global__ void __launch_bounds__(128) wgmma_raw_n192(WGMMA_RAW_ARGS) { WGMMA_RAW_BODY(192) }
+extern "C" __global__ void __launch_bounds__(128) wgmma_raw_n256(WGMMA_RAW_ARGS) { WGMMA_RAW_BODY(256) }
+#undef WGMMA_RAW_BODY
+#undef WGMMA_RAW_ARGS
