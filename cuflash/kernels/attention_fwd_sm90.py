@@ -1,0 +1,248 @@
+"""Host side of ``kernels_cu/attention_fwd_sm90.cu``: the Hopper tier of the forward (DESIGN.md §4).
+
+FA3's design (Shah et al., "FlashAttention-3", 2024, §3.1): per block of 128 query rows, a producer
+warpgroup feeds two consumer warpgroups through TMA and mbarriers; wgmma runs both GEMMs, the
+online softmax stays in registers, the output leaves by TMA store. The kernel is compiled for
+``sm_90a`` and runs on compute capability 9.0 only (the dispatcher passes it over elsewhere,
+visibly). Calls it takes: f16/bf16, D and Dv multiples of 8 up to 256 with Dv <= D in the head-dim
+buckets 64, 96, 128, 192, 256 (the tile's unused columns are the tensor maps' zero fill), causal
+and windows (bottom-right), GQA, rows without keys (0 / lse -inf), and any strides a tensor map can
+describe: the head dim contiguous, every other stride and each base 16-byte aligned. The rest
+(fp32, dropout, packed variable-length batches, KV caches, Sk = 0, views TMA cannot describe) goes
+to the tensor-core mma.sync tier, and ``explain`` says why.
+
+Tiles (the roofline's per-head-dim choice; shared memory per block = Q + two stages of K and V +
+1 KB of alignment): Br = 128 always; Bc = 128 for head dims up to 128, 112 for 192, 80 for 256.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import numpy as np
+
+from cuflash.kernels import attention_fwd_simt
+from cuflash.runtime import plan, variants
+from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg, TensorMapArg
+
+#: this module's tier, in the dispatcher's words
+TARGET_ARCH = "90a"
+HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
+#: keys per tile by the QK head-dim bucket (shared memory: Q + 2 stages of K and V <= 227 KB)
+BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 112, 256: 80}
+BLOCK_M = 128
+STAGES = 2
+PANEL = 64   # head-dim elements per 128-byte swizzle row
+DTYPES = ("f16", "bf16")
+TMA_ALIGN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90ForwardVariant(variants.Variant):
+    """One compiled form of the Hopper forward.
+
+    Parameters
+    ----------
+    dtype : {"f16", "bf16"}
+    head_dim, head_dim_v : int
+        Buckets of D and Dv (one of :data:`HEAD_DIM_BUCKETS`; Dv <= D).
+    local : bool
+        Causal or a window (tile skipping and boundary masking compiled in).
+    """
+
+    family: ClassVar[str] = "attn_fwd_sm90"
+    source: ClassVar[str] = "attention_fwd_sm90.cu"
+    target_arch: ClassVar[str | None] = TARGET_ARCH
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    local: bool
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Sm90ForwardVariant: dtype={self.dtype!r} must be one of {DTYPES}")
+        for name, d in (("head_dim", self.head_dim), ("head_dim_v", self.head_dim_v)):
+            if d not in HEAD_DIM_BUCKETS:
+                raise ValueError(f"Sm90ForwardVariant: {name}={d} must be one of {HEAD_DIM_BUCKETS}")
+        if self.head_dim_v > self.head_dim:
+            raise ValueError(f"Sm90ForwardVariant: head_dim_v={self.head_dim_v} must not exceed head_dim="
+                             f"{self.head_dim} (the output is staged over the query tile)")
+
+    def axes(self) -> tuple[str, ...]:
+        dims = f"d{self.head_dim}" if self.head_dim == self.head_dim_v else f"d{self.head_dim}_dv{self.head_dim_v}"
+        return (self.dtype, dims) + (("local",) if self.local else ())
+
+    @property
+    def block_n(self) -> int:
+        return BLOCK_N[self.head_dim]
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: Q, two stages of K and V (64-column panels), 1 KB for alignment."""
+        panels, panels_v = -(-self.head_dim // PANEL), -(-self.head_dim_v // PANEL)
+        return 1024 + BLOCK_M * 128 * panels + STAGES * self.block_n * 128 * (panels + panels_v)
+
+    def defines(self) -> tuple[tuple[str, str], ...]:
+        return super().defines() + (("CUFLASH_BF16", "1" if self.dtype == "bf16" else "0"),
+                                    ("CUFLASH_D", str(self.head_dim)), ("CUFLASH_DV", str(self.head_dim_v)),
+                                    ("CUFLASH_BC", str(self.block_n)), ("CUFLASH_LOCAL", "1" if self.local else "0"))
+
+    def describe(self) -> str:
+        return (f"{self.entry}: a producer warpgroup (TMA, 2-stage K/V ring) and 2 consumer warpgroups of 64 query "
+                f"rows (wgmma), Br={BLOCK_M}, Bc={self.block_n}, {self.smem_bytes} B of shared memory")
+
+
+def bucket(d: int) -> int:
+    """The smallest head-dim bucket holding ``d`` (ValueError above 256)."""
+    for b in HEAD_DIM_BUCKETS:
+        if d <= b:
+            return b
+    raise ValueError(f"attention_fwd_sm90: head dim {d} is above {HEAD_DIM_BUCKETS[-1]}")
+
+
+def all_variants(arch: int = 90) -> tuple[Sm90ForwardVariant, ...]:
+    """Every variant (the compile gate's and precompile's list); none below sm_90."""
+    if arch != 90:
+        return ()
+    return tuple(Sm90ForwardVariant(dt, d, dv, local) for dt in DTYPES for d in HEAD_DIM_BUCKETS
+                 for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)) for local in (False, True))
+
+
+def choose_variant(problem) -> Sm90ForwardVariant:
+    p = problem
+    return Sm90ForwardVariant(variants.dtype_key(p.dtype), bucket(p.head_dim), bucket(p.head_dim_v),
+                              p.window_left >= 0 or p.window_right >= 0)
+
+
+def _bhsd(a, layout: str):
+    """A (B, H, S, D) view of a layout's 4-d array (no copy), or None."""
+    if a.ndim != 4:
+        return None
+    return a.transpose(0, 2, 1, 3) if layout == "bshd" else a
+
+
+def _tma_reason(a, name: str) -> str | None:
+    if a is None or a.size == 0:
+        return None
+    item = a.dtype.itemsize
+    if a.strides[-1] != item and a.shape[-1] > 1:
+        return f"{name}'s head dim is not contiguous"
+    bad = [int(s) for s, n in zip(a.strides[:-1], a.shape[:-1]) if n > 1 and int(s) % TMA_ALIGN]
+    if bad:
+        return f"{name} has a stride of {bad[0]} bytes, not a multiple of {TMA_ALIGN} (a TMA tensor map needs it)"
+    try:
+        addr = plan.array_address(a)
+    except TypeError:
+        return None
+    if addr % TMA_ALIGN:
+        return f"{name} starts at an address that is not {TMA_ALIGN}-byte aligned (a TMA tensor map needs it)"
+    return None
+
+
+def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
+    """Why ``problem`` cannot run on this tier on ``sm_<arch>`` (None if it can). The arch rule
+    (``sm_90a``: compute capability 9.0 only) is the dispatcher's (:data:`TARGET_ARCH`)."""
+    p = problem
+    try:
+        key = variants.dtype_key(p.dtype)
+    except KeyError:
+        key = str(np.dtype(p.dtype))
+    if key not in DTYPES:
+        return f"dtype {np.dtype(p.dtype)} (wgmma here takes float16/bfloat16)"
+    if p.dropout is not None:
+        return "dropout is not in the Hopper kernel yet"
+    if p.varlen is not None or p.kvcache is not None:
+        return "packed variable-length batches and KV caches need a non-TMA load path the Hopper kernel lacks yet"
+    for name, d in (("D", p.head_dim), ("Dv", p.head_dim_v)):
+        if d % 8:
+            return f"{name}={d} is not a multiple of 8 (TMA rows are 16-byte multiples)"
+    if max(p.head_dim, p.head_dim_v) > HEAD_DIM_BUCKETS[-1]:
+        return f"head dim {max(p.head_dim, p.head_dim_v)} > {HEAD_DIM_BUCKETS[-1]}"
+    if bucket(p.head_dim_v) > bucket(p.head_dim) or (bucket(p.head_dim_v) != bucket(p.head_dim)
+                                                     and (bucket(p.head_dim), bucket(p.head_dim_v)) != (192, 128)):
+        return f"(D, Dv) = ({p.head_dim}, {p.head_dim_v}) has no Hopper variant (Dv's bucket must equal D's, or be 128 for 192)"
+    if p.seqlen_k == 0:
+        return "Sk = 0 (a tensor map has no empty dimension)"
+    if len(p.batch_shape) != 1 or (p.layout == "bhsd" and len(p.q.shape) != 4):
+        return f"batch dims {p.batch_shape}: the Hopper kernel's tensor maps take one batch dim"
+    for a, name in zip(arrays or (), ("q", "k", "v", "out")):
+        if a is None:
+            continue
+        why = _tma_reason(a, name)
+        if why:
+            return why
+    return None
+
+
+def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = -1, window_right: int = -1,
+                 dtype: str | None = None) -> LaunchPlan:
+    """The launch for arrays in (B, H, S, D) order (any strides a tensor map can describe).
+
+    Parameters
+    ----------
+    q : array (B, Hq, Sq, D), float16 or bfloat16 (or bf16 bits as uint16 with ``dtype="bf16"``)
+    k : array (B, Hk, Sk, D); v : array (B, Hk, Sk, Dv); Hq a multiple of Hk (GQA)
+    out : array (B, Hq, Sq, Dv), q's dtype, written
+    lse : array (B, Hq, Sq) float32, C-contiguous, written (natural log; -inf for rows without keys)
+    softmax_scale : float
+    window_left, window_right : int
+        Bottom-right window bounds, -1 unbounded (causal: ``window_right=0``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        For dtypes, shapes or strides the kernel cannot take, naming the argument.
+    """
+    if dtype is None:
+        name = np.dtype(q.dtype).name
+        dtype = {"float16": "f16", "bfloat16": "bf16"}.get(name)
+        if dtype is None:
+            raise TypeError(f"attention_fwd_sm90: q must be float16 or bfloat16, got {q.dtype}")
+    b, hq, sq, d = q.shape
+    bk, hk, sk, dk = k.shape
+    dv = v.shape[-1]
+    if tuple(v.shape[:3]) != (bk, hk, sk) or bk != b or dk != d or tuple(out.shape) != (b, hq, sq, dv):
+        raise ValueError(f"attention_fwd_sm90: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out "
+                         f"{tuple(out.shape)} must be (B, Hq, Sq, D), (B, Hk, Sk, D), (B, Hk, Sk, Dv), (B, Hq, Sq, Dv)")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"attention_fwd_sm90: Hq={hq} must be a multiple of Hk={hk}")
+    if tuple(lse.shape) != (b, hq, sq) or np.dtype(lse.dtype) != np.float32 or not lse.flags.c_contiguous:
+        raise ValueError(f"attention_fwd_sm90: lse must be a C-contiguous float32 {(b, hq, sq)}, got "
+                         f"{tuple(lse.shape)} {lse.dtype}")
+    if sq < 1 or sk < 1:
+        raise ValueError(f"attention_fwd_sm90: Sq={sq} and Sk={sk} must be at least 1")
+    variant = Sm90ForwardVariant(dtype, bucket(d), bucket(dv), window_left >= 0 or window_right >= 0)
+    bn = variant.block_n
+    args = (TensorMapArg.of("map_q", q, (1, 1, BLOCK_M, PANEL), swizzle=128),
+            TensorMapArg.of("map_k", k, (1, 1, bn, PANEL), swizzle=128),
+            TensorMapArg.of("map_v", v, (1, 1, bn, PANEL), swizzle=128),
+            TensorMapArg.of("map_o", out, (1, 1, 64, PANEL), swizzle=128, writable=True),
+            PointerArg.of("lse", lse, writable=True), ScalarArg("Sq", np.int32(sq)), ScalarArg("Sk", np.int32(sk)),
+            ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
+            ScalarArg("scale_log2", np.float32(softmax_scale * math.log2(math.e))),
+            ScalarArg("window_left", np.int32(window_left)), ScalarArg("window_right", np.int32(window_right)))
+    return LaunchPlan(variant, variant.entry, (-(-sq // BLOCK_M), hq, b), (384, 1, 1), variant.smem_bytes, args)
+
+
+def forward(problem, q, k, v, out, return_lse: bool, *, xp, arch: int, launch):
+    """Run ``problem`` on the Hopper kernel: allocate what the caller did not pass (NaN-poisoned on
+    the simulator), view the arrays as (B, H, S, D) and launch once."""
+    p = problem
+    if out is None:
+        out = attention_fwd_simt._aligned_empty(xp, p.out_shape, p.dtype)
+        if xp is np:
+            out.fill(np.nan)
+    lse = xp.empty(p.lse_shape, dtype=np.float32)
+    if xp is np:
+        lse.fill(np.nan)
+    if not p.is_empty:
+        key = variants.dtype_key(p.dtype)
+        bits = (lambda a: a) if xp is np or key != "bf16" else (lambda a: a.view(np.uint16))
+        qs, ks, vs, os_ = (bits(_bhsd(a, p.layout)) for a in (q, k, v, out))
+        launch(plan_forward(qs, ks, vs, os_, lse.reshape(p.batch_shape[0], p.num_heads_q, p.seqlen_q),
+                            softmax_scale=p.softmax_scale, window_left=p.window_left, window_right=p.window_right,
+                            dtype=key))
+    return (out, lse) if return_lse else out

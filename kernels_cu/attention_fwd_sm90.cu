@@ -1,0 +1,211 @@
+// cuflash: the Hopper (sm_90a) attention forward, FA3's design (Shah et al., "FlashAttention-3",
+// 2024, sections 3.1-3.2), first form: warp specialization without the ping-pong schedule yet.
+//
+//   block = 3 warpgroups: warpgroup 0 is the producer (setmaxnreg.dec; one elected thread issues
+//   TMA loads: Q once, then K and V tiles into a 2-stage ring guarded by "full" and "empty"
+//   mbarriers); warpgroups 1 and 2 are consumers (setmaxnreg.inc) of 64 query rows each (Br = 128).
+//   Per key tile of Bc = 128 keys a consumer runs S = Q K^T by wgmma with both operands in shared
+//   memory (128-byte swizzle, the head dim in 64-element panels), the online softmax on the
+//   accumulators in the log2 domain (scale * log2 e fused), converts P to 16-bit registers in
+//   place (the accumulator fragment is the A fragment of the next wgmma) and runs O += P V by
+//   wgmma with A from registers and V N-major from shared memory; O is rescaled in registers,
+//   divided once at the end, staged in shared memory (over the consumer's own Q rows) and stored
+//   by TMA, whose tensor map drops rows past Sq. LSE is written in the natural log.
+//
+// Layout: q (B, Hq, Sq, D), k (B, Hk, Sk, D), v (B, Hk, Sk, Dv), o (B, Hq, Sq, Dv) through 4-d
+// tensor maps (any strides TMA can describe: the head dim contiguous, the others multiples of 16
+// bytes); head dims below the bucket read as zeros (the maps' out-of-bounds fill) and their
+// output columns are dropped by the store; GQA by head / group. Windows are bottom-right
+// (flash-attn): key j is visible to row i iff i + Sk - Sq - left <= j <= i + Sk - Sq + right
+// (-1: unbounded; causal is right = 0); key tiles no row of the block sees are skipped, the
+// boundary tiles masked (CUFLASH_LOCAL; without it only keys past Sk are masked); rows without
+// keys give 0 and lse -inf. Blocks take query tiles last first (the longest under a causal mask).
+//
+// Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D and CUFLASH_DV (head-dim buckets: 64, 96,
+// 128, 192, 256; Dv <= D), CUFLASH_BC (keys per tile), CUFLASH_LOCAL (0/1).
+#include "ptx.cuh"
+
+#if __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+namespace fwd_sm90 {
+
+constexpr int D = CUFLASH_D, DV = CUFLASH_DV;
+constexpr bool BF16 = CUFLASH_BF16 != 0;
+constexpr int BR = 128, BC = CUFLASH_BC, STAGES = 2;
+constexpr int PANEL = 64;                               // head-dim elements per 128-byte swizzle row
+constexpr int NPANEL = (D + PANEL - 1) / PANEL, NPANEL_V = (DV + PANEL - 1) / PANEL;
+constexpr int PANEL_Q = BR * 128, PANEL_KV = BC * 128;  // bytes of one 64-column panel
+constexpr int Q_BYTES = NPANEL * PANEL_Q, K_BYTES = NPANEL * PANEL_KV, V_BYTES = NPANEL_V * PANEL_KV;
+static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && NPANEL_V <= NPANEL, "head-dim buckets and tiles");
+
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* smem) {
+    return smem + ((1024u - (ptx_smem_addr(smem) & 1023u)) & 1023u);
+}
+
+__device__ __forceinline__ unsigned pack(float lo, float hi) {
+    return BF16 ? ptx_cvt_pack_bf16x2(lo, hi) : ptx_cvt_pack_f16x2(lo, hi);
+}
+
+// Quad reductions: the 4 lanes 4g..4g+3 hold the columns of rows g and g + 8.
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_map& map_k, const cuflash_tensor_map& map_v,
+                        const cuflash_tensor_map& map_o, float* lse, int Sq, int Sk, int Hq, int group, float scale_log2,
+                        int window_left, int window_right) {
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ __align__(8) unsigned long long q_full;
+    __shared__ __align__(8) unsigned long long full[STAGES];
+    __shared__ __align__(8) unsigned long long empty[STAGES];
+    unsigned char* q_s = aligned_smem(smem_raw);             // [NPANEL][BR rows][128 B]
+    unsigned char* k_s = q_s + Q_BYTES;                      // [STAGES][NPANEL][BC rows][128 B]
+    unsigned char* v_s = k_s + STAGES * K_BYTES;             // [STAGES][NPANEL_V][BC rows][128 B]
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int wg = threadIdx.x / 128;
+    // the key tiles some row of the block sees: [tile_lo, tile_hi)
+    const int diag = Sk - Sq;
+    int kv_lo = 0, kv_hi = Sk;
+    if (CUFLASH_LOCAL) {
+        if (window_left >= 0) kv_lo = max(0, m0 + diag - window_left);
+        if (window_right >= 0) kv_hi = min(Sk, m0 + BR - 1 + diag + window_right + 1);
+    }
+    const int tile_lo = kv_lo / BC, tile_hi = kv_hi > kv_lo ? (kv_hi + BC - 1) / BC : tile_lo;
+    const int ntiles = tile_hi - tile_lo;
+    if (threadIdx.x == 0) {
+        ptx_mbarrier_init(&q_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            ptx_mbarrier_init(&full[s], 1);
+            ptx_mbarrier_init(&empty[s], 2);   // one arrival per consumer warpgroup
+        }
+        ptx_fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {   // ---------------------------------------------------------------- producer
+        ptx_setmaxnreg_dec<40>();
+        if (threadIdx.x / 32 == 0 && ptx_elect_one()) {
+            ptx_mbarrier_arrive_expect_tx(&q_full, Q_BYTES);
+            for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(q_s + p * PANEL_Q, &map_q, p * PANEL, m0, h, b, &q_full);
+            for (int j = 0; j < ntiles; ++j) {
+                const int s = j % STAGES;
+                if (j >= STAGES) ptx_mbarrier_wait(&empty[s], ((j / STAGES) - 1) & 1);
+                ptx_mbarrier_arrive_expect_tx(&full[s], K_BYTES + V_BYTES);
+                const int kv0 = (tile_lo + j) * BC;
+                for (int p = 0; p < NPANEL; ++p)
+                    ptx_tma_load_4d(k_s + s * K_BYTES + p * PANEL_KV, &map_k, p * PANEL, kv0, hk, b, &full[s]);
+                for (int p = 0; p < NPANEL_V; ++p)
+                    ptx_tma_load_4d(v_s + s * V_BYTES + p * PANEL_KV, &map_v, p * PANEL, kv0, hk, b, &full[s]);
+            }
+        }
+        return;
+    }
+
+    // ---------------------------------------------------------------------------- consumers
+    ptx_setmaxnreg_inc<232>();
+    const int c = wg - 1;                                     // rows 64c.. of the tile
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int row0 = m0 + 64 * c + 16 * warp + g;             // this thread's rows: row0 and row0 + 8
+    float o[DV / 2];
+    for (int i = 0; i < DV / 2; ++i) o[i] = 0.0f;
+    float m_run[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF}, l_run[2] = {0.0f, 0.0f};
+    ptx_mbarrier_wait(&q_full, 0);
+    for (int j = 0; j < ntiles; ++j) {
+        const int s = j % STAGES, kv0 = (tile_lo + j) * BC;
+        ptx_mbarrier_wait(&full[s], (j / STAGES) & 1);
+        const unsigned char* ks = k_s + s * K_BYTES;
+        const unsigned char* vs = v_s + s * V_BYTES;
+        float sc[BC / 2];
+        ptx_wgmma_fence();
+        for (int kk = 0; kk < D / 16; ++kk) {   // S = Q K^T: K-major Q and K, 16 head-dim columns a step
+            const int p = (kk * 16) / PANEL, inner = (kk * 16) % PANEL;
+            const unsigned long long dq = ptx_wgmma_desc(q_s + p * PANEL_Q + 64 * c * 128 + inner * 2, 16, 1024, 128);
+            const unsigned long long dk = ptx_wgmma_desc(ks + p * PANEL_KV + inner * 2, 16, 1024, 128);
+            ptx_wgmma_ss<BC, BF16, 0, 0>(sc, dq, dk, kk > 0);
+        }
+        ptx_wgmma_commit();
+        ptx_wgmma_wait<0>();
+        // online softmax (log2 domain): mask, row max, rescale O and l, P = exp2(S' - m)
+        // a tile needs the mask if it holds keys past Sk, or (a window) keys left of the last row's
+        // first visible key or right of the first row's last one
+        const int wrow_lo = m0 + 64 * c, wrow_hi = wrow_lo + 63;
+        const bool boundary = kv0 + BC > Sk ||
+                              (CUFLASH_LOCAL && ((window_left >= 0 && kv0 < wrow_hi + diag - window_left) ||
+                                                 (window_right >= 0 && kv0 + BC - 1 > wrow_lo + diag + window_right)));
+        float mx[2] = {m_run[0], m_run[1]};
+        for (int i = 0; i < BC / 2; ++i) {
+            const int r = (i % 4) / 2, col = kv0 + 8 * (i / 4) + 2 * t + i % 2, row = row0 + 8 * r;
+            float x = sc[i] * scale_log2;
+            if (boundary && (col >= Sk || (CUFLASH_LOCAL && ((window_left >= 0 && col < row + diag - window_left) ||
+                                                            (window_right >= 0 && col > row + diag + window_right)))))
+                x = CUFLASH_NEG_INF;
+            sc[i] = x;
+            mx[r] = fmaxf(mx[r], x);
+        }
+        float alpha[2], base[2];
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = quad_max(mx[r]);
+            base[r] = mx[r] == CUFLASH_NEG_INF ? 0.0f : mx[r];   // a row with no key yet: exp2(-inf) = 0, no NaN
+            alpha[r] = exp2f(m_run[r] - base[r]);
+            m_run[r] = mx[r];
+            l_run[r] *= alpha[r];
+        }
+        for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i % 4) / 2];
+        unsigned pa[BC / 16][4];
+        for (int i = 0; i < BC / 2; i += 4) {   // P into the A fragment of O += P V (16 keys per k step)
+            const float p0 = exp2f(sc[i] - base[0]), p1 = exp2f(sc[i + 1] - base[0]);
+            const float p2 = exp2f(sc[i + 2] - base[1]), p3 = exp2f(sc[i + 3] - base[1]);
+            l_run[0] += p0 + p1;
+            l_run[1] += p2 + p3;
+            const int kb = i / 8, half = (i / 4) % 2;   // columns 8 (i / 4) ..: k step kb, its first or second 8
+            pa[kb][2 * half] = pack(p0, p1);
+            pa[kb][2 * half + 1] = pack(p2, p3);
+        }
+        ptx_wgmma_fence();
+        for (int kb = 0; kb < BC / 16; ++kb)   // O += P V: V N-major, keys 16kb.. as K
+            ptx_wgmma_rs<DV, BF16, 1>(o, pa[kb], ptx_wgmma_desc(vs + kb * 16 * 128, PANEL_KV, 1024, 128), 1);
+        ptx_wgmma_commit();
+        ptx_wgmma_wait<0>();
+        if (tid == 0) ptx_mbarrier_arrive(&empty[s]);
+    }
+    // epilogue: O / l into 16-bit, staged over this consumer's Q rows (128-byte swizzle), TMA store
+    float inv[2];
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(l_run[r]);
+        inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
+        if (t == 0 && row0 + 8 * r < Sq)
+            lse[(size_t(b) * Hq + h) * Sq + row0 + 8 * r] = l > 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
+    }
+    unsigned char* o_s = q_s + 64 * c * 128;
+    for (int i = 0; i < DV / 2; i += 2) {
+        const int r = (i % 4) / 2, rr = 16 * warp + g + 8 * r, col = 8 * (i / 4) + 2 * t;
+        const int p = col / PANEL, cb = (col % PANEL) * 2;   // byte within the 128-byte row
+        const int sw = ((cb >> 4) ^ (rr & 7)) << 4 | (cb & 15);
+        *reinterpret_cast<unsigned*>(o_s + p * PANEL_Q + rr * 128 + sw) = pack(o[i] * inv[r], o[i + 1] * inv[r]);
+    }
+    ptx_fence_proxy_async();
+    ptx_bar_sync(1 + c, 128);
+    if (tid == 0) {
+        for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_4d(&map_o, p * PANEL, m0 + 64 * c, h, b, o_s + p * PANEL_Q);
+        ptx_bulk_commit();
+        ptx_bulk_wait<0>();
+    }
+}
+
+}  // namespace fwd_sm90
+
+extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(const __grid_constant__ cuflash_tensor_map map_q,
+                                                                   const __grid_constant__ cuflash_tensor_map map_k,
+                                                                   const __grid_constant__ cuflash_tensor_map map_v,
+                                                                   const __grid_constant__ cuflash_tensor_map map_o,
+                                                                   float* lse, int Sq, int Sk, int Hq, int group,
+                                                                   float scale_log2, int window_left, int window_right) {
+    fwd_sm90::forward(map_q, map_k, map_v, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right);
+}
+
+#endif  // sm_90a
