@@ -356,7 +356,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         arch = int(cupy.cuda.Device(int(problem.device[1])).compute_capability)
     arrays = (q, k, v) if problem.kind in ("numpy", "cupy") else None  # DLPack: shape-level checks only
     tier = dispatch.forward_tier(problem, arch, arrays)
-    variant = tier.choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+    variant = dispatch.variant_for(tier, problem, arch)
     block_m = getattr(variant, "block_m", None)
     blocks = None
     if block_m:

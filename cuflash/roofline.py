@@ -143,7 +143,7 @@ RATES = {"h200": _hopper(intensity.H200), "h100": _hopper(intensity.H100), "a100
 # SASS
 # --------------------------------------------------------------------------------------------
 
-_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)([^;]*);")
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)([^;]*);")
 _FUNCTION = re.compile(r"Function : (\S+)")
 
 
@@ -295,6 +295,23 @@ def _blocks(insns: list[Insn]):
     return blocks
 
 
+def _reaches(insns: list[Insn], head: int, latch: int) -> bool:
+    """Whether the branch at ``latch`` is reachable from ``head`` along forward edges inside
+    ``[head, latch]``."""
+    blocks = {insns[s].addr: (e, succ) for s, e, succ in _blocks(insns) if head <= insns[s].addr <= latch}
+    seen, todo = set(), [head]
+    while todo:
+        here = todo.pop()
+        if here in seen or here not in blocks:
+            continue
+        seen.add(here)
+        e, succ = blocks[here]
+        if insns[e - 1].addr == latch:
+            return True
+        todo.extend(n for n in succ if here < n <= latch)
+    return False
+
+
 def main_loop(insns: list[Insn]) -> tuple[int, int, int]:
     """``(header address, latch address, inner loops)`` of the loop with the most tensor
     instructions in its body (else the most FP32 ones): the latch is the backward branch.
@@ -304,17 +321,19 @@ def main_loop(insns: list[Insn]) -> tuple[int, int, int]:
     ValueError
         If the code has no loop.
     """
-    best = None
     backs = [(x.target, x.addr) for x in insns if x.target is not None and x.target <= x.addr]
+    ranked = []
     for head, latch in backs:
         body = [x for x in insns if head <= x.addr <= latch]
         key = (sum(x.op in ("HMMA", "HGMMA") for x in body), sum(x.op in ("FFMA", "FADD", "FMUL") for x in body),
                -(latch - head))
-        if best is None or key > best[0]:
-            best = (key, head, latch)
-    if best is None:
+        ranked.append((key, head, latch))
+    if not ranked:
         raise ValueError("cuflash.roofline: the kernel has no loop")
-    _, head, latch = best
+    ranked.sort(reverse=True)
+    # a backward branch the body does not reach by forward edges is no loop's latch: the out-of-line
+    # retry of a spin-wait (an mbarrier try_wait placed after the code, jumping back into it)
+    _, head, latch = next(((k, h, t) for k, h, t in ranked if _reaches(insns, h, t)), ranked[0])
     inner = sum(1 for h, t in backs if head <= h and t < latch and (h, t) != (head, latch))
     return head, latch, inner
 
@@ -429,9 +448,15 @@ def _tile_flops(direction: str, bm: int, bn: int, d: int, dv: int) -> int:
 
 def model(counts: Counts, masked: Counts, *, rates: SmRates, entry: str, direction: str, block_m: int,
           block_n: int, head_dim: int, head_dim_v: int, threads: int, registers: int, spills: int, smem: int,
-          dtype_bytes: int, seqlen: int = 8192, inner_loops: int = 0, wgmma: bool = False) -> Roofline:
-    """The pipes' cycles per tile, the binding pipe and the ceiling, from the counts."""
-    warps = threads // 32
+          dtype_bytes: int, seqlen: int = 8192, inner_loops: int = 0, wgmma: bool = False,
+          math_threads: int | None = None) -> Roofline:
+    """The pipes' cycles per tile, the binding pipe and the ceiling, from the counts.
+
+    ``math_threads``: the threads that run the main loop when fewer than the block's (a
+    warp-specialized kernel's consumers; its producer warps issue TMA, counted in no pipe). A
+    wgmma reads its shared-memory operands without instructions, so the smem pipe counts only
+    the threads' own shared-memory accesses there."""
+    warps = (math_threads or threads) // 32
     flops = _tile_flops(direction, block_m, block_n, head_dim, head_dim_v)
     cost = intensity.fused_attention_cost(seqlen, head_dim, headdim_v=head_dim_v, dtype=dtype_bytes,
                                           backward=direction == "bwd")
@@ -510,7 +535,7 @@ def _shape_of(variant) -> tuple[str, int, int, int, int]:
     direction = "bwd" if "bwd" in fam else "fwd"
     bm, bn = (variant.block_m, variant.block_n)
     d = variant.head_dim_max
-    return direction, bm, bn, d, d
+    return direction, bm, bn, d, getattr(variant, "head_dim_v_max", d)
 
 
 def variants(arch: int, *, backward: bool | None = None, dtype: str | None = None,
@@ -538,6 +563,8 @@ def variants(arch: int, *, backward: bool | None = None, dtype: str | None = Non
         out = []
         for bwd in ((False, True) if backward is None else (backward,)):
             tier = dispatch.backward_tier(problem, arch) if bwd else dispatch.forward_tier(problem, arch)
+            if varlen and not bwd:   # packed batches: the tier that has packed forms (the Hopper tier has none)
+                tier = next(m for _, m in dispatch.TIERS if m.all_variants(arch, varlen=True))
             chosen = tier.choose_variant(dt, head_dim, dv, arch)
             if varlen:   # the tier's packed form of that variant
                 chosen = next(v for v in tier.all_variants(arch, varlen=True)
@@ -595,7 +622,8 @@ def compile_sass(variant, arch: int) -> tuple[str, dict]:
     """
     from cuflash.runtime import cuda_runner, source
 
-    cubin, log = cuda_runner.nvrtc_compile(source.build_source(variant), arch, name=variant.source,
+    target = getattr(variant, "target_arch", None) or arch   # (the Hopper tier: sm_90a)
+    cubin, log = cuda_runner.nvrtc_compile(source.build_source(variant), target, name=variant.source,
                                            extra_options=("-Xptxas=-v",))
     return disassemble(cubin), cuda_runner.ptxas_resources(log, variant.entry)
 
@@ -634,7 +662,8 @@ def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str 
     direction, bm, bn, d, dv = _shape_of(variant)
     wgmma = any(x.op == "HGMMA" for x in insns if head <= x.addr <= latch)
     return model(unmasked, masked, rates=rates, entry=variant.entry, direction=direction, block_m=bm, block_n=bn,
-                 head_dim=d, head_dim_v=dv, threads=variant.threads, registers=res["registers"],
+                 head_dim=d, head_dim_v=dv, threads=variant.threads, math_threads=getattr(variant, "math_threads", None),
+                 registers=res["registers"],
                  spills=res["spill_stores"] + res["spill_loads"], smem=variant.smem_bytes + res["static_smem"],
                  dtype_bytes=2 if variant.dtype in ("f16", "bf16") else 4, seqlen=seqlen, inner_loops=inner,
                  wgmma=wgmma)

@@ -1,5 +1,6 @@
 // cuflash: the Hopper (sm_90a) attention forward, FA3's design (Shah et al., "FlashAttention-3",
-// 2024, sections 3.1-3.2), first form: warp specialization without the ping-pong schedule yet.
+// 2024, section 3.1): warp specialization and the ping-pong schedule of the two consumers (the
+// intra-warpgroup overlap of section 3.2 is not done yet).
 //
 //   block = 3 warpgroups: warpgroup 0 is the producer (setmaxnreg.dec; one elected thread issues
 //   TMA loads: Q once, then K and V tiles into a 2-stage ring guarded by "full" and "empty"
@@ -11,6 +12,12 @@
 //   wgmma with A from registers and V N-major from shared memory; O is rescaled in registers,
 //   divided once at the end, staged in shared memory (over the consumer's own Q rows) and stored
 //   by TMA, whose tensor map drops rows past Sq. LSE is written in the natural log.
+//   Ping-pong: the consumers take turns on the tensor cores through two named barriers; each
+//   waits for its turn before issuing a tile's S = Q K^T and hands the turn over right after, so
+//   one warpgroup's softmax runs while the other's GEMMs do.
+//
+//   The load and store stages sit behind one seam (load_q / load_kv / store_o): a cp.async gather
+//   or a masked store (packed sequences, paged caches) replaces them without touching the math.
 //
 // Layout: q (B, Hq, Sq, D), k (B, Hk, Sk, D), v (B, Hk, Sk, Dv), o (B, Hq, Sq, Dv) through 4-d
 // tensor maps (any strides TMA can describe: the head dim contiguous, the others multiples of 16
@@ -36,6 +43,8 @@ constexpr int PANEL = 64;                               // head-dim elements per
 constexpr int NPANEL = (D + PANEL - 1) / PANEL, NPANEL_V = (DV + PANEL - 1) / PANEL;
 constexpr int PANEL_Q = BR * 128, PANEL_KV = BC * 128;  // bytes of one 64-column panel
 constexpr int Q_BYTES = NPANEL * PANEL_Q, K_BYTES = NPANEL * PANEL_KV, V_BYTES = NPANEL_V * PANEL_KV;
+// named barriers: 1, 2 the consumers' epilogues (128 threads); 3, 4 their turns (256 threads)
+constexpr int EPILOGUE_BAR = 1, TURN_BAR = 3;
 static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && NPANEL_V <= NPANEL, "head-dim buckets and tiles");
 
 __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* smem) {
@@ -56,6 +65,31 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// ---------------------------------------------------------------- the load and store seam (TMA)
+struct Tiles {
+    const cuflash_tensor_map *q, *k, *v, *o;
+    int h, hk, b;
+};
+
+__device__ __forceinline__ void load_q(const Tiles& t, unsigned char* q_s, int m0, unsigned long long* bar) {
+    ptx_mbarrier_arrive_expect_tx(bar, Q_BYTES);
+    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(q_s + p * PANEL_Q, t.q, p * PANEL, m0, t.h, t.b, bar);
+}
+
+__device__ __forceinline__ void load_kv(const Tiles& t, unsigned char* ks, unsigned char* vs, int kv0, unsigned long long* bar) {
+    ptx_mbarrier_arrive_expect_tx(bar, K_BYTES + V_BYTES);
+    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(ks + p * PANEL_KV, t.k, p * PANEL, kv0, t.hk, t.b, bar);
+    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_load_4d(vs + p * PANEL_KV, t.v, p * PANEL, kv0, t.hk, t.b, bar);
+}
+
+// one consumer's 64 x Dv output rows from shared memory (after its named barrier); rows past Sq
+// are dropped by the map's bounds
+__device__ __forceinline__ void store_o(const Tiles& t, const unsigned char* o_s, int row0) {
+    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_4d(t.o, p * PANEL, row0, t.h, t.b, o_s + p * PANEL_Q);
+    ptx_bulk_commit();
+    ptx_bulk_wait<0>();
+}
+
 __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_map& map_k, const cuflash_tensor_map& map_v,
                         const cuflash_tensor_map& map_o, float* lse, int Sq, int Sk, int Hq, int group, float scale_log2,
                         int window_left, int window_right) {
@@ -67,6 +101,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     unsigned char* k_s = q_s + Q_BYTES;                      // [STAGES][NPANEL][BC rows][128 B]
     unsigned char* v_s = k_s + STAGES * K_BYTES;             // [STAGES][NPANEL_V][BC rows][128 B]
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, b};
     const int wg = threadIdx.x / 128;
     // the key tiles some row of the block sees: [tile_lo, tile_hi)
     const int diag = Sk - Sq;
@@ -90,17 +125,11 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     if (wg == 0) {   // ---------------------------------------------------------------- producer
         ptx_setmaxnreg_dec<40>();
         if (threadIdx.x / 32 == 0 && ptx_elect_one()) {
-            ptx_mbarrier_arrive_expect_tx(&q_full, Q_BYTES);
-            for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(q_s + p * PANEL_Q, &map_q, p * PANEL, m0, h, b, &q_full);
+            load_q(tiles, q_s, m0, &q_full);
             for (int j = 0; j < ntiles; ++j) {
                 const int s = j % STAGES;
                 if (j >= STAGES) ptx_mbarrier_wait(&empty[s], ((j / STAGES) - 1) & 1);
-                ptx_mbarrier_arrive_expect_tx(&full[s], K_BYTES + V_BYTES);
-                const int kv0 = (tile_lo + j) * BC;
-                for (int p = 0; p < NPANEL; ++p)
-                    ptx_tma_load_4d(k_s + s * K_BYTES + p * PANEL_KV, &map_k, p * PANEL, kv0, hk, b, &full[s]);
-                for (int p = 0; p < NPANEL_V; ++p)
-                    ptx_tma_load_4d(v_s + s * V_BYTES + p * PANEL_KV, &map_v, p * PANEL, kv0, hk, b, &full[s]);
+                load_kv(tiles, k_s + s * K_BYTES, v_s + s * V_BYTES, (tile_lo + j) * BC, &full[s]);
             }
         }
         return;
@@ -115,12 +144,14 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     for (int i = 0; i < DV / 2; ++i) o[i] = 0.0f;
     float m_run[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF}, l_run[2] = {0.0f, 0.0f};
     ptx_mbarrier_wait(&q_full, 0);
+    if (c == 1 && ntiles > 0) ptx_bar_arrive(TURN_BAR + 0, 256);   // the first turn is consumer 0's
     for (int j = 0; j < ntiles; ++j) {
         const int s = j % STAGES, kv0 = (tile_lo + j) * BC;
         ptx_mbarrier_wait(&full[s], (j / STAGES) & 1);
         const unsigned char* ks = k_s + s * K_BYTES;
         const unsigned char* vs = v_s + s * V_BYTES;
         float sc[BC / 2];
+        ptx_bar_sync(TURN_BAR + c, 256);   // this consumer's turn on the tensor cores
         ptx_wgmma_fence();
         for (int kk = 0; kk < D / 16; ++kk) {   // S = Q K^T: K-major Q and K, 16 head-dim columns a step
             const int p = (kk * 16) / PANEL, inner = (kk * 16) % PANEL;
@@ -129,6 +160,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
             ptx_wgmma_ss<BC, BF16, 0, 0>(sc, dq, dk, kk > 0);
         }
         ptx_wgmma_commit();
+        // hand the turn over (the other consumer's S runs during this softmax); each barrier
+        // gets as many arrivals as syncs, so consumer 1 skips its last hand-over
+        if (c == 0 || j + 1 < ntiles) ptx_bar_arrive(TURN_BAR + 1 - c, 256);
         ptx_wgmma_wait<0>();
         // online softmax (log2 domain): mask, row max, rescale O and l, P = exp2(S' - m)
         // a tile needs the mask if it holds keys past Sk, or (a window) keys left of the last row's
@@ -189,12 +223,8 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         *reinterpret_cast<unsigned*>(o_s + p * PANEL_Q + rr * 128 + sw) = pack(o[i] * inv[r], o[i + 1] * inv[r]);
     }
     ptx_fence_proxy_async();
-    ptx_bar_sync(1 + c, 128);
-    if (tid == 0) {
-        for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_4d(&map_o, p * PANEL, m0 + 64 * c, h, b, o_s + p * PANEL_Q);
-        ptx_bulk_commit();
-        ptx_bulk_wait<0>();
-    }
+    ptx_bar_sync(EPILOGUE_BAR + c, 128);
+    if (tid == 0) store_o(tiles, o_s, m0 + 64 * c);
 }
 
 }  // namespace fwd_sm90

@@ -146,3 +146,12 @@ def pytest_terminal_summary(terminalreporter):
         n = sum(1 for r in rows if r[0] == nvrtc)
         tr.write_line(f"NVRTC {nvrtc}: {n} compiles, {total:.1f} s of compiler time, {wall:.1f} s wall on "
                       f"{getattr(gate, 'WORKERS', '?')} threads")
+
+
+@pytest.fixture
+def without_hopper_tier(monkeypatch):
+    """The forward dispatcher without its Hopper tier (kernels_cu/attention_fwd_sm90.cu), for
+    tests of the tensor-core tier on sm_90, which serves the calls the Hopper tier refuses."""
+    from cuflash.kernels import attention_fwd_sm90, dispatch
+
+    monkeypatch.setattr(dispatch, "TIERS", tuple(t for t in dispatch.TIERS if t[1] is not attention_fwd_sm90))

@@ -46,6 +46,7 @@ FILES = {
     "softmax.cu": ("softmax_checked", "softmax_seeds"),
     "attention_combine.cu": ("kvcache_split_checked", "kvcache_split_seeds"),
     "hopper_probe.cu": ("hopper_checked", "hopper_seeds"),
+    "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked"),
 }
 #: mutants no probe kills, each with why removing that line is harmless (or what gap it shows)
 SURVIVORS: dict[str, str] = {}
@@ -195,6 +196,24 @@ def _hopper_case(checked, seeds):
             np.testing.assert_array_equal(out, hp.expected_stmatrix(), err_msg=f"stmatrix, seed {seed}")
 
 
+def _sm90_case(dtype, d, sq, sk, causal, checked, seeds):
+    """The Hopper forward through the dispatcher (its tier asserted), against the oracle."""
+    import cuflash
+    from cuflash import sim
+    from cuflash.reference import tolerance
+
+    rng = np.random.default_rng(sq + d)
+    q = rng.standard_normal((1, 2, sq, d)).astype(dtype)
+    k = rng.standard_normal((1, 1, sk, d)).astype(dtype)
+    v = rng.standard_normal((1, 1, sk, d)).astype(dtype)
+    for seed in seeds:
+        with sim.options(arch="sm_90", checked=checked, seed=seed):
+            assert cuflash.explain(q, k, v, causal=causal, backend="sim")["tier"] == "attention_fwd_sm90"
+            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, backend="sim")
+        ok, msg, _ = tolerance.compare(out, q, k, v, lse=lse, causal=causal)
+        assert ok, f"Hopper forward, seed {seed}: {msg}"
+
+
 F16, F32 = np.float16, np.float32
 PROBES = {
     "fwd_mma_checked": lambda: _attention_case(F16, 64, 200, 300, True, "sm_80", True, (0,), False),
@@ -221,6 +240,10 @@ PROBES = {
     "kvcache_split_seeds": lambda: _kvcache_case(False, SEEDS),
     "softmax_seeds": lambda: _softmax_case(False, SEEDS),
     "hopper_checked": lambda: _hopper_case(True, (0,)),
+    # the Hopper forward: 3 key tiles through the 2-stage ring (both parities), 2 query tiles, GQA
+    "fwd_sm90_checked": lambda: _sm90_case(F16, 64, 200, 300, False, True, (0,)),
+    "fwd_sm90_seeds": lambda: _sm90_case(F16, 64, 200, 300, False, False, SEEDS),
+    "fwd_sm90_local_checked": lambda: _sm90_case(F16, 128, 190, 260, True, True, (0,)),
     "hopper_seeds": lambda: _hopper_case(False, SEEDS),
 }
 

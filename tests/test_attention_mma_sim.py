@@ -9,6 +9,12 @@ odd offset or with strides that are not multiples of 8 (both must fall back to t
 kernel), large logits. Every case also checks which tier the dispatcher chose, so a silent
 fallback cannot pass as a tensor-core result. The simulator emulates sm_90 by default; a few
 cases run the sm_80 variants (other tiles for 256).
+
+On sm_90 the Hopper tier (kernels_cu/attention_fwd_sm90.cu) now comes first; this module takes it
+out of the dispatcher's list (the autouse fixture below), so the tensor-core tier keeps its own
+sm_90 grid: it is what serves sm_90 calls the Hopper tier refuses (dropout, packed batches, KV
+caches, views a tensor map cannot describe) and Blackwell. tests/test_attention_sm90_sim.py runs
+the same grid on the Hopper tier.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ LOGITS = ["normal", "large"]
 
 AXES = [LENGTHS, LENGTHS, HEAD_DIMS, DV, HEADS, list(MASKS), FORMS, list(DTYPES), LOGITS]
 PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
+
+
+pytestmark = pytest.mark.usefixtures("without_hopper_tier")   # (see the module docstring; tests/conftest.py)
 
 
 def _inputs(rng, form, dtype, b, hq, hk, sq, sk, d, dv, scale):
@@ -87,7 +96,8 @@ def expects_mma(d: int, dv: int, form: str, arrays=None) -> bool:
                for x in arrays)
 
 
-def run_case(rng, sq, sk, d, dv_kind, heads, mask, form, dtype_key, logits, *, arch=90):
+def run_case(rng, sq, sk, d, dv_kind, heads, mask, form, dtype_key, logits, *, arch=90, tier_module=attention_fwd_mma,
+             expects=expects_mma):
     hq, hk = heads
     dv = d if dv_kind == "same" else OTHER_DV[d]
     dtype = DTYPES[dtype_key]
@@ -98,7 +108,7 @@ def run_case(rng, sq, sk, d, dv_kind, heads, mask, form, dtype_key, logits, *, a
     kw = dict(causal=causal, window_size=window, layout=layout)
     problem = validation.check_attention(q, k, v, **kw)
     tier = dispatch.forward_tier(problem, arch, (q, k, v, None))
-    assert (tier is attention_fwd_mma) == expects_mma(d, dv, form, (q, k, v)), \
+    assert (tier is tier_module) == expects(d, dv, form, (q, k, v)), \
         dispatch.describe_choice(problem, arch, (q, k, v))
     with cuflash.sim.options(arch=f"sm_{arch}"):
         out, lse = cuflash.attention(q, k, v, return_lse=True, backend="sim", **kw)

@@ -165,6 +165,7 @@ def test_cp_async_read_past_a_view_is_reported():
 
 @pytest.mark.parametrize("dtype,sq,sk,d,causal", [("f16", 40, 71, 40, True), ("bf16", 33, 50, 128, False),
                                                   ("f16", 17, 129, 96, True)])
+@pytest.mark.usefixtures("without_hopper_tier")
 def test_tensor_core_kernel_is_clean(dtype, sq, sk, d, causal):
     # aligned fp16/bf16 views: the dispatcher picks the mma.sync kernel (cp.async, ldmatrix)
     rng = np.random.default_rng(sq * 1000 + d)

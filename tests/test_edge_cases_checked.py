@@ -29,6 +29,7 @@ from cuflash.kernels import (
     attention_bwd_simt,
     attention_fwd_mma,
     attention_fwd_simt,
+    attention_fwd_sm90,
     dispatch,
 )
 from cuflash.runtime import dtypes, validation
@@ -41,6 +42,9 @@ TIERS = [
     ("mma_bf16_d128", "sm_80", dtypes.bfloat16, 128, attention_fwd_mma, attention_bwd_mma),
     ("mma_f16_d128_sm90", "sm_90", dtypes.float16, 128, attention_fwd_mma, attention_bwd_mma),   # 64 x 128 keys
     ("mma_bf16_d256_sm90", "sm_90", dtypes.bfloat16, 256, attention_fwd_mma, attention_bwd_mma),
+    # the Hopper forward (its LSE into the tensor-core backward)
+    ("sm90_f16_d128", "sm_90", dtypes.float16, 128, attention_fwd_sm90, attention_bwd_mma),
+    ("sm90_bf16_d256", "sm_90", dtypes.bfloat16, 256, attention_fwd_sm90, attention_bwd_mma),
 ]
 #: (name, Sq, Sk, causal, window_size)
 CASES = [
@@ -66,7 +70,9 @@ def _expect_tier(problem, arch, arrays, fwd, bwd):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("tier", TIERS, ids=[t[0] for t in TIERS])
-def test_forward_and_backward_clean(tier, case, rng):
+def test_forward_and_backward_clean(tier, case, rng, request):
+    if tier[1] == "sm_90" and tier[4] is attention_fwd_mma:   # the tensor-core tier's own sm_90 rows
+        request.getfixturevalue("without_hopper_tier")
     _, arch, dtype, d, fwd, bwd = tier
     _, sq, sk, causal, window = case
     q = rng.standard_normal((1, 2, sq, d)).astype(dtype)

@@ -304,8 +304,13 @@ def test_a_cuda13_only_tier_falls_back_under_nvrtc12(monkeypatch):
     monkeypatch.setattr(cuda_runner, "nvrtc_majors", lambda: (12,))
     p, arrays = _problem()
     line = dispatch.describe_choice(p, 90, arrays)
-    assert line.startswith("sm_90: tensor-core mma.sync tier") and "Hopper wgmma tier not used: its kernels are CUDA-13-only" in line
+    assert line.startswith("sm_90: Hopper wgmma tier, cuflash_attn_fwd_sm90") and \
+        "Hopper wgmma tier not used: its kernels are CUDA-13-only" in line   # (the stand-in, then the real one)
 
 
-def test_the_public_catalog_has_no_sm90a_tier_yet():
-    assert all(getattr(mod, "TARGET_ARCH", None) is None for _, mod in dispatch.TIERS + dispatch.BACKWARD_TIERS)
+def test_the_public_catalog_has_one_sm90a_tier_the_hopper_forward():
+    from cuflash.kernels import attention_fwd_sm90
+
+    sm90a = [mod for _, mod in dispatch.TIERS + dispatch.BACKWARD_TIERS if getattr(mod, "TARGET_ARCH", None)]
+    assert sm90a == [attention_fwd_sm90] and attention_fwd_sm90.TARGET_ARCH == "90a"
+    assert dispatch.target_reason(attention_fwd_sm90, 100) and dispatch.target_reason(attention_fwd_sm90, 90) is None

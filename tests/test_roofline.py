@@ -115,6 +115,7 @@ def test_backward_d128_meets_the_fa2_design_budget(tools):
 
 
 @pytest.mark.parametrize("backward,d", [(False, 64), (False, 128), (False, 256), (True, 128), (True, 256)])
+@pytest.mark.usefixtures("without_hopper_tier")   # (the tensor-core tier's fixed and packed kernels)
 def test_varlen_main_loop_matches_the_fixed_shape_kernels(tools, backward, d):
     """Issue 21: the packed kernels' main loop is the fixed-shape one's (its lengths and offsets
     are set up before it): same tile, the same tensor instructions and shared-memory bytes, and
@@ -164,10 +165,13 @@ def test_command_line(tools, tmp_path, capsys):
     out = tmp_path / "r.json"
     assert roofline.main(["--head-dim", "128", "--json", str(out), "--sass", str(tmp_path / "sass")]) == 0
     text = capsys.readouterr().out
-    assert "MODEL, not a measurement" in text and "cuflash_attn_fwd_mma_bf16_d128" in text
+    # (the H200 forward of bf16 d128 is the Hopper tier's: wgmma, HGMMA in its SASS, tensor-bound)
+    assert "MODEL, not a measurement" in text and "cuflash_attn_fwd_sm90_bf16_d128" in text
     rec = json.loads(out.read_text())
-    assert len(rec) == 1 and rec[0]["direction"] == "fwd" and rec[0]["arch"] == 90
-    assert (tmp_path / "sass" / f"{rec[0]['entry']}.sm_90.sass").read_text().count("HMMA") > 0
+    assert len(rec) == 1 and rec[0]["direction"] == "fwd" and rec[0]["arch"] == 90 and rec[0]["bound"] == "tensor"
+    sass = (tmp_path / "sass" / f"{rec[0]['entry']}.sm_90.sass").read_text()
+    assert sass.count("HGMMA") > 0 and "HMMA" not in sass
+    assert rec[0]["macs_per_tile"] == 128 * 128 * 2 * 128   # the tile's S and O GEMMs, both consumers
     assert roofline.main(["--device", "h200", "--arch", "80"]) == 2
     assert "does not match" in capsys.readouterr().err
     assert roofline.main(["--dtype", "int8", "--head-dim", "64"]) == 2

@@ -76,8 +76,34 @@ class Sm90ForwardVariant(variants.Variant):
         return (self.dtype, dims) + (("local",) if self.local else ())
 
     @property
+    def block_m(self) -> int:
+        return BLOCK_M
+
+    @property
     def block_n(self) -> int:
         return BLOCK_N[self.head_dim]
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        """Three warpgroups: the producer and two consumers."""
+        return (384, 1, 1)
+
+    @property
+    def threads(self) -> int:
+        return 384
+
+    @property
+    def math_threads(self) -> int:
+        """The consumer warpgroups' threads, which run the main loop (the roofline's pipes)."""
+        return 256
+
+    @property
+    def head_dim_max(self) -> int:
+        return self.head_dim
+
+    @property
+    def head_dim_v_max(self) -> int:
+        return self.head_dim_v
 
     @property
     def smem_bytes(self) -> int:
@@ -103,18 +129,25 @@ def bucket(d: int) -> int:
     raise ValueError(f"attention_fwd_sm90: head dim {d} is above {HEAD_DIM_BUCKETS[-1]}")
 
 
-def all_variants(arch: int = 90) -> tuple[Sm90ForwardVariant, ...]:
-    """Every variant (the compile gate's and precompile's list); none below sm_90."""
-    if arch != 90:
+def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
+                 dropout: bool = False) -> tuple[Sm90ForwardVariant, ...]:
+    """Every variant (the compile gate's and precompile's list); none below sm_90, and no packed,
+    KV-cache or dropout forms (those calls go to the tensor-core tier)."""
+    if arch != 90 or varlen or kvcache or dropout:
         return ()
     return tuple(Sm90ForwardVariant(dt, d, dv, local) for dt in DTYPES for d in HEAD_DIM_BUCKETS
                  for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)) for local in (False, True))
 
 
-def choose_variant(problem) -> Sm90ForwardVariant:
+def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int = 90, *, local: bool = False) -> Sm90ForwardVariant:
+    """The variant of a call's dtype and head dims (``local``: causal or a window)."""
+    return Sm90ForwardVariant(variants.dtype_key(dtype), bucket(head_dim), bucket(head_dim_v), local)
+
+
+def variant_for(problem) -> Sm90ForwardVariant:
+    """The variant that runs ``problem``."""
     p = problem
-    return Sm90ForwardVariant(variants.dtype_key(p.dtype), bucket(p.head_dim), bucket(p.head_dim_v),
-                              p.window_left >= 0 or p.window_right >= 0)
+    return choose_variant(p.dtype, p.head_dim, p.head_dim_v, local=p.window_left >= 0 or p.window_right >= 0)
 
 
 def _bhsd(a, layout: str):
@@ -130,6 +163,8 @@ def _tma_reason(a, name: str) -> str | None:
     item = a.dtype.itemsize
     if a.strides[-1] != item and a.shape[-1] > 1:
         return f"{name}'s head dim is not contiguous"
+    if any(int(s) == 0 for s, n in zip(a.strides[:-1], a.shape[:-1]) if n > 1):
+        return f"{name} is a broadcast (stride-0) view, which a TMA tensor map cannot describe"
     bad = [int(s) for s, n in zip(a.strides[:-1], a.shape[:-1]) if n > 1 and int(s) % TMA_ALIGN]
     if bad:
         return f"{name} has a stride of {bad[0]} bytes, not a multiple of {TMA_ALIGN} (a TMA tensor map needs it)"

@@ -14,6 +14,7 @@ from cuflash.kernels import (
     attention_combine,
     attention_fwd_mma,
     attention_fwd_simt,
+    attention_fwd_sm90,
     dropout_mask,
     kvcache_append,
     softmax,
@@ -45,6 +46,7 @@ def variants_for_arch(arch: int) -> tuple:
         for varlen in (False, True):
             out.extend(dataclasses.replace(v, varlen=varlen) for v in attention_fwd_mma.all_variants(arch, dropout=True))
             out.extend(dataclasses.replace(v, varlen=varlen) for v in attention_bwd_mma.all_variants(arch, dropout=True))
+    out.extend(attention_fwd_sm90.all_variants(arch))   # (sm_90a: compute capability 9.0 only)
     if arch >= 75:
         out.extend(dropout_mask.DropoutMaskVariant.all())
         out.extend(kvcache_append.KVCacheAppend.all())

@@ -4,12 +4,15 @@ Tiers, fastest first; the first that applies wins, so a problem the fast kernels
 falls back visibly (:func:`describe_choice` names the tier, the variant, its tiles and, for a
 fallback, why; the ``cuflash.dispatch`` logger logs the same line at DEBUG level):
 
-1. tensor cores (:mod:`cuflash.kernels.attention_fwd_mma`): float16/bfloat16 on sm_80+, rows 16-byte
+1. Hopper wgmma (:mod:`cuflash.kernels.attention_fwd_sm90`, ``sm_90a``): float16/bfloat16 on
+   compute capability 9.0, head dims up to 256 (multiples of 8), views a TMA tensor map can
+   describe (16-byte-aligned strides and base), no dropout, varlen or KV cache;
+2. tensor cores (:mod:`cuflash.kernels.attention_fwd_mma`): float16/bfloat16 on sm_80+, rows 16-byte
    aligned (head dims, strides and view offsets multiples of 8 elements);
-2. portable SIMT (:mod:`cuflash.kernels.attention_fwd_simt`): every dtype, sm_75+.
+3. portable SIMT (:mod:`cuflash.kernels.attention_fwd_simt`): every dtype, sm_75+.
 
 A tier module may declare ``TARGET_ARCH`` (``"90a"``: its kernels are compiled for ``sm_90a``,
-as the Hopper tier's will be) and ``MIN_NVRTC_MAJOR`` (13: CUDA-13-only). Before asking the
+as the Hopper tier's are) and ``MIN_NVRTC_MAJOR`` (13: CUDA-13-only). Before asking the
 module, the dispatcher applies the rule of :func:`target_reason`: an ``sm_90a`` tier runs only on
 compute capability 9.0 (Blackwell, 10.x and 12.x, gets the next tier, and ``explain`` says why),
 and a CUDA-13-only tier only where NVRTC 13.x is installed (under the ``cuda12`` extra the next
@@ -28,6 +31,7 @@ from cuflash.kernels import (
     attention_bwd_simt,
     attention_fwd_mma,
     attention_fwd_simt,
+    attention_fwd_sm90,
 )
 from cuflash.runtime import cubin, cuda_runner, nvrtc
 
@@ -35,7 +39,8 @@ log = logging.getLogger("cuflash.dispatch")
 
 #: tiers in order of preference: (name, module); each module has ``unsupported_reason`` or
 #: takes everything
-TIERS = (("tensor-core mma.sync", attention_fwd_mma), ("portable SIMT", attention_fwd_simt))
+TIERS = (("Hopper wgmma", attention_fwd_sm90), ("tensor-core mma.sync", attention_fwd_mma),
+         ("portable SIMT", attention_fwd_simt))
 #: the backward's tiers, likewise (:func:`backward_tier`)
 BACKWARD_TIERS = (("tensor-core mma.sync", attention_bwd_mma), ("portable SIMT", attention_bwd_simt))
 
@@ -103,6 +108,14 @@ def backward_tier(problem, arch: int, arrays=None):
     return mod
 
 
+def variant_for(mod, problem, arch: int):
+    """The variant the tier module ``mod`` runs ``problem`` with on ``sm_<arch>`` (a tier whose
+    variants depend on more than the dtype and head dims says so with ``variant_for``)."""
+    if hasattr(mod, "variant_for"):
+        return mod.variant_for(problem)
+    return mod.choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+
+
 def describe_choice(problem, arch: int, arrays=None) -> str:
     """One line naming the tier, the variant and its tiles that run ``problem`` on ``sm_<arch>``,
     and why any faster tier was passed over, e.g.::
@@ -112,7 +125,7 @@ def describe_choice(problem, arch: int, arrays=None) -> str:
             tensor-core mma.sync tier not used: D=59 is not a multiple of 8 (...)
     """
     mod, reasons = _choose(problem, arch, arrays)
-    v = mod.choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+    v = variant_for(mod, problem, arch)
     name = dict((m, n) for n, m in TIERS)[mod]
     what = v.describe() if hasattr(v, "describe") else (
         f"{v.entry} (Br={v.block_m}, Bc={v.block_n}, {v.block[0]} threads, {v.smem_bytes} B shared memory)")

@@ -116,8 +116,16 @@ class TensorMap:
 
     @classmethod
     def of(cls, array, box, *, swizzle: int = 0) -> "TensorMap":
-        """The map of a NumPy or CuPy ``array`` (any strides TMA can describe) with ``box``."""
-        return cls(array.dtype, tuple(array.shape), tuple(int(s) for s in array.strides), tuple(box), swizzle)
+        """The map of a NumPy or CuPy ``array`` (any strides TMA can describe) with ``box``. The
+        stride of an axis of extent 1 is never used, so it is replaced by one the driver accepts
+        (NumPy leaves such strides arbitrary, 0 among them)."""
+        shape = tuple(int(n) for n in array.shape)
+        strides = [int(s) for s in array.strides]
+        for i in range(len(shape) - 2, -1, -1):
+            if shape[i] == 1:
+                inner = strides[i + 1] * shape[i + 1]
+                strides[i] = max(16, -(-inner // 16) * 16)
+        return cls(array.dtype, shape, tuple(strides), tuple(box), swizzle)
 
     @property
     def box_bytes(self) -> int:

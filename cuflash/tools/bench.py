@@ -189,7 +189,7 @@ def cuflash_runner(q, k, v, causal: bool, *, tier: str = "auto"):
     problem = validation.check_attention(q, k, v, causal=causal)
     arch = int(cp.cuda.Device().compute_capability)
     mod = attention_fwd_simt if tier == "simt" else dispatch.forward_tier(problem, arch, (q, k, v, None))
-    v_ = mod.choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+    v_ = dispatch.variant_for(mod, problem, arch)
     out = cp.empty(problem.out_shape, dtype=problem.dtype)
 
     def run():
