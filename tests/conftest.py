@@ -155,3 +155,15 @@ def without_hopper_tier(monkeypatch):
     from cuflash.kernels import attention_fwd_sm90, dispatch
 
     monkeypatch.setattr(dispatch, "TIERS", tuple(t for t in dispatch.TIERS if t[1] is not attention_fwd_sm90))
+
+
+@pytest.fixture(scope="session")
+def cuobjdump() -> str:
+    """The ``cuobjdump`` of the test extra (its ``nvdisasm`` beside it), or a failure naming the wheels."""
+    from cuflash import roofline
+
+    exe = roofline.find_tool("cuobjdump")
+    if exe is None or roofline.find_tool("nvdisasm") is None:
+        pytest.fail("cuobjdump/nvdisasm not found: install the test extra "
+                    "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    return exe

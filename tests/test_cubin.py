@@ -34,13 +34,6 @@ def _compiler(major: int) -> nvrtc.Nvrtc:
     return nvrtc.load(major)
 
 
-@pytest.fixture(scope="module")
-def cuobjdump() -> str:
-    exe = roofline.find_tool("cuobjdump")
-    if exe is None or roofline.find_tool("nvdisasm") is None:
-        pytest.fail("cuobjdump/nvdisasm not found: install the test extra "
-                    "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    return exe
 
 
 def _listed_arch(cuobjdump: str, image: bytes, tmp_path) -> str:

@@ -28,13 +28,6 @@ ARCHS = attention_fwd_mma.ARCHES
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
-@pytest.fixture(scope="module")
-def cuobjdump() -> str:
-    exe = roofline.find_tool("cuobjdump")
-    if exe is None or roofline.find_tool("nvdisasm") is None:
-        pytest.fail("cuobjdump/nvdisasm not found: install the test extra "
-                    "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    return exe
 
 
 def sass_opcodes(variant, arch: int) -> collections.Counter:
