@@ -169,3 +169,27 @@ def test_every_generated_wgmma_width_assembles(major):
     # (the SASS names bf16 inputs `.BF16`; f16, the default, has no suffix)
     shapes = {(n, t or ".F16") for n, t in re.findall(r"HGMMA\.64x(\d+)x16\.F32(\.BF16)?\b", sass)}
     assert shapes == {(str(n), t) for n in ptx_gen.WGMMA_N for t in (".BF16", ".F16")}, sorted(shapes)
+
+
+@pytest.mark.parametrize("key", [("f16", 64, 64, False), ("bf16", 128, 128, True), ("bf16", 192, 128, True),
+                                 ("f16", 256, 256, False)], ids=lambda k: f"{k[0]}-d{k[1]}-dv{k[2]}{'-local' if k[3] else ''}")
+def test_hopper_forward_sass_is_wgmma_and_tma(key, cuobjdump, tmp_path):
+    """The Hopper tier's kernel (issue 20): sm_90a, wgmma (HGMMA) for both GEMMs with no mma.sync
+    (HMMA), TMA loads and stores (UTMALDG / UTMASTG), mbarrier waits (SYNCS), the register
+    hand-over (USETMAXREG), no spills. (Every variant's spills, with both NVRTCs: the compile gate.)"""
+    import re
+
+    from cuflash.kernels import attention_fwd_sm90
+    from cuflash.runtime import source
+
+    v = attention_fwd_sm90.Sm90ForwardVariant(*key)
+    image, log = cuda_runner.nvrtc_compile(source.build_source(v), "90a", name=v.source, extra_options=("-Xptxas=-v",))
+    assert cubin.cubin_arch(image) == "sm_90a" == _listed_arch(cuobjdump, image, tmp_path)
+    sass = roofline.disassemble(image)
+    shapes = set(re.findall(r"HGMMA\.64x(\d+)x16", sass))
+    assert shapes == {str(v.block_n), str(v.head_dim_v)}, shapes   # S = Q K^T (N = Bc) and O += P V (N = Dv)
+    for op in ("UTMALDG.4D", "UTMASTG.4D", "SYNCS.PHASECHK", "USETMAXREG"):
+        assert op in sass, op
+    assert "HMMA" not in sass
+    res = cuda_runner.ptxas_resources(log, v.entry)
+    assert res["spill_stores"] == res["spill_loads"] == 0
