@@ -69,7 +69,7 @@ class TensorMap:
     Raises
     ------
     TypeError
-        For an element type without a CUtensorMapDataType.
+        For an element type without a CUtensorMapDataType, or a non-integer extent, stride or box.
     ValueError
         For geometry the driver (or the simulator's model) refuses, naming the field.
     """
@@ -84,7 +84,11 @@ class TensorMap:
         dt = np.dtype(self.dtype)
         object.__setattr__(self, "dtype", dt)
         for f in ("shape", "strides", "box"):
-            object.__setattr__(self, f, tuple(int(x) for x in getattr(self, f)))
+            vals = tuple(getattr(self, f))
+            bad = [x for x in vals if isinstance(x, bool) or not isinstance(x, (int, np.integer))]
+            if bad:
+                raise TypeError(f"TensorMap: {f} must hold integers, got {bad[0]!r} in {vals}")
+            object.__setattr__(self, f, tuple(int(x) for x in vals))
         _cu_dtype(dt)
         rank = len(self.shape)
         if not 1 <= rank <= 5:

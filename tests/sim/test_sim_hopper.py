@@ -146,6 +146,8 @@ def test_tensor_map_validation():
         TensorMap.of(a, (8, 32), swizzle=128)
     with pytest.raises(ValueError, match="rank must be 1..5"):
         TensorMap.of(np.zeros((1,) * 6, np.float16), (1,) * 6)
+    with pytest.raises(TypeError, match="box must hold integers, got 64.5"):
+        TensorMap.of(a, (64.5, 64))
     with pytest.raises(TypeError, match="CUtensorMapDataType"):
         TensorMap.of(np.zeros((8, 8), np.complex64), (8, 8))
     with pytest.raises(ValueError, match="16-byte aligned"):
