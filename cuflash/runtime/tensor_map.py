@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import struct
 
 import numpy as np
@@ -38,6 +39,20 @@ _CU_DTYPE = {np.dtype(np.uint8): 0, np.dtype(np.uint16): 1, np.dtype(np.uint32):
              np.dtype(np.float64): 8}
 _CU_BFLOAT16 = 9
 _CU_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
+
+
+@functools.lru_cache(maxsize=1)
+def _encode_tiled():
+    """The driver's ``cuTensorMapEncodeTiled`` (the library is loaded once per process: a launch
+    encodes its maps on every call)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise RuntimeError(f"TensorMap.encode_cuda: the CUDA driver library is not loadable ({e}); "
+                           "tensor maps for a GPU need its driver") from e
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _cu_dtype(dtype: np.dtype) -> int:
@@ -136,10 +151,6 @@ class TensorMap:
         """Bytes one instruction moves (the mbarrier's transaction count of a load)."""
         return int(np.prod(self.box)) * self.dtype.itemsize
 
-    def span_bytes(self) -> int:
-        """Bytes from the first element to one past the last."""
-        return (1 + sum((n - 1) * s for n, s in zip(self.shape, self.strides)) - 1) + self.dtype.itemsize
-
     def _check_address(self, address: int) -> None:
         if address % 16:
             raise ValueError(f"TensorMap: the global address {address:#x} must be 16-byte aligned "
@@ -167,13 +178,7 @@ class TensorMap:
         """
         self._check_address(address)
         rank = len(self.shape)
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as e:
-            raise RuntimeError(f"TensorMap.encode_cuda: the CUDA driver library is not loadable ({e}); "
-                               "tensor maps for a GPU need its driver") from e
-        fn = lib.cuTensorMapEncodeTiled
-        fn.restype = ctypes.c_int
+        fn = _encode_tiled()
         u64, u32 = ctypes.c_uint64, ctypes.c_uint32
         out = (ctypes.c_uint64 * 16)()
         dims = (u64 * rank)(*reversed(self.shape))
