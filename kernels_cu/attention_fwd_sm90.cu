@@ -47,9 +47,6 @@ constexpr int Q_BYTES = NPANEL * PANEL_Q, K_BYTES = NPANEL * PANEL_KV, V_BYTES =
 constexpr int EPILOGUE_BAR = 1, TURN_BAR = 3;
 static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && NPANEL_V <= NPANEL, "head-dim buckets and tiles");
 
-__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* smem) {
-    return smem + ((1024u - (ptx_smem_addr(smem) & 1023u)) & 1023u);
-}
 
 __device__ __forceinline__ unsigned pack(float lo, float hi) {
     return BF16 ? ptx_cvt_pack_bf16x2(lo, hi) : ptx_cvt_pack_f16x2(lo, hi);
@@ -97,7 +94,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     __shared__ __align__(8) unsigned long long q_full;
     __shared__ __align__(8) unsigned long long full[STAGES];
     __shared__ __align__(8) unsigned long long empty[STAGES];
-    unsigned char* q_s = aligned_smem(smem_raw);             // [NPANEL][BR rows][128 B]
+    unsigned char* q_s = ptx_align_smem_1024(smem_raw);             // [NPANEL][BR rows][128 B]
     unsigned char* k_s = q_s + Q_BYTES;                      // [STAGES][NPANEL][BC rows][128 B]
     unsigned char* v_s = k_s + STAGES * K_BYTES;             // [STAGES][NPANEL_V][BC rows][128 B]
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;

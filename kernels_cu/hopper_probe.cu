@@ -29,10 +29,6 @@ constexpr int MAX_K = 256;
 template <int SW>
 constexpr int panel() { return SW ? SW / 2 : 8; }
 
-// 1024-byte-aligned start of the dynamic shared memory (the plan asks for 1 KB more).
-__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* smem) {
-    return smem + ((1024u - (ptx_smem_addr(smem) & 1023u)) & 1023u);
-}
 
 // Descriptor of the k16 slice `kk` of a K-major operand of `rows` rows stored as K / W panels of
 // rows x W elements (PTX ISA "Shared Memory Matrix Layout": with a swizzle, rows of SW bytes, 8
@@ -88,7 +84,7 @@ __device__ void gemm(const cuflash_tensor_map& map_a, const cuflash_tensor_map& 
                      const unsigned short* A, float* C, int M, int K) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long bar;
-    unsigned char* a_s = aligned_smem(smem_raw);
+    unsigned char* a_s = ptx_align_smem_1024(smem_raw);
     unsigned char* b_s = a_s + 64 * MAX_K * 2;
     const int m0 = blockIdx.x * 64;
     if (threadIdx.x == 0) {
@@ -134,7 +130,7 @@ __device__ void pipeline(const cuflash_tensor_map& map_a, const cuflash_tensor_m
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full[PIPE_STAGES];
     __shared__ __align__(8) unsigned long long empty[PIPE_STAGES];
-    unsigned char* a_s = aligned_smem(smem_raw);                  // [stage][128 rows][64] bf16, 128 B swizzle
+    unsigned char* a_s = ptx_align_smem_1024(smem_raw);                  // [stage][128 rows][64] bf16, 128 B swizzle
     unsigned char* b_s = a_s + PIPE_STAGES * PIPE_A_BYTES;          // [stage][64 rows][64] bf16
     float* c_s = reinterpret_cast<float*>(b_s + PIPE_STAGES * PIPE_B_BYTES);   // [128][64] f32
     const int m0 = blockIdx.x * PIPE_BM, ktiles = K / PIPE_BK;

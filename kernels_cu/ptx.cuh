@@ -593,4 +593,9 @@ __device__ __forceinline__ unsigned long long ptx_wgmma_desc(const void* smem, u
     const unsigned long long mode = swizzle_bytes == 128 ? 1ull : swizzle_bytes == 64 ? 2ull : swizzle_bytes == 32 ? 3ull : 0ull;
     return enc_start | (enc_lbo << 16) | (enc_sbo << 32) | (mode << 62);
 }
+// The first 1024-byte-aligned byte of a dynamic shared-memory area (the 128-byte swizzle's pattern
+// boundary; the plan asks for 1 KB more than the tiles).
+__device__ __forceinline__ unsigned char* ptx_align_smem_1024(unsigned char* smem) {
+    return smem + ((1024u - (ptx_smem_addr(smem) & 1023u)) & 1023u);
+}
 #endif

@@ -590,7 +590,7 @@ struct Operand {
     const char* name;
 };
 
-CUSIM_NOSAN inline void check_desc(Worker* w, const Operand& op, unsigned rows) {
+CUSIM_NOSAN inline void check_desc(Worker* w, const Operand& op) {
     const Desc& d = op.d;
     if (d.base_offset)
         fail("wgmma: %s descriptor has base offset %u; cuflash's simulator models base offset 0 (pattern-aligned "
@@ -604,7 +604,6 @@ CUSIM_NOSAN inline void check_desc(Worker* w, const Operand& op, unsigned rows) 
                  op.name, (unsigned long long)d.start, (unsigned long long)((abs % atom) / d.swizzle_bytes),
                  unsigned(atom), d.swizzle_bytes, (unsigned long long)atom);
     }
-    (void)rows;
 }
 
 CUSIM_NOSAN inline float operand_at(Worker* w, const Operand& op, unsigned mn, unsigned k, std::vector<uint32_t>* gr) {
@@ -684,12 +683,12 @@ CUSIM_NOSAN inline void wgmma_compute(Worker* w, WgSlot* slots, unsigned wg) {
         }
     } else {
         Operand oa{decode_desc(slots[0].in[1]), trans_a, bf16, "A"};
-        check_desc(w, oa, 64);
+        check_desc(w, oa);
         for (unsigned m = 0; m < 64; ++m)
             for (unsigned k = 0; k < 16; ++k) A[m][k] = operand_at(w, oa, m, k, gr);
     }
     Operand ob{decode_desc(slots[0].in[2]), trans_b, bf16, "B"};
-    check_desc(w, ob, N);
+    check_desc(w, ob);
     for (unsigned n = 0; n < N; ++n)
         for (unsigned k = 0; k < 16; ++k) B[n][k] = operand_at(w, ob, n, k, gr);
     uint32_t op_id = 0;
