@@ -1,22 +1,24 @@
 // cuflash: the Hopper (sm_90a) attention forward, FA3's design (Shah et al., "FlashAttention-3",
-// 2024, section 3.1): warp specialization and the ping-pong schedule of the two consumers (the
-// intra-warpgroup overlap of section 3.2 is not done yet).
+// 2024, sections 3.1-3.2): warp specialization, the ping-pong schedule of the two consumers and
+// the intra-warpgroup overlap of the two GEMMs with the softmax.
 //
 //   block = 3 warpgroups: warpgroup 0 is the producer (setmaxnreg.dec; one elected thread issues
-//   TMA loads: Q once, then K and V tiles into a 2-stage ring guarded by "full" and "empty"
-//   mbarriers); warpgroups 1 and 2 are consumers (setmaxnreg.inc) of 64 query rows each (Br = 128).
-//   Per key tile of Bc = 128 keys a consumer runs S = Q K^T by wgmma with both operands in shared
-//   memory (128-byte swizzle, the head dim in 64-element panels), the online softmax on the
-//   accumulators in the log2 domain (scale * log2 e fused), converts P to 16-bit registers in
-//   place (the accumulator fragment is the A fragment of the next wgmma) and runs O += P V by
-//   wgmma with A from registers and V N-major from shared memory; O is rescaled in registers,
-//   divided once at the end, staged in shared memory (over the consumer's own Q rows) and stored
-//   by TMA, whose tensor map drops rows past Sq. LSE is written in the natural log.
-//   Ping-pong: the consumers take turns on the tensor cores through two named barriers; each
-//   waits for its turn before issuing a tile's S = Q K^T and hands the turn over right after, so
-//   one warpgroup's softmax runs while the other's GEMMs do.
+//   TMA loads: Q once, then K and V tiles into 2-stage rings, K and V each with their own "full"
+//   and "empty" mbarriers); warpgroups 1 and 2 are consumers (setmaxnreg.inc) of 64 query rows
+//   each (Br = 128). Per key tile of Bc keys a consumer runs S = Q K^T by wgmma with both operands
+//   in shared memory (128-byte swizzle, the head dim in 64-element panels), the online softmax on
+//   the accumulators in the log2 domain (scale * log2 e fused), converts P to 16-bit registers
+//   (the accumulator fragment is the A fragment of the next wgmma) and runs O += P V by wgmma with
+//   A from registers and V N-major from shared memory; O is rescaled in registers, divided once at
+//   the end, staged in shared memory (over the consumer's own Q rows) and stored by TMA, whose
+//   tensor map drops rows past Sq. LSE is written in the natural log.
+//   Intra-warpgroup overlap (section 3.2): tile j's S = Q K_j^T and tile j-1's O += P V are issued
+//   together; the consumer waits for S only (wait_group 1) and runs its softmax while P V runs.
+//   Ping-pong (section 3.1): the consumers take turns on the tensor cores through two named
+//   barriers; each waits for its turn before issuing a tile's wgmmas and hands the turn over
+//   right after, so one warpgroup's softmax runs while the other's GEMMs do.
 //
-//   The load and store stages sit behind one seam (load_q / load_kv / store_o): a cp.async gather
+//   The load and store stages sit behind one seam (load_q / load_k / load_v / store_o): a cp.async gather
 //   or a masked store (packed sequences, paged caches) replaces them without touching the math.
 //
 // Layout: q (B, Hq, Sq, D), k (B, Hk, Sk, D), v (B, Hk, Sk, Dv), o (B, Hq, Sq, Dv) through 4-d
@@ -73,9 +75,13 @@ __device__ __forceinline__ void load_q(const Tiles& t, unsigned char* q_s, int m
     for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(q_s + p * PANEL_Q, t.q, p * PANEL, m0, t.h, t.b, bar);
 }
 
-__device__ __forceinline__ void load_kv(const Tiles& t, unsigned char* ks, unsigned char* vs, int kv0, unsigned long long* bar) {
-    ptx_mbarrier_arrive_expect_tx(bar, K_BYTES + V_BYTES);
+__device__ __forceinline__ void load_k(const Tiles& t, unsigned char* ks, int kv0, unsigned long long* bar) {
+    ptx_mbarrier_arrive_expect_tx(bar, K_BYTES);
     for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(ks + p * PANEL_KV, t.k, p * PANEL, kv0, t.hk, t.b, bar);
+}
+
+__device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv0, unsigned long long* bar) {
+    ptx_mbarrier_arrive_expect_tx(bar, V_BYTES);
     for (int p = 0; p < NPANEL_V; ++p) ptx_tma_load_4d(vs + p * PANEL_KV, t.v, p * PANEL, kv0, t.hk, t.b, bar);
 }
 
@@ -87,13 +93,85 @@ __device__ __forceinline__ void store_o(const Tiles& t, const unsigned char* o_s
     ptx_bulk_wait<0>();
 }
 
+// ------------------------------------------------------------------- the consumer's math
+// S = Q K^T for one key tile, issued (not waited for): K-major Q and K, 16 head-dim columns a step
+__device__ __forceinline__ void issue_s(float (&sc)[BC / 2], const unsigned char* q_c, const unsigned char* ks) {
+    ptx_wgmma_fence();
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int p = (kk * 16) / PANEL, inner = (kk * 16) % PANEL;
+        const unsigned long long dq = ptx_wgmma_desc(q_c + p * PANEL_Q + inner * 2, 16, 1024, 128);
+        const unsigned long long dk = ptx_wgmma_desc(ks + p * PANEL_KV + inner * 2, 16, 1024, 128);
+        ptx_wgmma_ss<BC, BF16, 0, 0>(sc, dq, dk, kk > 0);
+    }
+    ptx_wgmma_commit();
+}
+
+// O += P V for one key tile, issued (not waited for): P from registers, V N-major, 16 keys a step
+__device__ __forceinline__ void issue_pv(float (&o)[DV / 2], const unsigned (&pa)[BC / 16][4], const unsigned char* vs) {
+    ptx_wgmma_fence();
+    for (int kb = 0; kb < BC / 16; ++kb)
+        ptx_wgmma_rs<DV, BF16, 1>(o, pa[kb], ptx_wgmma_desc(vs + kb * 16 * 128, PANEL_KV, 1024, 128), 1);
+    ptx_wgmma_commit();
+}
+
+struct Rows {   // what the softmax needs to know of this thread's rows and the mask
+    int row0, wrow_lo, wrow_hi, Sk, diag, window_left, window_right, t;
+    float scale_log2;
+};
+
+// The online softmax of one tile in place (log2 domain): mask, row max, l rescaled, S -> P in fp32.
+// Returns in alpha the factor O must be rescaled by (done by the caller once O's wgmma is waited).
+__device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const Rows& w, float (&m_run)[2],
+                                             float (&l_run)[2], float (&alpha)[2]) {
+    // a tile needs the mask if it holds keys past Sk, or (a window) keys left of the last row's
+    // first visible key or right of the first row's last one
+    const bool boundary = kv0 + BC > w.Sk ||
+                          (CUFLASH_LOCAL && ((w.window_left >= 0 && kv0 < w.wrow_hi + w.diag - w.window_left) ||
+                                             (w.window_right >= 0 && kv0 + BC - 1 > w.wrow_lo + w.diag + w.window_right)));
+    float mx[2] = {m_run[0], m_run[1]};
+    for (int i = 0; i < BC / 2; ++i) {
+        const int r = (i % 4) / 2, col = kv0 + 8 * (i / 4) + 2 * w.t + i % 2, row = w.row0 + 8 * r;
+        float x = sc[i] * w.scale_log2;
+        if (boundary && (col >= w.Sk || (CUFLASH_LOCAL && ((w.window_left >= 0 && col < row + w.diag - w.window_left) ||
+                                                          (w.window_right >= 0 && col > row + w.diag + w.window_right)))))
+            x = CUFLASH_NEG_INF;
+        sc[i] = x;
+        mx[r] = fmaxf(mx[r], x);
+    }
+    float base[2];
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = quad_max(mx[r]);
+        base[r] = mx[r] == CUFLASH_NEG_INF ? 0.0f : mx[r];   // a row with no key yet: exp2(-inf) = 0, no NaN
+        alpha[r] = exp2f(m_run[r] - base[r]);
+        m_run[r] = mx[r];
+        l_run[r] *= alpha[r];
+    }
+    for (int i = 0; i < BC / 2; ++i) {
+        sc[i] = exp2f(sc[i] - base[(i % 4) / 2]);
+        l_run[(i % 4) / 2] += sc[i];
+    }
+}
+
+// P (fp32, the S accumulator fragment) into 16-bit pairs: the A fragment of O += P V, 16 keys a k step
+__device__ __forceinline__ void to_a_fragment(const float (&sc)[BC / 2], unsigned (&pa)[BC / 16][4]) {
+    for (int i = 0; i < BC / 2; i += 4) {
+        const int kb = i / 8, half = (i / 4) % 2;   // columns 8 (i / 4) ..: k step kb, its first or second 8
+        pa[kb][2 * half] = pack(sc[i], sc[i + 1]);
+        pa[kb][2 * half + 1] = pack(sc[i + 2], sc[i + 3]);
+    }
+}
+
 __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_map& map_k, const cuflash_tensor_map& map_v,
                         const cuflash_tensor_map& map_o, float* lse, int Sq, int Sk, int Hq, int group, float scale_log2,
                         int window_left, int window_right) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long q_full;
-    __shared__ __align__(8) unsigned long long full[STAGES];
-    __shared__ __align__(8) unsigned long long empty[STAGES];
+    // K and V have their own ring slots and barriers: a K slot frees once S is waited for, a
+    // V slot once O += P V is, so the next K tile's load does not wait for the current V's use
+    __shared__ __align__(8) unsigned long long full_k[STAGES];
+    __shared__ __align__(8) unsigned long long full_v[STAGES];
+    __shared__ __align__(8) unsigned long long empty_k[STAGES];
+    __shared__ __align__(8) unsigned long long empty_v[STAGES];
     unsigned char* q_s = ptx_align_smem_1024(smem_raw);             // [NPANEL][BR rows][128 B]
     unsigned char* k_s = q_s + Q_BYTES;                      // [STAGES][NPANEL][BC rows][128 B]
     unsigned char* v_s = k_s + STAGES * K_BYTES;             // [STAGES][NPANEL_V][BC rows][128 B]
@@ -112,8 +190,10 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     if (threadIdx.x == 0) {
         ptx_mbarrier_init(&q_full, 1);
         for (int s = 0; s < STAGES; ++s) {
-            ptx_mbarrier_init(&full[s], 1);
-            ptx_mbarrier_init(&empty[s], 2);   // one arrival per consumer warpgroup
+            ptx_mbarrier_init(&full_k[s], 1);
+            ptx_mbarrier_init(&full_v[s], 1);
+            ptx_mbarrier_init(&empty_k[s], 2);   // one arrival per consumer warpgroup
+            ptx_mbarrier_init(&empty_v[s], 2);
         }
         ptx_fence_mbarrier_init();
     }
@@ -124,85 +204,72 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         if (threadIdx.x / 32 == 0 && ptx_elect_one()) {
             load_q(tiles, q_s, m0, &q_full);
             for (int j = 0; j < ntiles; ++j) {
-                const int s = j % STAGES;
-                if (j >= STAGES) ptx_mbarrier_wait(&empty[s], ((j / STAGES) - 1) & 1);
-                load_kv(tiles, k_s + s * K_BYTES, v_s + s * V_BYTES, (tile_lo + j) * BC, &full[s]);
+                const int s = j % STAGES, kv0 = (tile_lo + j) * BC;
+                if (j >= STAGES) ptx_mbarrier_wait(&empty_k[s], ((j / STAGES) - 1) & 1);
+                load_k(tiles, k_s + s * K_BYTES, kv0, &full_k[s]);
+                if (j >= STAGES) ptx_mbarrier_wait(&empty_v[s], ((j / STAGES) - 1) & 1);
+                load_v(tiles, v_s + s * V_BYTES, kv0, &full_v[s]);
             }
         }
         return;
     }
 
     // ---------------------------------------------------------------------------- consumers
+    // Per tile j (FA3 section 3.2, intra-warpgroup overlap): issue S_j = Q K_j^T and O += P_{j-1}
+    // V_{j-1} together, wait for S_j only (wait_group 1), run S_j's softmax while the P V wgmma
+    // runs, then wait for it, rescale O and convert P_j. Ping-pong (section 3.1): the two
+    // consumers take turns on the tensor cores through two named barriers; each waits for its
+    // turn before issuing a tile's wgmmas and hands the turn over right after, so one
+    // warpgroup's softmax runs while the other's GEMMs do.
     ptx_setmaxnreg_inc<232>();
     const int c = wg - 1;                                     // rows 64c.. of the tile
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int row0 = m0 + 64 * c + 16 * warp + g;             // this thread's rows: row0 and row0 + 8
+    const Rows rows{row0, m0 + 64 * c, m0 + 64 * c + 63, Sk, diag, window_left, window_right, t, scale_log2};
+    const unsigned char* q_c = q_s + 64 * c * 128;           // this consumer's 64 rows of each Q panel
     float o[DV / 2];
     for (int i = 0; i < DV / 2; ++i) o[i] = 0.0f;
-    float m_run[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF}, l_run[2] = {0.0f, 0.0f};
+    float m_run[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF}, l_run[2] = {0.0f, 0.0f}, alpha[2];
+    float sc[BC / 2];
+    unsigned pa[BC / 16][4];
     ptx_mbarrier_wait(&q_full, 0);
-    if (c == 1 && ntiles > 0) ptx_bar_arrive(TURN_BAR + 0, 256);   // the first turn is consumer 0's
-    for (int j = 0; j < ntiles; ++j) {
-        const int s = j % STAGES, kv0 = (tile_lo + j) * BC;
-        ptx_mbarrier_wait(&full[s], (j / STAGES) & 1);
-        const unsigned char* ks = k_s + s * K_BYTES;
-        const unsigned char* vs = v_s + s * V_BYTES;
-        float sc[BC / 2];
-        ptx_bar_sync(TURN_BAR + c, 256);   // this consumer's turn on the tensor cores
-        ptx_wgmma_fence();
-        for (int kk = 0; kk < D / 16; ++kk) {   // S = Q K^T: K-major Q and K, 16 head-dim columns a step
-            const int p = (kk * 16) / PANEL, inner = (kk * 16) % PANEL;
-            const unsigned long long dq = ptx_wgmma_desc(q_s + p * PANEL_Q + 64 * c * 128 + inner * 2, 16, 1024, 128);
-            const unsigned long long dk = ptx_wgmma_desc(ks + p * PANEL_KV + inner * 2, 16, 1024, 128);
-            ptx_wgmma_ss<BC, BF16, 0, 0>(sc, dq, dk, kk > 0);
-        }
-        ptx_wgmma_commit();
-        // hand the turn over (the other consumer's S runs during this softmax); each barrier
-        // gets as many arrivals as syncs, so consumer 1 skips its last hand-over
-        if (c == 0 || j + 1 < ntiles) ptx_bar_arrive(TURN_BAR + 1 - c, 256);
+    // turns: ntiles + 1 per consumer (S_0; S_j with P V_{j-1}; the last P V); each barrier gets
+    // as many arrivals as syncs, so consumer 1 arrives once up front and skips its last hand-over
+    if (c == 1 && ntiles > 0) ptx_bar_arrive(TURN_BAR + 0, 256);
+    if (ntiles > 0) {
+        ptx_mbarrier_wait(&full_k[0], 0);
+        ptx_bar_sync(TURN_BAR + c, 256);
+        issue_s(sc, q_c, k_s);
+        ptx_bar_arrive(TURN_BAR + 1 - c, 256);
         ptx_wgmma_wait<0>();
-        // online softmax (log2 domain): mask, row max, rescale O and l, P = exp2(S' - m)
-        // a tile needs the mask if it holds keys past Sk, or (a window) keys left of the last row's
-        // first visible key or right of the first row's last one
-        const int wrow_lo = m0 + 64 * c, wrow_hi = wrow_lo + 63;
-        const bool boundary = kv0 + BC > Sk ||
-                              (CUFLASH_LOCAL && ((window_left >= 0 && kv0 < wrow_hi + diag - window_left) ||
-                                                 (window_right >= 0 && kv0 + BC - 1 > wrow_lo + diag + window_right)));
-        float mx[2] = {m_run[0], m_run[1]};
-        for (int i = 0; i < BC / 2; ++i) {
-            const int r = (i % 4) / 2, col = kv0 + 8 * (i / 4) + 2 * t + i % 2, row = row0 + 8 * r;
-            float x = sc[i] * scale_log2;
-            if (boundary && (col >= Sk || (CUFLASH_LOCAL && ((window_left >= 0 && col < row + diag - window_left) ||
-                                                            (window_right >= 0 && col > row + diag + window_right)))))
-                x = CUFLASH_NEG_INF;
-            sc[i] = x;
-            mx[r] = fmaxf(mx[r], x);
-        }
-        float alpha[2], base[2];
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = quad_max(mx[r]);
-            base[r] = mx[r] == CUFLASH_NEG_INF ? 0.0f : mx[r];   // a row with no key yet: exp2(-inf) = 0, no NaN
-            alpha[r] = exp2f(m_run[r] - base[r]);
-            m_run[r] = mx[r];
-            l_run[r] *= alpha[r];
-        }
+        if (tid == 0) ptx_mbarrier_arrive(&empty_k[0]);
+        softmax_tile(sc, tile_lo * BC, rows, m_run, l_run, alpha);   // O is 0: alpha unused
+        to_a_fragment(sc, pa);
+    }
+    for (int j = 1; j < ntiles; ++j) {
+        const int s = j % STAGES, sv = (j - 1) % STAGES;
+        ptx_mbarrier_wait(&full_k[s], (j / STAGES) & 1);
+        ptx_mbarrier_wait(&full_v[sv], ((j - 1) / STAGES) & 1);
+        ptx_bar_sync(TURN_BAR + c, 256);
+        issue_s(sc, q_c, k_s + s * K_BYTES);
+        issue_pv(o, pa, v_s + sv * V_BYTES);
+        ptx_bar_arrive(TURN_BAR + 1 - c, 256);
+        ptx_wgmma_wait<1>();                       // S_j is in; P_{j-1} V_{j-1} may still run
+        if (tid == 0) ptx_mbarrier_arrive(&empty_k[s]);
+        softmax_tile(sc, (tile_lo + j) * BC, rows, m_run, l_run, alpha);
+        ptx_wgmma_wait<0>();
+        if (tid == 0) ptx_mbarrier_arrive(&empty_v[sv]);
         for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i % 4) / 2];
-        unsigned pa[BC / 16][4];
-        for (int i = 0; i < BC / 2; i += 4) {   // P into the A fragment of O += P V (16 keys per k step)
-            const float p0 = exp2f(sc[i] - base[0]), p1 = exp2f(sc[i + 1] - base[0]);
-            const float p2 = exp2f(sc[i + 2] - base[1]), p3 = exp2f(sc[i + 3] - base[1]);
-            l_run[0] += p0 + p1;
-            l_run[1] += p2 + p3;
-            const int kb = i / 8, half = (i / 4) % 2;   // columns 8 (i / 4) ..: k step kb, its first or second 8
-            pa[kb][2 * half] = pack(p0, p1);
-            pa[kb][2 * half + 1] = pack(p2, p3);
-        }
-        ptx_wgmma_fence();
-        for (int kb = 0; kb < BC / 16; ++kb)   // O += P V: V N-major, keys 16kb.. as K
-            ptx_wgmma_rs<DV, BF16, 1>(o, pa[kb], ptx_wgmma_desc(vs + kb * 16 * 128, PANEL_KV, 1024, 128), 1);
-        ptx_wgmma_commit();
+        to_a_fragment(sc, pa);
+    }
+    if (ntiles > 0) {
+        const int sv = (ntiles - 1) % STAGES;
+        ptx_mbarrier_wait(&full_v[sv], ((ntiles - 1) / STAGES) & 1);
+        ptx_bar_sync(TURN_BAR + c, 256);
+        issue_pv(o, pa, v_s + sv * V_BYTES);
+        if (c == 0) ptx_bar_arrive(TURN_BAR + 1, 256);
         ptx_wgmma_wait<0>();
-        if (tid == 0) ptx_mbarrier_arrive(&empty[s]);
+        if (tid == 0) ptx_mbarrier_arrive(&empty_v[sv]);
     }
     // epilogue: O / l into 16-bit, staged over this consumer's Q rows (128-byte swizzle), TMA store
     float inv[2];

@@ -1,8 +1,10 @@
 """Host side of ``kernels_cu/attention_fwd_sm90.cu``: the Hopper tier of the forward (DESIGN.md §4).
 
-FA3's design (Shah et al., "FlashAttention-3", 2024, §3.1): per block of 128 query rows, a producer
-warpgroup feeds two consumer warpgroups through TMA and mbarriers; wgmma runs both GEMMs, the
-online softmax stays in registers, the output leaves by TMA store. The kernel is compiled for
+FA3's design (Shah et al., "FlashAttention-3", 2024, §3.1-3.2): per block of 128 query rows, a
+producer warpgroup feeds two consumer warpgroups through TMA and mbarriers (K and V in rings of
+their own); wgmma runs both GEMMs, the online softmax stays in registers and runs while the
+previous tile's P V wgmma does (intra-warpgroup overlap) and while the other consumer's GEMMs do
+(ping-pong); the output leaves by TMA store. The kernel is compiled for
 ``sm_90a`` and runs on compute capability 9.0 only (the dispatcher passes it over elsewhere,
 visibly). Calls it takes: f16/bf16, D and Dv multiples of 8 up to 256 with Dv <= D in the head-dim
 buckets 64, 96, 128, 192, 256 (the tile's unused columns are the tensor maps' zero fill), causal
@@ -117,8 +119,8 @@ class Sm90ForwardVariant(variants.Variant):
                                     ("CUFLASH_BC", str(self.block_n)), ("CUFLASH_LOCAL", "1" if self.local else "0"))
 
     def describe(self) -> str:
-        return (f"{self.entry}: a producer warpgroup (TMA, 2-stage K/V ring) and 2 consumer warpgroups of 64 query "
-                f"rows (wgmma), Br={BLOCK_M}, Bc={self.block_n}, {self.smem_bytes} B of shared memory")
+        return (f"{self.entry}: a producer warpgroup (TMA, 2-stage K and V rings) and 2 consumer warpgroups of 64 "
+                f"query rows (wgmma; ping-pong, softmax overlapped with P V), Br={BLOCK_M}, Bc={self.block_n}, {self.smem_bytes} B of shared memory")
 
 
 def bucket(d: int) -> int:
