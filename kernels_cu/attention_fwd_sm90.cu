@@ -268,8 +268,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         ptx_bar_sync(TURN_BAR + c, 256);
         issue_pv(o, pa, v_s + sv * V_BYTES);
         if (c == 0) ptx_bar_arrive(TURN_BAR + 1, 256);
-        ptx_wgmma_wait<0>();
-        if (tid == 0) ptx_mbarrier_arrive(&empty_v[sv]);
+        ptx_wgmma_wait<0>();   // (the last V slot is not released: no load waits for it)
     }
     // epilogue: O / l into 16-bit, staged over this consumer's Q rows (128-byte swizzle), TMA store
     float inv[2];
