@@ -431,7 +431,7 @@ def _flash_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m, block
 
     # with d attn_bias, waves of the pool's size keep only that many partials alive; each wave's
     # results are added in item order, so the sums' order does not depend on the wave size
-    wave = len(items) if bias_grad is None else max(1, threads.num_threads())
+    wave = max(1, len(items) if bias_grad is None else threads.num_threads())
     by_head: dict = {}
     for w0 in range(0, len(items), wave):
         part_items = items[w0:w0 + wave]
