@@ -244,7 +244,8 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _mod_numpy(softcap, alibi_slopes, attn_bias, attn_mask, sinks) -> dict:
-    conv = {name: None if t is None else _to_numpy(t) for name, t in
+    # any strides (stride-0 expanded biases stay views: no copy, unlike q, k, v's last axis)
+    conv = {name: None if t is None else interop.torch_to_numpy(t.detach()) for name, t in
             (("alibi_slopes", alibi_slopes), ("attn_bias", attn_bias), ("attn_mask", attn_mask), ("sinks", sinks))}
     return dict(conv, softcap=softcap)
 

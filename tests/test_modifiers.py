@@ -132,6 +132,8 @@ def make_bias(rng, form, b, hq, sq, sk, dtype=np.float64):
         return rng.standard_normal((sq, sk)).astype(dtype)
     if form == "heads":
         return rng.standard_normal((hq, 1, sk)).astype(dtype)   # 3-D, broadcast over batch and rows
+    if form == "expanded":   # a stride-0 view of the full shape: its gradient is the full shape's
+        return np.broadcast_to(rng.standard_normal((1, hq, 1, sk)).astype(dtype), (b, hq, sq, sk))
     return nan_strided(rng, (b, 1, sq, sk), dtype)   # "strided": broadcast over heads, non-contiguous
 
 
@@ -149,8 +151,8 @@ def make_mask(rng, form, b, hq, sq, sk):
 
 SHAPES = [  # (B, Hq, Hk, Sq, Sk, D, Dv)
     (2, 4, 2, 13, 29, 16, 16),
-    (1, 3, 3, 31, 17, 24, 8),
-    (2, 2, 1, 1, 23, 40, 40),
+    (1, 3, 3, 31, 17, 23, 9),
+    (2, 2, 1, 1, 23, 37, 40),
 ]
 WINDOWS = [dict(), dict(causal=True), dict(window_size=(5, 2))]
 
@@ -179,7 +181,7 @@ def build(rng, combo, shape, win, layout, bias_form, mask_form, dtype=np.float64
     return q, k, v, kw
 
 
-GRID = [tuple(c) for c in AllPairs([COMBOS, SHAPES, WINDOWS, ["bhsd", "bshd"], ["full", "2d", "heads", "strided"],
+GRID = [tuple(c) for c in AllPairs([COMBOS, SHAPES, WINDOWS, ["bhsd", "bshd"], ["full", "2d", "heads", "strided", "expanded"],
                                     ["rows", "tiles"]])]
 
 
