@@ -43,6 +43,9 @@ def attention_with_kvcache(
     return_lse=False,
     out=None,
     backend="auto",
+    softcap=0.0,
+    alibi_slopes=None,
+    sinks=None,
 ):
     """Attention of new queries over a KV cache, appending new keys and values first (in place).
 
@@ -97,6 +100,16 @@ def attention_with_kvcache(
     out : array ``(B, Sq, Hq, Dv)``, optional
     backend : {"auto", "numpy", "sim", "cuda"}
         As :func:`cuflash.attention`.
+    softcap : float
+        ``softcap * tanh(s / softcap)`` on the scaled scores (Gemma 2); 0 is off.
+    alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
+        ALiBi (Press et al. 2022): ``-slope * |i + Sk - Sq - j|``, ``Sk`` the sequence's keys
+        (``cache_seqlens[b] + Snew - leftpad[b]``), i.e. minus the slope times the distance
+        between the query's and the key's positions.
+    sinks : float32 array ``(Hq,)``, optional
+        Attention sinks (gpt-oss): a logit per head in each row's softmax denominator; the lse
+        includes it. The kernel backends do not take modifiers yet (``NotImplementedError``
+        naming the argument, raised before anything is appended).
 
     Returns
     -------
@@ -150,7 +163,8 @@ def attention_with_kvcache(
     func = "cuflash.attention_with_kvcache"
     args = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                 cache_seqlens=None if isinstance(cache_seqlens, int) else cache_seqlens,
-                cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, out=out)
+                cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, out=out,
+                alibi_slopes=alibi_slopes, sinks=sinks)
     host = interop.HostImport(func, **args)
     if host.framework is not None:  # CPU DLPack arrays (written in place through their NumPy views)
         a = host.arrays
@@ -159,7 +173,7 @@ def attention_with_kvcache(
         result = attention_with_kvcache(
             a.pop("q"), a.pop("k_cache"), a.pop("v_cache"), a.pop("cache_seqlens"), **a,
             rotary_interleaved=rotary_interleaved, causal=causal, softmax_scale=softmax_scale,
-            window_size=window_size, num_splits=num_splits, return_lse=return_lse, backend=backend)
+            window_size=window_size, num_splits=num_splits, return_lse=return_lse, backend=backend, softcap=softcap)
         if return_lse:
             return host.export(result[0], "out"), host.export(result[1])
         return host.export(result, "out")
@@ -167,7 +181,8 @@ def attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         block_table=block_table, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        num_splits=num_splits, return_lse=return_lse, out=out, func=func)
+        num_splits=num_splits, return_lse=return_lse, out=out, func=func, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks)
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":
         return _kvcache_numpy(problem, q, out, return_lse)
@@ -295,7 +310,17 @@ def _kvcache_numpy(problem, q, out, return_lse):
     lse = np.empty(p.lse_shape, dtype=acc)
     kw = dict(causal=p.causal, softmax_scale=p.softmax_scale, window_size=(p.window_left, p.window_right),
               layout="bshd", return_lse=True, backend="numpy")
+    mods = p.modifiers
+    slopes = None
+    if mods is not None:
+        from cuflash.reference.modifiers import broadcast_view
+
+        kw.update(softcap=mods.softcap, sinks=None if mods.sinks is None else np.asarray(mods.sinks.array))
+        if mods.alibi_slopes is not None:
+            slopes = broadcast_view(mods.alibi_slopes)
     for b in range(batch):
+        if slopes is not None:
+            kw["alibi_slopes"] = slopes[b:b + 1]
         start, stop = int(leftpad[b]), int(seqlens[b]) + c.seqlen_new
         kb = ref_kvcache.gather(c.k_cache, b, start, stop, **where)
         vb = ref_kvcache.gather(c.v_cache, b, start, stop, **where)

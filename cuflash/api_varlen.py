@@ -42,6 +42,8 @@ def attention_varlen(
     dropout_p=0.0,
     dropout_seed=None,
     dropout_offset=0,
+    softcap=0.0,
+    alibi_slopes=None,
 ):
     """Exact attention over a packed batch of sequences of different lengths, fused.
 
@@ -93,6 +95,13 @@ def attention_varlen(
     dropout_p, dropout_seed, dropout_offset
         Attention dropout as in :func:`cuflash.attention`; the mask's batch index is the
         sequence's and its rows and keys count from the sequence's start.
+    softcap : float
+        ``softcap * tanh(s / softcap)`` on the scaled scores (Gemma 2); 0 is off. As
+        :func:`cuflash.attention`.
+    alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
+        ALiBi (Press et al. 2022): ``-slope * |i + Sk - Sq - j|`` with each sequence's own
+        lengths (bottom-right aligned per sequence). The kernel backends do not take modifiers
+        yet (``NotImplementedError`` naming the argument).
 
     Returns
     -------
@@ -124,14 +133,14 @@ def attention_varlen(
     (10, 4, 32)
     """
     func = "cuflash.attention_varlen"
-    host = interop.HostImport(func, q=q, k=k, v=v, out=out)
+    host = interop.HostImport(func, q=q, k=k, v=v, out=out, alibi_slopes=alibi_slopes)
     index = _host_indices(func, cu_seqlens_q, cu_seqlens_k, seqused_k, host.framework is not None,
                           block_table=block_table)
     if host.framework is not None:  # CPU DLPack arrays: the NumPy views, the result as their kind
         result = attention_varlen(**host.arrays, **index, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                   causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                   return_lse=return_lse, backend=backend, dropout_p=dropout_p,
-                                  dropout_seed=dropout_seed, dropout_offset=dropout_offset)
+                                  dropout_seed=dropout_seed, dropout_offset=dropout_offset, softcap=softcap)
         if return_lse:
             return host.export(result[0], "out"), host.export(result[1])
         return host.export(result, "out")
@@ -140,7 +149,7 @@ def attention_varlen(
         softmax_scale=softmax_scale, window_size=window_size, seqused_k=index["seqused_k"],
         block_table=index["block_table"], out=out, return_lse=return_lse, func=func,
         cache_check=validation_kvcache.varlen_cache, dropout_p=dropout_p, dropout_seed=dropout_seed,
-        dropout_offset=dropout_offset,
+        dropout_offset=dropout_offset, softcap=softcap, alibi_slopes=alibi_slopes,
     )
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":
@@ -180,6 +189,8 @@ def attention_varlen_backward(
     dropout_p=0.0,
     dropout_seed=None,
     dropout_offset=0,
+    softcap=0.0,
+    alibi_slopes=None,
 ):
     """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` from its output and log-sum-exp.
 
@@ -200,6 +211,8 @@ def attention_varlen_backward(
         :func:`cuflash.attention_backward`).
     dropout_p, dropout_seed, dropout_offset
         The forward's dropout.
+    softcap, alibi_slopes
+        The forward's score modifiers (see :func:`attention_varlen`).
     backend : {"auto", "numpy", "sim", "cuda"}
 
     Returns
@@ -214,19 +227,20 @@ def attention_varlen_backward(
     """
     func = "cuflash.attention_varlen_backward"
     deterministic = validation.check_flag(deterministic, "deterministic", func)
-    host = interop.HostImport(func, dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    host = interop.HostImport(func, dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
     index = _host_indices(func, cu_seqlens_q, cu_seqlens_k, seqused_k, host.framework is not None)
     if host.framework is not None:
         grads = attention_varlen_backward(**host.arrays, **index, max_seqlen_q=max_seqlen_q,
                                           max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                           window_size=window_size, deterministic=deterministic, backend=backend,
                                           dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                          dropout_offset=dropout_offset)
+                                          dropout_offset=dropout_offset, softcap=softcap)
         return tuple(host.export(g) for g in grads)
     problem = validation.check_attention_varlen(
         q, k, v, index["cu_seqlens_q"], index["cu_seqlens_k"], max_seqlen_q, max_seqlen_k, causal=causal,
         softmax_scale=softmax_scale, window_size=window_size, seqused_k=index["seqused_k"], func=func,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset, softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
     _check_backward_arrays(problem, dout, out, lse)
     chosen = resolve_backend(backend, problem.kind, func)
@@ -292,9 +306,16 @@ def _sequences(problem):
 
 def _sequence_problem(p, q, k, v, b: int):
     """The fixed-shape problem of sequence ``b`` (``(1, S, H, D)`` views), its dropout counting
-    batches from ``b``."""
+    batches from ``b``, its ALiBi slopes row ``b`` of the batch's."""
+    mods = p.modifiers
+    slopes = None
+    if mods is not None and mods.alibi_slopes is not None:
+        from cuflash.reference.modifiers import broadcast_view
+
+        slopes = broadcast_view(mods.alibi_slopes)[b:b + 1]
     sp = validation.check_attention(q, k, v, causal=p.causal, softmax_scale=p.softmax_scale,
-                                    window_size=(p.window_left, p.window_right), layout="bshd", func=p.func)
+                                    window_size=(p.window_left, p.window_right), layout="bshd", func=p.func,
+                                    softcap=0.0 if mods is None else mods.softcap, alibi_slopes=slopes)
     return sp if p.dropout is None else dataclasses.replace(sp, dropout=dataclasses.replace(p.dropout, batch0=b))
 
 

@@ -7,6 +7,9 @@ It registers two custom operators with :func:`torch.library.custom_op`:
   deterministic=False) -> (out, lse)`` (``deterministic`` only travels to the backward)
 * ``cuflash::attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, window_left,
   window_right, layout, deterministic=False) -> (dq, dk, dv)``
+* ``cuflash::attention_mod_fwd`` / ``cuflash::attention_mod_bwd``: the same with the score
+  modifiers (``softcap, alibi_slopes, attn_bias, attn_mask, sinks``; the backward also returns
+  ``dbias`` and ``dsinks``), used only when a modifier is given
 
 for packed variable-length batches (:func:`attention_varlen`),
 
@@ -236,8 +239,127 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # public function
 
 
+# --------------------------------------------------------------------------------------------
+# the score modifiers' operators (used only when a modifier is given: the plain call is unchanged)
+
+
+def _mod_numpy(softcap, alibi_slopes, attn_bias, attn_mask, sinks) -> dict:
+    # any strides (stride-0 expanded biases stay views: no copy, unlike q, k, v's last axis)
+    conv = {name: None if t is None else interop.torch_to_numpy(t.detach()) for name, t in
+            (("alibi_slopes", alibi_slopes), ("attn_bias", attn_bias), ("attn_mask", attn_mask), ("sinks", sinks))}
+    return dict(conv, softcap=softcap)
+
+
+@torch.library.custom_op("cuflash::attention_mod_fwd", mutates_args=())
+def attention_mod_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    window_left: int, window_right: int, layout: str, deterministic: bool, dropout_p: float,
+    dropout_seed: int, dropout_offset: int, softcap: float, alibi_slopes: torch.Tensor | None,
+    attn_bias: torch.Tensor | None, attn_mask: torch.Tensor | None, sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward with score modifiers: ``(out, lse)`` (:func:`cuflash.attention`'s arguments)."""
+    import cuflash
+
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right), layout=layout,
+              return_lse=True, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset)
+    if q.device.type == "cpu":
+        qa, ka, va = _to_numpy(q), _to_numpy(k), _to_numpy(v)
+        out, lse = cuflash.attention(qa, ka, va, backend="numpy", **kw,
+                                     **_mod_numpy(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+        return _from_numpy(out), _from_numpy(lse)
+    _pick(_FORWARD, q.device, "forward")
+    det = [None if t is None else t.detach() for t in (q, k, v, alibi_slopes, attn_bias, attn_mask, sinks)]
+    return cuflash.attention(*det[:3], backend="cuda", **kw, softcap=softcap, alibi_slopes=det[3], attn_bias=det[4],
+                             attn_mask=det[5], sinks=det[6])
+
+
+@attention_mod_fwd.register_fake
+def _attention_mod_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic,
+                            dropout_p, dropout_seed, dropout_offset, softcap, alibi_slopes, attn_bias, attn_mask, sinks):
+    return _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout)
+
+
+@torch.library.custom_op("cuflash::attention_mod_bwd", mutates_args=())
+def attention_mod_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int, layout: str,
+    deterministic: bool, dropout_p: float, dropout_seed: int, dropout_offset: int, softcap: float,
+    alibi_slopes: torch.Tensor | None, attn_bias: torch.Tensor | None, attn_mask: torch.Tensor | None,
+    sinks: torch.Tensor | None, return_dbias: bool, return_dsinks: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward with score modifiers: ``(dq, dk, dv, dbias, dsinks)``; ``dbias``/``dsinks`` are
+    empty ``(0,)`` tensors when not asked for."""
+    import cuflash
+
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right), layout=layout,
+              deterministic=deterministic, dropout_p=dropout_p, dropout_seed=dropout_seed,
+              dropout_offset=dropout_offset, return_dbias=return_dbias, return_dsinks=return_dsinks)
+    if q.device.type == "cpu":
+        arrays = [_to_numpy(t) for t in (dout, q, k, v, out, lse)]
+        grads = cuflash.attention_backward(*arrays, backend="numpy", **kw,
+                                           **_mod_numpy(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+        grads = [_from_numpy(g) for g in grads]
+    else:
+        _pick(_BACKWARD, q.device, "backward")
+        det = [None if t is None else t.detach() for t in (dout, q, k, v, out, lse, alibi_slopes, attn_bias,
+                                                             attn_mask, sinks)]
+        if det[0].dim() and det[0].shape[-1] > 1 and det[0].stride(-1) != 1:
+            det[0] = det[0].contiguous()
+        grads = list(cuflash.attention_backward(*det[:6], backend="cuda", **kw, softcap=softcap, alibi_slopes=det[6],
+                                                attn_bias=det[7], attn_mask=det[8], sinks=det[9]))
+    dq, dk, dv = grads[:3]
+    rest = grads[3:]
+    dbias = rest.pop(0) if return_dbias else q.new_empty((0,))
+    dsinks = rest.pop(0) if return_dsinks else q.new_empty((0,))
+    return dq, dk, dv, dbias, dsinks
+
+
+@attention_mod_bwd.register_fake
+def _attention_mod_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
+                            deterministic, dropout_p, dropout_seed, dropout_offset, softcap, alibi_slopes, attn_bias,
+                            attn_mask, sinks, return_dbias, return_dsinks):
+    dq, dk, dv = _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout)
+    dbias = torch.empty_like(attn_bias, memory_format=torch.contiguous_format) if return_dbias else q.new_empty((0,))
+    dsinks = sinks.new_empty(sinks.shape, dtype=_lse_dtype(q.dtype)) if return_dsinks else q.new_empty((0,))
+    return dq, dk, dv, dbias, dsinks
+
+
+_MOD_BIAS, _MOD_SINKS = 14, 16   # input positions of attn_bias and sinks in attention_mod_fwd
+
+
+def _mod_setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    alibi, bias, mask, sinks = inputs[13:17]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi, bias, mask, sinks)
+    ctx.options = tuple(inputs[3:13])
+    ctx.mark_non_differentiable(lse)
+
+
+def _mod_backward(ctx, dout, dlse):
+    q, k, v, out, lse, alibi, bias, mask, sinks = ctx.saved_tensors
+    want_bias = bias is not None and ctx.needs_input_grad[_MOD_BIAS]
+    want_sinks = sinks is not None and ctx.needs_input_grad[_MOD_SINKS]
+    dq, dk, dv, dbias, dsinks = attention_mod_bwd(dout, q, k, v, out, lse, *ctx.options, alibi, bias, mask, sinks,
+                                                  want_bias, want_sinks)
+    grads = [dq, dk, dv] + [None] * 14
+    if want_bias:
+        grads[_MOD_BIAS] = dbias.to(bias.dtype)
+    if want_sinks:
+        grads[_MOD_SINKS] = dsinks.to(sinks.dtype)
+    return tuple(grads)
+
+
+attention_mod_fwd.register_autograd(_mod_backward, setup_context=_mod_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# public function
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-              deterministic=False, dropout_p=0.0):
+              deterministic=False, dropout_p=0.0, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None,
+              sinks=None):
     """Differentiable exact attention, ``softmax(softmax_scale * q k^T + mask) v``, for torch tensors.
 
     The conventions of :func:`cuflash.attention` (GQA/MQA, ``window_size``, layouts, empty rows
@@ -272,11 +394,21 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         (``torch.randint``, no device synchronization), so ``torch.manual_seed`` reproduces a run;
         the backward regenerates the same mask (:func:`cuflash.reference.dropout_mask` shows it).
         Drawing them is a graph break under ``torch.compile``.
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+        The score modifiers of :func:`cuflash.attention` (softcap as in Gemma 2, ALiBi slopes
+        ``(Hq,)``/``(B, Hq)`` float32, an additive ``attn_bias`` broadcastable to ``(B, Hq, Sq,
+        Sk)``, a bool ``attn_mask`` (True = attend), float32 ``sinks`` ``(Hq,)``), as tensors of
+        q's device. ``attn_bias`` and ``sinks`` are differentiable: their gradients come from
+        the backward when they require grad (``d attn_bias`` summed over the axes it broadcasts
+        over). These calls go through the operators ``cuflash::attention_mod_fwd`` /
+        ``cuflash::attention_mod_bwd``; CUDA tensors raise ``NotImplementedError`` until the
+        kernels take the modifiers.
 
     Returns
     -------
     torch.Tensor
-        q's dtype and device, shape ``q.shape[:-1] + (Dv,)``; differentiable with respect to q, k, v.
+        q's dtype and device, shape ``q.shape[:-1] + (Dv,)``; differentiable with respect to q, k,
+        v (and ``attn_bias``, ``sinks``).
 
     Raises
     ------
@@ -302,6 +434,18 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     else:
         scale = validation.check_softmax_scale(softmax_scale, 1, _FUNC)
     seed, offset = _dropout_key(dropout_p, _FUNC)
+    mods = (alibi_slopes, attn_bias, attn_mask, sinks)
+    for name, x in zip(("alibi_slopes", "attn_bias", "attn_mask", "sinks"), mods):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{_FUNC}: {name} must be a torch.Tensor or None, got "
+                            f"{type(x).__module__}.{type(x).__qualname__}")
+    if softcap != 0.0 or any(x is not None for x in mods):
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"{_FUNC}: softcap must be a real number >= 0 (0 = off), got {softcap!r} "
+                            f"({type(softcap).__name__})")
+        out, _ = attention_mod_fwd(q, k, v, causal, scale, left, right, layout, deterministic, float(dropout_p), seed,
+                                   offset, float(softcap), *mods)
+        return out
     out, _ = attention_fwd(q, k, v, causal, scale, left, right, layout, deterministic, float(dropout_p), seed, offset)
     return out
 

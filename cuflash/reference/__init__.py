@@ -30,7 +30,10 @@ Conventions (shared with every cuflash backend)
   ``window_size=(left, right)`` keeps keys with ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``
   (-1 = unbounded); ``causal=True`` sets ``right = 0``.
 * ``lse`` is the natural-log log-sum-exp of the scaled scores of each query row.
-* A query row that sees no key gets output 0 and ``lse = -inf``.
+* A query row that sees no key gets output 0 and ``lse = -inf`` (``lse = sink`` with ``sinks``).
+* Score modifiers, in this order after the scale: softcap, ALiBi and ``attn_bias``, the masks
+  (causal/window and ``attn_mask``), the softmax with the sink in its denominator
+  (:mod:`~cuflash.reference.modifiers`); the lse includes the sink.
 
 Layout
 ------
@@ -40,6 +43,8 @@ Layout
 :mod:`~cuflash.reference.views` (zero-copy canonical and per-group views),
 :mod:`~cuflash.reference.dropout` (Philox 4x32-10 and the dropout keep mask, :func:`dropout_mask`),
 :mod:`~cuflash.reference.kvcache` (rotary, the KV-cache append and gather, the LSE merge),
+:mod:`~cuflash.reference.modifiers` (softcap, ALiBi, attn_bias, attn_mask and sinks, block by block,
+and their gradients),
 :mod:`~cuflash.reference.tolerance` (the accuracy rule every backend is held to).
 Imports: :mod:`cuflash.runtime` only.
 """

@@ -92,8 +92,9 @@ def check_backward(
         dropout_offset=dropout_offset, softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
         attn_mask=attn_mask, sinks=sinks,
     )
-    for flag, name, arg in (("return_dbias", "attn_bias", attn_bias), ("return_dsinks", "sinks", sinks)):
-        if check_flag({"return_dbias": return_dbias, "return_dsinks": return_dsinks}[flag], flag, func) and arg is None:
+    for flag, value, name, arg in (("return_dbias", return_dbias, "attn_bias", attn_bias),
+                                   ("return_dsinks", return_dsinks, "sinks", sinks)):
+        if check_flag(value, flag, func) and arg is None:
             raise ValueError(f"{func}: {flag}=True needs {name} (the gradient is {name}'s); got {name}=None")
     infos = {name: describe(x, name, func) for name, x in (("out", out), ("dout", dout), ("lse", lse))}
     for name, info in infos.items():

@@ -134,6 +134,7 @@ def naive_rows(p: AttentionProblem, q, k, v, rows, round_to=None):
     if terms is not None:   # softcap, ALiBi, bias; then attn_mask joins the causal/window mask
         with np.errstate(invalid="ignore", over="ignore"):
             terms.modify(s, rows, np.arange(p.seqlen_k))
+        s = rnd(s)   # a framework in the dtype rounds the modified scores again
         keep = terms.keep(rows, np.arange(p.seqlen_k))
         if keep is not None:
             mask = keep if mask is None else mask & keep

@@ -27,7 +27,8 @@ _FUNC = "cuflash.reference.tolerance"
 
 
 def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-                   rows=None, same_dtype=False, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+                   rows=None, same_dtype=False, dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
+                   alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None):
     """Naive attention of the query ``rows`` (default: all), float64 or as a same-dtype framework.
 
     ``same_dtype=False``: float64 throughout, the reference. ``same_dtype=True``: the baseline of
@@ -47,6 +48,9 @@ def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1
     dropout_p, dropout_seed, dropout_offset
         Dropout with :func:`cuflash.reference.dropout_mask`'s mask (the framework baseline drops
         the rounded P and rounds again).
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+        The score modifiers, as :func:`cuflash.attention` takes them (the framework baseline
+        applies them in float32 to the rounded scores and rounds the result to the dtype again).
 
     Returns
     -------
@@ -55,7 +59,8 @@ def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1
     """
     p = check_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                         layout=layout, max_head_dim=None, func=_FUNC, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                        dropout_offset=dropout_offset)
+                        dropout_offset=dropout_offset, softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+                        attn_mask=attn_mask, sinks=sinks)
     rows = np.arange(p.seqlen_q) if rows is None else np.asarray(rows)
     lowp = same_dtype and p.dtype != dtypes.float64
     o, lse = naive_rows(p, q, k, v, rows, round_to=p.dtype if lowp else None)
@@ -120,10 +125,13 @@ def bound(dtype, naive_error: float, *, q=None, k=None, v=None, softmax_scale=No
     return b
 
 
-def _reference_and_bound(q, k, v, *, causal, softmax_scale, window_size, layout, rows, large_logits, dropout=()):
+def _reference_and_bound(q, k, v, *, causal, softmax_scale, window_size, layout, rows, large_logits, dropout=(),
+                         modifiers=None):
     """``(reference, reference lse, bound, naive error)`` of the rule for these inputs; with
-    ``rows=None`` in the caller's layout, else canonical rows. ``dropout``: ``(p, seed, offset)``."""
-    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, rows=rows)
+    ``rows=None`` in the caller's layout, else canonical rows. ``dropout``: ``(p, seed, offset)``;
+    ``modifiers``: the score modifiers' keyword arguments."""
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, rows=rows,
+              **(modifiers or {}))
     if dropout:
         kw.update(dropout_p=dropout[0], dropout_seed=dropout[1], dropout_offset=dropout[2])
     ref, ref_lse = attention_rows(q, k, v, **kw)
@@ -137,16 +145,17 @@ def _reference_and_bound(q, k, v, *, causal, softmax_scale, window_size, layout,
 
 
 def rule_bound(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd", rows=None,
-               large_logits=False) -> float:
+               large_logits=False, **modifiers) -> float:
     """The largest max-abs error the rule allows an implementation of attention(q, k, v, ...):
-    ``2 * max|naive_same_dtype - reference| + floor_for(q.dtype)`` (see :func:`bound`)."""
+    ``2 * max|naive_same_dtype - reference| + floor_for(q.dtype)`` (see :func:`bound`).
+    ``modifiers``: ``softcap``, ``alibi_slopes``, ``attn_bias``, ``attn_mask``, ``sinks``."""
     return _reference_and_bound(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                layout=layout, rows=rows, large_logits=large_logits)[2]
+                                layout=layout, rows=rows, large_logits=large_logits, modifiers=modifiers)[2]
 
 
 def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
             rows=None, lse=None, large_logits=False, dropout_p=0.0, dropout_seed=None,
-            dropout_offset=0) -> tuple[bool, str, float]:
+            dropout_offset=0, **modifiers) -> tuple[bool, str, float]:
     """Hold ``actual`` (and optionally its ``lse``) to the rule.
 
     Parameters
@@ -166,6 +175,9 @@ def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-
         Allow at least :func:`score_rounding_bound` (scores of magnitude ~1e4).
     dropout_p, dropout_seed, dropout_offset
         The call's dropout (reference and baseline apply the same mask).
+    **modifiers
+        The call's score modifiers (``softcap``, ``alibi_slopes``, ``attn_bias``, ``attn_mask``,
+        ``sinks``), applied by reference and baseline alike.
 
     Returns
     -------
@@ -175,7 +187,8 @@ def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     ref, ref_lse, tol, base = _reference_and_bound(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                                    window_size=window_size, layout=layout, rows=rows,
                                                    large_logits=large_logits,
-                                                   dropout=(dropout_p, dropout_seed, dropout_offset) if dropout_p else ())
+                                                   dropout=(dropout_p, dropout_seed, dropout_offset) if dropout_p else (),
+                                                   modifiers=modifiers)
     a = np.asarray(actual, np.float64)
     if a.shape != ref.shape:
         return False, f"shape {a.shape} != expected {ref.shape}", math.inf
