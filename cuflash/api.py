@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -296,6 +297,8 @@ def _attention_cuda(problem, q, k, v, out, return_lse: bool):
 
     with interop.CudaCall(problem.func, q, out=out) as call:
         qc, kc, vc = (call.import_array(x) for x in (q, k, v))
+        if problem.modifiers is not None:   # (their arrays too: CuPy views on the call's stream)
+            problem = dataclasses.replace(problem, modifiers=problem.modifiers.with_arrays(call.import_array))
         oc = None
         if out is not None:
             oc = call.import_array(out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from cuflash.api import check_kernel_dtype, resolve_backend
 from cuflash.reference import backward as ref_backward
 from cuflash.runtime import interop, validation
@@ -155,12 +157,17 @@ def attention_backward(
         tier = dispatch.backward_tier(problem, arch, (q, k, v, out, dout))
         return tier.backward(
             problem, dout, q, k, v, out, lse, xp=np, arch=arch, launch=launcher.run,
-            deterministic=deterministic,
+            deterministic=deterministic, **_asks(return_dbias, return_dsinks),
         )
-    return _backward_cuda(problem, dout, q, k, v, out, lse, deterministic)
+    return _backward_cuda(problem, dout, q, k, v, out, lse, deterministic, return_dbias, return_dsinks)
 
 
-def _backward_cuda(problem, dout, q, k, v, out, lse, deterministic=False):
+def _asks(return_dbias: bool, return_dsinks: bool) -> dict:
+    """The modifier gradients a kernel backward is asked for (none: the plain call's keywords)."""
+    return {n: True for n, on in (("return_dbias", return_dbias), ("return_dsinks", return_dsinks)) if on}
+
+
+def _backward_cuda(problem, dout, q, k, v, out, lse, deterministic=False, return_dbias=False, return_dsinks=False):
     """The CUDA path: zero-copy CuPy views on the consumer stream, gradients (and the float32
     workspaces) from the caller's framework (see :class:`cuflash.runtime.interop.CudaCall`)."""
     import functools
@@ -170,9 +177,12 @@ def _backward_cuda(problem, dout, q, k, v, out, lse, deterministic=False):
 
     with interop.CudaCall(problem.func, q) as call:
         arrays = [call.import_array(x) for x in (dout, q, k, v, out, lse)]
+        if problem.modifiers is not None:   # (their arrays too: CuPy views on the call's stream)
+            problem = dataclasses.replace(problem, modifiers=problem.modifiers.with_arrays(call.import_array))
         tier = dispatch.backward_tier(problem, call.arch, (*arrays[1:5], arrays[0]))
         grads = tier.backward(
             problem, *arrays, xp=call.xp, arch=call.arch,
             launch=functools.partial(cuda_runner.launch, stream=call.stream), deterministic=deterministic,
+            **_asks(return_dbias, return_dsinks),
         )
         return tuple(call.export(g) for g in grads)

@@ -57,6 +57,13 @@
 // block's sequence offsets the base pointers and sets its lengths; Dd and the dQ workspace are
 // then one packed sequence of total_q rows. Key tiles past the sequence's keys exit; keys past seqused_k get dK = dV = 0.
 //
+// Score modifiers (the CUFLASH_MODS 1 variants; score_mods.cuh): every tile takes the per-pair
+// path, where the pair's score is modified as in the forward (softcap, ALiBi, bias, boolean mask)
+// before P = exp(z - lse) (the forward's LSE already holds any sink); dS = P (dP - Dd) is the
+// gradient of the modified score, written to the float32 dbias workspace when asked (mod_flags &
+// 16: each (b, h, i, j) by one thread of one block, so it is deterministic) and multiplied by the
+// softcap's 1 - tanh^2 before it meets Q and K.
+//
 // Variant prelude (cuflash/kernels/attention_bwd_mma.py): CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BF16,
 // CUFLASH_HEAD_DIM_MAX, CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS,
 // CUFLASH_STAGES, CUFLASH_SDP_WARPS_M, CUFLASH_DKV_WARPS_N, CUFLASH_DQ_WARPS_M, CUFLASH_DQ_PASSES,
@@ -114,6 +121,7 @@ static_assert(2 * (2 * BC * PITCH + 2 * STAGES * BR * PITCH + 2 * BR * PP) + 4 *
 #endif
 #include "dropout.cuh"
 #endif
+#include "score_mods.cuh"
 
 // One (query head, query tile) step of the block's flat loop.
 struct QueryTile {
@@ -172,6 +180,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #if CUFLASH_DROPOUT
               , unsigned dropout_seed, unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale,
               long long dropout_batch0
+#endif
+#if CUFLASH_MODS
+              , CUFLASH_MODS_PARAMS, float* __restrict__ dbias, long long dbias_batch_stride, long long dbias_head_stride,
+              long long dbias_row_stride
 #endif
               ) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -336,8 +348,13 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 lse2[f][h] = l == CUFLASH_NEG_INF ? -CUFLASH_NEG_INF : l * LOG2E;
                 ddr[f][h] = dd_s[st * BR + r];
             }
-        const bool need_mask = rows < BR || cols < BC ||
+        // (the modifier variants take the per-pair path on every tile)
+        const bool need_mask = CUFLASH_MODS || rows < BR || cols < BC ||
                                !tile_in_window(row0, BR, col0, BC, seqlen_q, seqlen_k, window_left, window_right);
+#if CUFLASH_MODS
+        const ScoreMods mods = CUFLASH_MODS_INIT;
+        const HeadMods hm = head_mods<elem_t>(mods, batch, cur.hq);
+#endif
         if (need_mask) {
 #pragma unroll
             for (int f = 0; f < MF_S; ++f)
@@ -351,10 +368,17 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #pragma unroll
                         for (int c = 0; c < 2; ++c) {
                             const int kj = col0 + l1.s_col0 + 8 * n + 2 * l1.t + c;
-                            const bool visible = kj >= seen.lo && kj < seen.hi;
+                            bool visible = kj >= seen.lo && kj < seen.hi;
                             float& sv = s[f][n][2 * h + c];
                             float& dv_ = dp[f][n][2 * h + c];
-                            const float p = visible ? exp2f(sv * scale_log2 - lse2[f][h]) : 0.0f;
+                            float z = sv * scale_log2;
+#if CUFLASH_MODS
+                            // the modified score; dS is d/dz, and d/d(scaled score) is dS * dcap
+                            float dcap = 1.0f;
+                            visible = visible && mask_keeps(mods, hm, qi, kj);
+                            if (visible) z = mod_score<elem_t>(mods, hm, z, qi, kj, seqlen_q, seqlen_k, &dcap);
+#endif
+                            const float p = visible ? exp2f(z - lse2[f][h]) : 0.0f;
 #if CUFLASH_DROPOUT
                             const bool kept = CUFLASH_KEPT(f, h, n, c);
                             dv_ = visible ? p * ((kept ? dv_ * dropout_scale : 0.0f) - ddr[f][h]) : 0.0f;
@@ -362,6 +386,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #else
                             dv_ = visible ? p * (dv_ - ddr[f][h]) : 0.0f;
                             sv = p;
+#endif
+#if CUFLASH_MODS
+                            if ((mod_flags & 16) && visible)   // d bias = dS: each (b, h, i, j) by one thread of one block
+                                dbias[batch * dbias_batch_stride + cur.hq * dbias_head_stride + qi * dbias_row_stride + kj] = dv_;
+                            dv_ *= dcap;
 #endif
                         }
                 }

@@ -73,11 +73,16 @@
 // whose Philox draw fails the threshold is zeroed and the others scaled by 1 / (1 - p)
 // (dropout.cuh); the row sums, and so the LSE, are the undropped softmax's.
 //
+// Score modifiers (the CUFLASH_MODS 1 variants; score_mods.cuh): softcap, ALiBi, the additive
+// bias and the boolean mask act on the scaled scores of every tile before the window mask, and a
+// warp whose rows the mask hides from a whole tile skips that tile's math; the sink joins each
+// row's denominator at the epilogue (split 0's, under split-KV: the combine keeps it once).
+//
 // Variant prelude (cuflash/kernels/attention_fwd_mma.py: AttentionFwdMma.defines()):
 //   CUFLASH_ENTRY, CUFLASH_T (__half, __nv_bfloat16), CUFLASH_BF16 (0/1), CUFLASH_HEAD_DIM_MAX,
 //   CUFLASH_BLOCK_M (Br = 16 * MT * warps), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS, CUFLASH_M_FRAGS
 //   (MT), CUFLASH_STAGES, CUFLASH_MIN_BLOCKS (__launch_bounds__), CUFLASH_SMEM_BYTES (checked below),
-//   CUFLASH_VARLEN, CUFLASH_KVCACHE (0/1).
+//   CUFLASH_VARLEN, CUFLASH_KVCACHE, CUFLASH_DROPOUT, CUFLASH_MODS (0/1).
 #include "ptx.cuh"
 
 typedef CUFLASH_T elem_t;
@@ -115,6 +120,7 @@ static_assert(2 * (BR * PITCH + STAGES * STAGE_ELEMS) == CUFLASH_SMEM_BYTES,
 #if CUFLASH_DROPOUT
 #include "dropout.cuh"
 #endif
+#include "score_mods.cuh"
 
 // The regular copy (NT a multiple of CHUNKS and of the tile's chunks): this thread moves chunk
 // `c` of rows r0 + i * RPP of a tile. `dst` and `src` already point at (r0, c) of the tile and
@@ -201,6 +207,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #if CUFLASH_DROPOUT
               , unsigned dropout_seed, unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale,
               long long dropout_batch0
+#endif
+#if CUFLASH_MODS
+              , CUFLASH_MODS_PARAMS
 #endif
               ) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -360,8 +369,12 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int pos_span = (row0 + BR - 1) / pk - pos0 + 1;   // query positions the tile's BR rows span
     // scale_log2 > 0: the max over raw scores, P = exp2(s * scale - m) in one FFMA. Otherwise the
     // scores are scaled first (a negative scale reverses the order; 0 would make -inf * 0 NaN).
-    const bool prescale = !(scale_log2 > 0.0f);
+    // (The modifier variants scale first too: softcap and the biases act on the scaled scores.)
+    const bool prescale = CUFLASH_MODS || !(scale_log2 > 0.0f);
     const float eff_scale = prescale ? 1.0f : scale_log2;
+#if CUFLASH_MODS
+    const ScoreMods mods = CUFLASH_MODS_INIT;
+#endif
 
     for (int j = 0; j < n_tiles; ++j) {
         const int kv0 = kv_lo + j * BC;
@@ -374,7 +387,29 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             ptx_cp_async_commit();
         }
 
-        if (!CUFLASH_KVCACHE || warp_active) {   // (a warp whose rows are all past the sequence only copies)
+        bool warp_live = !CUFLASH_KVCACHE || warp_active;   // (a warp whose rows are all past the sequence only copies)
+#if CUFLASH_MODS
+        if (mods.mask && warp_live) {   // a tile the mask hides from every row of the warp costs it no math
+            bool any = false;
+#pragma unroll
+            for (int f = 0; f < MT; ++f)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int pr = qi0 + 16 * f + 8 * h;
+                    if (pr >= q_rows) continue;
+                    const HeadMods hm = head_mods<elem_t>(mods, batch, head0 + pr % pk);
+#pragma unroll
+                    for (int n = 0; n < NFRAG_S; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int kj = kv0 + 8 * n + 2 * t + e;
+                            any |= kj < seqlen_k && mask_keeps(mods, hm, pr / pk, kj);
+                        }
+                }
+            warp_live = __any_sync(CUFLASH_FULL_MASK, any);
+        }
+#endif
+        if (warp_live) {
 #if CUFLASH_DROPOUT
             // This lane's keep bits for the tile, drawn before the products (dropout.cuh)
             const DropoutArgs dr = {dropout_seed, dropout_offset, dropout_threshold, dropout_scale};
@@ -412,6 +447,26 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #pragma unroll
                         for (int e = 0; e < 4; ++e) s[f][n][e] *= scale_log2;
             }
+#if CUFLASH_MODS
+            // softcap, ALiBi, bias and the boolean mask (score_mods.cuh), before the window mask
+#pragma unroll
+            for (int f = 0; f < MT; ++f)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int pr = qi0 + 16 * f + 8 * h;
+                    if (pr >= q_rows) continue;   // (a row past the sequence: never stored, never read)
+                    const HeadMods hm = head_mods<elem_t>(mods, batch, head0 + pr % pk);
+#pragma unroll
+                    for (int n = 0; n < NFRAG_S; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int kj = kv0 + 8 * n + 2 * t + e;
+                            if (kj < seqlen_k)
+                                s[f][n][2 * h + e] = mod_score<elem_t>(mods, hm, s[f][n][2 * h + e], pr / pk, kj,
+                                                                       seqlen_q, seqlen_k);
+                        }
+                }
+#endif
 
             // Mask: a tile needs it only if it reaches past Sk or some row of the block has a window
             // edge inside it. Each row's visible keys are computed once per tile.
@@ -535,9 +590,13 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             float l = l_row[f][h];
             l += __shfl_xor_sync(CUFLASH_FULL_MASK, l, 1);
             l += __shfl_xor_sync(CUFLASH_FULL_MASK, l, 2);
+            float c = 1.0f;
+#if CUFLASH_MODS
+            if (split == 0) c = sink_fold(mods, head0 + (qi0 + 16 * f + 8 * h) % pk, m_row[f][h], l);   // (one split's)
+#endif
             if (nan_rows) l = __int_as_float(0x7fffffff);
             l_row[f][h] = l;
-            inv_l[f][h] = l != 0.0f ? 1.0f / l : 0.0f;   // l == 0: no key (O = 0); NaN l stays NaN
+            inv_l[f][h] = l != 0.0f ? c / l : 0.0f;   // l == 0: no key (O = 0); NaN l stays NaN
         }
 #if CUFLASH_KVCACHE
     if (nsplit > 1) {   // split-KV: this split's normalized float32 O and LSE, for attention_combine.cu

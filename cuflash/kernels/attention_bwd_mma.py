@@ -130,13 +130,14 @@ def _candidates(bucket: int, arch: int) -> tuple[tuple[int, int, int], ...]:
     return TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket]) if arch < 90 else TILE_CANDIDATES[bucket]
 
 
-def _fitting(key: str, bucket: int, arch: int, dropout: bool = False) -> AttentionBwdMma | None:
-    candidates = (AttentionBwdMma(key, bucket, bm, bn, st, dropout=dropout)
+def _fitting(key: str, bucket: int, arch: int, dropout: bool = False, mods: bool = False) -> AttentionBwdMma | None:
+    candidates = (AttentionBwdMma(key, bucket, bm, bn, st, dropout=dropout, mods=mods)
                   for bm, bn, st in _candidates(bucket, arch))
     return AttentionBwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
 
 
-def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout: bool = False) -> AttentionBwdMma:
+def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout: bool = False,
+                   mods: bool = False) -> AttentionBwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory.
 
     Raises
@@ -146,19 +147,20 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout:
     """
     key = variants.dtype_key(dtype)
     bucket = AttentionBwdMma.bucket(head_dim, head_dim_v)
-    v = _fitting(key, bucket, arch, dropout)
+    v = _fitting(key, bucket, arch, dropout, mods)
     if v is None:
         raise NotImplementedError(f"cuflash: no tensor-core backward tile fits sm_{arch}'s shared memory "
                                   f"({plan.max_dynamic_smem(arch)} B) for head dim {bucket}")
     return v
 
 
-def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False) -> tuple[AttentionBwdMma, ...]:
+def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
+                 mods: bool = False) -> tuple[AttentionBwdMma, ...]:
     """Every variant the backward dispatcher can choose on ``sm_<arch>`` (for the compile gate);
     with ``varlen``, their packed variable-length forms; with ``dropout``, their dropout forms."""
     if arch < MIN_ARCH:
         return ()
-    found = (_fitting(key, b, arch, dropout) for key in MMA_DTYPES for b in HEAD_DIM_BUCKETS)
+    found = (_fitting(key, b, arch, dropout, mods) for key in MMA_DTYPES for b in HEAD_DIM_BUCKETS)
     return tuple(dataclasses.replace(v, varlen=True) if varlen else v for v in found if v is not None)
 
 
@@ -167,7 +169,7 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     ``(q, k, v, out, dout)``; the forward's rules apply to each, and a tile of the head dims'
     bucket must fit the arch's shared memory."""
     p = problem
-    why = refuse_modifiers(p, "the tensor-core backward")   # score modifiers: none in this kernel yet
+    why = refuse_modifiers(p, "the tensor-core backward", attention_fwd_mma.MODIFIERS)
     if why is not None:
         return why
     arrays = tuple(arrays or ())
@@ -185,9 +187,12 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     return why
 
 
-def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, deterministic: bool = False):
-    """``(dq, dk, dv)``: the SIMT dot and convert stages around this kernel's main stage."""
+def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, deterministic: bool = False,
+             return_dbias: bool = False, return_dsinks: bool = False):
+    """``(dq, dk, dv)`` (then ``dbias``, ``dsinks`` when asked for): the SIMT dot and convert
+    stages around this kernel's main stage."""
     main = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
-                          dropout=problem.dropout is not None)
+                          dropout=problem.dropout is not None, mods=problem.modifiers is not None)
     return attention_bwd_simt.backward(problem, dout, q, k, v, out, lse, xp=xp, arch=arch, launch=launch,
-                                        deterministic=deterministic, main_variant=main)
+                                        deterministic=deterministic, main_variant=main, return_dbias=return_dbias,
+                                        return_dsinks=return_dsinks)

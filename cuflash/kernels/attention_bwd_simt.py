@@ -15,6 +15,7 @@ flight when ``batch * kv heads`` is small, and ``num_k_tiles / num_splits`` laun
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import numpy as np
@@ -133,7 +134,7 @@ def deterministic_splits(num_k_tiles: int, kv_blocks: int) -> int:
 
 
 def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, deterministic: bool = False,
-             main_variant=None):
+             main_variant=None, return_dbias: bool = False, return_dsinks: bool = False):
     """Compute ``(dq, dk, dv)`` with the three stages; arrays of ``xp`` (NumPy for the simulator).
 
     ``deterministic``: no atomics, bit-identical results run to run (see the module docstring).
@@ -141,6 +142,12 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, determi
 
     ``lse`` is the forward's natural-log LSE; it is used as contiguous float32 (one small copy
     when it is not). Fresh outputs are NaN-poisoned on the simulator so unwritten elements show.
+
+    With score modifiers (a ``mods`` main variant): ``return_dbias`` appends ``d attn_bias``
+    (the main stage writes dS into a zeroed float32 ``(*batch, Hq, Sq, Sk)`` workspace, one
+    writer per element, which is then summed over the bias's broadcast axes in a fixed order and
+    cast to its dtype); ``return_dsinks`` appends ``d sinks`` = ``-sum over batch and rows of
+    exp(sink - lse) * Dd`` (float32 ``(Hq,)``), from the dot stage's Dd.
     """
     p = problem
     vl = p.varlen
@@ -161,6 +168,13 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, determi
         lse_v = lse32[None] if (p.layout == "bhsd" and q.ndim == 2) else lse32
     views = [canon(a) for a in (q, k, v, out, dout, dq, dk, dv)]
     stat_shape = views[0].shape[:-1]  # (*batch, Hq, Sq), or (1, Hq, total_q) packed
+    mods_on = getattr(main_variant, "mods", False)
+    mviews = attention_fwd_simt.modifier_views(p, xp) if mods_on else {}
+    dbias_full = None
+    if return_dbias:   # (*batch, Hq, Sq, Sk): dS of every pair, zero where no block writes
+        dbias_full = xp.zeros(p.modifiers.attn_bias.shape, dtype=np.float32)
+        mviews["dbias"] = dbias_full
+    batched = [n for n in ("alibi_slopes", "attn_bias", "attn_mask", "dbias") if n in mviews] if vl is None else []
     seqlen_q = p.seqlen_q if vl is None else vl.total_q   # rows of the Dd / workspace layout
     dd = xp.empty(stat_shape, dtype=np.float32)
     v_dot, v_main, v_conv = (AttentionBwdSimt(s, key, 32 if s != "main" else bucket) for s in STAGES)
@@ -174,27 +188,29 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, determi
         batch_shape, main_inner = (1,), vl.batch
     else:
         batch_shape = p.batch_shape
-        _, main_inner = attention_fwd_simt._batch_slices(batch_shape, views + [lse_v, dd])
+        _, main_inner = attention_fwd_simt._batch_slices(batch_shape, views + [lse_v, dd] + [mviews[n] for n in batched])
     splits = deterministic_splits(num_k_tiles, main_inner * p.num_heads_k) if deterministic else 1
     # (splits, *stat_shape, D): a split's partial buffer is one contiguous block
     dq_accum = xp.zeros((splits,) + stat_shape + (p.head_dim,), dtype=np.float32)
     split_stride = int(np.prod(stat_shape, dtype=np.int64)) * p.head_dim
-    batches, inner = attention_fwd_simt._batch_slices(batch_shape, views + [lse_v, dd, dq_accum[0]])
+    extra = [mviews[n] for n in batched]
+    batches, inner = attention_fwd_simt._batch_slices(batch_shape, views + [lse_v, dd, dq_accum[0]] + extra)
     if vl is None:
         main_inner = inner
     nb = len(batch_shape)
     for idx in batches:
         # acc keeps the split axis first (the kernels step between partials by split_stride)
         if idx is None:
-            sel = [a.reshape((-1,) + a.shape[nb:]) for a in views + [lse_v, dd]]
+            sel = [a.reshape((-1,) + a.shape[nb:]) for a in views + [lse_v, dd] + extra]
             acc = dq_accum.reshape((splits, -1) + dq_accum.shape[1 + nb:])
         elif idx == ():
-            sel = [a if batch_shape else a[None] for a in views + [lse_v, dd]]
+            sel = [a if batch_shape else a[None] for a in views + [lse_v, dd] + extra]
             acc = dq_accum if batch_shape else dq_accum[:, None]
         else:
-            sel = [a[idx] for a in views + [lse_v, dd]]
+            sel = [a[idx] for a in views + [lse_v, dd] + extra]
             acc = dq_accum[(slice(None),) + idx]
-        qs, ks, vs, os_, dos, dqs, dks, dvs, ls, dds = sel
+        qs, ks, vs, os_, dos, dqs, dks, dvs, ls, dds = sel[:10]
+        launch_mods = dict(mviews, **dict(zip(batched, sel[10:])))
         ptr = attention_fwd_simt._pointer
         rows = inner * p.num_heads_q * seqlen_q
         if rows:
@@ -227,6 +243,7 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, determi
                 *attention_fwd_simt.varlen_args(p, q),
                 *attention_fwd_simt.dropout_args(
                     p, 0 if idx in (None, ()) else int(np.ravel_multi_index(idx + (0,), batch_shape)), v_main.dropout),
+                *_dbias_args(p, launch_mods, q, mods_on),
             )))
         total = rows * p.head_dim
         if total:
@@ -236,4 +253,37 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, determi
                 _i32("head_dim", p.head_dim), _i32("num_splits", splits), _i64("split_stride", split_stride),
                 plan.ScalarArg("softmax_scale", np.float32(p.softmax_scale)),
             )))
-    return dq, dk, dv
+    grads = (dq, dk, dv)
+    if return_dbias:
+        b = p.modifiers.attn_bias
+        grads += (dbias_full.sum(axis=b.broadcast_axes, keepdims=True).reshape(b.own_shape).astype(b.dtype),)
+    if return_dsinks:   # d sink_h = -sum over batch and rows of exp(sink_h - lse) Dd (DESIGN.md §3.2)
+        sinks = mviews["sinks"].astype(np.float32)
+        head_axis = dd.ndim - 2
+        w = xp.exp(sinks.reshape((-1, 1)) - lse_v.reshape(dd.shape)) * dd
+        grads += ((-w.sum(axis=tuple(a for a in range(dd.ndim) if a != head_axis))).astype(np.float32),)
+    return grads
+
+
+def _dbias_args(problem, launch_mods: dict, like, enabled: bool) -> tuple:
+    """The backward's modifier arguments: :func:`~cuflash.kernels.attention_fwd_simt.mods_args`,
+    then the dbias workspace (``mod_flags`` bit 16 when it is written) and its strides."""
+    if not enabled:
+        return ()
+    args = list(attention_fwd_simt.mods_args(problem, launch_mods, like, True))
+    ws = launch_mods.get("dbias")
+    if ws is not None:
+        args[0] = plan.ScalarArg("mod_flags", np.int32(int(args[0].value) | 16))
+    none = np.zeros(0, np.float32) if isinstance(like, np.ndarray) else _zeros_f32_on(like.device.id)
+    target = ws if ws is not None else none
+    st = (0, 0, 0) if ws is None else tuple(int(x) // 4 for x in ws.strides[:3])
+    return (*args, attention_fwd_simt._pointer("dbias", target, writable=True),
+            *(_i64(f"dbias_{w}_stride", x) for w, x in zip(("batch", "head", "row"), st)))
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_f32_on(device_id: int):
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return cupy.zeros(0, np.float32)

@@ -60,6 +60,10 @@ TILE_CANDIDATES_KVCACHE = ((64, 64), (64, 32))
 #: the dropout forms (``dropout``): the Philox draws take the registers a second fragment would
 #: need (one call per lane, row and 4 keys), so 4 warps of 16 rows, as the KV-cache forms
 TILE_CANDIDATES_DROPOUT = ((64, 64), (64, 32))
+#: the score-modifier forms (``mods``): the per-pair modifier code and its pointers take the
+#: registers a second fragment would need (with 32 rows a warp ptxas spills 4-440 bytes), so 4
+#: warps of 16 rows, as the dropout forms; bucket 256 by 32 keys (64 keys spill 60-88 bytes)
+TILE_CANDIDATES_MODS = {256: ((64, 32),)}
 #: the largest bucket whose warps own 32 query rows (two m16 fragments); above, 16
 TWO_FRAGMENT_MAX_BUCKET = 128
 #: CTAs per SM the kernel declares in __launch_bounds__: a register cap of 65536 / (2 x threads).
@@ -67,6 +71,8 @@ TWO_FRAGMENT_MAX_BUCKET = 128
 #: today; it states the occupancy the tiles are sized for (python -m cuflash roofline: 8 warps
 #: per SM), and binds if a tile of more warps is added.
 MIN_BLOCKS = 2
+#: the score modifiers the kernel takes (its ``mods`` forms; kernels_cu/score_mods.cuh)
+MODIFIERS = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks")
 #: bytes every row (and base address) must be aligned to (fresh outputs are allocated so)
 ALIGN_BYTES = attention_fwd_simt.OUTPUT_ALIGN_BYTES
 
@@ -106,7 +112,7 @@ class AttentionFwdMma(variants.TileVariant):
     def rows_per_warp(self) -> int:
         """Query rows per warp: 32 (two m16 fragments, each K/V fragment feeding two mma) up to
         bucket 128, 16 above (the O accumulator fills the registers) and in the KV-cache form."""
-        return 32 if self.head_dim_max <= TWO_FRAGMENT_MAX_BUCKET and not (self.kvcache or self.dropout) else 16
+        return 32 if self.head_dim_max <= TWO_FRAGMENT_MAX_BUCKET and not (self.kvcache or self.dropout or self.mods) else 16
 
     @property
     def stages(self) -> int:
@@ -152,9 +158,10 @@ class AttentionFwdMma(variants.TileVariant):
 
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: bool = False,
-                   kvcache: bool = False, dropout: bool = False) -> AttentionFwdMma:
+                   kvcache: bool = False, dropout: bool = False, mods: bool = False) -> AttentionFwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``varlen``: of
-    the packed variable-length form; ``kvcache``: of the KV-cache form)."""
+    the packed variable-length form; ``kvcache``: of the KV-cache form; ``mods``: with the score
+    modifiers, on the same tile as without)."""
     key = variants.dtype_key(dtype)
     if key not in MMA_DTYPES:
         raise NotImplementedError(f"cuflash: the tensor-core kernel computes float16 and bfloat16, not {np.dtype(dtype)}")
@@ -163,13 +170,15 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
         tiles = TILE_CANDIDATES_KVCACHE
     elif dropout:
         tiles = TILE_CANDIDATES_DROPOUT
+    elif mods:
+        tiles = TILE_CANDIDATES_MODS.get(bucket, TILE_CANDIDATES_DROPOUT)
     elif arch < 90:
         tiles = TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket])
     elif varlen:
         tiles = TILE_CANDIDATES_VARLEN_SM90.get(bucket, TILE_CANDIDATES[bucket])
     else:
         tiles = TILE_CANDIDATES[bucket]
-    candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, kvcache=kvcache, dropout=dropout)
+    candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, kvcache=kvcache, dropout=dropout, mods=mods)
                   for bm, bn in tiles)
     v = AttentionFwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
     if v is None:
@@ -178,7 +187,7 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
 
 
 def all_variants(arch: int, *, varlen: bool = False, kvcache: bool = False,
-                 dropout: bool = False) -> tuple[AttentionFwdMma, ...]:
+                 dropout: bool = False, mods: bool = False) -> tuple[AttentionFwdMma, ...]:
     """Every variant the dispatcher can choose on ``sm_<arch>`` (for the compile gate); with
     ``varlen``, their packed variable-length forms; with ``kvcache``, their KV-cache forms."""
     if arch < MIN_ARCH:
@@ -187,7 +196,7 @@ def all_variants(arch: int, *, varlen: bool = False, kvcache: bool = False,
     for key in MMA_DTYPES:
         for bucket in HEAD_DIM_BUCKETS:
             out.append(choose_variant(variants.DTYPES[key][1], bucket, bucket, arch, varlen=varlen, kvcache=kvcache,
-                                      dropout=dropout))
+                                      dropout=dropout, mods=mods))
     return tuple(dict.fromkeys(out))
 
 
@@ -202,7 +211,7 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     shape-level conditions are checked.
     """
     p = problem
-    why = refuse_modifiers(p, "the tensor-core kernel")   # score modifiers: none in this kernel yet
+    why = refuse_modifiers(p, "the tensor-core kernel", MODIFIERS)
     if why is not None:
         return why
     if arch < MIN_ARCH:
@@ -239,12 +248,19 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
 # planning
 
 
+def variant_for(problem, arch: int) -> AttentionFwdMma:
+    """The variant that runs ``problem`` on ``sm_<arch>``: its packed, dropout and modifier forms
+    as the call needs (the KV-cache form: :func:`cuflash.kernels.dispatch.run_kvcache`)."""
+    return choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
+                          varlen=problem.varlen is not None, dropout=problem.dropout is not None,
+                          mods=problem.modifiers is not None)
+
+
 def forward(problem, q, k, v, out, return_lse: bool, *, xp, arch: int, launch):
     """Run ``problem`` with this tier's variant for ``sm_<arch>``: the kernel takes the SIMT
     kernel's argument list, so :func:`~cuflash.kernels.attention_fwd_simt.run_variant` allocates,
     plans and launches it."""
-    variant = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
-                             varlen=problem.varlen is not None, dropout=problem.dropout is not None)
+    variant = variant_for(problem, arch)
     return attention_fwd_simt.run_variant(problem, q, k, v, out, return_lse, variant, xp=xp, launch=launch)
 
 
@@ -345,5 +361,8 @@ def plan_kvcache(problem, q, out, lse, variant, *, splits: int, o_partial, lse_p
         plan.ScalarArg("partial_rows", np.int64(lse_partial.shape[1])),
         plan.PointerArg.of("o_partial", o_partial, writable=True),
         plan.PointerArg.of("lse_partial", lse_partial, writable=True),
+        *attention_fwd_simt.mods_args(p, attention_fwd_simt.modifier_views(p, np if isinstance(q, np.ndarray) else
+                                                                              attention_fwd_simt._cupy()),
+                                      q, variant.mods),
     )
     return plan.LaunchPlan(variant, variant.entry, (grid, 1, 1), variant.block, variant.smem_bytes, args)

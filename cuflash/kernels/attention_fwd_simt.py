@@ -172,19 +172,28 @@ def plan_forward(problem, q, k, v, out, lse, variant) -> list[plan.LaunchPlan]:
         views = [_canonical(a, p.layout, q.ndim) for a in (q, k, v, out)]
         lse_v = lse[None] if (p.layout == "bhsd" and q.ndim == 2) else lse  # (*batch, H, Sq)
         batches, inner = _batch_slices(p.batch_shape, views + [lse_v])
+    # the modifier arrays with batch dims ride along with q's batches (sliced or merged alike)
+    mods_on = getattr(variant, "mods", False)
+    mviews = modifier_views(p, np if isinstance(q, np.ndarray) else _cupy()) if mods_on else {}
+    batched = [n for n in _MOD_BATCHED if n in mviews]
+    if vl is None and batched:
+        batches, inner = _batch_slices(p.batch_shape, views + [lse_v] + [mviews[n] for n in batched])
     num_q_tiles = -(-p.seqlen_q // variant.block_m)
     plans = []
     for idx in batches:
         if idx is None:  # all batch dims merged into one
             nb = len(p.batch_shape)
-            sel = [a.reshape((-1,) + a.shape[nb:]) for a in views + [lse_v]]
-            if not all(_same_memory(a, b) for a, b in zip(sel, views + [lse_v])):
+            every = views + [lse_v] + [mviews[n] for n in batched]
+            sel = [a.reshape((-1,) + a.shape[nb:]) for a in every]
+            if not all(_same_memory(a, b) for a, b in zip(sel, every)):
                 raise AssertionError("cuflash: merging batch dims copied an array")  # never: strides were checked
         elif idx == ():
-            sel = [a if p.batch_shape or vl is not None else a[None] for a in views + [lse_v]]
+            sel = [a if p.batch_shape or vl is not None else a[None]
+                   for a in views + [lse_v] + [mviews[n] for n in batched]]
         else:
-            sel = [a[idx] for a in views + [lse_v]]
-        qs, ks, vs, os_, ls = sel
+            sel = [a[idx] for a in views + [lse_v] + [mviews[n] for n in batched]]
+        qs, ks, vs, os_, ls = sel[:5]
+        launch_mods = dict(mviews, **dict(zip(batched, sel[5:])))
         grid = num_q_tiles * p.num_heads_q * inner
         if grid > plan.MAX_GRID_DIMS[0]:
             raise NotImplementedError(f"{p.func}: {grid} thread blocks exceed the grid limit {plan.MAX_GRID_DIMS[0]}")
@@ -201,9 +210,68 @@ def plan_forward(problem, q, k, v, out, lse, variant) -> list[plan.LaunchPlan]:
             *varlen_args(p, q),
             *dropout_args(p, 0 if idx in (None, ()) else int(np.ravel_multi_index(idx + (0,), p.batch_shape)),
                           getattr(variant, "dropout", False)),
+            *mods_args(p, launch_mods, q, mods_on),
         )
         plans.append(plan.LaunchPlan(variant, variant.entry, (grid, 1, 1), variant.block, variant.smem_bytes, args))
     return plans
+
+
+#: the modifier arrays the kernels index with batch dims first (they are sliced with q's batches)
+_MOD_BATCHED = ("alibi_slopes", "attn_bias", "attn_mask")
+#: kernels_cu/score_mods.cuh: mod_flags bits
+_MOD_FLAGS = {"alibi_slopes": 1, "attn_bias": 2, "attn_mask": 4, "sinks": 8}
+
+
+def modifier_views(problem, xp) -> dict:
+    """The modifier arrays of ``problem`` as views (no copy) in the shapes the kernels index
+    (:class:`~cuflash.runtime.validation_modifiers.BroadcastArray`: stride 0 on broadcast axes),
+    by name; absent ones are missing. ``xp`` is NumPy or CuPy (whose arrays the call holds)."""
+    m = problem.modifiers
+    out = {}
+    for name in ("alibi_slopes", "attn_bias", "attn_mask", "sinks"):
+        b = getattr(m, name, None) if m is not None else None
+        if b is None:
+            continue
+        a = b.array
+        item = a.dtype.itemsize
+        out[name] = xp.lib.stride_tricks.as_strided(a, shape=b.shape, strides=tuple(st * item for st in b.strides))
+    return out
+
+
+def mods_args(problem, views: dict, like, enabled: bool) -> tuple:
+    """The score-modifier variants' trailing arguments (``kernels_cu/score_mods.cuh``:
+    ``CUFLASH_MODS_PARAMS``) from :func:`modifier_views` sliced to the launch (batch axis first,
+    then head, row, key), or none for the other variants. ``like``: an array of the launch's kind."""
+    if not enabled:
+        return ()
+    m = problem.modifiers
+    none = _NO_INDEX if isinstance(like, np.ndarray) else _no_index_on(like.device.id)
+    flags = sum(f for n, f in _MOD_FLAGS.items() if n in views)
+
+    def st(name, rank):
+        a = views.get(name)
+        return (0,) * rank if a is None else tuple(int(x) // a.dtype.itemsize for x in a.strides)[-rank:]
+
+    def ptr(name):
+        a = views.get(name)
+        return plan.PointerArg.of(name, a if a is not None else none)
+
+    bias = views.get("attn_bias")
+    return (plan.ScalarArg("mod_flags", np.int32(flags)), plan.ScalarArg("softcap", np.float32(m.softcap)),
+            ptr("alibi_slopes"), *(plan.ScalarArg(f"alibi_{w}_stride", np.int64(x))
+                                   for w, x in zip(("batch", "head"), st("alibi_slopes", 2))),
+            ptr("attn_bias"), plan.ScalarArg("bias_f32", np.int32(bias is not None and bias.dtype == np.float32)),
+            *(plan.ScalarArg(f"bias_{w}_stride", np.int64(x))
+              for w, x in zip(("batch", "head", "row", "col"), st("attn_bias", 4))),
+            ptr("attn_mask"), *(plan.ScalarArg(f"mask_{w}_stride", np.int64(x))
+                                for w, x in zip(("batch", "head", "row", "col"), st("attn_mask", 4))),
+            ptr("sinks"), plan.ScalarArg("sinks_stride", np.int64(st("sinks", 1)[0])))
+
+
+def _cupy():
+    import cupy
+
+    return cupy
 
 
 def dropout_args(problem, batch0: int, enabled: bool) -> tuple:

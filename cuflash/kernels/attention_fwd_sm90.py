@@ -147,8 +147,8 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int = 90, *, loc
     return Sm90ForwardVariant(variants.dtype_key(dtype), bucket(head_dim), bucket(head_dim_v), local)
 
 
-def variant_for(problem) -> Sm90ForwardVariant:
-    """The variant that runs ``problem``."""
+def variant_for(problem, arch: int = 90) -> Sm90ForwardVariant:
+    """The variant that runs ``problem`` (``arch``: the dispatcher's, for the signature every tier shares)."""
     p = problem
     return choose_variant(p.dtype, p.head_dim, p.head_dim_v, local=p.window_left >= 0 or p.window_right >= 0)
 

@@ -112,7 +112,7 @@ def variant_for(mod, problem, arch: int):
     """The variant the tier module ``mod`` runs ``problem`` with on ``sm_<arch>`` (a tier whose
     variants depend on more than the dtype and head dims says so with ``variant_for``)."""
     if hasattr(mod, "variant_for"):
-        return mod.variant_for(problem)
+        return mod.variant_for(problem, arch)
     return mod.choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
 
 
@@ -183,7 +183,7 @@ def run_kvcache(problem, q, out, return_lse: bool, *, xp, arch: int, launch, num
                                         none=none)]
     if not p.is_empty:
         variant = attention_fwd_mma.choose_variant(p.dtype, p.head_dim, p.head_dim_v, arch, varlen=p.varlen is not None,
-                                                   kvcache=True)
+                                                   kvcache=True, mods=p.modifiers is not None)
         splits = attention_fwd_mma.kvcache_splits(p, variant, arch, num_sms)
         rows = p.batch_shape[0] * p.num_heads_q * p.seqlen_q if splits > 1 else 0
         o_part = xp.empty((splits, rows, p.head_dim_v), dtype=np.float32)

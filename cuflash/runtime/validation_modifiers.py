@@ -111,6 +111,14 @@ class Modifiers:
         return tuple(n for n in MODIFIER_NAMES if (self.softcap > 0 if n == "softcap" else getattr(self, n) is not None))
 
 
+    def with_arrays(self, convert) -> "Modifiers":
+        """A copy whose arrays are ``convert(array)`` (the CUDA path's zero-copy CuPy views); the
+        shapes and element strides stay those validated."""
+        return dataclasses.replace(self, **{
+            n: dataclasses.replace(b, array=convert(b.array))
+            for n in MODIFIER_NAMES[1:] if (b := getattr(self, n)) is not None})
+
+
 def first_modifier(problem, allowed=()) -> str | None:
     """The first modifier of ``problem`` (an ``AttentionProblem``) not in ``allowed``, or None."""
     mods = getattr(problem, "modifiers", None)

@@ -119,6 +119,10 @@ class AttentionVariant(Variant):
     #: the dropout form (``CUFLASH_DROPOUT`` 1, entry suffix ``_dropout``: Philox keep mask on P);
     #: a compile-time axis, so ``dropout_p = 0`` runs the kernel without it
     dropout: bool = dataclasses.field(default=False, kw_only=True)
+    #: the score-modifier form (``CUFLASH_MODS`` 1, entry suffix ``_mods``: softcap, ALiBi, bias,
+    #: boolean mask and sinks as run-time arguments, ``kernels_cu/score_mods.cuh``); a compile-time
+    #: axis, so a call without modifiers runs the kernel without them
+    mods: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
         name = type(self).__name__
@@ -133,7 +137,8 @@ class AttentionVariant(Variant):
 
     @property
     def name(self) -> str:
-        return "_".join(self.axes()) + ("_varlen" if self.varlen else "") + ("_dropout" if self.dropout else "")
+        return ("_".join(self.axes()) + ("_varlen" if self.varlen else "") + ("_dropout" if self.dropout else "")
+                + ("_mods" if self.mods else ""))
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -150,6 +155,7 @@ class AttentionVariant(Variant):
             ("CUFLASH_SMEM_BYTES", str(self.smem_bytes)),
             ("CUFLASH_VARLEN", "1" if self.varlen else "0"),
             ("CUFLASH_DROPOUT", "1" if self.dropout else "0"),
+            ("CUFLASH_MODS", "1" if self.mods else "0"),
         )
 
     @classmethod

@@ -323,6 +323,9 @@ def module_text(source: str, entries: Sequence[str], origin: str = "kernel.cu") 
     return '#include "cusim.h"\n' + body + "".join(stubs)
 
 
+#: the most kernel parameters a signature is read for (the modifier backward has 75)
+MAX_PARAMS = 128
+
 _SCALAR_KINDS = {
     np.dtype(np.int32): ("i", 4), np.dtype(np.uint32): ("u", 4),
     np.dtype(np.int64): ("i", 8), np.dtype(np.uint64): ("u", 8),
@@ -368,9 +371,11 @@ class SimModule:
             self._launch[e] = fn
             sig = getattr(self._lib, f"cusim_signature_{e}")
             sig.restype = ctypes.c_int
-            kinds = ctypes.create_string_buffer(64)
-            sizes = (ctypes.c_uint32 * 64)()
-            n = sig(kinds, sizes, 64)
+            kinds = ctypes.create_string_buffer(MAX_PARAMS)
+            sizes = (ctypes.c_uint32 * MAX_PARAMS)()
+            n = sig(kinds, sizes, MAX_PARAMS)
+            if n > MAX_PARAMS:
+                raise SimError(f"cuflash simulator: {e} has {n} parameters, more than the {MAX_PARAMS} the launcher reads")
             self.signatures[e] = tuple((kinds.raw[i : i + 1].decode(), int(sizes[i])) for i in range(n))
         self.restrict = restrict or {}
 

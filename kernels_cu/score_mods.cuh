@@ -1,0 +1,119 @@
+// cuflash: the score modifiers of DESIGN.md §3.2 on the device, shared by the kernels' CUFLASH_MODS
+// variants (a call with no modifier runs the variants without them, whose code is unchanged).
+//
+// Order (DESIGN.md §3.2): scale, softcap, ALiBi and the additive bias, the boolean mask (then the
+// causal / window mask, then the softmax). Every modifier is a run-time argument, off when its
+// value says so (softcap 0, a null pointer):
+//   softcap  s <- softcap * tanh(s / softcap)                         (Gemma 2, Riviere et al. 2024)
+//   ALiBi    s <- s - slope(b, h) * |i + Sk - Sq - j|                 (Press et al. 2022, bottom-right)
+//   bias     s <- s + bias[b, h, i, j]   (strides in elements, 0 on a broadcast axis; q's dtype or f32)
+//   mask     s <- -inf where mask[b, h, i, j] == 0  (bool, True = attend, SDPA's meaning)
+//   sinks    a logit per head that joins each row's softmax denominator (attends to nothing):
+//            applied once, at the epilogue (sink_fold)
+// The kernels keep scores in the log2 domain (x = s * scale * log2 e), so a modifier is applied to
+// x with its constants scaled by log2 e: softcap * log2 e * tanh(x / (softcap * log2 e)) is
+// softcap * tanh(s * scale / softcap) * log2 e exactly (in real arithmetic).
+#pragma once
+
+#include "common.cuh"
+
+#ifndef CUFLASH_MODS
+#define CUFLASH_MODS 0
+#endif
+
+// The kernel parameters of the modifiers (appended to an entry's signature in CUFLASH_MODS
+// variants). mod_flags says which are on: 1 ALiBi, 2 bias, 4 mask, 8 sinks (the pointers of the
+// others point at an empty array and are never read); softcap 0 is off.
+#define CUFLASH_MODS_PARAMS                                                                                 \
+    int mod_flags, float softcap, const float* __restrict__ alibi_slopes, long long alibi_batch_stride,     \
+        long long alibi_head_stride,                                                                        \
+        const void* __restrict__ attn_bias, int bias_f32, long long bias_batch_stride,                      \
+        long long bias_head_stride, long long bias_row_stride, long long bias_col_stride,                   \
+        const unsigned char* __restrict__ attn_mask, long long mask_batch_stride, long long mask_head_stride, \
+        long long mask_row_stride, long long mask_col_stride, const float* __restrict__ sinks, long long sinks_stride
+
+#define CUFLASH_MODS_INIT                                                                                  \
+    ScoreMods{softcap * CUFLASH_LOG2E, (mod_flags & 1) ? alibi_slopes : nullptr, alibi_batch_stride,      \
+              alibi_head_stride,                                                                            \
+              (mod_flags & 2) ? attn_bias : nullptr, bias_f32,                                              \
+              {bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride},                      \
+              (mod_flags & 4) ? attn_mask : nullptr,                                                        \
+              {mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride},                      \
+              (mod_flags & 8) ? sinks : nullptr, sinks_stride}
+
+struct ScoreMods {
+    float cap;                       // softcap * log2 e (0: off)
+    const float* alibi;              // slope of (b, h) at alibi[b * alibi_bs + h * alibi_hs]; null: off
+    long long alibi_bs, alibi_hs;
+    const void* bias;                // null: off
+    int bias_f32;                    // 1: float32, 0: the kernel's 16-bit elem type
+    long long bias_s[4];
+    const unsigned char* mask;       // null: off
+    long long mask_s[4];
+    const float* sinks;              // sink of head h at sinks[h * sinks_s]; null: off
+    long long sinks_s;
+};
+
+// One (batch, head)'s share of the modifiers: pointers moved to the head, the slope in log2 units.
+struct HeadMods {
+    float cap, slope;                // slope * log2 e (0: no ALiBi)
+    const void* bias;
+    const unsigned char* mask;
+};
+
+template <class T>
+__device__ __forceinline__ HeadMods head_mods(const ScoreMods& m, long long b, int h) {
+    HeadMods r;
+    r.cap = m.cap;
+    r.slope = m.alibi ? m.alibi[b * m.alibi_bs + h * m.alibi_hs] * CUFLASH_LOG2E : 0.0f;
+    const long long bo = b * m.bias_s[0] + h * m.bias_s[1];
+    r.bias = !m.bias ? nullptr
+                     : m.bias_f32 ? static_cast<const void*>(static_cast<const float*>(m.bias) + bo)
+                                  : static_cast<const void*>(static_cast<const T*>(m.bias) + bo);
+    r.mask = m.mask ? m.mask + b * m.mask_s[0] + h * m.mask_s[1] : nullptr;
+    return r;
+}
+
+// Is key j visible to query i under the boolean mask (true when there is none)?
+__device__ __forceinline__ bool mask_keeps(const ScoreMods& m, const HeadMods& hm, int i, int j) {
+    return !hm.mask || hm.mask[i * m.mask_s[2] + j * m.mask_s[3]] != 0;
+}
+
+// The modified log2-domain score of query i, key j from x = s * scale * log2 e (before the
+// causal / window mask). `dcap` (if not null) gets d(softcapped)/d(x): 1 - tanh^2 (1 without softcap).
+template <class T>
+__device__ __forceinline__ float mod_score(const ScoreMods& m, const HeadMods& hm, float x, int i, int j,
+                                           int seqlen_q, int seqlen_k, float* dcap = nullptr) {
+    if (hm.cap != 0.0f) {
+        const float th = tanhf(x / hm.cap);
+        x = hm.cap * th;
+        if (dcap) *dcap = 1.0f - th * th;
+    } else if (dcap) {
+        *dcap = 1.0f;
+    }
+    if (hm.slope != 0.0f) {
+        const int d = diag_distance(i, j, seqlen_q, seqlen_k);   // j - (i + Sk - Sq)
+        x -= hm.slope * (float)(d < 0 ? -d : d);
+    }
+    if (hm.bias) {
+        const long long off = i * m.bias_s[2] + j * m.bias_s[3];
+        x += (m.bias_f32 ? static_cast<const float*>(hm.bias)[off] : to_float(static_cast<const T*>(hm.bias)[off])) *
+             CUFLASH_LOG2E;
+    }
+    if (!mask_keeps(m, hm, i, j)) x = CUFLASH_NEG_INF;
+    return x;
+}
+
+// The sink of head h folded into a finished row (log2 domain): the running max m and the row sum
+// l become the max and sum over the keys and the sink; returns the factor the row's un-normalized
+// O must be multiplied by before dividing by the new l (0 for a row without keys: O = 0).
+__device__ __forceinline__ float sink_fold(const ScoreMods& m, int h, float& m_row, float& l_row) {
+    if (!m.sinks) return 1.0f;
+    const float sk = m.sinks[h * m.sinks_s] * CUFLASH_LOG2E;
+    if (sk == CUFLASH_NEG_INF) return 1.0f;              // exp(-inf) adds nothing
+    const float m_new = sk != sk ? sk : fmaxf(m_row, sk);   // a NaN sink makes the row NaN (fmaxf would drop it)
+    const float c = m_row == CUFLASH_NEG_INF ? 0.0f : exp2f(m_row - m_new);
+    l_row = l_row * c + exp2f(sk - m_new);
+    m_row = m_new;
+    return c;
+}
