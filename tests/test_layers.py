@@ -39,7 +39,7 @@ SUBPACKAGE_LAYERS = {"runtime": "runtime", "reference": "reference", "sim": "sim
                      "tools": "tools"}
 #: top-level modules (the package face, the public API, the commands' entry, the adapters)
 TOP_LEVEL_LAYERS = {"__init__": "api", "intensity": "api", "roofline": "api", "__main__": "tools",
-                    "torch": "adapters", "jax": "adapters", "transformers": "adapters",
+                    "torch": "adapters", "torch_sdpa": "adapters", "jax": "adapters", "transformers": "adapters",
                     "context_parallel": "adapters"}
 #: importlib entry points whose first argument is a module name
 IMPORT_CALLS = {"import_module", "__import__", "find_spec"}
