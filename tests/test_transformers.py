@@ -257,3 +257,17 @@ def test_smollm2_logits_and_greedy_match_sdpa(smollm2_hf, count_cuflash_calls):
     assert torch.equal(generated["cuflash"], generated["sdpa"])
     first = tokenizer.decode(generated["cuflash"][0])
     assert first.startswith(" Paris"), first
+
+
+def test_demo_transformers_shows_it(smollm2_hf):
+    """``python -m cuflash demo --transformers``'s body on the session's model: it reports
+    cuflash's calls, errors within the rule's reach and identical greedy tokens."""
+    from cuflash.tools import demo_transformers
+
+    tokenizer, model = smollm2_hf
+    lines = []
+    result = demo_transformers.run(generate=4, tokenizer=tokenizer, model=model, out=lines.append)
+    assert result["cuflash_calls"] == model.config.num_hidden_layers
+    assert result["identical"] and result["continuations"]["cuflash"][0].startswith(" Paris")
+    assert result["errors"]["cuflash"] <= 2 * result["errors"]["sdpa"] + 1e-3
+    assert lines[-1].startswith("cuflash") and "identical" in lines[-1]
