@@ -104,6 +104,11 @@ def attention(
     dropout_p=0.0,
     dropout_seed=None,
     dropout_offset=0,
+    softcap=0.0,
+    alibi_slopes=None,
+    attn_bias=None,
+    attn_mask=None,
+    sinks=None,
 ):
     """Exact scaled-dot-product attention, ``softmax(softmax_scale * q k^T + mask) v``, fused.
 
@@ -161,12 +166,37 @@ def attention(
     dropout_seed, dropout_offset : int
         The mask's Philox key, each in ``[0, 2**32)``; the seed is required with ``dropout_p >
         0``, and the backward must get the same pair to regenerate the mask.
+    softcap : float
+        Logit soft-capping (Gemma 2, Gemma Team 2024): scores become ``softcap * tanh(s /
+        softcap)`` after the scale; 0 (default) is off; must be finite and >= 0.
+    alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
+        ALiBi (Press et al., "Train Short, Test Long", 2022): adds ``-slope * |i + Sk - Sq - j|``
+        (aligned bottom-right, as flash-attn) to the score of query ``i`` and key ``j``. With
+        several batch dims (layout "bhsd") the batched form is ``(*batch, Hq)``.
+    attn_bias : array, optional
+        Additive bias of q's dtype or float32, broadcastable (NumPy's rules) to ``(B, Hq, Sq,
+        Sk)`` (``(*batch, Hq, Sq, Sk)``; in both layouts: for "bshd" too the bias is indexed
+        by (batch, head, query, key), as SDPA and flash-attn do); any strides (stride 0 on
+        broadcast axes, never materialised). ``-inf`` entries hide a pair.
+    attn_mask : bool array, optional
+        Broadcastable likewise; True = attend (SDPA's meaning). A row left with no key gets 0
+        and ``lse = -inf``.
+    sinks : float32 array ``(Hq,)``, optional
+        Attention sinks (as gpt-oss uses them; OpenAI, gpt-oss model card, 2025): one learned
+        logit per head that joins each row's softmax denominator and attends to nothing, so
+        ``lse = log(sum_j exp(s_j) + exp(sink))`` and a row with no key gets 0 and ``lse = sink``.
+
+        The order is: scale, softcap, ALiBi and bias, the masks (causal/window and attn_mask),
+        softmax (with the sink), dropout. On the NumPy path every dtype; float64 input may take
+        float64 slopes and sinks. The kernel backends ("sim", "cuda") do not take modifiers yet:
+        they raise ``NotImplementedError`` naming the modifier.
 
     Returns
     -------
     out : array of q's kind and dtype, shape ``q.shape[:-1] + (Dv,)`` ("bhsd") or ``(B, Sq, Hq, Dv)``
     lse : array, float32 (float64 for float64 input), shape ``q.shape[:-1]`` ("bhsd") or
-        ``(B, Hq, Sq)`` ("bshd"); only when ``return_lse=True``.
+        ``(B, Hq, Sq)`` ("bshd"); only when ``return_lse=True``. With ``sinks`` it includes the
+        sink term.
 
     A query row that sees no key (e.g. causal with ``Sq > Sk``, or ``Sk = 0``) gets output 0 and
     ``lse = -inf``. Empty inputs (a zero batch dim or ``Sq = 0``) compute nothing. Non-finite
@@ -185,7 +215,10 @@ def attention(
         Mismatched shapes, non-unit last-axis or negative strides, an unknown layout or backend
         (argument or ``CUFLASH_BACKEND``), a malformed ``window_size``, a non-finite
         ``softmax_scale``, a bad ``out=``, arrays on different devices, or a backend that would
-        move data.
+        move data; a negative or non-finite ``softcap``; slopes or sinks of the wrong shape; a
+        bias or mask that does not broadcast to ``(B, Hq, Sq, Sk)``. (``TypeError`` for slopes
+        or sinks that are not float32, a bias not of q's dtype or float32, a mask not bool, or
+        a modifier array of another kind than q.)
     NotImplementedError
         A head dim above 256, or a valid call that has no kernel on the chosen backend.
     RuntimeError
@@ -223,18 +256,20 @@ def attention(
     (2, 8, 128, 64)
     """
     func = "cuflash.attention"
-    host = interop.HostImport(func, q=q, k=k, v=v, out=out)
+    host = interop.HostImport(func, q=q, k=k, v=v, out=out, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+                              attn_mask=attn_mask, sinks=sinks)
     if host.framework is not None:  # CPU DLPack arrays: the NumPy views, the result as their kind
         result = attention(**host.arrays, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                            return_lse=return_lse, layout=layout, backend=backend, dropout_p=dropout_p,
-                           dropout_seed=dropout_seed, dropout_offset=dropout_offset)
+                           dropout_seed=dropout_seed, dropout_offset=dropout_offset, softcap=softcap)
         if return_lse:
             return host.export(result[0], "out"), host.export(result[1])
         return host.export(result, "out")
     problem = validation.check_attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
         out=out, return_lse=return_lse, func=func, dropout_p=dropout_p, dropout_seed=dropout_seed,
-        dropout_offset=dropout_offset,
+        dropout_offset=dropout_offset, softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+        attn_mask=attn_mask, sinks=sinks,
     )
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":
@@ -288,7 +323,8 @@ def _parse_cc(arch, func: str) -> int:
 
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-            backend="auto", arch=None) -> dict:
+            backend="auto", arch=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None,
+            sinks=None) -> dict:
     """What :func:`attention` would run for these arguments, without running it.
 
     Validates exactly as :func:`attention` does (from metadata only, so fake or CPU-side
@@ -299,6 +335,9 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     ----------
     q, k, v, causal, softmax_scale, window_size, layout, backend
         As for :func:`attention`.
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+        As for :func:`attention` (validated the same way; a kernel tier that does not take a
+        modifier says so, and with none left ``NotImplementedError`` names it).
     arch : int or str, optional
         Compute capability to plan for (``90``, ``"sm_80"``). Default: the simulator's arch
         (:func:`cuflash.sim.options`) for ``backend="sim"``, the arrays' device for CUDA arrays
@@ -328,10 +367,13 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     from cuflash.kernels import dispatch
 
     func = "cuflash.explain"
-    q, k, v = interop.HostImport(func, q=q, k=k, v=v).arrays.values()
+    host = interop.HostImport(func, q=q, k=k, v=v, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+                              attn_mask=attn_mask, sinks=sinks).arrays
+    q, k, v = host["q"], host["k"], host["v"]
     problem = validation.check_attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
-        func=func,
+        func=func, softcap=softcap, alibi_slopes=host["alibi_slopes"], attn_bias=host["attn_bias"],
+        attn_mask=host["attn_mask"], sinks=host["sinks"],
     )
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy" and arch is not None:

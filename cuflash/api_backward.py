@@ -24,6 +24,13 @@ def attention_backward(
     dropout_p=0.0,
     dropout_seed=None,
     dropout_offset=0,
+    softcap=0.0,
+    alibi_slopes=None,
+    attn_bias=None,
+    attn_mask=None,
+    sinks=None,
+    return_dbias=False,
+    return_dsinks=False,
 ):
     """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` from its output and log-sum-exp.
 
@@ -67,10 +74,23 @@ def attention_backward(
     dropout_p, dropout_seed, dropout_offset
         The forward's dropout (see :func:`cuflash.attention`); the mask is regenerated from them:
         ``dV = (P Z / (1 - p))^T dout``, ``dS = P (dout V^T Z / (1 - p) - D)``.
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+        The forward's score modifiers (see :func:`cuflash.attention`), exactly as it got them.
+        Under a softcap, ``dS`` is multiplied by ``1 - tanh^2(s / softcap)`` before it meets q
+        and k.
+    return_dbias : bool
+        Also return ``d attn_bias``: ``dS`` summed over the axes the bias broadcasts over, in
+        the bias's own shape and dtype (accumulated in float32, float64 for float64 input, and
+        added in a fixed order: the same bits run to run). Needs ``attn_bias``.
+    return_dsinks : bool
+        Also return ``d sinks``, float32 ``(Hq,)`` (float64 for float64 input): ``-sum over
+        batch and rows of exp(sink - lse) * rowsum(dout * out)``. Needs ``sinks``.
 
     Returns
     -------
     dq, dk, dv : arrays of q's kind and dtype, the shapes of q, k and v
+    dbias : array, ``attn_bias.shape`` and dtype; only with ``return_dbias``
+    dsinks : array ``(Hq,)``; only with ``return_dsinks`` (after ``dbias`` when both are asked for)
 
     A row that sees no key (``lse = -inf``) has ``dq = 0`` there and adds nothing to ``dk``/``dv``.
     Non-finite input (in q, k, v, dout, or the NaN ``out``/``lse`` the forward made of it) travels
@@ -87,7 +107,8 @@ def attention_backward(
         import, a non-bool flag.
     ValueError
         Mismatched shapes of q/k/v, ``out``, ``dout`` or ``lse``; bad strides or options; an
-        unknown backend or one that would move data.
+        unknown backend or one that would move data; a bad modifier (as :func:`cuflash.attention`);
+        ``return_dbias`` without ``attn_bias`` or ``return_dsinks`` without ``sinks``.
     NotImplementedError
         A head dim above 256, or float64 on a kernel backend.
 
@@ -102,22 +123,25 @@ def attention_backward(
     """
     func = "cuflash.attention_backward"
     deterministic = validation.check_flag(deterministic, "deterministic", func)
-    host = interop.HostImport(func, dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    host = interop.HostImport(func, dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
+                              attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks)
     if host.framework is not None:  # CPU DLPack arrays: the NumPy views, the gradients as their kind
         grads = attention_backward(**host.arrays, causal=causal, softmax_scale=softmax_scale,
                                    window_size=window_size, layout=layout, backend=backend,
                                    deterministic=deterministic, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                   dropout_offset=dropout_offset)
+                                   dropout_offset=dropout_offset, softcap=softcap, return_dbias=return_dbias,
+                                   return_dsinks=return_dsinks)
         return tuple(host.export(g) for g in grads)
     problem = ref_backward.check_backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         layout=layout, func=func, max_head_dim=validation.MAX_HEAD_DIM, dropout_p=dropout_p,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, softcap=softcap, alibi_slopes=alibi_slopes,
+        attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks, return_dbias=return_dbias, return_dsinks=return_dsinks,
     )
     chosen = resolve_backend(backend, problem.kind, func)
     if chosen == "numpy":
         return ref_backward._flash_backward(
-            problem, dout, q, k, v, out, lse, None, None
+            problem, dout, q, k, v, out, lse, None, None, return_dbias, return_dsinks
         )
     check_kernel_dtype(problem, chosen)
     if chosen == "sim":

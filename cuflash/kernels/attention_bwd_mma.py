@@ -25,6 +25,7 @@ from typing import ClassVar
 
 from cuflash.kernels import attention_bwd_simt, attention_fwd_mma
 from cuflash.runtime import plan, variants
+from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 HEAD_DIM_BUCKETS = (64, 128, 192, 256)
 MMA_DTYPES = attention_fwd_mma.MMA_DTYPES
@@ -166,6 +167,9 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     ``(q, k, v, out, dout)``; the forward's rules apply to each, and a tile of the head dims'
     bucket must fit the arch's shared memory."""
     p = problem
+    why = refuse_modifiers(p, "the tensor-core backward")   # score modifiers: none in this kernel yet
+    if why is not None:
+        return why
     arrays = tuple(arrays or ())
     why = attention_fwd_mma.unsupported_reason(p, arch, arrays[:4])
     if why is None and len(arrays) > 4:

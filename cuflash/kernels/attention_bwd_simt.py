@@ -21,6 +21,7 @@ import numpy as np
 
 from cuflash.kernels import attention_fwd_simt
 from cuflash.runtime import plan, variants
+from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 THREADS = 128
 #: (Br, Bc) of the main stage by head-dim bucket; K, V, Q, dO tiles and P, dS live in shared
@@ -116,7 +117,11 @@ def _strides3(prefix, a, varlen=None):
 
 
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
-    """Why the portable backward cannot take ``problem`` (None if it can): it has no dropout."""
+    """Why the portable backward cannot take ``problem`` (None if it can): it has no dropout and
+    no score modifiers."""
+    why = refuse_modifiers(problem, "the portable backward")   # score modifiers: none in this kernel yet
+    if why is not None:
+        return why
     return attention_fwd_simt.unsupported_reason(problem, arch, arrays)
 
 

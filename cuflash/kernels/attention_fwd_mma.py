@@ -22,6 +22,7 @@ import numpy as np
 
 from cuflash.kernels import attention_fwd_simt
 from cuflash.runtime import plan, variants
+from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 #: head-dim buckets: a variant serves every ``max(D, Dv)`` (a multiple of 8) up to its bucket
 HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
@@ -201,6 +202,9 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     shape-level conditions are checked.
     """
     p = problem
+    why = refuse_modifiers(p, "the tensor-core kernel")   # score modifiers: none in this kernel yet
+    if why is not None:
+        return why
     if arch < MIN_ARCH:
         name = str(np.dtype(p.dtype)).replace("bfloat16", "bf16").replace("float16", "f16")
         return f"sm_{arch} has no m16n8k16 {name} mma with cp.async (needs sm_{MIN_ARCH}+)"

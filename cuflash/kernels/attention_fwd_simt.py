@@ -15,6 +15,7 @@ from typing import ClassVar
 import numpy as np
 
 from cuflash.runtime import plan, variants
+from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 #: head-dim buckets: a variant serves every ``max(D, Dv)`` up to its bucket
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
@@ -219,7 +220,11 @@ def dropout_args(problem, batch0: int, enabled: bool) -> tuple:
 
 
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
-    """Why this portable kernel cannot take ``problem`` (None if it can): it has no dropout."""
+    """Why this portable kernel cannot take ``problem`` (None if it can): it has no dropout and
+    no score modifiers."""
+    why = refuse_modifiers(problem, "the portable kernel")   # score modifiers: none in this kernel yet
+    if why is not None:
+        return why
     if problem.dropout is not None:
         return ("dropout: the portable kernels have none (it runs on the tensor-core kernels: float16/bfloat16, "
                 "head dims multiples of 8, 16-byte-aligned rows, sm_80+)")

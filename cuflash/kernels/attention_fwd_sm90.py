@@ -28,6 +28,7 @@ import numpy as np
 from cuflash.kernels import attention_fwd_simt
 from cuflash.runtime import plan, variants
 from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg, TensorMapArg
+from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 #: this module's tier, in the dispatcher's words
 TARGET_ARCH = "90a"
@@ -183,6 +184,9 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     """Why ``problem`` cannot run on this tier on ``sm_<arch>`` (None if it can). The arch rule
     (``sm_90a``: compute capability 9.0 only) is the dispatcher's (:data:`TARGET_ARCH`)."""
     p = problem
+    why = refuse_modifiers(p, "the Hopper kernel")   # score modifiers: none in this kernel yet
+    if why is not None:
+        return why
     try:
         key = variants.dtype_key(p.dtype)
     except KeyError:

@@ -40,6 +40,7 @@ import numpy as np
 
 from cuflash.reference.dropout import problem_keep
 from cuflash.reference.masks import masked_matmul, problem_mask, query_range
+from cuflash.reference.modifiers import BiasGrad, HeadTerms, reduce_bias_grad, sink_grad
 from cuflash.reference.views import (
     canonical,
     check_numpy,
@@ -53,6 +54,7 @@ from cuflash.runtime.validation import (
     AttentionProblem,
     check_attention,
     check_block_sizes,
+    check_flag,
     check_strides,
 )
 
@@ -67,7 +69,8 @@ _LSE_DTYPES = (dtypes.float32, dtypes.float64)
 
 def check_backward(
     dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-    func: str, max_head_dim=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+    func: str, max_head_dim=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
+    alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, return_dbias=False, return_dsinks=False,
 ) -> AttentionProblem:
     """Validate a backward call: the forward's checks on q, k, v and options, then ``out``,
     ``dout`` and ``lse`` (kind, dtype, shape, strides). Reads no array data.
@@ -76,16 +79,22 @@ def check_backward(
     ------
     TypeError
         A non-array, an array of another kind than q, ``out.dtype != q.dtype``,
-        ``dout.dtype != out.dtype``, or an ``lse`` that is not float32/float64.
+        ``dout.dtype != out.dtype``, or an ``lse`` that is not float32/float64; a bad modifier
+        (:func:`cuflash.runtime.validation_modifiers.check_modifiers`).
     ValueError
+        ``return_dbias`` without ``attn_bias``, ``return_dsinks`` without ``sinks``.
         A wrong shape of ``out``, ``dout`` or ``lse``; a non-unit last-axis or negative stride of
         ``out`` or ``dout``; anything :func:`cuflash.runtime.validation.check_attention` refuses.
     """
     p = check_attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
         func=func, max_head_dim=max_head_dim, dropout_p=dropout_p, dropout_seed=dropout_seed,
-        dropout_offset=dropout_offset,
+        dropout_offset=dropout_offset, softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+        attn_mask=attn_mask, sinks=sinks,
     )
+    for flag, name, arg in (("return_dbias", "attn_bias", attn_bias), ("return_dsinks", "sinks", sinks)):
+        if check_flag({"return_dbias": return_dbias, "return_dsinks": return_dsinks}[flag], flag, func) and arg is None:
+            raise ValueError(f"{func}: {flag}=True needs {name} (the gradient is {name}'s); got {name}=None")
     infos = {name: describe(x, name, func) for name, x in (("out", out), ("dout", dout), ("lse", lse))}
     for name, info in infos.items():
         if info.kind != p.kind:
@@ -157,7 +166,8 @@ def _outputs(q, k, v, dtype):
 
 def attention_backward(
     dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-    dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+    dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None,
+    sinks=None, return_dbias=False, return_dsinks=False,
 ):
     """Gradients of attention with S, P, dP and dS materialised, in float64: the ground truth.
 
@@ -186,10 +196,18 @@ def attention_backward(
     dropout_p, dropout_seed, dropout_offset
         The forward's dropout: with the mask ``Z`` of :func:`cuflash.reference.dropout_mask`,
         ``dV = (P Z / (1 - p))^T dO`` and ``dS = P (dP Z / (1 - p) - D)``.
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+        The forward's score modifiers (:mod:`cuflash.reference.modifiers` has the gradients:
+        ``dS * (1 - tanh^2)`` under a softcap, ``d attn_bias`` = ``dS`` summed over the
+        broadcast axes, ``d sinks = -sum exp(sink - lse) * D``).
+    return_dbias, return_dsinks : bool
+        Also return ``d attn_bias`` (the bias's own shape) and ``d sinks`` (``(Hq,)``).
 
     Returns
     -------
     dq, dk, dv : numpy.ndarray, float64, the shapes of q, k and v
+    dbias : numpy.ndarray, float64, ``attn_bias.shape``; only with ``return_dbias``
+    dsinks : numpy.ndarray, float64, ``(Hq,)``; only with ``return_dsinks``
 
     Raises
     ------
@@ -207,11 +225,19 @@ def attention_backward(
     p = check_backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         layout=layout, func=func, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+        softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks,
+        return_dbias=return_dbias, return_dsinks=return_dsinks,
     )
     check_numpy(p)
     dq, dk, dv = _outputs(q, k, v, np.float64)
+    extra = []
+    mods = p.modifiers
+    if return_dbias:
+        extra.append(np.zeros(mods.attn_bias.own_shape, np.float64))
+    if return_dsinks:
+        extra.append(np.zeros((p.num_heads_q,), np.float64))
     if p.is_empty or not p.num_heads_k:
-        return dq, dk, dv
+        return (dq, dk, dv, *extra)
     f64 = np.float64
     qv = split_heads(canonical(q, layout), p.num_heads_k).astype(f64)
     kv = kv_view(canonical(k, layout)).astype(f64)
@@ -222,18 +248,34 @@ def attention_backward(
 
     with np.errstate(invalid="ignore"):  # non-finite input: its NaN is kept, never warned about
         s = (qv @ kv.swapaxes(-1, -2)) * p.softmax_scale
-        mask = problem_mask(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))
+        rows, cols = np.arange(p.seqlen_q), np.arange(p.seqlen_k)
+        mask = problem_mask(p, rows, cols)
+        terms = None if mods is None else HeadTerms(p, None, f64)
+        tanh = None
+        if terms is not None:
+            tanh = terms.modify(s, rows, cols)
+            user = terms.keep(rows, cols)
+            if user is not None:
+                mask = user if mask is None else mask & user
         probs, pairs = _probs_and_pairs(s, lv, mask)
         d_row = np.sum(dov * ov, axis=-1)
         dp = dov @ vv.swapaxes(-1, -2)
         keep = problem_keep(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))   # Z / (1 - p), or None
         ds = _grad_ds(probs, dp if keep is None else dp * keep, d_row, pairs)
+        extra = []
+        if return_dbias:
+            extra.append(reduce_bias_grad(mods.attn_bias, ds.reshape(mods.attn_bias.shape)))
+        if return_dsinks:   # d sink = -sum over batch and rows of exp(sink - lse) * D
+            w = np.where(np.isneginf(lv), 0, np.exp(terms.sinks[..., None] - np.where(np.isneginf(lv), 0, lv)))
+            extra.append(-(w * d_row).sum(axis=-1).reshape((-1, p.num_heads_q)).sum(axis=0))
+        if tanh is not None:
+            ds = ds * (1 - tanh * tanh)   # through the softcap
         pairs_t = pairs.swapaxes(-1, -2)
         split_heads(canonical(dq, layout), p.num_heads_k)[...] = p.softmax_scale * masked_matmul(ds, kv, pairs)
         canonical(dk, layout)[...] = p.softmax_scale * masked_matmul(ds.swapaxes(-1, -2), qv, pairs_t).sum(axis=-3)
         dropped = probs if keep is None else probs * keep
         canonical(dv, layout)[...] = masked_matmul(dropped.swapaxes(-1, -2), dov, pairs_t).sum(axis=-3)
-    return dq, dk, dv
+    return (dq, dk, dv, *extra)
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,7 +284,8 @@ def attention_backward(
 
 def flash_attention_backward(
     dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-    block_m=None, block_n=None,
+    block_m=None, block_n=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None,
+    return_dbias=False, return_dsinks=False,
 ):
     """The tiled FlashAttention-2 backward in NumPy: the CPU path of :func:`cuflash.attention_backward`.
 
@@ -271,6 +314,11 @@ def flash_attention_backward(
     ----------
     dout, q, k, v, out, lse, causal, softmax_scale, window_size, layout
         As :func:`attention_backward`.
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks, return_dbias, return_dsinks
+        As :func:`attention_backward`. ``d attn_bias`` is summed per work item over the bias's
+        broadcast axes into a small partial, and the partials are added in a fixed order (the
+        work items run in waves of the pool's size for it), so it is bit-identical run to run
+        and for any thread count; a key tile attn_mask hides from a whole query tile is skipped.
     block_m, block_n : int, optional
         Query rows (Br) and key rows (Bc) per tile, >= 1; None (default): the forward's
         cache-sized tiles (:func:`cuflash.reference.forward.cpu_tiles`).
@@ -279,6 +327,8 @@ def flash_attention_backward(
     -------
     dq, dk, dv : numpy.ndarray of q's dtype, the shapes of q, k and v
         Accumulated in float32 (float64 for float64 input).
+    dbias : numpy.ndarray of attn_bias's dtype and shape; only with ``return_dbias``
+    dsinks : numpy.ndarray, float32 (float64 for float64 input), ``(Hq,)``; only with ``return_dsinks``
 
     Raises
     ------
@@ -294,11 +344,12 @@ def flash_attention_backward(
     func = "cuflash.reference.flash_attention_backward"
     p = check_backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        layout=layout, func=func,
+        layout=layout, func=func, softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+        attn_mask=attn_mask, sinks=sinks, return_dbias=return_dbias, return_dsinks=return_dsinks,
     )
     check_numpy(p)
     block_m, block_n = check_block_sizes(block_m, block_n, func)
-    return _flash_backward(p, dout, q, k, v, out, lse, block_m, block_n)
+    return _flash_backward(p, dout, q, k, v, out, lse, block_m, block_n, return_dbias, return_dsinks)
 
 
 #: key tiles of one kv head are split into about this many independent chunks in all (over the
@@ -307,7 +358,8 @@ def flash_attention_backward(
 _BWD_CHUNKS = 8
 
 
-def _flash_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m, block_n):
+def _flash_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m, block_n, return_dbias=False,
+                    return_dsinks=False):
     """The tiled backward on validated NumPy input (shared with :func:`cuflash.attention_backward`).
 
     ``block_m``/``block_n`` None pick the forward's cache-sized tiles
@@ -315,14 +367,23 @@ def _flash_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m, block
     pairs on :func:`cuflash.runtime.threads.run`'s pool with BLAS single-threaded; each keeps
     its own float32 dQ accumulator, and a head's chunks are added in chunk order afterwards
     (deterministic, whatever the number of threads). The ``G`` query heads of a kv head are
-    stacked into ``(G * Br)``-row tiles, as in the forward.
+    stacked into ``(G * Br)``-row tiles, as in the forward. ``return_dbias``/``return_dsinks``
+    append ``d attn_bias`` (the bias's dtype) and ``d sinks`` (the accumulation type).
     """
     from cuflash.reference.forward import cpu_tiles
 
     acc_t = dtypes.accumulator(p.dtype)
     dq, dk, dv = _outputs(q, k, v, p.dtype)
+    mods = p.modifiers
+    bias_grad = BiasGrad(p, acc_t) if return_dbias else None
+    dsinks = np.zeros((p.num_heads_k, p.group_size), acc_t) if return_dsinks else None
+
+    def extra():
+        more = [] if bias_grad is None else [bias_grad.result(mods.attn_bias.dtype)]
+        return more if dsinks is None else [*more, dsinks.reshape(p.num_heads_q)]
+
     if p.is_empty or not p.num_heads_k:
-        return dq, dk, dv
+        return (dq, dk, dv, *extra())
     block_m, block_n = cpu_tiles(p, block_m, block_n)
     layout = p.layout
     qv = split_heads(canonical(q, layout), p.num_heads_k)
@@ -353,6 +414,11 @@ def _flash_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m, block
         return qf, dof, d_row, lse_h, kf, vf, finite
 
     per_head = dict(zip(heads, threads.run(prepare, heads)))
+    if dsinks is not None:   # d sink = -sum over rows of exp(sink - lse) * D, heads added in order
+        sinks = HeadTerms(p, None, acc_t).sinks
+        for h in heads:
+            _, _, d_row, lse_h, _, _, _ = per_head[h]
+            dsinks[h[-1]] += sink_grad(sinks[h], lse_h, d_row)
     n_tiles = -(-p.seqlen_k // block_n)
     chunks = max(1, min(n_tiles, -(-_BWD_CHUNKS // len(heads))))
     bounds = [(n_tiles * c // chunks, n_tiles * (c + 1) // chunks) for c in range(chunks)]
@@ -360,25 +426,38 @@ def _flash_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m, block
 
     def work(item):
         h, _, t0, t1 = item
-        return _backward_chunk(p, per_head[h], t0, t1, block_m, block_n, acc_t, dk_v[h], dv_v[h], head_index=h)
+        return _backward_chunk(p, per_head[h], t0, t1, block_m, block_n, acc_t, dk_v[h], dv_v[h], head_index=h,
+                               bias_grad=bias_grad)
 
+    # with d attn_bias, waves of the pool's size keep only that many partials alive; each wave's
+    # results are added in item order, so the sums' order does not depend on the wave size
+    wave = max(1, len(items) if bias_grad is None else threads.num_threads())
     by_head: dict = {}
-    for (h, _, _, _), part in zip(items, threads.run(work, items)):  # items are in chunk order per head
-        if part is not None:
-            by_head[h] = part if h not in by_head else by_head[h] + part
+    for w0 in range(0, len(items), wave):
+        part_items = items[w0:w0 + wave]
+        for (h, _, t0, t1), (part, dbias_part) in zip(part_items, threads.run(work, part_items)):
+            if part is not None:   # items are in chunk order per head
+                by_head[h] = part if h not in by_head else by_head[h] + part
+            if dbias_part is not None:
+                bias_grad.commit(dbias_part, h, t0 * block_n, min(t1 * block_n, p.seqlen_k))
     for h, dq_h in by_head.items():
         dq_v[h][...] = dq_h.swapaxes(0, 1)
-    return dq, dk, dv
+    return (dq, dk, dv, *extra())
 
 
-def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, dk_out, dv_out, head_index=None):
+def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, dk_out, dv_out, head_index=None,
+                    bias_grad=None):
     """Key tiles ``[t0, t1)`` of one kv head: writes their dK, dV rows into ``dk_out``/``dv_out``
-    (``(Sk, D)`` views) and returns this chunk's dQ contribution, ``(Sq, G, D)`` in the
-    accumulation type (None when no query row sees these keys)."""
+    (``(Sk, D)`` views) and returns ``(dq, dbias)``: this chunk's dQ contribution, ``(Sq, G, D)``
+    in the accumulation type (None when no query row sees these keys), and its ``d attn_bias``
+    partial (:class:`cuflash.reference.modifiers.BiasGrad`; None without ``bias_grad``)."""
     qf, dof, d_row, lse_h, kf, vf, finite = head
     g = qf.shape[1]
     scale = acc_t.type(p.softmax_scale)
     dq_acc = None
+    terms = None if p.modifiers is None else HeadTerms(p, head_index, acc_t)
+    k0 = t0 * block_n
+    dbias = None if bias_grad is None else bias_grad.partial(k0, min(t1 * block_n, p.seqlen_k))
     with np.errstate(invalid="ignore", over="ignore"):  # non-finite input: its NaN is kept, never warned about
         for t in range(t0, t1):
             c0 = t * block_n
@@ -397,11 +476,17 @@ def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, 
                 rows = (r1 - r0) * g
                 q_t = qf[r0:r1].reshape(rows, p.head_dim)
                 do_t = dof[r0:r1].reshape(rows, p.head_dim_v)
-                s = q_t @ kt.T
-                s *= scale
                 mask = problem_mask(p, np.arange(r0, r1), cols)
                 if mask is not None:
                     mask = None if mask.all() else np.repeat(mask, g, axis=0)
+                user = None if terms is None else terms.keep(np.arange(r0, r1), cols, stacked=True)
+                if user is not None:   # attn_mask joins the window mask; a tile it hides is skipped
+                    mask = user if mask is None else mask & user
+                    if not mask.any():
+                        continue
+                s = q_t @ kt.T
+                s *= scale
+                tanh = None if terms is None else terms.modify(s, np.arange(r0, r1), cols, stacked=True)
                 probs, pairs = _probs_and_pairs(s, lse_h[r0:r1].reshape(rows), mask)
                 pairs_t = pairs.T
                 keep = problem_keep(p, np.arange(r0, r1), cols, head_index)   # dropout: Z / (1 - p)
@@ -412,10 +497,16 @@ def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, 
                 if keep is not None:
                     dp *= keep
                 ds = _grad_ds(probs, dp, d_row[r0:r1].reshape(rows), pairs)
+                if dbias is not None:
+                    bias_grad.add(dbias, ds, r0, r1, c0 - k0, c1 - k0)
+                if tanh is not None:   # through the softcap: d tanh-capped / d s = 1 - tanh^2
+                    tanh *= tanh
+                    np.subtract(1, tanh, out=tanh)
+                    ds *= tanh
                 ds *= scale
                 dq_acc[r0:r1].reshape(rows, p.head_dim)[...] += (
                     masked_matmul(ds, kt, pairs) if not finite["k"] else ds @ kt)
                 dk_j += masked_matmul(ds.T, q_t, pairs_t) if not finite["q"] else ds.T @ q_t
             dk_out[c0:c1] = dk_j
             dv_out[c0:c1] = dv_j
-    return dq_acc
+    return dq_acc, dbias

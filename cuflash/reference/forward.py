@@ -8,6 +8,7 @@ import numpy as np
 
 from cuflash.reference.dropout import problem_keep
 from cuflash.reference.masks import key_range, masked_matmul, problem_mask
+from cuflash.reference.modifiers import HeadTerms, join_sinks
 from cuflash.reference.normalize import masked_exp
 from cuflash.reference.views import (
     canonical,
@@ -31,7 +32,8 @@ __all__ = ["naive_attention", "flash_attention", "naive_rows"]
 
 
 def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
-                    dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+                    dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0, alibi_slopes=None, attn_bias=None,
+                    attn_mask=None, sinks=None):
     """Attention with S and P materialised, in float64: the ground truth.
 
     ``out = softmax(softmax_scale * q @ k^T + mask) @ v``, computed entirely in float64
@@ -56,6 +58,9 @@ def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     dropout_p, dropout_seed, dropout_offset
         Attention dropout with the mask of :func:`cuflash.reference.dropout_mask` (P after the
         softmax times ``Z / (1 - p)``; the LSE is the undropped softmax's).
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+        The score modifiers, as :func:`cuflash.attention` takes them (scale, softcap, ALiBi and
+        bias, mask, softmax with the sink in the denominator; the lse includes the sink).
 
     Returns
     -------
@@ -74,7 +79,8 @@ def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     p = check_attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
         return_lse=return_lse, func="cuflash.reference.naive_attention", max_head_dim=None,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset, softcap=softcap,
+        alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks,
     )
     check_numpy(p)
     out = np.zeros(p.out_shape, dtype=np.float64)
@@ -124,7 +130,23 @@ def naive_rows(p: AttentionProblem, q, k, v, rows, round_to=None):
     vv = kv_view(canonical(v, p.layout)).astype(acc)
     s = rnd(rnd(qv @ kv.swapaxes(-1, -2)) * acc(p.softmax_scale))
     mask = problem_mask(p, rows, np.arange(p.seqlen_k))
+    terms = None if p.modifiers is None else HeadTerms(p, None, acc)
+    if terms is not None:   # softcap, ALiBi, bias; then attn_mask joins the causal/window mask
+        with np.errstate(invalid="ignore", over="ignore"):
+            terms.modify(s, rows, np.arange(p.seqlen_k))
+        keep = terms.keep(rows, np.arange(p.seqlen_k))
+        if keep is not None:
+            mask = keep if mask is None else mask & keep
     e, l, shift = masked_exp(s, mask)
+    if terms is not None and terms.sinks is not None:   # the sink joins the denominator, adds no value
+        sinks = terms.sinks[..., None].astype(acc)
+        m = np.where(l == 0, -np.inf, shift)
+        new = np.maximum(m, sinks)
+        new_shift = np.where(np.isneginf(new), 0, new)
+        with np.errstate(invalid="ignore", over="ignore"):
+            e = e * np.exp(shift - new_shift)[..., None]
+            l = e.sum(axis=-1) + np.exp(sinks - new_shift)
+        shift = new_shift
     seen = l != 0  # NaN l (non-finite input the row sees) counts as seen: its NaN comes out
     l_safe = np.where(seen, l, 1)[..., None]
     keep = problem_keep(p, rows, np.arange(p.seqlen_k))   # dropout: Z / (1 - p) on P, after the softmax
@@ -144,7 +166,7 @@ def naive_rows(p: AttentionProblem, q, k, v, rows, round_to=None):
 
 def flash_attention(
     q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
-    block_m=None, block_n=None, out=None,
+    block_m=None, block_n=None, out=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None,
 ):
     """The tiled FlashAttention forward in NumPy: the CPU path of :func:`cuflash.attention`.
 
@@ -176,6 +198,10 @@ def flash_attention(
     ----------
     q, k, v, causal, softmax_scale, window_size, return_lse, layout
         As :func:`naive_attention`; head dims are not limited here.
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+        The score modifiers, as :func:`cuflash.attention` takes them; a bias or mask is read one
+        ``(G * Br) x Bc`` block at a time from its (stride-0 broadcast) view, and a key tile that
+        attn_mask hides from every row of the query tile is skipped.
     block_m, block_n : int, optional
         Query rows (Br) and key rows (Bc) per tile, >= 1; None (default) picks them for the
         cache (:func:`cpu_tiles`: Bc = 512, or 256 above head dim 128, and a score tile of
@@ -203,7 +229,8 @@ def flash_attention(
     func = "cuflash.reference.flash_attention"
     p = check_attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
-        out=out, return_lse=return_lse, func=func, max_head_dim=None,
+        out=out, return_lse=return_lse, func=func, max_head_dim=None, softcap=softcap, alibi_slopes=alibi_slopes,
+        attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks,
     )
     check_numpy(p)
     block_m, block_n = check_block_sizes(block_m, block_n, func)
@@ -299,17 +326,29 @@ def _forward_tile(p: AttentionProblem, q_head, kf, vf, v_finite: bool, r0: int, 
     alpha = np.empty(m_rows, dtype=acc_t)
     query_rows = np.arange(r0, r1)
     lo, hi = key_range(p, r0, r1)
+    terms = None if p.modifiers is None else HeadTerms(p, head_index, acc_t)
     with np.errstate(invalid="ignore", over="ignore"):  # non-finite input: inf - inf, 0 * inf stay NaN
         for c0 in range(lo, hi, block_n):
             c1 = min(c0 + block_n, hi)
             n = c1 - c0
-            s = s_flat[: m_rows * n].reshape(m_rows, n)
-            np.matmul(qf, kf[c0:c1].T, out=s)
-            mask = problem_mask(p, query_rows, np.arange(c0, c1))
+            cols = np.arange(c0, c1)
+            mask = problem_mask(p, query_rows, cols)
             if mask is not None and mask.all():
                 mask = None
             if mask is not None:
                 mask = np.repeat(mask, g, axis=0)  # (R, n) -> the stacked (R * G, n)
+            keep = None if terms is None else terms.keep(query_rows, cols, stacked=True)
+            if keep is not None:   # attn_mask joins the causal/window mask; a tile it hides is skipped
+                mask = keep if mask is None else mask & keep
+                if not mask.any():
+                    continue
+                if mask.all():
+                    mask = None
+            s = s_flat[: m_rows * n].reshape(m_rows, n)
+            np.matmul(qf, kf[c0:c1].T, out=s)
+            if terms is not None:   # softcap, ALiBi, bias (after the scale, before the mask)
+                terms.modify(s, query_rows, cols, stacked=True)
+            if mask is not None:
                 np.copyto(s, -np.inf, where=~mask)
             m_new = np.maximum(m, s.max(axis=1))
             np.copyto(shift, m_new)
@@ -329,6 +368,8 @@ def _forward_tile(p: AttentionProblem, q_head, kf, vf, v_finite: bool, r0: int, 
             else:  # a NaN/inf value row: products of pairs a row does not see are left out
                 acc += masked_matmul(s, vf[c0:c1], mask)
             m = m_new
+        if terms is not None and terms.sinks is not None:
+            join_sinks(m, l, acc, terms.stacked_sinks(rows))
         seen = l != 0  # l == 0: no key; a NaN l (non-finite input the row sees) stays NaN
         acc /= np.where(seen, l, 1)[:, None]
         acc[~seen] = 0

@@ -5,7 +5,8 @@ kernel source text and the CUDA runner.
 * :mod:`~cuflash.runtime.interop`: array kinds (NumPy, CuPy, DLPack), metadata, and the CUDA
   side of a call (device, stream, zero-copy import and export, :class:`~cuflash.runtime.interop.CudaCall`);
 * :mod:`~cuflash.runtime.validation`: argument checks done from metadata before any work
-  (:class:`~cuflash.runtime.validation.AttentionProblem`);
+  (:class:`~cuflash.runtime.validation.AttentionProblem`); :mod:`~cuflash.runtime.validation_modifiers`
+  the score modifiers' (softcap, ALiBi, bias, mask, sinks: ``AttentionProblem.modifiers``);
 * :mod:`~cuflash.runtime.variants`: the base of kernel variants (compile-time axes);
 * :mod:`~cuflash.runtime.plan`: launch plans, shared by the CUDA runner and the simulator;
 * :mod:`~cuflash.runtime.paths` and :mod:`~cuflash.runtime.source`: finding ``kernels_cu/`` and

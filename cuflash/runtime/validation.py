@@ -18,6 +18,7 @@ import numpy as np
 
 from cuflash.runtime import dtypes
 from cuflash.runtime.interop import ArrayInfo, describe, device_type_name
+from cuflash.runtime.validation_modifiers import Modifiers, check_modifiers
 
 #: largest head dim (of q/k and of v) that the kernels support (DESIGN.md §4).
 MAX_HEAD_DIM = 256
@@ -62,6 +63,9 @@ class AttentionProblem:
     kvcache: "object | None" = None
     #: attention dropout (:func:`check_dropout`), else None
     dropout: "Dropout | None" = None
+    #: the score modifiers (softcap, ALiBi, bias, mask, sinks:
+    #: :func:`cuflash.runtime.validation_modifiers.check_modifiers`), else None
+    modifiers: "Modifiers | None" = None
 
     @property
     def is_empty(self) -> bool:
@@ -331,6 +335,11 @@ def check_attention(
     dropout_p=0.0,
     dropout_seed=None,
     dropout_offset=0,
+    softcap=0.0,
+    alibi_slopes=None,
+    attn_bias=None,
+    attn_mask=None,
+    sinks=None,
 ) -> AttentionProblem:
     """Validate one attention call and return its :class:`AttentionProblem`.
 
@@ -393,6 +402,8 @@ def check_attention(
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
         out_shape=out_shape, lse_shape=lse_shape, device=qi.device, q=qi, k=ki, v=vi,
         dropout=check_dropout(dropout_p, dropout_seed, dropout_offset, func),
+        modifiers=check_modifiers(func, qi, tuple(qb) if layout == "bhsd" else (qb[0],), hq, sq, sk, softcap=softcap,
+                                  alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks),
     )
     if out is not None:
         check_out(out, problem, {"q": q, "k": k, "v": v})
@@ -548,6 +559,8 @@ def check_attention_varlen(
     dropout_p=0.0,
     dropout_seed=None,
     dropout_offset=0,
+    softcap=0.0,
+    alibi_slopes=None,
 ) -> AttentionProblem:
     """Validate one packed variable-length attention call (see :func:`cuflash.attention_varlen`).
 
@@ -615,6 +628,7 @@ def check_attention_varlen(
         out_shape=(total_q, hq, dv), lse_shape=(hq, total_q), device=qi.device, q=qi, k=ki, v=vi,
         varlen=VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_k, batch, total_q, total_k, max_q, max_k, checked),
         kvcache=cache, dropout=check_dropout(dropout_p, dropout_seed, dropout_offset, func),
+        modifiers=check_modifiers(func, qi, (batch,), hq, max_q, max_k, softcap=softcap, alibi_slopes=alibi_slopes),
     )
     if out is not None:
         check_out(out, problem, {"q": q, "k": k, "v": v})

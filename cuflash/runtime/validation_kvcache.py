@@ -18,6 +18,7 @@ import numpy as np
 from cuflash.runtime import validation
 from cuflash.runtime.interop import ArrayInfo, describe
 from cuflash.runtime.validation import AttentionProblem, check_flag, check_int
+from cuflash.runtime.validation_modifiers import check_modifiers
 
 #: positions, lengths and page counts stay below this (32-bit kernel arithmetic with tile padding)
 MAX_LENGTH = 2**31 - 256
@@ -202,6 +203,7 @@ def check_attention_with_kvcache(
     rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None, block_table=None, causal=False,
     softmax_scale=None, window_size=(-1, -1), num_splits=0, return_lse=False, out=None,
     func: str = "cuflash.attention_with_kvcache", max_head_dim: int | None = validation.MAX_HEAD_DIM,
+    softcap=0.0, alibi_slopes=None, sinks=None,
 ) -> AttentionProblem:
     """Validate one :func:`cuflash.attention_with_kvcache` call and return its problem.
 
@@ -295,6 +297,8 @@ def check_attention_with_kvcache(
         seqlen_q=sq, seqlen_k=capacity, head_dim=d, head_dim_v=dv, softmax_scale=scale, causal=causal,
         window_left=left, window_right=right, out_shape=(batch, sq, hq, dv), lse_shape=(batch, hq, sq),
         device=qi.device, q=qi, k=ki, v=vi, kvcache=cache,
+        modifiers=check_modifiers(func, qi, (batch,), hq, sq, capacity, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  sinks=sinks),
     )
     if out is not None:
         inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache}

@@ -1,0 +1,196 @@
+"""The score modifiers on the NumPy paths: softcap, ALiBi, attn_bias, attn_mask, sinks.
+
+The convention is :mod:`cuflash.runtime.validation_modifiers`'s (DESIGN.md §3.2): scale, softcap,
+ALiBi and bias, mask, softmax with the sink in the denominator. :class:`HeadTerms` gives the
+modifiers of one kv head (its ``G`` query heads) or of the whole problem, block by block: a
+broadcast bias or mask is a stride-0 view of the argument, and only the block a tile needs is
+ever read (and converted to the accumulation type). :class:`BiasGrad` sums ``dS`` blocks over
+the bias's broadcast axes into a buffer of the bias's own shape.
+
+Gradients (``s`` the scaled score, ``t = tanh(s / softcap)``, ``dS = P * (dP - D)`` the
+gradient of the final score, ``D = rowsum(dO * O)``)::
+
+    d attn_bias = dS, summed over the axes the bias broadcasts over
+    d s         = dS * (1 - t**2)                       (softcap; dS itself without it)
+    d sinks[h]  = -sum over batch and rows of exp(sinks[h] - lse) * D
+
+(the last because ``lse`` is the only place a sink enters: ``d lse / d sink = exp(sink - lse)``,
+``d out / d lse = -out``, so ``d loss / d sink = -exp(sink - lse) * (dO . O)`` per row).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cuflash.reference.views import split_heads
+from cuflash.runtime.validation import AttentionProblem
+from cuflash.runtime.validation_modifiers import BroadcastArray
+
+__all__ = ["broadcast_view", "HeadTerms", "BiasGrad", "stack_rows", "sink_grad"]
+
+
+def broadcast_view(b: BroadcastArray) -> np.ndarray:
+    """The NumPy argument of ``b`` viewed in ``b.shape`` (stride 0 on broadcast axes; no copy)."""
+    a = np.asarray(b.array)
+    return np.lib.stride_tricks.as_strided(a, shape=b.shape, strides=tuple(s * a.itemsize for s in b.strides),
+                                           writeable=False)
+
+
+def _index(idx) -> object:
+    """A contiguous ascending index array as a slice (a view), anything else as it is."""
+    idx = np.asarray(idx)
+    if idx.size and idx[-1] - idx[0] == idx.size - 1 and (idx.size < 2 or (np.diff(idx) == 1).all()):
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
+def stack_rows(x: np.ndarray) -> np.ndarray:
+    """``(G, R, n)`` as the tiled paths' stacked ``(R * G, n)`` (row ``r * G + g``)."""
+    g, r, n = x.shape
+    return x.transpose(1, 0, 2).reshape(r * g, n)
+
+
+class HeadTerms:
+    """The modifiers of kv head ``h`` (a tuple ``(*batch index, kv head)``: blocks of shape
+    ``(G, R, n)``), or of every head (``h=None``: blocks ``(*batch, Hk, G, R, n)``)."""
+
+    def __init__(self, p: AttentionProblem, h=None, acc_t=np.float64):
+        m = p.modifiers
+        self.p, self.acc_t = p, np.dtype(acc_t)
+        self.softcap = m.softcap
+        hk, g = p.num_heads_k, p.group_size
+        lead = (...,) if h is None else tuple(h)
+        self.slopes = self.bias = self.mask = self.sinks = None
+        if m.alibi_slopes is not None:
+            s = broadcast_view(m.alibi_slopes).astype(self.acc_t)
+            self.slopes = s.reshape(s.shape[:-1] + (hk, g))[lead]
+        if m.attn_bias is not None:
+            self.bias = split_heads(broadcast_view(m.attn_bias), hk)[lead]
+        if m.attn_mask is not None:
+            self.mask = split_heads(broadcast_view(m.attn_mask), hk)[lead]
+        if m.sinks is not None:
+            s = broadcast_view(m.sinks).astype(self.acc_t).reshape(hk, g)
+            self.sinks = s[h[-1]] if h is not None else np.broadcast_to(s, p.batch_shape + (hk, g))
+
+    def _block(self, x, rows, cols):
+        r, c = _index(rows), _index(cols)
+        if isinstance(r, slice) or isinstance(c, slice):
+            return x[..., r, :][..., c]
+        return x[..., r[:, None], c[None, :]]
+
+    def modify(self, s: np.ndarray, rows, cols, stacked: bool = False):
+        """Softcap, ALiBi and bias applied to the scaled scores ``s`` in place (``(G, R, n)`` or,
+        with ``stacked``, ``(R * G, n)``); returns ``tanh(s / softcap)`` (before the cap) for the
+        backward, or None without a softcap."""
+        t = None
+        if self.softcap > 0:
+            s /= self.softcap
+            np.tanh(s, out=s)
+            t = s.copy()
+            s *= self.softcap
+        add = self.additive(rows, cols)
+        if add is not None:
+            s += stack_rows(add) if stacked else add
+        return t
+
+    def additive(self, rows, cols):
+        """ALiBi plus bias for the block, in the accumulation type, or None."""
+        add = None
+        if self.slopes is not None:
+            p = self.p
+            dist = np.abs(np.asarray(rows)[:, None] + (p.seqlen_k - p.seqlen_q) - np.asarray(cols)[None, :])
+            add = -self.slopes[..., None, None] * dist.astype(self.acc_t)
+        if self.bias is not None:
+            b = self._block(self.bias, rows, cols).astype(self.acc_t)
+            add = b if add is None else add + b
+        return add
+
+    def keep(self, rows, cols, stacked: bool = False):
+        """attn_mask's block (True = attend), or None without a mask."""
+        if self.mask is None:
+            return None
+        k = self._block(self.mask, rows, cols)
+        return stack_rows(k) if stacked else k
+
+    def stacked_sinks(self, rows: int):
+        """The sinks of the stacked ``(rows * G,)`` rows, or None."""
+        return None if self.sinks is None else np.tile(self.sinks, rows)
+
+
+def join_sinks(m, l, acc, sinks):
+    """Fold the sink logits into a finished online softmax (in place): running max ``m``, sum
+    ``l`` and accumulator ``acc`` per row become those of the softmax whose denominator also
+    holds ``exp(sink)`` (the sink's value is 0, so ``acc`` is only rescaled)."""
+    m_new = np.maximum(m, sinks)
+    shift = np.where(np.isneginf(m_new), 0, m_new)
+    with np.errstate(invalid="ignore", over="ignore"):
+        alpha = np.exp(m - shift)
+        l *= alpha
+        l += np.exp(sinks - shift)
+        acc *= alpha[:, None]
+    m[...] = m_new
+
+
+def sink_grad(sinks, lse, d_row):
+    """``-sum_i exp(sink - lse_i) * D_i`` over the rows (axis 0 of ``lse`` and ``d_row``,
+    ``(Sq, G)``): the gradient of one kv head's ``G`` sinks; a row with ``lse = -inf`` (no key
+    and a ``-inf`` sink) adds nothing."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = np.where(np.isneginf(lse), 0, np.exp(sinks[None, :] - np.where(np.isneginf(lse), 0, lse)))
+        return -(w * d_row).sum(axis=0)
+
+
+class BiasGrad:
+    """``d attn_bias`` of the tiled backward: each work item (kv head ``h``, key columns
+    ``[c0, c1)``) sums its ``dS`` blocks over the broadcast axes into a small partial
+    (:meth:`partial`, :meth:`add`), and the partials are added into the result in item order
+    (:meth:`commit`): the same bits whatever the thread count."""
+
+    def __init__(self, p: AttentionProblem, acc_t):
+        b = p.modifiers.attn_bias
+        self.p, self.acc_t, self.bias = p, acc_t, b
+        nd = len(b.shape)
+        own = b.own_shape[-nd:] if len(b.own_shape) >= nd else b.own_shape
+        self.aligned = (1,) * (nd - len(own)) + tuple(own)
+        self.bcast = set(b.broadcast_axes)
+        self.buf = np.zeros(self.aligned, acc_t)
+
+    def partial(self, c0: int, c1: int) -> np.ndarray:
+        """Zeros for one item: ``(G or 1, Sq or 1, c1 - c0 or 1)``."""
+        nd = len(self.aligned)
+        return np.zeros((self.aligned[nd - 3] if nd - 3 in self.bcast else self.p.group_size,
+                         1 if nd - 2 in self.bcast else self.p.seqlen_q,
+                         1 if nd - 1 in self.bcast else c1 - c0), self.acc_t)
+
+    def add(self, part: np.ndarray, ds: np.ndarray, r0: int, r1: int, c0: int, c1: int) -> None:
+        """Add the stacked ``(R * G, n)`` block ``ds`` of rows ``[r0, r1)`` and columns
+        ``[c0, c1)`` (relative to the item's first column) into ``part``."""
+        nd = len(self.aligned)
+        x = ds.reshape(r1 - r0, -1, c1 - c0).transpose(1, 0, 2)
+        axes = tuple(i for i, ax in enumerate((nd - 3, nd - 2, nd - 1)) if ax in self.bcast)
+        if axes:
+            x = x.sum(axis=axes, keepdims=True)
+        part[:, slice(None) if nd - 2 in self.bcast else slice(r0, r1),
+             slice(None) if nd - 1 in self.bcast else slice(c0, c1)] += x
+
+    def commit(self, part: np.ndarray, h: tuple, c0: int, c1: int) -> None:
+        nd = len(self.aligned)
+        g = self.p.group_size
+        idx = [slice(0, 1) if ax in self.bcast else slice(i, i + 1) for ax, i in enumerate(h[:-1])]
+        hk = h[-1]
+        idx.append(slice(0, 1) if nd - 3 in self.bcast else slice(hk * g, hk * g + g))
+        idx.append(slice(None))
+        idx.append(slice(0, 1) if nd - 1 in self.bcast else slice(c0, c1))
+        self.buf[tuple(idx)] += part
+
+    def result(self, dtype) -> np.ndarray:
+        """The gradient in the bias's own shape, cast to ``dtype``."""
+        return self.buf.reshape(self.bias.own_shape).astype(dtype)
+
+
+def reduce_bias_grad(b: BroadcastArray, ds_full: np.ndarray) -> np.ndarray:
+    """The dense ``dS`` of shape ``b.shape`` summed over ``b``'s broadcast axes, in its own shape
+    (the float64 oracle's ``d attn_bias``)."""
+    axes = b.broadcast_axes
+    red = ds_full.sum(axis=axes, keepdims=True) if axes else ds_full
+    return red.reshape(b.own_shape)
