@@ -224,58 +224,23 @@ def count_cuflash_calls(monkeypatch):
     return calls
 
 
-def _logits(model, batch, implementation, dtype=torch.float32):
-    model.set_attn_implementation(implementation)
-    assert model.config._attn_implementation == implementation
-    with torch.no_grad():
-        return model(**batch).logits.to(torch.float64)
-
-
-def test_smollm2_logits_and_greedy_match_sdpa(smollm2_hf, count_cuflash_calls):
-    tokenizer, model = smollm2_hf
-    n_layers = model.config.num_hidden_layers
-    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
-    real = batch["attention_mask"].bool()
-    assert not real.all(), "the batch must be padded"
-
-    model.to(torch.float64)
-    try:
-        reference = _logits(model, batch, "eager")
-    finally:
-        model.to(torch.float32)
-    sdpa = _logits(model, batch, "sdpa")
-    count_cuflash_calls.clear()
-    ours = _logits(model, batch, "cuflash")
-    assert len(count_cuflash_calls) == n_layers  # one cuflash call per layer: no silent fallback
-
-    err_sdpa = (sdpa - reference)[real].abs().max().item()
-    err_ours = (ours - reference)[real].abs().max().item()
-    scale = reference[real].abs().max().item()
-    assert err_ours <= 2 * err_sdpa + tolerance.floor_for("float32") * scale, (err_ours, err_sdpa)
-
-    generated = {}
-    for implementation in ("sdpa", "cuflash"):
-        model.set_attn_implementation(implementation)
-        count_cuflash_calls.clear()
-        with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=16, min_new_tokens=16, do_sample=False)
-        generated[implementation] = out[:, batch["input_ids"].shape[1]:]
-        if implementation == "cuflash":
-            assert len(count_cuflash_calls) == 16 * n_layers
-    assert torch.equal(generated["cuflash"], generated["sdpa"])
-    first = tokenizer.decode(generated["cuflash"][0])
-    assert first.startswith(" Paris"), first
-
-
-def test_demo_transformers_shows_it(smollm2_hf):
-    """``python -m cuflash demo --transformers``'s body on the session's model: it reports
-    cuflash's calls, errors within the rule's reach and identical greedy tokens."""
+def test_smollm2_through_transformers_matches_sdpa(smollm2_hf, count_cuflash_calls):
+    """A padded batch of two prompts (``python -m cuflash demo --transformers``'s body, which
+    computes the errors against float64 eager, each prompt alone and unpadded, and generates):
+    cuflash's logits within the rule of sdpa's distance to float64, the same 16 greedy tokens,
+    cuflash really called (one call per layer per forward pass: no silent fallback)."""
     from cuflash.tools import demo_transformers
 
     tokenizer, model = smollm2_hf
+    n_layers = model.config.num_hidden_layers
     lines = []
-    result = demo_transformers.run(generate=4, tokenizer=tokenizer, model=model, out=lines.append)
-    assert result["cuflash_calls"] == model.config.num_hidden_layers
-    assert result["identical"] and result["continuations"]["cuflash"][0].startswith(" Paris")
-    assert result["errors"]["cuflash"] <= 2 * result["errors"]["sdpa"] + 1e-3
+    result = demo_transformers.run(generate=16, tokenizer=tokenizer, model=model, out=lines.append)
+    assert result["padded"], "the batch must be padded"
+    assert result["cuflash_calls"] == n_layers
+    assert len(count_cuflash_calls) == n_layers * (1 + 16)  # the logits pass, then 16 generation steps
+    errors = result["errors"]
+    scale = result["logit_scale"]
+    assert errors["cuflash"] <= 2 * errors["sdpa"] + tolerance.floor_for("float32") * scale, errors
+    assert result["identical"], result["continuations"]
+    assert result["continuations"]["cuflash"][0].startswith(" Paris"), result["continuations"]
     assert lines[-1].startswith("cuflash") and "identical" in lines[-1]

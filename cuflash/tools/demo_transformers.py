@@ -5,7 +5,8 @@ transformers loads SmolLM2-135M-Instruct straight from the GGUF file of the ``ll
 package (``from_pretrained(<package dir>, gguf_file=...)``, dequantized to float32; offline),
 after :func:`cuflash.transformers.register`. A padded batch of two prompts of different
 lengths (left padding, so padding really reaches attention as a mask) runs three ways: the
-float64 ``eager`` reference, ``sdpa`` and ``cuflash`` in float32. The demo prints each one's
+float64 ``eager`` reference (each prompt alone, unpadded), ``sdpa`` and ``cuflash`` in float32
+(the padded batch, positions counted from each prompt's first token). The demo prints each one's
 worst logit error against the reference over the real (unpadded) tokens, how many times
 cuflash was called, and both greedy continuations; a table comes last.
 
@@ -78,7 +79,8 @@ def run(text: str | None = None, generate: int = 16, *, tokenizer=None, model=No
     dict
         ``errors`` (implementation -> max |logit - float64 eager| over real tokens),
         ``cuflash_calls`` (calls of the forward pass), ``continuations`` (implementation -> two
-        strings), ``identical`` (the greedy tokens agree), ``load_seconds``.
+        strings), ``identical`` (the greedy tokens agree), ``load_seconds``, ``padded`` (the
+        batch holds padding), ``logit_scale`` (max |reference logit|).
     """
     import torch
 
@@ -100,18 +102,30 @@ def run(text: str | None = None, generate: int = 16, *, tokenizer=None, model=No
         calls.append(1)
         return real_attention(*args, **kwargs)
 
+    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # counted from each prompt's first token
+
     def logits(implementation):
         model.set_attn_implementation(implementation)
         with torch.no_grad():
-            return model(**batch).logits.to(torch.float64)
+            return model(**batch, position_ids=positions).logits.to(torch.float64)
+
+    def reference_logits():
+        # each prompt alone, unpadded, float64 eager (the padded float64 eager batch is NaN:
+        # finfo(float64).min plus a score overflows to -inf in rows with no key)
+        model.set_attn_implementation("eager")
+        model.to(torch.float64)
+        try:
+            ref = torch.full((*real.shape, model.config.vocab_size), float("nan"), dtype=torch.float64)
+            with torch.no_grad():
+                for row in range(real.shape[0]):
+                    ref[row, real[row]] = model(input_ids=batch["input_ids"][row][real[row]][None]).logits[0]
+        finally:
+            model.to(torch.float32)
+        return ref
 
     cuflash_torch.attention = counted
     try:
-        model.to(torch.float64)
-        try:
-            reference = logits("eager")
-        finally:
-            model.to(torch.float32)
+        reference = reference_logits()
         results = {"sdpa": logits("sdpa")}
         calls.clear()
         results["cuflash"] = logits("cuflash")
@@ -144,4 +158,5 @@ def run(text: str | None = None, generate: int = 16, *, tokenizer=None, model=No
         same = "identical" if identical else "DIFFER"
         out(f"{name:14s}  float32  {errors[name]:.3e}{'':31s}  {generate} x {len(prompts)}, {same}")
     return {"errors": errors, "cuflash_calls": forward_calls, "continuations": continuations,
-            "identical": identical, "load_seconds": load_seconds}
+            "identical": identical, "load_seconds": load_seconds, "padded": not bool(real.all()),
+            "logit_scale": reference[real].abs().max().item()}
