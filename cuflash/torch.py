@@ -23,7 +23,8 @@ and, for serving, ``cuflash::attention_with_kvcache`` (:func:`attention_with_kvc
 its ``k_cache`` and ``v_cache`` arguments, no backward); :func:`merge_attention` is plain torch
 operations (differentiable). Context parallelism over ``torch.distributed`` (:func:`ring_attention`,
 :func:`ulysses_attention`, :func:`zigzag_split`, :func:`zigzag_merge`) lives in
-:mod:`cuflash.context_parallel` and is exported here.
+:mod:`cuflash.context_parallel` and is exported here, and so is :func:`scaled_dot_product_attention`
+(:mod:`cuflash.torch_sdpa`: ``F.scaled_dot_product_attention``'s signature and semantics).
 
 Each operator has a ``register_fake`` implementation (shapes and dtypes only), so ``torch.compile``
 traces through them without graph breaks (``fullgraph=True`` works), and the forward with
@@ -55,9 +56,12 @@ from cuflash.context_parallel import (
 from cuflash.reference import backward as ref_backward
 from cuflash.reference import forward as ref_forward
 from cuflash.runtime import interop, validation
+from cuflash import torch_sdpa
+from cuflash.torch_sdpa import SDPADtypeError, SDPAError
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_attention", "ring_attention",
-           "ulysses_attention", "zigzag_split", "zigzag_merge"]
+           "ulysses_attention", "zigzag_split", "zigzag_merge", "scaled_dot_product_attention", "SDPAError",
+           "SDPADtypeError"]
 
 _FUNC = "cuflash.torch.attention"
 
@@ -692,3 +696,79 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         validation.check_flag(rotary_interleaved, "rotary_interleaved", _FUNC_KVCACHE), bool(causal), scale,
         left, right, validation.check_int(num_splits, "num_splits", _FUNC_KVCACHE))
     return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# F.scaled_dot_product_attention's signature and semantics (validation and mapping: cuflash.torch_sdpa)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                                 enable_gqa=False):
+    """``softmax(query @ key^T * scale + mask) @ value`` with the signature and semantics of
+    :func:`torch.nn.functional.scaled_dot_product_attention`, computed by cuflash.
+
+    Differentiable with respect to query, key, value (and a float ``attn_mask`` that requires
+    grad) through :func:`cuflash.torch.attention`'s custom operators, so it traces under
+    ``torch.compile``. CPU tensors run cuflash's NumPy path, CUDA tensors its kernels.
+
+    Parameters
+    ----------
+    query : torch.Tensor ``(..., L, E)``
+    key : torch.Tensor ``(..., S, E)``
+    value : torch.Tensor ``(..., S, Ev)``
+        One dtype (float16, bfloat16, float32, float64) and device; rank >= 2. The leading dims
+        broadcast against each other as in SDPA (e.g. key ``(1, H, S, E)`` serves a batch of
+        queries; broadcast operands are stride-0 views, never copies). With ``enable_gqa=True``
+        axis -3 is the head axis and is not broadcast: its size in key and value must divide
+        query's (query head ``h`` reads key head ``h // (Hq // Hk)``).
+    attn_mask : torch.Tensor, optional
+        Broadcastable to ``(..., L, S)`` of the output's leading dims. bool: True = attend (a
+        row left with no key gives 0). Float (float32 or query's dtype): added to the scaled
+        scores (``-inf`` removes a key).
+    dropout_p : float
+        Probability of dropping an attention weight, applied whenever > 0 (SDPA ignores the
+        module's training flag too); <= 0 means none, 1 gives zeros, > 1 is refused. The mask
+        comes from cuflash's Philox generator, seeded from torch's default generator.
+    is_causal : bool
+        Top-left causal mask (query ``i`` sees key ``j`` iff ``j <= i``), SDPA's convention;
+        cuflash's own ``causal`` is bottom-right (see the module docstring for the mapping).
+        Not together with ``attn_mask``.
+    scale : float, optional
+        Keyword-only. None means ``1 / sqrt(E)``.
+    enable_gqa : bool
+        Keyword-only. Allow key/value with fewer heads than query (GQA/MQA) without repeating
+        them.
+
+    Returns
+    -------
+    torch.Tensor ``(..., L, Ev)``
+        query's dtype and device; the leading dims are the broadcast of the inputs'.
+
+    Raises
+    ------
+    TypeError
+        A non-tensor input, a non-bool ``is_causal``/``enable_gqa``, a non-float ``dropout_p``
+        or ``scale`` (as SDPA).
+    SDPADtypeError
+        (``TypeError`` and ``RuntimeError``) Mixed or unsupported dtypes of query/key/value, an
+        ``attn_mask`` that is neither bool, float32 nor query's dtype.
+    SDPAError
+        (``ValueError`` and ``RuntimeError``) Rank < 2, mismatched ``E`` or ``S``, batch dims or
+        a mask that do not broadcast, GQA head counts that do not divide, ``attn_mask`` with
+        ``is_causal``, ``dropout_p > 1``, tensors on different devices.
+    NotImplementedError
+        Tensors on a device cuflash has no path for (as :func:`cuflash.torch.attention`).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from cuflash.torch import scaled_dot_product_attention as sdpa
+    >>> q, k, v = (torch.randn(2, 8, 128, 64) for _ in range(3))
+    >>> sdpa(q, k, v, is_causal=True).shape
+    torch.Size([2, 8, 128, 64])
+    """
+    q, k, v, options = torch_sdpa.plan(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                       enable_gqa=enable_gqa)
+    if options is None:
+        return q  # dropout_p >= 1: the zeros plan() made
+    return attention(q, k, v, **options)

