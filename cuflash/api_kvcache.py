@@ -108,8 +108,8 @@ def attention_with_kvcache(
         between the query's and the key's positions.
     sinks : float32 array ``(Hq,)``, optional
         Attention sinks (gpt-oss): a logit per head in each row's softmax denominator; the lse
-        includes it. The kernel backends do not take modifiers yet (``NotImplementedError``
-        naming the argument, raised before anything is appended).
+        includes it. On the kernel backends the tensor-core KV-cache kernel's modifier forms take
+        ``softcap``, ``alibi_slopes`` and ``sinks`` (split-KV included: split 0 holds the sink).
 
     Returns
     -------

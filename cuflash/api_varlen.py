@@ -100,8 +100,8 @@ def attention_varlen(
         :func:`cuflash.attention`.
     alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
         ALiBi (Press et al. 2022): ``-slope * |i + Sk - Sq - j|`` with each sequence's own
-        lengths (bottom-right aligned per sequence). The kernel backends do not take modifiers
-        yet (``NotImplementedError`` naming the argument).
+        lengths (bottom-right aligned per sequence). On the kernel backends the tensor-core
+        tier's packed modifier forms take them (float16/bfloat16), forward and backward.
 
     Returns
     -------

@@ -46,6 +46,7 @@ import math
 import numpy as np
 import torch
 
+from cuflash import torch_sdpa
 from cuflash.context_parallel import (
     merge_attention,
     ring_attention,
@@ -56,7 +57,6 @@ from cuflash.context_parallel import (
 from cuflash.reference import backward as ref_backward
 from cuflash.reference import forward as ref_forward
 from cuflash.runtime import interop, validation
-from cuflash import torch_sdpa
 from cuflash.torch_sdpa import SDPADtypeError, SDPAError
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_attention", "ring_attention",

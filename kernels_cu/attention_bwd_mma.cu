@@ -351,10 +351,6 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         // (the modifier variants take the per-pair path on every tile)
         const bool need_mask = CUFLASH_MODS || rows < BR || cols < BC ||
                                !tile_in_window(row0, BR, col0, BC, seqlen_q, seqlen_k, window_left, window_right);
-#if CUFLASH_MODS
-        const ScoreMods mods = CUFLASH_MODS_INIT;
-        const HeadMods hm = head_mods<elem_t>(mods, batch, cur.hq);
-#endif
         if (need_mask) {
 #pragma unroll
             for (int f = 0; f < MF_S; ++f)
@@ -363,6 +359,12 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                     const int qi = row0 + l1.s_row0 + 16 * f + l1.g + 8 * h;
                     IndexRange seen = window_key_range(qi, 1, seqlen_q, seqlen_k, window_left, window_right);
                     if (qi >= seqlen_q) seen.hi = seen.lo;   // padding rows see nothing
+#if CUFLASH_MODS
+                    // (per row, from the parameters: nothing of the modifiers stays in registers across rows)
+                    const ScoreMods mods = CUFLASH_MODS_INIT;
+                    const HeadMods hm = head_mods<elem_t>(mods, batch, cur.hq);
+                    float* dbias_row = dbias + batch * dbias_batch_stride + cur.hq * dbias_head_stride + qi * dbias_row_stride;
+#endif
 #pragma unroll
                     for (int n = 0; n < NF_S; ++n)
 #pragma unroll
@@ -389,7 +391,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #endif
 #if CUFLASH_MODS
                             if ((mod_flags & 16) && visible)   // d bias = dS: each (b, h, i, j) by one thread of one block
-                                dbias[batch * dbias_batch_stride + cur.hq * dbias_head_stride + qi * dbias_row_stride + kj] = dv_;
+                                dbias_row[kj] = dv_;
                             dv_ *= dcap;
 #endif
                         }

@@ -56,7 +56,7 @@ struct ScoreMods {
 
 // One (batch, head)'s share of the modifiers: pointers moved to the head, the slope in log2 units.
 struct HeadMods {
-    float cap, slope;                // slope * log2 e (0: no ALiBi)
+    float cap, slope;                // softcap * log2 e (0: off); slope * log2 e (0: no ALiBi)
     const void* bias;
     const unsigned char* mask;
 };

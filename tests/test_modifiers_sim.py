@@ -119,8 +119,24 @@ def run_case(rng, names, lengths, d, heads, mask, dtype_key, form, *, checked=Fa
     assert len(grads) == len(labels)
     if asks["return_dbias"]:
         assert grads[3].shape == mods["attn_bias"].shape and grads[3].dtype == mods["attn_bias"].dtype
+    if asks["return_dsinks"]:   # the formula (DESIGN.md §3.2) on this backward's own inputs, in float64
+        check_dsinks(grads[-1], dout, out, lse, mods["sinks"])
+        labels, grads, exact, same = labels[:-1], grads[:-1], exact[:-1], same[:-1]
     check_grads(grads, exact, same, labels, dtype)
     return out, lse, grads
+
+
+def check_dsinks(dsinks, dout, out, lse, sinks):
+    """d sink_h = -sum over batch and rows of exp(sink_h - lse) rowsum(dout * out), evaluated in
+    float64 on the arrays the backward got; the float32 kernel path may differ by the rounding of
+    its float32 row sums (a few units in 1e-7 of the sum of the terms' magnitudes)."""
+    dd = (dout.astype(np.float64) * out.astype(np.float64)).sum(-1)
+    terms = np.exp(sinks.astype(np.float64)[:, None] - lse.astype(np.float64)) * dd
+    expected = -terms.sum(axis=(0, 2))
+    mag = (np.exp(sinks.astype(np.float64)[:, None] - lse) *
+           np.abs(dout.astype(np.float64) * out.astype(np.float64)).sum(-1)).sum(axis=(0, 2))
+    assert dsinks.shape == sinks.shape and dsinks.dtype == np.float32
+    assert (np.abs(dsinks - expected) <= 1e-5 * mag + 1e-6).all(), (dsinks, expected)
 
 
 @pytest.mark.parametrize("names,lengths,d,heads,mask,dtype,form", GRID)

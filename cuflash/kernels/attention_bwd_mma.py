@@ -45,6 +45,9 @@ TILE_CANDIDATES = {
 #: before sm_90, ptxas spills the 64 x 128 tile of bucket 128 (72 bytes at one stage; the compile
 #: gate refuses spills): there it takes 64 x 64
 TILE_CANDIDATES_BEFORE_SM90 = {128: ((64, 64, 2), (64, 64, 1))}
+#: the score-modifier forms (``mods``): the per-pair modifier code beside S and dP spills at 64 x
+#: 128 (12 bytes for bucket 64, 84-96 for 128, sm_90), so 64 x 64 there
+TILE_CANDIDATES_MODS = {64: ((64, 64, 2), (64, 64, 1)), 128: ((64, 64, 2), (64, 64, 1))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,13 +129,15 @@ class AttentionBwdMma(variants.TileVariant):
                 f"mma.sync m16n8k16 {self.dtype}")
 
 
-def _candidates(bucket: int, arch: int) -> tuple[tuple[int, int, int], ...]:
+def _candidates(bucket: int, arch: int, mods: bool = False) -> tuple[tuple[int, int, int], ...]:
+    if mods and bucket in TILE_CANDIDATES_MODS:
+        return TILE_CANDIDATES_MODS[bucket]
     return TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket]) if arch < 90 else TILE_CANDIDATES[bucket]
 
 
 def _fitting(key: str, bucket: int, arch: int, dropout: bool = False, mods: bool = False) -> AttentionBwdMma | None:
     candidates = (AttentionBwdMma(key, bucket, bm, bn, st, dropout=dropout, mods=mods)
-                  for bm, bn, st in _candidates(bucket, arch))
+                  for bm, bn, st in _candidates(bucket, arch, mods))
     return AttentionBwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
 
 

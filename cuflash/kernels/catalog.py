@@ -42,15 +42,11 @@ def variants_for_arch(arch: int) -> tuple:
     if arch >= attention_fwd_mma.MIN_ARCH:   # the KV-cache forms (fixed q, and packed q for chunked prefill)
         for varlen in (False, True):
             out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen, kvcache=True))
-    if arch >= attention_fwd_mma.MIN_ARCH:   # the score-modifier forms: fixed, packed, KV-cache (fixed and packed q),
-        for varlen in (False, True):         # with dropout; and the backward's
+    if arch >= attention_fwd_mma.MIN_ARCH:   # the score-modifier forms: fixed, packed, KV-cache (fixed and
+        for varlen in (False, True):         # packed q), and the backward's (fixed, packed)
             for kvcache in (False, True):
                 out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen, kvcache=kvcache, mods=True))
-            out.extend(dataclasses.replace(v, varlen=varlen)
-                       for v in attention_fwd_mma.all_variants(arch, dropout=True, mods=True))
             out.extend(attention_bwd_mma.all_variants(arch, varlen=varlen, mods=True))
-            out.extend(dataclasses.replace(v, varlen=varlen)
-                       for v in attention_bwd_mma.all_variants(arch, dropout=True, mods=True))
     if arch >= attention_fwd_mma.MIN_ARCH:   # the dropout forms (fixed and packed), forward and backward
         for varlen in (False, True):
             out.extend(dataclasses.replace(v, varlen=varlen) for v in attention_fwd_mma.all_variants(arch, dropout=True))
