@@ -189,10 +189,9 @@ def attention(
 
         The order is: scale, softcap, ALiBi and bias, the masks (causal/window and attn_mask),
         softmax (with the sink), dropout. On the NumPy path every dtype; float64 input may take
-        float64 slopes and sinks. On the kernel backends ("sim", "cuda") the tensor-core tier's
-        modifier forms run them (float16/bfloat16, sm_80+; on sm_90 too, where the Hopper tier
-        passes them on, as ``explain`` says); float32 (the SIMT tier) raises
-        ``NotImplementedError`` naming the modifier.
+        float64 slopes and sinks. On the kernel backends ("sim", "cuda") the Hopper and tensor-core
+        tiers' modifier forms run them (float16/bfloat16); float32 (the SIMT tier) and dropout
+        together with a modifier raise ``NotImplementedError`` naming the modifier.
 
     Returns
     -------

@@ -30,9 +30,18 @@
 // boundary tiles masked (CUFLASH_LOCAL; without it only keys past Sk are masked); rows without
 // keys give 0 and lse -inf. Blocks take query tiles last first (the longest under a causal mask).
 //
+// Score modifiers (the CUFLASH_MODS 1 variants; score_mods.cuh): softcap, ALiBi, the additive bias
+// and the boolean mask act on each tile's scaled scores in the softmax (before the window mask,
+// while the previous tile's P V wgmma runs); the sink joins each row's denominator at the
+// epilogue. (Tiles the mask hides completely are computed and masked here, not skipped.) The
+// consumer's loops over its accumulator fragments are unrolled: a loop left rolled (as NVVM leaves
+// one with the modifier code in its body) puts the fragment in local memory, whose stores read the
+// accumulators while the wgmma is in flight, and ptxas then serializes every wgmma (C7514).
+//
 // Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D and CUFLASH_DV (head-dim buckets: 64, 96,
-// 128, 192, 256; Dv <= D), CUFLASH_BC (keys per tile), CUFLASH_LOCAL (0/1).
+// 128, 192, 256; Dv <= D), CUFLASH_BC (keys per tile), CUFLASH_LOCAL (0/1), CUFLASH_MODS (0/1).
 #include "ptx.cuh"
+#include "score_mods.cuh"
 
 #if __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -40,6 +49,11 @@ namespace fwd_sm90 {
 
 constexpr int D = CUFLASH_D, DV = CUFLASH_DV;
 constexpr bool BF16 = CUFLASH_BF16 != 0;
+#if CUFLASH_BF16
+typedef __nv_bfloat16 elem_t;
+#else
+typedef __half elem_t;
+#endif
 constexpr int BR = 128, BC = CUFLASH_BC, STAGES = 2;
 constexpr int PANEL = 64;                               // head-dim elements per 128-byte swizzle row
 constexpr int NPANEL = (D + PANEL - 1) / PANEL, NPANEL_V = (DV + PANEL - 1) / PANEL;
@@ -97,6 +111,7 @@ __device__ __forceinline__ void store_o(const Tiles& t, const unsigned char* o_s
 // S = Q K^T for one key tile, issued (not waited for): K-major Q and K, 16 head-dim columns a step
 __device__ __forceinline__ void issue_s(float (&sc)[BC / 2], const unsigned char* q_c, const unsigned char* ks) {
     ptx_wgmma_fence();
+#pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const int p = (kk * 16) / PANEL, inner = (kk * 16) % PANEL;
         const unsigned long long dq = ptx_wgmma_desc(q_c + p * PANEL_Q + inner * 2, 16, 1024, 128);
@@ -109,14 +124,19 @@ __device__ __forceinline__ void issue_s(float (&sc)[BC / 2], const unsigned char
 // O += P V for one key tile, issued (not waited for): P from registers, V N-major, 16 keys a step
 __device__ __forceinline__ void issue_pv(float (&o)[DV / 2], const unsigned (&pa)[BC / 16][4], const unsigned char* vs) {
     ptx_wgmma_fence();
+#pragma unroll
     for (int kb = 0; kb < BC / 16; ++kb)
         ptx_wgmma_rs<DV, BF16, 1>(o, pa[kb], ptx_wgmma_desc(vs + kb * 16 * 128, PANEL_KV, 1024, 128), 1);
     ptx_wgmma_commit();
 }
 
 struct Rows {   // what the softmax needs to know of this thread's rows and the mask
-    int row0, wrow_lo, wrow_hi, Sk, diag, window_left, window_right, t;
+    int row0, wrow_lo, wrow_hi, Sq, Sk, diag, window_left, window_right, t;
     float scale_log2;
+#if CUFLASH_MODS
+    ScoreMods mods;   // the score modifiers (score_mods.cuh) and this block's (batch, head) share
+    HeadMods hm;
+#endif
 };
 
 // The online softmax of one tile in place (log2 domain): mask, row max, l rescaled, S -> P in fp32.
@@ -129,9 +149,13 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
                           (CUFLASH_LOCAL && ((w.window_left >= 0 && kv0 < w.wrow_hi + w.diag - w.window_left) ||
                                              (w.window_right >= 0 && kv0 + BC - 1 > w.wrow_lo + w.diag + w.window_right)));
     float mx[2] = {m_run[0], m_run[1]};
+#pragma unroll
     for (int i = 0; i < BC / 2; ++i) {
         const int r = (i % 4) / 2, col = kv0 + 8 * (i / 4) + 2 * w.t + i % 2, row = w.row0 + 8 * r;
         float x = sc[i] * w.scale_log2;
+#if CUFLASH_MODS
+        if (row < w.Sq && col < w.Sk) x = mod_score<elem_t>(w.mods, w.hm, x, row, col, w.Sq, w.Sk);
+#endif
         if (boundary && (col >= w.Sk || (CUFLASH_LOCAL && ((w.window_left >= 0 && col < row + w.diag - w.window_left) ||
                                                           (w.window_right >= 0 && col > row + w.diag + w.window_right)))))
             x = CUFLASH_NEG_INF;
@@ -139,6 +163,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
         mx[r] = fmaxf(mx[r], x);
     }
     float base[2];
+#pragma unroll
     for (int r = 0; r < 2; ++r) {
         mx[r] = quad_max(mx[r]);
         base[r] = mx[r] == CUFLASH_NEG_INF ? 0.0f : mx[r];   // a row with no key yet: exp2(-inf) = 0, no NaN
@@ -146,6 +171,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
         m_run[r] = mx[r];
         l_run[r] *= alpha[r];
     }
+#pragma unroll
     for (int i = 0; i < BC / 2; ++i) {
         sc[i] = exp2f(sc[i] - base[(i % 4) / 2]);
         l_run[(i % 4) / 2] += sc[i];
@@ -154,6 +180,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
 
 // P (fp32, the S accumulator fragment) into 16-bit pairs: the A fragment of O += P V, 16 keys a k step
 __device__ __forceinline__ void to_a_fragment(const float (&sc)[BC / 2], unsigned (&pa)[BC / 16][4]) {
+#pragma unroll
     for (int i = 0; i < BC / 2; i += 4) {
         const int kb = i / 8, half = (i / 4) % 2;   // columns 8 (i / 4) ..: k step kb, its first or second 8
         pa[kb][2 * half] = pack(sc[i], sc[i + 1]);
@@ -163,7 +190,7 @@ __device__ __forceinline__ void to_a_fragment(const float (&sc)[BC / 2], unsigne
 
 __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_map& map_k, const cuflash_tensor_map& map_v,
                         const cuflash_tensor_map& map_o, float* lse, int Sq, int Sk, int Hq, int group, float scale_log2,
-                        int window_left, int window_right) {
+                        int window_left, int window_right, const ScoreMods& mods) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long q_full;
     // K and V have their own ring slots and barriers: a K slot frees once S is waited for, a
@@ -225,9 +252,14 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     const int c = wg - 1;                                     // rows 64c.. of the tile
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int row0 = m0 + 64 * c + 16 * warp + g;             // this thread's rows: row0 and row0 + 8
-    const Rows rows{row0, m0 + 64 * c, m0 + 64 * c + 63, Sk, diag, window_left, window_right, t, scale_log2};
+    const Rows rows{row0, m0 + 64 * c, m0 + 64 * c + 63, Sq, Sk, diag, window_left, window_right, t, scale_log2
+#if CUFLASH_MODS
+                    , mods, head_mods<elem_t>(mods, b, h)
+#endif
+    };
     const unsigned char* q_c = q_s + 64 * c * 128;           // this consumer's 64 rows of each Q panel
     float o[DV / 2];
+#pragma unroll
     for (int i = 0; i < DV / 2; ++i) o[i] = 0.0f;
     float m_run[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF}, l_run[2] = {0.0f, 0.0f}, alpha[2];
     float sc[BC / 2];
@@ -259,6 +291,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         softmax_tile(sc, (tile_lo + j) * BC, rows, m_run, l_run, alpha);
         ptx_wgmma_wait<0>();
         if (tid == 0) ptx_mbarrier_arrive(&empty_v[sv]);
+#pragma unroll
         for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i % 4) / 2];
         to_a_fragment(sc, pa);
     }
@@ -272,13 +305,20 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     }
     // epilogue: O / l into 16-bit, staged over this consumer's Q rows (128-byte swizzle), TMA store
     float inv[2];
+#pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(l_run[r]);
-        inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
+        float l = quad_sum(l_run[r]);
+#if CUFLASH_MODS
+        const float keep = sink_fold(mods, h, m_run[r], l);   // (1 without sinks)
+#else
+        const float keep = 1.0f;
+#endif
+        inv[r] = l > 0.0f ? keep / l : 0.0f;
         if (t == 0 && row0 + 8 * r < Sq)
             lse[(size_t(b) * Hq + h) * Sq + row0 + 8 * r] = l > 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
     }
     unsigned char* o_s = q_s + 64 * c * 128;
+#pragma unroll
     for (int i = 0; i < DV / 2; i += 2) {
         const int r = (i % 4) / 2, rr = 16 * warp + g + 8 * r, col = 8 * (i / 4) + 2 * t;
         const int p = col / PANEL, cb = (col % PANEL) * 2;   // byte within the 128-byte row
@@ -297,8 +337,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(const __grid_
                                                                    const __grid_constant__ cuflash_tensor_map map_v,
                                                                    const __grid_constant__ cuflash_tensor_map map_o,
                                                                    float* lse, int Sq, int Sk, int Hq, int group,
-                                                                   float scale_log2, int window_left, int window_right) {
-    fwd_sm90::forward(map_q, map_k, map_v, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right);
+                                                                   float scale_log2, int window_left, int window_right
+#if CUFLASH_MODS
+                                                                   , CUFLASH_MODS_PARAMS
+#endif
+                                                                   ) {
+#if CUFLASH_MODS
+    const ScoreMods mods = CUFLASH_MODS_INIT;
+#else
+    const ScoreMods mods{};   // none: every modifier off
+#endif
+    fwd_sm90::forward(map_q, map_k, map_v, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods);
 }
 
 #endif  // sm_90a

@@ -26,7 +26,7 @@ from test_backward_reference import grad_floor
 
 import cuflash
 from cuflash import sim
-from cuflash.kernels import attention_fwd_mma, dispatch
+from cuflash.kernels import attention_fwd_mma
 from cuflash.reference import tolerance
 from cuflash.runtime import dtypes
 
@@ -39,7 +39,7 @@ MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False
 DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
 FORMS = ["full", "broadcast", "2d", "strided"]
 GRID = [tuple(c) for c in AllPairs([COMBOS, LENGTHS, HEAD_DIMS, HEADS, list(MASKS), list(DTYPES), FORMS])]
-ARCH = 80   # the tensor-core tier's own arch (sm_90 sends the same calls there: see the dispatch test)
+ARCH = 80   # the tensor-core tier (sm_90's Hopper tier: HOPPER_GRID)
 
 
 def make_modifiers(rng, names, b, hq, sq, sk, dtype, form):
@@ -89,7 +89,7 @@ def check_grads(actual, expected, baseline, names, dtype):
 
 
 def run_case(rng, names, lengths, d, heads, mask, dtype_key, form, *, checked=False, backward=True, seed=0,
-             deterministic=False):
+             deterministic=False, arch=ARCH, tier="attention_fwd_mma"):
     (sq, sk), (hq, hk) = lengths, heads
     dtype = DTYPES[dtype_key]
     b = 2
@@ -99,7 +99,8 @@ def run_case(rng, names, lengths, d, heads, mask, dtype_key, form, *, checked=Fa
     causal, window = MASKS[mask]
     opts = dict(causal=causal, window_size=window)
     mods = make_modifiers(rng, names, b, hq, sq, sk, dtype, form)
-    with sim.options(arch=ARCH, checked=checked, seed=seed):
+    assert cuflash.explain(q, k, v, backend="sim", arch=arch, **opts, **mods)["tier"] == tier
+    with sim.options(arch=arch, checked=checked, seed=seed):
         out, lse = cuflash.attention(q, k, v, return_lse=True, backend="sim", **opts, **mods)
     ok, msg, _ = tolerance.compare(out, q, k, v, lse=lse, **opts, **mods)
     assert ok, f"forward {names}: {msg}"
@@ -142,6 +143,20 @@ def check_dsinks(dsinks, dout, out, lse, sinks):
 @pytest.mark.parametrize("names,lengths,d,heads,mask,dtype,form", GRID)
 def test_pairwise_grid(names, lengths, d, heads, mask, dtype, form, rng):
     run_case(rng, names, lengths, d, heads, mask, dtype, form)
+
+
+#: the Hopper tier's forward (sm_90a) on every third case of the grid
+HOPPER_GRID = GRID[::3]
+
+
+@pytest.mark.parametrize("names,lengths,d,heads,mask,dtype,form", HOPPER_GRID)
+def test_hopper_forward_grid(names, lengths, d, heads, mask, dtype, form, rng):
+    run_case(rng, names, lengths, d, heads, mask, dtype, form, backward=False, arch=90, tier="attention_fwd_sm90")
+
+
+def test_hopper_forward_checked(rng):
+    run_case(rng, ("attn_bias", "sinks"), (70, 150), 64, (4, 2), "causal", "bf16", "strided", checked=True,
+             backward=False, arch=90, tier="attention_fwd_sm90")
 
 
 @pytest.mark.parametrize("names,backward", [(("attn_bias", "attn_mask"), True), (("softcap", "sinks"), True),
@@ -216,17 +231,21 @@ def test_kvcache_softcap_alibi_sinks(num_splits, rng):
     assert np.abs(lse - l64).max() < 1e-3
 
 
-def test_dispatch_sends_modifiers_to_the_tensor_core_tier():
+def test_dispatch_picks_the_modifier_forms():
     q = np.zeros((1, 2, 64, 128), dtypes.bfloat16)
     plain = cuflash.explain(q, q, q, backend="sim", arch=90)
-    assert plain["tier"] == "attention_fwd_sm90"
+    assert plain["tier"] == "attention_fwd_sm90" and not plain["variant"].endswith("_mods")
     info = cuflash.explain(q, q, q, softcap=30.0, backend="sim", arch=90)
+    assert info["tier"] == "attention_fwd_sm90" and info["variant"].endswith("_mods")
+    info = cuflash.explain(q, q, q, softcap=30.0, backend="sim", arch=80)
     assert info["tier"] == "attention_fwd_mma" and info["variant"].endswith("_mods")
-    assert "softcap is not in the Hopper kernel yet" in info["choice"]
+    # dropout with a modifier: no kernel form yet; refused, naming both
+    with pytest.raises(NotImplementedError, match="dropout with softcap"):
+        with sim.options(arch=ARCH):
+            cuflash.attention(q, q, q, softcap=30.0, dropout_p=0.1, dropout_seed=1, backend="sim")
     # float32 has only the SIMT tier, which takes no modifier: a clear refusal, never a silent drop
     q32 = np.zeros((1, 2, 8, 16), np.float32)
     with pytest.raises(NotImplementedError, match="attn_mask"):
         with sim.options(arch=ARCH):
             cuflash.attention(q32, q32, q32, attn_mask=np.ones((8, 8), bool), backend="sim")
     assert attention_fwd_mma.choose_variant(dtypes.float16, 64, 64, 90, mods=True).name.endswith("_mods")
-    assert dispatch.forward_tier is not None

@@ -8,8 +8,9 @@ previous tile's P V wgmma does (intra-warpgroup overlap) and while the other con
 ``sm_90a`` and runs on compute capability 9.0 only (the dispatcher passes it over elsewhere,
 visibly). Calls it takes: f16/bf16, D and Dv multiples of 8 up to 256 with Dv <= D in the head-dim
 buckets 64, 96, 128, 192, 256 (the tile's unused columns are the tensor maps' zero fill), causal
-and windows (bottom-right), GQA, rows without keys (0 / lse -inf), and any strides a tensor map can
-describe: the head dim contiguous, every other stride and each base 16-byte aligned. The rest
+and windows (bottom-right), GQA, rows without keys (0 / lse -inf), the score modifiers (softcap,
+ALiBi, bias, boolean mask, sinks: the ``mods`` forms), and any strides a tensor map can describe:
+the head dim contiguous, every other stride and each base 16-byte aligned. The rest
 (fp32, dropout, packed variable-length batches, KV caches, Sk = 0, views TMA cannot describe) goes
 to the tensor-core mma.sync tier, and ``explain`` says why.
 
@@ -40,6 +41,8 @@ STAGES = 2
 PANEL = 64   # head-dim elements per 128-byte swizzle row
 DTYPES = ("f16", "bf16")
 TMA_ALIGN = 16
+#: the score modifiers the kernel takes (its ``mods`` forms; kernels_cu/score_mods.cuh)
+MODIFIERS = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,9 @@ class Sm90ForwardVariant(variants.Variant):
     head_dim: int
     head_dim_v: int
     local: bool
+    #: the score modifiers (``CUFLASH_MODS``: softcap, ALiBi, bias, boolean mask, sinks as run-time
+    #: arguments, kernels_cu/score_mods.cuh); a compile-time axis, so a plain call runs without them
+    mods: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -76,7 +82,7 @@ class Sm90ForwardVariant(variants.Variant):
 
     def axes(self) -> tuple[str, ...]:
         dims = f"d{self.head_dim}" if self.head_dim == self.head_dim_v else f"d{self.head_dim}_dv{self.head_dim_v}"
-        return (self.dtype, dims) + (("local",) if self.local else ())
+        return (self.dtype, dims) + (("local",) if self.local else ()) + (("mods",) if self.mods else ())
 
     @property
     def block_m(self) -> int:
@@ -117,7 +123,8 @@ class Sm90ForwardVariant(variants.Variant):
     def defines(self) -> tuple[tuple[str, str], ...]:
         return super().defines() + (("CUFLASH_BF16", "1" if self.dtype == "bf16" else "0"),
                                     ("CUFLASH_D", str(self.head_dim)), ("CUFLASH_DV", str(self.head_dim_v)),
-                                    ("CUFLASH_BC", str(self.block_n)), ("CUFLASH_LOCAL", "1" if self.local else "0"))
+                                    ("CUFLASH_BC", str(self.block_n)), ("CUFLASH_LOCAL", "1" if self.local else "0"),
+                                    ("CUFLASH_MODS", "1" if self.mods else "0"))
 
     def describe(self) -> str:
         return (f"{self.entry}: a producer warpgroup (TMA, 2-stage K and V rings) and 2 consumer warpgroups of 64 "
@@ -133,24 +140,28 @@ def bucket(d: int) -> int:
 
 
 def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
-                 dropout: bool = False) -> tuple[Sm90ForwardVariant, ...]:
+                 dropout: bool = False, mods: bool = False) -> tuple[Sm90ForwardVariant, ...]:
     """Every variant (the compile gate's and precompile's list); none below sm_90, and no packed,
-    KV-cache or dropout forms (those calls go to the tensor-core tier)."""
+    KV-cache or dropout forms (those calls go to the tensor-core tier); ``mods``: the
+    score-modifier forms."""
     if arch != 90 or varlen or kvcache or dropout:
         return ()
-    return tuple(Sm90ForwardVariant(dt, d, dv, local) for dt in DTYPES for d in HEAD_DIM_BUCKETS
+    return tuple(Sm90ForwardVariant(dt, d, dv, local, mods) for dt in DTYPES for d in HEAD_DIM_BUCKETS
                  for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)) for local in (False, True))
 
 
-def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int = 90, *, local: bool = False) -> Sm90ForwardVariant:
-    """The variant of a call's dtype and head dims (``local``: causal or a window)."""
-    return Sm90ForwardVariant(variants.dtype_key(dtype), bucket(head_dim), bucket(head_dim_v), local)
+def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int = 90, *, local: bool = False,
+                   mods: bool = False) -> Sm90ForwardVariant:
+    """The variant of a call's dtype and head dims (``local``: causal or a window; ``mods``: score
+    modifiers)."""
+    return Sm90ForwardVariant(variants.dtype_key(dtype), bucket(head_dim), bucket(head_dim_v), local, mods)
 
 
 def variant_for(problem, arch: int = 90) -> Sm90ForwardVariant:
     """The variant that runs ``problem`` (``arch``: the dispatcher's, for the signature every tier shares)."""
     p = problem
-    return choose_variant(p.dtype, p.head_dim, p.head_dim_v, local=p.window_left >= 0 or p.window_right >= 0)
+    return choose_variant(p.dtype, p.head_dim, p.head_dim_v, local=p.window_left >= 0 or p.window_right >= 0,
+                          mods=p.modifiers is not None)
 
 
 def _bhsd(a, layout: str):
@@ -184,7 +195,7 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     """Why ``problem`` cannot run on this tier on ``sm_<arch>`` (None if it can). The arch rule
     (``sm_90a``: compute capability 9.0 only) is the dispatcher's (:data:`TARGET_ARCH`)."""
     p = problem
-    why = refuse_modifiers(p, "the Hopper kernel")   # score modifiers: none in this kernel yet
+    why = refuse_modifiers(p, "the Hopper kernel", MODIFIERS)
     if why is not None:
         return why
     try:
@@ -219,7 +230,7 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
 
 
 def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = -1, window_right: int = -1,
-                 dtype: str | None = None) -> LaunchPlan:
+                 dtype: str | None = None, mods_args: tuple = ()) -> LaunchPlan:
     """The launch for arrays in (B, H, S, D) order (any strides a tensor map can describe).
 
     Parameters
@@ -231,6 +242,9 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
     softmax_scale : float
     window_left, window_right : int
         Bottom-right window bounds, -1 unbounded (causal: ``window_right=0``).
+    mods_args : tuple of plan arguments
+        The score modifiers' (:func:`cuflash.kernels.attention_fwd_simt.mods_args`); non-empty
+        selects the ``mods`` variant.
 
     Raises
     ------
@@ -255,7 +269,7 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
                          f"{tuple(lse.shape)} {lse.dtype}")
     if sq < 1 or sk < 1:
         raise ValueError(f"attention_fwd_sm90: Sq={sq} and Sk={sk} must be at least 1")
-    variant = Sm90ForwardVariant(dtype, bucket(d), bucket(dv), window_left >= 0 or window_right >= 0)
+    variant = Sm90ForwardVariant(dtype, bucket(d), bucket(dv), window_left >= 0 or window_right >= 0, bool(mods_args))
     bn = variant.block_n
     args = (TensorMapArg.of("map_q", q, (1, 1, BLOCK_M, PANEL), swizzle=128),
             TensorMapArg.of("map_k", k, (1, 1, bn, PANEL), swizzle=128),
@@ -264,7 +278,8 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
             PointerArg.of("lse", lse, writable=True), ScalarArg("Sq", np.int32(sq)), ScalarArg("Sk", np.int32(sk)),
             ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
             ScalarArg("scale_log2", np.float32(softmax_scale * math.log2(math.e))),
-            ScalarArg("window_left", np.int32(window_left)), ScalarArg("window_right", np.int32(window_right)))
+            ScalarArg("window_left", np.int32(window_left)), ScalarArg("window_right", np.int32(window_right)),
+            *mods_args)
     return LaunchPlan(variant, variant.entry, (-(-sq // BLOCK_M), hq, b), (384, 1, 1), variant.smem_bytes, args)
 
 
@@ -283,7 +298,9 @@ def forward(problem, q, k, v, out, return_lse: bool, *, xp, arch: int, launch):
         key = variants.dtype_key(p.dtype)
         bits = (lambda a: a) if xp is np or key != "bf16" else (lambda a: a.view(np.uint16))
         qs, ks, vs, os_ = (bits(_bhsd(a, p.layout)) for a in (q, k, v, out))
+        mods = () if p.modifiers is None else attention_fwd_simt.mods_args(
+            p, attention_fwd_simt.modifier_views(p, xp), q, True)
         launch(plan_forward(qs, ks, vs, os_, lse.reshape(p.batch_shape[0], p.num_heads_q, p.seqlen_q),
                             softmax_scale=p.softmax_scale, window_left=p.window_left, window_right=p.window_right,
-                            dtype=key))
+                            dtype=key, mods_args=mods))
     return (out, lse) if return_lse else out
