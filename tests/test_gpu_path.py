@@ -514,6 +514,30 @@ def test_check_backward_section_through_a_numpy_stand_in(monkeypatch):
         check.section_backward(check._Clock(600), lines.append)
 
 
+def test_check_modifiers_section_through_a_numpy_stand_in(monkeypatch):
+    """The check's modifiers section (forward, backward with dbias and dsinks, the rule) with NumPy
+    standing in for CuPy, at a small shape: the verdict logic works, and a backend whose d sinks
+    has the wrong sign fails it."""
+    fake = types.ModuleType("cupy")
+    fake.asarray = fake.asnumpy = np.asarray
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(check, "MODIFIERS_SHAPE", (1, 4, 2, 37, 300, 32))
+    lines = []
+    note = check.section_modifiers(check._Clock(600), lines.append)
+    assert "within the rule" in note and len(lines) == 6, (note, lines)
+    real = cuflash.attention_backward
+    calls = []
+
+    def flips_dsinks(*args, **kwargs):
+        grads = real(*args, **kwargs)
+        calls.append(1)
+        return grads[:-1] + (-grads[-1],) if len(calls) == 3 else grads
+
+    monkeypatch.setattr(cuflash, "attention_backward", flips_dsinks)
+    with pytest.raises(AssertionError, match="modifiers dsinks"):
+        check.section_modifiers(check._Clock(600), lines.append)
+
+
 def test_check_rule_helper_bounds_the_gpu_result_by_the_numpy_paths_error():
     """check._held_to_rule, which every GPU section applies: at most twice the NumPy path's error
     against float64 plus the floor; beyond it, or non-finite, is a failure naming the result."""

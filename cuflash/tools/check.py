@@ -49,11 +49,11 @@ from cuflash.reference import tolerance
 #: seconds the whole check may take (the issue asks for under 3 minutes)
 DEFAULT_BUDGET_S = 170.0
 
-SECTIONS = ("device", "compile", "grid", "large", "softmax", "backward", "kvcache", "dropout", "sim", "hopper",
-            "torch", "distributed", "jax", "graph", "demo")
+SECTIONS = ("device", "compile", "grid", "large", "softmax", "backward", "kvcache", "dropout", "modifiers", "sim",
+            "hopper", "torch", "distributed", "jax", "graph", "demo")
 
 #: share of the budget each section may use at most (soft: sections stop between cases)
-_SHARE = {"device": 0.05, "compile": 0.45, "grid": 0.35, "large": 0.25, "softmax": 0.1, "backward": 0.15, "kvcache": 0.1, "dropout": 0.1, "sim": 0.3, "hopper": 0.15,
+_SHARE = {"device": 0.05, "compile": 0.45, "grid": 0.35, "large": 0.25, "softmax": 0.1, "backward": 0.15, "kvcache": 0.1, "dropout": 0.1, "modifiers": 0.15, "sim": 0.3, "hopper": 0.15,
           "torch": 0.1, "distributed": 0.1, "jax": 0.15, "graph": 0.1, "demo": 0.1}
 
 
@@ -644,6 +644,54 @@ def section_dropout(clock, log) -> str:
         worst = max(worst, ratio)
         log(f"  dropout {name}: {ratio:.2f} of the bound")
     return f"mask bit-identical to NumPy's; forward and backward within the rule (worst {worst:.2f} of the bound)"
+
+
+#: the modifiers section's (B, Hq, Hk, Sq, Sk, D): odd lengths, three key tiles of 128 masked out
+MODIFIERS_SHAPE = (2, 8, 2, 333, 517, 128)
+
+
+def section_modifiers(clock, log) -> str:
+    """The score modifiers on the GPU (the kernels' ``_mods`` forms): softcap, ALiBi, a broadcast
+    float32 bias, a boolean mask with fully masked rows and key tiles, and sinks, forward (the
+    dispatcher's tier: Hopper on sm_90) and backward with d attn_bias and d sinks, each within the
+    rule of the NumPy path's error against float64."""
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(37)
+    dt = _dtype("bf16")
+    b, hq, hk, sq, sk, d = MODIFIERS_SHAPE
+    q = rng.standard_normal((b, hq, sq, d)).astype(dt)
+    k = rng.standard_normal((b, hk, sk, d)).astype(dt)
+    v = rng.standard_normal((b, hk, sk, d)).astype(dt)
+    dout = rng.standard_normal(q.shape).astype(dt)
+    mask = rng.random((b, 1, sq, sk)) > 0.3
+    mask[:, :, 7, :] = False
+    mask[:, :, :, 128:256] = False   # a fully masked key tile (rows 7: a fully masked row)
+    mods = dict(softcap=20.0, alibi_slopes=rng.uniform(0.01, 0.1, hq).astype(np.float32),
+                attn_bias=rng.standard_normal((1, hq, 1, sk)).astype(np.float32), attn_mask=mask,
+                sinks=rng.standard_normal(hq).astype(np.float32))
+    asks = dict(return_dbias=True, return_dsinks=True)
+    x64 = [x.astype(np.float64) for x in (q, k, v)]
+    m64 = dict(mods, attn_bias=mods["attn_bias"].astype(np.float64))
+    o64, l64 = cuflash.attention(*x64, causal=True, return_lse=True, **m64)
+    o_np, l_np = cuflash.attention(q, k, v, causal=True, return_lse=True, **mods)
+    g64 = cuflash.attention_backward(dout.astype(np.float64), *x64, o64, l64, causal=True, **m64, **asks)
+    g_np = cuflash.attention_backward(dout, q, k, v, o_np, l_np, causal=True, **mods, **asks)
+    dev = [cupy.asarray(x) for x in (q, k, v, dout)]
+    dmods = {n: (cupy.asarray(a) if isinstance(a, np.ndarray) else a) for n, a in mods.items()}
+    info = cuflash.explain(*dev[:3], causal=True, **dmods)
+    tier = info.get("tier", info["backend"])
+    o, l_ = cuflash.attention(*dev[:3], causal=True, return_lse=True, **dmods)
+    g = cuflash.attention_backward(dev[3], *dev[:3], o, l_, causal=True, **dmods, **asks)
+    worst = 0.0
+    for name, a, ref_np, exact in zip(("out", "dq", "dk", "dv", "dbias", "dsinks"), (o, *g), (o_np, *g_np),
+                                      (o64, *g64)):
+        ratio = _held_to_rule(f"modifiers {name}", cupy.asnumpy(a), ref_np, exact, q.dtype)
+        worst = max(worst, ratio)
+        log(f"  modifiers {name}: {ratio:.2f} of the bound")
+    return f"forward on {tier}, backward with dbias and dsinks: within the rule (worst {worst:.2f} of the bound)"
 
 
 def section_sim(clock, log) -> str:
