@@ -154,6 +154,15 @@ def test_hopper_forward_grid(names, lengths, d, heads, mask, dtype, form, rng):
     run_case(rng, names, lengths, d, heads, mask, dtype, form, backward=False, arch=90, tier="attention_fwd_sm90")
 
 
+def test_hopper_forward_d192_window_has_its_own_tile(rng):
+    # (192, 192) with a window: the modifier form's 96-key tile (112 spills), masked edges in it
+    from cuflash.kernels import attention_fwd_sm90
+
+    assert attention_fwd_sm90.Sm90ForwardVariant("bf16", 192, 192, True, True).block_n == 96
+    run_case(rng, ("softcap", "attn_mask"), (129, 300), 192, (4, 2), "window", "bf16", "broadcast", backward=False,
+             arch=90, tier="attention_fwd_sm90")
+
+
 def test_hopper_forward_checked(rng):
     run_case(rng, ("attn_bias", "sinks"), (70, 150), 64, (4, 2), "causal", "bf16", "strided", checked=True,
              backward=False, arch=90, tier="attention_fwd_sm90")

@@ -36,6 +36,9 @@ TARGET_ARCH = "90a"
 HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
 #: keys per tile by the QK head-dim bucket (shared memory: Q + 2 stages of K and V <= 227 KB)
 BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 112, 256: 80}
+#: the modifier forms' exceptions, by (D, Dv): at (192, 192) with a window, 112 keys spill 20 bytes
+#: (both NVRTCs; the per-pair modifier code beside the 96-column O), 96 do not
+BLOCK_N_MODS = {(192, 192): 96}
 BLOCK_M = 128
 STAGES = 2
 PANEL = 64   # head-dim elements per 128-byte swizzle row
@@ -90,6 +93,8 @@ class Sm90ForwardVariant(variants.Variant):
 
     @property
     def block_n(self) -> int:
+        if self.mods:
+            return BLOCK_N_MODS.get((self.head_dim, self.head_dim_v), BLOCK_N[self.head_dim])
         return BLOCK_N[self.head_dim]
 
     @property
