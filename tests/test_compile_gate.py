@@ -2,7 +2,8 @@
 targets, with each NVRTC cuflash supports (12.x and 13.x, DESIGN.md §4), with exactly the options
 the library passes at run time (plus ``-Xptxas=-v`` to read the resource use), with no spill, no
 stack frame and shared memory within the per-block limit. The default run gates NVRTC 12.x on every
-arch and 13.x on sm_90 (:data:`NEWER_NVRTC_DEFAULT_ARCHS`); ``-m slow`` adds 13.x's other rows.
+arch and 13.x on sm_90 (:data:`NEWER_NVRTC_DEFAULT_ARCHS`), except the Hopper forward's score-modifier
+forms, ~15 s of ptxas each, which it gates with 13.x only; ``-m slow`` adds the rest.
 
 No GPU is needed: :mod:`cuflash.runtime.nvrtc` loads ``libnvrtc.so.12`` (``nvidia-cuda-nvrtc-cu12``)
 and ``libnvrtc.so.13`` (``nvidia-cuda-nvrtc`` 13.x) side by side through ctypes; the ``test`` extra
@@ -196,6 +197,8 @@ def _gate_params():
                                                    reason=f"NVRTC {major}.x spills on this variant (KNOWN_SPILLS)"))
                 if major > min(nvrtc.MAJORS) and arch not in NEWER_NVRTC_DEFAULT_ARCHS:
                     marks.append(pytest.mark.slow)
+                if major < max(nvrtc.MAJORS) and v.family == "attn_fwd_sm90" and getattr(v, "mods", False):
+                    marks.append(pytest.mark.slow)   # (~15 s of ptxas each: gated with 13.x by default)
                 out.append(pytest.param(major, arch, v, id=f"nvrtc{major}-sm_{arch}-{v.entry}", marks=marks))
     return out
 
