@@ -15,7 +15,6 @@ flight when ``batch * kv heads`` is small, and ``num_k_tiles / num_splits`` laun
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import ClassVar
 
 import numpy as np
@@ -266,24 +265,14 @@ def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, determi
 
 
 def _dbias_args(problem, launch_mods: dict, like, enabled: bool) -> tuple:
-    """The backward's modifier arguments: :func:`~cuflash.kernels.attention_fwd_simt.mods_args`,
-    then the dbias workspace (``mod_flags`` bit 16 when it is written) and its strides."""
+    """The backward's modifier arguments: :func:`~cuflash.kernels.attention_fwd_simt.mods_args`
+    (``mod_flags`` bit 16 when ``launch_mods`` holds the ``"dbias"`` workspace), then the workspace
+    pointer (an empty array the kernel never writes without it) and its strides."""
     if not enabled:
         return ()
-    args = list(attention_fwd_simt.mods_args(problem, launch_mods, like, True))
     ws = launch_mods.get("dbias")
-    if ws is not None:
-        args[0] = plan.ScalarArg("mod_flags", np.int32(int(args[0].value) | 16))
-    none = np.zeros(0, np.float32) if isinstance(like, np.ndarray) else _zeros_f32_on(like.device.id)
-    target = ws if ws is not None else none
+    none = attention_fwd_simt._NO_INDEX if isinstance(like, np.ndarray) else attention_fwd_simt._no_index_on(like.device.id)
     st = (0, 0, 0) if ws is None else tuple(int(x) // 4 for x in ws.strides[:3])
-    return (*args, attention_fwd_simt._pointer("dbias", target, writable=True),
+    return (*attention_fwd_simt.mods_args(problem, launch_mods, like, True),
+            attention_fwd_simt._pointer("dbias", ws if ws is not None else none, writable=True),
             *(_i64(f"dbias_{w}_stride", x) for w, x in zip(("batch", "head", "row"), st)))
-
-
-@functools.lru_cache(maxsize=None)
-def _zeros_f32_on(device_id: int):
-    import cupy
-
-    with cupy.cuda.Device(device_id):
-        return cupy.zeros(0, np.float32)

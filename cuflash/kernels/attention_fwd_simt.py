@@ -218,8 +218,8 @@ def plan_forward(problem, q, k, v, out, lse, variant) -> list[plan.LaunchPlan]:
 
 #: the modifier arrays the kernels index with batch dims first (they are sliced with q's batches)
 _MOD_BATCHED = ("alibi_slopes", "attn_bias", "attn_mask")
-#: kernels_cu/score_mods.cuh: mod_flags bits
-_MOD_FLAGS = {"alibi_slopes": 1, "attn_bias": 2, "attn_mask": 4, "sinks": 8}
+#: kernels_cu/score_mods.cuh: mod_flags bits (16: the backward writes its dbias workspace)
+_MOD_FLAGS = {"alibi_slopes": 1, "attn_bias": 2, "attn_mask": 4, "sinks": 8, "dbias": 16}
 
 
 def modifier_views(problem, xp) -> dict:
