@@ -9,11 +9,11 @@ matrix is never materialised. NumPy input runs the NumPy implementation of the s
 __version__ = "0.1.0"
 
 from cuflash import intensity, reference, sim
-from cuflash.api import attention, explain
-from cuflash.api_backward import attention_backward
-from cuflash.api_kvcache import attention_with_kvcache, merge_attention
-from cuflash.api_softmax import softmax
-from cuflash.api_varlen import attention_varlen, attention_varlen_backward
+from cuflash.api.attention import attention, explain
+from cuflash.api.backward import attention_backward
+from cuflash.api.kvcache import attention_with_kvcache, merge_attention
+from cuflash.api.softmax import softmax
+from cuflash.api.varlen import attention_varlen, attention_varlen_backward
 from cuflash.kernels.precompile import precompile
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",

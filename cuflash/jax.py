@@ -22,6 +22,7 @@ broadcast by XLA first.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,7 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
+from cuflash.api import attention as api_attention
+from cuflash.api import backward as api_backward
+from cuflash.api import pipeline
+from cuflash.api import varlen as api_varlen
 from cuflash.runtime import validation
+from cuflash.runtime.options import Options, PackedOptions
 
 __all__ = ["attention", "attention_varlen"]
 
@@ -75,24 +81,19 @@ def _write(results, outs) -> None:
             dst[...] = r
 
 
-def _forward_callback(causal, scale, window, ctx, outs, q, k, v):
-    import cuflash
-
-    def compute(a, o, backend):
-        return cuflash.attention(*a, causal=causal, softmax_scale=scale, window_size=window, return_lse=True,
-                                 out=o[0], backend=backend)
-
-    _run(ctx, outs, (q, k, v), compute)
+def _call(entry, func: str, operands: tuple, options: Options, backend: str):
+    """The public function's pipeline (``entry``) on the callback's buffers, under this adapter's
+    name ``func`` (its messages name it)."""
+    return pipeline.run(dataclasses.replace(entry, func=func), operands, dataclasses.replace(options, backend=backend))
 
 
-def _backward_callback(causal, scale, window, deterministic, ctx, outs, dout, q, k, v, out, lse):
-    import cuflash
+def _forward_callback(options, ctx, outs, q, k, v):
+    _run(ctx, outs, (q, k, v), lambda a, o, backend: _call(api_attention.FORWARD, _FUNC, (*a, o[0]), options, backend))
 
-    def compute(a, o, backend):
-        return cuflash.attention_backward(*a, causal=causal, softmax_scale=scale, window_size=window,
-                                          deterministic=deterministic, backend=backend)
 
-    _run(ctx, outs, (dout, q, k, v, out, lse), compute)
+def _backward_callback(options, ctx, outs, dout, q, k, v, out, lse):
+    _run(ctx, outs, (dout, q, k, v, out, lse),
+         lambda a, o, backend: _call(api_backward.BACKWARD, _FUNC, tuple(a), options, backend))
 
 
 def _cupy():
@@ -109,27 +110,27 @@ def _lse_dtype(dtype):
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
-def _forward(q, k, v, causal, scale, left, right):
+def _forward(q, k, v, options):
     result = (jax.ShapeDtypeStruct(q.shape[:-1] + (v.shape[-1],), q.dtype),
               jax.ShapeDtypeStruct(q.shape[:-1], _lse_dtype(q.dtype)))
-    cb = functools.partial(_forward_callback, causal, scale, (left, right))
+    cb = functools.partial(_forward_callback, options)
     return buffer_callback(cb, result, vmap_method="broadcast_all")(q, k, v)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _attention(q, k, v, causal, scale, left, right, deterministic):
-    return _forward(q, k, v, causal, scale, left, right)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, options):
+    return _forward(q, k, v, options)[0]
 
 
-def _attention_fwd(q, k, v, causal, scale, left, right, deterministic):
-    out, lse = _forward(q, k, v, causal, scale, left, right)
+def _attention_fwd(q, k, v, options):
+    out, lse = _forward(q, k, v, options)
     return out, (q, k, v, out, lse)
 
 
-def _attention_bwd(causal, scale, left, right, deterministic, res, dout):
+def _attention_bwd(options, res, dout):
     q, k, v, out, lse = res
     result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    cb = functools.partial(_backward_callback, causal, scale, (left, right), deterministic)
+    cb = functools.partial(_backward_callback, options)
     return buffer_callback(cb, result, vmap_method="broadcast_all")(dout.astype(out.dtype), q, k, v, out, lse)
 
 
@@ -178,14 +179,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{_FUNC}: {name} must be a jax.Array, got {type(x).__module__}.{type(x).__qualname__}")
-    problem = validation.check_attention(
-        *(_stand_in(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))), causal=causal, softmax_scale=softmax_scale,
-        window_size=window_size, layout=layout, func=_FUNC)
+    problem = validation.check_attention(*(_stand_in(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
+                                         Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                                 layout=layout), func=_FUNC)
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     if layout == "bshd":   # the callback runs "bhsd", so mapped axes can lead
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-    out = _attention(q, k, v, problem.causal, float(problem.softmax_scale), problem.window_left,
-                     problem.window_right, deterministic)
+    options = Options(causal=problem.causal, softmax_scale=float(problem.softmax_scale),
+                      window_size=(problem.window_left, problem.window_right), return_lse=True,
+                      deterministic=deterministic)   # hashable: custom_vjp's static argument
+    out = _attention(q, k, v, options)
     return jnp.swapaxes(out, 1, 2) if layout == "bshd" else out
 
 
@@ -193,37 +196,35 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 # packed variable-length batches
 
 _FUNC_VARLEN = "cuflash.jax.attention_varlen"
+#: the static options' stand-in for a ``seqused_k`` the call has (its buffer arrives in the callback)
+_GIVEN = "seqused_k given"
 
 
-def _varlen_forward_callback(opts, ctx, outs, q, k, v, cu_q, cu_k, used):
-    import cuflash
+def _with_index(options: Options, cu_q, cu_k, used) -> Options:
+    """``options`` with the callback's index buffers (``seqused_k`` only when the call had one)."""
+    packed = options.packed
+    return dataclasses.replace(options, packed=dataclasses.replace(
+        packed, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used if packed.seqused_k is not None else None))
 
+
+def _varlen_forward_callback(options, ctx, outs, q, k, v, cu_q, cu_k, used):
     def compute(a, o, backend):
-        return cuflash.attention_varlen(*a[:5], seqused_k=a[5] if opts["seqused"] else None, return_lse=True,
-                                        out=o[0], backend=backend, **_varlen_kw(opts))
+        return _call(api_varlen.FORWARD, _FUNC_VARLEN, (*a[:3], o[0]), _with_index(options, *a[3:]), backend)
 
     _run(ctx, outs, (q, k, v, cu_q, cu_k, used), compute)
 
 
-def _varlen_backward_callback(opts, ctx, outs, dout, q, k, v, out, lse, cu_q, cu_k, used):
-    import cuflash
-
+def _varlen_backward_callback(options, ctx, outs, dout, q, k, v, out, lse, cu_q, cu_k, used):
     def compute(a, o, backend):
-        return cuflash.attention_varlen_backward(*a[:8], seqused_k=a[8] if opts["seqused"] else None,
-                                                 deterministic=opts["deterministic"], backend=backend,
-                                                 **_varlen_kw(opts))
+        return _call(api_varlen.BACKWARD, _FUNC_VARLEN, tuple(a[:6]), _with_index(options, *a[6:]), backend)
 
     _run(ctx, outs, (dout, q, k, v, out, lse, cu_q, cu_k, used), compute)
-
-
-def _varlen_kw(opts):
-    return {key: opts[key] for key in ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_size")}
 
 
 def _varlen_forward(q, k, v, cu_q, cu_k, used, opts):
     result = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v.shape[-1]), q.dtype),
               jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), _lse_dtype(q.dtype)))
-    cb = functools.partial(_varlen_forward_callback, dict(opts))
+    cb = functools.partial(_varlen_forward_callback, opts)
     return buffer_callback(cb, result)(q, k, v, cu_q, cu_k, used)
 
 
@@ -240,7 +241,7 @@ def _attention_varlen_fwd(q, k, v, cu_q, cu_k, used, opts):
 def _attention_varlen_bwd(opts, res, dout):
     q, k, v, out, lse, cu_q, cu_k, used = res
     result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    cb = functools.partial(_varlen_backward_callback, dict(opts))
+    cb = functools.partial(_varlen_backward_callback, opts)
     dq, dk, dv = buffer_callback(cb, result)(dout.astype(out.dtype), q, k, v, out, lse, cu_q, cu_k, used)
     zero = lambda x: np.zeros(x.shape, dtype=jax.dtypes.float0)  # noqa: E731  (integer inputs)
     return dq, dk, dv, zero(cu_q), zero(cu_k), zero(used)
@@ -305,15 +306,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     max_k = validation.check_int(max_seqlen_k, "max_seqlen_k", _FUNC_VARLEN)
     one = lambda n: np.array([0, n], np.int32)  # noqa: E731
     problem = validation.check_attention_varlen(
-        *(_stand_in(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))), one(q.shape[0]), one(k.shape[0]),
-        q.shape[0], k.shape[0], causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        func=_FUNC_VARLEN)
+        *(_stand_in(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
+        Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                packed=PackedOptions(one(q.shape[0]), one(k.shape[0]), q.shape[0], k.shape[0])), func=_FUNC_VARLEN)
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
         if not 0 <= value < 2**31 - 256:
             raise ValueError(f"{_FUNC_VARLEN}: {name}={value} must be in [0, 2**31 - 256)")
     left, right = validation.normalize_window(*validation.check_window_size(window_size, causal, _FUNC_VARLEN),
                                               max_q, max_k)
-    opts = tuple(sorted(dict(max_seqlen_q=max_q, max_seqlen_k=max_k, causal=problem.causal,
-                             softmax_scale=float(problem.softmax_scale), window_size=(left, right),
-                             seqused=seqused_k is not None, deterministic=deterministic).items()))   # hashable
+    opts = Options(causal=problem.causal, softmax_scale=float(problem.softmax_scale), window_size=(left, right),
+                   return_lse=True, deterministic=deterministic,   # hashable: custom_vjp's static argument
+                   packed=PackedOptions(max_seqlen_q=max_q, max_seqlen_k=max_k,
+                                        seqused_k=None if seqused_k is None else _GIVEN))
     return _attention_varlen(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), index[0], index[1], used, opts)

@@ -160,7 +160,7 @@ def without_hopper_tier(monkeypatch):
 @pytest.fixture(scope="session")
 def cuobjdump() -> str:
     """The ``cuobjdump`` of the test extra (its ``nvdisasm`` beside it), or a failure naming the wheels."""
-    from cuflash import roofline
+    from cuflash.analysis import roofline
 
     exe = roofline.find_tool("cuobjdump")
     if exe is None or roofline.find_tool("nvdisasm") is None:

@@ -2,9 +2,9 @@
 
 float16 and bfloat16 on sm_80+ (``mma.sync`` m16n8k16, ``ldmatrix``, ``cp.async``), head-dim
 buckets 64, 128, 192 and 256 (other multiples of 8 run in the next bucket, zero-filled). Only the
-main stage is new: the ``dot`` and ``convert`` stages, the float32 dQ workspace and the
-deterministic mode's per-split partials are those of :mod:`cuflash.kernels.attention_bwd_simt`,
-whose main-stage argument list this kernel shares (:func:`backward` passes this variant to it).
+main stage is this kernel's: the ``dot`` and ``convert`` stages, the float32 dQ workspace and the
+deterministic mode's per-split partials are :mod:`cuflash.kernels.backward_run`'s, whose
+main-stage argument list this kernel shares (:func:`main_variant` is what the dispatcher asks for).
 
 Tiles (FlashAttention-2's backward, Dao 2023, §3.2; the flash-attn repository's sm_80 backward
 uses 64 x 128 with 8 warps at head dim 128 and 64 x 64 at 256): 8 warps; Br = 64 query rows by
@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from cuflash.kernels import attention_bwd_simt, attention_fwd_mma
+from cuflash.kernels import attention_fwd_mma
 from cuflash.runtime import plan, variants
 from cuflash.runtime.validation_modifiers import refuse_modifiers
 
@@ -192,12 +192,9 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     return why
 
 
-def backward(problem, dout, q, k, v, out, lse, *, xp, arch: int, launch, deterministic: bool = False,
-             return_dbias: bool = False, return_dsinks: bool = False):
-    """``(dq, dk, dv)`` (then ``dbias``, ``dsinks`` when asked for): the SIMT dot and convert
-    stages around this kernel's main stage."""
-    main = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
+def main_variant(problem, arch: int) -> AttentionBwdMma:
+    """The main stage that runs the backward of ``problem`` on ``sm_<arch>``, in its dropout and
+    modifier forms as the call needs (:func:`cuflash.kernels.backward_run.backward` runs it
+    between the portable dot and convert stages)."""
+    return choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
                           dropout=problem.dropout is not None, mods=problem.modifiers is not None)
-    return attention_bwd_simt.backward(problem, dout, q, k, v, out, lse, xp=xp, arch=arch, launch=launch,
-                                        deterministic=deterministic, main_variant=main, return_dbias=return_dbias,
-                                        return_dsinks=return_dsinks)

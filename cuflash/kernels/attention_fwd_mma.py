@@ -20,7 +20,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from cuflash.kernels import attention_fwd_simt
+from cuflash.kernels import forward_run
+from cuflash.kernels import launch_args as la
 from cuflash.runtime import plan, variants
 from cuflash.runtime.validation_modifiers import refuse_modifiers
 
@@ -74,7 +75,7 @@ MIN_BLOCKS = 2
 #: the score modifiers the kernel takes (its ``mods`` forms; kernels_cu/score_mods.cuh)
 MODIFIERS = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks")
 #: bytes every row (and base address) must be aligned to (fresh outputs are allocated so)
-ALIGN_BYTES = attention_fwd_simt.OUTPUT_ALIGN_BYTES
+ALIGN_BYTES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,12 +259,11 @@ def variant_for(problem, arch: int) -> AttentionFwdMma:
                           mods=problem.modifiers is not None)
 
 
-def forward(problem, q, k, v, out, return_lse: bool, *, xp, arch: int, launch):
-    """Run ``problem`` with this tier's variant for ``sm_<arch>``: the kernel takes the SIMT
-    kernel's argument list, so :func:`~cuflash.kernels.attention_fwd_simt.run_variant` allocates,
-    plans and launches it."""
-    variant = variant_for(problem, arch)
-    return attention_fwd_simt.run_variant(problem, q, k, v, out, return_lse, variant, xp=xp, launch=launch)
+def forward(problem, q, k, v, out, call):
+    """``(out, lse)`` of ``problem`` with :func:`variant_for` on the call's device: the kernel
+    takes the common forward argument list, so :func:`cuflash.kernels.forward_run.run_variant`
+    allocates, plans and launches it."""
+    return forward_run.run_variant(problem, q, k, v, out, variant_for(problem, call.arch), call)
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,9 +300,7 @@ def kvcache_splits(problem, variant, arch: int, num_sms: int) -> int:
     if problem.varlen is not None:
         return 1
     batch = problem.batch_shape[0]
-    keys = c.capacity
-    if c.checked and (c.cache_seqlens is None or isinstance(c.cache_seqlens, np.ndarray)) and batch:
-        keys = int((c.host_seqlens(batch) + c.seqlen_new - c.host_leftpad(batch)).max())
+    keys = c.capacity if c.longest is None else c.longest
     n_tiles = max(1, -(-keys // variant.block_n))
     if c.num_splits:
         return max(1, min(c.num_splits, n_tiles, MAX_SPLITS))
@@ -312,18 +310,16 @@ def kvcache_splits(problem, variant, arch: int, num_sms: int) -> int:
     return max(1, min(want, n_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
-def plan_kvcache(problem, q, out, lse, variant, *, splits: int, o_partial, lse_partial, index: dict,
-                 none) -> plan.LaunchPlan:
+def plan_kvcache(problem, q, out, lse, variant, partials, call) -> plan.LaunchPlan:
     """The KV-cache forward's launch plan: ``q`` (possibly the rotated copy) against the cache of
-    ``problem.kvcache``; ``index`` holds the launch's index arrays by name (None where absent),
-    ``none`` an empty int32 array of the launch's kind; with ``splits > 1`` the kernel writes
-    ``o_partial`` ``(splits, B * Hq * Sq, Dv)`` and ``lse_partial`` ``(splits, B * Hq * Sq)``
-    (float32) instead of ``out`` and ``lse``."""
+    ``problem.kvcache`` (device arrays of ``call``); ``partials`` is ``(o_partial, lse_partial)``,
+    ``(splits, B * Hq * Sq, Dv)`` and ``(splits, B * Hq * Sq)`` float32, which the kernel writes
+    instead of ``out`` and ``lse`` when there are several splits (``splits`` = their first axis)."""
     p, c = problem, problem.kvcache
     vl = p.varlen
-
-    def st(a):
-        return tuple(int(s) // a.dtype.itemsize for s in a.strides)
+    o_partial, lse_partial = partials
+    splits = o_partial.shape[0]
+    st = la.element_strides
 
     if vl is None:   # q/out (B, Sq, H, D): (batch, head, row) = axes (0, 2, 1); lse (B, Hq, Sq)
         qst, ost = ((s[0], s[2], s[1]) for s in (st(q), st(out)))
@@ -341,30 +337,23 @@ def plan_kvcache(problem, q, out, lse, variant, *, splits: int, o_partial, lse_p
         raise NotImplementedError(f"{p.func}: {grid} thread blocks exceed the grid limit {plan.MAX_GRID_DIMS[0]}")
     flags = (1 if c.cache_seqlens is not None else 0) | (2 if c.cache_leftpad is not None else 0) | \
         (4 if c.cache_batch_idx is not None else 0) | (8 if c.paged else 0)
-    bt = index["block_table"]
+    bt = c.block_table
 
     def idx(name):
-        return plan.PointerArg.of(name, index[name] if index[name] is not None else none)
+        a = getattr(c, name)
+        return plan.PointerArg.of(name, a if a is not None else call.empty_index)
 
     args = (
-        *attention_fwd_simt.forward_args(p, (q, c.k_cache, c.v_cache, out, lse), (qst, kst, vst, ost), lst, seqlen_q,
-                                         seqlen_k, tiles),
-        *attention_fwd_simt.varlen_args(p, none),
+        *la.forward_args(p, (q, c.k_cache, c.v_cache, out, lse), (qst, kst, vst, ost), lst,
+                         (seqlen_q, seqlen_k, tiles), call),
+        *la.varlen_args(p, call),
         idx("cache_seqlens"), idx("cache_leftpad"), idx("cache_batch_idx"), idx("block_table"),
-        plan.ScalarArg("block_table_stride", np.int64(st(bt)[0] if bt is not None else 0)),
-        plan.ScalarArg("page_size", np.int32(c.page_size)),
-        plan.ScalarArg("num_pages", np.int32(c.num_pages)),
-        plan.ScalarArg("cache_seqlen", np.int32(c.cache_seqlen)),
-        plan.ScalarArg("seqlen_new", np.int32(c.seqlen_new)),
-        plan.ScalarArg("cache_capacity", np.int32(c.capacity)),
-        plan.ScalarArg("cache_flags", np.int32(flags)),
-        plan.ScalarArg("pack", np.int32(pack)),
-        plan.ScalarArg("num_splits", np.int32(splits)),
-        plan.ScalarArg("partial_rows", np.int64(lse_partial.shape[1])),
+        la.i64("block_table_stride", st(bt)[0] if bt is not None else 0),
+        la.i32("page_size", c.page_size), la.i32("num_pages", c.num_pages), la.i32("cache_seqlen", c.cache_seqlen),
+        la.i32("seqlen_new", c.seqlen_new), la.i32("cache_capacity", c.capacity), la.i32("cache_flags", flags),
+        la.i32("pack", pack), la.i32("num_splits", splits), la.i64("partial_rows", lse_partial.shape[1]),
         plan.PointerArg.of("o_partial", o_partial, writable=True),
         plan.PointerArg.of("lse_partial", lse_partial, writable=True),
-        *attention_fwd_simt.mods_args(p, attention_fwd_simt.modifier_views(p, np if isinstance(q, np.ndarray) else
-                                                                              attention_fwd_simt._cupy()),
-                                      q, variant.mods),
+        *la.mods_args(p, la.modifier_views(p, call), call, variant.mods),
     )
     return plan.LaunchPlan(variant, variant.entry, (grid, 1, 1), variant.block, variant.smem_bytes, args)

@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from cuflash.kernels import attention_fwd_simt
+from cuflash.kernels import launch_args as la
 from cuflash.runtime import plan, variants
 from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg, TensorMapArg
 from cuflash.runtime.validation_modifiers import refuse_modifiers
@@ -248,7 +248,7 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
     window_left, window_right : int
         Bottom-right window bounds, -1 unbounded (causal: ``window_right=0``).
     mods_args : tuple of plan arguments
-        The score modifiers' (:func:`cuflash.kernels.attention_fwd_simt.mods_args`); non-empty
+        The score modifiers' (:func:`cuflash.kernels.launch_args.mods_args`); non-empty
         selects the ``mods`` variant.
 
     Raises
@@ -288,24 +288,20 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
     return LaunchPlan(variant, variant.entry, (-(-sq // BLOCK_M), hq, b), (384, 1, 1), variant.smem_bytes, args)
 
 
-def forward(problem, q, k, v, out, return_lse: bool, *, xp, arch: int, launch):
-    """Run ``problem`` on the Hopper kernel: allocate what the caller did not pass (NaN-poisoned on
-    the simulator), view the arrays as (B, H, S, D) and launch once."""
+def forward(problem, q, k, v, out, call):
+    """``(out, lse)`` of ``problem`` on the Hopper kernel: allocate what the caller did not pass on
+    the call's device, view the arrays as (B, H, S, D) (bfloat16 as its 16 bits, which the tensor
+    maps move unchanged) and launch once."""
     p = problem
     if out is None:
-        out = attention_fwd_simt._aligned_empty(xp, p.out_shape, p.dtype)
-        if xp is np:
-            out.fill(np.nan)
-    lse = xp.empty(p.lse_shape, dtype=np.float32)
-    if xp is np:
-        lse.fill(np.nan)
+        out = call.empty(p.out_shape, p.dtype)
+    lse = call.empty(p.lse_shape, np.float32)
     if not p.is_empty:
         key = variants.dtype_key(p.dtype)
-        bits = (lambda a: a) if xp is np or key != "bf16" else (lambda a: a.view(np.uint16))
+        bits = (lambda a: a.view(np.uint16)) if key == "bf16" else (lambda a: a)
         qs, ks, vs, os_ = (bits(_bhsd(a, p.layout)) for a in (q, k, v, out))
-        mods = () if p.modifiers is None else attention_fwd_simt.mods_args(
-            p, attention_fwd_simt.modifier_views(p, xp), q, True)
-        launch(plan_forward(qs, ks, vs, os_, lse.reshape(p.batch_shape[0], p.num_heads_q, p.seqlen_q),
-                            softmax_scale=p.softmax_scale, window_left=p.window_left, window_right=p.window_right,
-                            dtype=key, mods_args=mods))
-    return (out, lse) if return_lse else out
+        mods = () if p.modifiers is None else la.mods_args(p, la.modifier_views(p, call), call, True)
+        call.launch(plan_forward(qs, ks, vs, os_, lse.reshape(p.batch_shape[0], p.num_heads_q, p.seqlen_q),
+                                 softmax_scale=p.softmax_scale, window_left=p.window_left,
+                                 window_right=p.window_right, dtype=key, mods_args=mods))
+    return out, lse

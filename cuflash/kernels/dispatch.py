@@ -32,6 +32,8 @@ from cuflash.kernels import (
     attention_fwd_mma,
     attention_fwd_simt,
     attention_fwd_sm90,
+    backward_run,
+    kvcache_run,
 )
 from cuflash.runtime import cubin, cuda_runner, nvrtc
 
@@ -88,8 +90,8 @@ def _choose(problem, arch: int, arrays=None, tiers=None, nvrtc_majors=None):
 def forward_tier(problem, arch: int, arrays=None):
     """The kernel module that runs ``problem`` on ``sm_<arch>``.
 
-    A tier module provides ``forward(problem, q, k, v, out, return_lse, *, xp, arch, launch)``
-    and ``choose_variant(...)``. ``arrays`` ((q, k, v) or (q, k, v, out)) lets a tier check the
+    A tier module provides ``forward(problem, q, k, v, out, call) -> (out, lse)`` and
+    ``variant_for(problem, arch)``. ``arrays`` ((q, k, v) or (q, k, v, out)) lets a tier check the
     alignment of views; without it only shapes and dtypes decide.
     """
     return _choose(problem, arch, arrays)[0]
@@ -98,9 +100,9 @@ def forward_tier(problem, arch: int, arrays=None):
 def backward_tier(problem, arch: int, arrays=None):
     """The kernel module that runs the backward of ``problem`` on ``sm_<arch>``: the tensor-core
     backward (float16/bfloat16, sm_80+, a tile of the head dims' bucket fitting the shared memory,
-    rows 16-byte aligned) or the portable
-    SIMT one. A tier module provides ``backward(problem, dout, q, k, v, out, lse, *, xp, arch,
-    launch, deterministic)``; ``arrays`` is ``(q, k, v, out, dout)`` (alignment of views)."""
+    rows 16-byte aligned) or the portable SIMT one. A tier module provides
+    ``main_variant(problem, arch)``, the main stage :func:`run_backward` runs between the common
+    dot and convert stages; ``arrays`` is ``(q, k, v, out, dout)`` (alignment of views)."""
     mod, reasons = _choose(problem, arch, arrays, BACKWARD_TIERS)
     if log.isEnabledFor(logging.DEBUG):
         name = dict((m, n) for n, m in BACKWARD_TIERS)[mod]
@@ -109,11 +111,8 @@ def backward_tier(problem, arch: int, arrays=None):
 
 
 def variant_for(mod, problem, arch: int):
-    """The variant the tier module ``mod`` runs ``problem`` with on ``sm_<arch>`` (a tier whose
-    variants depend on more than the dtype and head dims says so with ``variant_for``)."""
-    if hasattr(mod, "variant_for"):
-        return mod.variant_for(problem, arch)
-    return mod.choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
+    """The variant the tier module ``mod`` runs ``problem`` with on ``sm_<arch>``."""
+    return mod.variant_for(problem, arch)
 
 
 def describe_choice(problem, arch: int, arrays=None) -> str:
@@ -135,67 +134,21 @@ def describe_choice(problem, arch: int, arrays=None) -> str:
     return line
 
 
-def run_forward(problem, q, k, v, out, return_lse: bool, *, xp, arch: int, launch):
-    """Run the forward on the tier :func:`forward_tier` picks."""
+def run_forward(problem, q, k, v, out, call):
+    """``(out, lse)`` of a forward call on ``call``'s device (q, k, v, out: its device arrays;
+    ``out`` None allocates): the KV-cache path for ``problem.kvcache``
+    (:func:`cuflash.kernels.kvcache_run.run_kvcache`), else the tier :func:`forward_tier` picks."""
+    if problem.kvcache is not None:
+        return kvcache_run.run_kvcache(problem, q, out, call)
     arrays = (q, k, v, out)
-    tier = forward_tier(problem, arch, arrays)
+    tier = forward_tier(problem, call.arch, arrays)
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("%s", describe_choice(problem, arch, arrays))
-    return tier.forward(problem, q, k, v, out, return_lse, xp=xp, arch=arch, launch=launch)
+        log.debug("%s", describe_choice(problem, call.arch, arrays))
+    return tier.forward(problem, q, k, v, out, call)
 
 
-def run_kvcache(problem, q, out, return_lse: bool, *, xp, arch: int, launch, num_sms: int):
-    """Run a KV-cache call (``problem.kvcache``): the append (new keys and values into the cache,
-    rotated; the rotated queries into a workspace), the tensor-core KV-cache forward, and, with
-    more than one key split, the combine (:mod:`~cuflash.kernels.kvcache_append`,
-    :mod:`~cuflash.kernels.attention_fwd_mma`, :mod:`~cuflash.kernels.attention_combine`), in that
-    order on one stream. Workspaces (rotated q, split partials) come from ``xp`` (the caller's
-    allocator on the GPU); nothing synchronizes the host.
-
-    Only the tensor-core tier has the KV-cache form: a call it cannot take raises
-    ``NotImplementedError`` saying why (never a silent fallback).
-    """
-    import numpy as np
-
-    from cuflash.kernels import attention_combine, kvcache_append
-    from cuflash.runtime import validation_kvcache
-
-    p, c = problem, problem.kvcache
-    why = attention_fwd_mma.unsupported_reason(p, arch, (q, c.k_cache, c.v_cache, out))
-    if why is not None:
-        raise NotImplementedError(f"{p.func}: the KV-cache kernel runs on the tensor-core tier only, which cannot "
-                                  f"take this call: {why}")
-    host = xp is np
-    none = attention_fwd_simt._NO_INDEX if host else attention_fwd_simt._no_index_on(q.device.id)
-    index = {n: getattr(c, n) for n in ("cache_seqlens", "cache_leftpad", "cache_batch_idx", "block_table")}
-    if out is None:
-        out = attention_fwd_simt._aligned_empty(xp, p.out_shape, p.dtype)
-        if host:
-            out.fill(np.nan)
-    lse = xp.empty(p.lse_shape, dtype=np.float32)
-    if host:
-        lse.fill(np.nan)
-    q_rot = None
-    if c.rotary_cos is not None:
-        q_rot = attention_fwd_simt._aligned_empty(xp, q.shape, p.dtype)
-    plans = [kvcache_append.plan_append(p, q, q_rot, dict(index, no_float=xp.empty((0, 0), np.float32),
-                                                           q_per_row=validation_kvcache.rotates_per_row(p)),
-                                        none=none)]
-    if not p.is_empty:
-        variant = attention_fwd_mma.choose_variant(p.dtype, p.head_dim, p.head_dim_v, arch, varlen=p.varlen is not None,
-                                                   kvcache=True, mods=p.modifiers is not None)
-        splits = attention_fwd_mma.kvcache_splits(p, variant, arch, num_sms)
-        rows = p.batch_shape[0] * p.num_heads_q * p.seqlen_q if splits > 1 else 0
-        o_part = xp.empty((splits, rows, p.head_dim_v), dtype=np.float32)
-        lse_part = xp.empty((splits, rows), dtype=np.float32)
-        if host:
-            o_part.fill(np.nan), lse_part.fill(np.nan)
-        plans.append(attention_fwd_mma.plan_kvcache(p, q if q_rot is None else q_rot, out, lse, variant, splits=splits,
-                                                    o_partial=o_part, lse_partial=lse_part, index=index, none=none))
-        if splits > 1:
-            plans.append(attention_combine.plan_combine(o_part, lse_part, out, lse, num_heads_q=p.num_heads_q,
-                                                        seqlen_q=p.seqlen_q))
-    for launch_plan in plans:   # planned in full first: a plan that cannot be made launches nothing
-        if launch_plan is not None:
-            launch(launch_plan)
-    return (out, lse) if return_lse else out
+def run_backward(problem, dout, q, k, v, out, lse, call) -> tuple:
+    """The gradients of a backward call on ``call``'s device: the main stage of the tier
+    :func:`backward_tier` picks, in :func:`cuflash.kernels.backward_run.backward`'s three stages."""
+    tier = backward_tier(problem, call.arch, (q, k, v, out, dout))
+    return backward_run.backward(problem, dout, q, k, v, out, lse, tier.main_variant(problem, call.arch), call)

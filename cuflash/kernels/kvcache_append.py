@@ -62,16 +62,14 @@ def _strides(a) -> tuple[int, ...]:
     return tuple(int(s) // a.dtype.itemsize for s in a.strides)
 
 
-def plan_append(problem, q, q_rot, index, *, none) -> plan.LaunchPlan | None:
+def plan_append(problem, q, q_rot, q_per_row: bool, call) -> plan.LaunchPlan | None:
     """The append's launch plan, or None when there is nothing to write (no new rows and no
-    rotated queries). ``q_rot`` receives the rotated queries (None without rotary tables).
-    ``index`` holds the launch's ``cache_seqlens``, ``cache_batch_idx`` and ``block_table``
-    arrays (None where absent), ``no_float`` (an empty float32 array of the launch's kind, the
-    tables' stand-in) and ``q_per_row`` (flash-attn's query-rotation rule); ``none`` is an empty
-    int32 array of the launch's kind, passed for each absent index (never read)."""
-    from cuflash.kernels import attention_fwd_simt
-
+    rotated queries). ``q_rot`` receives the rotated queries (None without rotary tables);
+    ``q_per_row`` is flash-attn's query-rotation rule. The cache's arrays (``problem.kvcache``)
+    and ``q`` are device arrays of ``call``; an absent index is the device's empty index (never
+    read), absent tables an empty float32 array."""
     p, c = problem, problem.kvcache
+    none = call.empty_index
     batch, sq = p.batch_shape[0], p.seqlen_q
     rotary = c.rotary_cos is not None
     kv_rows = batch * c.seqlen_new * p.num_heads_k
@@ -85,18 +83,19 @@ def plan_append(problem, q, q_rot, index, *, none) -> plan.LaunchPlan | None:
     v = KVCacheAppend(key, rot_key)
     kn = c.k_new if c.k_new is not None else c.k_cache[:0, :0]
     vn = c.v_new if c.v_new is not None else c.v_cache[:0, :0]
-    ptr = attention_fwd_simt._pointer
+    ptr = call.pointer
+    no_float = call.empty((0, 0), np.float32)
     q_out = q_rot if rotary else q
     st = [_strides(a) for a in (kn, vn, c.k_cache, c.v_cache, q, q_out)]
     rot_stride = _strides(c.rotary_cos)[0] if rotary else 0
     flags = (1 if c.cache_seqlens is not None else 0) | (4 if c.cache_batch_idx is not None else 0) | \
         (8 if c.paged else 0)
-    bt = index["block_table"]
+    bt = c.block_table
     args = (
         ptr("k_new", kn), ptr("v_new", vn), ptr("k_cache", c.k_cache, writable=True),
         ptr("v_cache", c.v_cache, writable=True), ptr("q", q), ptr("q_rot", q_out, writable=rotary),
-        *(plan.PointerArg.of(n, x) for n, x in (("rot_cos", c.rotary_cos if rotary else index["no_float"]),
-                                                ("rot_sin", c.rotary_sin if rotary else index["no_float"]))),
+        *(plan.PointerArg.of(n, x) for n, x in (("rot_cos", c.rotary_cos if rotary else no_float),
+                                                ("rot_sin", c.rotary_sin if rotary else no_float))),
         *(plan.ScalarArg(f"{n}_{w}_stride", np.int64(s[i] if len(s) > i else 0))
           for n, s in zip(("kn", "vn", "kc", "vc", "q", "qr"), st) for i, w in enumerate(("batch", "row", "head"))),
         plan.ScalarArg("rot_row_stride", np.int64(rot_stride)),
@@ -104,10 +103,10 @@ def plan_append(problem, q, q_rot, index, *, none) -> plan.LaunchPlan | None:
             ("batch", batch), ("seqlen_new", c.seqlen_new), ("seqlen_q", sq), ("num_heads_k", p.num_heads_k),
             ("num_heads_q", p.num_heads_q), ("head_dim", p.head_dim), ("head_dim_v", p.head_dim_v),
             ("rotary_dim", c.rotary_dim), ("interleaved", int(c.rotary_interleaved)),
-            ("q_per_row", int(index["q_per_row"])), ("seqlen_ro", c.rotary_cos.shape[0] if rotary else 0))),
-        plan.PointerArg.of("cache_seqlens", index["cache_seqlens"] if index["cache_seqlens"] is not None else none),
+            ("q_per_row", int(q_per_row)), ("seqlen_ro", c.rotary_cos.shape[0] if rotary else 0))),
+        plan.PointerArg.of("cache_seqlens", c.cache_seqlens if c.cache_seqlens is not None else none),
         plan.ScalarArg("cache_seqlen", np.int32(c.cache_seqlen)),
-        plan.PointerArg.of("cache_batch_idx", index["cache_batch_idx"] if index["cache_batch_idx"] is not None else none),
+        plan.PointerArg.of("cache_batch_idx", c.cache_batch_idx if c.cache_batch_idx is not None else none),
         plan.PointerArg.of("block_table", bt if bt is not None else none),
         plan.ScalarArg("block_table_stride", np.int64(_strides(bt)[0] if bt is not None else 0)),
         plan.ScalarArg("page_size", np.int32(c.page_size)),

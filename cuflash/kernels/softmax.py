@@ -111,17 +111,18 @@ def plan_softmax(x2, y2) -> plan.LaunchPlan:
     return plan.LaunchPlan(v, v.entry, grid, v.block, 0, args)
 
 
-def run(x, axis: int, launch, xp):
-    """Softmax of ``x`` along ``axis`` with the kernel: ``launch(plan)`` runs each launch plan
-    (the simulator's or the CUDA runner's), ``xp`` allocates the result (NumPy: NaN-poisoned)."""
+def run(x, axis: int, call):
+    """Softmax of the device array ``x`` along ``axis`` on ``call``'s device (the result
+    allocated by the call: the caller's framework; an empty ``x`` launches nothing)."""
+    xp = call.xp
+    if x.size == 0:
+        return call.empty(x.shape, x.dtype)
     moved_shape, x2 = _rows_view(x, axis, xp)
     if axis == x.ndim - 1:
-        y = xp.empty(x.shape, dtype=x.dtype)  # the result itself: framework-allocated, returned as is
+        y = call.empty(x.shape, x.dtype)  # the result itself: framework-allocated, returned as is
         y2 = y.reshape(x2.shape)
     else:
-        y2 = xp.empty(x2.shape, dtype=x.dtype)
+        y2 = call.empty(x2.shape, x.dtype)
         y = None
-    if xp is np:
-        y2.fill(np.nan)  # poison: unwritten elements show
-    launch(plan_softmax(x2, y2))
+    call.launch(plan_softmax(x2, y2))
     return y if y is not None else xp.moveaxis(y2.reshape(moved_shape), -1, axis)

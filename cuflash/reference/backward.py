@@ -50,11 +50,12 @@ from cuflash.reference.views import (
 )
 from cuflash.runtime import dtypes, threads
 from cuflash.runtime.interop import describe
+from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options
 from cuflash.runtime.validation import (
     AttentionProblem,
     check_attention,
     check_block_sizes,
-    check_flag,
+    check_flags,
     check_strides,
 )
 
@@ -67,11 +68,7 @@ _LSE_DTYPES = (dtypes.float32, dtypes.float64)
 # validation
 
 
-def check_backward(
-    dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-    func: str, max_head_dim=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-    alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, return_dbias=False, return_dsinks=False,
-) -> AttentionProblem:
+def check_backward(dout, q, k, v, out, lse, options, *, func: str, max_head_dim=None) -> AttentionProblem:
     """Validate a backward call: the forward's checks on q, k, v and options, then ``out``,
     ``dout`` and ``lse`` (kind, dtype, shape, strides). Reads no array data.
 
@@ -86,15 +83,11 @@ def check_backward(
         A wrong shape of ``out``, ``dout`` or ``lse``; a non-unit last-axis or negative stride of
         ``out`` or ``dout``; anything :func:`cuflash.runtime.validation.check_attention` refuses.
     """
-    p = check_attention(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
-        func=func, max_head_dim=max_head_dim, dropout_p=dropout_p, dropout_seed=dropout_seed,
-        dropout_offset=dropout_offset, softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
-        attn_mask=attn_mask, sinks=sinks,
-    )
-    for flag, value, name, arg in (("return_dbias", return_dbias, "attn_bias", attn_bias),
-                                   ("return_dsinks", return_dsinks, "sinks", sinks)):
-        if check_flag(value, flag, func) and arg is None:
+    options = check_flags(options, func, "deterministic", "return_dbias", "return_dsinks")
+    p = check_attention(q, k, v, options, func=func, max_head_dim=max_head_dim)
+    mods = options.modifiers
+    for flag, name in (("return_dbias", "attn_bias"), ("return_dsinks", "sinks")):
+        if getattr(options, flag) and getattr(mods, name) is None:
             raise ValueError(f"{func}: {flag}=True needs {name} (the gradient is {name}'s); got {name}=None")
     infos = {name: describe(x, name, func) for name, x in (("out", out), ("dout", dout), ("lse", lse))}
     for name, info in infos.items():
@@ -112,12 +105,12 @@ def check_backward(
         raise TypeError(f"{func}: dout.dtype={di.dtype_name} must equal out.dtype={oi.dtype_name}")
     if li.dtype not in _LSE_DTYPES:
         raise TypeError(f"{func}: lse.dtype={li.dtype_name} must be float32 or float64 (the forward's lse)")
-    out_rule = "(B, Sq, Hq, Dv)" if layout == "bshd" else "q.shape[:-1] + (v.shape[-1],)"
+    out_rule = "(B, Sq, Hq, Dv)" if p.layout == "bshd" else "q.shape[:-1] + (v.shape[-1],)"
     if oi.shape != p.out_shape:
         raise ValueError(f"{func}: out.shape={oi.shape} must be {p.out_shape} ({out_rule}) for these q and v")
     if di.shape != oi.shape:
         raise ValueError(f"{func}: dout.shape={di.shape} must equal out.shape={oi.shape}")
-    lse_rule = "(B, Hq, Sq) for layout='bshd'" if layout == "bshd" else "q.shape[:-1]"
+    lse_rule = "(B, Hq, Sq) for layout='bshd'" if p.layout == "bshd" else "q.shape[:-1]"
     if li.shape != p.lse_shape:
         raise ValueError(f"{func}: lse.shape={li.shape} must be {p.lse_shape} ({lse_rule})")
     check_strides(oi, "out", func)
@@ -223,12 +216,10 @@ def attention_backward(
     ``dk``/``dv``. Memory is O(batch * heads * Sq * Sk); use it on small problems.
     """
     func = "cuflash.reference.attention_backward"
-    p = check_backward(
-        dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        layout=layout, func=func, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
-        softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks,
-        return_dbias=return_dbias, return_dsinks=return_dsinks,
-    )
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, return_dbias=return_dbias,
+                      return_dsinks=return_dsinks, dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+    p = check_backward(dout, q, k, v, out, lse, options, func=func)
     check_numpy(p)
     dq, dk, dv = _outputs(q, k, v, np.float64)
     extra = []
@@ -343,14 +334,13 @@ def flash_attention_backward(
     ``Sq x Sk`` matrices never exist.
     """
     func = "cuflash.reference.flash_attention_backward"
-    p = check_backward(
-        dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        layout=layout, func=func, softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
-        attn_mask=attn_mask, sinks=sinks, return_dbias=return_dbias, return_dsinks=return_dsinks,
-    )
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, return_dbias=return_dbias,
+                      return_dsinks=return_dsinks, modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias,
+                                                                             attn_mask, sinks))
+    p = check_backward(dout, q, k, v, out, lse, options, func=func)
     check_numpy(p)
     block_m, block_n = check_block_sizes(block_m, block_n, func)
-    return _flash_backward(p, dout, q, k, v, out, lse, block_m, block_n, return_dbias, return_dsinks)
+    return run_backward(p, dout, q, k, v, out, lse, block_m, block_n)
 
 
 #: key tiles of one kv head are split into about this many independent chunks in all (over the
@@ -359,18 +349,19 @@ def flash_attention_backward(
 _BWD_CHUNKS = 8
 
 
-def _flash_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m, block_n, return_dbias=False,
-                    return_dsinks=False):
-    """The tiled backward on validated NumPy input (shared with :func:`cuflash.attention_backward`).
+def run_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m=None, block_n=None):
+    """The tiled backward on validated NumPy input (the NumPy path of :func:`cuflash.attention_backward`).
 
     ``block_m``/``block_n`` None pick the forward's cache-sized tiles
     (:func:`cuflash.reference.forward.cpu_tiles`). Work items are (kv head, chunk of key tiles)
     pairs on :func:`cuflash.runtime.threads.run`'s pool with BLAS single-threaded; each keeps
     its own float32 dQ accumulator, and a head's chunks are added in chunk order afterwards
     (deterministic, whatever the number of threads). The ``G`` query heads of a kv head are
-    stacked into ``(G * Br)``-row tiles, as in the forward. ``return_dbias``/``return_dsinks``
-    append ``d attn_bias`` (the bias's dtype) and ``d sinks`` (the accumulation type).
+    stacked into ``(G * Br)``-row tiles, as in the forward. ``p.options.return_dbias`` /
+    ``return_dsinks`` append ``d attn_bias`` (the bias's dtype) and ``d sinks`` (the
+    accumulation type).
     """
+    return_dbias, return_dsinks = p.options.return_dbias, p.options.return_dsinks
     from cuflash.reference.forward import cpu_tiles
 
     acc_t = dtypes.accumulator(p.dtype)

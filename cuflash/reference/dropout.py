@@ -108,7 +108,9 @@ def dropout_mask(shape, dropout_p: float, dropout_seed: int, dropout_offset: int
         raise ValueError(f"{func}: shape={tuple(shape)} must be non-negative")
     if dropout_seed is None:
         raise ValueError(f"{func}: dropout_seed must be an int in [0, 2**32), got None")
-    if validation.check_dropout(dropout_p, dropout_seed, dropout_offset, func) is None:
+    from cuflash.runtime.options import DropoutOptions
+
+    if validation.check_dropout(DropoutOptions(dropout_p, dropout_seed, dropout_offset), func) is None:
         return np.ones((b, h, sq, sk), dtype=bool)   # p = 0: nothing is dropped (the plain kernels run)
     thr = keep_threshold(dropout_p)
     return keep_mask(dropout_seed, dropout_offset, thr,

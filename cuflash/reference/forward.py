@@ -18,6 +18,7 @@ from cuflash.reference.views import (
     split_heads,
 )
 from cuflash.runtime import dtypes, threads
+from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options
 from cuflash.runtime.validation import (
     AttentionProblem,
     check_attention,
@@ -76,12 +77,10 @@ def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     -----
     Memory is O(batch * heads * Sq * Sk); use it on small problems.
     """
-    p = check_attention(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
-        return_lse=return_lse, func="cuflash.reference.naive_attention", max_head_dim=None,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset, softcap=softcap,
-        alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks,
-    )
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, return_lse=return_lse,
+                      dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+    p = check_attention(q, k, v, options, func="cuflash.reference.naive_attention", max_head_dim=None)
     check_numpy(p)
     out = np.zeros(p.out_shape, dtype=np.float64)
     lse = np.full(p.lse_shape, -np.inf, dtype=np.float64)
@@ -228,14 +227,13 @@ def flash_attention(
     matrices never exist.
     """
     func = "cuflash.reference.flash_attention"
-    p = check_attention(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
-        out=out, return_lse=return_lse, func=func, max_head_dim=None, softcap=softcap, alibi_slopes=alibi_slopes,
-        attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks,
-    )
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, return_lse=return_lse,
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+    p = check_attention(q, k, v, options, func=func, out=out, max_head_dim=None)
     check_numpy(p)
     block_m, block_n = check_block_sizes(block_m, block_n, func)
-    return _flash_forward(p, q, k, v, block_m, block_n, out, return_lse)
+    out, lse = run_forward(p, q, k, v, out, block_m, block_n)
+    return (out, lse) if return_lse else out
 
 
 #: the NumPy path's tile budget: a score tile of (group * Br) x Bc accumulator elements (1 MiB in
@@ -260,8 +258,9 @@ def cpu_tiles(p: AttentionProblem, block_m=None, block_n=None) -> tuple[int, int
     return block_m, block_n
 
 
-def _flash_forward(p: AttentionProblem, q, k, v, block_m, block_n, out, return_lse):
-    """The tiled forward on validated NumPy input; ``block_m``/``block_n`` None = :func:`cpu_tiles`.
+def run_forward(p: AttentionProblem, q, k, v, out=None, block_m=None, block_n=None):
+    """The tiled forward on validated NumPy input (the NumPy path of :func:`cuflash.attention`):
+    ``(out, lse)``; ``block_m``/``block_n`` None = :func:`cpu_tiles`.
 
     Work items are (kv head, query tile) pairs, run on :func:`cuflash.runtime.threads.run`'s
     pool with BLAS single-threaded; each item computes all ``G`` query heads of its kv head as
@@ -272,7 +271,7 @@ def _flash_forward(p: AttentionProblem, q, k, v, block_m, block_n, out, return_l
         out = np.empty(p.out_shape, dtype=p.dtype)
     lse = np.full(p.lse_shape, -np.inf, dtype=acc_t)
     if p.is_empty:
-        return (out, lse) if return_lse else out
+        return out, lse
     block_m, block_n = cpu_tiles(p, block_m, block_n)
     out_v = split_heads(canonical(out, p.layout), p.num_heads_k)
     lse_v = lse[None] if p.layout == "bhsd" and q.ndim == 2 else lse
@@ -303,7 +302,7 @@ def _flash_forward(p: AttentionProblem, q, k, v, block_m, block_n, out, return_l
         lse_v[h][:, r0 : r0 + o.shape[1]] = row_lse
 
     threads.run(tile, items)
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def _forward_tile(p: AttentionProblem, q_head, kf, vf, v_finite: bool, r0: int, r1: int, block_n: int, acc_t,

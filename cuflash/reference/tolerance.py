@@ -19,6 +19,7 @@ import numpy as np
 
 from cuflash.reference.forward import naive_rows
 from cuflash.runtime import dtypes
+from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options
 from cuflash.runtime.validation import check_attention
 
 __all__ = ["attention_rows", "naive_same_dtype", "floor_for", "score_rounding_bound", "bound", "rule_bound", "compare"]
@@ -57,10 +58,10 @@ def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1
     (out, lse) : float64 arrays of shapes ``(*batch, Hq, R, Dv)`` and ``(*batch, Hq, R)`` (the
         canonical "bhsd" layout, R rows); a row that sees no key gives 0 and ``-inf``.
     """
-    p = check_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                        layout=layout, max_head_dim=None, func=_FUNC, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                        dropout_offset=dropout_offset, softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
-                        attn_mask=attn_mask, sinks=sinks)
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
+                      dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+    p = check_attention(q, k, v, options, func=_FUNC, max_head_dim=None)
     rows = np.arange(p.seqlen_q) if rows is None else np.asarray(rows)
     lowp = same_dtype and p.dtype != dtypes.float64
     o, lse = naive_rows(p, q, k, v, rows, round_to=p.dtype if lowp else None)

@@ -2,8 +2,13 @@
 kernel source text and the CUDA runner.
 
 * :mod:`~cuflash.runtime.dtypes`: the supported dtypes (bfloat16 is ``ml_dtypes.bfloat16``);
-* :mod:`~cuflash.runtime.interop`: array kinds (NumPy, CuPy, DLPack), metadata, and the CUDA
-  side of a call (device, stream, zero-copy import and export, :class:`~cuflash.runtime.interop.CudaCall`);
+* :mod:`~cuflash.runtime.options`: the options object every public function builds once;
+* :mod:`~cuflash.runtime.interop`: array kinds (NumPy, CuPy, DLPack), metadata, frameworks, and
+  the host side of a call (CPU DLPack arrays as NumPy views);
+* :mod:`~cuflash.runtime.device_call`: the device side of a call (device, stream, zero-copy
+  imports, ``out=``, launches, export: :class:`~cuflash.runtime.device_call.DeviceCall`) and the
+  CUDA device (:class:`~cuflash.runtime.device_call.CudaDevice`); the simulator's device is
+  :class:`cuflash.sim.device.SimDevice`;
 * :mod:`~cuflash.runtime.validation`: argument checks done from metadata before any work
   (:class:`~cuflash.runtime.validation.AttentionProblem`); :mod:`~cuflash.runtime.validation_modifiers`
   the score modifiers' (softcap, ALiBi, bias, mask, sinks: ``AttentionProblem.modifiers``);

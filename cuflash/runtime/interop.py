@@ -6,13 +6,17 @@ run before any device work and without importing CuPy, torch or JAX. Kinds:
 * ``"numpy"``: ``numpy.ndarray`` (the CPU path);
 * ``"cupy"``: ``cupy.ndarray`` (recognised by its module name, so CuPy is not imported here);
 * ``"dlpack"``: anything else exposing ``__dlpack__`` and ``__dlpack_device__`` (PyTorch, JAX).
+
+Beside the metadata: the frameworks (:func:`framework_of`, :func:`exporter`: how a result goes
+back as the caller's kind), the check for a usable GPU (:func:`require_cuda`), and the host side
+of a call (:class:`HostImport`: CPU DLPack arrays as zero-copy NumPy views). The device side of
+a call is :mod:`cuflash.runtime.device_call`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 
 import numpy as np
 
@@ -87,7 +91,7 @@ class ArrayInfo:
         return self.device[0] in (DLDeviceType.kDLCUDA, DLDeviceType.kDLCUDAManaged)
 
 
-def _type_name(x) -> str:
+def type_name(x) -> str:
     t = type(x)
     return f"{t.__module__}.{t.__qualname__}"
 
@@ -137,12 +141,12 @@ def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
     if kind is None:
         raise TypeError(
             f"{func}: {name} must be an array (numpy.ndarray, cupy.ndarray, or a GPU tensor supporting "
-            f"DLPack such as torch.Tensor or jax.Array); got {_type_name(x)}"
+            f"DLPack such as torch.Tensor or jax.Array); got {type_name(x)}"
         )
     if kind == "numpy" and isinstance(x, (np.matrix, np.ma.MaskedArray)):
         why = ("its operators and indexing follow matrix rules and it is always 2-D" if isinstance(x, np.matrix)
                else "its mask would be ignored (use causal= or window_size= to mask attention)")
-        raise TypeError(f"{func}: {name} is a {_type_name(x)}, which is not accepted: {why}; pass numpy.asarray({name})")
+        raise TypeError(f"{func}: {name} is a {type_name(x)}, which is not accepted: {why}; pass numpy.asarray({name})")
     if kind in ("numpy", "cupy"):
         dtype = np.dtype(x.dtype)
         if not dtype.isnative:
@@ -154,7 +158,7 @@ def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
         device = (int(DLDeviceType.kDLCPU), 0) if kind == "numpy" else (int(DLDeviceType.kDLCUDA), int(x.device.id))
         return ArrayInfo(
             kind=kind,
-            type_name=_type_name(x),
+            type_name=type_name(x),
             shape=tuple(int(n) for n in x.shape),
             strides=_elem_strides(byte_strides, dtype.itemsize),
             byte_strides=byte_strides,
@@ -166,7 +170,7 @@ def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
     device = tuple(int(c) for c in x.__dlpack_device__())
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(
-            f"{func}: {name} is a {_type_name(x)} with __dlpack__ but no .shape/.dtype to validate it "
+            f"{func}: {name} is a {type_name(x)} with __dlpack__ but no .shape/.dtype to validate it "
             f"by; pass it through cupy.from_dlpack({name}) (CUDA) or numpy.from_dlpack({name}) (CPU)"
         )
     shape = tuple(int(n) for n in x.shape)
@@ -180,7 +184,7 @@ def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
     byte_strides = None if dtype is None else tuple(s * dtype.itemsize for s in strides)
     return ArrayInfo(
         kind=kind,
-        type_name=_type_name(x),
+        type_name=type_name(x),
         shape=shape,
         strides=strides,
         byte_strides=byte_strides,
@@ -273,242 +277,43 @@ def _no_device_reason(cupy, exc) -> str:
     return f"no usable CUDA device ({type(exc).__name__}: {exc}); {tail}"
 
 
-def _exporter(x, func: str):
-    """The function that turns a CuPy result back into ``x``'s framework (zero-copy).
+def exporter(x, func: str):
+    """The function that hands a result back as ``x``'s framework's array (zero-copy where the
+    framework can): from a CuPy array on a GPU, from a NumPy array on the simulator (whose device
+    memory is host memory; bfloat16 through an int16 view for torch, as NumPy's DLPack has none).
 
     Resolved before any device work, so an unknown producer is refused early.
+
+    Raises
+    ------
+    TypeError
+        A producer whose framework has no ``from_dlpack``.
     """
     fw = framework_of(x)
-    if fw == "cupy":
+    if fw in ("numpy", "cupy"):
         return lambda a: a
     if fw == "torch":
         import torch
 
-        return torch.from_dlpack
+        return lambda a: numpy_to_torch(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
     if fw == "jax":
         import jax.numpy as jnp
 
-        return jnp.from_dlpack
+        return lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else jnp.from_dlpack(a)
     namespace = getattr(x, "__array_namespace__", None)
-    if callable(namespace):
-        fn = getattr(namespace(), "from_dlpack", None)
-        if fn is not None:
-            return fn
-    import importlib
-
-    top = importlib.import_module(type(x).__module__.split(".")[0])
-    fn = getattr(top, "from_dlpack", None)
+    fn = getattr(namespace(), "from_dlpack", None) if callable(namespace) else None
     if fn is None:
-        raise TypeError(
-            f"{func}: cannot hand a result back as {_type_name(x)}: its framework has no from_dlpack "
-            f"(neither x.__array_namespace__().from_dlpack nor {top.__name__}.from_dlpack); pass CuPy "
-            f"arrays (cupy.from_dlpack(x)) instead"
-        )
-    return fn
+        import importlib
 
-
-def span_bytes(a) -> int:
-    """Bytes from element 0 of a strided (non-negative strides) array to one past its last element."""
-    if a.size == 0:
-        return 0
-    item = a.dtype.itemsize
-    return item * (1 + sum((int(n) - 1) * (int(s) // item) for n, s in zip(a.shape, a.strides)))
-
-
-def cover_span(a):
-    """``a`` itself if its memory object covers its view, else the same view over an
-    ``UnownedMemory`` that does (zero-copy; it keeps ``a`` alive).
-
-    CuPy arrays made by ``cupy.from_dlpack`` carry a memory object sized from the tensor's shape,
-    not from the allocation; a strided view (a K/V slice of a longer cache) then appears to reach
-    past its own memory, and the planner's bounds check would refuse it.
-    """
-    if a.size == 0:
-        return a
-    import cupy
-
-    mem = a.data.mem
-    need = span_bytes(a)
-    start = int(a.data.ptr) - int(mem.ptr)
-    if 0 <= start and start + need <= int(mem.size):
-        return a
-    owned = cupy.cuda.UnownedMemory(int(a.data.ptr), need, a, int(a.device.id))
-    return cupy.ndarray(a.shape, a.dtype, cupy.cuda.MemoryPointer(owned, 0), strides=a.strides)
-
-
-def check_no_overlap(func: str, out, inputs: dict, out_name: str = "out") -> None:
-    """Refuse an ``out`` (named ``out_name``) whose device memory span meets an input's span
-    (conservative).
-
-    Raises
-    ------
-    ValueError
-        Naming the input that ``out`` overlaps.
-    """
-    if out.size == 0:
-        return
-    lo = int(out.data.ptr)
-    hi = lo + span_bytes(out)
-    for name, x in inputs.items():
-        if x.size == 0:
-            continue
-        xlo = int(x.data.ptr)
-        if xlo < hi and lo < xlo + span_bytes(x):
-            raise ValueError(f"{func}: {out_name} overlaps {name} in device memory; pass a separate "
-                             f"{'output buffer' if out_name == 'out' else 'array'}")
-
-
-class _FrameworkNamespace:
-    """CuPy, except that ``empty``/``zeros`` allocate through the caller's framework.
-
-    Kernel tiers allocate their outputs with ``xp.empty``; for torch input this makes those
-    outputs torch tensors (the caching allocator and ``torch.cuda.memory_allocated`` see them),
-    viewed zero-copy as CuPy arrays for the launch.
-    """
-
-    def __init__(self, call: "CudaCall"):
-        self._call = call
-
-    def empty(self, shape, dtype=np.float32, order="C"):
-        return self._call.empty(shape, dtype)
-
-    def zeros(self, shape, dtype=np.float32, order="C"):
-        a = self._call.empty(shape, dtype)
-        a.fill(0)
-        return a
-
-    def __getattr__(self, name):
-        import cupy
-
-        return getattr(cupy, name)
-
-
-def _torch_dtype(dtype):
-    import torch
-
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-            "float64": torch.float64}[np.dtype(dtype).name]
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_id: int) -> int:
-    """The SM count of CUDA device ``device_id`` (one attribute query, then cached: split-KV plans
-    ask for it on every call)."""
-    import cupy
-
-    rt = cupy.cuda.runtime
-    return int(rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, device_id))
-
-
-class CudaCall:
-    """Device, stream, imports and outputs of one call on CUDA arrays.
-
-    Entering it (``with CudaCall(func, first_input) as call:``) makes the arrays' device current
-    and makes the *consumer stream* current:
-
-    * CuPy input: CuPy's current stream on that device (the caller's choice, ``with stream:``);
-    * torch input: torch's current stream of that device, wrapped with
-      ``cupy.cuda.Stream.from_external`` (the CUDA stream protocol, ``__cuda_stream__``), so the
-      kernels are ordered after the torch work that produced q, k, v and before whatever torch
-      runs next on that stream, with no host synchronization;
-    * JAX or another DLPack producer: CuPy's current stream; each input is imported with
-      ``cupy.from_dlpack``, which passes that stream to ``x.__dlpack__(stream=...)`` so the
-      producer makes it wait for the array to be ready (JAX does). The result is handed back
-      through the producer's ``from_dlpack``, which passes the producer's own stream to
-      ``cupy.ndarray.__dlpack__(stream=...)``, making it wait for the kernel.
-
-    Outputs are allocated by the caller's framework: ``torch.empty`` (same device, current
-    stream) for torch, CuPy's memory pool otherwise (JAX has no API to allocate a writable
-    buffer, so its results live in CuPy memory, owned by the returned ``jax.Array``).
-    """
-
-    def __init__(self, func: str, like, *, out=None):
-        self.func = func
-        self.framework = framework_of(like)
-        if self.framework == "numpy":
-            raise ValueError(f"{func}: NumPy arrays run on the host; the CUDA path takes device arrays")
-        if out is not None and framework_of(out) == "jax":
-            raise ValueError(
-                f"{func}: out is a {_type_name(out)}; JAX arrays are immutable, so out= cannot be one. "
-                f"Leave out=None and use the returned array"
+        top = importlib.import_module(type(x).__module__.split(".")[0])
+        fn = getattr(top, "from_dlpack", None)
+        if fn is None:
+            raise TypeError(
+                f"{func}: cannot hand a result back as {type_name(x)}: its framework has no from_dlpack "
+                f"(neither x.__array_namespace__().from_dlpack nor {top.__name__}.from_dlpack); pass CuPy "
+                f"arrays (cupy.from_dlpack(x)) instead"
             )
-        info = describe(like, "q", func)
-        self.device_id = int(info.device[1])
-        self._like = like
-        self._export = _exporter(like, func)
-        self._torch_owned: list = []  # (cupy view, torch tensor) of framework-allocated outputs
-        self._cupy = None
-        self._device = None
-        self.stream = None
-        self.arch = None
-
-    # context management ------------------------------------------------------------------
-    def __enter__(self) -> "CudaCall":
-        cupy = require_cuda(self.func)
-        count = int(cupy.cuda.runtime.getDeviceCount())
-        if not 0 <= self.device_id < count:
-            raise ValueError(f"{self.func}: arrays are on CUDA device {self.device_id}, but CuPy sees {count} device(s)")
-        self._cupy = cupy
-        self._device = cupy.cuda.Device(self.device_id)
-        self._device.__enter__()
-        try:
-            self.stream = self._consumer_stream()
-            self.stream.__enter__()
-        except BaseException:
-            self._device.__exit__(None, None, None)
-            raise
-        self.arch = int(self._device.compute_capability)
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            self.stream.__exit__(*exc)
-        finally:
-            self._device.__exit__(*exc)
-        return False
-
-    def _consumer_stream(self):
-        cupy = self._cupy
-        if self.framework == "torch":
-            import torch
-
-            return cupy.cuda.Stream.from_external(torch.cuda.current_stream(self.device_id))
-        return cupy.cuda.get_current_stream()
-
-    # arrays ------------------------------------------------------------------------------
-    @property
-    def xp(self):
-        """The array namespace handed to a kernel tier: CuPy, with framework allocation."""
-        return self._cupy if self.framework in ("cupy", "jax", "dlpack") else _FrameworkNamespace(self)
-
-    def import_array(self, x):
-        """A CuPy view of ``x`` (zero-copy), its memory object covering the view."""
-        if framework_of(x) == "cupy":
-            return cover_span(x)
-        a = cover_span(self._cupy.from_dlpack(x))  # passes the consumer stream to x.__dlpack__
-        if framework_of(x) == "torch":
-            self._torch_owned.append((a, x))
-        return a
-
-    def empty(self, shape, dtype):
-        """A fresh output of the caller's framework, as a CuPy view."""
-        if self.framework == "torch":
-            import torch
-
-            t = torch.empty(tuple(int(n) for n in shape), dtype=_torch_dtype(dtype), device=f"cuda:{self.device_id}")
-            a = cover_span(self._cupy.from_dlpack(t))
-            self._torch_owned.append((a, t))
-            return a
-        return self._cupy.empty(shape, dtype=dtype)
-
-    def export(self, a, *, out=None):
-        """``a`` (a CuPy array) as the caller's framework array; ``out`` itself when given."""
-        if out is not None:
-            return out
-        for view, tensor in self._torch_owned:
-            if view is a:
-                return tensor
-        return self._export(a)
+    return lambda a: a if isinstance(a, np.ndarray) else fn(a)
 
 
 # --------------------------------------------------------------------------------------------
@@ -570,19 +375,20 @@ def host_to_numpy(x, name: str, func: str) -> np.ndarray:
         if fw == "jax":  # bfloat16: NumPy's DLPack import has no such dtype; JAX hands ml_dtypes out
             return np.asarray(x)
         raise TypeError(
-            f"{func}: {name} is a {_type_name(x)} on the CPU that NumPy cannot import through "
+            f"{func}: {name} is a {type_name(x)} on the CPU that NumPy cannot import through "
             f"numpy.from_dlpack ({type(exc).__name__}: {exc}); accepted: {_ACCEPTED}"
         ) from None
 
 
 class HostImport:
-    """CPU DLPack arguments of one call, viewed as NumPy, and the way back (DESIGN.md §3).
+    """The CPU DLPack arguments of one call viewed as NumPy, and the way back (DESIGN.md §3).
 
-    ``HostImport(func, q=q, k=k, v=v, out=out).arrays`` holds each argument, the CPU DLPack
-    ones replaced by zero-copy NumPy views (None stays None). :meth:`export` hands a NumPy
-    result back as the callers' kind: a ``torch.Tensor`` (sharing memory), a ``jax.Array``
-    (``jax.numpy.asarray``), or NumPy for any other producer. Arguments of several kinds (a
-    torch CPU tensor and a NumPy array, torch and JAX) are refused.
+    ``HostImport(func, names, operands, options)``: :attr:`operands` (a tuple, ``names`` naming
+    each) and :attr:`options` (an :class:`~cuflash.runtime.options.Options`) with every CPU DLPack
+    array (a torch or JAX CPU tensor, any producer) replaced by a zero-copy NumPy view; None stays
+    None. The operands and the array options of q's kind (the score modifiers, a cache's new keys)
+    must all be of one kind; index arrays (``cu_seqlens_*``, ``cache_seqlens``, ...) may be NumPy
+    beside tensors. :meth:`export` hands NumPy results back as the callers' kind.
 
     Raises
     ------
@@ -590,44 +396,39 @@ class HostImport:
         Mixed kinds, or a CPU producer NumPy cannot import (see :func:`host_to_numpy`).
     """
 
-    def __init__(self, func: str, **arrays):
+    def __init__(self, func: str, names: tuple, operands: tuple, options):
+        from cuflash.runtime.options import INDEX
+
         self.func = func
-        self.originals = arrays
+        self.originals = operands
         self.framework = None  # the CPU DLPack framework, None when nothing was imported
-        host = {name for name, x in arrays.items() if x is not None and is_host_dlpack(x)}
-        self.arrays = dict(arrays)
-        if not host:
+        same = [(n, x) for n, x in zip(names, operands) if x is not None]
+        same += [(n, x) for n, x, role in options.arrays() if role != INDEX]
+        self.operands, self.options = operands, options
+        if not any(is_host_dlpack(x) for _, x in same) and not any(is_host_dlpack(x) for _, x, _ in options.arrays()):
             return
-        first = next(name for name in arrays if arrays[name] is not None)
-        kinds = {name: (framework_of(x), _type_name(x)) for name, x in arrays.items() if x is not None}
-        for name, (fw, type_name) in kinds.items():
-            if fw != kinds[first][0] or (name in host) != (first in host):
-                raise TypeError(
-                    f"{func}: {name} is a {type_name} but {first} is a {kinds[first][1]}; all arrays must "
-                    f"be of one kind (no implicit conversions)"
-                )
-        self.framework = kinds[first][0]
-        for name in arrays:  # in argument order, so an error names the first bad one
-            if name in host:
-                self.arrays[name] = host_to_numpy(arrays[name], name, func)
+        first, x0 = same[0]
+        fw0, host0 = framework_of(x0), is_host_dlpack(x0)
+        for name, x in same:   # in argument order, so an error names the first bad one
+            if framework_of(x) != fw0 or is_host_dlpack(x) != host0:
+                raise TypeError(f"{func}: {name} is a {type_name(x)} but {first} is a {type_name(x0)}; all arrays "
+                                f"must be of one kind (no implicit conversions)")
+        self.framework = fw0 if host0 else None
 
-    def export(self, a, name: str | None = None):
-        """``a`` (a NumPy result) as the callers' kind; with ``name`` of an argument that was
-        written in place (``out=``), that argument itself."""
-        if self.framework is None or a is None:
-            return a
-        if name is not None and self.originals.get(name) is not None:
-            return self.originals[name]
-        if self.framework == "torch":
-            return numpy_to_torch(a)
-        if self.framework == "jax":
-            import jax.numpy as jnp
+        def view(x, name, role=None):
+            return host_to_numpy(x, name, func) if x is not None and is_host_dlpack(x) else x
 
-            return jnp.asarray(a)
-        return a
+        self.operands = tuple(view(x, n) for n, x in zip(names, operands))
+        self.options = options.map_arrays(view)
 
-    def export_all(self, result):
-        """:meth:`export` of a result or of each item of a tuple of results."""
-        if isinstance(result, tuple):
-            return tuple(self.export(a) for a in result)
-        return self.export(result)
+    def export(self, result: tuple, out_index: int | None = None) -> tuple:
+        """NumPy results as the callers' kind: a ``torch.Tensor`` (sharing memory), a ``jax.Array``
+        (``jax.numpy.asarray``), or NumPy for any other producer; ``result[0]`` is the caller's
+        ``out=`` operand itself when ``out_index`` names one that was given."""
+        if self.framework is None:
+            return result
+        like = next(x for x in self.originals if x is not None)
+        back = exporter(like, self.func) if self.framework in ("torch", "jax") else (lambda a: a)
+        given = None if out_index is None else self.originals[out_index]
+        return tuple(given if (i == 0 and given is not None) else (None if a is None else back(a))
+                     for i, a in enumerate(result))

@@ -18,6 +18,7 @@ import numpy as np
 
 from cuflash.runtime import dtypes
 from cuflash.runtime.interop import ArrayInfo, describe, device_type_name
+from cuflash.runtime.options import Options
 from cuflash.runtime.validation_modifiers import Modifiers, check_modifiers
 
 #: largest head dim (of q/k and of v) that the kernels support (DESIGN.md §4).
@@ -66,6 +67,21 @@ class AttentionProblem:
     #: the score modifiers (softcap, ALiBi, bias, mask, sinks:
     #: :func:`cuflash.runtime.validation_modifiers.check_modifiers`), else None
     modifiers: "Modifiers | None" = None
+    #: the call's options with their flags validated (``return_lse``, ``deterministic``,
+    #: ``return_dbias``, ...: what a backend asks of them beyond the fields above)
+    options: Options = Options()
+
+    def on_device(self, convert) -> "AttentionProblem":
+        """A copy whose arrays (the modifiers', a packed batch's index, a KV cache's) are
+        ``convert(array)``: a device call's imports. Shapes, strides and flags stay validated."""
+        changes = {}
+        if self.modifiers is not None:
+            changes["modifiers"] = self.modifiers.with_arrays(convert)
+        if self.varlen is not None:
+            changes["varlen"] = self.varlen.with_arrays(convert)
+        if self.kvcache is not None:
+            changes["kvcache"] = self.kvcache.with_arrays(convert)
+        return dataclasses.replace(self, **changes)
 
     @property
     def is_empty(self) -> bool:
@@ -108,10 +124,12 @@ class Dropout:
         return 1.0 / (1.0 - self.p)
 
 
-def check_dropout(dropout_p, dropout_seed, dropout_offset, func: str) -> "Dropout | None":
-    """``dropout_p`` a real number in ``[0, 1)``; with ``p > 0``, ``dropout_seed`` and
-    ``dropout_offset`` ints in ``[0, 2**32)`` (the seed is required: the backward regenerates
-    the mask from it). ``p = 0`` is no dropout (None)."""
+def check_dropout(dropout, func: str) -> "Dropout | None":
+    """``dropout`` (:class:`~cuflash.runtime.options.DropoutOptions`): ``dropout_p`` a real
+    number in ``[0, 1)``; with ``p > 0``, ``dropout_seed`` and ``dropout_offset`` ints in
+    ``[0, 2**32)`` (the seed is required: the backward regenerates the mask from it). ``p = 0``
+    is no dropout (None)."""
+    dropout_p, dropout_seed, dropout_offset = dropout.p, dropout.seed, dropout.offset
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{func}: dropout_p must be a real number in [0, 1), got {dropout_p!r} "
                         f"({type(dropout_p).__name__})")
@@ -318,44 +336,33 @@ def _check_heads_and_dims(func: str, heads, key_lengths, dims, head_axis: str, s
             )
 
 
-def check_attention(
-    q,
-    k,
-    v,
-    *,
-    causal=False,
-    softmax_scale=None,
-    window_size=(-1, -1),
-    layout="bhsd",
-    out=None,
-    return_lse=False,
-    func: str = "cuflash.attention",
-    max_head_dim: int | None = MAX_HEAD_DIM,
-    dtypes: tuple | None = None,
-    dropout_p=0.0,
-    dropout_seed=None,
-    dropout_offset=0,
-    softcap=0.0,
-    alibi_slopes=None,
-    attn_bias=None,
-    attn_mask=None,
-    sinks=None,
-) -> AttentionProblem:
+def check_flags(options: Options, func: str, *names: str) -> Options:
+    """``options`` with each named flag checked to be a bool (TypeError naming it) and made one."""
+    return dataclasses.replace(options, **{n: check_flag(getattr(options, n), n, func) for n in names})
+
+
+def check_attention(q, k, v, options: Options, *, func: str = "cuflash.attention", out=None,
+                    max_head_dim: int | None = MAX_HEAD_DIM, dtypes: tuple | None = None) -> AttentionProblem:
     """Validate one attention call and return its :class:`AttentionProblem`.
 
     Parameters
     ----------
     q, k, v : arrays
         As :func:`cuflash.attention` documents them.
+    options : Options
+        The call's options (:mod:`cuflash.runtime.options`): causal, scale, window, layout,
+        dropout and the score modifiers are read here.
+    out : array, optional
+        The output buffer (:func:`check_out`).
     max_head_dim : int or None
         Largest head dim accepted (``NotImplementedError`` above it); None for no limit (the
         float64 oracle).
     dtypes : tuple of numpy.dtype, optional
         dtypes this backend computes in (``NotImplementedError`` for the others).
     """
-    causal = check_flag(causal, "causal", func)
-    check_flag(return_lse, "return_lse", func)
-    layout = check_layout(layout, func)
+    options = check_flags(options, func, "causal", "return_lse")
+    causal = options.causal
+    layout = check_layout(options.layout, func)
     infos = describe_inputs({"q": q, "k": k, "v": v}, func)
     qi, ki, vi = infos["q"], infos["k"], infos["v"]
     if dtypes is not None and qi.dtype not in dtypes:
@@ -387,8 +394,8 @@ def check_attention(
             f"(batch dims {qb}, {kb}, {vb}); broadcasting is not done, use stride-0 views instead"
         )
     _check_heads_and_dims(func, (hq, hk, hv), (sk, skv), (d, dk, dv), head_axis, seq_axis, "key length", max_head_dim)
-    scale = check_softmax_scale(softmax_scale, d, func)
-    left, right = normalize_window(*check_window_size(window_size, causal, func), sq, sk)
+    scale = check_softmax_scale(options.softmax_scale, d, func)
+    left, right = normalize_window(*check_window_size(options.window_size, causal, func), sq, sk)
 
     if layout == "bshd":
         out_shape = (qb[0], sq, hq, dv)
@@ -401,9 +408,10 @@ def check_attention(
         num_heads_q=hq, num_heads_k=hk, seqlen_q=sq, seqlen_k=sk, head_dim=d, head_dim_v=dv,
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
         out_shape=out_shape, lse_shape=lse_shape, device=qi.device, q=qi, k=ki, v=vi,
-        dropout=check_dropout(dropout_p, dropout_seed, dropout_offset, func),
-        modifiers=check_modifiers(func, qi, tuple(qb) if layout == "bhsd" else (qb[0],), hq, sq, sk, softcap=softcap,
-                                  alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks),
+        dropout=check_dropout(options.dropout, func),
+        modifiers=check_modifiers(func, qi, tuple(qb) if layout == "bhsd" else (qb[0],), hq, sq, sk,
+                                  options.modifiers),
+        options=options,
     )
     if out is not None:
         check_out(out, problem, {"q": q, "k": k, "v": v})
@@ -472,6 +480,11 @@ class VarlenBatch:
     max_seqlen_k: int
     checked: bool
 
+    def with_arrays(self, convert) -> "VarlenBatch":
+        """A copy whose index arrays are ``convert(array)`` (a device call's imports)."""
+        return dataclasses.replace(self, **{n: convert(getattr(self, n)) for n in ("cu_seqlens_q", "cu_seqlens_k",
+                                                                                 "seqused_k")})
+
     def used_keys(self) -> np.ndarray:
         """Keys each sequence attends to, int64 ``(B,)`` (host indices only): ``seqused_k``, or
         its key count."""
@@ -537,31 +550,8 @@ def check_host_cu_seqlens(func: str, cu_seqlens_q, cu_seqlens_k, seqused_k, tota
                              f"keys, cu_seqlens_k[{b + 1}] - cu_seqlens_k[{b}])")
 
 
-def check_attention_varlen(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    *,
-    causal=False,
-    softmax_scale=None,
-    window_size=(-1, -1),
-    seqused_k=None,
-    block_table=None,
-    out=None,
-    return_lse=False,
-    func: str = "cuflash.attention_varlen",
-    max_head_dim: int | None = MAX_HEAD_DIM,
-    cache_check=None,
-    dropout_p=0.0,
-    dropout_seed=None,
-    dropout_offset=0,
-    softcap=0.0,
-    alibi_slopes=None,
-) -> AttentionProblem:
+def check_attention_varlen(q, k, v, options: Options, *, func: str = "cuflash.attention_varlen", out=None,
+                           max_head_dim: int | None = MAX_HEAD_DIM, cache_check=None) -> AttentionProblem:
     """Validate one packed variable-length attention call (see :func:`cuflash.attention_varlen`).
 
     The problem is described as ``B`` sequences of ``max_seqlen_q`` query and ``max_seqlen_k``
@@ -574,8 +564,10 @@ def check_attention_varlen(
     :func:`cuflash.runtime.validation_kvcache.varlen_cache`, passed in so that this module does not
     import that one) checks the cache and returns its description.
     """
-    causal = check_flag(causal, "causal", func)
-    check_flag(return_lse, "return_lse", func)
+    options = check_flags(options, func, "causal", "return_lse")
+    causal = options.causal
+    pk = options.packed
+    cu_seqlens_q, cu_seqlens_k, seqused_k, block_table = pk.cu_seqlens_q, pk.cu_seqlens_k, pk.seqused_k, pk.block_table
     infos = describe_inputs({"q": q, "k": k, "v": v}, func)
     qi, ki, vi = infos["q"], infos["k"], infos["v"]
     if block_table is not None:
@@ -603,8 +595,8 @@ def check_attention_varlen(
     ck = _check_index(cu_seqlens_k, "cu_seqlens_k", func, batch + 1, qi.kind, qi.device)
     if seqused_k is not None:
         _check_index(seqused_k, "seqused_k", func, batch, qi.kind, qi.device)
-    max_q = check_int(max_seqlen_q, "max_seqlen_q", func)
-    max_k = check_int(max_seqlen_k, "max_seqlen_k", func)
+    max_q = check_int(pk.max_seqlen_q, "max_seqlen_q", func)
+    max_k = check_int(pk.max_seqlen_k, "max_seqlen_k", func)
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
         if not 0 <= value < 2**31 - 256:
             raise ValueError(f"{func}: {name}={value} must be in [0, 2**31 - 256)")
@@ -619,16 +611,16 @@ def check_attention_varlen(
     if checked:
         check_host_cu_seqlens(func, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q,
                               None if cache is not None else total_k, max_q, max_k)
-    scale = check_softmax_scale(softmax_scale, d, func)
-    left, right = normalize_window(*check_window_size(window_size, causal, func), max_q, max_k)
+    scale = check_softmax_scale(options.softmax_scale, d, func)
+    left, right = normalize_window(*check_window_size(options.window_size, causal, func), max_q, max_k)
     problem = AttentionProblem(
         func=func, kind=qi.kind, dtype=qi.dtype, layout="bshd", batch_shape=(batch,),
         num_heads_q=hq, num_heads_k=hk, seqlen_q=max_q, seqlen_k=max_k, head_dim=d, head_dim_v=dv,
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
         out_shape=(total_q, hq, dv), lse_shape=(hq, total_q), device=qi.device, q=qi, k=ki, v=vi,
         varlen=VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_k, batch, total_q, total_k, max_q, max_k, checked),
-        kvcache=cache, dropout=check_dropout(dropout_p, dropout_seed, dropout_offset, func),
-        modifiers=check_modifiers(func, qi, (batch,), hq, max_q, max_k, softcap=softcap, alibi_slopes=alibi_slopes),
+        kvcache=cache, dropout=check_dropout(options.dropout, func),
+        modifiers=check_modifiers(func, qi, (batch,), hq, max_q, max_k, options.modifiers), options=options,
     )
     if out is not None:
         check_out(out, problem, {"q": q, "k": k, "v": v})

@@ -20,6 +20,9 @@ from cuflash.runtime.interop import ArrayInfo, describe
 from cuflash.runtime.validation import AttentionProblem, check_flag, check_int
 from cuflash.runtime.validation_modifiers import check_modifiers
 
+#: the array fields of :class:`KVCache`
+_ARRAYS = ("k_cache", "v_cache", "cache_seqlens", "cache_leftpad", "cache_batch_idx", "block_table", "k_new", "v_new",
+           "rotary_cos", "rotary_sin")
 #: positions, lengths and page counts stay below this (32-bit kernel arithmetic with tile padding)
 MAX_LENGTH = 2**31 - 256
 
@@ -78,6 +81,14 @@ class KVCache:
     rotary_interleaved: bool
     num_splits: int
     checked: bool
+    #: the most keys a sequence attends to, when the host read every length (else None: the
+    #: kernels then plan with ``capacity``); read at validation, so every device plans alike
+    longest: int | None = None
+
+    def with_arrays(self, convert) -> "KVCache":
+        """A copy whose arrays (caches, indices, new keys, rotary tables) are ``convert(array)``
+        (a device call's imports; None stays None)."""
+        return dataclasses.replace(self, **{n: convert(getattr(self, n)) for n in _ARRAYS})
 
     @property
     def rotary_dim(self) -> int:
@@ -198,20 +209,18 @@ def check_num_splits(num_splits, func: str) -> int:
     return n
 
 
-def check_attention_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
-    rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None, block_table=None, causal=False,
-    softmax_scale=None, window_size=(-1, -1), num_splits=0, return_lse=False, out=None,
-    func: str = "cuflash.attention_with_kvcache", max_head_dim: int | None = validation.MAX_HEAD_DIM,
-    softcap=0.0, alibi_slopes=None, sinks=None,
-) -> AttentionProblem:
-    """Validate one :func:`cuflash.attention_with_kvcache` call and return its problem.
+def check_attention_with_kvcache(q, k_cache, v_cache, options, *, func: str = "cuflash.attention_with_kvcache",
+                                 out=None, max_head_dim: int | None = validation.MAX_HEAD_DIM) -> AttentionProblem:
+    """Validate one :func:`cuflash.attention_with_kvcache` call (``options.cache``: the
+    :class:`~cuflash.runtime.options.CacheOptions`) and return its problem.
 
     The problem is ``B`` sequences of ``Sq`` queries over at most ``capacity`` keys in "bshd"
     terms (``seqlen_k`` is the capacity); ``kvcache`` says where the keys are.
     """
-    causal = check_flag(causal, "causal", func)
-    check_flag(return_lse, "return_lse", func)
+    options = validation.check_flags(options, func, "causal", "return_lse")
+    causal, co = options.causal, options.cache
+    cache_seqlens, k, v, block_table = co.cache_seqlens, co.k, co.v, co.block_table
+    rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad = co.rotary_cos, co.rotary_sin, co.cache_batch_idx, co.cache_leftpad
     qi = describe(q, "q", func)
     if qi.dtype is None:
         raise TypeError(f"{func}: q.dtype={qi.dtype_name} is not supported")
@@ -262,8 +271,8 @@ def check_attention_with_kvcache(
             raise ValueError(f"{func}: v.shape[1]={infos['v'].shape[1]} must equal k.shape[1]={infos['k'].shape[1]} "
                              f"(Snew, the new tokens)")
         snew = infos["k"].shape[1]
-    interleaved = _check_rotary(func, qi, rotary_cos, rotary_sin, rotary_interleaved, d, have_new)
-    splits = check_num_splits(num_splits, func)
+    interleaved = _check_rotary(func, qi, rotary_cos, rotary_sin, co.rotary_interleaved, d, have_new)
+    splits = check_num_splits(co.num_splits, func)
 
     # the indices
     seqlens_arr, seqlen_scalar = None, 0
@@ -288,17 +297,20 @@ def check_attention_with_kvcache(
     cache = KVCache(k_cache, v_cache, paged, page_size, num_pages, capacity, seqlens_arr, seqlen_scalar,
                     cache_leftpad, cache_batch_idx, block_table, k, v, snew, rotary_cos, rotary_sin, interleaved,
                     splits, checked)
-    _check_host_indices(func, cache, batch, sq, causal or tuple(window_size) != (-1, -1))
+    window = validation.check_window_size(options.window_size, causal, func)
+    _check_host_indices(func, cache, batch, sq, causal or window != (-1, -1))
+    if checked and batch:
+        cache = dataclasses.replace(cache, longest=int((cache.host_seqlens(batch) + snew
+                                                         - cache.host_leftpad(batch)).max()))
 
-    scale = validation.check_softmax_scale(softmax_scale, d, func)
-    left, right = validation.normalize_window(*validation.check_window_size(window_size, causal, func), sq, capacity)
+    scale = validation.check_softmax_scale(options.softmax_scale, d, func)
+    left, right = validation.normalize_window(*window, sq, capacity)
     problem = AttentionProblem(
         func=func, kind=qi.kind, dtype=qi.dtype, layout="bshd", batch_shape=(batch,), num_heads_q=hq, num_heads_k=hk,
         seqlen_q=sq, seqlen_k=capacity, head_dim=d, head_dim_v=dv, softmax_scale=scale, causal=causal,
         window_left=left, window_right=right, out_shape=(batch, sq, hq, dv), lse_shape=(batch, hq, sq),
         device=qi.device, q=qi, k=ki, v=vi, kvcache=cache,
-        modifiers=check_modifiers(func, qi, (batch,), hq, sq, capacity, softcap=softcap, alibi_slopes=alibi_slopes,
-                                  sinks=sinks),
+        modifiers=check_modifiers(func, qi, (batch,), hq, sq, capacity, options.modifiers), options=options,
     )
     if out is not None:
         inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache}

@@ -189,10 +189,11 @@ def _float_param(x, name: str, func: str, q: ArrayInfo, target: tuple, shapes: t
     return BroadcastArray(name, x, info, target, _broadcast(info, name, target, shapes_text, func))
 
 
-def check_modifiers(func: str, q: ArrayInfo, batch_shape: tuple, num_heads_q: int, seqlen_q: int, seqlen_k: int, *,
-                    softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None) -> Modifiers | None:
+def check_modifiers(func: str, q: ArrayInfo, batch_shape: tuple, num_heads_q: int, seqlen_q: int, seqlen_k: int,
+                    modifiers) -> Modifiers | None:
     """Validate the modifiers of one call (q's metadata ``q``; the problem's batch dims, heads and
-    lengths) and return their :class:`Modifiers`, or None when none is given.
+    lengths; ``modifiers`` the :class:`~cuflash.runtime.options.ModifierOptions` as given) and
+    return their :class:`Modifiers`, or None when none is given.
 
     Raises
     ------
@@ -205,6 +206,8 @@ def check_modifiers(func: str, q: ArrayInfo, batch_shape: tuple, num_heads_q: in
         ``(Hq,)``; a bias or mask that does not broadcast to ``(*batch, Hq, Sq, Sk)`` (both shapes
         in the message); an array on another device or with negative strides.
     """
+    m = modifiers
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks = m.softcap, m.alibi_slopes, m.attn_bias, m.attn_mask, m.sinks
     cap = _check_real(softcap, "softcap", func)
     if cap == 0 and alibi_slopes is None and attn_bias is None and attn_mask is None and sinks is None:
         return None

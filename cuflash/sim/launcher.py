@@ -56,6 +56,7 @@ from cuflash.runtime.plan import (
 from cuflash.runtime.source import build_source
 from cuflash.sim import config as sim_config
 from cuflash.sim import lower
+from cuflash.sim.memory import is_sim_array
 
 SIM_DIR = Path(__file__).resolve().parent
 RUNTIME_FILES = ("cusim.h", "cusim_half.h", "cusim_sm90.h", "cuda_fp16.h", "cuda_bf16.h", "cusim_switch_x86_64.S")
@@ -862,6 +863,21 @@ def precompile(variants: Iterable, options: sim_config.SimOptions | None = None,
 
 
 def run(plan, options: sim_config.SimOptions | None = None) -> LaunchStats:
-    """Compile (cached) and run a :class:`cuflash.runtime.plan.LaunchPlan` on the simulator."""
+    """Compile (cached) and run a :class:`cuflash.runtime.plan.LaunchPlan` on the simulator: the
+    simulated device's launcher (:class:`cuflash.sim.device.SimDevice`).
+
+    Raises
+    ------
+    TypeError
+        If a pointer or tensor-map argument is not simulated device memory
+        (:class:`~cuflash.sim.memory.SimArray`): an array the call never imported, which a GPU
+        could not read either.
+    """
+    for a in plan.args:
+        base = a.pointer.base if isinstance(a, TensorMapArg) else getattr(a, "base", None)
+        if isinstance(a, (PointerArg, TensorMapArg)) and not is_sim_array(base):
+            raise TypeError(f"cuflash simulator: {plan.entry}: argument {a.name} is a {type(base).__name__}, not "
+                            f"simulated device memory: the call never imported it to the device (a GPU could not "
+                            f"read it either)")
     opts = options or sim_config.current_options()
     return load_variant(plan.variant, opts).launch(plan, opts)

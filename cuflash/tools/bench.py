@@ -184,16 +184,19 @@ def cuflash_runner(q, k, v, causal: bool, *, tier: str = "auto"):
     import cupy as cp
 
     from cuflash.kernels import attention_fwd_simt, dispatch
-    from cuflash.runtime import cuda_runner, validation
+    from cuflash.runtime import device_call, validation
+    from cuflash.runtime.options import Options
 
-    problem = validation.check_attention(q, k, v, causal=causal)
+    problem = validation.check_attention(q, k, v, Options(causal=causal))
     arch = int(cp.cuda.Device().compute_capability)
     mod = attention_fwd_simt if tier == "simt" else dispatch.forward_tier(problem, arch, (q, k, v, None))
     v_ = dispatch.variant_for(mod, problem, arch)
     out = cp.empty(problem.out_shape, dtype=problem.dtype)
+    device = device_call.CudaDevice("cuflash bench", int(cp.cuda.Device().id))
 
     def run():
-        return mod.forward(problem, q, k, v, out, False, xp=cp, arch=arch, launch=cuda_runner.launch)
+        with device_call.DeviceCall("cuflash bench", device, q, out=out) as call:
+            return mod.forward(problem, q, k, v, out, call)
 
     return run, v_.entry
 
@@ -255,8 +258,9 @@ def _backward_kernel_name(q, k, v, causal: bool) -> str:
 
     from cuflash.kernels import dispatch
     from cuflash.runtime import validation
+    from cuflash.runtime.options import Options
 
-    problem = validation.check_attention(q, k, v, causal=causal)
+    problem = validation.check_attention(q, k, v, Options(causal=causal))
     arch = int(cp.cuda.Device().compute_capability)
     return dispatch.backward_tier(problem, arch).__name__.rsplit(".", 1)[-1]
 

@@ -73,7 +73,7 @@ def resolve_backend(backend: str, *, gpu: bool = False) -> str:
         For an unknown backend, or ``"cuda"`` without a GPU (cuflash never moves data
         implicitly, and there is no device to move it to).
     """
-    from cuflash.api import resolve_backend as resolve_for
+    from cuflash.api.pipeline import resolve_backend as resolve_for
 
     if gpu and backend in ("auto", "cuda") and _auto_allows_gpu(backend):
         return "cuda"
@@ -82,7 +82,7 @@ def resolve_backend(backend: str, *, gpu: bool = False) -> str:
 
 def _auto_allows_gpu(backend: str) -> bool:
     """``"auto"`` goes to the GPU unless ``CUFLASH_BACKEND`` names a host backend."""
-    from cuflash.api import env_backend
+    from cuflash.api.pipeline import env_backend
 
     if backend != "auto":
         return True

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cuflash.api_softmax import softmax
+from cuflash import softmax
 from cuflash.runtime import cuda_runner, source
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +27,7 @@ def test_softmax_cuda_matches_simulator(modules):
 
 def test_ptx_probes_on_hardware_match_simulator(modules):
     import cupy
-    from simtools import P, i32, plan
+    from support.simtools import P, i32, plan
 
     src = source.build_text((KERNELS / "ptx_probes.cu").read_text(), origin="ptx_probes.cu", search_dirs=[KERNELS])
     mod = cupy.RawModule(code=src, options=cuda_runner.nvrtc_options())

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 from conftest import probe_source
-from simtools import P, i32, plan
+from support.simtools import P, i32, plan
 
 from cuflash import sim
 from cuflash.runtime.plan import PointerArg, ScalarArg

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from simtools import P, i32, plan
+from support.simtools import P, i32, plan
 
 from cuflash import sim
 from cuflash.kernels import hopper_probe as hp

@@ -24,7 +24,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from simtools import P, i32
+from support.simtools import P, i32
 
 from cuflash import sim
 from cuflash.runtime import source

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from simtools import P, plan
+from support.simtools import P, plan
 
 from cuflash import sim
 from cuflash.kernels.softmax import SoftmaxVariant

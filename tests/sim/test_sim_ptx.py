@@ -8,7 +8,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from simtools import P, i32, plan
+from support.simtools import P, i32, plan
 
 from cuflash import sim
 from cuflash.sim import launcher

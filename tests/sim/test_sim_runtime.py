@@ -8,7 +8,7 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
-from simtools import P, i32, plan
+from support.simtools import P, i32, plan
 
 from cuflash import sim
 from cuflash.runtime.plan import PointerArg, ScalarArg

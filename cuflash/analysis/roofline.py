@@ -1,0 +1,909 @@
+"""A roofline read from the kernels' own SASS: ``python -m cuflash roofline`` and :func:`analyze`.
+
+The seed's arithmetic-intensity analysis (``cuflash.intensity``: FLOPs against HBM bytes) carried
+one level down, to what one SM does per K/V tile of a kernel's main loop. No GPU is needed: the
+variant the dispatcher would choose is compiled with NVRTC (the run-time options), disassembled
+with ``cuobjdump``/``nvdisasm`` (the ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` wheels),
+and its main loop (the loop with the most tensor instructions, else the most FP32 ones) is
+counted per warp along two paths through its body: the *unmasked* one (every tensor instruction
+and copy, fewest other instructions: a full tile in the steady state, where the forward's
+conditional O rescale is skipped because no row's maximum moved) and the *masked* one (the most
+instructions: a diagonal or window tile, with the rescale). From the counts and per-SM rates (:data:`RATES`, each with its source),
+the time of each pipe per tile and CTA, and the binding one's throughput as the predicted
+ceiling. **A model, never a measurement**: it ignores latency, occupancy effects beyond
+``ctas_per_sm`` > 0, bank conflicts and L2; benchmarks on the GPU (``python -m cuflash bench``)
+measure.
+
+Pipes, per K/V tile and CTA (``w`` warps; counts per warp):
+
+* ``tensor``: MACs / the SM's rate for the instruction kind (``mma.sync`` on sm_90 about 60% of
+  ``wgmma``'s);
+* ``smem``: shared-memory bytes read (``LDSM``, ``LDS``) and written (``STS``, ``LDGSTS``), w x
+  bytes / 128 B per cycle;
+* ``mufu``: w x 32 x MUFU instructions / 16 lanes per cycle;
+* ``fp32``: w x 32 x FFMA/FADD/FMUL / the FP32 lanes per cycle;
+* ``issue``: w x instructions / 4 (one warp instruction per scheduler and cycle);
+* ``hbm``: the fused algorithm's HBM bytes (:func:`cuflash.intensity.fused_attention_cost`, L2
+  reuse) for a reference problem (``seqlen`` keys and queries, one head), per tile.
+
+The FLOPs of a tile are the tile math: ``2 Br Bc (D + Dv)`` forward, ``2 Br Bc (3D + 2Dv)``
+backward (the MACs of ``S = Q K^T`` and ``O += P V``; of ``S``, ``dP``, ``dV``, ``dK``, ``dQ``).
+A loop inside the main loop (``inner_loops`` > 0: the SIMT kernels' loops over the head dim, the
+tensor-core backward's loop over dQ column blocks) is counted once, so its counts are a lower
+bound there; the tensor and FP32 pipes then take at least the tile math's MACs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from cuflash.analysis import intensity
+
+__all__ = ["SmRates", "RATES", "Counts", "Roofline", "analyze", "compile_sass", "variants", "main"]
+
+
+# --------------------------------------------------------------------------------------------
+# per-SM rates
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SmRates:
+    """Per-SM throughputs of one GPU, per clock cycle, with the sources of the figures.
+
+    Attributes
+    ----------
+    device : intensity.Device
+        The datasheet figures (SM count via ``sms``, HBM bandwidth).
+    arch : int
+        Compute capability (90 for Hopper).
+    sms : int
+        Streaming multiprocessors.
+    clock_ghz : float
+        The clock at which the datasheet's tensor peak holds (GHz).
+    mma_sync_macs, wgmma_macs : float
+        Dense 16-bit multiply-accumulates per cycle per SM of ``mma.sync`` and of ``wgmma``
+        (0 where the arch has none).
+    smem_bytes : float
+        Shared-memory bytes per cycle per SM.
+    mufu_lanes, fp32_lanes : float
+        MUFU results and FP32 FMA lanes per cycle per SM.
+    issue : float
+        Warp instructions issued per cycle per SM.
+    registers, smem_per_sm, smem_reserved, max_threads, max_ctas : int
+        Occupancy limits: 32-bit registers per SM, shared-memory bytes per SM and reserved per
+        CTA, threads and CTAs per SM.
+    source : str
+        Where the figures come from.
+    """
+
+    device: intensity.Device
+    arch: int
+    sms: int
+    clock_ghz: float
+    mma_sync_macs: float
+    wgmma_macs: float
+    smem_bytes: float
+    mufu_lanes: float
+    fp32_lanes: float
+    issue: float
+    registers: int
+    smem_per_sm: int
+    smem_reserved: int
+    max_threads: int
+    max_ctas: int
+    source: str
+
+
+_GUIDE = ("CUDA C++ Programming Guide: 'Arithmetic Instructions' throughput table (MUFU 16, FP32 "
+          "128 (cc 9.0) / 64 (cc 8.0) results per cycle per SM), 'Compute Capabilities' (registers, "
+          "shared memory, threads, CTAs per SM; 1 KB reserved per CTA), 'Shared Memory' (32 banks of "
+          "4 bytes: 128 B per cycle); 4 warp schedulers per SM (Hopper and Ampere whitepapers)")
+
+
+def _hopper(device: intensity.Device) -> SmRates:
+    sms = 132
+    wgmma = 2048.0  # 989.4 TFLOP/s dense / (132 SMs x 2 FLOP per MAC x 1.83 GHz)
+    return SmRates(
+        device=device, arch=90, sms=sms, clock_ghz=device.fp16_tensor_tflops * 1e12 / (sms * 2 * wgmma) / 1e9,
+        mma_sync_macs=0.6 * wgmma, wgmma_macs=wgmma, smem_bytes=128.0, mufu_lanes=16.0, fp32_lanes=128.0,
+        issue=4.0, registers=65536, smem_per_sm=228 * 1024, smem_reserved=1024, max_threads=2048, max_ctas=32,
+        source=(f"{device.source}; 132 SMs and 2048 dense 16-bit MACs per cycle per SM for wgmma (the "
+                "datasheet's peak at 1.83 GHz); mma.sync about 60% of that on sm_90 (issue 17; "
+                "FlashAttention-3, Shah et al. 2024, section 1: mma.sync reaches about two thirds of "
+                "the H100's peak); " + _GUIDE))
+
+
+def _ampere(device: intensity.Device) -> SmRates:
+    sms = 108
+    mma = 1024.0  # 312 TFLOP/s dense / (108 SMs x 2 x 1.41 GHz)
+    return SmRates(
+        device=device, arch=80, sms=sms, clock_ghz=device.fp16_tensor_tflops * 1e12 / (sms * 2 * mma) / 1e9,
+        mma_sync_macs=mma, wgmma_macs=0.0, smem_bytes=128.0, mufu_lanes=16.0, fp32_lanes=64.0, issue=4.0,
+        registers=65536, smem_per_sm=164 * 1024, smem_reserved=1024, max_threads=2048, max_ctas=32,
+        source=f"{device.source}; 108 SMs, 1024 dense 16-bit MACs per cycle per SM (the peak at 1.41 GHz); " + _GUIDE)
+
+
+#: per-SM rates by device preset (``--device``)
+RATES = {"h200": _hopper(intensity.H200), "h100": _hopper(intensity.H100), "a100": _ampere(intensity.A100)}
+
+
+# --------------------------------------------------------------------------------------------
+# SASS
+# --------------------------------------------------------------------------------------------
+
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)([^;]*);")
+_FUNCTION = re.compile(r"Function : (\S+)")
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Per-warp counts of one pass through the main loop's body."""
+
+    instructions: int
+    tensor: int
+    macs: int
+    smem_read: int
+    smem_write: int
+    global_read: int
+    global_write: int
+    mufu: int
+    fp32: int
+    barriers: int
+
+    @property
+    def other(self) -> int:
+        """Instructions that are not tensor instructions."""
+        return self.instructions - self.tensor
+
+
+_COUNT_KEYS = tuple(f.name for f in dataclasses.fields(Counts))
+
+
+@dataclass(frozen=True)
+class Insn:
+    addr: int
+    predicated: bool
+    op: str          # opcode without modifiers, e.g. "HMMA"
+    mods: str        # modifiers, e.g. ".16816.F32.BF16"
+    operands: str
+
+    @property
+    def target(self) -> int | None:
+        if self.op not in ("BRA", "JMP"):
+            return None
+        m = re.search(r"0x([0-9a-f]+)", self.operands)
+        return int(m.group(1), 16) if m else None
+
+
+def parse_sass(text: str, entry: str | None = None) -> list[Insn]:
+    """The instructions of ``entry`` (default: the first function) in ``cuobjdump --dump-sass``
+    output.
+
+    Raises
+    ------
+    ValueError
+        If the function is not in ``text`` or has no instructions.
+    """
+    starts = [(m.start(), m.group(1)) for m in _FUNCTION.finditer(text)]
+    if entry is not None:
+        found = [i for i, (_, name) in enumerate(starts) if name == entry]
+        if not found:
+            raise ValueError(f"cuflash.roofline: function {entry!r} is not in the SASS "
+                             f"(has {', '.join(n for _, n in starts) or 'none'})")
+        i = found[0]
+    else:
+        i = 0
+    lo = starts[i][0] if starts else 0
+    hi = starts[i + 1][0] if starts and i + 1 < len(starts) else len(text)
+    out = [Insn(int(m.group(1), 16), bool(m.group(2)), m.group(3), m.group(4), m.group(5).strip())
+           for m in _INSN.finditer(text, lo, hi)]
+    if not out:
+        raise ValueError(f"cuflash.roofline: no SASS instructions for {entry or 'the first function'}")
+    return out
+
+
+def _width_bytes(mods: str, default: int = 4) -> int:
+    for bits, nbytes in ((".128", 16), (".64", 8), (".U16", 2), (".S16", 2), (".U8", 1), (".S8", 1)):
+        if bits in mods:
+            return nbytes
+    return default
+
+
+def _mma_macs(op: str, mods: str) -> int:
+    """MACs of one warp's tensor instruction (PTX ISA shapes: m16n8k16, m16n8k8, m8n8k4; wgmma
+    m64nNk16 per warpgroup, a quarter per warp)."""
+    if op == "HMMA":
+        for shape, macs in ((".16816", 16 * 8 * 16), (".1688", 16 * 8 * 8), (".884", 8 * 8 * 4)):
+            if mods.startswith(shape):
+                return macs
+        raise ValueError(f"cuflash.roofline: unknown HMMA shape {op}{mods}")
+    m = re.match(r"\.64x(\d+)x(\d+)", mods)
+    if not m:
+        raise ValueError(f"cuflash.roofline: unknown HGMMA shape {op}{mods}")
+    return 64 * int(m.group(1)) * int(m.group(2)) // 4
+
+
+def insn_counts(insn: Insn) -> dict:
+    """What one warp instruction counts for (per warp; bytes for all 32 lanes)."""
+    c = dict.fromkeys(_COUNT_KEYS, 0)
+    if insn.op == "NOP":
+        return c
+    c["instructions"] = 1
+    op, mods = insn.op, insn.mods
+    if op in ("HMMA", "HGMMA"):
+        c["tensor"] = 1
+        c["macs"] = _mma_macs(op, mods)
+    elif op == "LDSM":
+        c["smem_read"] = 128 * (4 if mods.endswith(".4") else 2 if mods.endswith(".2") else 1)
+    elif op == "LDS":   # "LDS RZ, [RZ]" (the compiler's dependency placeholders) moves no data
+        c["smem_read"] = 0 if insn.operands.replace(" ", "").startswith("RZ,") else 32 * _width_bytes(mods)
+    elif op == "STS":
+        c["smem_write"] = 32 * _width_bytes(mods)
+    elif op == "LDGSTS":
+        c["global_read"] = c["smem_write"] = 32 * _width_bytes(mods)
+    elif op == "LDG":
+        c["global_read"] = 32 * _width_bytes(mods)
+    elif op == "STG":
+        c["global_write"] = 32 * _width_bytes(mods)
+    elif op == "MUFU":
+        c["mufu"] = 1
+    elif op in ("FFMA", "FADD", "FMUL"):
+        c["fp32"] = 1
+    elif op == "BAR":
+        c["barriers"] = 1
+    return c
+
+
+def _add(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in _COUNT_KEYS}
+
+
+def _blocks(insns: list[Insn]):
+    """Basic blocks: (start index, end index exclusive, successor start addresses)."""
+    addr_index = {x.addr: i for i, x in enumerate(insns)}
+    leaders = {0}
+    for i, x in enumerate(insns):
+        t = x.target
+        if t is not None and t in addr_index:
+            leaders.add(addr_index[t])
+        if (t is not None or x.op in ("EXIT", "RET", "BRX")) and i + 1 < len(insns):
+            leaders.add(i + 1)
+    starts = sorted(leaders)
+    blocks = []
+    for j, s in enumerate(starts):
+        e = starts[j + 1] if j + 1 < len(starts) else len(insns)
+        last = insns[e - 1]
+        succ = []
+        if last.target is not None and last.target in addr_index:
+            succ.append(last.target)
+        falls = not ((last.op in ("BRA", "JMP", "EXIT", "RET", "BRX")) and not last.predicated)
+        if falls and e < len(insns):
+            succ.append(insns[e].addr)
+        blocks.append((s, e, succ))
+    return blocks
+
+
+def _reaches(insns: list[Insn], head: int, latch: int) -> bool:
+    """Whether the branch at ``latch`` is reachable from ``head`` along forward edges inside
+    ``[head, latch]``."""
+    blocks = {insns[s].addr: (e, succ) for s, e, succ in _blocks(insns) if head <= insns[s].addr <= latch}
+    seen, todo = set(), [head]
+    while todo:
+        here = todo.pop()
+        if here in seen or here not in blocks:
+            continue
+        seen.add(here)
+        e, succ = blocks[here]
+        if insns[e - 1].addr == latch:
+            return True
+        todo.extend(n for n in succ if here < n <= latch)
+    return False
+
+
+def main_loop(insns: list[Insn]) -> tuple[int, int, int]:
+    """``(header address, latch address, inner loops)`` of the loop with the most tensor
+    instructions in its body (else the most FP32 ones): the latch is the backward branch.
+
+    Raises
+    ------
+    ValueError
+        If the code has no loop.
+    """
+    backs = [(x.target, x.addr) for x in insns if x.target is not None and x.target <= x.addr]
+    ranked = []
+    for head, latch in backs:
+        body = [x for x in insns if head <= x.addr <= latch]
+        key = (sum(x.op in ("HMMA", "HGMMA") for x in body), sum(x.op in ("FFMA", "FADD", "FMUL") for x in body),
+               -(latch - head))
+        ranked.append((key, head, latch))
+    if not ranked:
+        raise ValueError("cuflash.roofline: the kernel has no loop")
+    ranked.sort(reverse=True)
+    # a backward branch the body does not reach by forward edges is no loop's latch: the out-of-line
+    # retry of a spin-wait (an mbarrier try_wait placed after the code, jumping back into it)
+    _, head, latch = next(((k, h, t) for k, h, t in ranked if _reaches(insns, h, t)), ranked[0])
+    inner = sum(1 for h, t in backs if head <= h and t < latch and (h, t) != (head, latch))
+    return head, latch, inner
+
+
+def loop_paths(insns: list[Insn], head: int, latch: int, keys=None) -> tuple[Counts, ...]:
+    """(unmasked, masked) per-warp counts of one pass from ``head`` to the branch at ``latch``.
+
+    Paths follow forward edges only (inner loops count one pass). Unmasked: the most tensor
+    instructions, then the most copies into shared memory, then the fewest instructions;
+    masked: the same but the most instructions. ``keys``: other path preferences instead (each
+    a function of the running counts; the path maximizing it is taken), one result per key.
+    """
+    blocks = [b for b in _blocks(insns) if head <= insns[b[0]].addr <= latch]
+    start_of = {insns[s].addr: (s, e, succ) for s, e, succ in blocks}
+    if head not in start_of:
+        raise ValueError(f"cuflash.roofline: loop header {head:#x} is not a block start")
+    if keys is None:
+        keys = [lambda c, sign=sign: (c["tensor"], c["smem_write"], -sign * c["instructions"]) for sign in (1, -1)]
+    results = []
+    for key in keys:
+        best = {head: dict.fromkeys(_COUNT_KEYS, 0)}
+        end = None
+        for s, e, succ in blocks:
+            here = insns[s].addr
+            if here not in best:
+                continue
+            total = best[here]
+            for x in insns[s:e]:
+                total = _add(total, insn_counts(x))
+            if insns[e - 1].addr == latch:
+                if end is None or key(total) > key(end):
+                    end = total
+            for nxt in succ:
+                if here < nxt <= latch and nxt in start_of and (nxt not in best or key(total) > key(best[nxt])):
+                    best[nxt] = total
+        if end is None:
+            raise ValueError(f"cuflash.roofline: no path from {head:#x} to the latch {latch:#x}")
+        results.append(Counts(**end))
+    return tuple(results)
+
+
+# --------------------------------------------------------------------------------------------
+# the model
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Roofline:
+    """The roofline of one kernel variant (see the module docstring). Counts are per warp and
+    per K/V tile of the main loop along the unmasked path, except ``macs_per_tile`` (per CTA);
+    ``pipes`` are cycles per tile per CTA; ``ceiling_tflops`` is a prediction."""
+
+    entry: str
+    arch: int
+    device: str
+    direction: str
+    block_m: int
+    block_n: int
+    head_dim: int
+    head_dim_v: int
+    warps: int
+    tensor_per_tile: int
+    macs_per_tile: int
+    smem_read_bytes_per_tile: int
+    smem_write_bytes_per_tile: int
+    global_bytes_per_tile: int
+    other_per_tile: int
+    mufu_per_tile: int
+    fp32_per_tile: int
+    instructions_per_tile: int
+    barriers_per_tile: int
+    masked_instructions_per_tile: int
+    masked_other_per_tile: int
+    inner_loops: int
+    registers: int
+    spills: int
+    smem_bytes: int
+    ctas_per_sm: int
+    warps_per_sm: int
+    flops_per_tile: int
+    pipes: dict
+    bound: str
+    ceiling_tflops: float
+
+    @property
+    def other_per_tensor(self) -> float:
+        return self.other_per_tile / self.tensor_per_tile if self.tensor_per_tile else math.inf
+
+    @property
+    def smem_bytes_per_tensor(self) -> float:
+        return self.smem_read_bytes_per_tile / self.tensor_per_tile if self.tensor_per_tile else math.inf
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["other_per_tensor"] = self.other_per_tensor if self.tensor_per_tile else None
+        d["smem_read_bytes_per_tensor"] = self.smem_bytes_per_tensor if self.tensor_per_tile else None
+        return d
+
+
+def occupancy(rates: SmRates, threads: int, registers: int, smem: int) -> int:
+    """CTAs per SM allowed by registers (allocated per warp in units of 256), shared memory
+    (plus the per-CTA reserve), threads and the CTA limit."""
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = rates.registers // (per_warp * warps) if registers else rates.max_ctas
+    by_smem = rates.smem_per_sm // (smem + rates.smem_reserved)
+    return max(0, min(by_regs, by_smem, rates.max_threads // threads, rates.max_ctas))
+
+
+def _tile_flops(direction: str, bm: int, bn: int, d: int, dv: int) -> int:
+    return 2 * bm * bn * ((d + dv) if direction == "fwd" else (3 * d + 2 * dv))
+
+
+def model(counts: Counts, masked: Counts, *, rates: SmRates, entry: str, direction: str, block_m: int,
+          block_n: int, head_dim: int, head_dim_v: int, threads: int, registers: int, spills: int, smem: int,
+          dtype_bytes: int, seqlen: int = 8192, inner_loops: int = 0, wgmma: bool = False,
+          math_threads: int | None = None) -> Roofline:
+    """The pipes' cycles per tile, the binding pipe and the ceiling, from the counts.
+
+    ``math_threads``: the threads that run the main loop when fewer than the block's (a
+    warp-specialized kernel's consumers; its producer warps issue TMA, counted in no pipe). A
+    wgmma reads its shared-memory operands without instructions, so the smem pipe counts only
+    the threads' own shared-memory accesses there."""
+    warps = (math_threads or threads) // 32
+    flops = _tile_flops(direction, block_m, block_n, head_dim, head_dim_v)
+    cost = intensity.fused_attention_cost(seqlen, head_dim, headdim_v=head_dim_v, dtype=dtype_bytes,
+                                          backward=direction == "bwd")
+    tiles = -(-seqlen // block_m) * -(-seqlen // block_n)
+    hbm_per_cycle = rates.device.hbm_gb_per_s * 1e9 / (rates.sms * rates.clock_ghz * 1e9)
+    mac_rate = rates.wgmma_macs if wgmma else rates.mma_sync_macs
+    # Inner loops count one pass, so the compute pipes take at least the tile math's MACs.
+    tile_macs = flops // 2
+    pipes = {
+        "tensor": max(warps * counts.macs, tile_macs) / mac_rate if counts.macs else 0.0,
+        "smem": warps * (counts.smem_read + counts.smem_write) / rates.smem_bytes,
+        "mufu": warps * 32 * counts.mufu / rates.mufu_lanes,
+        "fp32": (warps * 32 * counts.fp32 if counts.macs else max(warps * 32 * counts.fp32, tile_macs))
+                / rates.fp32_lanes,
+        "issue": warps * counts.instructions / rates.issue,
+        "hbm": cost.bytes / tiles / hbm_per_cycle,
+    }
+    bound = max(pipes, key=pipes.get)
+    ctas = occupancy(rates, threads, registers, smem)
+    ceiling = flops / pipes[bound] * rates.clock_ghz * 1e9 * rates.sms / 1e12 if ctas else 0.0
+    return Roofline(
+        entry=entry, arch=rates.arch, device=rates.device.name, direction=direction, block_m=block_m,
+        block_n=block_n, head_dim=head_dim, head_dim_v=head_dim_v, warps=warps, tensor_per_tile=counts.tensor,
+        macs_per_tile=warps * counts.macs, smem_read_bytes_per_tile=counts.smem_read,
+        smem_write_bytes_per_tile=counts.smem_write, global_bytes_per_tile=counts.global_read + counts.global_write,
+        other_per_tile=counts.other, mufu_per_tile=counts.mufu, fp32_per_tile=counts.fp32,
+        instructions_per_tile=counts.instructions, barriers_per_tile=counts.barriers,
+        masked_instructions_per_tile=masked.instructions, masked_other_per_tile=masked.other,
+        inner_loops=inner_loops, registers=registers, spills=spills, smem_bytes=smem, ctas_per_sm=ctas,
+        warps_per_sm=ctas * warps, flops_per_tile=flops, pipes={k: round(v, 1) for k, v in pipes.items()},
+        bound=bound if ctas else "occupancy", ceiling_tflops=round(ceiling, 1))
+
+
+# --------------------------------------------------------------------------------------------
+# variants, compilation, disassembly
+# --------------------------------------------------------------------------------------------
+
+def find_tool(name: str) -> str | None:
+    """``name`` (``cuobjdump``, ``nvdisasm``) from the nvidia-cuda-* wheels of this interpreter
+    (site-packages/nvidia/*/bin), else from PATH."""
+    for entry in sys.path:
+        root = Path(entry) / "nvidia"
+        if root.is_dir():
+            for cand in sorted(root.glob(f"*/bin/{name}")):
+                if os.access(cand, os.X_OK):
+                    return str(cand)
+    return shutil.which(name)
+
+
+def disassemble(cubin: bytes) -> str:
+    """``cuobjdump --dump-sass`` of a cubin.
+
+    Raises
+    ------
+    RuntimeError
+        If the tools are missing (install ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm``)
+        or fail.
+    """
+    tool, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if tool is None or nvdisasm is None:
+        raise RuntimeError("cuflash.roofline: cuobjdump/nvdisasm not found; install the wheels "
+                           "nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm (the 'test' extra)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        env = dict(os.environ, PATH=os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", ""))
+        r = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"cuflash.roofline: cuobjdump failed ({r.returncode}): {r.stderr.strip()}")
+    return r.stdout
+
+
+def _shape_of(variant) -> tuple[str, int, int, int, int]:
+    """(direction, block_m, block_n, head_dim, head_dim_v) of an attention variant."""
+    fam = variant.family
+    direction = "bwd" if "bwd" in fam else "fwd"
+    bm, bn = (variant.block_m, variant.block_n)
+    d = variant.head_dim_max
+    return direction, bm, bn, d, getattr(variant, "head_dim_v_max", d)
+
+
+def variants(arch: int, *, backward: bool | None = None, dtype: str | None = None,
+             head_dim: int | None = None, head_dim_v: int | None = None, varlen: bool = False) -> list:
+    """The attention variants the dispatcher can choose on ``sm_<arch>`` (the main stage of the
+    backward), filtered; with ``head_dim`` (and ``dtype``), the one it would choose for that
+    problem; ``varlen``: the packed variable-length forms (``cuflash.attention_varlen``) instead
+    of the fixed-shape ones."""
+    import numpy as np
+
+    from cuflash.kernels import catalog, dispatch
+    from cuflash.runtime import validation
+    from cuflash.runtime.options import Options
+
+    if head_dim is not None:
+        dt = _numpy_dtype(dtype or "bf16")
+        dv = head_dim_v or head_dim
+        q = np.zeros((1, 1, 256, head_dim), dt)
+        k = np.zeros((1, 1, 256, head_dim), dt)
+        v = np.zeros((1, 1, 256, dv), dt)
+        try:
+            problem = validation.check_attention(q, k, v, Options())
+        except (TypeError, ValueError, NotImplementedError) as e:   # its words are attention()'s
+            raise type(e)(f"cuflash.roofline: head_dim={head_dim}, head_dim_v={dv}: "
+                          f"{str(e).replace('cuflash.attention: ', '')}") from None
+        out = []
+        for bwd in ((False, True) if backward is None else (backward,)):
+            tier = dispatch.backward_tier(problem, arch) if bwd else dispatch.forward_tier(problem, arch)
+            if varlen and not bwd:   # packed batches: the tier that has packed forms (the Hopper tier has none)
+                tier = next(m for _, m in dispatch.TIERS if m.all_variants(arch, varlen=True))
+            chosen = tier.choose_variant(dt, head_dim, dv, arch)
+            if varlen:   # the tier's packed form of that variant
+                chosen = next(v for v in tier.all_variants(arch, varlen=True)
+                              if (v.dtype, v.head_dim_max) == (chosen.dtype, chosen.head_dim_max))
+            out.append(chosen)
+        return [v for v in out if _is_main(v)]
+    found = []
+    for v in catalog.variants_for_arch(arch):
+        if not _is_main(v) or getattr(v, "varlen", False) != varlen:
+            continue
+        if backward is not None and (("bwd" in v.family) != backward):
+            continue
+        if dtype is not None and v.dtype != _dtype_key(dtype):
+            continue
+        found.append(v)
+    return found
+
+
+_ALIASES = {"f16": "float16", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "f32": "float32",
+            "fp32": "float32"}
+
+
+def _numpy_dtype(dtype):
+    """A supported NumPy dtype from ``"bf16"``, ``"float16"``, ... (ValueError naming it if not)."""
+    from cuflash.runtime import dtypes
+
+    dt = dtypes.from_name(_ALIASES.get(str(dtype).lower(), str(dtype).lower()))
+    if dt is None:
+        raise ValueError(f"cuflash.roofline: dtype={dtype!r} must be one of float16, bfloat16, float32 "
+                         "(or f16, bf16, f32)")
+    return dt
+
+
+def _dtype_key(dtype) -> str:
+    from cuflash.runtime import variants as variants_mod
+
+    return variants_mod.dtype_key(_numpy_dtype(dtype))
+
+
+def _is_main(v) -> bool:
+    return v.family.startswith("attn_") and hasattr(v, "block_m") and getattr(v, "stage", "main") == "main" \
+        and not getattr(v, "kvcache", False) and not getattr(v, "dropout", False)
+
+
+@lru_cache(maxsize=128)
+def compile_sass(variant, arch: int) -> tuple[str, dict]:
+    """``(sass, resources)`` of a kernel variant for ``sm_<arch>``: the ``cuobjdump --dump-sass``
+    text and :func:`cuflash.runtime.cuda_runner.ptxas_resources` of its entry, compiled with the
+    run-time NVRTC options once per process.
+
+    Raises
+    ------
+    RuntimeError
+        If NVRTC or the SASS tools fail or are missing; ImportError without CuPy.
+    """
+    from cuflash.runtime import cuda_runner, source
+
+    target = getattr(variant, "target_arch", None) or arch   # (the Hopper tier: sm_90a)
+    cubin, log = cuda_runner.nvrtc_compile(source.build_source(variant), target, name=variant.source,
+                                           extra_options=("-Xptxas=-v",))
+    return disassemble(cubin), cuda_runner.ptxas_resources(log, variant.entry)
+
+
+def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str | None = None) -> Roofline:
+    """Compile ``variant`` for the device's arch, read its main loop and model it.
+
+    Parameters
+    ----------
+    variant : cuflash.runtime.variants.Variant
+        An attention variant (see :func:`variants`).
+    device : {"h200", "h100", "a100"}
+        The per-SM rates (:data:`RATES`).
+    seqlen : int
+        Reference sequence length of the HBM pipe (keys and queries).
+    sass_dir : str, optional
+        Folder to keep the disassembly in (``<entry>.sm_<arch>.sass``).
+
+    Raises
+    ------
+    ValueError
+        For an unknown device or a kernel without a loop.
+    RuntimeError
+        If NVRTC or the SASS tools fail or are missing.
+    """
+    if device not in RATES:
+        raise ValueError(f"cuflash.roofline: device={device!r} must be one of {sorted(RATES)}")
+    rates = RATES[device]
+    text, res = compile_sass(variant, rates.arch)
+    if sass_dir is not None:
+        Path(sass_dir).mkdir(parents=True, exist_ok=True)
+        (Path(sass_dir) / f"{variant.entry}.sm_{rates.arch}.sass").write_text(text)
+    insns = parse_sass(text, variant.entry)
+    head, latch, inner = main_loop(insns)
+    unmasked, masked = loop_paths(insns, head, latch)[:2]
+    direction, bm, bn, d, dv = _shape_of(variant)
+    wgmma = any(x.op == "HGMMA" for x in insns if head <= x.addr <= latch)
+    return model(unmasked, masked, rates=rates, entry=variant.entry, direction=direction, block_m=bm, block_n=bn,
+                 head_dim=d, head_dim_v=dv, threads=variant.threads, math_threads=getattr(variant, "math_threads", None),
+                 registers=res["registers"],
+                 spills=res["spill_stores"] + res["spill_loads"], smem=variant.smem_bytes + res["static_smem"],
+                 dtype_bytes=2 if variant.dtype in ("f16", "bf16") else 4, seqlen=seqlen, inner_loops=inner,
+                 wgmma=wgmma)
+
+
+# --------------------------------------------------------------------------------------------
+# the decode kernel (the KV-cache form)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeRoofline:
+    """The roofline of one decode step on the KV-cache kernel (a prediction): per K/V tile of
+    ``block_n`` keys and CTA, the pipes' cycles when ``rows`` packed query rows (GQA group x Sq)
+    share each tile, ``active_warps`` of the CTA's warps computing and the others only copying.
+    ``cache_reads_per_kv_head`` is how many times one kv head's cache bytes are read (the query
+    tiles a (sequence, kv head, split) needs: 1 while ``rows <= block_m``); ``hbm_fraction`` the
+    share of the device's HBM bandwidth the binding pipe leaves (1.0 when HBM binds)."""
+
+    entry: str
+    device: str
+    arch: int
+    cache: str
+    rows: int
+    block_m: int
+    block_n: int
+    head_dim: int
+    head_dim_v: int
+    warps: int
+    active_warps: int
+    registers: int
+    spills: int
+    smem_bytes: int
+    ctas_per_sm: int
+    cache_bytes_per_tile: int
+    cache_reads_per_kv_head: int
+    pipes: dict
+    bound: str
+    hbm_fraction: float
+    predicted_gb_per_s: float
+
+
+def analyze_decode(variant, device: str = "h200", *, rows: int = 4, cache: str = "paged") -> DecodeRoofline:
+    """Model a decode step of the KV-cache kernel ``variant`` from its SASS (a prediction).
+
+    ``rows`` packed query rows per CTA (GQA group x Sq); ``cache`` "paged" (the row-by-row
+    gather through the block table, its copy loop counted at its trip count) or "contiguous"
+    (the unrolled regular copy). Warps whose rows are all past ``rows`` skip the math: they count
+    the loop's path with the fewest tensor instructions.
+    """
+    if device not in RATES:
+        raise ValueError(f"cuflash.roofline: device={device!r} must be one of {sorted(RATES)}")
+    if not getattr(variant, "kvcache", False):
+        raise ValueError(f"cuflash.roofline: {variant.entry} is not a KV-cache variant")
+    rates = RATES[device]
+    text, res = compile_sass(variant, rates.arch)
+    insns = parse_sass(text, variant.entry)
+    head, latch, _ = main_loop(insns)
+    inner = [(x.target, x.addr) for x in insns
+             if x.target is not None and head < x.target <= x.addr < latch]   # the paged copy loop
+    paged = cache == "paged"
+    sel = -1 if paged else 1   # paged: the path through the (one-pass) copy loop, fewest copies
+    math_c, copy_c = loop_paths(insns, head, latch, keys=[
+        lambda c: (c["tensor"], sel * c["smem_write"], -c["instructions"]),
+        lambda c: (-c["tensor"], sel * c["smem_write"], -c["instructions"])])
+    extra = dict.fromkeys(_COUNT_KEYS, 0)
+    if paged and inner:
+        ih, il = max(inner, key=lambda t: t[1] - t[0])
+        body = loop_paths(insns, ih, il, keys=[lambda c: (c["smem_write"], c["instructions"])])[0]
+        trips = -(-variant.block_n * (variant.head_dim_max // 8) // variant.threads)
+        extra = {k: (trips - 1) * getattr(body, k) for k in _COUNT_KEYS}
+    warps = variant.threads // 32
+    active = min(warps, -(-rows // variant.rows_per_warp))
+    idle = warps - active
+
+    def per_cta(name):
+        return active * getattr(math_c, name) + idle * getattr(copy_c, name) + warps * extra[name]
+
+    d = dv = variant.head_dim_max
+    tile_bytes = variant.block_n * (d + dv) * (2 if variant.dtype in ("f16", "bf16") else 4)
+    hbm_per_cycle = rates.device.hbm_gb_per_s * 1e9 / (rates.sms * rates.clock_ghz * 1e9)
+    pipes = {
+        "tensor": active * math_c.macs / rates.mma_sync_macs,
+        "smem": (per_cta("smem_read") + per_cta("smem_write")) / rates.smem_bytes,
+        "mufu": active * 32 * math_c.mufu / rates.mufu_lanes,
+        "fp32": active * 32 * math_c.fp32 / rates.fp32_lanes,
+        "issue": per_cta("instructions") / rates.issue,
+        "hbm": tile_bytes / hbm_per_cycle,
+    }
+    bound = max(pipes, key=pipes.get)
+    ctas = occupancy(rates, variant.threads, res["registers"], variant.smem_bytes + res["static_smem"])
+    frac = pipes["hbm"] / pipes[bound]
+    return DecodeRoofline(
+        entry=variant.entry, device=rates.device.name, arch=rates.arch, cache=cache, rows=rows,
+        block_m=variant.block_m, block_n=variant.block_n, head_dim=d, head_dim_v=dv, warps=warps, active_warps=active,
+        registers=res["registers"], spills=res["spill_stores"] + res["spill_loads"],
+        smem_bytes=variant.smem_bytes + res["static_smem"], ctas_per_sm=ctas, cache_bytes_per_tile=tile_bytes,
+        cache_reads_per_kv_head=-(-rows // variant.block_m), pipes={k: round(v, 1) for k, v in pipes.items()},
+        bound=bound if ctas else "occupancy", hbm_fraction=round(frac, 3),
+        predicted_gb_per_s=round(rates.device.hbm_gb_per_s * frac, 1))
+
+
+def format_decode_table(rows: list[DecodeRoofline]) -> str:
+    head = (f"{'entry':<46} {'cache':>10} {'rows':>4} {'act/w':>5} {'regs':>4} {'CTA/SM':>6} {'KB/tile':>7} "
+            f"{'tensor':>7} {'smem':>7} {'issue':>7} {'hbm':>7} {'bound':>6} {'HBM %':>6} {'GB/s':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        p = r.pipes
+        lines.append(f"{r.entry:<46} {r.cache:>10} {r.rows:>4} {f'{r.active_warps}/{r.warps}':>5} {r.registers:>4} "
+                     f"{r.ctas_per_sm:>6} {r.cache_bytes_per_tile / 1024:>7.1f} {p['tensor']:>7.0f} {p['smem']:>7.0f} "
+                     f"{p['issue']:>7.0f} {p['hbm']:>7.0f} {r.bound:>6} {100 * r.hbm_fraction:>5.0f}% "
+                     f"{r.predicted_gb_per_s:>7.0f}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------------------------
+
+def format_table(rows: list[Roofline]) -> str:
+    head = (f"{'entry':<44} {'dir':>3} {'BrxBc':>7} {'D':>4} {'w':>2} {'regs':>4} {'spill':>5} {'smemKB':>6} "
+            f"{'CTA/SM':>6} {'w/SM':>4} {'tensor':>6} {'other/T':>7} {'smemB/T':>7} {'mufu':>4} "
+            f"{'tensor':>7} {'smem':>7} {'issue':>7} {'mufu':>6} {'hbm':>6} {'bound':>7} {'TFLOP/s':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        p = r.pipes
+        ot = f"{r.other_per_tensor:.2f}" if r.tensor_per_tile else "-"
+        ot += "*" if r.inner_loops else ""
+        st = f"{r.smem_bytes_per_tensor:.0f}" if r.tensor_per_tile else "-"
+        lines.append(
+            f"{r.entry:<44} {r.direction:>3} {f'{r.block_m}x{r.block_n}':>7} {r.head_dim:>4} {r.warps:>2} "
+            f"{r.registers:>4} {r.spills:>5} {r.smem_bytes / 1024:>6.1f} {r.ctas_per_sm:>6} {r.warps_per_sm:>4} "
+            f"{r.tensor_per_tile:>6} {ot:>7} {st:>7} {r.mufu_per_tile:>4} {p['tensor']:>7.0f} {p['smem']:>7.0f} "
+            f"{p['issue']:>7.0f} {p['mufu']:>6.0f} {p['hbm']:>6.0f} {r.bound:>7} {r.ceiling_tflops:>7.0f}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cuflash roofline",
+        description="A roofline read from the kernels' SASS (a MODEL, not a measurement): per K/V tile "
+                    "of the main loop, the tensor, shared-memory, MUFU, FP32, issue and HBM pipes' cycles "
+                    "and the binding one's predicted ceiling. Needs NVRTC (CuPy) and the "
+                    "nvidia-cuda-cuobjdump/nvdisasm wheels; no GPU.")
+    p.add_argument("--device", default="h200", choices=sorted(RATES), help="per-SM rates (default h200)")
+    p.add_argument("--arch", type=int, default=None, help="compute capability; must match the device's")
+    p.add_argument("--dtype", default="bf16", help="float16/bfloat16/float32 (f16, bf16, f32)")
+    p.add_argument("--head-dim", type=int, default=None, help="the variant chosen for this head dim (default: all)")
+    p.add_argument("--head-dim-v", type=int, default=None, help="value head dim (default: --head-dim)")
+    p.add_argument("--backward", action="store_true", help="the backward pass")
+    p.add_argument("--forward-and-backward", action="store_true", help="both passes")
+    p.add_argument("--varlen", action="store_true", help="the packed variable-length kernels (attention_varlen)")
+    p.add_argument("--seqlen", type=int, default=8192, help="reference sequence length of the HBM pipe")
+    p.add_argument("--decode", action="store_true",
+                   help="the KV-cache (decode) kernel: per key tile, paged and contiguous caches, for --rows packed "
+                        "query rows (GQA group x Sq)")
+    p.add_argument("--rows", type=int, default=4, help="packed query rows per CTA for --decode (default 4)")
+    p.add_argument("--json", metavar="FILE", help="write the records (one per variant) as JSON")
+    p.add_argument("--sass", metavar="DIR", help="keep the disassembly read, one file per variant")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    rates = RATES[args.device]
+    if args.arch is not None and args.arch != rates.arch:
+        print(f"cuflash roofline: --arch {args.arch} does not match --device {args.device} (sm_{rates.arch})",
+              file=sys.stderr)
+        return 2
+    if args.seqlen < 1:
+        print(f"cuflash roofline: --seqlen must be >= 1, got {args.seqlen}", file=sys.stderr)
+        return 2
+    if args.decode:
+        return _main_decode(args, rates)
+    backward = None if args.forward_and_backward else args.backward
+    try:
+        chosen = variants(rates.arch, backward=backward, dtype=args.dtype, head_dim=args.head_dim,
+                          head_dim_v=args.head_dim_v, varlen=args.varlen)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        print(_message(e), file=sys.stderr)
+        return 2
+    try:
+        rows = [analyze(v, args.device, seqlen=args.seqlen, sass_dir=args.sass) for v in chosen]
+    except ImportError as e:
+        print(f"cuflash roofline: {e}; the command compiles with NVRTC through CuPy and disassembles with "
+              "cuobjdump/nvdisasm: pip install 'cuflash[cuda12,test]' (or cupy-cuda12x nvidia-cuda-nvrtc-cu12 "
+              "nvidia-cuda-runtime-cu12 nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)", file=sys.stderr)
+        return 1
+    except (RuntimeError, ValueError) as e:
+        print(_message(e), file=sys.stderr)
+        return 1
+    print(f"MODEL, not a measurement: per-SM rates of the {rates.device.name} (sm_{rates.arch}, {rates.sms} SMs at "
+          f"{rates.clock_ghz:.2f} GHz); counts per warp and K/V tile of the main loop (unmasked path), pipe "
+          "cycles per tile and CTA; * marks loops with inner loops (counted once: lower bounds). Sources: "
+          "python -c 'import cuflash.roofline as r; print(r.RATES[\"h200\"].source)'")
+    print(format_table(rows))
+    records = [r.as_dict() for r in rows]
+    if args.head_dim is not None:
+        want_d, want_dv = args.head_dim, args.head_dim_v or args.head_dim
+        for r, rec in zip(rows, records):
+            useful = (want_d + want_dv) / (r.head_dim + r.head_dim_v) if r.direction == "fwd" else \
+                (3 * want_d + 2 * want_dv) / (3 * r.head_dim + 2 * r.head_dim_v)
+            rec.update(requested_head_dim=want_d, requested_head_dim_v=want_dv, useful_fraction=round(useful, 4))
+            if useful < 1:
+                print(f"note: head dim {want_d} (v {want_dv}) runs in the d{r.head_dim} bucket of {r.entry}: the figures "
+                      f"are that kernel's, {useful:.0%} of its FLOPs are useful (ceiling for D={want_d}: "
+                      f"{r.ceiling_tflops * useful:.0f} TFLOP/s, predicted)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    return 0
+
+
+def _main_decode(args, rates) -> int:
+    from cuflash.kernels import attention_fwd_mma
+
+    if args.rows < 1:
+        print(f"cuflash roofline: --rows must be >= 1, got {args.rows}", file=sys.stderr)
+        return 2
+    try:
+        dt = _numpy_dtype(args.dtype)
+        dims = [args.head_dim] if args.head_dim else list(attention_fwd_mma.HEAD_DIM_BUCKETS)
+        chosen = [attention_fwd_mma.choose_variant(dt, d, args.head_dim_v or d, rates.arch, kvcache=True) for d in dims]
+        rows = [analyze_decode(v, args.device, rows=args.rows, cache=c) for v in chosen for c in ("paged", "contiguous")]
+    except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
+        print(_message(e), file=sys.stderr)
+        return 1 if isinstance(e, RuntimeError) else 2
+    print(f"MODEL, not a measurement: a decode step on the KV-cache kernel, per key tile and CTA, with {args.rows} "
+          f"packed query rows; per-SM rates of the {rates.device.name} (sm_{rates.arch}); HBM % is the share of "
+          "its bandwidth the binding pipe leaves (throughput only: latency and bytes in flight are not modelled)")
+    print(format_decode_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+    return 0
+
+
+def _message(e: Exception) -> str:
+    text = str(e)
+    return text.replace("cuflash.roofline: ", "cuflash roofline: ", 1) if text.startswith("cuflash.roofline") else \
+        f"cuflash roofline: {text}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

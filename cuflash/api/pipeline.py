@@ -1,0 +1,202 @@
+"""The one pipeline every public entry point runs, from its arguments to a target.
+
+Each public function builds one :class:`~cuflash.runtime.options.Options` from its flat
+arguments and calls :func:`run` with its :class:`Entry`. The steps, the same for every entry:
+
+1. **host import**: CPU DLPack arrays (torch and JAX CPU tensors) become zero-copy NumPy views
+   (:class:`~cuflash.runtime.interop.HostImport`), so validation and the NumPy path see NumPy;
+2. **validation**, once, from metadata (the entry's ``validate``: an ``AttentionProblem``);
+3. **the target**, from ``backend`` and the arrays' kind (:func:`resolve_backend`; it never
+   moves data):
+
+   * ``"numpy"``: the entry's NumPy implementation (:mod:`cuflash.reference`), results handed
+     back as the caller's kind;
+   * ``"cuda"`` and ``"sim"``: one :class:`~cuflash.runtime.device_call.DeviceCall` on a
+     :class:`~cuflash.runtime.device_call.CudaDevice` or a :class:`~cuflash.sim.device.SimDevice`,
+     and the entry's device steps (:func:`forward_on`, :func:`backward_on`, ...): import every
+     array the kernels touch, check ``out=``, launch through the dispatcher, export. The
+     simulator target runs this code exactly as a GPU call does.
+
+Imports: :mod:`cuflash.kernels`, :mod:`cuflash.sim`, :mod:`cuflash.reference`, :mod:`cuflash.runtime`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+from cuflash.kernels import dispatch
+from cuflash.runtime import device_call, dtypes, interop
+from cuflash.runtime.options import Options
+
+__all__ = ["Entry", "run", "resolve_backend", "env_backend", "check_kernel_dtype", "BACKENDS", "forward_on",
+           "backward_on", "lse_pair"]
+
+BACKENDS = ("auto", "numpy", "sim", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """The steps of one public function (see the module docstring).
+
+    Attributes
+    ----------
+    func : str
+        Its public name, for messages (``"cuflash.attention"``).
+    names : tuple of str
+        The operands' names, in the order the operand tuple holds them.
+    validate : callable
+        ``(operands, options, func) -> problem`` (metadata only; the problem has ``kind``,
+        ``dtype``, ``device``).
+    numpy : callable
+        ``(problem, operands) -> tuple`` of NumPy results.
+    device : callable
+        ``(problem, operands, call) -> tuple`` of the caller's framework's results.
+    result : callable
+        ``(results, problem) -> what the public function returns``.
+    out : int or None
+        The index of the ``out=`` operand (``results[0]`` is the caller's buffer when given).
+    like : int
+        The operand whose framework the results take.
+    """
+
+    func: str
+    names: tuple
+    validate: Callable
+    numpy: Callable
+    device: Callable
+    result: Callable
+    out: int | None = None
+    like: int = 0
+
+
+def run(entry: Entry, operands: tuple, options: Options):
+    """Run one call through the pipeline (the module docstring's steps)."""
+    func = entry.func
+    host = interop.HostImport(func, entry.names, operands, options)
+    problem = entry.validate(host.operands, host.options, func)
+    backend = resolve_backend(options.backend, problem.kind, func)
+    if backend == "numpy":
+        return entry.result(host.export(entry.numpy(problem, host.operands), entry.out), problem)
+    check_kernel_dtype(problem, backend)
+    if backend == "sim":
+        from cuflash.sim.device import SimDevice
+
+        device = SimDevice()
+    else:
+        device = device_call.CudaDevice(func, int(problem.device[1]))
+    out = None if entry.out is None else operands[entry.out]
+    with device_call.DeviceCall(func, device, operands[entry.like], out=out) as call:
+        return entry.result(entry.device(problem, operands, call), problem)
+
+
+def env_backend(func: str) -> str | None:
+    """The backend the ``CUFLASH_BACKEND`` environment variable names (surrounding spaces and
+    case ignored), or None when it is unset or empty.
+
+    Raises
+    ------
+    ValueError
+        For a value that names no backend.
+    """
+    raw = os.environ.get("CUFLASH_BACKEND", "")
+    env = raw.strip().lower()
+    if not env:
+        return None
+    if env not in BACKENDS:
+        raise ValueError(
+            f"{func}: environment variable CUFLASH_BACKEND must be one of {BACKENDS} (case and "
+            f"surrounding spaces ignored), got {raw!r}"
+        )
+    return env
+
+
+def resolve_backend(backend, kind: str, func: str) -> str:
+    """The concrete backend (``"numpy"``, ``"sim"`` or ``"cuda"``) for arrays of ``kind``.
+
+    ``"auto"`` never moves data: NumPy input runs the NumPy path, CuPy or CUDA DLPack input the
+    CUDA kernels. The ``CUFLASH_BACKEND`` environment variable overrides only ``"auto"``; its
+    value is read with surrounding spaces and case ignored (``" SIM"`` is ``"sim"``), while the
+    ``backend`` argument must be spelled exactly.
+
+    Raises
+    ------
+    ValueError
+        For an unknown backend name (argument or environment variable), or a backend that would
+        need the data moved between host and device (the message names the variable when the
+        backend came from it).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{func}: backend must be one of {BACKENDS}, got {backend!r}")
+    origin = f"backend={backend!r}"
+    if backend == "auto":
+        env = env_backend(func)
+        if env:
+            backend = env
+            origin = f"backend={env!r} (from the environment variable CUFLASH_BACKEND={os.environ['CUFLASH_BACKEND']!r})"
+    if backend == "auto":
+        return "numpy" if kind == "numpy" else "cuda"
+    host = kind == "numpy"
+    if backend in ("numpy", "sim") and not host:
+        raise ValueError(
+            f"{func}: {origin} computes on the host and takes NumPy arrays; got device "
+            f"arrays ({kind}). Data is never moved implicitly: copy them to NumPy first, or use "
+            f"backend='cuda'"
+        )
+    if backend == "cuda" and host:
+        raise ValueError(
+            f"{func}: {origin} needs GPU arrays (CuPy, or torch/JAX CUDA tensors); got NumPy "
+            f"arrays. Data is never moved implicitly: move them with cupy.asarray first, or use "
+            f"backend='numpy' or 'sim'"
+        )
+    return backend
+
+
+def check_kernel_dtype(problem, backend: str) -> None:
+    """The kernels compute float16, bfloat16 and float32; float64 is the NumPy path's alone.
+
+    Raises
+    ------
+    NotImplementedError
+        For float64 input on a kernel backend (``"sim"`` or ``"cuda"``).
+    """
+    if problem.dtype == dtypes.float64:
+        raise NotImplementedError(
+            f"{problem.func}: the kernels compute float16, bfloat16 and float32; float64 runs on the "
+            f"NumPy path only (backend='numpy'), got backend={backend!r}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# the device steps (the CUDA and simulator targets)
+
+
+def lse_pair(results, problem):
+    """A forward's return value: ``out``, or ``(out, lse)`` with ``return_lse``."""
+    return tuple(results) if problem.options.return_lse else results[0]
+
+
+def forward_on(problem, operands, call) -> tuple:
+    """A forward (fixed, packed or KV-cache: ``operands`` are ``(q, k, v, out)``, k and v the caches
+    for a KV cache) on ``call``'s device: every array imported, ``out=`` checked against what the
+    kernels read, the dispatcher's kernels launched, ``(out, lse)`` exported."""
+    q, k, v, out = operands
+    qc, kc, vc = (call.import_array(x) for x in (q, k, v))
+    problem = problem.on_device(call.import_array)
+    c = problem.kvcache
+    reads = {"q": qc, "k": kc, "v": vc} if c is None else {"q": qc, "k_cache": kc, "v_cache": vc}
+    if c is not None:   # the append writes the caches while q and the new k, v are read
+        for name, cache in (("k_cache", c.k_cache), ("v_cache", c.v_cache)):
+            device_call.check_no_overlap(problem.func, cache, {"q": qc, "k": c.k_new, "v": c.v_new}, out_name=name)
+    oc = None if out is None else call.output(out, problem.out_shape, problem.dtype, reads)
+    o, lse = dispatch.run_forward(problem, qc, kc, vc, oc, call)
+    return call.export(o, out=out), call.export(lse)
+
+
+def backward_on(problem, operands, call) -> tuple:
+    """A backward (fixed or packed: ``operands`` are ``(dout, q, k, v, out, lse)``) on ``call``'s
+    device: every array imported, the dispatcher's backward launched, the gradients exported."""
+    arrays = [call.import_array(x) for x in operands]
+    grads = dispatch.run_backward(problem.on_device(call.import_array), *arrays, call)
+    return tuple(call.export(g) for g in grads)

@@ -1,0 +1,282 @@
+"""Packed variable-length batches: :func:`attention_varlen` and :func:`attention_varlen_backward`
+(exported as ``cuflash.attention_varlen`` and ``cuflash.attention_varlen_backward``).
+
+flash-attn's ``flash_attn_varlen_func`` convention (and FA3's ``seqused_k``): the sequences of a
+batch are concatenated along one axis, q ``(total_q, Hq, D)``, k/v ``(total_k, Hk, D|Dv)``, and
+``cu_seqlens_q``/``cu_seqlens_k`` (int32, ``(B + 1,)``, prefix sums starting at 0) say where
+each begins. The kernels run the whole batch in one launch: the grid covers ``max_seqlen_q``
+query tiles (``max_seqlen_k`` key tiles in the backward) per sequence, and each block reads its
+sequence's offsets and lengths and exits at once when it lies past the sequence's end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cuflash.api import pipeline
+from cuflash.reference import backward as ref_backward
+from cuflash.reference import forward as ref_forward
+from cuflash.reference import kvcache as ref_kvcache
+from cuflash.runtime import interop, validation, validation_kvcache
+from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options, PackedOptions
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, return_lse=False,
+                     out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
+                     alibi_slopes=None):
+    """Exact attention over a packed batch of sequences of different lengths, fused.
+
+    Sequence ``b`` is attention of its query rows ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` over
+    its keys ``k[cu_seqlens_k[b]:cu_seqlens_k[b] + n_k]`` and values likewise, with ``n_k =
+    seqused_k[b]`` if given else ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]``; each as
+    :func:`cuflash.attention` computes it (FlashAttention-2, Dao 2023, Algorithm 1).
+
+    Parameters
+    ----------
+    q : array, shape ``(total_q, Hq, D)``
+    k : array, shape ``(total_k, Hk, D)``
+    v : array, shape ``(total_k, Hk, Dv)``
+        One kind, dtype and device, as :func:`cuflash.attention` takes them (``Hq % Hk == 0``;
+        any strides with unit last axis; ``1 <= D, Dv <= 256``).
+    cu_seqlens_q, cu_seqlens_k : int32 arrays, shape ``(B + 1,)``
+        Prefix sums of the sequences' query and key lengths: 0 first, non-decreasing, last
+        ``total_q`` / ``total_k``. NumPy arrays are checked in full (with GPU q they are copied to
+        the device, a few bytes); device arrays (CuPy, torch, JAX on q's device) are checked for
+        dtype and shape only, since reading them would synchronize the host.
+    max_seqlen_q, max_seqlen_k : int
+        The longest query and key sequence (the grid's tiles per sequence). With device indices a
+        longer sequence is not an error the host can see: its rows past the covered tiles come out
+        NaN (never another sequence's data; every index is clamped into the arrays).
+    causal : bool
+        Causal mask aligned to each sequence's bottom-right corner: row ``i`` of a sequence with
+        ``Sq`` queries and ``Sk`` keys sees key ``j`` iff ``j <= i + Sk - Sq`` (flash-attn).
+    softmax_scale : float, optional
+        Scale of ``q k^T``; None means ``1/sqrt(D)``.
+    window_size : (int, int)
+        ``(left, right)`` as in :func:`cuflash.attention`, per sequence; -1 = unbounded.
+    seqused_k : int32 array, shape ``(B,)``, optional
+        Sequence ``b`` attends to its first ``seqused_k[b]`` keys only (FA3); ``0 <= seqused_k[b]
+        <= `` its key count.
+    block_table : int32 array, shape ``(B, max_pages)``, optional
+        Chunked prefill over a paged KV cache (flash-attn's varlen ``block_table``): k and v are
+        then the caches ``(num_pages, page_size, Hk, D|Dv)`` (any ``page_size >= 1``), and
+        sequence ``b``'s keys are cache indices ``[0, n_k)`` of its pages (row ``p % page_size``
+        of page ``block_table[b, p // page_size]``), ``n_k`` as above from ``cu_seqlens_k`` /
+        ``seqused_k``. Host indices are checked (the pages a sequence uses inside the cache); with
+        device ones an out-of-range page gives NaN in that sequence's rows. Runs on the
+        tensor-core KV-cache kernel (float16/bfloat16) or the NumPy path; no backward.
+    return_lse : bool
+        Also return the log-sum-exp (natural log) of each row, float32 ``(Hq, total_q)``.
+    out : array, shape ``(total_q, Hq, Dv)``, optional
+        Output buffer of q's kind and dtype.
+    backend : {"auto", "numpy", "sim", "cuda"}
+        As in :func:`cuflash.attention`.
+    dropout_p, dropout_seed, dropout_offset
+        Attention dropout as in :func:`cuflash.attention`; the mask's batch index is the
+        sequence's and its rows and keys count from the sequence's start.
+    softcap : float
+        ``softcap * tanh(s / softcap)`` on the scaled scores (Gemma 2); 0 is off. As
+        :func:`cuflash.attention`.
+    alibi_slopes : float32 array ``(Hq,)`` or ``(B, Hq)``, optional
+        ALiBi (Press et al. 2022): ``-slope * |i + Sk - Sq - j|`` with each sequence's own
+        lengths (bottom-right aligned per sequence). On the kernel backends the tensor-core
+        tier's packed modifier forms take them (float16/bfloat16), forward and backward.
+
+    Returns
+    -------
+    out : array ``(total_q, Hq, Dv)`` of q's kind and dtype
+    lse : array ``(Hq, total_q)``, float32 (float64 for float64 input); only with ``return_lse``.
+
+    A sequence of length 0 does no work and writes nothing; a query row that sees no key
+    (``seqused_k[b] = 0``, causal with more queries than keys) gets 0 and ``lse = -inf``.
+
+    Raises
+    ------
+    TypeError
+        As :func:`cuflash.attention`; an index array that is not int32, or a device index with
+        NumPy q.
+    ValueError
+        q/k/v not 3-D or mismatched; an index that is not 1-D of length ``B + 1`` (``B`` for
+        ``seqused_k``), does not start at 0, decreases, or does not end at ``total_q`` /
+        ``total_k``; a ``max_seqlen`` below a sequence's length; ``seqused_k`` outside
+        ``[0, keys]``; an index on another device; bad options or ``out=``.
+    NotImplementedError
+        A head dim above 256, or a valid call without a kernel on the chosen backend.
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> cu = np.array([0, 3, 3, 10], dtype=np.int32)       # three sequences: 3, 0 and 7 tokens
+    >>> q, k, v = (np.random.randn(10, 4, 32).astype(np.float32) for _ in range(3))
+    >>> cuflash.attention_varlen(q, k, v, cu, cu, 7, 7, causal=True).shape
+    (10, 4, 32)
+    """
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse,
+                      backend=backend, dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                      modifiers=ModifierOptions(softcap, alibi_slopes),
+                      packed=PackedOptions(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                           block_table))
+    return pipeline.run(FORWARD, (q, k, v, out), options)
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              causal=False, softmax_scale=None, window_size=(-1, -1), seqused_k=None,
+                              deterministic=False, backend="auto", dropout_p=0.0, dropout_seed=None,
+                              dropout_offset=0, softcap=0.0, alibi_slopes=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` from its output and log-sum-exp.
+
+    Each sequence's gradients are those of :func:`cuflash.attention_backward` (FlashAttention-2,
+    Dao 2023, Algorithm 2); keys past ``seqused_k[b]`` get ``dk = dv = 0``.
+
+    Parameters
+    ----------
+    dout : array ``(total_q, Hq, Dv)``, out's dtype
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+    window_size, seqused_k
+        Exactly as the forward took them.
+    out : array ``(total_q, Hq, Dv)``
+    lse : array ``(Hq, total_q)``, float32 or float64
+        The forward's output and log-sum-exp (``return_lse=True``).
+    deterministic : bool
+        Bit-identical results run to run on the kernel backends (see
+        :func:`cuflash.attention_backward`).
+    dropout_p, dropout_seed, dropout_offset
+        The forward's dropout.
+    softcap, alibi_slopes
+        The forward's score modifiers (see :func:`attention_varlen`).
+    backend : {"auto", "numpy", "sim", "cuda"}
+
+    Returns
+    -------
+    dq, dk, dv : arrays of q's, k's and v's shapes and q's dtype and kind
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        As :func:`attention_varlen`, and for ``dout``, ``out`` or ``lse`` of the wrong shape or
+        dtype.
+    """
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, backend=backend,
+                      deterministic=deterministic, dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                      modifiers=ModifierOptions(softcap, alibi_slopes),
+                      packed=PackedOptions(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k))
+    return pipeline.run(BACKWARD, (dout, q, k, v, out, lse), options)
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def _validate_forward(operands, options, func):
+    q, k, v, out = operands
+    return validation.check_attention_varlen(q, k, v, options, func=func, out=out,
+                                             cache_check=validation_kvcache.varlen_cache)
+
+
+def _validate_backward(operands, options, func):
+    dout, q, k, v, out, lse = operands
+    options = validation.check_flags(options, func, "deterministic")
+    problem = validation.check_attention_varlen(q, k, v, options, func=func)
+    _check_backward_arrays(problem, dout, out, lse)
+    return problem
+
+
+def _check_backward_arrays(problem, dout, out, lse) -> None:
+    func = problem.func
+    infos = validation.describe_inputs({"out": out, "dout": dout}, func)
+    for name, info in infos.items():
+        if info.dtype != problem.dtype:
+            raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal q.dtype={problem.dtype.name}")
+        if info.shape != problem.out_shape:
+            raise ValueError(f"{func}: {name}.shape={info.shape} must be {problem.out_shape} (total_q, Hq, Dv)")
+        if info.device != problem.device:
+            raise ValueError(f"{func}: {name} is on device {info.device} but q is on device {problem.device}")
+        validation.check_strides(info, name, func)
+    li = interop.describe(lse, "lse", func)
+    if li.dtype_name not in ("float32", "float64"):
+        raise TypeError(f"{func}: lse.dtype={li.dtype_name} must be float32 (or float64 on the NumPy path)")
+    if li.shape != problem.lse_shape:
+        raise ValueError(f"{func}: lse.shape={li.shape} must be {problem.lse_shape} (Hq, total_q)")
+    if li.kind != problem.kind or li.device != problem.device:
+        raise ValueError(f"{func}: lse must be a {problem.q.type_name} on q's device {problem.device}")
+
+
+# --------------------------------------------------------------------------------------------
+# the NumPy path: each sequence as a fixed-shape call
+
+
+def _sequences(problem):
+    """``(query rows, key rows used)`` slices of each sequence (host indices)."""
+    vl = problem.varlen
+    cq = np.asarray(vl.cu_seqlens_q, dtype=np.int64)
+    ck = np.asarray(vl.cu_seqlens_k, dtype=np.int64)
+    used = vl.used_keys()
+    for b in range(vl.batch):
+        yield slice(cq[b], cq[b + 1]), slice(ck[b], ck[b] + used[b])
+
+
+def _sequence_problem(p, q, k, v, b: int):
+    """The fixed-shape problem of sequence ``b`` (``(1, S, H, D)`` views), its dropout counting
+    batches from ``b``, its ALiBi slopes row ``b`` of the batch's."""
+    mods = p.modifiers
+    slopes = None
+    if mods is not None and mods.alibi_slopes is not None:
+        from cuflash.reference.modifiers import broadcast_view
+
+        slopes = broadcast_view(mods.alibi_slopes)[b:b + 1]
+    options = Options(causal=p.causal, softmax_scale=p.softmax_scale, window_size=(p.window_left, p.window_right),
+                      layout="bshd", modifiers=ModifierOptions(0.0 if mods is None else mods.softcap, slopes))
+    sp = validation.check_attention(q, k, v, options, func=p.func)
+    return sp if p.dropout is None else dataclasses.replace(sp, dropout=dataclasses.replace(p.dropout, batch0=b))
+
+
+def _forward_numpy(problem, operands):
+    """The NumPy path: each sequence through :func:`cuflash.attention`'s NumPy implementation."""
+    q, k, v, out = operands
+    p = problem
+    acc = np.float64 if p.dtype == np.float64 else np.float32
+    if out is None:
+        out = np.empty(p.out_shape, dtype=p.dtype)
+    lse = np.empty(p.lse_shape, dtype=acc)
+    c = p.kvcache
+    for b, (rq, rk) in enumerate(_sequences(p)):
+        if rq.stop == rq.start:
+            continue
+        if c is not None:   # keys [0, n) of the sequence's pages
+            where = dict(page_size=c.page_size, block_table=c.block_table)
+            kb = ref_kvcache.gather(k, b, 0, rk.stop - rk.start, **where)
+            vb = ref_kvcache.gather(v, b, 0, rk.stop - rk.start, **where)
+        else:
+            kb, vb = k[rk], v[rk]
+        qs, ks, vs = q[None, rq], kb[None], vb[None]
+        o, lse_b = ref_forward.run_forward(_sequence_problem(p, qs, ks, vs, b), qs, ks, vs)
+        out[rq] = o[0]
+        lse[:, rq] = lse_b[0]
+    return out, lse
+
+
+def _backward_numpy(problem, operands):
+    """The NumPy path: each sequence through :func:`cuflash.attention_backward`'s NumPy one."""
+    dout, q, k, v, out, lse = operands
+    p = problem
+    dq, dk, dv = np.zeros(q.shape, p.dtype), np.zeros(k.shape, p.dtype), np.zeros(v.shape, p.dtype)
+    for b, (rq, rk) in enumerate(_sequences(p)):
+        if rq.stop == rq.start or rk.stop == rk.start:
+            continue   # no query: nothing flows; no key used: dq = 0 and dk = dv = 0
+        qs, ks, vs = q[None, rq], k[None, rk], v[None, rk]
+        g = ref_backward.run_backward(_sequence_problem(p, qs, ks, vs, b), dout[None, rq], qs, ks, vs,
+                                      out[None, rq], np.ascontiguousarray(lse[None, :, rq]))
+        dq[rq], dk[rk], dv[rk] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+#: :func:`attention_varlen`'s steps (the device steps are :func:`cuflash.attention`'s)
+FORWARD = pipeline.Entry("cuflash.attention_varlen", ("q", "k", "v", "out"), _validate_forward, _forward_numpy,
+                         pipeline.forward_on, pipeline.lse_pair, out=3)
+#: :func:`attention_varlen_backward`'s steps (the device steps are :func:`cuflash.attention_backward`'s)
+BACKWARD = pipeline.Entry("cuflash.attention_varlen_backward", ("dout", "q", "k", "v", "out", "lse"),
+                          _validate_backward, _backward_numpy, pipeline.backward_on,
+                          lambda grads, problem: tuple(grads), like=1)

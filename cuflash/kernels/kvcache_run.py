@@ -1,0 +1,58 @@
+"""Running a KV-cache call: the append, the KV-cache forward and, with several key splits, the
+combine, in that order on the call's stream.
+
+The append (:mod:`~cuflash.kernels.kvcache_append`) writes the new keys and values into the
+cache (rotated) and the rotated queries into a workspace; the tensor-core KV-cache forward
+(:mod:`~cuflash.kernels.attention_fwd_mma`, its ``kvcache`` form) reads the cache where it lies;
+the combine (:mod:`~cuflash.kernels.attention_combine`) merges the split partials by their
+log-sum-exp. Workspaces (rotated q, split partials) come from the call (the caller's allocator on
+a GPU); nothing synchronizes the host, and every plan is made before the first launch, so a plan
+that cannot be made launches nothing.
+
+Imports: the kernel families above and :mod:`cuflash.runtime`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cuflash.kernels import attention_combine, attention_fwd_mma, kvcache_append
+from cuflash.runtime import validation_kvcache
+
+__all__ = ["run_kvcache"]
+
+
+def run_kvcache(problem, q, out, call):
+    """``(out, lse)`` of the KV-cache call ``problem`` (its ``kvcache`` arrays and ``q`` device
+    arrays of ``call``; ``out`` None allocates).
+
+    Only the tensor-core tier has the KV-cache form: a call it cannot take raises
+    ``NotImplementedError`` saying why (never a silent fallback).
+    """
+    p, c = problem, problem.kvcache
+    why = attention_fwd_mma.unsupported_reason(p, call.arch, (q, c.k_cache, c.v_cache, out))
+    if why is not None:
+        raise NotImplementedError(f"{p.func}: the KV-cache kernel runs on the tensor-core tier only, which cannot "
+                                  f"take this call: {why}")
+    if out is None:
+        out = call.empty(p.out_shape, p.dtype)
+    lse = call.empty(p.lse_shape, np.float32)
+    q_rot = None if c.rotary_cos is None else call.empty(q.shape, p.dtype)
+    plans = [kvcache_append.plan_append(p, q, q_rot, validation_kvcache.rotates_per_row(p), call)]
+    if not p.is_empty:
+        variant = attention_fwd_mma.choose_variant(p.dtype, p.head_dim, p.head_dim_v, call.arch,
+                                                   varlen=p.varlen is not None, kvcache=True,
+                                                   mods=p.modifiers is not None)
+        splits = attention_fwd_mma.kvcache_splits(p, variant, call.arch, call.sm_count)
+        rows = p.batch_shape[0] * p.num_heads_q * p.seqlen_q if splits > 1 else 0
+        o_part = call.empty((splits, rows, p.head_dim_v), np.float32)
+        lse_part = call.empty((splits, rows), np.float32)
+        plans.append(attention_fwd_mma.plan_kvcache(p, q if q_rot is None else q_rot, out, lse, variant,
+                                                    (o_part, lse_part), call))
+        if splits > 1:
+            plans.append(attention_combine.plan_combine(o_part, lse_part, out, lse, num_heads_q=p.num_heads_q,
+                                                        seqlen_q=p.seqlen_q))
+    for launch_plan in plans:
+        if launch_plan is not None:
+            call.launch(launch_plan)
+    return out, lse

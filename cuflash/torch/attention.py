@@ -1,0 +1,285 @@
+"""The fixed-shape operators of :mod:`cuflash.torch` and :func:`attention`.
+
+Registered with :func:`torch.library.custom_op`:
+
+* ``cuflash::attention_fwd(q, k, v, causal, softmax_scale, window_left, window_right, layout,
+  deterministic=False, dropout_p=0.0, dropout_seed=0, dropout_offset=0) -> (out, lse)``
+  (``deterministic`` only travels to the backward)
+* ``cuflash::attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, window_left,
+  window_right, layout, deterministic=False, dropout_p=0.0, dropout_seed=0, dropout_offset=0)
+  -> (dq, dk, dv)``
+* ``cuflash::attention_mod_fwd`` / ``cuflash::attention_mod_bwd``: the same with the score
+  modifiers (``softcap, alibi_slopes, attn_bias, attn_mask, sinks``; the backward also returns
+  ``dbias`` and ``dsinks``), used only when a modifier is given
+
+each with a ``register_fake`` implementation (shapes and dtypes only) and the forwards with
+``register_autograd`` (the context saves q, k, v, out and lse; the backward is the
+FlashAttention-2 backward, :func:`cuflash.attention_backward`). Each operator runs
+:func:`cuflash.attention`'s (or :func:`cuflash.attention_backward`'s) pipeline on its tensors.
+
+Imports: torch, :mod:`cuflash.api` and below.
+"""
+
+import torch
+
+from cuflash.api import attention as api_attention
+from cuflash.api import backward as api_backward
+from cuflash.runtime import validation
+from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options
+from cuflash.torch import tensors
+from cuflash.torch.tensors import detached, lse_dtype, prepare
+
+__all__ = ["attention", "attention_fwd", "attention_bwd", "attention_mod_fwd", "attention_mod_bwd"]
+
+_FUNC = "cuflash.torch.attention"
+_FUNC_BWD = _FUNC + " (backward)"
+
+
+def _options(causal, softmax_scale, window, layout, deterministic, dropout, modifiers=ModifierOptions()) -> Options:
+    """The options of an operator's call: ``window`` is ``(left, right)``, ``dropout`` ``(p, seed,
+    offset)``."""
+    return Options(causal=causal, softmax_scale=softmax_scale, window_size=tuple(window), layout=layout,
+                   return_lse=True, deterministic=deterministic, dropout=DropoutOptions(*dropout), modifiers=modifiers)
+
+
+def _forward(q, k, v, options):
+    return tensors.run(api_attention.FORWARD, (prepare(q), prepare(k), prepare(v), None), options, _FUNC, q)
+
+
+def _backward(arrays, options):
+    dout, q, k, v, out, lse = arrays
+    return tensors.run(api_backward.BACKWARD, (*(prepare(t) for t in (dout, q, k, v, out)), lse.detach()), options,
+                       _FUNC_BWD, q)
+
+
+# --------------------------------------------------------------------------------------------
+# the plain operators
+
+
+@torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    window_left: int, window_right: int, layout: str, deterministic: bool = False, dropout_p: float = 0.0,
+    dropout_seed: int = 0, dropout_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward: ``(out, lse)``; ``lse`` is float32 (float64 for float64 input). ``deterministic``
+    is the backward's (saved for it); the dropout arguments are :func:`cuflash.attention`'s."""
+    return _forward(q, k, v, _options(causal, softmax_scale, (window_left, window_right), layout, False,
+                                      (dropout_p, dropout_seed, dropout_offset)))
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False,
+                        dropout_p=0.0, dropout_seed=0, dropout_offset=0):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if layout == "bshd":
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    else:
+        lse_shape = tuple(q.shape[:-1])
+    return out, q.new_empty(lse_shape, dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("cuflash::attention_bwd", mutates_args=())
+def attention_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int, layout: str,
+    deterministic: bool = False, dropout_p: float = 0.0, dropout_seed: int = 0, dropout_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: ``(dq, dk, dv)`` in the dtypes and shapes of q, k and v (FlashAttention-2, Alg. 2)."""
+    return _backward((dout, q, k, v, out, lse), _options(causal, softmax_scale, (window_left, window_right), layout,
+                                                         deterministic, (dropout_p, dropout_seed, dropout_offset)))
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
+                        deterministic=False, dropout_p=0.0, dropout_seed=0, dropout_offset=0):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, window_left, window_right, layout, *rest = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    rest = list(rest) + [False, 0.0, 0, 0][len(rest):]   # deterministic, dropout_p, dropout_seed, dropout_offset
+    ctx.options = (causal, softmax_scale, window_left, window_right, layout, bool(rest[0]), *rest[1:])
+    ctx.mark_non_differentiable(lse)
+
+
+def _grads(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_grads, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# the score modifiers' operators (used only when a modifier is given: the plain call is unchanged)
+
+
+@torch.library.custom_op("cuflash::attention_mod_fwd", mutates_args=())
+def attention_mod_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    window_left: int, window_right: int, layout: str, deterministic: bool, dropout_p: float,
+    dropout_seed: int, dropout_offset: int, softcap: float, alibi_slopes: torch.Tensor | None,
+    attn_bias: torch.Tensor | None, attn_mask: torch.Tensor | None, sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward with score modifiers: ``(out, lse)`` (:func:`cuflash.attention`'s arguments)."""
+    mods = ModifierOptions(softcap, *(detached(t) for t in (alibi_slopes, attn_bias, attn_mask, sinks)))
+    return _forward(q, k, v, _options(causal, softmax_scale, (window_left, window_right), layout, False,
+                                      (dropout_p, dropout_seed, dropout_offset), mods))
+
+
+@attention_mod_fwd.register_fake
+def _attention_mod_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic,
+                            dropout_p, dropout_seed, dropout_offset, softcap, alibi_slopes, attn_bias, attn_mask, sinks):
+    return _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout)
+
+
+@torch.library.custom_op("cuflash::attention_mod_bwd", mutates_args=())
+def attention_mod_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int, layout: str,
+    deterministic: bool, dropout_p: float, dropout_seed: int, dropout_offset: int, softcap: float,
+    alibi_slopes: torch.Tensor | None, attn_bias: torch.Tensor | None, attn_mask: torch.Tensor | None,
+    sinks: torch.Tensor | None, return_dbias: bool, return_dsinks: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward with score modifiers: ``(dq, dk, dv, dbias, dsinks)``; ``dbias``/``dsinks`` are
+    empty ``(0,)`` tensors when not asked for."""
+    mods = ModifierOptions(softcap, *(detached(t) for t in (alibi_slopes, attn_bias, attn_mask, sinks)))
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                      layout=layout, deterministic=deterministic, return_dbias=return_dbias, return_dsinks=return_dsinks,
+                      dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset), modifiers=mods)
+    grads = list(_backward((dout, q, k, v, out, lse), options))
+    dq, dk, dv = grads[:3]
+    rest = grads[3:]
+    dbias = rest.pop(0) if return_dbias else q.new_empty((0,))
+    dsinks = rest.pop(0) if return_dsinks else q.new_empty((0,))
+    return dq, dk, dv, dbias, dsinks
+
+
+@attention_mod_bwd.register_fake
+def _attention_mod_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
+                            deterministic, dropout_p, dropout_seed, dropout_offset, softcap, alibi_slopes, attn_bias,
+                            attn_mask, sinks, return_dbias, return_dsinks):
+    dq, dk, dv = _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout)
+    dbias = torch.empty_like(attn_bias, memory_format=torch.contiguous_format) if return_dbias else q.new_empty((0,))
+    dsinks = sinks.new_empty(sinks.shape, dtype=lse_dtype(q.dtype)) if return_dsinks else q.new_empty((0,))
+    return dq, dk, dv, dbias, dsinks
+
+
+_MOD_BIAS, _MOD_SINKS = 14, 16   # input positions of attn_bias and sinks in attention_mod_fwd
+
+
+def _mod_setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    alibi, bias, mask, sinks = inputs[13:17]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi, bias, mask, sinks)
+    ctx.options = tuple(inputs[3:13])
+    ctx.mark_non_differentiable(lse)
+
+
+def _mod_grads(ctx, dout, dlse):
+    q, k, v, out, lse, alibi, bias, mask, sinks = ctx.saved_tensors
+    want_bias = bias is not None and ctx.needs_input_grad[_MOD_BIAS]
+    want_sinks = sinks is not None and ctx.needs_input_grad[_MOD_SINKS]
+    dq, dk, dv, dbias, dsinks = attention_mod_bwd(dout, q, k, v, out, lse, *ctx.options, alibi, bias, mask, sinks,
+                                                  want_bias, want_sinks)
+    grads = [dq, dk, dv] + [None] * 14
+    if want_bias:
+        grads[_MOD_BIAS] = dbias.to(bias.dtype)
+    if want_sinks:
+        grads[_MOD_SINKS] = dsinks.to(sinks.dtype)
+    return tuple(grads)
+
+
+attention_mod_fwd.register_autograd(_mod_grads, setup_context=_mod_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# the public function
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
+              deterministic=False, dropout_p=0.0, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None,
+              sinks=None):
+    """Differentiable exact attention, ``softmax(softmax_scale * q k^T + mask) v``, for torch tensors.
+
+    The conventions of :func:`cuflash.attention` (GQA/MQA, ``window_size``, layouts, empty rows
+    -> 0); gradients come from the FlashAttention-2 backward (:func:`cuflash.attention_backward`)
+    with ``P`` recomputed from the saved log-sum-exp. Works under ``torch.compile``
+    (``fullgraph=True``) through the custom operators ``cuflash::attention_fwd`` and
+    ``cuflash::attention_bwd``.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape ``(..., Sq, D)`` ("bhsd") or ``(B, Sq, Hq, D)`` ("bshd")
+    k : torch.Tensor, shape ``(..., Sk, D)`` or ``(B, Sk, Hk, D)``
+    v : torch.Tensor, shape ``(..., Sk, Dv)`` or ``(B, Sk, Hk, Dv)``
+        One dtype (float16, bfloat16, float32, float64) and one device. CPU tensors run the NumPy
+        implementation; CUDA tensors (float16, bfloat16, float32) the CUDA forward and backward
+        kernels on torch's current stream.
+    causal : bool
+        Causal mask aligned bottom-right (flash-attn >= 2.1): query ``i`` sees key ``j`` iff
+        ``j <= i + Sk - Sq``. PyTorch SDPA's ``is_causal`` is top-left; they agree when ``Sq == Sk``.
+    softmax_scale : float, optional
+        None means ``1/sqrt(D)``; ``0.0`` is valid.
+    window_size : (int, int)
+        ``(left, right)`` local-attention bounds, -1 = unbounded; ``causal=True`` sets ``right = 0``.
+    layout : {"bhsd", "bshd"}
+    deterministic : bool
+        The backward's: bit-identical gradients run to run on CUDA tensors (no atomics in the dQ
+        sum; a float32 workspace of up to 16 copies of dq and a slower backward, see
+        :func:`cuflash.attention_backward`). CPU tensors are always deterministic.
+    dropout_p : float
+        Attention dropout in ``[0, 1)`` (applied whenever it is > 0, as ``F.dropout(training=True)``;
+        pass 0 to evaluate). The mask's seed and offset are drawn from torch's default CPU generator
+        (``torch.randint``, no device synchronization), so ``torch.manual_seed`` reproduces a run;
+        the backward regenerates the same mask (:func:`cuflash.reference.dropout_mask` shows it).
+        Drawing them is a graph break under ``torch.compile``.
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+        The score modifiers of :func:`cuflash.attention` (softcap as in Gemma 2, ALiBi slopes
+        ``(Hq,)``/``(B, Hq)`` float32, an additive ``attn_bias`` broadcastable to ``(B, Hq, Sq,
+        Sk)``, a bool ``attn_mask`` (True = attend), float32 ``sinks`` ``(Hq,)``), as tensors of
+        q's device. ``attn_bias`` and ``sinks`` are differentiable: their gradients come from
+        the backward when they require grad (``d attn_bias`` summed over the axes it broadcasts
+        over). These calls go through the operators ``cuflash::attention_mod_fwd`` /
+        ``cuflash::attention_mod_bwd``.
+
+    Returns
+    -------
+    torch.Tensor
+        q's dtype and device, shape ``q.shape[:-1] + (Dv,)``; differentiable with respect to q, k,
+        v (and ``attn_bias``, ``sinks``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`cuflash.attention` (raised when the operator runs).
+    NotImplementedError
+        Tensors on devices other than CPU and CUDA, float64 CUDA tensors.
+    """
+    mods = (alibi_slopes, attn_bias, attn_mask, sinks)
+    tensors.check_tensors(_FUNC, {"q": q, "k": k, "v": v}, dict(zip(("alibi_slopes", "attn_bias", "attn_mask",
+                                                                     "sinks"), mods)))
+    causal = validation.check_flag(causal, "causal", _FUNC)
+    deterministic = validation.check_flag(deterministic, "deterministic", _FUNC)
+    layout = validation.check_layout(layout, _FUNC)
+    left, right = validation.check_window_size(window_size, False, _FUNC)
+    seq_axis = 1 if layout == "bshd" else -2
+    if q.dim() >= 2 and k.dim() >= 2:  # other ranks are refused when the operator validates
+        # bounds past both sequences mean "unbounded": -1 keeps the operator's int64 arguments in range
+        left, right = validation.normalize_window(left, right, q.shape[seq_axis], k.shape[seq_axis])
+    scale = tensors.scale_of(softmax_scale, q.shape[-1] if q.dim() else 0, _FUNC)
+    seed, offset = tensors.dropout_key(dropout_p, _FUNC)
+    if softcap != 0.0 or any(x is not None for x in mods):
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"{_FUNC}: softcap must be a real number >= 0 (0 = off), got {softcap!r} "
+                            f"({type(softcap).__name__})")
+        out, _ = attention_mod_fwd(q, k, v, causal, scale, left, right, layout, deterministic, float(dropout_p), seed,
+                                   offset, float(softcap), *mods)
+        return out
+    out, _ = attention_fwd(q, k, v, causal, scale, left, right, layout, deterministic, float(dropout_p), seed, offset)
+    return out

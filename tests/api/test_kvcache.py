@@ -1,0 +1,531 @@
+"""KV-cache attention: ``cuflash.attention_with_kvcache`` and ``cuflash.merge_attention`` (issue 22).
+
+Every case runs the NumPy path and the simulator (the tensor-core KV-cache kernel, its append
+and split-KV combine) on copies of one cache, and holds each sequence's output to the float64
+oracle over the keys the cache holds after the append (the tolerance rule of tests/_tolerance.py),
+the LSE to float64, and the two caches to each other byte for byte (and to the original outside
+the appended rows). Unused cache rows, rows before the left padding and unused pages hold NaN,
+so a read of any of them shows. The grid is a pairwise covering design over batches with mixed
+cache lengths (0 and 1 included), query lengths, appends, page sizes (contiguous, 1, 3, 16, 256),
+GQA groups 1..8, masks, head dims 40..256, split counts, rotary, left padding, cache batch
+indices and both 16-bit dtypes; a share of it in checked mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+from allpairspy import AllPairs
+from support.device import on_device, sim_call
+from support.options import check_kvcache as check_attention_with_kvcache
+from support.tolerance import check_close
+
+import cuflash
+from cuflash import reference as ref
+from cuflash.kernels import dispatch
+from cuflash.reference import kvcache as ref_kvcache
+from cuflash.runtime import dtypes
+
+#: cache lengths before the append, one per sequence
+BATCHES = {"one_empty": [0], "two": [1, 37], "three": [0, 5, 130], "five": [1, 0, 64, 17, 200]}
+SQ = [1, 2, 7, 64, 130]
+SNEW = [0, 1, 3]
+PAGES = [None, 1, 3, 16, 256]          # None: a contiguous cache
+HEADS = [(2, 2), (4, 2), (4, 1), (8, 1)]   # GQA groups 1, 2, 4, 8
+MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False, (9, 4)),
+         "causal_win": (True, (20, -1))}
+HEAD_DIMS = [40, 64, 96, 128, 200, 256]
+SPLITS = [0, 1, 3, 8]
+ROTARY = ["none", "interleaved", "neox"]
+EXTRAS = ["plain", "leftpad", "batch_idx"]   # batch_idx: contiguous caches only (else plain)
+DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
+AXES = [list(BATCHES), SQ, SNEW, PAGES, HEADS, list(MASKS), HEAD_DIMS, SPLITS, ROTARY, EXTRAS, list(DTYPES)]
+PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
+
+
+def make_case(rng, lengths, sq, snew, page, heads, d, dtype, rotary, extra):
+    """Inputs of one call, with NaN wherever the call must not read."""
+    hq, hk = heads
+    b = len(lengths)
+    lengths = np.array(lengths, np.int32)
+    need = int((lengths + snew).max())
+    kw = {}
+    leftpad = None
+    if extra == "leftpad":
+        leftpad = (lengths // 3).astype(np.int32)
+        kw["cache_leftpad"] = leftpad
+    if page is None:
+        s_cache = need + 5
+        nb = b + 1 if extra == "batch_idx" else b
+        kc = np.full((nb, s_cache, hk, d), np.nan, dtype)
+        order = rng.permutation(nb)[:b].astype(np.int32) if extra == "batch_idx" else np.arange(b, dtype=np.int32)
+        if extra == "batch_idx":
+            kw["cache_batch_idx"] = order
+        vc = np.full((nb, s_cache, hk, d), np.nan, dtype)
+        for i in range(b):
+            lo = 0 if leftpad is None else leftpad[i]
+            kc[order[i], lo:lengths[i]] = rng.standard_normal((lengths[i] - lo, hk, d))
+            vc[order[i], lo:lengths[i]] = rng.standard_normal((lengths[i] - lo, hk, d))
+    else:
+        max_pages = -(-need // page) + 1
+        per_seq = [-(-int(n + snew) // page) for n in lengths]
+        num_pages = sum(per_seq) + 2   # two pages nobody uses
+        ids = rng.permutation(num_pages).astype(np.int32)
+        bt = np.full((b, max_pages), -7, np.int32)   # entries past a sequence's pages are never read
+        at = 0
+        for i, n in enumerate(per_seq):
+            bt[i, :n] = ids[at:at + n]
+            at += n
+        kw["block_table"] = bt
+        kc = np.full((num_pages, page, hk, d), np.nan, dtype)
+        vc = np.full((num_pages, page, hk, d), np.nan, dtype)
+        for i in range(b):
+            lo = 0 if leftpad is None else int(leftpad[i])
+            i0, i1 = ref_kvcache.cache_rows(i, lo, int(lengths[i]), page_size=page, block_table=bt)
+            kc[i0, i1] = rng.standard_normal((len(i0), hk, d))
+            vc[i0, i1] = rng.standard_normal((len(i0), hk, d))
+    q = rng.standard_normal((b, sq, hq, d)).astype(dtype)
+    if snew:
+        kw["k"] = rng.standard_normal((b, snew, hk, d)).astype(dtype)
+        kw["v"] = rng.standard_normal((b, snew, hk, d)).astype(dtype)
+        if rotary != "none":
+            ro = need + sq + 2
+            angle = np.outer(np.arange(ro), 1.0 / 10000 ** (np.arange(0, d // 2, 2) / (d // 2)))
+            kw["rotary_cos"] = np.cos(angle).astype(np.float32 if d % 3 else dtype)
+            kw["rotary_sin"] = np.sin(angle).astype(kw["rotary_cos"].dtype)
+            kw["rotary_interleaved"] = rotary == "interleaved"
+    return q, kc, vc, lengths, kw
+
+
+def expected_cache(kc, vc, lengths, kw, page):
+    """The caches after the append, computed independently of the code under test (but for the
+    rotation, :func:`cuflash.reference.kvcache.apply_rotary`, itself checked in float64 below)."""
+    kc, vc = kc.copy(), vc.copy()
+    if "k" not in kw:
+        return kc, vc
+    k_new = kw["k"]
+    if "rotary_cos" in kw:
+        pos = lengths[:, None] + np.arange(k_new.shape[1])[None]
+        k_new = ref_kvcache.apply_rotary(k_new, kw["rotary_cos"], kw["rotary_sin"], pos,
+                                         interleaved=kw["rotary_interleaved"])
+    for b in range(len(lengths)):
+        for t in range(k_new.shape[1]):
+            p = int(lengths[b]) + t
+            if page is None:
+                cb = kw.get("cache_batch_idx", np.arange(len(lengths)))[b]
+                kc[cb, p], vc[cb, p] = k_new[b, t], kw["v"][b, t]
+            else:
+                pg = kw["block_table"][b, p // page]
+                kc[pg, p % page], vc[pg, p % page] = k_new[b, t], kw["v"][b, t]
+    return kc, vc
+
+
+def check_result(out, lse, q, kc, vc, lengths, kw, page, causal, window):
+    """Each sequence against the float64 oracle over the keys the (expected) cache holds."""
+    b_count, sq = q.shape[:2]
+    snew = kw["k"].shape[1] if "k" in kw else 0
+    q_use = q
+    if "rotary_cos" in kw:
+        per_row = causal or tuple(window) != (-1, -1)
+        pos = lengths[:, None] + (np.arange(sq)[None] if per_row else 0)
+        q_use = ref_kvcache.apply_rotary(q, kw["rotary_cos"], kw["rotary_sin"], pos,
+                                         interleaved=kw["rotary_interleaved"])
+    leftpad = kw.get("cache_leftpad", np.zeros(b_count, np.int32))
+    for b in range(b_count):
+        lo, hi = int(leftpad[b]), int(lengths[b]) + snew
+        where = dict(page_size=page, block_table=kw.get("block_table"), cache_batch_idx=kw.get("cache_batch_idx"))
+        kb = ref_kvcache.gather(kc, b, lo, hi, **where)[None]
+        vb = ref_kvcache.gather(vc, b, lo, hi, **where)[None]
+        qb = q_use[b:b + 1]
+        check_close(out[b:b + 1], qb, kb, vb, layout="bshd", causal=causal, window_size=window)
+        _, lse64 = ref.naive_attention(qb.astype(np.float64), kb.astype(np.float64), vb.astype(np.float64),
+                                       layout="bshd", return_lse=True, causal=causal, window_size=window)
+        got = lse[b]
+        assert np.array_equal(np.isneginf(got), np.isneginf(lse64[0])), "rows without keys differ"
+        fin = np.isfinite(lse64[0])
+        assert np.isfinite(got[fin]).all()
+        np.testing.assert_allclose(got[fin], lse64[0][fin], rtol=2e-3, atol=2e-3)
+
+
+def run_case(rng, batch, sq, snew, page, heads, mask, d, splits, rotary, extra, dtype_key, *, checked=False, seed=0):
+    if extra == "batch_idx" and page is not None:
+        extra = "plain"
+    dt = DTYPES[dtype_key]
+    lengths = BATCHES[batch]
+    q, kc, vc, lengths, kw = make_case(rng, lengths, sq, snew, page, heads, d, dt, rotary, extra)
+    causal, window = MASKS[mask]
+    want_k, want_v = expected_cache(kc, vc, lengths, kw, page)
+    caches = {}
+    for backend in ("numpy", "sim"):
+        k1, v1 = kc.copy(), vc.copy()
+        with cuflash.sim.options(checked=checked, seed=seed):
+            out, lse = cuflash.attention_with_kvcache(q, k1, v1, lengths, causal=causal, window_size=window,
+                                                      num_splits=splits, return_lse=True, backend=backend, **kw)
+        assert out.shape == q.shape and out.dtype == dt and lse.shape == (q.shape[0], q.shape[2], sq)
+        check_result(out, lse, q, want_k, want_v, lengths, kw, page, causal, window)
+        caches[backend] = (k1, v1)
+    for backend, (k1, v1) in caches.items():   # byte for byte (NaN in unused rows included)
+        assert k1.tobytes() == want_k.tobytes() and v1.tobytes() == want_v.tobytes(), backend
+
+
+@pytest.mark.parametrize("case", PAIRWISE, ids=["-".join(map(str, c)) for c in PAIRWISE])
+def test_kvcache_pairwise(case, rng):
+    run_case(rng, *case)
+
+
+#: a share of the grid in checked mode (races, bounds, uninitialized reads), with other thread orders
+CHECKED = PAIRWISE[::5]
+
+
+@pytest.mark.parametrize("case", CHECKED, ids=["-".join(map(str, c)) for c in CHECKED])
+def test_kvcache_checked(case, rng):
+    run_case(rng, *case, checked=True, seed=3)
+
+
+def test_apply_rotary_matches_float64_rotation(rng):
+    """The rotation is a complex multiplication by exp(i * angle) of each dimension pair: float64
+    oracle, both pairings, and the dims past rotary_dim untouched."""
+    x = rng.standard_normal((2, 5, 3, 24)).astype(np.float32)
+    angle = rng.uniform(-4, 4, (40, 8))
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    pos = rng.integers(0, 40, (2, 5))
+    for interleaved in (True, False):
+        got = ref_kvcache.apply_rotary(x, cos, sin, pos, interleaved=interleaved)
+        xd = x.astype(np.float64)
+        i1 = np.arange(0, 16, 2) if interleaved else np.arange(8)
+        i2 = i1 + 1 if interleaved else i1 + 8
+        z = (xd[..., i1] + 1j * xd[..., i2]) * np.exp(1j * angle[pos][:, :, None, :])
+        np.testing.assert_allclose(got[..., i1], z.real, atol=2e-6)
+        np.testing.assert_allclose(got[..., i2], z.imag, atol=2e-6)
+        assert np.array_equal(got[..., 16:], x[..., 16:])
+
+
+@pytest.mark.parametrize("backend", ["numpy", "sim"])
+def test_split_counts_agree(rng, backend):
+    """Every split count gives the unsplit result up to float32 rounding of the merge."""
+    q, kc, vc, lengths, kw = make_case(rng, [150, 3, 90], 1, 0, 16, (8, 2), 64, dtypes.bfloat16, "none", "plain")
+    outs = [cuflash.attention_with_kvcache(q, kc, vc, lengths, num_splits=n, return_lse=True, backend=backend, **kw)
+            for n in (1, 2, 3, 10)]
+    for o, lse in outs[1:]:
+        np.testing.assert_allclose(o.astype(np.float32), outs[0][0].astype(np.float32), atol=1e-2)
+        np.testing.assert_allclose(lse, outs[0][1], atol=1e-4)
+
+
+def test_num_splits_heuristic():
+    """num_splits=0: a batch that fills the device runs unsplit; a single long sequence splits,
+    keeping at least two key tiles per split."""
+    from cuflash.kernels import attention_fwd_mma
+
+    def splits(b, cache, hq=32, hk=8):
+        q = np.zeros((b, 1, hq, 128), dtypes.bfloat16)
+        kc = np.zeros((b, cache, hk, 128), dtypes.bfloat16)
+        p = check_attention_with_kvcache(q, kc, kc, cache)
+        v = attention_fwd_mma.choose_variant(p.dtype, 128, 128, 90, kvcache=True)
+        return attention_fwd_mma.kvcache_splits(p, v, 90, 132)
+
+    assert splits(64, 8192) == 1
+    assert 1 < splits(1, 8192) <= 8192 // 64 // 2
+    assert splits(1, 64) == 1
+
+
+def test_scalar_cache_seqlens_and_contiguous_decode(rng):
+    """An int cache_seqlens (every sequence the same length), no append, on both backends."""
+    q = rng.standard_normal((2, 1, 4, 64)).astype(dtypes.float16)
+    kc = rng.standard_normal((2, 50, 2, 64)).astype(dtypes.float16)
+    vc = rng.standard_normal((2, 50, 2, 64)).astype(dtypes.float16)
+    kc[:, 33:] = np.nan
+    for backend in ("numpy", "sim"):
+        out = cuflash.attention_with_kvcache(q, kc, vc, 33, backend=backend)
+        check_close(out, q, kc[:, :33], vc[:, :33], layout="bshd")
+
+
+def test_hostile_device_indices_give_nan_rows_and_stay_inside(rng):
+    """Device-resident indices are not read by the host: whatever they hold, the kernels clamp
+    every index into the cache (checked mode reports any access outside an array) and a sequence
+    whose index was out of range comes out NaN, while the others are exact; appends that would
+    land outside the cache or on a bad page are not written."""
+    q, kc, vc, lengths, kw = make_case(rng, [5, 20, 9], 2, 1, 4, (4, 2), 64, dtypes.float16, "none", "plain")
+    problem = check_attention_with_kvcache(q, kc, vc, lengths, **kw)
+    bt = kw["block_table"].copy()
+    bt[1, 1] = 10**6            # sequence 1's second page: out of range
+    seqlens = lengths.copy()
+    seqlens[2] = 2**31 - 5      # sequence 2: far past the cache
+    hostile = dataclasses.replace(problem, kvcache=dataclasses.replace(problem.kvcache, block_table=bt,
+                                                                       cache_seqlens=seqlens, checked=False,
+                                                                       longest=None))
+    k1, v1 = kc.copy(), vc.copy()
+    hostile = dataclasses.replace(hostile, kvcache=dataclasses.replace(hostile.kvcache, k_cache=k1, v_cache=v1))
+    for splits in (1, 3):
+        c = dataclasses.replace(hostile.kvcache, num_splits=splits)
+        with cuflash.sim.options(checked=True), sim_call(q) as call:
+            p, qd = on_device(call, dataclasses.replace(hostile, kvcache=c), q)
+            out, lse = (call.export(a) for a in dispatch.run_forward(p, qd, p.kvcache.k_cache, p.kvcache.v_cache,
+                                                                      None, call))
+        assert np.isnan(out[1:].astype(np.float32)).all() and np.isnan(lse[1:]).all()
+        good_k, good_v = expected_cache(kc, vc, lengths[:1], dict(kw, block_table=kw["block_table"][:1],
+                                                                   k=kw["k"][:1], v=kw["v"][:1]), 4)
+        check_result(out[:1], lse[:1], q[:1], good_k, good_v, lengths[:1],
+                     dict(kw, block_table=kw["block_table"][:1], k=kw["k"][:1], v=kw["v"][:1]), 4, False, (-1, -1))
+    # nothing of sequence 2 was written anywhere; sequence 1's token went to its own valid page
+    changed = np.flatnonzero(~np.all((k1 == kc) | (np.isnan(k1) & np.isnan(kc)), axis=(2, 3)).ravel())
+    pages_written = {int(i) // 4 for i in changed}
+    assert pages_written <= {int(kw["block_table"][0, 5 // 4]), int(kw["block_table"][1, 20 // 4])}
+
+
+# --------------------------------------------------------------------------------------------
+# merge_attention
+
+
+def test_merge_attention_equals_attention_over_the_union(rng):
+    """Attention over disjoint key sets, merged, is attention over their union (float64 oracle);
+    an empty part adds nothing; every part empty gives 0 and -inf."""
+    q = rng.standard_normal((2, 3, 6, 32))
+    k = rng.standard_normal((2, 3, 20, 32))
+    v = rng.standard_normal((2, 3, 20, 16))
+    parts = [(0, 7), (7, 7), (7, 20)]
+    outs, lses = zip(*(ref.naive_attention(q, k[..., a:b, :], v[..., a:b, :], return_lse=True) for a, b in parts))
+    out, lse = cuflash.merge_attention(outs, lses)
+    want, want_lse = ref.naive_attention(q, k, v, return_lse=True)
+    np.testing.assert_allclose(out, want, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12)
+    empty_o, empty_l = np.zeros((2, 4)), np.full((2,), -np.inf)
+    o, s = cuflash.merge_attention([empty_o, empty_o], [empty_l, empty_l])
+    assert (o == 0).all() and np.isneginf(s).all()
+    nan_l = lses[0].copy()
+    nan_l[0, 0, 1] = np.nan
+    o, s = cuflash.merge_attention([outs[0], outs[2]], [nan_l, lses[2]])
+    assert np.isnan(s[0, 0, 1]) and np.isnan(o[0, 0, 1]).all()
+    assert np.isfinite(np.delete(s.ravel(), 1)).all()
+
+
+def test_merge_attention_float32(rng):
+    q = rng.standard_normal((1, 2, 5, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 9, 16)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 9, 16)).astype(np.float32)
+    a = cuflash.attention(q, k[..., :4, :], v[..., :4, :], return_lse=True)
+    b = cuflash.attention(q, k[..., 4:, :], v[..., 4:, :], return_lse=True)
+    out, lse = cuflash.merge_attention([a[0], b[0]], [a[1], b[1]])
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    check_close(out, q, k, v)
+
+
+MERGE_BAD = [
+    (lambda o, s: ([], []), ValueError, "at least one part"),
+    (lambda o, s: (o, s[:1]), ValueError, "2 outs but 1 lses"),
+    (lambda o, s: (o, [s[0], s[1][..., :-1]]), ValueError, "lses[1].shape"),
+    (lambda o, s: ([o[0], o[1].astype(np.float16)], s), TypeError, "outs[1].dtype"),
+    (lambda o, s: (o, [s[0], s[1].astype(np.int32)]), TypeError, "lses[1].dtype=int32"),
+    (lambda o, s: ("ab", s), TypeError, "outs must be a list or tuple of arrays"),
+    (lambda o, s: (np.stack(o), s), TypeError, "outs must be a list or tuple of arrays"),
+]
+
+
+@pytest.mark.parametrize("mutate,exc,match", MERGE_BAD)
+def test_merge_attention_bad_input(mutate, exc, match):
+    o = [np.zeros((2, 3, 4), np.float32)] * 2
+    s = [np.zeros((2, 3), np.float32)] * 2
+    with pytest.raises(exc, match=re.escape(match)):
+        cuflash.merge_attention(*mutate(o, s))
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def _valid(rng):
+    q, kc, vc, lengths, kw = make_case(rng, [3, 7], 1, 2, 4, (4, 2), 64, np.float32, "neox", "plain")
+    return dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=lengths, **kw)
+
+
+BAD = [
+    (lambda a: dict(a, block_table=a["block_table"].astype(np.int64)), TypeError, "block_table must be int32"),
+    (lambda a: dict(a, block_table=np.where(a["block_table"] == a["block_table"][1, 0], 99, a["block_table"])),
+     ValueError, r"block_table\[1, 0\]=99 must be in \[0, "),
+    (lambda a: dict(a, cache_seqlens=np.array([3, 100], np.int32)), ValueError, r"cache_seqlens\[1\]=100 plus Snew=2"),
+    (lambda a: dict(a, cache_seqlens=np.array([3, -1], np.int32)), ValueError, r"cache_seqlens\[1\]=-1"),
+    (lambda a: dict(a, cache_seqlens=np.array([3], np.int32)), ValueError, r"cache_seqlens.shape=\(1,\) must be \(2,\)"),
+    (lambda a: dict(a, cache_seqlens=np.array([3, 7], np.int64)), TypeError, "cache_seqlens must be int32"),
+    (lambda a: dict(a, rotary_cos=a["rotary_cos"][:, :-1]), ValueError, "rotary_sin.shape"),
+    (lambda a: dict(a, rotary_cos=a["rotary_cos"][:4], rotary_sin=a["rotary_sin"][:4]), ValueError,
+     r"rotary_cos.shape\[0\]=4 positions"),
+    (lambda a: dict(a, rotary_cos=np.zeros((30, 40), np.float32), rotary_sin=np.zeros((30, 40), np.float32)),
+     ValueError, "rotary_dim = 2 \\* rotary_cos.shape\\[1\\] = 80"),
+    (lambda a: {k: v for k, v in a.items() if k not in ("k", "v")}, ValueError, "pass k and v too"),
+    (lambda a: {k: v for k, v in a.items() if k != "v"}, ValueError, "got only k"),
+    (lambda a: dict(a, k=a["k"][:, :, :1]), ValueError, r"k.shape=\(2, 2, 1, 64\) must be"),
+    (lambda a: dict(a, cache_batch_idx=np.array([0, 1], np.int32)), ValueError, "with a block_table"),
+    (lambda a: dict(a, cache_leftpad=np.array([0, 9], np.int32)), ValueError, r"cache_leftpad\[1\]=9 must be in"),
+    (lambda a: dict(a, v_cache=a["v_cache"][:, :2]), ValueError, "v_cache.shape"),
+    (lambda a: dict(a, k_cache=a["k_cache"].astype(np.float16)), TypeError, "k_cache.dtype=float16"),
+    (lambda a: dict(a, num_splits=-1), ValueError, "num_splits must be in"),
+    (lambda a: dict(a, num_splits=2.0), TypeError, "num_splits must be an int"),
+    (lambda a: dict(a, q=a["q"][0]), ValueError, r"q.ndim must be 4 \(B, Sq, Hq, D\)"),
+    (lambda a: dict(a, cache_seqlens=None), TypeError, "cache_seqlens must be an int"),
+    (lambda a: dict(a, v_cache=a["k_cache"]), ValueError, "k_cache and v_cache share memory"),
+    (lambda a: dict(a, k=a["k_cache"][:2, :1]), ValueError, "k overlaps k_cache in memory"),
+    (lambda a: dict(a, rotary_cos=a["rotary_cos"].astype(np.float64), rotary_sin=a["rotary_sin"].astype(np.float64)),
+     TypeError, "rotary_cos.dtype=float64 must be q's dtype float32 or float32"),
+    (lambda a: dict(a, cache_seqlens=3.0), TypeError, "cache_seqlens must be an int or an int32 array"),
+    # the kernels index it densely: a strided view would be misread on the GPU
+    (lambda a: dict(a, block_table=np.repeat(a["block_table"], 2, axis=1)[:, ::2]), ValueError,
+     "block_table must have unit stride on its last axis"),
+]
+
+
+@pytest.mark.parametrize("mutate,exc,match", BAD, ids=[m for _, _, m in BAD])
+def test_bad_input_is_refused_before_any_write(mutate, exc, match, rng):
+    a = mutate(_valid(rng))
+    before = a["k_cache"].tobytes(), a["v_cache"].tobytes()
+    with pytest.raises(exc, match=match):
+        cuflash.attention_with_kvcache(**a)
+    assert (a["k_cache"].tobytes(), a["v_cache"].tobytes()) == before
+
+
+@pytest.mark.parametrize("backend", ["numpy", "sim"])
+def test_more_sequences_than_cache_batches_is_refused(backend):
+    """A contiguous cache serves sequence b from cache batch b: more sequences than cache batches
+    (and no cache_batch_idx) is an error before anything is written, on every backend."""
+    q = np.zeros((3, 1, 4, 64), dtypes.float16)
+    kc = np.zeros((2, 16, 2, 64), dtypes.float16)
+    vc, k = kc.copy(), np.ones((3, 1, 2, 64), dtypes.float16)
+    with pytest.raises(ValueError, match=r"q.shape\[0\]=3 sequences but k_cache.shape\[0\]=2 cache batches"):
+        cuflash.attention_with_kvcache(q, kc, vc, 3, k=k, v=k, backend=backend)
+    assert not kc.any() and not vc.any()
+
+
+def test_shape_messages_name_the_caches():
+    q = np.zeros((2, 1, 4, 32), np.float32)
+    kc = np.zeros((2, 16, 2, 64), np.float32)
+    with pytest.raises(ValueError, match=r"k_cache.shape\[-1\]=64 must equal q.shape\[-1\]=32"):
+        cuflash.attention_with_kvcache(q, kc, kc.copy(), 3)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\]=-1 must be >= 0"):
+        cuflash.attention_with_kvcache(np.zeros((1, 1, 4, 64), np.float32), kc[:1], kc[:1].copy(),
+                                       np.array([-1], np.int32))
+
+
+def test_merge_attention_takes_torch_cpu_tensors():
+    torch = pytest.importorskip("torch")
+    o = [torch.zeros(2, 3, 4), torch.ones(2, 3, 4)]
+    s = [torch.zeros(2, 3), torch.zeros(2, 3)]
+    out, lse = cuflash.merge_attention(o, s)
+    assert isinstance(out, torch.Tensor) and torch.allclose(out, torch.full((2, 3, 4), 0.5))
+    assert torch.allclose(lse, torch.full((2, 3), float(np.log(2))))
+
+
+def test_contiguous_batch_idx_out_of_range(rng):
+    q, kc, vc, lengths, kw = make_case(rng, [3, 7], 1, 0, None, (2, 2), 64, np.float32, "none", "batch_idx")
+    with pytest.raises(ValueError, match=r"cache_batch_idx\[1\]=3 must be in \[0, 3\)"):
+        cuflash.attention_with_kvcache(q, kc, vc, lengths, cache_batch_idx=np.array([0, 3], np.int32))
+
+
+def test_float32_has_no_kernel_and_says_why(rng):
+    q, kc, vc, lengths, kw = make_case(rng, [3], 1, 0, 4, (2, 2), 64, np.float32, "none", "plain")
+    with pytest.raises(NotImplementedError, match="tensor-core tier only.*float32"):
+        cuflash.attention_with_kvcache(q, kc, vc, lengths, backend="sim", **kw)
+
+
+def test_torch_cpu_tensors_append_in_place(rng):
+    torch = pytest.importorskip("torch")
+    q, kc, vc, lengths, kw = make_case(rng, [3, 0], 2, 1, 3, (4, 2), 64, np.float32, "none", "plain")
+    want_k, _ = expected_cache(kc, vc, lengths, kw, 3)
+    t = {n: torch.from_numpy(x) for n, x in dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=lengths, **kw).items()}
+    out = cuflash.attention_with_kvcache(**t)
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 2, 4, 64)
+    assert t["k_cache"].numpy().tobytes() == want_k.tobytes()
+
+
+# --------------------------------------------------------------------------------------------
+# chunked prefill: attention_varlen over a paged cache
+
+#: (query chunk, keys in the cache including the chunk) per sequence
+CHUNKS = {"single": [(3, 10)], "mixed": [(5, 5), (0, 4), (17, 60)], "decode_mix": [(1, 33), (64, 64), (2, 130)]}
+PREFILL_AXES = [list(CHUNKS), [1, 3, 16, 256], HEADS, list(MASKS), [40, 128, 256], ["all", "some"], list(DTYPES)]
+PREFILL = [tuple(c) for c in AllPairs(PREFILL_AXES)]
+
+
+def make_prefill(rng, chunks, page, heads, d, dtype, used):
+    hq, hk = heads
+    lq = np.array([a for a, _ in chunks], np.int64)
+    lk = np.array([b for _, b in chunks], np.int64)
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    seqused = None if used == "all" else np.array([n - n // 3 for n in lk], np.int32)
+    per_seq = [-(-int(n) // page) for n in lk]
+    num_pages = sum(per_seq) + 1
+    ids = rng.permutation(num_pages).astype(np.int32)
+    bt = np.full((len(chunks), max(per_seq) + 1), 2**30, np.int32)   # unused entries: never read
+    at = 0
+    for i, n in enumerate(per_seq):
+        bt[i, :n], at = ids[at:at + n], at + n
+    kc = np.full((num_pages, page, hk, d), np.nan, dtype)
+    vc = np.full((num_pages, page, hk, d), np.nan, dtype)
+    for i, n in enumerate(lk):
+        i0, i1 = ref_kvcache.cache_rows(i, 0, int(n if seqused is None else seqused[i]), page_size=page, block_table=bt)
+        kc[i0, i1] = rng.standard_normal((len(i0), hk, d))
+        vc[i0, i1] = rng.standard_normal((len(i0), hk, d))
+    q = rng.standard_normal((int(cq[-1]), hq, d)).astype(dtype)
+    return q, kc, vc, cq, ck, int(lq.max()), int(lk.max()), seqused, bt
+
+
+def run_prefill(rng, chunks, page, heads, mask, d, used, dtype_key, *, checked=False):
+    q, kc, vc, cq, ck, mq, mk, seqused, bt = make_prefill(rng, CHUNKS[chunks], page, heads, d, DTYPES[dtype_key], used)
+    causal, window = MASKS[mask]
+    for backend in ("numpy", "sim"):
+        with cuflash.sim.options(checked=checked):
+            out, lse = cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, causal=causal, window_size=window,
+                                                seqused_k=seqused, block_table=bt, return_lse=True, backend=backend)
+        for b in range(len(cq) - 1):
+            rq = slice(cq[b], cq[b + 1])
+            if rq.stop == rq.start:
+                continue
+            n = int(ck[b + 1] - ck[b]) if seqused is None else int(seqused[b])
+            kb = ref_kvcache.gather(kc, b, 0, n, page_size=page, block_table=bt)[None]
+            vb = ref_kvcache.gather(vc, b, 0, n, page_size=page, block_table=bt)[None]
+            check_close(out[None, rq], q[None, rq], kb, vb, layout="bshd", causal=causal, window_size=window)
+            _, lse64 = ref.naive_attention(q[None, rq].astype(np.float64), kb.astype(np.float64),
+                                           vb.astype(np.float64), layout="bshd", return_lse=True, causal=causal,
+                                           window_size=window)
+            fin = np.isfinite(lse64[0])
+            assert np.array_equal(np.isneginf(lse[:, rq]), np.isneginf(lse64[0]))
+            np.testing.assert_allclose(lse[:, rq][fin], lse64[0][fin], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("case", PREFILL, ids=["-".join(map(str, c)) for c in PREFILL])
+def test_chunked_prefill_pairwise(case, rng):
+    run_prefill(rng, *case)
+
+
+@pytest.mark.parametrize("case", PREFILL[::4], ids=["-".join(map(str, c)) for c in PREFILL[::4]])
+def test_chunked_prefill_checked(case, rng):
+    run_prefill(rng, *case, checked=True)
+
+
+def test_chunked_prefill_refuses_pages_outside_the_cache(rng):
+    q, kc, vc, cq, ck, mq, mk, _, bt = make_prefill(rng, CHUNKS["mixed"], 16, (2, 2), 64, np.float32, "all")
+    bad = bt.copy()
+    bad[2, 1] = kc.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[2, 1\]=\d+ must be in \[0, "):
+        cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, block_table=bad)
+    with pytest.raises(ValueError, match="sequence 2 has 60 keys but its block_table row addresses 48"):
+        cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, block_table=bt[:, :3])
+    with pytest.raises(ValueError, match="k is a paged cache"):
+        cuflash.attention_varlen(q, kc[:, 0], vc, cq, ck, mq, mk, block_table=bt)
+
+
+def test_docstring_and_readme_examples_run():
+    """The docstring's example (doctest) and the README's KV-cache example run as written."""
+    import doctest
+    from pathlib import Path
+
+    import cuflash.api.kvcache
+
+    assert doctest.testmod(cuflash.api.kvcache).failed == 0
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    block = "import numpy as np, cuflash\nk_cache" + text.split("```python\nimport numpy as np, cuflash\nk_cache")[1]
+    scope: dict = {}
+    exec(block.split("```")[0], scope)   # noqa: S102 - the README's own example
+    assert scope["out"].shape == (2, 1, 8, 64) and np.isfinite(scope["out"]).all()
+    assert (scope["k_cache"][scope["block_table"][1, 40 // 16], 40 % 16] == scope["k"][1, 0]).all()

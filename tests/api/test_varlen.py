@@ -1,0 +1,202 @@
+"""Packed variable-length batches: ``cuflash.attention_varlen`` and its backward (issue 21).
+
+Every sequence of a packed batch is held to the float64 oracle of a fixed-shape call on its own
+slices (the tolerance rules of tests/_tolerance.py and tests/test_backward_reference.py), on the
+NumPy path and on the simulator's tiers (tensor-core on sm_90 and sm_80, SIMT on sm_75), over a
+pairwise covering design of batches with mixed lengths (0, 1, up to 300), GQA, head dims 40 to
+256 with Dv != D, causal and windows, ``seqused_k``, both dtypes and both backward modes; in
+checked mode; deterministic bits across thread orders; hostile device-style indices that the
+kernels must clamp; the validation messages; the roofline of the packed kernels against the
+fixed-shape ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from allpairspy import AllPairs
+from support.device import on_device, sim_call
+from support.inputs import make_batch
+from support.options import check_varlen
+from support.tolerance import check_packed_backward as check_backward
+from support.tolerance import check_packed_forward as check_forward
+
+import cuflash
+from cuflash.kernels import backward_run, dispatch
+from cuflash.runtime import dtypes
+
+#: (query length, key length) of each sequence of a batch
+BATCHES = {
+    "one_empty": [(0, 0)],
+    "single_token": [(1, 1)],
+    "mixed3": [(5, 7), (0, 3), (33, 40)],
+    "long": [(300, 280)],
+    "mixed5": [(17, 1), (1, 17), (64, 64), (0, 0), (129, 200)],
+}
+HEADS = [(1, 1), (4, 1), (8, 2)]
+HEAD_DIMS = [40, 64, 128, 176, 256]
+DV = ["same", "other"]
+MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False, (9, 4)),
+         "causal_win": (True, (20, -1))}
+USED = ["all", "some"]
+DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
+TIERS = ["mma_sm90", "mma_sm80", "simt_sm75"]
+MODES = ["atomic", "deterministic"]
+ARCH = {"mma_sm90": "sm_90", "mma_sm80": "sm_80", "simt_sm75": "sm_75"}
+
+AXES = [list(BATCHES), HEADS, HEAD_DIMS, DV, list(MASKS), USED, list(DTYPES), TIERS, MODES]
+PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
+
+
+def run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, *, checked=False, seed=0):
+    hq, hk = heads
+    dv = d if dv_kind == "same" else HEAD_DIMS[(HEAD_DIMS.index(d) + 2) % len(HEAD_DIMS)]
+    dt = DTYPES[dtype_key]
+    q, k, v, cq, ck, mq, mk, used_k = make_batch(rng, BATCHES[batch], hq, hk, d, dv, dt, used)
+    causal, window = MASKS[mask]
+    kw = dict(causal=causal, window_size=window)
+    out, lse = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, seqused_k=used_k, return_lse=True, **kw)  # NumPy
+    check_forward(out, lse, q, k, v, cq, ck, used_k, **kw)
+    problem = check_varlen(q, k, v, cq, ck, mq, mk, seqused_k=used_k, **kw)
+    arch = int(ARCH[tier][3:])
+    want = "attention_fwd_simt" if tier.startswith("simt") else "attention_fwd_mma"
+    assert dispatch.forward_tier(problem, arch, (q, k, v)).__name__.endswith(want)
+    with cuflash.sim.options(arch=ARCH[tier], checked=checked, seed=seed):
+        o_sim, l_sim = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, seqused_k=used_k, return_lse=True,
+                                                backend="sim", **kw)
+        check_forward(o_sim, l_sim, q, k, v, cq, ck, used_k, **kw)
+        dout = rng.standard_normal(out.shape).astype(dt)
+        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, mq, mk, seqused_k=used_k,
+                                                  deterministic=mode == "deterministic", backend="sim", **kw)
+    check_backward(grads, dout, q, k, v, out, lse, cq, ck, used_k, **kw)
+    numpy_grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, mq, mk, seqused_k=used_k, **kw)
+    check_backward(numpy_grads, dout, q, k, v, out, lse, cq, ck, used_k, **kw)
+    return o_sim, grads
+
+
+@pytest.mark.parametrize("case", range(len(PAIRWISE)), ids=["-".join(map(str, c)) for c in PAIRWISE])
+def test_pairwise_grid(case, rng):
+    # the simulator's thread-order seed varies over the grid (0..3): copies land early or late
+    run_case(rng, *PAIRWISE[case], seed=case % 4)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_checked_mode(tier, rng, monkeypatch):
+    monkeypatch.setattr(backward_run, "MAX_DETERMINISTIC_SPLITS", 2)
+    for mode in MODES:
+        run_case(rng, "mixed5", (4, 2), 64, "other", "causal", "some", "bf16", tier, mode, checked=True)
+        run_case(rng, "long", (2, 1), 128, "same", "window", "all", "f16", tier, mode, checked=True)
+
+
+@pytest.mark.parametrize("tier", ["mma_sm90", "simt_sm75"])
+def test_deterministic_bits_across_thread_orders(tier, monkeypatch):
+    monkeypatch.setattr(backward_run, "MAX_DETERMINISTIC_SPLITS", 2)
+    a = run_case(np.random.default_rng(3), "mixed5", (4, 2), 128, "same", "causal", "all", "bf16", tier,
+                 "deterministic", seed=1)[1]
+    b = run_case(np.random.default_rng(3), "mixed5", (4, 2), 128, "same", "causal", "all", "bf16", tier,
+                 "deterministic", seed=777)[1]
+    for x, y in zip(a, b):
+        assert np.array_equal(x.view(np.uint16), y.view(np.uint16))
+
+
+@pytest.mark.usefixtures("without_hopper_tier")   # (the packed form runs on the tensor-core tier)
+def test_matches_fixed_shape_calls_bit_for_bit_per_sequence(rng):
+    # one sequence of a packed batch is the same computation as a fixed-shape call on its slices
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 4, 2, 64, 64, dtypes.bfloat16)
+    with cuflash.sim.options(arch="sm_90"):
+        packed = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, causal=True, backend="sim")
+        for b in (0, 2):
+            rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            alone = cuflash.attention(q[None, rq], k[None, rk], v[None, rk], causal=True, layout="bshd", backend="sim")
+            assert np.array_equal(packed[rq].view(np.uint16), alone[0].view(np.uint16))
+
+
+@pytest.mark.parametrize("tier", ["mma_sm90", "simt_sm75"])
+def test_hostile_indices_stay_inside_the_arrays(tier, rng):
+    """Device-resident indices are not read by the host: whatever they hold, the kernels clamp
+    every index into the arrays (checked mode would report any access outside q, k, v, out or
+    lse), and rows no tile covers come out NaN (the fresh output is NaN-filled), never stale
+    data. The problem is built from valid indices, then handed garbage as if unchecked."""
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 2, 1, 64, 64, dtypes.float16)
+    problem = check_varlen(q, k, v, cq, ck, mq, mk)
+    # decreasing, negative, past the end; clamped, the sequences do not overlap (overlapping
+    # ones would race on dk/dv between blocks, inside the arrays, which checked mode reports too)
+    bad_q = np.array([5, -7, 10**6, 2], np.int32)   # -> [5, 5), [0, 38), [38, 38)
+    bad_k = np.array([0, 80, 90, 2**31 - 1], np.int32)   # -> [0, 50), [50, 50), [50, 50)
+    used = np.array([10**6, -3, 1], np.int32)
+    vl = dataclasses.replace(problem.varlen, cu_seqlens_q=bad_q, cu_seqlens_k=bad_k, seqused_k=used, checked=False)
+    hostile = dataclasses.replace(problem, varlen=vl)
+    with cuflash.sim.options(arch=ARCH[tier], checked=True), sim_call(q) as call:
+        p, qd, kd, vd = on_device(call, hostile, q, k, v)
+        out, lse = dispatch.run_forward(p, qd, kd, vd, None, call)
+        dout = call.import_array(np.ones(out.shape, out.dtype))
+        grads = dispatch.run_backward(p, dout, qd, kd, vd, out, call.import_array(np.nan_to_num(lse, nan=0.0)), call)
+    # the one non-empty query sequence has no key: output 0, lse -inf; no query sees any key:
+    # every gradient 0 (and nothing NaN: every row of this batch is covered by a tile)
+    assert (out == 0).all() and np.isneginf(lse).all()
+    assert all((g == 0).all() for g in grads)
+
+
+BAD = [
+    (lambda a: dict(a, cu_seqlens_q=a["cu_seqlens_q"].astype(np.int64)), TypeError, "cu_seqlens_q must be int32"),
+    (lambda a: dict(a, cu_seqlens_k=a["cu_seqlens_k"][None]), ValueError, "cu_seqlens_k must be 1-D"),
+    (lambda a: dict(a, cu_seqlens_k=a["cu_seqlens_k"][:-1]), ValueError, r"cu_seqlens_k.shape=\(3,\) must be \(4,\)"),
+    (lambda a: dict(a, cu_seqlens_q=a["cu_seqlens_q"] + 1), ValueError, r"cu_seqlens_q\[0\]=1 must be 0"),
+    (lambda a: dict(a, cu_seqlens_q=np.array([0, 5, 3, 78], np.int32)), ValueError, "must be non-decreasing"),
+    (lambda a: dict(a, cu_seqlens_k=np.array([0, 7, 10, 49], np.int32)), ValueError,
+     r"cu_seqlens_k\[-1\]=49 must equal k.shape\[0\]=50"),
+    (lambda a: dict(a, max_seqlen_q=20), ValueError, "max_seqlen_q=20 is smaller than sequence 2's length 33"),
+    (lambda a: dict(a, max_seqlen_k=-1), ValueError, r"max_seqlen_k=-1 must be in \[0"),
+    (lambda a: dict(a, max_seqlen_k=1.5), TypeError, "max_seqlen_k must be an int"),
+    (lambda a: dict(a, seqused_k=np.array([1, 2], np.int32)), ValueError, r"seqused_k.shape=\(2,\) must be \(3,\)"),
+    (lambda a: dict(a, seqused_k=np.array([8, 0, 0], np.int32)), ValueError, r"seqused_k\[0\]=8 must be in \[0, 7\]"),
+    (lambda a: dict(a, q=a["q"][None]), ValueError, "q.ndim must be 3"),
+    (lambda a: dict(a, v=a["v"][:-1]), ValueError, r"v.shape\[0\]=49 must equal k.shape\[0\]=50"),
+    (lambda a: dict(a, k=a["k"][:, :, :32], v=a["v"][:, :, :32]), ValueError, r"k.shape\[-1\]=32 must equal q.shape\[-1\]=64"),
+    (lambda a: dict(a, q=a["q"][:, :3]), ValueError, "3 query heads must be a multiple of"),
+    (lambda a: dict(a, k=a["k"].astype(np.float32)), TypeError, "k.dtype=float32 must equal q.dtype=float16"),
+    (lambda a: dict(a, cu_seqlens_q=[0, 5, 5, 38]), TypeError, "cu_seqlens_q must be an array"),
+]
+
+
+@pytest.mark.parametrize("edit,exc,match", BAD, ids=[b[2][:40] for b in BAD])
+def test_bad_input_is_refused_before_any_work(edit, exc, match, rng):
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 4, 2, 64, 64, dtypes.float16)
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk)
+    for backend in ("numpy", "sim"):
+        with pytest.raises(exc, match=match):
+            cuflash.attention_varlen(**edit(args), backend=backend)
+
+
+def test_backward_bad_input(rng):
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 4, 2, 64, 64, dtypes.float16)
+    out, lse = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, return_lse=True)
+    with pytest.raises(ValueError, match=r"lse.shape=\(38, 4\) must be \(4, 38\)"):
+        cuflash.attention_varlen_backward(out, q, k, v, out, lse.T, cq, ck, mq, mk)
+    with pytest.raises(ValueError, match=r"dout.shape=\(38, 4, 32\) must be \(38, 4, 64\)"):
+        cuflash.attention_varlen_backward(out[..., :32], q, k, v, out, lse, cq, ck, mq, mk)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        cuflash.attention_varlen_backward(out, q, k, v, out, lse, cq, ck, mq, mk, deterministic=1)
+
+
+def test_empty_batch_and_out(rng):
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 2, 1, 64, 64, dtypes.float16)
+    empty = np.zeros(1, np.int32)
+    z = cuflash.attention_varlen(q[:0], k[:0], v[:0], empty, empty, 0, 0, backend="sim")
+    assert z.shape == (0, 2, 64)
+    buf = np.full(q.shape[:2] + (64,), np.nan, np.float16)
+    got, lse = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, out=buf, return_lse=True, backend="sim")
+    assert got is buf
+    check_forward(buf, lse, q, k, v, cq, ck, None)
+
+
+def test_torch_cpu_tensors_come_back_as_tensors(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 2, 1, 32, 32, np.float32)
+    out, lse = cuflash.attention_varlen(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
+                                        torch.from_numpy(cq), torch.from_numpy(ck), mq, mk, causal=True,
+                                        return_lse=True)
+    assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
+    check_forward(out.numpy(), lse.numpy(), q, k, v, cq, ck, None, causal=True)

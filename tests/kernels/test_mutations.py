@@ -1,0 +1,122 @@
+"""The mutation suite over our own kernels (tests/support/mutations.py says how it works).
+
+CI runs every mutant once, against the probe the kill map records for it, and requires the
+probe to fail (mutated texts get their own keys in the session's temporary simulator cache); the map and the list of explained survivors must cover exactly the mutants the
+kernels have today (a new barrier or wait in a kernel must be registered, by running
+``python tests/support/mutations.py --write``). Under ``slow`` the full search runs again and must
+find every mutant killed. Each mutant is one g++ build of the mutated kernel in a private
+simulator cache (about 2 s).
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.mutations import (
+    FILES,
+    KILL_MAP_PATH,
+    PROBES,
+    SURVIVORS,
+    killed_by,
+    load_kill_map,
+    mutants,
+    mutated_tree,
+    search,
+)
+
+from cuflash.runtime import paths
+
+KILL_MAP = load_kill_map()
+MUTANTS = mutants(paths.kernels_dir())
+
+
+def test_kill_map_covers_exactly_the_kernels_mutants():
+    ids = {m.id for m in MUTANTS}
+    assert KILL_MAP_PATH.is_file()
+    missing = sorted(ids - set(KILL_MAP) - set(SURVIVORS))
+    stale = sorted((set(KILL_MAP) | set(SURVIVORS)) - ids)
+    assert not missing, f"mutants with no recorded killer (run python tests/support/mutations.py --write): {missing}"
+    assert not stale, f"kill map entries for statements the kernels no longer have: {stale}"
+    assert all(probe in PROBES for probe in KILL_MAP.values())
+    assert len(MUTANTS) >= 20 and {m.file for m in MUTANTS} == set(FILES)   # 20 syncs today
+
+
+def test_the_split_kv_combine_barrier_is_killed():
+    """Issue 22's combine: each lane publishes its splits' weights in shared memory and the warp
+    reads all of them after a __syncwarp; without it a lane reads a weight not yet written."""
+    assert KILL_MAP.get("attention_combine.cu|__syncwarp();|#0|delete")
+
+
+def test_the_pipeline_mutations_of_the_tensor_core_forward_are_killed():
+    """Issue 16's named mutations, in the one-barrier pipeline of issue 17: the barrier at the top
+    of the K/V loop (it both publishes tile j's copies and orders the refill of the other stage
+    after every reader of tile j - 1, the roles of the old kernel's two barriers), the wait before
+    it deleted or relaxed (wait_group 0 -> 1: tile j read before it lands), and the one-stage
+    kernels' barrier before their refill."""
+    for mid in ("attention_fwd_mma.cu|__syncthreads();|#0|delete", "attention_fwd_mma.cu|__syncthreads();|#1|delete",
+                "attention_fwd_mma.cu|ptx_cp_async_wait<0>();|#0|delete",
+                "attention_fwd_mma.cu|ptx_cp_async_wait<0>();|#0|relax"):
+        assert KILL_MAP.get(mid), mid
+
+
+def test_the_pipeline_mutations_of_the_tensor_core_backward_are_killed():
+    """Issue 18's pipeline: the barrier at the top of the query-tile loop (publishes tile i's
+    Q/dO/lse/Dd and orders the refill of the other stage and the P/dS stores after every reader of
+    tile i - 1), the wait before it deleted or relaxed, the barrier between the P/dS stores and
+    the products that read them, and the one-stage kernels' barrier before their refill."""
+    for mid in ("attention_bwd_mma.cu|__syncthreads();|#0|delete", "attention_bwd_mma.cu|__syncthreads();|#1|delete",
+                "attention_bwd_mma.cu|__syncthreads();|#2|delete",
+                "attention_bwd_mma.cu|ptx_cp_async_wait<0>();|#0|delete",
+                "attention_bwd_mma.cu|ptx_cp_async_wait<0>();|#0|relax"):
+        assert KILL_MAP.get(mid), mid
+
+
+@pytest.mark.parametrize("probe", sorted(PROBES))
+def test_probes_pass_on_the_real_kernels(probe):
+    assert killed_by(probe) is None  # otherwise a "kill" would mean nothing
+
+
+@pytest.mark.parametrize("mutant", [m for m in MUTANTS if m.id in KILL_MAP], ids=lambda m: m.id)
+def test_mutant_is_killed(mutant, tmp_path, monkeypatch):
+    tree = mutated_tree(paths.kernels_dir(), mutant, tmp_path / "kernels")
+    assert (tree / mutant.file).read_text() != (paths.kernels_dir() / mutant.file).read_text()
+    monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
+    why = killed_by(KILL_MAP[mutant.id])
+    assert why, f"{mutant.id} (line {mutant.line}) survived its recorded probe {KILL_MAP[mutant.id]}"
+
+
+def test_mutant_edit_is_exactly_one_statement():
+    text = (paths.kernels_dir() / "attention_fwd_mma.cu").read_text()
+    m = next(m for m in MUTANTS if m.id == "attention_fwd_mma.cu|ptx_cp_async_wait<0>();|#0|relax")
+    out = m.apply(text)
+    diff = [(a, b) for a, b in zip(text.split("\n"), out.split("\n")) if a != b]
+    assert len(diff) == 1 and "ptx_cp_async_wait<1>();" in diff[0][1] and "//" in diff[0][1]
+
+
+@pytest.mark.slow
+def test_full_search_kills_every_mutant(tmp_path):
+    kill, survive = search(paths.kernels_dir(), tmp_path, log=lambda s: None)
+    assert set(survive) <= set(SURVIVORS), f"new survivors: {sorted(set(survive) - set(SURVIVORS))}"
+    assert set(kill) | set(survive) == {m.id for m in MUTANTS}
+
+
+def test_the_hopper_synchronisations_are_killed():
+    """Issue 19's deletions in the sm_90a probes: every wgmma fence, commit and wait, every mbarrier
+    wait and arrive, the fences of the proxies (fence.proxy.async before the TMA store,
+    fence.mbarrier_init before TMA completes on a barrier), the named barrier before the store, the
+    bulk commit and wait; the kill map names a probe for each (none survives)."""
+    hopper = [m for m in MUTANTS if m.file == "hopper_probe.cu"]
+    kinds = {m.statement.split("(")[0].split("<")[0] for m in hopper}
+    assert {"ptx_wgmma_fence", "ptx_wgmma_commit", "ptx_wgmma_wait", "ptx_mbarrier_wait", "ptx_mbarrier_arrive",
+            "ptx_fence_proxy_async", "ptx_fence_mbarrier_init", "ptx_bar_sync", "ptx_bulk_commit",
+            "ptx_bulk_wait"} <= kinds
+    assert all(KILL_MAP.get(m.id) for m in hopper) and not any(m.id in SURVIVORS for m in hopper)
+
+
+def test_the_hopper_forward_synchronisations_are_killed():
+    """Issue 20's kernel: every mbarrier wait and arrive, wgmma fence/commit/wait, the proxy fences,
+    the epilogue's named barrier and bulk commit/wait are killed; only the last tile's ping-pong turn
+    (a scheduling barrier, no data crosses it) survives, with its reason."""
+    mine = [m for m in MUTANTS if m.file == "attention_fwd_sm90.cu"]
+    assert len(mine) >= 20
+    assert [m.id for m in mine if m.id in SURVIVORS] == ["attention_fwd_sm90.cu|ptx_bar_sync(TURN_BAR + c, 256);|#2|delete"]
+    assert all(KILL_MAP.get(m.id) for m in mine if m.id not in SURVIVORS)

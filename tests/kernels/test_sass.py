@@ -1,0 +1,109 @@
+"""The tensor-core tier is really on tensor cores: disassemble the NVRTC-compiled fp16 and bf16
+variants (no GPU needed) and find the instructions that prove it.
+
+* ``HMMA.16816.F32`` (fp16) / ``HMMA.16816.F32.BF16`` (bf16): ``mma.sync.aligned.m16n8k16`` with
+  float32 accumulators;
+* ``LDSM.16.M88.4`` (``ldmatrix.x4``, Q and K) and ``LDSM.16.MT88.4`` (``ldmatrix.x4.trans``, V);
+* ``LDGSTS`` (``cp.async``) with ``LDGDEPBAR`` / ``DEPBAR`` (commit / wait_group);
+* no local memory (``LDL``/``STL``: spills) in the kernel.
+
+``cuobjdump --dump-sass`` comes from the ``nvidia-cuda-cuobjdump`` wheel and needs ``nvdisasm``
+(``nvidia-cuda-nvdisasm``) beside it; both are in the ``test`` extra. The 13.x tools read the
+cubins NVRTC 12.9 makes.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import struct
+
+import pytest
+
+from cuflash.analysis import roofline
+from cuflash.kernels import attention_fwd_mma
+from cuflash.runtime import cuda_runner, source
+
+ARCHS = attention_fwd_mma.ARCHES
+_OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+
+
+
+
+def sass_opcodes(variant, arch: int) -> collections.Counter:
+    text, _ = roofline.compile_sass(variant, arch)
+    ops = collections.Counter(_OPCODE.findall(text))
+    assert ops, f"no SASS in cuobjdump's output:\n{text[:2000]}"
+    return ops
+
+
+def _variants():
+    # the bar's bucket (128) and the one with Q re-read from shared memory (256), both dtypes
+    return [(arch, attention_fwd_mma.choose_variant(dt, d, d, arch))
+            for arch in ARCHS for dt in ("float16", "bfloat16") for d in (128, 256)]
+
+
+def _declared_elf_end(image: bytes) -> int:
+    """Where an ELF-64 file ends by its header (System V gABI): after the program or the section
+    header table, whichever comes last."""
+    phoff, shoff = struct.unpack_from("<QQ", image, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 0x36)
+    return max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+
+
+def test_complete_elf_pads_to_the_declared_end():
+    head = bytearray(64)
+    head[:5] = b"\x7fELF\x02"
+    struct.pack_into("<QQ", head, 0x20, 0, 100)
+    struct.pack_into("<HHHH", head, 0x36, 56, 0, 64, 2)
+    assert len(cuda_runner.complete_elf(bytes(head) + b"x" * 163)) == 228
+    assert cuda_runner.complete_elf(b"not an ELF") == b"not an ELF"
+
+
+def test_nvrtc_compile_returns_the_whole_cubin():
+    """CuPy 14's getCUBIN drops the image's last byte; nvrtc_compile hands back all of it."""
+    variant = attention_fwd_mma.choose_variant("float16", 64, 64, 80)
+    cubin, _ = cuda_runner.nvrtc_compile(source.build_source(variant), 80, name=variant.source)
+    assert cubin[:5] == b"\x7fELF\x02"
+    assert len(cubin) == _declared_elf_end(cubin)
+
+
+@pytest.mark.parametrize("arch,variant", _variants(), ids=lambda x: str(getattr(x, "entry", x)))
+def test_sass_proves_the_tensor_core_tier(arch, variant, cuobjdump):
+    ops = sass_opcodes(variant, arch)
+    hmma = "HMMA.16816.F32.BF16" if variant.dtype == "bf16" else "HMMA.16816.F32"
+    # one k-loop iteration: (Dmax/16) * (Bc/8) mma for S, (Bc/16) * (Dmax/8) for P V
+    d, bn = variant.head_dim_max, variant.block_n
+    assert ops[hmma] >= (d // 16) * (bn // 8) + (bn // 16) * (d // 8), (hmma, dict(ops))
+    other = "HMMA.16816.F32" if variant.dtype == "bf16" else "HMMA.16816.F32.BF16"
+    assert ops[other] == 0, f"{variant.entry} mixes mma types: {dict(ops)}"
+    assert ops["LDSM.16.M88.4"] > 0 and ops["LDSM.16.MT88.4"] > 0, dict(ops)
+    assert sum(n for op, n in ops.items() if op.startswith("LDGSTS")) > 0, dict(ops)
+    assert ops["LDGDEPBAR"] > 0 and sum(n for op, n in ops.items() if op.startswith("DEPBAR")) > 0, dict(ops)
+    assert not any(op.startswith(("LDL", "STL")) for op in ops), f"local memory (spills) in {variant.entry}: {dict(ops)}"
+
+
+# ---------------------------------------------------------------------------- tensor-core backward
+
+
+def _bwd_variants():
+    from cuflash.kernels import attention_bwd_mma
+
+    return [(arch, v) for arch in attention_bwd_mma.ARCHES for v in attention_bwd_mma.all_variants(arch)]
+
+
+@pytest.mark.parametrize("arch,variant", _bwd_variants(), ids=lambda x: str(getattr(x, "entry", x)))
+def test_sass_proves_the_tensor_core_backward(arch, variant, cuobjdump):
+    ops = sass_opcodes(variant, arch)
+    hmma = "HMMA.16816.F32.BF16" if variant.dtype == "bf16" else "HMMA.16816.F32"
+    # per query tile, the five products' MACs (Br*Bc*D each) split over the 8 warps, 2048 per mma
+    d, bm, bn = variant.head_dim_max, variant.block_m, variant.block_n
+    assert ops[hmma] >= 5 * bm * bn * d // (2048 * variant.threads // 32), (hmma, dict(ops))
+    if arch >= 90:   # dQ leaves as red.global.add.v2.f32
+        assert re.search(r"\bREDG\.\S*F32x2", roofline.compile_sass(variant, arch)[0]), variant.entry
+    other = "HMMA.16816.F32" if variant.dtype == "bf16" else "HMMA.16816.F32.BF16"
+    assert ops[other] == 0, f"{variant.entry} mixes mma types: {dict(ops)}"
+    assert ops["LDSM.16.M88.4"] > 0 and ops["LDSM.16.MT88.4"] > 0, dict(ops)
+    assert sum(n for op, n in ops.items() if op.startswith("LDGSTS")) > 0, dict(ops)
+    assert ops["LDGDEPBAR"] > 0 and sum(n for op, n in ops.items() if op.startswith("DEPBAR")) > 0, dict(ops)
+    assert not any(op.startswith(("LDL", "STL")) for op in ops), f"local memory (spills) in {variant.entry}: {dict(ops)}"

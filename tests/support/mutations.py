@@ -1,0 +1,326 @@
+"""The mutation suite's machinery: mutants of our kernels and the probes that must notice them.
+
+A mutant is one kernel file of ``kernels_cu/`` with one synchronisation removed (a
+``__syncthreads``, a ``__syncwarp``, a ``cp.async`` wait, a fence; on sm_90a also a
+``wgmma.fence`` / ``commit_group`` / ``wait_group``, an mbarrier wait or arrive, a
+``fence.proxy.async`` or ``fence.mbarrier_init``, a named barrier, a bulk commit or wait) or one
+numbered wait relaxed (``wait_group N`` -> ``N + 1``). A probe runs one kernel tier on the simulator, in
+normal mode under several seeds or in checked mode, and holds its result to the float64 oracle;
+a probe *kills* a mutant when it fails on it (a wrong result or a simulator error) while it
+passes on the real kernels. ``KILL_MAP`` (``tests/support/mutation_kill_map.json``) records, for every
+mutant, the probe that kills it, so CI runs each mutant once against that probe
+(tests/kernels/test_mutations.py); ``python tests/support/mutations.py`` searches every probe for every
+mutant (minutes) and prints the map to commit. A mutant no probe kills must be listed in
+``SURVIVORS`` with the reason it is harmless, or the simulator or the probes have a gap.
+
+Run as a script, it changes nothing: it prints the map (``--write`` writes the JSON file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+KILL_MAP_PATH = HERE / "mutation_kill_map.json"
+
+#: the statements a mutant removes (or, for the waits, relaxes)
+SYNC = re.compile(r"\b(__syncthreads\(\)|__syncwarp\([^()]*\)|__threadfence(?:_block)?\(\)|"
+                  r"ptx_(?:cp_async|wgmma|bulk)_wait(?:_read)?<(\d+)>\(\)|ptx_cp_async_wait_all\(\)|"
+                  r"ptx_mbarrier_wait[a-z_]*\([^;]*\)|ptx_mbarrier_arrive\([^;]*\)|ptx_wgmma_fence\(\)|"
+                  r"ptx_wgmma_commit\(\)|ptx_fence_proxy_async\(\)|ptx_fence_mbarrier_init\(\)|"
+                  r"ptx_bar_sync\([^;]*\)|ptx_bulk_commit\(\))\s*;")
+#: kernel files and the probes of the tiers built from them
+FILES = {
+    "attention_fwd_mma.cu": ("fwd_mma_checked", "fwd_mma_seeds", "fwd_mma_d256_checked", "fwd_mma_empty_checked"),
+    "attention_fwd_simt.cu": ("fwd_simt_checked", "fwd_simt_seeds"),
+    "attention_bwd_mma.cu": ("bwd_mma_checked", "bwd_mma_seeds", "bwd_mma_s1_checked", "bwd_mma_det_checked",
+                             "bwd_mma_det_window_checked"),
+    "attention_bwd_simt.cu": ("bwd_simt_checked", "bwd_simt_seeds"),
+    "softmax.cu": ("softmax_checked", "softmax_seeds"),
+    "attention_combine.cu": ("kvcache_split_checked", "kvcache_split_seeds"),
+    "hopper_probe.cu": ("hopper_checked", "hopper_seeds"),
+    "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked"),
+}
+#: mutants no probe kills, each with why removing that line is harmless (or what gap it shows)
+SURVIVORS: dict[str, str] = {
+    "attention_fwd_sm90.cu|ptx_bar_sync(TURN_BAR + c, 256);|#2|delete":
+        "the last tile's ping-pong turn (FA3 3.1; the P V wgmma after the loop) orders the two consumers' use of "
+        "the tensor cores for speed only: "
+        "each consumer's data is its own (its Q rows, its registers) and the shared K/V stages are guarded by "
+        "the full/empty mbarriers, so without the turn the result is the same; its arrivals then complete "
+        "phases with no waiter, which is harmless",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    file: str
+    statement: str   # the statement as written, e.g. "__syncthreads();"
+    occurrence: int  # which occurrence of that statement in the file (0-based)
+    kind: str        # "delete" or "relax" (cp.async wait_group N -> N + 1)
+    line: int        # 1-based line (for messages; not part of the id)
+
+    @property
+    def id(self) -> str:
+        return f"{self.file}|{self.statement}|#{self.occurrence}|{self.kind}"
+
+    def apply(self, text: str) -> str:
+        lines = text.split("\n")
+        seen = 0
+        for i, line in enumerate(lines):
+            code = line.split("//", 1)[0]
+            for m in SYNC.finditer(code):
+                if m.group(0).strip() != self.statement:
+                    continue
+                if seen == self.occurrence:
+                    if self.kind == "delete":
+                        new = ";"
+                    else:
+                        new = self.statement.replace(f"<{m.group(2)}>", f"<{int(m.group(2)) + 1}>")
+                    lines[i] = code[: m.start()] + new + code[m.end():] + line[len(code):]
+                    return "\n".join(lines)
+                seen += 1
+        raise LookupError(f"{self.id}: statement not found")
+
+
+def mutants(kernels_dir: Path) -> list[Mutant]:
+    found = []
+    for name in FILES:
+        counts: dict = {}
+        for no, line in enumerate((kernels_dir / name).read_text(encoding="utf-8").split("\n"), 1):
+            for m in SYNC.finditer(line.split("//", 1)[0]):
+                stmt = m.group(0).strip()
+                occ = counts.get(stmt, 0)
+                counts[stmt] = occ + 1
+                found.append(Mutant(name, stmt, occ, "delete", no))
+                if m.group(2) is not None:
+                    found.append(Mutant(name, stmt, occ, "relax", no))
+    return found
+
+
+def mutated_tree(kernels_dir: Path, mutant: Mutant, dest: Path) -> Path:
+    """A copy of ``kernels_dir`` in ``dest`` with ``mutant`` applied; returns ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in kernels_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, dest / f.name)
+    path = dest / mutant.file
+    path.write_text(mutant.apply(path.read_text(encoding="utf-8")), encoding="utf-8")
+    return dest
+
+
+# ------------------------------------------------------------------------------------ probes
+
+SEEDS = (0, 1, 2, 3)
+
+
+def _attention_case(dtype, d, sq, sk, causal, arch, checked, seeds, backward, hq=2, window=(-1, -1),
+                    deterministic=False):
+    import cuflash
+    from cuflash import sim
+    from cuflash.reference import tolerance
+
+    rng = np.random.default_rng(sq * 7 + d)
+    q = rng.standard_normal((1, hq, sq, d)).astype(dtype)
+    k = rng.standard_normal((1, 1, sk, d)).astype(dtype)
+    v = rng.standard_normal((1, 1, sk, d)).astype(dtype)
+    for seed in seeds:
+        with sim.options(arch=arch, checked=checked, seed=seed):
+            kw = dict(causal=causal, window_size=window)
+            out, lse = cuflash.attention(q, k, v, return_lse=True, backend="sim", **kw)
+            ok, msg, _ = tolerance.compare(out, q, k, v, lse=lse, **kw)
+            assert ok, f"forward, seed {seed}: {msg}"
+            if backward:
+                from support.grads import check_grads_close
+
+                dout = rng.standard_normal(out.shape).astype(dtype)
+                grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim",
+                                                   deterministic=deterministic, **kw)
+                check_grads_close(grads, dout, q, k, v, out, lse, **kw)
+
+
+def _softmax_case(checked, seeds):
+    import cuflash
+    from cuflash import reference as ref
+    from cuflash import sim
+
+    x = np.random.default_rng(5).standard_normal((3, 3000)).astype(np.float32)  # the block-per-row kernel
+    for seed in seeds:
+        with sim.options(checked=checked, seed=seed):
+            y = cuflash.softmax(x, backend="sim")
+        np.testing.assert_allclose(y, ref.softmax(x.astype(np.float64)), rtol=1e-5, atol=1e-7)
+
+
+def _kvcache_case(checked, seeds):
+    """A paged decode step split three ways over the keys: the KV-cache forward, then the combine."""
+    import cuflash
+    from cuflash import sim
+    from cuflash.reference import tolerance
+
+    rng = np.random.default_rng(11)
+    page, lengths = 16, np.array([150, 40], np.int32)
+    kc = rng.standard_normal((24, page, 2, 64)).astype(np.float16)
+    vc = rng.standard_normal((24, page, 2, 64)).astype(np.float16)
+    bt = rng.permutation(24)[:20].reshape(2, 10).astype(np.int32)
+    q = rng.standard_normal((2, 1, 8, 64)).astype(np.float16)
+    for seed in seeds:
+        with sim.options(checked=checked, seed=seed):
+            out = cuflash.attention_with_kvcache(q, kc, vc, lengths, block_table=bt, num_splits=3, backend="sim")
+        for b, n in enumerate(lengths):
+            idx = np.arange(n)
+            kb, vb = kc[bt[b, idx // page], idx % page][None], vc[bt[b, idx // page], idx % page][None]
+            ok, msg, _ = tolerance.compare(out[b:b + 1], q[b:b + 1], kb, vb, layout="bshd")
+            assert ok, f"kv cache, seed {seed}, sequence {b}: {msg}"
+
+
+def _hopper_case(checked, seeds):
+    """The sm_90a probes (kernels_cu/hopper_probe.cu): a TMA-fed wgmma GEMM from shared memory and
+    one from registers, the warp-specialized pipeline, stmatrix."""
+    from cuflash import sim
+    from cuflash.kernels import hopper_probe as hp
+    from cuflash.runtime import source
+    from cuflash.sim import launcher
+
+    for seed in seeds:
+        with sim.options(arch=90, checked=checked, seed=seed) as o:
+            mod = launcher.load_source(source.build_source(hp.VARIANT), origin=hp.VARIANT.source, options=o)
+            for sw, nm, regs, m, k in ((128, False, False, 100, 128), (128, True, True, 64, 128)):
+                a, b, c, want = hp.gemm_inputs(m, k, nm, seed=seed)
+                mod.launch(hp.plan_gemm(a, b, c, swizzle=sw, nmajor=nm, a_regs=regs), o)
+                np.testing.assert_array_equal(c, want, err_msg=f"gemm sw{sw} nmajor={nm} regs={regs}, seed {seed}")
+            a, b, c, want = hp.gemm_inputs(200, 256, False, seed=seed)
+            mod.launch(hp.plan_pipeline(a, b, c), o)
+            np.testing.assert_array_equal(c, want, err_msg=f"pipeline, seed {seed}")
+            out = np.zeros((6, 16, 16), np.uint16)
+            mod.launch(hp.plan_stmatrix(out), o)
+            np.testing.assert_array_equal(out, hp.expected_stmatrix(), err_msg=f"stmatrix, seed {seed}")
+
+
+def _sm90_case(dtype, d, sq, sk, causal, checked, seeds):
+    """The Hopper forward through the dispatcher (its tier asserted), against the oracle."""
+    import cuflash
+    from cuflash import sim
+    from cuflash.reference import tolerance
+
+    rng = np.random.default_rng(sq + d)
+    q = rng.standard_normal((1, 2, sq, d)).astype(dtype)
+    k = rng.standard_normal((1, 1, sk, d)).astype(dtype)
+    v = rng.standard_normal((1, 1, sk, d)).astype(dtype)
+    for seed in seeds:
+        with sim.options(arch="sm_90", checked=checked, seed=seed):
+            assert cuflash.explain(q, k, v, causal=causal, backend="sim")["tier"] == "attention_fwd_sm90"
+            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, backend="sim")
+        ok, msg, _ = tolerance.compare(out, q, k, v, lse=lse, causal=causal)
+        assert ok, f"Hopper forward, seed {seed}: {msg}"
+
+
+F16, F32 = np.float16, np.float32
+PROBES = {
+    "fwd_mma_checked": lambda: _attention_case(F16, 64, 200, 300, True, "sm_80", True, (0,), False),
+    "fwd_mma_seeds": lambda: _attention_case(F16, 64, 200, 300, True, "sm_80", False, SEEDS, False),
+    "fwd_mma_d256_checked": lambda: _attention_case(F16, 256, 70, 90, False, "sm_80", True, (0,), False),
+    "fwd_mma_empty_checked": lambda: _attention_case(F16, 64, 146, 1, True, "sm_80", True, (0,), False),
+    "fwd_simt_checked": lambda: _attention_case(F32, 32, 70, 130, True, "sm_75", True, (0,), False),
+    "fwd_simt_seeds": lambda: _attention_case(F32, 32, 70, 130, True, "sm_75", False, SEEDS, False),
+    # four query tiles per key tile (both Q/dO stages refilled while other warps may still read)
+    "bwd_mma_checked": lambda: _attention_case(F16, 64, 250, 150, True, "sm_80", True, (0,), True),
+    "bwd_mma_seeds": lambda: _attention_case(F16, 64, 250, 150, True, "sm_80", False, SEEDS, True),
+    # the one-stage pipeline of head dim 192 on sm_80 (its refill barrier)
+    "bwd_mma_s1_checked": lambda: _attention_case(F16, 192, 200, 100, False, "sm_80", True, (0,), True),
+    # deterministic mode: 17 key tiles over 16 splits, so split 0 runs in two launches
+    "bwd_mma_det_checked": lambda: _attention_case(F16, 64, 64, 2100, True, "sm_80", True, (0,), True, hq=1,
+                                                   deterministic=True),
+    # ... and a window only the last key tiles reach: most blocks have no query row
+    "bwd_mma_det_window_checked": lambda: _attention_case(F16, 64, 64, 2100, False, "sm_80", True, (0,), True,
+                                                          hq=1, window=(5, 0), deterministic=True),
+    "bwd_simt_checked": lambda: _attention_case(F32, 32, 40, 70, True, "sm_75", True, (0,), True),
+    "bwd_simt_seeds": lambda: _attention_case(F32, 32, 40, 70, True, "sm_75", False, SEEDS, True),
+    "softmax_checked": lambda: _softmax_case(True, (0,)),
+    "kvcache_split_checked": lambda: _kvcache_case(True, (0,)),
+    "kvcache_split_seeds": lambda: _kvcache_case(False, SEEDS),
+    "softmax_seeds": lambda: _softmax_case(False, SEEDS),
+    "hopper_checked": lambda: _hopper_case(True, (0,)),
+    # the Hopper forward: 3 key tiles through the 2-stage ring (both parities), 2 query tiles, GQA
+    # 5 key tiles: the producer reuses each K and V slot at least twice (the ring's releases matter)
+    "fwd_sm90_checked": lambda: _sm90_case(F16, 64, 200, 600, False, True, (0,)),
+    "fwd_sm90_seeds": lambda: _sm90_case(F16, 64, 200, 300, False, False, SEEDS),
+    "fwd_sm90_local_checked": lambda: _sm90_case(F16, 128, 190, 260, True, True, (0,)),
+    "hopper_seeds": lambda: _hopper_case(False, SEEDS),
+}
+
+
+def killed_by(probe: str) -> str | None:
+    """Run ``probe``; the failure it reports (None when it passes)."""
+    from cuflash.sim import SimError
+
+    try:
+        PROBES[probe]()
+    except (AssertionError, SimError) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return None
+
+
+def load_kill_map() -> dict:
+    return json.loads(KILL_MAP_PATH.read_text(encoding="utf-8")) if KILL_MAP_PATH.is_file() else {}
+
+
+def search(kernels_dir: Path, work: Path, log=print) -> tuple[dict, dict]:
+    """``(kill map, survivors)`` found by running every probe of a mutant's file until one kills it.
+
+    Runs with the kernel sources swapped for the mutated copy (``paths.kernels_dir``) and a
+    private simulator cache under ``work``."""
+    import os
+
+    from cuflash.runtime import paths
+
+    saved_cache = os.environ.get("CUFLASH_SIM_CACHE_DIR")
+    os.environ["CUFLASH_SIM_CACHE_DIR"] = str(work / "sim-cache")  # mutants never reach the user's cache
+    real = paths.kernels_dir
+    for probe in PROBES:  # a probe that fails on the real kernels would "kill" everything
+        why = killed_by(probe)
+        if why:
+            raise AssertionError(f"probe {probe} fails on the unmutated kernels: {why}")
+    kill, survive = {}, {}
+    try:
+        for i, m in enumerate(mutants(real())):
+            tree = mutated_tree(real(), m, work / f"m{i}")
+            paths.kernels_dir = lambda tree=tree: tree
+            for probe in FILES[m.file]:
+                why = killed_by(probe)
+                if why:
+                    kill[m.id] = probe
+                    log(f"killed   {m.id} (line {m.line}) by {probe}: {why}")
+                    break
+            else:
+                survive[m.id] = f"line {m.line}"
+                log(f"SURVIVED {m.id} (line {m.line})")
+    finally:
+        paths.kernels_dir = real
+        if saved_cache is None:
+            os.environ.pop("CUFLASH_SIM_CACHE_DIR", None)
+        else:
+            os.environ["CUFLASH_SIM_CACHE_DIR"] = saved_cache
+    return kill, survive
+
+
+if __name__ == "__main__":  # pragma: no cover - a developer's command
+    import tempfile
+
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parent))
+    from cuflash.runtime import paths as _paths
+
+    with tempfile.TemporaryDirectory() as tmp:
+        kill_map, survivors = search(_paths.kernels_dir(), Path(tmp), log=lambda s: print(s, file=sys.stderr))
+    text = json.dumps(kill_map, indent=1, sort_keys=True) + "\n"
+    if "--write" in sys.argv:
+        KILL_MAP_PATH.write_text(text, encoding="utf-8")
+    print(text, end="")
+    print(f"{len(kill_map)} killed, {len(survivors)} survived: {sorted(survivors)}", file=sys.stderr)

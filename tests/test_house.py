@@ -1,0 +1,267 @@
+"""The package's layers (DESIGN.md §2) and the one direction of imports between them.
+
+Every module of ``cuflash/`` gets a layer from where it lives; every import it makes (at module
+level, inside functions, and module names handed to ``importlib`` as strings) must go to its own
+layer or one below it:
+
+    tools -> adapters -> api -> kernels -> sim, reference -> runtime
+
+``sim`` and ``reference`` are side by side: neither imports the other. The import graph also has
+no circle. The checker is tested on a copy of the tree with planted faults, so it cannot pass
+vacuously.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import cuflash
+
+PACKAGE_DIR = Path(cuflash.__file__).resolve().parent
+
+#: layer -> the layers it may import (itself included)
+ALLOWED = {
+    "runtime": {"runtime"},
+    "reference": {"reference", "runtime"},
+    "sim": {"sim", "runtime"},
+    "kernels": {"kernels", "sim", "reference", "runtime"},
+    "api": {"api", "kernels", "sim", "reference", "runtime"},
+    "adapters": {"adapters", "api", "kernels", "sim", "reference", "runtime"},
+    "tools": {"tools", "adapters", "api", "kernels", "sim", "reference", "runtime"},
+}
+#: the layers' folders and the layer of everything in them (analysis sits beside the public
+#: functions: both stand on the kernels)
+SUBPACKAGE_LAYERS = {"runtime": "runtime", "reference": "reference", "sim": "sim", "kernels": "kernels",
+                     "api": "api", "analysis": "api", "tools": "tools"}
+#: the package's surface: every module (or package) at the top that is not a layer's folder is a
+#: face or an adapter, at most this many of them (the package face, thin faces of documented
+#: import paths, the framework adapters)
+MAX_TOP_LEVEL = 10
+#: importlib entry points whose first argument is a module name
+IMPORT_CALLS = {"import_module", "__import__", "find_spec"}
+
+
+def module_name(root: Path, path: Path) -> str:
+    """``cuflash.kernels.dispatch`` for ``<root>/kernels/dispatch.py`` (``<root>`` is the package)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["cuflash", *parts])
+
+
+def layer_of(root: Path, path: Path) -> str | None:
+    """The layer of the module at ``path``, from where it lives: a layer's folder gives its layer;
+    every other module at the top (and every package there that is not a layer's folder) is the
+    package's surface, the adapters' layer, except ``__main__``, the command line, which is the
+    tools' layer. None for a module in a folder below the top that is no layer's."""
+    rel = path.relative_to(root).parts
+    if len(rel) == 1:
+        return "tools" if Path(rel[0]).stem == "__main__" else "adapters"
+    if rel[0] in SUBPACKAGE_LAYERS:
+        return SUBPACKAGE_LAYERS[rel[0]]
+    return "adapters" if (root / rel[0] / "__init__.py").is_file() and len(rel) >= 2 else None
+
+
+def scan(root: Path):
+    """``(modules, imports)``: module name -> (path, layer); and a list of
+    ``(importer, imported module, line, how)`` for every import of a cuflash module."""
+    modules = {module_name(root, p): (p, layer_of(root, p)) for p in sorted(root.rglob("*.py"))}
+    is_package = {m: p.name == "__init__.py" for m, (p, _) in modules.items()}
+
+    def resolve(name: str) -> str | None:
+        """The module an absolute dotted name imports (its longest existing prefix)."""
+        parts = name.split(".")
+        for n in range(len(parts), 0, -1):
+            cand = ".".join(parts[:n])
+            if cand in modules:
+                return cand
+        return None
+
+    imports, seen = [], set()
+    for mod, (path, _) in modules.items():
+        package = mod if is_package[mod] else mod.rpartition(".")[0]
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        in_tables = {id(e) for n in ast.walk(tree) if isinstance(n, (ast.Tuple, ast.List, ast.Set))
+                     for e in n.elts} | {id(e) for n in ast.walk(tree) if isinstance(n, ast.Dict) for e in n.values}
+        for node in ast.walk(tree):
+            targets: list[tuple[str, str]] = []
+            if isinstance(node, ast.Import):
+                targets = [(a.name, "import") for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    origin = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    origin = node.module or ""
+                for a in node.names:
+                    sub = f"{origin}.{a.name}"
+                    targets.append((sub if sub in modules else origin, "from-import"))
+            elif isinstance(node, ast.Call):
+                fn = node.func
+                fname = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+                if fname in IMPORT_CALLS and node.args and isinstance(node.args[0], ast.Constant) \
+                        and isinstance(node.args[0].value, str):
+                    targets = [(node.args[0].value, f"{fname}() string")]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules \
+                    and node.value != "cuflash" and id(node) in in_tables:
+                targets = [(node.value, "module-name string")]  # a command table for importlib
+            for name, how in targets:
+                if name == "cuflash" or name.startswith("cuflash."):
+                    target = resolve(name)
+                    line = getattr(node, "lineno", 0)
+                    if target is not None and target != mod and (mod, target, line) not in seen:
+                        seen.add((mod, target, line))
+                        imports.append((mod, target, line, how))
+    return modules, imports
+
+
+def violations(root: Path) -> list[str]:
+    """Modules without a layer, and imports that go up a layer, as ``file:line: ...`` lines."""
+    modules, imports = scan(root)
+    out = [f"{p.relative_to(root.parent)}: module {m} has no layer (place it in a layer's folder)"
+           for m, (p, layer) in modules.items() if layer is None]
+    for src, dst, line, how in imports:
+        (path, s_layer), (_, d_layer) = modules[src], modules[dst]
+        if s_layer and d_layer and d_layer not in ALLOWED[s_layer]:
+            out.append(f"{path.relative_to(root.parent)}:{line}: {src} ({s_layer}) imports {dst} ({d_layer}) "
+                       f"by {how}; {s_layer} may import only {sorted(ALLOWED[s_layer])}")
+    return out
+
+
+def cycles(root: Path) -> list[list[str]]:
+    """Import circles among the modules (every import counted, lazy ones too)."""
+    modules, imports = scan(root)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for src, dst, _, _ in imports:
+        graph[src].add(dst)
+    found, state, stack = [], {}, []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                found.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return found
+
+
+def test_every_module_has_a_layer_and_imports_only_downwards():
+    bad = violations(PACKAGE_DIR)
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_circle():
+    found = cycles(PACKAGE_DIR)
+    assert not found, "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_scan_sees_the_package():
+    modules, imports = scan(PACKAGE_DIR)
+    assert {"cuflash.runtime.plan", "cuflash.kernels.dispatch", "cuflash.sim.launcher",
+            "cuflash.reference.forward", "cuflash.tools.check", "cuflash.api.pipeline"} <= set(modules)
+    edges = {(s, d) for s, d, _, _ in imports}
+    assert ("cuflash.api.pipeline", "cuflash.sim.device") in edges  # a function-level import
+    assert ("cuflash.__main__", "cuflash.tools.check") in edges  # a module-name string for importlib
+
+
+def top_level(root: Path) -> list[str]:
+    """The package's surface: modules at the top and packages that are no layer's folder."""
+    return sorted([p.name for p in root.glob("*.py")] + [p.name for p in root.iterdir() if p.is_dir()
+                                                           and (p / "__init__.py").is_file()
+                                                           and p.name not in SUBPACKAGE_LAYERS])
+
+
+def test_top_level_is_the_package_surface():
+    top = top_level(PACKAGE_DIR)
+    assert len(top) <= MAX_TOP_LEVEL, top
+    assert set(top) >= {"__init__.py", "__main__.py", "torch", "jax.py", "transformers.py", "intensity.py",
+                        "torch_sdpa.py"}
+
+
+def test_documented_import_paths_keep_working():
+    import cuflash.intensity
+    import cuflash.torch_sdpa
+    from cuflash.analysis import intensity
+    from cuflash.torch import sdpa
+
+    assert cuflash.intensity is intensity and cuflash.torch_sdpa is sdpa
+    assert callable(cuflash.torch_sdpa.top_left_causal) and callable(cuflash.intensity.fused_attention_cost)
+
+
+def test_every_kernel_source_has_a_host_module():
+    kernels_cu = cuflash.runtime.paths.kernels_dir()
+    hosts = {p.stem for p in (PACKAGE_DIR / "kernels").glob("*.py")}
+    for cu in sorted(kernels_cu.glob("*.cu")):
+        assert cu.stem in hosts, f"kernels_cu/{cu.name} has no host module cuflash/kernels/{cu.stem}.py"
+
+
+def test_every_subpackage_says_what_it_may_import():
+    for sub in SUBPACKAGE_LAYERS:
+        doc = ast.get_docstring(ast.parse((PACKAGE_DIR / sub / "__init__.py").read_text()))
+        assert doc and "Imports:" in doc, f"cuflash/{sub}/__init__.py: its docstring must say what it may import"
+
+
+@pytest.fixture
+def tree_copy(tmp_path):
+    dst = tmp_path / "cuflash"
+    shutil.copytree(PACKAGE_DIR, dst, ignore=shutil.ignore_patterns("__pycache__", "*.npz", "*.h", "*.S"))
+    assert not violations(dst) and not cycles(dst)
+    return dst
+
+
+def _plant(path: Path, text: str) -> None:
+    path.write_text(path.read_text() + "\n\n" + text)
+
+
+def test_a_planted_upward_import_inside_a_function_fails(tree_copy):
+    _plant(tree_copy / "runtime" / "dtypes.py", "def _lazy():\n    from cuflash.tools import check\n    return check\n")
+    bad = violations(tree_copy)
+    assert len(bad) == 1 and "cuflash/runtime/dtypes.py:" in bad[0] and "imports cuflash.tools.check (tools)" in bad[0], bad
+
+
+def test_a_planted_importlib_string_fails(tree_copy):
+    _plant(tree_copy / "sim" / "lower.py",
+           "def _lazy():\n    import importlib\n    return importlib.import_module('cuflash.kernels.dispatch')\n")
+    bad = violations(tree_copy)
+    assert len(bad) == 1 and "cuflash/sim/lower.py:" in bad[0] and "cuflash.kernels.dispatch (kernels)" in bad[0], bad
+
+
+def test_a_planted_sideways_import_between_sim_and_reference_fails(tree_copy):
+    _plant(tree_copy / "reference" / "masks.py", "from cuflash.sim import launcher  # noqa: E402\n")
+    bad = violations(tree_copy)
+    assert len(bad) == 1 and "cuflash.reference.masks (reference) imports cuflash.sim.launcher (sim)" in bad[0], bad
+
+
+def test_a_planted_circle_fails(tree_copy):
+    # source.py imports paths.py; paths.py importing source.py closes a circle inside one layer
+    _plant(tree_copy / "runtime" / "paths.py", "def _lazy():\n    from cuflash.runtime import source\n    return source\n")
+    assert not violations(tree_copy)
+    found = cycles(tree_copy)
+    assert found and any({"cuflash.runtime.paths", "cuflash.runtime.source"} <= set(c) for c in found), found
+
+
+def test_a_module_outside_every_layer_fails(tree_copy):
+    (tree_copy / "helpers").mkdir()
+    (tree_copy / "helpers" / "x.py").write_text("X = 1\n")   # a folder that is no package and no layer
+    bad = violations(tree_copy)
+    assert len(bad) == 1 and "cuflash.helpers.x has no layer" in bad[0], bad
+
+
+def test_a_planted_upward_import_from_an_adapter_fails(tree_copy):
+    _plant(tree_copy / "jax.py", "def _lazy():\n    from cuflash.tools import check\n    return check\n")
+    bad = violations(tree_copy)
+    assert len(bad) == 1 and "cuflash.jax (adapters) imports cuflash.tools.check (tools)" in bad[0], bad
