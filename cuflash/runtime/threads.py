@@ -25,7 +25,7 @@ __all__ = ["num_threads", "run", "blas_single_threaded"]
 _lock = threading.Lock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_size = 0
-_controller = None
+_controller = None  # threadpoolctl's ThreadpoolController class; False where it is missing
 _held = 0          # callers inside blas_single_threaded (the limit is process-wide)
 _limit_ctx = None  # threadpoolctl's context of the first of them
 
@@ -70,8 +70,10 @@ def blas_single_threaded():
                 except ImportError:  # not installed: run without the limit (see the module docstring)
                     _controller = False
                 else:
-                    _controller = ThreadpoolController()
-            _limit_ctx = _controller.limit(limits=1, user_api="blas") if _controller else None
+                    _controller = ThreadpoolController
+            # A fresh look at the loaded libraries each time: one loaded since the last call (the
+            # OpenBLAS torch or SciPy bring) would otherwise keep its own thread count.
+            _limit_ctx = _controller().limit(limits=1, user_api="blas") if _controller else None
         _held += 1
     try:
         yield

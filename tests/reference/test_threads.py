@@ -100,3 +100,30 @@ def test_without_threadpoolctl_the_pool_still_runs(monkeypatch):
     monkeypatch.setenv("CUFLASH_NUM_THREADS", "2")
     assert threads.run(lambda i: i + 1, range(5)) == [1, 2, 3, 4, 5]
     assert threads._controller is False
+
+
+def test_a_blas_loaded_after_the_first_call_is_held_too():
+    """SciPy (which jax and transformers import) brings its own OpenBLAS; one loaded after the
+    pool's first run must be held to one thread as well. A fresh interpreter fixes the order."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import sys, threadpoolctl
+        from cuflash.runtime import threads
+        blas = lambda: sorted(i["filepath"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas")
+        threads.run(lambda i: i, range(2))
+        before = blas()
+        import scipy.linalg
+        assert len(blas()) > len(before), ("scipy brought no BLAS of its own", before, blas())
+        counts = threads.run(lambda i: {i["num_threads"] for i in threadpoolctl.threadpool_info()
+                                        if i["user_api"] == "blas"}, range(2))
+        print(counts)
+        sys.exit(0 if all(c == {1} for c in counts) else 1)
+        """
+    )
+    env = {**__import__("os").environ, "CUFLASH_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
