@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import sys
 import threading
 
 __all__ = ["num_threads", "run", "blas_single_threaded"]
@@ -53,6 +54,22 @@ def num_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+_libraries = None          # threadpoolctl's controller of the libraries loaded when it was made
+_modules_seen = -1         # len(sys.modules) then
+
+
+def _current_libraries():
+    """A controller of the libraries loaded now. Looking them up costs about a millisecond, so
+    the controller is kept until a Python import has happened since: a BLAS arrives with a
+    module (the OpenBLAS SciPy brings, which jax and transformers import), and one loaded after
+    the first call would otherwise keep its own thread count."""
+    global _libraries, _modules_seen
+    if _libraries is None or len(sys.modules) != _modules_seen:
+        _libraries = _controller()
+        _modules_seen = len(sys.modules)
+    return _libraries
+
+
 @contextlib.contextmanager
 def blas_single_threaded():
     """Hold every BLAS library loaded in the process to one thread while the block runs.
@@ -71,9 +88,7 @@ def blas_single_threaded():
                     _controller = False
                 else:
                     _controller = ThreadpoolController
-            # A fresh look at the loaded libraries each time: one loaded since the last call (the
-            # OpenBLAS torch or SciPy bring) would otherwise keep its own thread count.
-            _limit_ctx = _controller().limit(limits=1, user_api="blas") if _controller else None
+            _limit_ctx = _current_libraries().limit(limits=1, user_api="blas") if _controller else None
         _held += 1
     try:
         yield
