@@ -46,6 +46,8 @@ Imports: torch and transformers (lazily, in :func:`register`); :mod:`cuflash.tor
 
 from __future__ import annotations
 
+import dataclasses
+
 __all__ = ["register", "attention_forward", "NAME"]
 
 #: The ``attn_implementation`` name :func:`register` uses by default.
@@ -190,18 +192,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             _refuse(argument, "<tensor>", "paged key/value caches (continuous batching) have no cuflash path here; "
                     "use attn_implementation='sdpa' for continuous batching")
     seqlen_q, seqlen_k = query.shape[-2], key.shape[-2]
-    options = {"softmax_scale": scaling, "dropout_p": float(dropout or 0.0)}
-    if softcap:
-        options["softcap"] = float(softcap)
-    if kwargs.get("s_aux") is not None:
-        options["sinks"] = kwargs["s_aux"].to(torch.float32)
+    m = _Mapped(softmax_scale=scaling, dropout_p=float(dropout or 0.0), softcap=float(softcap or 0.0),
+                sinks=None if kwargs.get("s_aux") is None else kwargs["s_aux"].to(torch.float32))
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-        return _packed(cuflash_torch, module, query, key, value, attention_mask, sliding_window, is_causal, options,
-                       kwargs)
-    if kwargs.get("position_bias") is not None:
-        options["attn_bias"] = kwargs["position_bias"]
+        if attention_mask is not None:
+            _refuse("attention_mask", "<tensor>", "packed sequences (cu_seq_lens_q) take no mask")
+        return _packed(cuflash_torch, module, (query, key, value), m, (sliding_window, is_causal), kwargs)
+    bias = kwargs.get("position_bias")
 
-    causal, window = False, (-1, -1)
+    causal, window, mask = False, (-1, -1), None
     if attention_mask is None:
         if is_causal is None:
             is_causal = getattr(module, "is_causal", True)
@@ -213,27 +212,39 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         _refuse("attention_mask", f"<{attention_mask.dim()}-D tensor {tuple(attention_mask.shape)}>",
                 "expected the 4-D mask of the registered mask function (sdpa_mask), broadcastable to (B, H, Sq, Sk)")
     elif attention_mask.dtype == torch.bool:
-        options["attn_mask"] = attention_mask
-    elif "attn_bias" in options:
-        options["attn_bias"] = options["attn_bias"] + attention_mask
+        mask = attention_mask
     else:
-        options["attn_bias"] = attention_mask
+        bias = attention_mask if bias is None else bias + attention_mask
     if sliding_window is not None:
         window = (int(sliding_window) - 1, int(sliding_window) - 1 if window[1] < 0 else window[1])
-    out = cuflash_torch.attention(query, key, value, causal=causal, window_size=window, **options)
+    out = cuflash_torch.attention(query, key, value, causal=causal, window_size=window, softmax_scale=m.softmax_scale,
+                                  dropout_p=m.dropout_p, softcap=m.softcap, sinks=m.sinks, attn_bias=bias,
+                                  attn_mask=mask)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _packed(cuflash_torch, module, query, key, value, attention_mask, sliding_window, is_causal, options, kwargs):
+@dataclasses.dataclass(frozen=True)
+class _Mapped:
+    """The options a transformers attention call maps onto cuflash's (besides masks and windows)."""
+
+    softmax_scale: float | None
+    dropout_p: float
+    softcap: float
+    sinks: object
+
+
+def _packed(cuflash_torch, module, qkv, m: _Mapped, window_causal, kwargs):
     """Packed sequences (``cu_seq_lens_q``/``_k`` in a batch of one) through
-    :func:`cuflash.torch.attention_varlen`, causal per sequence (bottom-right, flash-attn's)."""
+    :func:`cuflash.torch.attention_varlen`, causal per sequence (bottom-right, flash-attn's).
+    ``window_causal`` is ``(sliding_window, is_causal)``; ``kwargs`` are transformers' own."""
     import torch
 
-    if attention_mask is not None:
-        _refuse("attention_mask", "<tensor>", "packed sequences (cu_seq_lens_q) take no mask")
-    extra = sorted(set(options) - {"softmax_scale", "dropout_p"})
-    if extra:
-        _refuse(extra[0], "<set>", "packed sequences (cu_seq_lens_q) run attention_varlen, which takes no " + extra[0])
+    query, key, value = qkv
+    sliding_window, is_causal = window_causal
+    for name, on in (("softcap", m.softcap), ("sinks", m.sinks is not None),
+                     ("attn_bias", kwargs.get("position_bias") is not None)):
+        if on:
+            _refuse(name, "<set>", "packed sequences (cu_seq_lens_q) run attention_varlen, which takes no " + name)
     if query.shape[0] != 1:
         raise ValueError(f"{_FUNC}: packed sequences (cu_seq_lens_q) need a batch of one, got query.shape="
                          f"{tuple(query.shape)}")
@@ -250,5 +261,5 @@ def _packed(cuflash_torch, module, query, key, value, attention_mask, sliding_wi
     window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, int(sliding_window) - 1)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (total, H, D)
     out = cuflash_torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window,
-                                         **options)
+                                         softmax_scale=m.softmax_scale, dropout_p=m.dropout_p)
     return out.unsqueeze(0).contiguous(), None

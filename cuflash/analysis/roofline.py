@@ -446,17 +446,43 @@ def _tile_flops(direction: str, bm: int, bn: int, d: int, dv: int) -> int:
     return 2 * bm * bn * ((d + dv) if direction == "fwd" else (3 * d + 2 * dv))
 
 
-def model(counts: Counts, masked: Counts, *, rates: SmRates, entry: str, direction: str, block_m: int,
-          block_n: int, head_dim: int, head_dim_v: int, threads: int, registers: int, spills: int, smem: int,
-          dtype_bytes: int, seqlen: int = 8192, inner_loops: int = 0, wgmma: bool = False,
-          math_threads: int | None = None) -> Roofline:
-    """The pipes' cycles per tile, the binding pipe and the ceiling, from the counts.
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """What the model needs of a compiled kernel besides its loop's counts: its tile, its launch
+    and its resources (ptxas's figures).
 
     ``math_threads``: the threads that run the main loop when fewer than the block's (a
-    warp-specialized kernel's consumers; its producer warps issue TMA, counted in no pipe). A
-    wgmma reads its shared-memory operands without instructions, so the smem pipe counts only
-    the threads' own shared-memory accesses there."""
-    warps = (math_threads or threads) // 32
+    warp-specialized kernel's consumers; its producer warps issue TMA, counted in no pipe).
+    ``wgmma``: the loop's tensor instructions are wgmma (their rate, and shared-memory operands
+    read without instructions)."""
+
+    entry: str
+    direction: str
+    block_m: int
+    block_n: int
+    head_dim: int
+    head_dim_v: int
+    threads: int
+    registers: int
+    spills: int
+    smem: int
+    dtype_bytes: int
+    inner_loops: int = 0
+    wgmma: bool = False
+    math_threads: int | None = None
+
+
+def model(counts: Counts, masked: Counts, kernel: Kernel, *, rates: SmRates, seqlen: int = 8192) -> Roofline:
+    """The pipes' cycles per tile, the binding pipe and the ceiling, from the counts of the
+    loop's unmasked and masked paths (per warp) and the ``kernel`` (:class:`Kernel`). A wgmma
+    reads its shared-memory operands without instructions, so the smem pipe counts only the
+    threads' own shared-memory accesses there."""
+    k = kernel
+    entry, direction, block_m, block_n = k.entry, k.direction, k.block_m, k.block_n
+    head_dim, head_dim_v, threads, registers, spills, smem = (k.head_dim, k.head_dim_v, k.threads, k.registers,
+                                                              k.spills, k.smem)
+    dtype_bytes, inner_loops, wgmma = k.dtype_bytes, k.inner_loops, k.wgmma
+    warps = (k.math_threads or threads) // 32
     flops = _tile_flops(direction, block_m, block_n, head_dim, head_dim_v)
     cost = intensity.fused_attention_cost(seqlen, head_dim, headdim_v=head_dim_v, dtype=dtype_bytes,
                                           backward=direction == "bwd")
@@ -662,12 +688,11 @@ def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str 
     unmasked, masked = loop_paths(insns, head, latch)[:2]
     direction, bm, bn, d, dv = _shape_of(variant)
     wgmma = any(x.op == "HGMMA" for x in insns if head <= x.addr <= latch)
-    return model(unmasked, masked, rates=rates, entry=variant.entry, direction=direction, block_m=bm, block_n=bn,
-                 head_dim=d, head_dim_v=dv, threads=variant.threads, math_threads=getattr(variant, "math_threads", None),
-                 registers=res["registers"],
-                 spills=res["spill_stores"] + res["spill_loads"], smem=variant.smem_bytes + res["static_smem"],
-                 dtype_bytes=2 if variant.dtype in ("f16", "bf16") else 4, seqlen=seqlen, inner_loops=inner,
-                 wgmma=wgmma)
+    kernel = Kernel(variant.entry, direction, bm, bn, d, dv, variant.threads, res["registers"],
+                    res["spill_stores"] + res["spill_loads"], variant.smem_bytes + res["static_smem"],
+                    2 if variant.dtype in ("f16", "bf16") else 4, inner_loops=inner, wgmma=wgmma,
+                    math_threads=getattr(variant, "math_threads", None))
+    return model(unmasked, masked, kernel, rates=rates, seqlen=seqlen)
 
 
 # --------------------------------------------------------------------------------------------
@@ -858,7 +883,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MODEL, not a measurement: per-SM rates of the {rates.device.name} (sm_{rates.arch}, {rates.sms} SMs at "
           f"{rates.clock_ghz:.2f} GHz); counts per warp and K/V tile of the main loop (unmasked path), pipe "
           "cycles per tile and CTA; * marks loops with inner loops (counted once: lower bounds). Sources: "
-          "python -c 'import cuflash.roofline as r; print(r.RATES[\"h200\"].source)'")
+          "python -c 'import cuflash.analysis.roofline as r; print(r.RATES[\"h200\"].source)'")
     print(format_table(rows))
     records = [r.as_dict() for r in rows]
     if args.head_dim is not None:

@@ -10,6 +10,9 @@ from cuflash.reference import forward as ref_forward
 from cuflash.runtime import interop, validation
 from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options
 
+__all__ = ["attention", "explain"]
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
               out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
               alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None):

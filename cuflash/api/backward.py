@@ -7,6 +7,8 @@ from cuflash.reference import backward as ref_backward
 from cuflash.runtime import validation
 from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options
 
+__all__ = ["attention_backward"]
+
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        layout="bhsd", backend="auto", deterministic=False, dropout_p=0.0, dropout_seed=None,

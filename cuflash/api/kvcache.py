@@ -22,6 +22,8 @@ from cuflash.runtime import interop, validation
 from cuflash.runtime.options import CacheOptions, ModifierOptions, Options
 from cuflash.runtime.validation_kvcache import check_attention_with_kvcache, rotates_per_row
 
+__all__ = ["attention_with_kvcache", "merge_attention"]
+
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None, block_table=None,

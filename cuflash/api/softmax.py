@@ -22,6 +22,8 @@ from cuflash.runtime.options import Options
 
 _NAME = "cuflash.softmax"
 
+__all__ = ["softmax"]
+
 
 @dataclasses.dataclass(frozen=True)
 class _SoftmaxProblem:

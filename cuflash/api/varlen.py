@@ -22,6 +22,8 @@ from cuflash.reference import kvcache as ref_kvcache
 from cuflash.runtime import interop, validation, validation_kvcache
 from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options, PackedOptions
 
+__all__ = ["attention_varlen", "attention_varlen_backward"]
+
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, return_lse=False,
@@ -188,13 +190,7 @@ def _check_backward_arrays(problem, dout, out, lse) -> None:
     func = problem.func
     infos = validation.describe_inputs({"out": out, "dout": dout}, func)
     for name, info in infos.items():
-        if info.dtype != problem.dtype:
-            raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal q.dtype={problem.dtype.name}")
-        if info.shape != problem.out_shape:
-            raise ValueError(f"{func}: {name}.shape={info.shape} must be {problem.out_shape} (total_q, Hq, Dv)")
-        if info.device != problem.device:
-            raise ValueError(f"{func}: {name} is on device {info.device} but q is on device {problem.device}")
-        validation.check_strides(info, name, func)
+        validation.check_like_output(info, name, problem, "(total_q, Hq, Dv)")
     li = interop.describe(lse, "lse", func)
     if li.dtype_name not in ("float32", "float64"):
         raise TypeError(f"{func}: lse.dtype={li.dtype_name} must be float32 (or float64 on the NumPy path)")

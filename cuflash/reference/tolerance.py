@@ -61,6 +61,11 @@ def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
                       modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+    return _rows(q, k, v, options, rows, same_dtype)
+
+
+def _rows(q, k, v, options: Options, rows, same_dtype: bool):
+    """:func:`attention_rows` of the call's ``options``."""
     p = check_attention(q, k, v, options, func=_FUNC, max_head_dim=None)
     rows = np.arange(p.seqlen_q) if rows is None else np.asarray(rows)
     lowp = same_dtype and p.dtype != dtypes.float64
@@ -78,11 +83,17 @@ def _in_layout(x, layout: str, q_ndim: int, *, lse: bool = False):
     return x[0] if q_ndim == 2 else x
 
 
-def naive_same_dtype(q, k, v, *, layout="bhsd", **kw):
+def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
+                     dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0, alibi_slopes=None, attn_bias=None,
+                     attn_mask=None, sinks=None):
     """The baseline of the rule for all rows, as float64 values in the output's own shape
     (``q.shape[:-1] + (Dv,)`` for "bhsd", ``(B, Sq, Hq, Dv)`` for "bshd"); see
-    :func:`attention_rows` (``same_dtype=True``) for how it is computed."""
-    o, _ = attention_rows(q, k, v, layout=layout, same_dtype=True, **kw)
+    :func:`attention_rows` (``same_dtype=True``) for how it is computed and what the keywords
+    are."""
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
+                      dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+    o, _ = _rows(q, k, v, options, None, True)
     return _in_layout(o, layout, np.ndim(q))
 
 
@@ -100,7 +111,7 @@ def floor_for(dtype) -> float:
     return {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-18, "float64": 2.0**-40}[np.dtype(dtype).name]
 
 
-def score_rounding_bound(q, k, v, *, softmax_scale=None, **_) -> float:
+def score_rounding_bound(q, k, v, *, softmax_scale=None) -> float:
     """Error any float32-accumulating implementation may make when scores are large.
 
     A score s = scale * q.k computed in float32 carries an absolute error up to about
@@ -126,37 +137,33 @@ def bound(dtype, naive_error: float, *, q=None, k=None, v=None, softmax_scale=No
     return b
 
 
-def _reference_and_bound(q, k, v, *, causal, softmax_scale, window_size, layout, rows, large_logits, dropout=(),
-                         modifiers=None):
+def _reference_and_bound(q, k, v, options: Options, rows, large_logits: bool):
     """``(reference, reference lse, bound, naive error)`` of the rule for these inputs; with
-    ``rows=None`` in the caller's layout, else canonical rows. ``dropout``: ``(p, seed, offset)``;
-    ``modifiers``: the score modifiers' keyword arguments."""
-    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, rows=rows,
-              **(modifiers or {}))
-    if dropout:
-        kw.update(dropout_p=dropout[0], dropout_seed=dropout[1], dropout_offset=dropout[2])
-    ref, ref_lse = attention_rows(q, k, v, **kw)
-    naive, _ = attention_rows(q, k, v, same_dtype=True, **kw)
+    ``rows=None`` in the caller's layout, else canonical rows."""
+    ref, ref_lse = _rows(q, k, v, options, rows, False)
+    naive, _ = _rows(q, k, v, options, rows, True)
     if rows is None:
+        layout = options.layout
         ref, naive = _in_layout(ref, layout, np.ndim(q)), _in_layout(naive, layout, np.ndim(q))
         ref_lse = _in_layout(ref_lse, layout, np.ndim(q), lse=True)
     base = float(np.max(np.abs(naive - ref), initial=0.0))
-    tol = bound(q.dtype, base, q=q, k=k, v=v, softmax_scale=softmax_scale, large_logits=large_logits)
+    tol = bound(q.dtype, base, q=q, k=k, v=v, softmax_scale=options.softmax_scale, large_logits=large_logits)
     return ref, ref_lse, tol, base
 
 
 def rule_bound(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd", rows=None,
-               large_logits=False, **modifiers) -> float:
+               large_logits=False, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None) -> float:
     """The largest max-abs error the rule allows an implementation of attention(q, k, v, ...):
-    ``2 * max|naive_same_dtype - reference| + floor_for(q.dtype)`` (see :func:`bound`).
-    ``modifiers``: ``softcap``, ``alibi_slopes``, ``attn_bias``, ``attn_mask``, ``sinks``."""
-    return _reference_and_bound(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                layout=layout, rows=rows, large_logits=large_logits, modifiers=modifiers)[2]
+    ``2 * max|naive_same_dtype - reference| + floor_for(q.dtype)`` (see :func:`bound`); the
+    keywords are :func:`compare`'s."""
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+    return _reference_and_bound(q, k, v, options, rows, large_logits)[2]
 
 
 def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-            rows=None, lse=None, large_logits=False, dropout_p=0.0, dropout_seed=None,
-            dropout_offset=0, **modifiers) -> tuple[bool, str, float]:
+            rows=None, lse=None, large_logits=False, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+            softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None) -> tuple[bool, str, float]:
     """Hold ``actual`` (and optionally its ``lse``) to the rule.
 
     Parameters
@@ -176,20 +183,18 @@ def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-
         Allow at least :func:`score_rounding_bound` (scores of magnitude ~1e4).
     dropout_p, dropout_seed, dropout_offset
         The call's dropout (reference and baseline apply the same mask).
-    **modifiers
-        The call's score modifiers (``softcap``, ``alibi_slopes``, ``attn_bias``, ``attn_mask``,
-        ``sinks``), applied by reference and baseline alike.
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+        The call's score modifiers, applied by reference and baseline alike.
 
     Returns
     -------
     (ok, message, error) : the verdict, a one-line account, and the max abs error of ``actual``.
     A shape mismatch or NaN anywhere in ``actual`` fails (the inputs are assumed finite).
     """
-    ref, ref_lse, tol, base = _reference_and_bound(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                                   window_size=window_size, layout=layout, rows=rows,
-                                                   large_logits=large_logits,
-                                                   dropout=(dropout_p, dropout_seed, dropout_offset) if dropout_p else (),
-                                                   modifiers=modifiers)
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
+                      dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+    ref, ref_lse, tol, base = _reference_and_bound(q, k, v, options, rows, large_logits)
     a = np.asarray(actual, np.float64)
     if a.shape != ref.shape:
         return False, f"shape {a.shape} != expected {ref.shape}", math.inf

@@ -418,19 +418,27 @@ def check_attention(q, k, v, options: Options, *, func: str = "cuflash.attention
     return problem
 
 
+def check_like_output(info: ArrayInfo, name: str, problem: AttentionProblem, rule: str = "for these q and v",
+                      writable: bool = False) -> None:
+    """An array of the output's kind, dtype, shape and device (``out=``, or a backward's ``out``
+    and ``dout``), with the strides the kernels take (``writable``: no stride 0 either)."""
+    func = problem.func
+    if info.kind != problem.kind:
+        raise TypeError(f"{func}: {name} is a {info.type_name} but q is a {problem.q.type_name}; they must be of one kind")
+    if info.dtype != problem.dtype:
+        raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal q.dtype={problem.dtype.name}")
+    if info.shape != problem.out_shape:
+        raise ValueError(f"{func}: {name}.shape={info.shape} must be {problem.out_shape} {rule}")
+    if info.device != problem.device:
+        raise ValueError(f"{func}: {name} is on device {info.device} but q is on device {problem.device}")
+    check_strides(info, name, func, writable_out=writable)
+
+
 def check_out(out, problem: AttentionProblem, inputs: dict) -> None:
     """``out=`` must match the result's kind, dtype and shape, be writable and not overlap inputs."""
     func = problem.func
     info = describe(out, "out", func)
-    if info.kind != problem.kind:
-        raise TypeError(f"{func}: out is a {info.type_name} but q is a {problem.q.type_name}; they must be of one kind")
-    if info.dtype != problem.dtype:
-        raise TypeError(f"{func}: out.dtype={info.dtype_name} must equal q.dtype={problem.dtype.name}")
-    if info.shape != problem.out_shape:
-        raise ValueError(f"{func}: out.shape={info.shape} must be {problem.out_shape} for these q and v")
-    if info.device != problem.device:
-        raise ValueError(f"{func}: out is on device {info.device} but q is on device {problem.device}")
-    check_strides(info, "out", func, writable_out=True)
+    check_like_output(info, "out", problem, writable=True)
     if info.kind == "numpy":
         if not out.flags.writeable:
             raise ValueError(f"{func}: out is read-only")

@@ -50,8 +50,9 @@ def test_model_arithmetic():
     rates = roofline.RATES["h200"]
     c = roofline.Counts(instructions=400, tensor=64, macs=64 * 2048, smem_read=64 * 256, smem_write=4096,
                         global_read=4096, global_write=0, mufu=32, fp32=100, barriers=1)
-    r = roofline.model(c, c, rates=rates, entry="k", direction="fwd", block_m=128, block_n=64, head_dim=64,
-                       head_dim_v=64, threads=256, registers=128, spills=0, smem=50_000, dtype_bytes=2)
+    kernel = roofline.Kernel("k", "fwd", block_m=128, block_n=64, head_dim=64, head_dim_v=64, threads=256,
+                             registers=128, spills=0, smem=50_000, dtype_bytes=2)
+    r = roofline.model(c, c, kernel, rates=rates)
     assert r.macs_per_tile == 8 * 64 * 2048 == 128 * 64 * 128       # the tile math
     assert r.pipes["tensor"] == pytest.approx(8 * 64 * 2048 / (0.6 * 2048), abs=0.1)
     assert r.pipes["smem"] == pytest.approx(8 * (64 * 256 + 4096) / 128, abs=0.1)
