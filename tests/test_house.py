@@ -265,3 +265,156 @@ def test_a_planted_upward_import_from_an_adapter_fails(tree_copy):
     _plant(tree_copy / "jax.py", "def _lazy():\n    from cuflash.tools import check\n    return check\n")
     bad = violations(tree_copy)
     assert len(bad) == 1 and "cuflash.jax (adapters) imports cuflash.tools.check (tools)" in bad[0], bad
+
+
+# --------------------------------------------------------------------------------------------
+# functions: parameters and options
+
+#: a function of the package takes at most this many parameters, public signatures aside
+MAX_PARAMS = 12
+#: the modules whose ``__all__`` is public API (their flat, flash-attn-style signatures may be long)
+PUBLIC_MODULES = ("cuflash", "cuflash.api.", "cuflash.reference.", "cuflash.analysis.intensity", "cuflash.torch.",
+                  "cuflash.jax", "cuflash.transformers")
+
+
+def _public_names(tree) -> set:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
+    return set()
+
+
+def _is_op_or_fake(fn) -> bool:
+    """A ``torch.library.custom_op`` (a public operator schema) or its ``register_fake``, which
+    must take the operator's parameters."""
+    for d in fn.decorator_list:
+        text = ast.unparse(d)
+        if "custom_op" in text or text.endswith(".register_fake"):
+            return True
+    return False
+
+
+def _params(fn) -> int:
+    a = fn.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    n = len(names) - (1 if names and names[0] in ("self", "cls") else 0)
+    return n + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def long_signatures(root: Path) -> list[str]:
+    """Functions with more than :data:`MAX_PARAMS` parameters that are not public API."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        mod = module_name(root, path)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        public = _public_names(tree) if mod == "cuflash" or mod.startswith(PUBLIC_MODULES) else set()
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and _params(fn) > MAX_PARAMS:
+                if fn.name not in public and not _is_op_or_fake(fn):
+                    out.append(f"{path.relative_to(root.parent)}:{fn.lineno}: {fn.name} takes {_params(fn)} parameters")
+    return out
+
+
+def options_in_kwargs(root: Path) -> list[str]:
+    """Functions taking ``**kwargs`` that do more than pass them on: options travel in the options
+    object, so a ``**name`` may only be forwarded whole to one call (a wrapper), be the ``kwargs``
+    of a protocol method NumPy calls (``__array_ufunc__``), or be a framework's calling convention
+    in a public function (transformers hands its attention functions keyword arguments)."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        mod = module_name(root, path)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        public = _public_names(tree) if mod == "cuflash" or mod.startswith(PUBLIC_MODULES) else set()
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.args.kwarg is None:
+                continue
+            name = fn.args.kwarg.arg
+            uses = [n for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name]
+            forwarded = [k.value for c in ast.walk(fn) if isinstance(c, ast.Call) for k in c.keywords
+                         if k.arg is None and isinstance(k.value, ast.Name) and k.value.id == name]
+            protocol = (fn.name.startswith("__") and fn.name.endswith("__")) or fn.name in public
+            if not protocol and (len(forwarded) != 1 or len(uses) != 1):
+                out.append(f"{path.relative_to(root.parent)}:{fn.lineno}: {fn.name} reads **{name}")
+    return out
+
+
+def test_no_function_takes_more_than_twelve_parameters_public_signatures_aside():
+    bad = long_signatures(PACKAGE_DIR)
+    assert not bad, "\n".join(bad)
+
+
+def test_options_do_not_travel_in_kwargs():
+    bad = options_in_kwargs(PACKAGE_DIR)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_signature_rules_can_fail(tree_copy):
+    _plant(tree_copy / "kernels" / "dispatch.py", "def _wide(a, b, c, d, e, f, g, h, i, j, k, l, m):\n    return a\n")
+    _plant(tree_copy / "runtime" / "dtypes.py", "def _bag(x, **options):\n    return options.get('causal', x)\n")
+    assert [b.split(": ")[-1] for b in long_signatures(tree_copy)] == ["_wide takes 13 parameters"]
+    assert [b.split(": ")[-1] for b in options_in_kwargs(tree_copy)] == ["_bag reads **options"]
+
+
+_EXCLUSIONS = r"""
+import json, sys
+from pathlib import Path
+import coverage
+config, root = sys.argv[1], Path(sys.argv[2])
+cov = coverage.Coverage(config_file=config, data_file=None)
+bare = coverage.Coverage(config_file=False, data_file=None)   # no exclusions: every statement
+bare.config.exclude_list = []
+include = cov.config.report_include
+files = sorted({p for pattern in include for p in root.glob(pattern.replace("*/cuflash/", "cuflash/"))})
+print(json.dumps({str(p): sorted(set(bare.analysis2(str(p))[1]) - set(cov.analysis2(str(p))[1])) for p in files}))
+"""
+
+
+def _coverage_exclusions(config: Path) -> dict:
+    """``{file: excluded statements}`` of the CUDA host path coverage.py reports on, with the
+    exclusions of ``config``: coverage.py's own analysis, in a fresh interpreter (a second
+    Coverage object inside a measured process would discard that process's data)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COVERAGE")}
+    done = subprocess.run([sys.executable, "-c", _EXCLUSIONS, str(config), str(PACKAGE_DIR.parent)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = {Path(p): lines for p, lines in json.loads(done.stdout).items()}
+    assert found, "the report's include patterns match no file"
+    return found
+
+
+def test_what_only_a_gpu_runs_is_excluded_by_name_at_most_40_statements_each_with_its_reason():
+    config = PACKAGE_DIR.parent / "setup.cfg"
+    excluded = _coverage_exclusions(config)
+    total = sum(len(lines) for lines in excluded.values())
+    assert 0 < total <= 40, {str(p.name): len(x) for p, x in excluded.items() if x}
+    text = config.read_text(encoding="utf-8")
+    block = text[text.index("[coverage:report]"):]
+    patterns = [ln.strip() for ln in block.split("exclude_also =", 1)[1].splitlines()[1:] if ln.startswith("    ")]
+    reasons = block.split("exclude_also =", 1)[0]
+    for pattern in patterns:
+        name = pattern.split()[-1]
+        assert re.search(rf"#\s.*\b{re.escape(name)}\b.*:", reasons), f"no reason given for excluding {name}"
+
+
+def test_collection_runs_without_torch(tmp_path):
+    """Without torch every test module still collects (the torch tests then report as skipped):
+    a fresh pytest, with ``import torch`` made to fail, collects the whole suite without error."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None   # import torch fails\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUFLASH_SKIP_REPORT", "COVERAGE"))}
+    env["PYTHONPATH"] = str(tmp_path)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    root = PACKAGE_DIR.parent
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", "", str(root / "tests")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "error" not in done.stdout.splitlines()[-1].lower(), done.stdout[-3000:]
