@@ -281,14 +281,22 @@ class CudaDevice:
         cuda_runner.launch(launch_plan, stream=self.stream)
 
     def pointer(self, name: str, a, writable: bool) -> plan.PointerArg:
-        item = a.dtype.itemsize
-        mem = a.data.mem
-        flat = self.cupy.ndarray((mem.size // item,), dtype=a.dtype, memptr=self.cupy.cuda.MemoryPointer(mem, 0))
-        return plan.PointerArg(name, flat, (a.data.ptr - mem.ptr) // item, tuple(int(n) for n in a.shape),
-                               tuple(int(s) // item for s in a.strides), writable)
+        return cupy_pointer(name, a, writable)
 
     def as_strided(self, a, shape, strides):
         return self.cupy.lib.stride_tricks.as_strided(a, shape=shape, strides=strides)
+
+
+def cupy_pointer(name: str, a, writable: bool) -> plan.PointerArg:
+    """Pointer to element 0 of the CuPy array ``a``, based on the whole memory object behind the
+    view (the planner checks every access against it)."""
+    import cupy
+
+    item = a.dtype.itemsize
+    mem = a.data.mem
+    flat = cupy.ndarray((mem.size // item,), dtype=a.dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    return plan.PointerArg(name, flat, (a.data.ptr - mem.ptr) // item, tuple(int(n) for n in a.shape),
+                           tuple(int(s) // item for s in a.strides), writable)
 
 
 def cover_span(a):
