@@ -1,7 +1,7 @@
 """The split-KV combine (``kernels_cu/attention_combine.cu``): variant and planner.
 
 Merges the ``num_splits`` partial results the KV-cache forward wrote into its float32 workspace
-into the output and its LSE (flash-decoding). One warp per query row; every dtype, every arch.
+into the output and its LSE (flash-decoding). One warp per query row; the KV-cache call's types (float16, bfloat16), every arch.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from cuflash.kernels.kvcache_append import KVCACHE_DTYPES
 from cuflash.runtime import plan, variants
 
 #: threads per block (one warp per row)
@@ -45,7 +46,8 @@ class AttentionCombine(variants.Variant):
 
     @classmethod
     def all(cls) -> tuple["AttentionCombine", ...]:
-        return tuple(cls(d) for d in variants.DTYPES)
+        """Every variant a call can run: the output types of a split KV-cache call."""
+        return tuple(cls(d) for d in KVCACHE_DTYPES)
 
 
 def plan_combine(o_partial, lse_partial, out, lse, *, num_heads_q: int, seqlen_q: int) -> plan.LaunchPlan:

@@ -2,7 +2,7 @@
 
 Writes the new keys and values of :func:`cuflash.attention_with_kvcache` into the cache in place
 (rotating the keys first when rotary tables are given) and the rotated queries into a workspace.
-Every dtype, every arch; one block per row.
+float16 and bfloat16 (the KV-cache forward's types), every arch; one block per row.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from cuflash.runtime import plan, variants
 
 #: threads per block (a row's columns are strided over them)
 THREADS = 64
+#: the element types of a KV-cache call (its forward runs on the tensor-core tier: float16 and
+#: bfloat16; a float32 call is refused before any kernel runs)
+KVCACHE_DTYPES = ("f16", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +57,9 @@ class KVCacheAppend(variants.Variant):
 
     @classmethod
     def all(cls) -> tuple["KVCacheAppend", ...]:
-        """Every variant (for the compile gate and precompilation): same-dtype and float32 tables."""
-        return tuple(dict.fromkeys(cls(d, r) for d in variants.DTYPES for r in (d, "f32")))
+        """Every variant a call can run (for the compile gate and precompilation): the KV-cache
+        forward's element types with same-dtype and float32 tables."""
+        return tuple(dict.fromkeys(cls(d, r) for d in KVCACHE_DTYPES for r in (d, "f32")))
 
 
 def _strides(a) -> tuple[int, ...]:
