@@ -109,7 +109,8 @@ def rng(request):
 
 # ---------------------------------------------------------------------------------------------
 # CI guard: .ci/run sets CUFLASH_SKIP_REPORT to a file; every skipped test is written there with
-# whether it carries the `gpu` marker, and .ci/run fails if any other test skipped.
+# whether it carries the `gpu` marker, and .ci/run fails if any other test skipped. Under
+# pytest-xdist the controller receives every worker's reports, so it writes the whole list.
 
 _skipped: list[tuple[str, bool, str]] = []
 
@@ -121,8 +122,11 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    """Write the skip report, from the process that saw every test's report: the only process
+    without pytest-xdist, the controller with it (its workers' reports reach it; a worker writes
+    nothing, or it would overwrite the whole list with its share)."""
     path = os.environ.get("CUFLASH_SKIP_REPORT")
-    if path:
+    if path and not hasattr(session.config, "workerinput"):
         with open(path, "w", encoding="utf-8") as f:
             for nodeid, is_gpu, reason in _skipped:
                 f.write(f"{'gpu' if is_gpu else 'NOT-GPU'}\t{nodeid}\t{reason}\n")

@@ -32,7 +32,7 @@ def _worker(rank, world, port):
     cp_worker.run(rank, world, port)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_and_ulysses_match_single_process_attention(world):
     ctx = mp.start_processes(_worker, args=(world, _free_port()), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S

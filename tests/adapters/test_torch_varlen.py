@@ -55,8 +55,9 @@ def gen():
 LENGTHS = [(3, 5), (0, 2), (7, 8), (1, 0)]
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(2, 1)), dict()])
-def test_gradcheck_float64(kw, gen):
+@pytest.mark.parametrize("kw", [dict(causal=True), pytest.param(dict(window_size=(2, 1)), marks=pytest.mark.slow),
+                                pytest.param(dict(), marks=pytest.mark.slow)])
+def test_gradcheck_float64(kw, gen):   # (each about 25 s of NumPy-path calls; the default run: causal)
     q, k, v, cq, ck, mq, mk = packed(gen, LENGTHS, 4, 2, 8, 6)
     used = torch.tensor([4, 0, 8, 0], dtype=torch.int32)
     for seqused in (None, used):

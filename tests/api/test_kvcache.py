@@ -1,14 +1,14 @@
 """KV-cache attention: ``cuflash.attention_with_kvcache`` and ``cuflash.merge_attention`` (issue 22).
 
-Every case runs the NumPy path and the simulator (the tensor-core KV-cache kernel, its append
-and split-KV combine) on copies of one cache, and holds each sequence's output to the float64
-oracle over the keys the cache holds after the append (the tolerance rule of tests/_tolerance.py),
+Every case runs the NumPy path and the simulator (the tensor-core KV-cache kernel, its append and
+split-KV combine) on copies of one cache, and holds each sequence's output to the float64 oracle
+over the keys the cache holds after the append (the tolerance rule of tests/support/tolerance.py),
 the LSE to float64, and the two caches to each other byte for byte (and to the original outside
-the appended rows). Unused cache rows, rows before the left padding and unused pages hold NaN,
-so a read of any of them shows. The grid is a pairwise covering design over batches with mixed
-cache lengths (0 and 1 included), query lengths, appends, page sizes (contiguous, 1, 3, 16, 256),
-GQA groups 1..8, masks, head dims 40..256, split counts, rotary, left padding, cache batch
-indices and both 16-bit dtypes; a share of it in checked mode.
+the appended rows). Unused cache rows, rows before the left padding and unused pages hold NaN, so
+a read of any of them shows. The grid is a pairwise covering design over batches with mixed cache
+lengths (0 and 1 included), query lengths, appends, page sizes (contiguous, 1, 3, 16, 256), GQA
+groups 1..8, masks, head dims 40..256, split counts, rotary, left padding, cache batch indices and
+both 16-bit dtypes; a share of it in checked mode.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import re
 import numpy as np
 import pytest
 from allpairspy import AllPairs
+from support.grids import default_share
 from support.device import on_device, sim_call
 from support.options import check_kvcache as check_attention_with_kvcache
+from support.kvcache import check_result, expected_cache
 from support.tolerance import check_close
 
 import cuflash
@@ -100,56 +102,6 @@ def make_case(rng, lengths, sq, snew, page, heads, d, dtype, rotary, extra):
     return q, kc, vc, lengths, kw
 
 
-def expected_cache(kc, vc, lengths, kw, page):
-    """The caches after the append, computed independently of the code under test (but for the
-    rotation, :func:`cuflash.reference.kvcache.apply_rotary`, itself checked in float64 below)."""
-    kc, vc = kc.copy(), vc.copy()
-    if "k" not in kw:
-        return kc, vc
-    k_new = kw["k"]
-    if "rotary_cos" in kw:
-        pos = lengths[:, None] + np.arange(k_new.shape[1])[None]
-        k_new = ref_kvcache.apply_rotary(k_new, kw["rotary_cos"], kw["rotary_sin"], pos,
-                                         interleaved=kw["rotary_interleaved"])
-    for b in range(len(lengths)):
-        for t in range(k_new.shape[1]):
-            p = int(lengths[b]) + t
-            if page is None:
-                cb = kw.get("cache_batch_idx", np.arange(len(lengths)))[b]
-                kc[cb, p], vc[cb, p] = k_new[b, t], kw["v"][b, t]
-            else:
-                pg = kw["block_table"][b, p // page]
-                kc[pg, p % page], vc[pg, p % page] = k_new[b, t], kw["v"][b, t]
-    return kc, vc
-
-
-def check_result(out, lse, q, kc, vc, lengths, kw, page, causal, window):
-    """Each sequence against the float64 oracle over the keys the (expected) cache holds."""
-    b_count, sq = q.shape[:2]
-    snew = kw["k"].shape[1] if "k" in kw else 0
-    q_use = q
-    if "rotary_cos" in kw:
-        per_row = causal or tuple(window) != (-1, -1)
-        pos = lengths[:, None] + (np.arange(sq)[None] if per_row else 0)
-        q_use = ref_kvcache.apply_rotary(q, kw["rotary_cos"], kw["rotary_sin"], pos,
-                                         interleaved=kw["rotary_interleaved"])
-    leftpad = kw.get("cache_leftpad", np.zeros(b_count, np.int32))
-    for b in range(b_count):
-        lo, hi = int(leftpad[b]), int(lengths[b]) + snew
-        where = dict(page_size=page, block_table=kw.get("block_table"), cache_batch_idx=kw.get("cache_batch_idx"))
-        kb = ref_kvcache.gather(kc, b, lo, hi, **where)[None]
-        vb = ref_kvcache.gather(vc, b, lo, hi, **where)[None]
-        qb = q_use[b:b + 1]
-        check_close(out[b:b + 1], qb, kb, vb, layout="bshd", causal=causal, window_size=window)
-        _, lse64 = ref.naive_attention(qb.astype(np.float64), kb.astype(np.float64), vb.astype(np.float64),
-                                       layout="bshd", return_lse=True, causal=causal, window_size=window)
-        got = lse[b]
-        assert np.array_equal(np.isneginf(got), np.isneginf(lse64[0])), "rows without keys differ"
-        fin = np.isfinite(lse64[0])
-        assert np.isfinite(got[fin]).all()
-        np.testing.assert_allclose(got[fin], lse64[0][fin], rtol=2e-3, atol=2e-3)
-
-
 def run_case(rng, batch, sq, snew, page, heads, mask, d, splits, rotary, extra, dtype_key, *, checked=False, seed=0):
     if extra == "batch_idx" and page is not None:
         extra = "plain"
@@ -171,16 +123,19 @@ def run_case(rng, batch, sq, snew, page, heads, mask, d, splits, rotary, extra, 
         assert k1.tobytes() == want_k.tobytes() and v1.tobytes() == want_v.tobytes(), backend
 
 
-@pytest.mark.parametrize("case", PAIRWISE, ids=["-".join(map(str, c)) for c in PAIRWISE])
+@pytest.mark.parametrize("case", default_share(PAIRWISE, ["-".join(map(str, c)) for c in PAIRWISE]))
 def test_kvcache_pairwise(case, rng):
     run_case(rng, *case)
 
 
-#: a share of the grid in checked mode (races, bounds, uninitialized reads), with other thread orders
-CHECKED = PAIRWISE[::5]
+#: a share of the grid in checked mode (races, bounds, uninitialized reads), with other thread
+#: orders: every fifth case, half of them in the default run
+CHECKED = [pytest.param(c, id="-".join(map(str, c)), marks=() if i % 2 == 0 else (pytest.mark.slow,))
+           for i, c in enumerate(PAIRWISE[::5])]
 
 
-@pytest.mark.parametrize("case", CHECKED, ids=["-".join(map(str, c)) for c in CHECKED])
+@pytest.mark.checked
+@pytest.mark.parametrize("case", CHECKED)
 def test_kvcache_checked(case, rng):
     run_case(rng, *case, checked=True, seed=3)
 
@@ -493,11 +448,12 @@ def run_prefill(rng, chunks, page, heads, mask, d, used, dtype_key, *, checked=F
             np.testing.assert_allclose(lse[:, rq][fin], lse64[0][fin], rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("case", PREFILL, ids=["-".join(map(str, c)) for c in PREFILL])
+@pytest.mark.parametrize("case", default_share(PREFILL, ["-".join(map(str, c)) for c in PREFILL]))
 def test_chunked_prefill_pairwise(case, rng):
     run_prefill(rng, *case)
 
 
+@pytest.mark.checked
 @pytest.mark.parametrize("case", PREFILL[::4], ids=["-".join(map(str, c)) for c in PREFILL[::4]])
 def test_chunked_prefill_checked(case, rng):
     run_prefill(rng, *case, checked=True)

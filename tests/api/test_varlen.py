@@ -1,13 +1,13 @@
 """Packed variable-length batches: ``cuflash.attention_varlen`` and its backward (issue 21).
 
 Every sequence of a packed batch is held to the float64 oracle of a fixed-shape call on its own
-slices (the tolerance rules of tests/_tolerance.py and tests/test_backward_reference.py), on the
-NumPy path and on the simulator's tiers (tensor-core on sm_90 and sm_80, SIMT on sm_75), over a
-pairwise covering design of batches with mixed lengths (0, 1, up to 300), GQA, head dims 40 to
-256 with Dv != D, causal and windows, ``seqused_k``, both dtypes and both backward modes; in
-checked mode; deterministic bits across thread orders; hostile device-style indices that the
-kernels must clamp; the validation messages; the roofline of the packed kernels against the
-fixed-shape ones.
+slices (the tolerance rules of tests/support/tolerance.py and
+tests/reference/test_backward_reference.py), on the NumPy path and on the simulator's tiers
+(tensor-core on sm_90 and sm_80, SIMT on sm_75), over a pairwise covering design of batches with
+mixed lengths (0, 1, up to 300), GQA, head dims 40 to 256 with Dv != D, causal and windows,
+``seqused_k``, both dtypes and both backward modes; in checked mode; deterministic bits across
+thread orders; hostile device-style indices that the kernels must clamp; the validation messages;
+the roofline of the packed kernels against the fixed-shape ones.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 import pytest
 from allpairspy import AllPairs
+from support.grids import default_share
 from support.device import on_device, sim_call
 from support.inputs import make_batch
 from support.options import check_varlen
@@ -76,14 +77,16 @@ def run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, *
     return o_sim, grads
 
 
-@pytest.mark.parametrize("case", range(len(PAIRWISE)), ids=["-".join(map(str, c)) for c in PAIRWISE])
+@pytest.mark.parametrize("case", default_share(range(len(PAIRWISE)), ["-".join(map(str, c)) for c in PAIRWISE],
+                                              key=lambda i: PAIRWISE[i]))
 def test_pairwise_grid(case, rng):
     # the simulator's thread-order seed varies over the grid (0..3): copies land early or late
     run_case(rng, *PAIRWISE[case], seed=case % 4)
 
 
-@pytest.mark.parametrize("tier", TIERS)
-def test_checked_mode(tier, rng, monkeypatch):
+@pytest.mark.checked
+@pytest.mark.parametrize("tier", [t if t == "mma_sm90" else pytest.param(t, marks=pytest.mark.slow) for t in TIERS])
+def test_checked_mode(tier, rng, monkeypatch):   # (the default run: the tier an H200 runs packed batches on)
     monkeypatch.setattr(backward_run, "MAX_DETERMINISTIC_SPLITS", 2)
     for mode in MODES:
         run_case(rng, "mixed5", (4, 2), 64, "other", "causal", "some", "bf16", tier, mode, checked=True)

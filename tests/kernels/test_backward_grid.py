@@ -22,6 +22,7 @@ import dataclasses
 import numpy as np
 import pytest
 from allpairspy import AllPairs
+from support.grids import default_share
 from support.grads import check_grads_close, make_qkv
 from support.options import check_attention
 
@@ -94,7 +95,8 @@ def run_case(rng, t: Tier, case, *, seed=0, arch=None, dv=None, scale=1.0):
     return grads
 
 
-@pytest.mark.parametrize("tier,case", GRID, ids=[f"{n}-" + "-".join(map(str, c)).replace(" ", "") for n, c in GRID])
+@pytest.mark.parametrize("tier,case", default_share(GRID, [f"{n}-" + "-".join(map(str, c)).replace(" ", "") for n, c in GRID],
+                                                   args=lambda g: g, key=lambda g: (g[0], *g[1])))
 def test_grid(tier, case, rng):
     run_case(rng, TIERS[tier], case)
 

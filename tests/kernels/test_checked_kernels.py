@@ -22,6 +22,8 @@ from cuflash import softmax
 from cuflash.runtime import dtypes
 from cuflash.sim import launcher
 
+pytestmark = pytest.mark.checked
+
 DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16, "f32": dtypes.float32}
 
 

@@ -1,9 +1,11 @@
 """The NVRTC compile gate: every variant the dispatcher can choose compiles for every arch it
 targets, with each NVRTC cuflash supports (12.x and 13.x, DESIGN.md §4), with exactly the options
 the library passes at run time (plus ``-Xptxas=-v`` to read the resource use), with no spill, no
-stack frame and shared memory within the per-block limit. The default run gates NVRTC 12.x on every
-arch and 13.x on sm_90 (:data:`NEWER_NVRTC_DEFAULT_ARCHS`), except the Hopper forward's score-modifier
-forms, ~15 s of ptxas each, which it gates with 13.x only; ``-m slow`` adds the rest.
+stack frame and shared memory within the per-block limit. The default run gates one variant of
+every family on every arch with each compiler (:func:`_sample`); ``-m compile_gate`` runs the
+whole gate (every variant, about 1100 compiles: .ci/run does, after the test command). Under
+pytest-xdist the gate's tests share one worker (``xdist_group``, ``--dist loadgroup``), whose
+pool compiles them.
 
 No GPU is needed: :mod:`cuflash.runtime.nvrtc` loads ``libnvrtc.so.12`` (``nvidia-cuda-nvrtc-cu12``)
 and ``libnvrtc.so.13`` (``nvidia-cuda-nvrtc`` 13.x) side by side through ctypes; the ``test`` extra
@@ -180,10 +182,22 @@ KNOWN_SPILLS = {
 }
 
 
-#: the rows the newer NVRTC is gated on in the default run (the H200's, which the CUDA 13 image
-#: serves); its other rows are ``-m slow`` (python -m pytest tests/test_compile_gate.py -m slow),
-#: which keeps the default run within CI's time (each compiler's half is ~5 minutes on 2 cores)
-NEWER_NVRTC_DEFAULT_ARCHS = (90,)
+def _sample() -> set:
+    """The default run's share of the gate: for each compiler and arch, the first variant of every
+    kernel family (the one that compiles fastest of its family is not sought: the first listed).
+    Every family and every arch is compiled by both compilers; the whole gate is ``-m
+    compile_gate`` (.ci/run runs it after the test command)."""
+    seen, keep = set(), set()
+    for major in nvrtc.MAJORS:
+        for arch, v in TARGETS:
+            key = (major, arch, v.family, getattr(v, "mods", False))
+            if major >= v.min_nvrtc_major and key not in seen:
+                seen.add(key)
+                keep.add((major, arch, v.entry))
+    return keep
+
+
+SAMPLE = _sample()
 
 
 def _gate_params():
@@ -191,14 +205,12 @@ def _gate_params():
     for major in nvrtc.MAJORS:
         for arch, v in TARGETS:
             if major >= v.min_nvrtc_major:
-                marks = []
+                marks = [pytest.mark.compile_gate, pytest.mark.xdist_group("compile_gate")]
                 if (major, arch, v.entry) in KNOWN_SPILLS:
                     marks.append(pytest.mark.xfail(strict=True, raises=AssertionError,
                                                    reason=f"NVRTC {major}.x spills on this variant (KNOWN_SPILLS)"))
-                if major > min(nvrtc.MAJORS) and arch not in NEWER_NVRTC_DEFAULT_ARCHS:
+                if (major, arch, v.entry) not in SAMPLE:
                     marks.append(pytest.mark.slow)
-                if major < max(nvrtc.MAJORS) and v.family == "attn_fwd_sm90" and getattr(v, "mods", False):
-                    marks.append(pytest.mark.slow)   # (~15 s of ptxas each: gated with 13.x by default)
                 out.append(pytest.param(major, arch, v, id=f"nvrtc{major}-sm_{arch}-{v.entry}", marks=marks))
     return out
 
@@ -207,6 +219,13 @@ def test_known_spills_name_gate_targets():
     """Every KNOWN_SPILLS line names a target the gate compiles (no line outlives its variant)."""
     targets = {(major, arch, v.entry) for major in nvrtc.MAJORS for arch, v in TARGETS}
     assert KNOWN_SPILLS <= targets, sorted(KNOWN_SPILLS - targets)
+
+
+def test_the_sample_covers_every_family_arch_and_compiler():
+    cells = {(major, arch, v.family) for major in nvrtc.MAJORS for arch, v in TARGETS if major >= v.min_nvrtc_major}
+    entries = {(a, v.entry): v.family for a, v in TARGETS}
+    assert {(major, arch, entries[(arch, e)]) for major, arch, e in SAMPLE} == cells
+    assert len(SAMPLE) < len(_gate_params()) / 5
 
 
 @pytest.mark.parametrize("major,arch,variant", _gate_params())

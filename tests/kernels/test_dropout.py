@@ -12,6 +12,7 @@ import cuflash
 from cuflash.kernels import dropout_mask as dm
 from cuflash.reference import dropout as rd
 from cuflash.sim import launcher
+from support.grids import default_share
 from support.device import to_device
 
 #: Random123 kat_vectors, the three philox4x32 10 lines: counter, key, output
@@ -100,12 +101,18 @@ def run_dropout_case(rng, shape, heads, d, mask, p, dtype_key, arch, *, checked=
         check_grads_close(grads, dout, q, k, v, out, lse, **kw)
 
 
-@pytest.mark.parametrize("case", GRID, ids=["-".join(map(str, c)) for c in GRID])
+@pytest.mark.parametrize("case", default_share(GRID, ["-".join(map(str, c)) for c in GRID]))
 def test_dropout_pairwise(case, rng):
     run_dropout_case(rng, *case)
 
 
-@pytest.mark.parametrize("case", GRID[::4], ids=["-".join(map(str, c)) for c in GRID[::4]])
+#: a share of the grid in checked mode: every fourth case, one in three of them in the default run
+CHECKED = [pytest.param(c, id="-".join(map(str, c)), marks=() if i % 3 == 0 else (pytest.mark.slow,))
+           for i, c in enumerate(GRID[::4])]
+
+
+@pytest.mark.checked
+@pytest.mark.parametrize("case", CHECKED)
 def test_dropout_checked(case, rng):
     run_dropout_case(rng, *case, checked=True, seed=2)
 

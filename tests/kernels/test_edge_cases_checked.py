@@ -7,9 +7,9 @@ uninitialised shared reads raise :class:`cuflash.sim.SimCheckError`).
   copies were still filling when no K/V tile ran (no barrier orders them): checked mode reports
   such a race, and on a GPU it can put Q data into rows that must be 0.
 * Window bounds at and past 2**31 (normalised on the host; the kernels' own range helpers are
-  tested with raw bounds in tests/test_window_bounds_sim.py).
-* NaN input (the non-finite rule's patterns are tests/test_nonfinite.py; here the point is that
-  the kernels stay inside their views and barriers whatever the data).
+  tested with raw bounds in tests/kernels/test_window_bounds_sim.py).
+* NaN input (the non-finite rule's patterns are tests/kernels/test_nonfinite.py; here the point is
+  that the kernels stay inside their views and barriers whatever the data).
 
 Results are held to the float64 oracle (tolerance rule; -inf/NaN patterns of lse exactly).
 """
@@ -34,6 +34,8 @@ from cuflash.kernels import (
     dispatch,
 )
 from cuflash.runtime import dtypes, validation
+
+pytestmark = pytest.mark.checked
 
 #: (name, simulated arch, dtype, head dim, forward tier, backward tier)
 TIERS = [
@@ -69,8 +71,14 @@ def _expect_tier(problem, arch, arrays, fwd, bwd):
     assert dispatch.backward_tier(problem, a, arrays) is bwd
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("tier", TIERS, ids=[t[0] for t in TIERS])
+def _tier_cases():
+    """Every tier with every case; the default run takes a diagonal (each tier once, each case at
+    least once) and the rest runs under ``slow``."""
+    return [pytest.param(t, c, id=f"{t[0]}-{c[0]}", marks=() if j % len(CASES) == i else (pytest.mark.slow,))
+            for j, t in enumerate(TIERS) for i, c in enumerate(CASES)]
+
+
+@pytest.mark.parametrize("tier,case", _tier_cases())
 def test_forward_and_backward_clean(tier, case, rng, request):
     if tier[1] == "sm_90" and tier[4] is attention_fwd_mma:   # the tensor-core tier's own sm_90 rows
         request.getfixturevalue("without_hopper_tier")

@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from allpairspy import AllPairs
+from support.grids import default_share
 from support.grads import check_grads_close
 from support.inputs import MASKS, MISALIGNED_FORMS, aligned, make_inputs
 from support.options import check_attention
@@ -148,7 +149,8 @@ def run_case(rng, t: Tier, case, *, arch=None, batch=None):
     return err
 
 
-@pytest.mark.parametrize("tier,case", GRID, ids=[f"{n}-" + "-".join(map(str, c)).replace(" ", "") for n, c in GRID])
+@pytest.mark.parametrize("tier,case", default_share(GRID, [f"{n}-" + "-".join(map(str, c)).replace(" ", "") for n, c in GRID],
+                                                   args=lambda g: g, key=lambda g: (g[0], *g[1])))
 def test_grid(tier, case, rng, tier_list):
     tier_list(TIERS[tier])
     run_case(rng, TIERS[tier], case)

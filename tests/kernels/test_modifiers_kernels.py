@@ -22,6 +22,7 @@ import itertools
 import numpy as np
 import pytest
 from allpairspy import AllPairs
+from support.grids import default_share
 from support.grads import grad_floor
 
 import cuflash
@@ -140,7 +141,7 @@ def check_dsinks(dsinks, dout, out, lse, sinks):
     assert (np.abs(dsinks - expected) <= 1e-5 * mag + 1e-6).all(), (dsinks, expected)
 
 
-@pytest.mark.parametrize("names,lengths,d,heads,mask,dtype,form", GRID)
+@pytest.mark.parametrize("names,lengths,d,heads,mask,dtype,form", default_share(GRID, args=lambda c: c))
 def test_pairwise_grid(names, lengths, d, heads, mask, dtype, form, rng):
     run_case(rng, names, lengths, d, heads, mask, dtype, form)
 
@@ -163,6 +164,7 @@ def test_hopper_forward_d192_window_has_its_own_tile(rng):
              arch=90, tier="attention_fwd_sm90")
 
 
+@pytest.mark.checked
 def test_hopper_forward_checked(rng):
     run_case(rng, ("attn_bias", "sinks"), (70, 150), 64, (4, 2), "causal", "bf16", "strided", checked=True,
              backward=False, arch=90, tier="attention_fwd_sm90")
@@ -170,6 +172,7 @@ def test_hopper_forward_checked(rng):
 
 @pytest.mark.parametrize("names,backward", [(("attn_bias", "attn_mask"), True), (("softcap", "sinks"), True),
                                             (("alibi_slopes", "attn_mask"), False)])
+@pytest.mark.checked
 def test_checked_mode(names, backward, rng):
     run_case(rng, names, (70, 150), 64, (4, 2), "causal", "f16", "strided", checked=True, backward=backward)
 

@@ -1,7 +1,7 @@
 """The mutation suite over our own kernels (tests/support/mutations.py says how it works).
 
-CI runs every mutant once, against the probe the kill map records for it, and requires the
-probe to fail (mutated texts get their own keys in the session's temporary simulator cache); the map and the list of explained survivors must cover exactly the mutants the
+The default run takes one mutant of each (kernel file, probe) pair and ``slow`` every other one;
+each runs once, against the probe the kill map records for it, and requires the probe to fail (mutated texts get their own keys in the session's temporary simulator cache); the map and the list of explained survivors must cover exactly the mutants the
 kernels have today (a new barrier or wait in a kernel must be registered, by running
 ``python tests/support/mutations.py --write``). Under ``slow`` the full search runs again and must
 find every mutant killed. Each mutant is one g++ build of the mutated kernel in a private
@@ -70,12 +70,37 @@ def test_the_pipeline_mutations_of_the_tensor_core_backward_are_killed():
         assert KILL_MAP.get(mid), mid
 
 
-@pytest.mark.parametrize("probe", sorted(PROBES))
-def test_probes_pass_on_the_real_kernels(probe):
+@pytest.mark.parametrize("probe", [p if p in KILL_MAP.values() else pytest.param(p, marks=pytest.mark.slow)
+                                   for p in sorted(PROBES)])
+def test_probes_pass_on_the_real_kernels(probe):   # (the default run: the probes the kill map names)
     assert killed_by(probe) is None  # otherwise a "kill" would mean nothing
 
 
-@pytest.mark.parametrize("mutant", [m for m in MUTANTS if m.id in KILL_MAP], ids=lambda m: m.id)
+def _mutant_params():
+    """Every recorded mutant; the default run takes the first of each (kernel file, probe) pair,
+    so every kernel file and every probe that kills something is shown to, and the rest run
+    under ``slow``."""
+    first = set()
+    params = []
+    for m in MUTANTS:
+        if m.id not in KILL_MAP:
+            continue
+        key = (m.file, KILL_MAP[m.id])
+        marks = () if key not in first else (pytest.mark.slow,)
+        first.add(key)
+        params.append(pytest.param(m, id=m.id, marks=marks))
+    return params
+
+
+def test_the_default_mutants_cover_every_kernel_file_and_probe():
+    default = [p.values[0] for p in _mutant_params() if not p.marks]
+    assert {m.file for m in default} == set(FILES)
+    assert {KILL_MAP[m.id] for m in default} == set(KILL_MAP.values())
+    assert len(default) < len(KILL_MAP) / 3   # the point of the sample
+
+
+@pytest.mark.checked
+@pytest.mark.parametrize("mutant", _mutant_params())
 def test_mutant_is_killed(mutant, tmp_path, monkeypatch):
     tree = mutated_tree(paths.kernels_dir(), mutant, tmp_path / "kernels")
     assert (tree / mutant.file).read_text() != (paths.kernels_dir() / mutant.file).read_text()

@@ -27,7 +27,7 @@ TIERS = [
 ]
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True])
 @pytest.mark.parametrize("tier", TIERS, ids=[t[0] for t in TIERS])
 def test_kernels_meet_the_tolerance_with_gpu_numerics(tier, causal, rng):
     _, arch, dtype, d = tier

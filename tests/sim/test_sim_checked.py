@@ -17,6 +17,8 @@ from cuflash.runtime.plan import PointerArg, ScalarArg
 from cuflash.sim import launcher
 from cuflash.sim.launcher import SimCheckError, SimError
 
+pytestmark = pytest.mark.checked
+
 
 @pytest.fixture(scope="module")
 def chk(_sim_cache):

@@ -132,6 +132,7 @@ def test_misaligned_vector_load(hz, hzc):
     assert re.search(r"of type 'const (struct )?float4', which needs 16-byte alignment, at .*hazard_probes.cu:\d+", str(e))
 
 
+@pytest.mark.checked
 def test_far_index_is_a_wild_access_in_checked_mode(hzc):
     x = np.arange(8, dtype=np.float32)
     y = np.zeros(4, np.float32)

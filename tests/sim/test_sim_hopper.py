@@ -68,6 +68,7 @@ def test_wgmma_gemm_from_tma_matches_numpy(probes, swizzle, nmajor, a_regs, m, k
 
 @pytest.mark.parametrize("swizzle,nmajor,a_regs", [(0, False, False), (128, True, False), (128, False, True),
                                                    (64, True, False)])
+@pytest.mark.checked
 def test_wgmma_gemm_checked(probes_checked, swizzle, nmajor, a_regs):
     a, b, c, expected = hp.gemm_inputs(100, 128, nmajor, seed=3)
     _run(probes_checked, hp.plan_gemm(a, b, c, swizzle=swizzle, nmajor=nmajor, a_regs=a_regs))
