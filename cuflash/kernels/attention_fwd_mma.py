@@ -253,7 +253,7 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
 
 def variant_for(problem, arch: int) -> AttentionFwdMma:
     """The variant that runs ``problem`` on ``sm_<arch>``: its packed, dropout and modifier forms
-    as the call needs (the KV-cache form: :func:`cuflash.kernels.dispatch.run_kvcache`)."""
+    as the call needs (the KV-cache form: :func:`cuflash.kernels.kvcache_run.run_kvcache`)."""
     return choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
                           varlen=problem.varlen is not None, dropout=problem.dropout is not None,
                           mods=problem.modifiers is not None)

@@ -1,7 +1,7 @@
 """Every kernel variant the dispatcher can choose, by target arch.
 
-One list for the NVRTC compile gate (tests/test_compile_gate.py), for precompilation and for the
-GPU self-check, so a new kernel family is added in one place.
+One list for the NVRTC compile gate (tests/kernels/test_compile_gate.py), for precompilation and
+for the GPU self-check, so a new kernel family is added in one place.
 """
 
 from __future__ import annotations
