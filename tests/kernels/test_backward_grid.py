@@ -230,7 +230,7 @@ def test_smaller_shared_memories(arch, d, dv, sq, sk, rng):
 
 
 @pytest.mark.checked
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [m if m == "atomic" else pytest.param(m, marks=pytest.mark.slow) for m in MODES])
 def test_checked_mode(mode, rng, monkeypatch):
     # the simulator's checked mode: out-of-view global accesses, reads of unwritten shared memory
     # and shared-memory races (e.g. dS between its writers and the dQ pass) raise SimCheckError

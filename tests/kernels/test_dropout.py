@@ -106,8 +106,8 @@ def test_dropout_pairwise(case, rng):
     run_dropout_case(rng, *case)
 
 
-#: a share of the grid in checked mode: every fourth case, one in three of them in the default run
-CHECKED = [pytest.param(c, id="-".join(map(str, c)), marks=() if i % 3 == 0 else (pytest.mark.slow,))
+#: a share of the grid in checked mode: every fourth case, one in six of them in the default run
+CHECKED = [pytest.param(c, id="-".join(map(str, c)), marks=() if i % 6 == 0 else (pytest.mark.slow,))
            for i, c in enumerate(GRID[::4])]
 
 

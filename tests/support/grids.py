@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 
-def default_share(cases, ids=None, *, args=lambda c: (c,), key=lambda c: c, every=4):
+def default_share(cases, ids=None, *, args=lambda c: (c,), key=lambda c: c, every=8):
     """``pytest.param`` of each case of a design: the default run takes, in order, every case
     that brings a value of some axis not seen yet (so every value of every axis runs at least
     once) and every ``every``-th case besides (a share of the pairs); the rest of the design
