@@ -191,8 +191,8 @@ def _without_hopper(monkeypatch):
     monkeypatch.setattr(dispatch, "TIERS", tuple(t for t in dispatch.TIERS if t[1] is not attention_fwd_sm90))
 
 
-def _run(v, arch, rng, monkeypatch):
-    """The public call the dispatcher maps to ``v`` on ``sm_<arch>``, checked against float64."""
+def _run(v, rng, monkeypatch):
+    """The public call the dispatcher maps to ``v`` on the simulated arch, checked against float64."""
     if isinstance(v, attention_fwd_simt.AttentionFwdSimt):
         d = v.head_dim_max - 1   # an odd head dim: no tensor-core tier takes it
         return _packed(rng, v, d, False) if v.varlen else _fixed(rng, v, d, False)
@@ -246,7 +246,7 @@ def test_variant_runs_on_the_simulator(entry, launched, monkeypatch):
     arch, v = CATALOG[entry]
     rng = np.random.default_rng(sum(map(ord, entry)))
     with cuflash.sim.options(arch=f"sm_{arch}"):
-        _run(v, arch, rng, monkeypatch)
+        _run(v, rng, monkeypatch)
     assert entry in launched, f"the call for {entry} on sm_{arch} launched {sorted(set(launched))}"
 
 
