@@ -40,7 +40,7 @@
 // a tile reaching past Sq or Sk, or with a window edge (the causal diagonal) inside it, computes
 // each of this thread's rows' visible key range once and tests its pairs; every other tile is
 // unmasked. A masked pair's P and dS are 0 (not 0 * (dP - Dd): a NaN in a V row or in Dd that
-// the pair does not see must not reach dS; DESIGN.md §3), and an LSE of -inf (a row without keys)
+// the pair does not see must not reach dS; docs/conventions.md), and an LSE of -inf (a row without keys)
 // gives P = 0, never exp2(-inf + inf).
 //
 // Loads are cp.async (16 bytes, zero-filled beyond Sq/Sk and the head dims; lse and Dd 4 bytes),

@@ -1,7 +1,7 @@
 // cuflash: the tensor-core attention forward (fp16/bf16, sm_80 and newer).
 //
 // Same algorithm, masks, arguments and results as attention_fwd_simt.cu (FlashAttention-2,
-// Dao 2023, Algorithm 1, with the corrections of DESIGN.md §1), with FA2's work split (Dao 2023,
+// Dao 2023, Algorithm 1, with the corrections of docs/kernels.md, "Corrections to the textbook algorithm"), with FA2's work split (Dao 2023,
 // §3.3: one warp owns whole query rows, so no warp needs another's partial sums):
 //
 // * One thread block of NW warps owns a Br = 16 * MT * NW query tile of one (batch, head); warp w

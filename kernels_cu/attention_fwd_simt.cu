@@ -1,6 +1,7 @@
 // cuflash: the portable attention forward (SIMT, every dtype, sm_75 and newer).
 //
-// The seed's fused forward, corrected (DESIGN.md §1): one thread block per (Br-row query tile,
+// The textbook fused forward, corrected (docs/kernels.md, "Corrections to the textbook algorithm"):
+// one thread block per (Br-row query tile,
 // query head, batch); K and V tiles of Bc rows are streamed through shared memory; each query
 // row keeps a running maximum m and a running sum l (FlashAttention-2, Dao 2023, Algorithm 1)
 // and a float32 accumulator rescaled by exp(m_old - m_new); O is divided by l once, after the

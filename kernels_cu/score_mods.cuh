@@ -1,7 +1,7 @@
-// cuflash: the score modifiers of DESIGN.md §3.2 on the device, shared by the kernels' CUFLASH_MODS
+// cuflash: the score modifiers of docs/conventions.md, "Score modifiers" on the device, shared by the kernels' CUFLASH_MODS
 // variants (a call with no modifier runs the variants without them, whose code is unchanged).
 //
-// Order (DESIGN.md §3.2): scale, softcap, ALiBi and the additive bias, the boolean mask (then the
+// Order (docs/conventions.md, "Score modifiers"): scale, softcap, ALiBi and the additive bias, the boolean mask (then the
 // causal / window mask, then the softmax). Every modifier is a run-time argument, off when its
 // value says so (softcap 0, a null pointer):
 //   softcap  s <- softcap * tanh(s / softcap)                         (Gemma 2, Riviere et al. 2024)

@@ -107,7 +107,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
     A query row that sees no key (e.g. causal with ``Sq > Sk``, or ``Sk = 0``) gets output 0 and
     ``lse = -inf``. Empty inputs (a zero batch dim or ``Sq = 0``) compute nothing. Non-finite
-    input is never hidden (DESIGN.md §3): a NaN or inf in query row ``i``, or in a key or value
+    input is never hidden (docs/conventions.md): a NaN or inf in query row ``i``, or in a key or value
     that row ``i`` sees, makes row ``i``'s output (and, through q or k, its lse) non-finite, as
     in the float64 oracle; no warning is raised. The CUDA kernels may also turn a row NaN for a
     NaN value row inside a tile it visits but does not see (``0 * NaN``).

@@ -1,4 +1,4 @@
-"""Host side of ``kernels_cu/attention_fwd_sm90.cu``: the Hopper tier of the forward (DESIGN.md §4).
+"""Host side of ``kernels_cu/attention_fwd_sm90.cu``: the Hopper tier of the forward (docs/kernels.md).
 
 FA3's design (Shah et al., "FlashAttention-3", 2024, §3.1-3.2): per block of 128 query rows, a
 producer warpgroup feeds two consumer warpgroups through TMA and mbarriers (K and V in rings of

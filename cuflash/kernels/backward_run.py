@@ -196,7 +196,8 @@ def backward(problem, dout, q, k, v, out, lse, main, call) -> tuple:
     if p.options.return_dbias:
         b = p.modifiers.attn_bias
         grads += (ws.dbias.sum(axis=b.broadcast_axes, keepdims=True).reshape(b.own_shape).astype(b.dtype),)
-    if p.options.return_dsinks:   # d sink_h = -sum over batch and rows of exp(sink_h - lse) Dd (DESIGN.md §3.2)
+    if p.options.return_dsinks:   # d sink_h = -sum over batch and rows of exp(sink_h - lse) Dd
+        # (docs/conventions.md, "Score modifiers")
         dd = ws.dd
         sinks = ws.mods["sinks"].astype(np.float32)
         head_axis = dd.ndim - 2

@@ -1,6 +1,6 @@
 """NumPy implementations of attention and softmax: the test oracle and the CPU path.
 
-Every algorithm of the seed write-up (``shared/seed``) lives here, vectorised over batch and heads:
+Every algorithm cuflash's kernels implement has its NumPy form here, vectorised over batch and heads:
 
 * :func:`naive_attention` materialises ``S = scale * Q K^T`` and ``P = softmax(S)`` in float64;
   it is the ground truth every kernel is checked against.
@@ -15,9 +15,10 @@ Every algorithm of the seed write-up (``shared/seed``) lives here, vectorised ov
   K/V loop. Its extra memory is O(batch * heads * Br * Bc), never O(Sq * Sk). It is what
   :func:`cuflash.attention` runs on NumPy input.
 
-Errata in the seed, corrected here: its standalone online softmax scales the block's local sum
-twice and never rescales the values of earlier blocks (rows do not sum to 1); its fused forward
-gives NaN for a tile in which a row sees no key (``exp(-inf - -inf)``) and writes O inside the
+Two slips common in textbook write-ups of these algorithms are avoided here (docs/kernels.md,
+"Corrections to the textbook algorithm"): a standalone online softmax that scales the block's
+local sum twice and never rescales the values of earlier blocks (rows do not sum to 1), and a
+fused forward that gives NaN for a tile in which a row sees no key (``exp(-inf - -inf)``) and writes O inside the
 K/V loop. Here a row whose running maximum is still ``-inf`` uses 0 as its shift, so masked
 entries contribute ``exp(-inf) = 0`` and nothing becomes NaN.
 

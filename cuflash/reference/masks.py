@@ -72,7 +72,7 @@ def masked_matmul(a: np.ndarray, b: np.ndarray, visible: np.ndarray | None) -> n
 
     ``a`` holds attention weights (or their gradients) and is 0 where a pair is not visible; a
     plain matmul would still form ``0 * b[j]`` there, which is NaN when row ``j`` of ``b`` holds
-    a NaN or an inf. The rule of DESIGN.md §3 is that non-finite input reaches a row only along
+    a NaN or an inf. The rule of docs/conventions.md is that non-finite input reaches a row only along
     the pairs it sees, so here such products are left out: for the (few) rows of ``b`` with a
     non-finite entry the products are formed one by one and the invisible ones dropped; the rest
     is one matmul. ``visible=None`` means every pair is visible.

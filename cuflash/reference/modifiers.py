@@ -1,6 +1,6 @@
 """The score modifiers on the NumPy paths: softcap, ALiBi, attn_bias, attn_mask, sinks.
 
-The convention is :mod:`cuflash.runtime.validation_modifiers`'s (DESIGN.md §3.2): scale, softcap,
+The convention is :mod:`cuflash.runtime.validation_modifiers`'s (docs/conventions.md, "Score modifiers"): scale, softcap,
 ALiBi and bias, mask, softmax with the sink in the denominator. :class:`HeadTerms` gives the
 modifiers of one kv head (its ``G`` query heads) or of the whole problem, block by block: a
 broadcast bias or mask is a stride-0 view of the argument, and only the block a tile needs is

@@ -67,7 +67,8 @@ def online_softmax(x, axis=-1, *, block_size=128):
         m     = m_new
 
     then ``y = exp(x - m) / l``. Reading ``x`` twice and writing ``y`` once is the minimum HBM
-    traffic of a standalone softmax (the seed counts one read; see DESIGN.md §1, errata).
+    traffic of a standalone softmax (one read is not enough: the maximum must be known before the
+    sum is final; see docs/kernels.md, "Corrections to the textbook algorithm").
 
     Parameters
     ----------

@@ -1,4 +1,4 @@
-"""The accuracy rule every cuflash backend is held to (DESIGN.md §5; flash-attn's test rule).
+"""The accuracy rule every cuflash backend is held to (docs/testing.md; flash-attn's test rule).
 
 An implementation's error against the float64 reference may be at most twice the error of a
 naive implementation computed in the input's dtype, plus a small floor::

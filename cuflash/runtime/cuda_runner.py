@@ -2,7 +2,7 @@
 
 Every variant is compiled for an explicit arch by NVRTC (:mod:`cuflash.runtime.nvrtc`: 12.x or
 13.x through ctypes, no GPU needed) to a cubin, which is cached on disk under CuPy's cache
-directory and loaded with ``cupy.RawModule(path=...)`` (DESIGN.md §4, "Compile path"). The
+directory and loaded with ``cupy.RawModule(path=...)`` (docs/kernels.md, "Compile path"). The
 options are exactly the ones CuPy's ``RawModule(code=...)`` used before: ours
 (:func:`nvrtc_options`), plus those CuPy adds by itself (:data:`CUPY_IMPLICIT_OPTIONS`) and
 ``-arch``. The arch is the device's own compute capability for the tensor-core and SIMT tiers and

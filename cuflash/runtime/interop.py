@@ -195,7 +195,7 @@ def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
 
 
 # --------------------------------------------------------------------------------------------
-# The CUDA side: frameworks, devices, streams, zero-copy import and export (DESIGN.md §3, §7)
+# The CUDA side: frameworks, devices, streams, zero-copy import and export (docs/conventions.md and docs/gpu.md)
 
 #: frameworks whose CUDA arrays cuflash hands back as the same framework's arrays
 FRAMEWORKS = ("numpy", "cupy", "torch", "jax", "dlpack")
@@ -381,7 +381,7 @@ def host_to_numpy(x, name: str, func: str) -> np.ndarray:
 
 
 class HostImport:
-    """The CPU DLPack arguments of one call viewed as NumPy, and the way back (DESIGN.md §3).
+    """The CPU DLPack arguments of one call viewed as NumPy, and the way back (docs/conventions.md).
 
     ``HostImport(func, names, operands, options)``: :attr:`operands` (a tuple, ``names`` naming
     each) and :attr:`options` (an :class:`~cuflash.runtime.options.Options`) with every CPU DLPack

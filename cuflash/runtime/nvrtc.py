@@ -1,6 +1,6 @@
 """NVRTC, the CUDA runtime compiler, by major version, through ctypes: no CuPy, no GPU.
 
-cuflash compiles with NVRTC 12.x and 13.x side by side (DESIGN.md §4): each major is a separate
+cuflash compiles with NVRTC 12.x and 13.x side by side (docs/kernels.md): each major is a separate
 library (``libnvrtc.so.12``, ``libnvrtc.so.13``) whose exported symbols are versioned
 (``nvrtcCompileProgram@@libnvrtc.so.12``) and bound ``-Bsymbolic``, so both load into one process
 without one resolving into the other. Where each is found, first hit wins:

@@ -21,7 +21,7 @@ from cuflash.runtime.interop import ArrayInfo, describe, device_type_name
 from cuflash.runtime.options import Options
 from cuflash.runtime.validation_modifiers import Modifiers, check_modifiers
 
-#: largest head dim (of q/k and of v) that the kernels support (DESIGN.md §4).
+#: largest head dim (of q/k and of v) that the kernels support (docs/kernels.md).
 MAX_HEAD_DIM = 256
 
 LAYOUTS = ("bhsd", "bshd")

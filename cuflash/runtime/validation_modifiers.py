@@ -1,6 +1,6 @@
 """Validation of the score modifiers: ``softcap``, ``alibi_slopes``, ``attn_bias``, ``attn_mask``, ``sinks``.
 
-The convention (DESIGN.md §3.2), in the order a backend applies it to the scores ``s`` of query
+The convention (docs/conventions.md, "Score modifiers"), in the order a backend applies it to the scores ``s`` of query
 row ``i`` and key ``j`` of batch ``b`` and query head ``h``::
 
     s = softmax_scale * q_i . k_j

@@ -1,6 +1,6 @@
 """Kernel variants: the compile-time choices of one kernel, as a frozen, hashable value.
 
-A variant does two jobs with one object (DESIGN.md §4): its :attr:`~Variant.name` encodes every
+A variant does two jobs with one object (docs/kernels.md): its :attr:`~Variant.name` encodes every
 compile-time axis and is the suffix of the kernel's ``extern "C"`` entry name, and its
 :meth:`~Variant.defines` give the ``#define`` prelude that selects those axes in the
 ``kernels_cu/`` source. Run-time values (lengths, strides, flags) are kernel arguments, never
@@ -60,7 +60,7 @@ class Variant:
     source: ClassVar[str] = ""
     #: the arch the kernel is compiled for: None for the device's own compute capability (the
     #: tensor-core and SIMT tiers), ``"90a"`` for ``sm_90a`` (the Hopper tier: ``wgmma``,
-    #: ``setmaxnreg``), whose cubin runs on compute capability 9.0 only (DESIGN.md §4)
+    #: ``setmaxnreg``), whose cubin runs on compute capability 9.0 only (docs/kernels.md)
     target_arch: ClassVar[str | None] = None
     #: the oldest NVRTC major that compiles the kernel; 13 marks a CUDA-13-only variant (one the
     #: compile gate found NVRTC 12.x cannot compile)

@@ -8,7 +8,7 @@ materialised) and, when torch is importable with CUDA, PyTorch SDPA with the fla
 backends. ``--quick`` runs bf16/fp16, hdim 64/128, S 2k/8k, causal or not, with the baselines at
 the bar shape only (bf16, hdim 128, S = 8192), in under 2 minutes on an H100/H200.
 
-Method (DESIGN.md §6): CUDA events around each call, after warm-up; the L2 cache is flushed
+Method (docs/benchmarks.md): CUDA events around each call, after warm-up; the L2 cache is flushed
 (a buffer twice its size is overwritten) before every timed call; the median is reported.
 FLOPs: ``2*B*H*(D + Dv)*P`` over the visible pairs P (:func:`cuflash.intensity.attention_flops`),
 and flash-attn's ``4*B*H*S^2*D`` (halved for causal) for comparison with published numbers.

@@ -1,4 +1,4 @@
-"""``python -m cuflash check``: the GPU self-check (DESIGN.md §5, tier 3).
+"""``python -m cuflash check``: the GPU self-check (docs/testing.md, "GPU checks").
 
 One command for a machine with a GPU, runnable from a source tree with nothing installed
 (``PYTHONPATH=. python -m cuflash check``). Sections, each timed and isolated (an exception or
@@ -25,7 +25,7 @@ an overrun fails that section only, the others still run):
 A short pass/fail table is printed last. Exit status: 0 all passed (or skipped), 1 a section
 failed, 2 no usable GPU (nothing is run and nothing is reported as passed).
 
-The tolerance rule is DESIGN.md §5's, implemented here on its own: the error against the
+The tolerance rule is docs/testing.md's, implemented here on its own: the error against the
 float64 reference may be at most twice the error of a naive same-dtype implementation (scores
 and output rounded to the dtype, float32 softmax) plus a floor (one unit roundoff for the 16-bit
 types, 2**-18 for float32); with large logits, at least the float32 score-rounding bound.
@@ -192,7 +192,7 @@ def run_case(c: dict, rng, *, rows=None) -> tuple[bool, str]:
     lh = None if lse is None else cupy.asnumpy(lse)
     if lh is not None and lse.dtype != np.float32:
         return False, f"lse dtype {lse.dtype}, expected float32"
-    if c.get("nonfinite"):  # DESIGN.md §3: non-finite rows exactly where the float64 oracle's are
+    if c.get("nonfinite"):  # docs/conventions.md: non-finite rows exactly where the float64 oracle's are
         from cuflash.reference import naive_attention
 
         o64, l64 = naive_attention(q, k, v, causal=c["causal"], window_size=c["window"], return_lse=True)

@@ -17,8 +17,7 @@ causal alignment):
   cuflash (``j <= i + Sk - Sq``). For ``Sq == Sk`` they agree. For ``Sq < Sk`` no query sees a
   key past ``Sq - 1``, so the keys are sliced to the first ``Sq`` (a view; their gradients are
   0, as SDPA's) and the two alignments agree again. For ``Sq > Sk`` top-left is cuflash's window
-  ``(-1, Sq - Sk)`` without ``causal``. (DESIGN.md §3.2 later moves this to a run-time diagonal
-  offset in the kernels.)
+  ``(-1, Sq - Sk)`` without ``causal``.
 * A head dim ``E = 0`` (SDPA gives every key the same weight) runs as ``E = 1`` with zero q/k
   columns appended (``F.pad``, so gradients keep their empty shapes).
 * ``dropout_p`` as SDPA: applied whenever it is > 0 (SDPA ignores ``training``; pass 0 to
