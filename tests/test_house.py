@@ -319,7 +319,9 @@ def options_in_kwargs(root: Path) -> list[str]:
     """Functions taking ``**kwargs`` that do more than pass them on: options travel in the options
     object, so a ``**name`` may only be forwarded whole to one call (a wrapper), be the ``kwargs``
     of a protocol method NumPy calls (``__array_ufunc__``), or be a framework's calling convention
-    in a public function (transformers hands its attention functions keyword arguments)."""
+    in a public function (transformers hands its attention functions keyword arguments). A router
+    (``cuflash.autodiff``) also shows them to :func:`cuflash.autodiff.framework_needed`, which looks
+    at the arrays' kinds only, before it forwards them whole."""
     out = []
     for path in sorted(root.rglob("*.py")):
         mod = module_name(root, path)
@@ -332,6 +334,9 @@ def options_in_kwargs(root: Path) -> list[str]:
             uses = [n for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name]
             forwarded = [k.value for c in ast.walk(fn) if isinstance(c, ast.Call) for k in c.keywords
                          if k.arg is None and isinstance(k.value, ast.Name) and k.value.id == name]
+            shown = [a for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+                     and c.func.id == "framework_needed" for a in c.args if isinstance(a, ast.Name) and a.id == name]
+            uses = [u for u in uses if all(u is not s for s in shown)]
             protocol = (fn.name.startswith("__") and fn.name.endswith("__")) or fn.name in public
             if not protocol and (len(forwarded) != 1 or len(uses) != 1):
                 out.append(f"{path.relative_to(root.parent)}:{fn.lineno}: {fn.name} reads **{name}")

@@ -126,6 +126,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         bias or mask that does not broadcast to ``(B, Hq, Sq, Sk)``. (``TypeError`` for slopes
         or sinks that are not float32, a bias not of q's dtype or float32, a mask not bool, or
         a modifier array of another kind than q.)
+    TypeError (gradients)
+        An option that has no gradient, given with torch tensors that require grad (named by
+        :mod:`cuflash.torch`, e.g. ``out=``, or ``alibi_slopes`` that requires grad).
     NotImplementedError
         A head dim above 256, or a valid call that has no kernel on the chosen backend.
     RuntimeError
@@ -134,6 +137,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
     Notes
     -----
+    Gradients are never dropped: torch tensors that require grad (grad mode on) run through
+    :func:`cuflash.torch.attention` (the same kernels, through custom operators with the
+    FlashAttention-2 backward), so ``loss.backward()`` reaches q, k, v, ``attn_bias`` and
+    ``sinks``; JAX tracers (``jax.jit``, ``jax.grad``, ``jax.vmap``) run through
+    :func:`cuflash.jax.attention`. The returned ``lse`` carries no gradient. See
+    :mod:`cuflash.autodiff`.
+
     GPU arrays run on their own device, asynchronously (the host is never synchronized):
 
     * CuPy: on CuPy's current stream (``with stream: cuflash.attention(...)``); the outputs come

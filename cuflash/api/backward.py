@@ -91,6 +91,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         Mismatched shapes of q/k/v, ``out``, ``dout`` or ``lse``; bad strides or options; an
         unknown backend or one that would move data; a bad modifier (as :func:`cuflash.attention`);
         ``return_dbias`` without ``attn_bias`` or ``return_dsinks`` without ``sinks``.
+    TypeError (gradients)
+        Arrays that carry a gradient: torch tensors that require grad (with grad mode on) or JAX
+        tracers. This function is a gradient and has none of its own (no double backward); for
+        training, call :func:`cuflash.attention` on such arrays and let the framework run this
+        backward (:mod:`cuflash.autodiff`).
     NotImplementedError
         A head dim above 256, or float64 on a kernel backend.
 

@@ -3,6 +3,8 @@
 Each public function builds one :class:`~cuflash.runtime.options.Options` from its flat
 arguments and calls :func:`run` with its :class:`Entry`. The steps, the same for every entry:
 
+0. **no framework state dropped**: a torch tensor that requires grad, or a JAX tracer, is refused
+   (:func:`refuse_framework_state`; the public functions route those to the adapters first);
 1. **host import**: CPU DLPack arrays (torch and JAX CPU tensors) become zero-copy NumPy views
    (:class:`~cuflash.runtime.interop.HostImport`), so validation and the NumPy path see NumPy;
 2. **validation**, once, from metadata (the entry's ``validate``: an ``AttentionProblem``);
@@ -24,13 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Callable
 
 from cuflash.kernels import dispatch
 from cuflash.runtime import device_call, dtypes, interop
 from cuflash.runtime.options import Options
 
-__all__ = ["Entry", "run", "resolve_backend", "env_backend", "check_kernel_dtype", "BACKENDS", "forward_on",
+__all__ = ["Entry", "run", "refuse_framework_state", "resolve_backend", "env_backend", "check_kernel_dtype", "BACKENDS", "forward_on",
            "backward_on", "lse_pair"]
 
 BACKENDS = ("auto", "numpy", "sim", "cuda")
@@ -74,6 +77,7 @@ class Entry:
 def run(entry: Entry, operands: tuple, options: Options):
     """Run one call through the pipeline (the module docstring's steps)."""
     func = entry.func
+    refuse_framework_state(func, entry.names, operands, options)
     host = interop.HostImport(func, entry.names, operands, options)
     problem = entry.validate(host.operands, host.options, func)
     backend = resolve_backend(options.backend, problem.kind, func)
@@ -89,6 +93,37 @@ def run(entry: Entry, operands: tuple, options: Options):
     out = None if entry.out is None else operands[entry.out]
     with device_call.DeviceCall(func, device, operands[entry.like], out=out) as call:
         return entry.result(entry.device(problem, operands, call), problem)
+
+
+def refuse_framework_state(func: str, names: tuple, operands: tuple, options: Options) -> None:
+    """No gradient or trace is dropped here: the pipeline computes on arrays that carry neither.
+
+    ``cuflash.attention`` and the other public functions send torch tensors that require grad,
+    and JAX tracers, to :mod:`cuflash.torch` / :mod:`cuflash.jax` before they reach the pipeline
+    (:mod:`cuflash.autodiff`), and those adapters hand it detached tensors and concrete buffers.
+    A call that reaches it any other way is refused rather than run without its gradient.
+
+    Raises
+    ------
+    TypeError
+        For a torch tensor that requires grad with grad mode on, or a JAX tracer, among the
+        operands or the options' arrays.
+    """
+    torch, jax = sys.modules.get("torch"), sys.modules.get("jax")
+    if torch is None and jax is None:
+        return
+    arrays = [(n, x) for n, x in zip(names, operands) if x is not None]
+    arrays += [(n, x) for n, x, _ in options.arrays()]
+    tracer = getattr(getattr(jax, "core", None), "Tracer", None)
+    for name, x in arrays:
+        if torch is not None and isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+            raise TypeError(f"{func}: {name} requires grad, and this function computes no gradient; call "
+                            f"the function of the same name in cuflash (cuflash.attention routes such tensors "
+                            f"through cuflash.torch's autograd) or in cuflash.torch, or detach the tensor")
+        if tracer is not None and isinstance(x, tracer):
+            raise TypeError(f"{func}: {name} is a JAX tracer (inside jax.jit, jax.grad or jax.vmap), which this "
+                            f"function cannot compute on; call the function of the same name in cuflash or "
+                            f"cuflash.jax")
 
 
 def env_backend(func: str) -> str | None:

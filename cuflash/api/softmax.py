@@ -93,6 +93,10 @@ def softmax(x, axis: int = -1, *, backend: str = "auto"):
     layouts are copied once to a contiguous array first. Empty inputs return an empty result
     without launching anything.
 
+    torch tensors that require grad (grad mode on) run through :func:`cuflash.torch.softmax`, whose
+    backward is ``dx = y * (g - sum(g * y, axis))``; a JAX tracer is refused with ``TypeError``
+    (``jax.nn.softmax`` serves traced code) (:mod:`cuflash.autodiff`).
+
     Raises
     ------
     TypeError

@@ -105,6 +105,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``seqused_k``), does not start at 0, decreases, or does not end at ``total_q`` /
         ``total_k``; a ``max_seqlen`` below a sequence's length; ``seqused_k`` outside
         ``[0, keys]``; an index on another device; bad options or ``out=``.
+    TypeError (gradients)
+        An option without a gradient given with torch tensors that require grad (named by
+        :func:`cuflash.torch.attention_varlen`). torch tensors that require grad run through
+        :func:`cuflash.torch.attention_varlen` and JAX tracers through
+        :func:`cuflash.jax.attention_varlen` (:mod:`cuflash.autodiff`), so gradients reach q, k, v.
     NotImplementedError
         A head dim above 256, or a valid call without a kernel on the chosen backend.
 

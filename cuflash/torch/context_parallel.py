@@ -34,7 +34,8 @@ import math
 import torch
 import torch.distributed as dist
 
-import cuflash
+from cuflash.api.attention import attention as _attention
+from cuflash.api.backward import attention_backward as _attention_backward
 from cuflash.runtime import validation
 
 __all__ = ["ring_attention", "ulysses_attention", "zigzag_split", "zigzag_merge", "merge_attention"]
@@ -271,7 +272,7 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % world
             pending = _exchange(kv, group, rank, world) if step + 1 < world else None   # overlaps the math
             for qs, ks, c in _pieces(rank, src, world, length, causal, zigzag):
-                o, lse = cuflash.attention(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=c, softmax_scale=scale,
+                o, lse = _attention(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=c, softmax_scale=scale,
                                            layout="bshd", return_lse=True)
                 _merge_into(out_acc[:, qs], lse_acc[:, :, qs], o, lse)
             if pending is not None:
@@ -306,7 +307,7 @@ class _RingAttention(torch.autograd.Function):
             # this rank's share of the held block's dK/dV, while its accumulators are still travelling
             local = (torch.zeros(k.shape, dtype=acc_t, device=k.device), torch.zeros(v.shape, dtype=acc_t, device=v.device))
             for qs, ks, c in _pieces(rank, src, world, length, causal, zigzag):
-                g = cuflash.attention_backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
+                g = _attention_backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
                                                lse[:, :, qs].contiguous(), causal=c, **kw)
                 dq[:, qs] += g[0].to(acc_t)
                 local[0][:, ks] += g[1].to(acc_t)
@@ -436,7 +437,7 @@ class _Ulysses(torch.autograd.Function):
         if kv_repeat > 1:
             k, v = (x.repeat_interleave(kv_repeat, dim=2) for x in (k, v))
         qh, kh, vh = (_seq_to_heads(x, group, world) for x in (q, k, v))
-        oh, lseh = cuflash.attention(qh, kh, vh, causal=causal, softmax_scale=scale, window_size=window,
+        oh, lseh = _attention(qh, kh, vh, causal=causal, softmax_scale=scale, window_size=window,
                                      layout="bshd", return_lse=True)
         ctx.save_for_backward(qh, kh, vh, oh, lseh)
         ctx.args = (group, causal, scale, window, deterministic, kv_repeat)
@@ -451,7 +452,7 @@ class _Ulysses(torch.autograd.Function):
         kw = dict(causal=causal, softmax_scale=scale, window_size=window, layout="bshd")
         if qh.device.type == "cuda":
             kw["deterministic"] = deterministic
-        dqh, dkh, dvh = cuflash.attention_backward(doh, qh, kh, vh, oh, lseh, **kw)
+        dqh, dkh, dvh = _attention_backward(doh, qh, kh, vh, oh, lseh, **kw)
         dq, dk, dv = (_heads_to_seq(x, group, world) for x in (dqh, dkh, dvh))
         if kv_repeat > 1:   # the replicas' gradients sum into their kv head
             b, s, hr, d = dk.shape
