@@ -36,10 +36,13 @@ gradient entry is non-finite exactly where the math puts a non-finite term into 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from cuflash.reference.dropout import problem_keep
 from cuflash.reference.masks import masked_matmul, problem_mask, query_range
+from cuflash.reference.memory import all_finite, check_memory, nbytes
 from cuflash.reference.modifiers import BiasGrad, HeadTerms, reduce_bias_grad, sink_grad
 from cuflash.reference.views import (
     canonical,
@@ -59,7 +62,7 @@ from cuflash.runtime.validation import (
     check_strides,
 )
 
-__all__ = ["attention_backward", "flash_attention_backward", "check_backward"]
+__all__ = ["attention_backward", "flash_attention_backward", "check_backward", "backward_memory", "run_backward"]
 
 _LSE_DTYPES = (dtypes.float32, dtypes.float64)
 
@@ -326,12 +329,17 @@ def flash_attention_backward(
     ------
     TypeError, ValueError
         As :func:`attention_backward`; ``ValueError`` for tile sizes < 1.
+    MemoryError
+        When the working memory (:func:`backward_memory`) exceeds the available memory
+        (:func:`cuflash.reference.memory.available_bytes`, ``CUFLASH_MEMORY_LIMIT``), before
+        anything is allocated.
 
     Notes
     -----
     Peak extra memory is O(batch * heads * Sq * D) (the float32 dQ buffers and the per-head
-    float32 copies of q, dO) plus O(threads * G * block_m * block_n) for the tiles: the
-    ``Sq x Sk`` matrices never exist.
+    float32 copies of q, dO) plus O(threads * G * block_m * block_n) for the tiles, besides the
+    gradients themselves: the ``Sq x Sk`` matrices never exist, and K and V are read (converted
+    for fp16/bf16) one tile at a time.
     """
     func = "cuflash.reference.flash_attention_backward"
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, return_dbias=return_dbias,
@@ -349,6 +357,29 @@ def flash_attention_backward(
 _BWD_CHUNKS = 8
 
 
+def backward_memory(p: AttentionProblem, shapes, heads: int, items: int, block_m: int, block_n: int,
+                    workers: int | None = None) -> dict:
+    """Bytes the tiled backward of ``p`` allocates, by array: ``dq, dk, dv`` (of ``shapes``, the
+    shapes of q, k, v), the per-head float32 copies of q and dO with their ``lse`` and ``D`` rows
+    (``heads`` kv heads in all), the dQ accumulators of ``items`` work items and of each head, and
+    the tiles of ``workers`` threads (default :func:`cuflash.runtime.threads.num_threads`; at most
+    one per item): score, probability, gradient and mask blocks of ``G * Br`` stacked rows, the
+    converted K/V tile and its dK/dV rows. (With non-finite input the masked products also form
+    per-pair terms for the few rows that hold a NaN or inf; those are not counted.)"""
+    acc_t = dtypes.accumulator(p.dtype)
+    acc = acc_t.itemsize
+    g, d, dv = max(1, p.group_size), p.head_dim, p.head_dim_v
+    rows = g * min(block_m, p.seqlen_q)
+    n = min(block_n, p.seqlen_k)
+    per_head_q = p.seqlen_q * g
+    tile = rows * n * (7 * acc + 3) + 4 * acc * n * (d + dv) + acc * per_head_q * dv
+    workers = min(threads.num_threads() if workers is None else workers, max(1, items))
+    return {"dq, dk, dv": sum(nbytes(shape, p.dtype) for shape in shapes),
+            "float32 copies of q and dout": heads * acc * per_head_q * (d + dv + 2),
+            "dq accumulators": (items + heads) * acc * per_head_q * d,
+            f"tiles ({workers} threads)": workers * tile if heads else 0}
+
+
 def run_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m=None, block_n=None):
     """The tiled backward on validated NumPy input (the NumPy path of :func:`cuflash.attention_backward`).
 
@@ -360,11 +391,27 @@ def run_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m=None, blo
     stacked into ``(G * Br)``-row tiles, as in the forward. ``p.options.return_dbias`` /
     ``return_dsinks`` append ``d attn_bias`` (the bias's dtype) and ``d sinks`` (the
     accumulation type).
+
+    Before allocating, the working memory (:func:`backward_memory`) is checked against
+    :func:`cuflash.reference.memory.available_bytes`; K and V are read (and fp16/bf16 converted)
+    tile by tile, and their non-finite checks read the distinct elements only (a broadcast view is
+    not expanded).
+
+    Raises
+    ------
+    MemoryError
+        When the working memory exceeds the available memory; the message begins with
+        ``p.func`` and names the arrays and bytes (:func:`cuflash.reference.memory.check_memory`).
     """
     return_dbias, return_dsinks = p.options.return_dbias, p.options.return_dsinks
     from cuflash.reference.forward import cpu_tiles
 
     acc_t = dtypes.accumulator(p.dtype)
+    heads_n = 0 if p.is_empty or not p.num_heads_k else math.prod(canonical(k, p.layout).shape[:-2])
+    block_m, block_n = cpu_tiles(p, block_m, block_n)
+    n_tiles = -(-p.seqlen_k // block_n)
+    chunks = max(1, min(n_tiles, -(-_BWD_CHUNKS // max(1, heads_n))))
+    check_memory(p.func, backward_memory(p, (q.shape, k.shape, v.shape), heads_n, heads_n * chunks, block_m, block_n))
     dq, dk, dv = _outputs(q, k, v, p.dtype)
     mods = p.modifiers
     bias_grad = BiasGrad(p, acc_t) if return_dbias else None
@@ -376,7 +423,6 @@ def run_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m=None, blo
 
     if p.is_empty or not p.num_heads_k:
         return (dq, dk, dv, *extra())
-    block_m, block_n = cpu_tiles(p, block_m, block_n)
     layout = p.layout
     qv = split_heads(canonical(q, layout), p.num_heads_k)
     dov = split_heads(canonical(dout, layout), p.num_heads_k)
@@ -401,9 +447,8 @@ def run_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m=None, blo
             d_row = np.einsum("sgd,sgd->sg", dof, stacked(ov, h))  # FA2 Algorithm 2's pre-processing
         lse_h = np.empty((p.seqlen_q, g), dtype=acc_t)
         lse_h[...] = lv[h].T
-        kf, vf = in_dtype(kv[h], acc_t), in_dtype(vv[h], acc_t)
-        finite = {name: bool(np.isfinite(a).all()) for name, a in (("q", qf), ("do", dof), ("k", kf))}
-        return qf, dof, d_row, lse_h, kf, vf, finite
+        finite = {name: all_finite(a) for name, a in (("q", qf), ("do", dof), ("k", kv[h]))}
+        return qf, dof, d_row, lse_h, kv[h], vv[h], finite   # K and V are converted tile by tile
 
     per_head = dict(zip(heads, threads.run(prepare, heads)))
     if dsinks is not None:   # d sink = -sum over rows of exp(sink - lse) * D, heads added in order
@@ -411,8 +456,6 @@ def run_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m=None, blo
         for h in heads:
             _, _, d_row, lse_h, _, _, _ = per_head[h]
             dsinks[h[-1]] += sink_grad(sinks[h], lse_h, d_row)
-    n_tiles = -(-p.seqlen_k // block_n)
-    chunks = max(1, min(n_tiles, -(-_BWD_CHUNKS // len(heads))))
     bounds = [(n_tiles * c // chunks, n_tiles * (c + 1) // chunks) for c in range(chunks)]
     items = [(h, c, t0, t1) for h in heads for c, (t0, t1) in enumerate(bounds) if t1 > t0]
 
@@ -457,7 +500,7 @@ def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, 
             lo, hi = query_range(p, c0, c1)
             if lo >= hi:
                 continue  # no query row sees these keys: dK_j = dV_j = 0 (already zero)
-            kt, vt = kf[c0:c1], vf[c0:c1]
+            kt, vt = in_dtype(kf[c0:c1], acc_t), in_dtype(vf[c0:c1], acc_t)   # each K/V tile is read once
             dk_j = np.zeros((c1 - c0, p.head_dim), dtype=acc_t)
             dv_j = np.zeros((c1 - c0, p.head_dim_v), dtype=acc_t)
             cols = np.arange(c0, c1)

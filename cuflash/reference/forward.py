@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from cuflash.reference.dropout import problem_keep
 from cuflash.reference.masks import key_range, masked_matmul, problem_mask
+from cuflash.reference.memory import all_finite, check_memory, nbytes
 from cuflash.reference.modifiers import HeadTerms, join_sinks
 from cuflash.reference.normalize import masked_exp
 from cuflash.reference.views import (
@@ -25,7 +28,7 @@ from cuflash.runtime.validation import (
     check_block_sizes,
 )
 
-__all__ = ["naive_attention", "flash_attention", "naive_rows"]
+__all__ = ["naive_attention", "flash_attention", "naive_rows", "cpu_tiles", "forward_memory", "run_forward"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,7 +195,8 @@ def flash_attention(
     (``CUFLASH_NUM_THREADS``; :mod:`cuflash.runtime.threads`), with the BLAS library held to one
     thread meanwhile so a busy machine is not oversubscribed; the ``G`` query heads of a kv head
     (GQA) share one ``(G * Br) x Bc`` score tile, every buffer of a tile is preallocated and
-    updated in place, and fp16/bf16 K/V are converted to float32 once per head.
+    updated in place, and fp16/bf16 K/V are converted to float32 once per head when the copies
+    are small (:data:`_KV_COPY_BYTES`), else one tile at a time as the loop reads them.
 
     Parameters
     ----------
@@ -204,8 +208,8 @@ def flash_attention(
         attn_mask hides from every row of the query tile is skipped.
     block_m, block_n : int, optional
         Query rows (Br) and key rows (Bc) per tile, >= 1; None (default) picks them for the
-        cache (:func:`cpu_tiles`: Bc = 512, or 256 above head dim 128, and a score tile of
-        about 256 Ki elements).
+        cache (:func:`cpu_tiles`: Bc = 512, or 256 above head dim 128, more keys when the
+        query rows are few, and a score tile of about 256 Ki elements).
     out : numpy.ndarray, optional
         Output buffer of the result's shape and q's dtype; written in place and returned.
 
@@ -219,12 +223,17 @@ def flash_attention(
     ------
     TypeError, ValueError
         As :func:`cuflash.attention` for malformed input; ``ValueError`` for tile sizes < 1.
+    MemoryError
+        When the working memory (:func:`forward_memory`) exceeds the available memory
+        (:func:`cuflash.reference.memory.available_bytes`, ``CUFLASH_MEMORY_LIMIT``), before
+        anything is allocated.
 
     Notes
     -----
-    Peak extra memory is O(threads * G * block_m * (block_n + Dv)) for the tiles, plus a float32
-    copy of K and V for fp16/bf16 input (O(Sk * D), the inputs' own order): the ``Sq x Sk``
-    matrices never exist.
+    Peak extra memory is O(threads * G * block_m * (block_n + D + Dv)) for the tiles, plus the
+    output and lse, plus float32 copies of K and V for fp16/bf16 input only while they take at most
+    :data:`_KV_COPY_BYTES`: the ``Sq x Sk`` matrices never exist, and a broadcast (stride-0) K or
+    V is never expanded.
     """
     func = "cuflash.reference.flash_attention"
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, return_lse=return_lse,
@@ -242,20 +251,54 @@ def flash_attention(
 #: 1024 x 1024; past 512 x 512 the gain is small and causal masks waste more of each tile.
 _SCORE_TILE_ELEMS = 512 * 512
 
+#: fp16/bf16 K and V are converted to float32 once per head (every query tile then reads the
+#: copy) while the copies of all heads together take at most this many bytes; past it, and when a
+#: head has one query tile only, each K/V tile is converted as the loop reads it (the same values:
+#: the conversion is exact), so no copy of all of K exists
+_KV_COPY_BYTES = 256 << 20
+
 
 def cpu_tiles(p: AttentionProblem, block_m=None, block_n=None) -> tuple[int, int]:
     """The NumPy path's ``(Br, Bc)``: given sizes are kept; ``None`` picks them for the cache.
 
     Bc = 512 keys (256 for head dims above 128), and Br such that the (group * Br) x Bc score
     tile holds about :data:`_SCORE_TILE_ELEMS` elements (at least 16 rows); neither more than
-    the problem has."""
+    the problem has. When all the query rows of a head stack to fewer rows than that (decoding:
+    Sq = 1), Bc grows until the score tile holds :data:`_SCORE_TILE_ELEMS` elements or a K tile
+    holds as many, so a long key sequence takes few iterations."""
+    g = max(1, p.group_size)
     if block_n is None:
         block_n = 512 if max(p.head_dim, p.head_dim_v) <= 128 else 256
+        if block_m is None:
+            wide = min(_SCORE_TILE_ELEMS // (g * max(1, p.seqlen_q)), _SCORE_TILE_ELEMS // max(1, p.head_dim, p.head_dim_v))
+            block_n = max(block_n, wide)
         block_n = max(1, min(block_n, p.seqlen_k))
     if block_m is None:
-        rows = max(16, _SCORE_TILE_ELEMS // (block_n * max(1, p.group_size)))
+        rows = max(16, _SCORE_TILE_ELEMS // (block_n * g))
         block_m = max(1, min(rows, p.seqlen_q))
     return block_m, block_n
+
+
+def forward_memory(p: AttentionProblem, block_m: int, block_n: int, *, new_out: bool, kv_copies: int,
+                   workers: int | None = None) -> dict:
+    """Bytes the tiled forward of ``p`` allocates, by array: ``out`` (when ``new_out``), ``lse``,
+    the float32 ``kv_copies`` (bytes, 0 for none) and the tiles of ``workers`` threads (default
+    :func:`cuflash.runtime.threads.num_threads`; at most one per work item). A tile holds the
+    scaled q rows, the score block and its masks, the accumulator and the row statistics of the
+    ``G * Br`` stacked rows, and a converted K/V tile. (With a non-finite value the masked product
+    also forms per-pair terms for the few rows that hold a NaN or inf; those are not counted.)"""
+    acc = dtypes.accumulator(p.dtype).itemsize
+    rows = max(1, p.group_size) * min(block_m, p.seqlen_q)
+    n = min(block_n, p.seqlen_k)
+    d, dv = p.head_dim, p.head_dim_v
+    tile = acc * rows * (d + 3 * dv + 8) + rows * n * (3 * acc + 3) + 2 * acc * n * (d + dv)
+    heads = math.prod(p.lse_shape) // max(1, p.seqlen_q * p.group_size)   # batch * Hk
+    items = heads * -(-p.seqlen_q // max(1, block_m))
+    workers = min(threads.num_threads() if workers is None else workers, max(1, items))
+    return {"out": nbytes(p.out_shape, p.dtype) if new_out else 0,
+            "lse": nbytes(p.lse_shape, dtypes.accumulator(p.dtype)),
+            "float32 copies of k and v": kv_copies,
+            f"tiles ({workers} threads)": workers * tile}
 
 
 def run_forward(p: AttentionProblem, q, k, v, out=None, block_m=None, block_n=None):
@@ -264,26 +307,44 @@ def run_forward(p: AttentionProblem, q, k, v, out=None, block_m=None, block_n=No
 
     Work items are (kv head, query tile) pairs, run on :func:`cuflash.runtime.threads.run`'s
     pool with BLAS single-threaded; each item computes all ``G`` query heads of its kv head as
-    one ``(G * Br) x Bc`` score tile. fp16/bf16 K and V are converted to float32 once per head.
+    one ``(G * Br) x Bc`` score tile. fp16/bf16 K and V are converted to float32 once per head
+    while those copies stay under :data:`_KV_COPY_BYTES`, else tile by tile.
+
+    Before allocating, the working memory (:func:`forward_memory`) is checked against
+    :func:`cuflash.reference.memory.available_bytes`; the non-finite check of V reads each
+    head's distinct elements (a broadcast view is not expanded).
+
+    Raises
+    ------
+    MemoryError
+        When the working memory exceeds the available memory; the message begins with
+        ``p.func`` and names the arrays and bytes (:func:`cuflash.reference.memory.check_memory`).
     """
     acc_t = dtypes.accumulator(p.dtype)
+    block_m, block_n = cpu_tiles(p, block_m, block_n)
+    kv = canonical(k, p.layout)
+    vv = canonical(v, p.layout)
+    heads = list(np.ndindex(*kv.shape[:-2])) if not p.is_empty else []
+    v_finite = dict(zip(heads, threads.run(lambda h: all_finite(vv[h]), heads)))
+    copies = 0
+    if kv.dtype != acc_t and heads and p.seqlen_q > block_m:
+        copies = nbytes((len(heads), p.seqlen_k, p.head_dim + p.head_dim_v), acc_t)
+        copies = copies if copies <= _KV_COPY_BYTES else 0
+    check_memory(p.func, forward_memory(p, block_m, block_n, new_out=out is None, kv_copies=copies))
     if out is None:
         out = np.empty(p.out_shape, dtype=p.dtype)
     lse = np.full(p.lse_shape, -np.inf, dtype=acc_t)
     if p.is_empty:
         return out, lse
-    block_m, block_n = cpu_tiles(p, block_m, block_n)
     out_v = split_heads(canonical(out, p.layout), p.num_heads_k)
     lse_v = lse[None] if p.layout == "bhsd" and q.ndim == 2 else lse
     lse_v = split_heads(lse_v[..., None], p.num_heads_k)[..., 0]
     qv = split_heads(canonical(q, p.layout), p.num_heads_k)
-    kv = canonical(k, p.layout)
-    vv = canonical(v, p.layout)
-    heads = list(np.ndindex(*kv.shape[:-2]))
 
     def head_kv(h):
-        kf, vf = in_dtype(kv[h], acc_t), in_dtype(vv[h], acc_t)
-        return kf, vf, bool(np.isfinite(vf).all())
+        if not copies:
+            return kv[h], vv[h], v_finite[h]
+        return in_dtype(kv[h], acc_t), in_dtype(vv[h], acc_t), v_finite[h]
 
     kv_acc = dict(zip(heads, threads.run(head_kv, heads)))
     items = []
@@ -295,8 +356,8 @@ def run_forward(p: AttentionProblem, q, k, v, out=None, block_m=None, block_n=No
 
     def tile(item):
         _, h, r0 = item
-        kf, vf, v_finite = kv_acc[h]
-        o, row_lse = _forward_tile(p, qv[h], kf, vf, v_finite, r0, min(r0 + block_m, p.seqlen_q), block_n, acc_t,
+        kf, vf, finite = kv_acc[h]
+        o, row_lse = _forward_tile(p, qv[h], kf, vf, finite, r0, min(r0 + block_m, p.seqlen_q), block_n, acc_t,
                                    head_index=h)
         out_v[h][:, r0 : r0 + o.shape[1]] = o
         lse_v[h][:, r0 : r0 + o.shape[1]] = row_lse
@@ -308,7 +369,8 @@ def run_forward(p: AttentionProblem, q, k, v, out=None, block_m=None, block_n=No
 def _forward_tile(p: AttentionProblem, q_head, kf, vf, v_finite: bool, r0: int, r1: int, block_n: int, acc_t,
                   head_index=None):
     """Rows ``[r0, r1)`` of the ``G`` query heads ``q_head`` (``(G, Sq, D)``) against one kv head
-    (``kf``, ``vf``: ``(Sk, D)``, ``(Sk, Dv)`` in the accumulation type): ``(out, lse)`` of shapes
+    (``kf``, ``vf``: ``(Sk, D)``, ``(Sk, Dv)``; in another type than the accumulation type each
+    K/V tile is converted into a tile buffer as it is read): ``(out, lse)`` of shapes
     ``(G, R, Dv)`` (q's dtype) and ``(G, R)``. The G heads' rows are stacked row-major by query
     row, so one matmul serves the group; every buffer is preallocated and updated in place."""
     g, rows = q_head.shape[0], r1 - r0
@@ -324,6 +386,10 @@ def _forward_tile(p: AttentionProblem, q_head, kf, vf, v_finite: bool, r0: int, 
     pv = np.empty((m_rows, p.head_dim_v), dtype=acc_t)
     shift = np.empty(m_rows, dtype=acc_t)
     alpha = np.empty(m_rows, dtype=acc_t)
+    convert = kf.dtype != acc_t
+    if convert:   # fp16/bf16 K/V read tile by tile: one converted tile at a time
+        k_buf = np.empty((block_n, p.head_dim), dtype=acc_t)
+        v_buf = np.empty((block_n, p.head_dim_v), dtype=acc_t)
     query_rows = np.arange(r0, r1)
     lo, hi = key_range(p, r0, r1)
     terms = None if p.modifiers is None else HeadTerms(p, head_index, acc_t)
@@ -345,7 +411,11 @@ def _forward_tile(p: AttentionProblem, q_head, kf, vf, v_finite: bool, r0: int, 
                 if mask.all():
                     mask = None
             s = s_flat[: m_rows * n].reshape(m_rows, n)
-            np.matmul(qf, kf[c0:c1].T, out=s)
+            k_t, v_t = kf[c0:c1], vf[c0:c1]
+            if convert:
+                k_buf[:n], v_buf[:n] = k_t, v_t
+                k_t, v_t = k_buf[:n], v_buf[:n]
+            np.matmul(qf, k_t.T, out=s)
             if terms is not None:   # softcap, ALiBi, bias (after the scale, before the mask)
                 terms.modify(s, query_rows, cols, stacked=True)
             if mask is not None:
@@ -363,10 +433,10 @@ def _forward_tile(p: AttentionProblem, q_head, kf, vf, v_finite: bool, r0: int, 
                 s *= problem_keep(p, query_rows, np.arange(c0, c1), head_index).reshape(m_rows, n).astype(acc_t)
             acc *= alpha[:, None]
             if v_finite or mask is None:
-                np.matmul(s, vf[c0:c1], out=pv)
+                np.matmul(s, v_t, out=pv)
                 acc += pv
             else:  # a NaN/inf value row: products of pairs a row does not see are left out
-                acc += masked_matmul(s, vf[c0:c1], mask)
+                acc += masked_matmul(s, v_t, mask)
             m = m_new
         if terms is not None and terms.sinks is not None:
             join_sinks(m, l, acc, terms.stacked_sinks(rows))

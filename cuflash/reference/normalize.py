@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from cuflash.reference.memory import check_memory, nbytes
 from cuflash.runtime import dtypes
 from cuflash.runtime.validation import check_int
 
-__all__ = ["softmax", "online_softmax", "masked_exp"]
+__all__ = ["softmax", "online_softmax", "masked_exp", "run_online_softmax", "online_softmax_memory"]
 
 
 def _check_softmax_input(x, axis, func):
@@ -89,14 +90,42 @@ def online_softmax(x, axis=-1, *, block_size=128):
     ------
     TypeError, ValueError
         As :func:`softmax`; ``ValueError`` for ``block_size < 1``.
+    MemoryError
+        When the result and the blocks (:func:`online_softmax_memory`) exceed the available
+        memory (:func:`cuflash.reference.memory.available_bytes`), before anything is allocated.
     """
     func = "cuflash.reference.online_softmax"
     axis = _check_softmax_input(x, axis, func)
     block_size = check_int(block_size, "block_size", func)
     if block_size < 1:
         raise ValueError(f"{func}: block_size must be >= 1, got {block_size}")
+    return run_online_softmax(x, axis, block_size, func)
+
+
+def online_softmax_memory(shape, dtype, block_size: int) -> dict:
+    """Bytes :func:`run_online_softmax` allocates for ``x`` of ``shape`` and ``dtype``, by array:
+    the result (the accumulation type), the running ``m``, ``l`` and shift of each slice, and the
+    converted block with its exponentials."""
+    acc = dtypes.accumulator(dtype)
+    slices = nbytes(shape[:-1], acc) if shape else acc.itemsize
+    return {"the result": nbytes(shape, acc), "row statistics": 3 * slices,
+            "blocks": 3 * slices * min(block_size, shape[-1] if shape else 1)}
+
+
+def run_online_softmax(x: np.ndarray, axis: int, block_size: int, func: str) -> np.ndarray:
+    """:func:`online_softmax` of validated input (``axis`` in range, ``block_size >= 1``), after
+    checking its working memory (:func:`online_softmax_memory`) against
+    :func:`cuflash.reference.memory.available_bytes`; ``func`` names the public function in a
+    ``MemoryError``. The normalising pass writes the result in place (one array of ``x``'s size).
+
+    Raises
+    ------
+    MemoryError
+        When the working memory exceeds the available memory.
+    """
     acc = dtypes.accumulator(x.dtype)
     xa = np.moveaxis(x, axis, -1)
+    check_memory(func, online_softmax_memory(xa.shape, x.dtype, block_size))
     n = xa.shape[-1]
     m = np.full(xa.shape[:-1], -np.inf, dtype=acc)
     l = np.zeros(xa.shape[:-1], dtype=acc)
@@ -107,8 +136,12 @@ def online_softmax(x, axis=-1, *, block_size=128):
         with np.errstate(invalid="ignore"):  # a NaN or +inf element: inf - inf, kept as NaN
             l = l * np.exp(m - shift) + np.exp(block - shift[..., None]).sum(axis=-1)
         m = m_new
+    y = np.empty(xa.shape, dtype=acc)
+    y[...] = xa
     with np.errstate(invalid="ignore", divide="ignore"):
-        y = np.exp(xa.astype(acc, copy=False) - m[..., None]) / l[..., None]
+        y -= m[..., None]
+        np.exp(y, out=y)
+        y /= l[..., None]
     return np.moveaxis(y, -1, axis)
 
 
