@@ -291,7 +291,8 @@ def check_attention_with_kvcache(q, k_cache, v_cache, options, *, func: str = "c
     checked = all(isinstance(x, np.ndarray) for x in host)
     if capacity >= MAX_LENGTH:
         raise ValueError(f"{func}: the cache holds {capacity} rows per sequence; at most {MAX_LENGTH - 1}")
-    if seqlens_arr is None and not 0 <= seqlen_scalar <= capacity - snew:
+    # an int is every sequence's length: with no sequence (B = 0) only its sign can be wrong
+    if seqlens_arr is None and (seqlen_scalar < 0 or (batch and seqlen_scalar > capacity - snew)):
         raise ValueError(f"{func}: cache_seqlens={seqlen_scalar} plus Snew={snew} new keys must fit the cache's "
                          f"{capacity} rows per sequence (and be >= 0)")
     cache = KVCache(k_cache, v_cache, paged, page_size, num_pages, capacity, seqlens_arr, seqlen_scalar,

@@ -81,3 +81,35 @@ def test_contiguous_cache_broadcast_over_kv_heads_matches_the_oracle():
     out = cuflash.attention_with_kvcache(q[None], k_cache, v_cache, np.array([2], np.int32))
     ok, msg, _ = tolerance.compare(out, q[None], k_cache[:1, :2], v_cache[:1, :2], layout="bshd")
     assert ok, msg
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache: an int cache_seqlens with no sequence
+
+
+@pytest.mark.parametrize("seqlens", [0, np.zeros(0, np.int32)])
+def test_kvcache_without_sequences_takes_an_int_cache_seqlens_as_it_takes_an_empty_array(seqlens):
+    """B = 0: no sequence, so no sequence's keys can overflow the cache; the int form is accepted
+    as the (0,) array form is, and nothing is written."""
+    rng = _rng()
+    q = rng.standard_normal((0, 1, 2, 8))
+    k_cache = rng.standard_normal((1, 1, 1, 8))
+    v_cache = rng.standard_normal((1, 1, 1, 8))
+    before = k_cache.copy(), v_cache.copy()
+    k, v = np.zeros((0, 2, 1, 8)), np.zeros((0, 2, 1, 8))
+    out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, seqlens, k=k, v=v,
+                                              block_table=np.zeros((0, 1), np.int32), return_lse=True)
+    assert out.shape == (0, 1, 2, 8) and lse.shape == (0, 2, 1)
+    np.testing.assert_array_equal(k_cache, before[0])
+    np.testing.assert_array_equal(v_cache, before[1])
+
+
+def test_kvcache_int_cache_seqlens_still_must_fit_the_cache():
+    rng = _rng()
+    q = rng.standard_normal((1, 1, 2, 8))
+    k_cache, v_cache = rng.standard_normal((1, 2, 1, 8)), rng.standard_normal((1, 2, 1, 8))
+    k, v = np.zeros((1, 2, 1, 8)), np.zeros((1, 2, 1, 8))
+    with pytest.raises(ValueError, match=r"^cuflash.attention_with_kvcache: cache_seqlens=1 plus Snew=2 new keys"):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, 1, k=k, v=v)
+    with pytest.raises(ValueError, match=r"^cuflash.attention_with_kvcache: cache_seqlens=-1 .* >= 0"):
+        cuflash.attention_with_kvcache(q[:0], k_cache, v_cache, -1)

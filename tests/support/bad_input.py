@@ -560,7 +560,7 @@ def kvcache_calls(draw, p: Profile):
         if draw(st.integers(0, 3)) == 0:
             rd = 2 * draw(st.integers(1, max(1, d // 2)))
             if rd <= d:
-                seq_ro = max(lengths + [0]) + max(s_new, sq) + draw(st.integers(0, 2))
+                seq_ro = max(lengths + [0]) + max(s_new, sq, 1) + draw(st.integers(0, 2))
                 rdt = draw(st.sampled_from([dtype, F32]))
                 ang = rng.random((seq_ro, rd // 2)) * 6.28
                 kw["rotary_cos"] = place(np.cos(ang).astype(rdt), "contig", rng)
@@ -1145,8 +1145,10 @@ def _oracle_kvcache(call: Call, result, before):
     if lse is not None:
         assert _np(lse).shape == lse_shape, f"lse shape {_np(lse).shape}: {call.describe()}"
     kc_now, vc_now = _orig(call, "k_cache"), _orig(call, "v_cache")
-    # the caches as they were: the snapshots of their buffers viewed as the caches were
-    kc0, vc0 = (_view_of(call.args[n], before) for n in ("k_cache", "v_cache"))
+    # the caches as they were: the snapshots of their buffers viewed as the caches were (JAX
+    # arrays are copies, never written)
+    kc0, vc0 = (call.args[n].view if call.args[n].kind == "jax" else _view_of(call.args[n], before)
+                for n in ("k_cache", "v_cache"))
     seqlens = call.args["cache_seqlens"]
     batch = q.shape[0]
     lengths = (np.full(batch, int(seqlens), np.int64) if not isinstance(seqlens, Arr)
