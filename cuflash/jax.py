@@ -1,5 +1,6 @@
-"""JAX: :func:`attention`, differentiable (``jax.custom_vjp``), under ``jax.jit``, ``jax.vmap`` and
-``jax.grad``.
+"""JAX: :func:`attention` and :func:`attention_varlen`, differentiable (``jax.custom_vjp``), under
+``jax.jit``, ``jax.vmap`` and ``jax.grad``, with every option of :func:`cuflash.attention` and
+:func:`cuflash.attention_varlen` (score modifiers, dropout, windows, ``return_lse``, ``backend``).
 
 Importing :mod:`cuflash` never imports JAX; importing ``cuflash.jax`` does (JAX with
 ``jax.experimental.buffer_callback``, 0.7 and newer).
@@ -8,16 +9,24 @@ The forward and the backward each run as one ``buffer_callback`` (JAX's callback
 function the device buffers themselves and, on GPU, XLA's stream), so the same code serves eager
 calls and traced ones, and nothing leaves the device:
 
-* CPU arrays: the buffers are NumPy views (``__array__``); cuflash's NumPy implementation writes
-  the results into JAX's output buffers.
+* CPU arrays: the buffers are NumPy views (``__array__``); cuflash's NumPy implementation (or,
+  with ``backend="sim"``, the CUDA kernels on cuflash's CPU simulator) writes the results into
+  JAX's output buffers.
 * GPU arrays: the buffers are CuPy views (``__cuda_array_interface__``, zero-copy) and the CUDA
   kernels run on XLA's stream (``cupy.cuda.ExternalStream(ctx.stream)``), writing ``out`` in
   place; the LSE is copied into its buffer on the same stream. No host synchronization, no
   device-to-host round trip.
 
-``jax.vmap`` batches the callback with ``vmap_method="broadcast_all"``: the mapped axes become
+The callbacks run the public functions' pipeline (:func:`cuflash.api.pipeline.run`) under this
+module's names, so validation, the backends and the messages are those of :func:`cuflash.attention`.
+Array options (the modifiers, the packed batch's indices) are traced inputs of the callbacks;
+scalar options are static (compiled into the call).
+
+``jax.vmap`` batches the callbacks with ``vmap_method="broadcast_all"``: the mapped axes become
 leading batch dims, which cuflash takes as they are ("bhsd"); inputs without the mapped axis are
-broadcast by XLA first.
+broadcast by XLA first. Calls whose meaning depends on the batch index beyond what a batch dim
+expresses (``sinks``, dropout, and every packed batch) run the pipeline once per mapped element,
+so that ``jax.vmap(f)(x)[i]`` equals ``f(x[i])``.
 """
 
 from __future__ import annotations
@@ -28,24 +37,68 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental.buffer_callback import buffer_callback
 
 from cuflash.api import attention as api_attention
 from cuflash.api import backward as api_backward
 from cuflash.api import pipeline
 from cuflash.api import varlen as api_varlen
-from cuflash.runtime import validation
-from cuflash.runtime.options import Options, PackedOptions
+from cuflash.runtime import validation, validation_kvcache
+from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options, PackedOptions
 
 __all__ = ["attention", "attention_varlen"]
 
 _FUNC = "cuflash.jax.attention"
+_FUNC_VARLEN = "cuflash.jax.attention_varlen"
+#: the static options' stand-in for an array option the call has (its buffer arrives in the callback)
+_GIVEN = "given"
+#: the width of the zero values in the backward pass that carries lse's cotangent (16-byte rows)
+_LSE_PASS_DV = 8
 
 
-def _stand_in(x, name: str):
+# --------------------------------------------------------------------------------------------
+# the static part of a call and the callbacks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What a traced call fixes (hashable: ``jax.custom_vjp``'s static argument).
+
+    ``options`` hold :data:`_GIVEN` for each array option the call has; the callbacks receive
+    those arrays after the operands, in the order of ``options.arrays()``. ``rank`` is q's rank
+    in the callback without ``jax.vmap``'s axes."""
+
+    func: str
+    forward: pipeline.Entry
+    backward: pipeline.Entry
+    options: Options
+    rank: int
+
+    @property
+    def names(self) -> tuple:
+        return tuple(name for name, _, _ in self.options.arrays())
+
+    @property
+    def per_element(self) -> bool:
+        """Whether a mapped call runs the pipeline once per element of ``jax.vmap``'s axes."""
+        o = self.options
+        return o.packed is not None or o.modifiers.sinks is not None or bool(o.dropout.p)
+
+
+def _entries(func: str, forward: pipeline.Entry, backward: pipeline.Entry) -> tuple:
+    """The public functions' pipelines under this adapter's name ``func`` (messages name it)."""
+    return dataclasses.replace(forward, func=func), dataclasses.replace(backward, func=func)
+
+
+_ATTENTION = _entries(_FUNC, api_attention.FORWARD, api_backward.BACKWARD)
+_VARLEN = _entries(_FUNC_VARLEN, api_varlen.FORWARD, api_varlen.BACKWARD)
+
+
+def _stand_in(x, dtype=None):
     """A NumPy array of ``x``'s shape and dtype holding one row (stride 0 elsewhere), for the
     validation cuflash.attention does, without materializing anything."""
-    shape, dtype = tuple(x.shape), np.dtype(x.dtype)
+    shape, dtype = tuple(x.shape), np.dtype(x.dtype if dtype is None else dtype)
     if not shape:
         return np.zeros((), dtype)
     row = np.zeros(shape[-1], dtype)
@@ -63,16 +116,14 @@ def _on_gpu(buf) -> bool:
 
 def _run(ctx, outs, ins, compute) -> None:
     """The body every callback shares: view JAX's buffers as CuPy arrays on XLA's stream (GPU)
-    or as NumPy arrays (CPU), call ``compute(inputs, outputs, backend)``, and write each result
-    it returns into its output buffer (a result that is the output itself was written in place)."""
+    or as NumPy arrays (CPU) and call ``compute(xp, inputs, outputs)`` (``xp``: the array
+    module), which writes the outputs."""
     if _on_gpu(ins[0]):
         cupy = _cupy()
         with cupy.cuda.ExternalStream(int(ctx.stream)):
-            o = [cupy.asarray(b) for b in outs]
-            _write(compute([cupy.asarray(b) for b in ins], o, "cuda"), o)
+            compute(cupy, [cupy.asarray(b) for b in ins], [cupy.asarray(b) for b in outs])
         return
-    o = [np.asarray(b) for b in outs]
-    _write(compute([np.asarray(b) for b in ins], o, "numpy"), o)
+    compute(np, [np.asarray(b) for b in ins], [np.asarray(b) for b in outs])
 
 
 def _write(results, outs) -> None:
@@ -81,19 +132,73 @@ def _write(results, outs) -> None:
             dst[...] = r
 
 
-def _call(entry, func: str, operands: tuple, options: Options, backend: str):
-    """The public function's pipeline (``entry``) on the callback's buffers, under this adapter's
-    name ``func`` (its messages name it)."""
-    return pipeline.run(dataclasses.replace(entry, func=func), operands, dataclasses.replace(options, backend=backend))
+def _elements(call: _Call, q):
+    """The index of each pipeline run in a callback's buffers: ``()`` (the whole buffers, one run),
+    or every element of ``jax.vmap``'s leading axes for a call that runs per element."""
+    extra = q.ndim - call.rank
+    if extra <= 0 or not call.per_element:
+        yield ()
+    else:
+        yield from np.ndindex(q.shape[:extra])
 
 
-def _forward_callback(options, ctx, outs, q, k, v):
-    _run(ctx, outs, (q, k, v), lambda a, o, backend: _call(api_attention.FORWARD, _FUNC, (*a, o[0]), options, backend))
+def _with_arrays(options: Options, arrays) -> Options:
+    """``options`` with each :data:`_GIVEN` replaced by the callback's array, in field order."""
+    it = iter(arrays)
+    return options.map_arrays(lambda value, name, role: next(it))
 
 
-def _backward_callback(options, ctx, outs, dout, q, k, v, out, lse):
-    _run(ctx, outs, (dout, q, k, v, out, lse),
-         lambda a, o, backend: _call(api_backward.BACKWARD, _FUNC, tuple(a), options, backend))
+def _forward_callback(call, ctx, outs, *ins):
+    def compute(xp, a, o):
+        for idx in _elements(call, a[0]):
+            x, y = [b[idx] for b in a], [b[idx] for b in o]
+            _write(pipeline.run(call.forward, (*x[:3], y[0]), _with_arrays(call.options, x[3:])), y)
+
+    _run(ctx, outs, ins, compute)
+
+
+def _backward_callback(call, passes, ctx, outs, *ins):
+    """``ins``: q, k, v, out, lse, then dout and dlse where ``passes`` (two flags) says so, then
+    the array options; ``outs``: dq, dk, dv, then d attn_bias and d sinks where asked for."""
+    main, carry_lse = passes
+
+    def compute(xp, a, o):
+        for idx in _elements(call, a[0]):
+            x, y = [b[idx] for b in a], [b[idx] for b in o]
+            q, k, v, out, lse = x[:5]
+            options = _with_arrays(call.options, x[5 + main + carry_lse:])
+            if main:
+                _write(pipeline.run(call.backward, (x[5], q, k, v, out, lse), options), y)
+            if carry_lse:
+                dlse = x[5 + main]
+                grads = pipeline.run(call.backward, _lse_pass(xp, call, dlse, q, k, v, out, lse), options)
+                for i, (dst, g) in enumerate(zip(y, grads)):
+                    if i == 2:      # dv of the zero values
+                        if not main:
+                            dst[...] = 0
+                    elif main:
+                        dst += g
+                    else:
+                        dst[...] = g
+
+    _run(ctx, outs, ins, compute)
+
+
+def _lse_pass(xp, call: _Call, dlse, q, k, v, out, lse) -> tuple:
+    """The backward's operands whose gradients are lse's cotangent's share.
+
+    ``d lse_i / d s_ij = P_ij``, so the cotangent ``dlse`` adds ``P * dlse`` to ``dS = P * (dP -
+    D)``: the backward of values that are zero (``dP = 0``) with a ``(dout, out)`` pair whose row
+    dot product is ``D = -dlse`` (``dlse`` split into two terms of out's dtype, so the float32
+    sum keeps its precision). The sink and bias gradients follow from ``dS`` and ``D`` alike."""
+    rows = dlse.T if call.options.packed is not None else dlse   # (Hq, total_q) -> out's rows
+    hi = rows.astype(out.dtype)
+    lo = (rows - hi.astype(rows.dtype)).astype(out.dtype)
+    shape = out.shape[:-1] + (_LSE_PASS_DV,)
+    dout2, out2 = xp.zeros(shape, out.dtype), xp.zeros(shape, out.dtype)
+    dout2[..., 0], dout2[..., 1] = hi, lo
+    out2[..., :2] = -1
+    return dout2, q, k, xp.zeros(v.shape[:-1] + (_LSE_PASS_DV,), v.dtype), out2, lse
 
 
 def _cupy():
@@ -102,7 +207,8 @@ def _cupy():
         import cupy
     except ImportError as e:
         raise RuntimeError("cuflash.jax: JAX GPU arrays run the CUDA kernels through CuPy, which is not "
-                           f"installed ({e}); pip install 'cuflash[cuda12]' (or [cuda13])") from None
+                           f"installed ({e}); pip install 'cuflash[cuda12]' (or [cuda13]), or from a source "
+                           "checkout pip install '.[cuda12]' (or '.[cuda13]')") from None
     return cupy
 
 
@@ -110,49 +216,152 @@ def _lse_dtype(dtype):
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
-def _forward(q, k, v, options):
-    result = (jax.ShapeDtypeStruct(q.shape[:-1] + (v.shape[-1],), q.dtype),
-              jax.ShapeDtypeStruct(q.shape[:-1], _lse_dtype(q.dtype)))
-    cb = functools.partial(_forward_callback, options)
-    return buffer_callback(cb, result, vmap_method="broadcast_all")(q, k, v)
+# --------------------------------------------------------------------------------------------
+# the differentiable core both public functions share
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, options):
-    return _forward(q, k, v, options)[0]
+def _forward(q, k, v, arrays, call: _Call):
+    if call.options.packed is None:
+        out_shape, lse_shape = q.shape[:-1] + (v.shape[-1],), q.shape[:-1]
+    else:   # (total_q, Hq, Dv) and (Hq, total_q)
+        out_shape, lse_shape = q.shape[:2] + (v.shape[-1],), (q.shape[1], q.shape[0])
+    result = (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, _lse_dtype(q.dtype)))
+    cb = functools.partial(_forward_callback, call)
+    return buffer_callback(cb, result, vmap_method="broadcast_all")(q, k, v, *arrays)
 
 
-def _attention_fwd(q, k, v, options):
-    out, lse = _forward(q, k, v, options)
-    return out, (q, k, v, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _core(q, k, v, arrays, call):
+    """``(out, lse)``; ``arrays`` are the array options in ``call.names``' order."""
+    return _forward(q, k, v, arrays, call)
 
 
-def _attention_bwd(options, res, dout):
-    q, k, v, out, lse = res
-    result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    cb = functools.partial(_backward_callback, options)
-    return buffer_callback(cb, result, vmap_method="broadcast_all")(dout.astype(out.dtype), q, k, v, out, lse)
+def _core_fwd(q, k, v, arrays, call):
+    perturbed = _Perturbed(tuple(a.perturbed for a in arrays))
+    q, k, v = q.value, k.value, v.value
+    arrays = tuple(a.value for a in arrays)
+    out, lse = _forward(q, k, v, arrays, call)
+    return (out, lse), (perturbed, q, k, v, out, lse, arrays)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Perturbed:
+    """Which array options carry a perturbation (static residual: the backward asks for
+    ``d attn_bias`` and ``d sinks`` only when they do)."""
+
+    flags: tuple
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-              deterministic=False):
+def _core_bwd(call, res, cotangents):
+    perturbed, q, k, v, out, lse, arrays = res
+    dout, dlse = cotangents
+    none = (None, None, None, (None,) * len(arrays))
+    main, carry_lse = not isinstance(dout, SymbolicZero), not isinstance(dlse, SymbolicZero)
+    if call.options.packed is not None and call.options.packed.block_table is not None:
+        raise TypeError(f"{call.func}: block_table has no gradient: attention over a paged KV cache has no "
+                        "backward in cuflash; differentiate a call without block_table (k and v packed as "
+                        "(total_k, Hk, D)), or apply jax.lax.stop_gradient to q, k and v")
+    if not (main or carry_lse):
+        return none
+    names = call.names
+    want = {n: n in names and perturbed.flags[names.index(n)] for n in ("attn_bias", "sinks")}
+    options = dataclasses.replace(call.options, return_lse=False, return_dbias=want["attn_bias"],
+                                  return_dsinks=want["sinks"])
+    result = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    for name in ("attn_bias", "sinks"):
+        if want[name]:
+            a = arrays[names.index(name)]
+            result.append(jax.ShapeDtypeStruct(a.shape, a.dtype if name == "attn_bias" else _lse_dtype(q.dtype)))
+    ins = [q, k, v, out, lse] + ([dout.astype(out.dtype)] if main else []) + \
+          ([dlse.astype(lse.dtype)] if carry_lse else []) + list(arrays)
+    cb = functools.partial(_backward_callback, dataclasses.replace(call, options=options), (main, carry_lse))
+    grads = list(buffer_callback(cb, tuple(result), vmap_method="broadcast_all")(*ins))
+    dq, dk, dv = grads[:3]
+    extra = iter(grads[3:])
+    darrays = tuple(next(extra).astype(a.dtype) if want.get(n) else None for n, a in zip(names, arrays))
+    return dq, dk, dv, darrays
+
+
+_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks shared by both public functions
+
+
+def _check_arrays(func: str, arrays: dict, optional: dict) -> None:
+    for name, x in arrays.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{func}: {name} must be a jax.Array, got {type(x).__module__}.{type(x).__qualname__}")
+    for name, x in optional.items():
+        if x is not None and (not hasattr(x, "shape") or not hasattr(x, "dtype")):
+            raise TypeError(f"{func}: {name} must be a jax.Array or None, got "
+                            f"{type(x).__module__}.{type(x).__qualname__}")
+
+
+def _check_static(func: str, scalars: dict) -> None:
+    """Scalar options are compiled into the call: a JAX array (traced or not) is refused by name."""
+    for name, x in scalars.items():
+        if isinstance(x, jax.Array):
+            raise TypeError(f"{func}: {name} must be a Python number (a static option, compiled into the call), "
+                            f"got a jax.Array of shape {tuple(x.shape)}; under jax.jit pass it as a static "
+                            f"argument (static_argnames)")
+
+
+def _check_out(func: str, out) -> None:
+    if out is not None:
+        raise TypeError(f"{func}: out must be None: JAX arrays are immutable, so the result is always a new "
+                        f"array (got out of type {type(out).__module__}.{type(out).__qualname__})")
+
+
+def _check_backend(func: str, backend, q) -> None:
+    """The backend's name, and for a concrete array (an eager call) its fit with q's device; under
+    ``jax.jit`` the device is known when the call runs, where the pipeline checks it."""
+    if backend not in pipeline.BACKENDS:
+        raise ValueError(f"{func}: backend must be one of {pipeline.BACKENDS}, got {backend!r}")
+    if isinstance(q, jax.core.Tracer):
+        return
+    host = all(d.platform == "cpu" for d in q.devices())
+    pipeline.resolve_backend(backend, "numpy" if host else "jax", func)
+
+
+def _dropout(problem) -> DropoutOptions:
+    d = problem.dropout
+    return DropoutOptions() if d is None else DropoutOptions(d.p, d.seed, d.offset)
+
+
+def _softcap(problem) -> float:
+    return 0.0 if problem.modifiers is None else float(problem.modifiers.softcap)
+
+
+def _given(x):
+    return None if x is None else _GIVEN
+
+
+# --------------------------------------------------------------------------------------------
+# fixed-shape attention
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
+              out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
+              alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, deterministic=False):
     """Differentiable exact attention for JAX arrays: ``softmax(softmax_scale * q k^T + mask) v``.
 
-    The conventions of :func:`cuflash.attention` (GQA/MQA, bottom-right causal alignment,
-    ``window_size``, rows without keys -> 0); the gradient is cuflash's FlashAttention-2 backward
-    (:func:`cuflash.attention_backward`; Dao 2023, Algorithm 2) through ``jax.custom_vjp``. Works
-    eagerly and under ``jax.jit``, ``jax.vmap`` (mapped axes become batch dims) and ``jax.grad``,
-    on CPU (the NumPy implementation) and GPU (the CUDA kernels on XLA's stream).
+    Every parameter, convention and return value of :func:`cuflash.attention` (GQA/MQA,
+    bottom-right causal alignment, ``window_size``, the score modifiers, dropout, rows without
+    keys -> 0 and ``lse = -inf``), plus the backward's ``deterministic``. The gradient is
+    cuflash's FlashAttention-2 backward (:func:`cuflash.attention_backward`; Dao 2023, Algorithm
+    2) through ``jax.custom_vjp``. Works eagerly and under ``jax.jit``, ``jax.vmap`` (mapped axes
+    become batch dims) and ``jax.grad``, on CPU (the NumPy implementation, or the CUDA kernels on
+    cuflash's simulator) and GPU (the CUDA kernels on XLA's stream).
 
     Parameters
     ----------
     q : jax.Array, shape ``(..., Sq, D)`` ("bhsd") or ``(B, Sq, Hq, D)`` ("bshd")
     k : jax.Array, shape ``(..., Sk, D)`` or ``(B, Sk, Hk, D)``
     v : jax.Array, shape ``(..., Sk, Dv)`` or ``(B, Sk, Hk, Dv)``
-        One dtype: float16, bfloat16, float32 (float64 with ``jax_enable_x64`` on CPU).
+        One dtype: float16, bfloat16, float32 (float64 with ``jax_enable_x64`` on the NumPy path).
     causal : bool
         Query ``i`` sees key ``j`` iff ``j <= i + Sk - Sq`` (flash-attn's alignment; ``jax.nn.
         dot_product_attention``'s ``is_causal`` aligns top-left, the same when ``Sq == Sk``).
@@ -160,162 +369,224 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         None means ``1/sqrt(D)``.
     window_size : (int, int)
         ``(left, right)``, -1 = unbounded.
+    return_lse : bool
+        Also return the log-sum-exp of each row (natural log). Its cotangent is honoured: a loss
+        that uses ``lse`` gets ``d lse_i / d s_ij = P_ij`` in the gradients of q, k, ``attn_bias``
+        and ``sinks``. That costs one more backward pass, run only when the cotangent is not
+        JAX's symbolic zero (a loss that ignores ``lse`` pays nothing).
     layout : {"bhsd", "bshd"}
+    out : None
+        Must be None: JAX arrays are immutable, so the result is always a new array (an array
+        raises ``TypeError``).
+    backend : {"auto", "numpy", "sim", "cuda"}
+        "auto": CPU arrays run the NumPy implementation, GPU arrays the CUDA kernels (the
+        ``CUFLASH_BACKEND`` environment variable overrides "auto" only). "numpy" and "sim" (the
+        CUDA kernels on cuflash's CPU simulator) take CPU arrays, "cuda" GPU arrays. Checked when
+        called on concrete arrays; under ``jax.jit`` a backend that does not fit the device raises
+        when the call runs (JAX reports the error raised in its callback).
+    dropout_p, dropout_seed, dropout_offset
+        Attention dropout as :func:`cuflash.attention` (Philox 4x32-10; the seed is required with
+        ``dropout_p > 0``): static Python numbers, compiled into the call (a ``jax.Array`` raises
+        ``TypeError``). The backward regenerates the same mask. Under ``jax.vmap`` each mapped
+        element gets the mask the unmapped call would get, so every element draws the same mask.
+    softcap : float
+        ``softcap * tanh(s / softcap)`` on the scaled scores; 0 is off. Static, as ``dropout_p``.
+    alibi_slopes : jax.Array, float32, ``(Hq,)`` or ``(B, Hq)``, optional
+        ALiBi (``-slope * |i + Sk - Sq - j|``). Constants: cuflash computes no gradient for the
+        slopes, and JAX cannot refuse a cotangent asked for later, so the slopes pass through
+        ``jax.lax.stop_gradient`` (their gradient is 0).
+    attn_bias : jax.Array, q's dtype or float32, broadcastable to ``(B, Hq, Sq, Sk)``, optional
+        Additive bias (indexed by batch, head, query, key in both layouts). Differentiable: its
+        cotangent is ``dS`` summed over the axes it broadcasts over (computed only when the bias
+        is being differentiated).
+    attn_mask : jax.Array, bool, broadcastable likewise, optional
+        True = attend. No gradient (a bool array has none).
+    sinks : jax.Array, float32 ``(Hq,)``, optional
+        One logit per head in each row's softmax denominator. Differentiable (float32 cotangent).
     deterministic : bool
-        The backward's, on GPU (see :func:`cuflash.attention_backward`).
+        The backward's, on the kernel backends (see :func:`cuflash.attention_backward`).
+
+    The modifier arrays are traced like q, k and v. Under ``jax.vmap`` they may carry the mapped
+    axis or not: ALiBi slopes, bias and mask batch with the call (one kernel call); with
+    ``sinks`` or dropout the pipeline runs once per mapped element.
 
     Returns
     -------
-    jax.Array of q's dtype, shape ``q.shape[:-1] + (Dv,)`` ("bhsd") or ``(B, Sq, Hq, Dv)``.
+    out : jax.Array of q's dtype, shape ``q.shape[:-1] + (Dv,)`` ("bhsd") or ``(B, Sq, Hq, Dv)``
+    lse : jax.Array, float32 (float64 for float64 input), shape ``q.shape[:-1]`` ("bhsd") or
+        ``(B, Hq, Sq)`` ("bshd"); only with ``return_lse=True``.
 
     Raises
     ------
     TypeError, ValueError, NotImplementedError
-        As :func:`cuflash.attention`, at trace time (shapes and dtypes only).
+        As :func:`cuflash.attention`, at trace time (shapes, dtypes and static options only);
+        ``TypeError`` for ``out`` or for a scalar option given as a ``jax.Array``.
     """
+    _check_out(_FUNC, out)
     causal = validation.check_flag(causal, "causal", _FUNC)
+    return_lse = validation.check_flag(return_lse, "return_lse", _FUNC)
     deterministic = validation.check_flag(deterministic, "deterministic", _FUNC)
     layout = validation.check_layout(layout, _FUNC)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{_FUNC}: {name} must be a jax.Array, got {type(x).__module__}.{type(x).__qualname__}")
-    problem = validation.check_attention(*(_stand_in(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
-                                         Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                                 layout=layout), func=_FUNC)
+    _check_static(_FUNC, dict(softmax_scale=softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                              dropout_offset=dropout_offset, softcap=softcap))
+    mods = dict(alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks)
+    _check_arrays(_FUNC, {"q": q, "k": k, "v": v}, mods)
+    stand = {n: None if x is None else _stand_in(x) for n, x in mods.items()}
+    problem = validation.check_attention(
+        _stand_in(q), _stand_in(k), _stand_in(v),
+        Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
+                dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                modifiers=ModifierOptions(softcap, **stand)), func=_FUNC)
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
-    if layout == "bshd":   # the callback runs "bhsd", so mapped axes can lead
+    _check_backend(_FUNC, backend, q)
+    # the callback runs "bhsd" of rank >= 3, so mapped axes lead and the modifiers line up with them
+    if layout == "bshd":
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    one_head = q.ndim == 2
+    if one_head:
+        q, k, v = q[None], k[None], v[None]
+    arrays = {}
+    if alibi_slopes is not None:   # the batched form (*batch, Hq), so a mapped axis batches it
+        arrays["alibi_slopes"] = jnp.broadcast_to(jax.lax.stop_gradient(jnp.asarray(alibi_slopes)), q.shape[:-2])
+    for name in ("attn_bias", "attn_mask"):
+        if mods[name] is not None:   # rank q.ndim: a mapped axis leads both
+            x = jnp.asarray(mods[name])
+            arrays[name] = x.reshape((1,) * (q.ndim - x.ndim) + x.shape)
+    if sinks is not None:
+        arrays["sinks"] = jnp.asarray(sinks)
     options = Options(causal=problem.causal, softmax_scale=float(problem.softmax_scale),
-                      window_size=(problem.window_left, problem.window_right), return_lse=True,
-                      deterministic=deterministic)   # hashable: custom_vjp's static argument
-    out = _attention(q, k, v, options)
-    return jnp.swapaxes(out, 1, 2) if layout == "bshd" else out
+                      window_size=(problem.window_left, problem.window_right), return_lse=True, backend=backend,
+                      deterministic=deterministic, dropout=_dropout(problem),
+                      modifiers=ModifierOptions(_softcap(problem), *(_given(arrays.get(n)) for n in mods)))
+    call = _Call(_FUNC, *_ATTENTION, options, q.ndim)
+    o, lse = _core(q, k, v, tuple(arrays[n] for n in call.names), call)
+    if one_head:
+        o, lse = o[0], lse[0]
+    if layout == "bshd":
+        o = jnp.swapaxes(o, 1, 2)
+    return (o, lse) if return_lse else o
 
 
 # --------------------------------------------------------------------------------------------
 # packed variable-length batches
 
-_FUNC_VARLEN = "cuflash.jax.attention_varlen"
-#: the static options' stand-in for a ``seqused_k`` the call has (its buffer arrives in the callback)
-_GIVEN = "seqused_k given"
-
-
-def _with_index(options: Options, cu_q, cu_k, used) -> Options:
-    """``options`` with the callback's index buffers (``seqused_k`` only when the call had one)."""
-    packed = options.packed
-    return dataclasses.replace(options, packed=dataclasses.replace(
-        packed, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used if packed.seqused_k is not None else None))
-
-
-def _varlen_forward_callback(options, ctx, outs, q, k, v, cu_q, cu_k, used):
-    def compute(a, o, backend):
-        return _call(api_varlen.FORWARD, _FUNC_VARLEN, (*a[:3], o[0]), _with_index(options, *a[3:]), backend)
-
-    _run(ctx, outs, (q, k, v, cu_q, cu_k, used), compute)
-
-
-def _varlen_backward_callback(options, ctx, outs, dout, q, k, v, out, lse, cu_q, cu_k, used):
-    def compute(a, o, backend):
-        return _call(api_varlen.BACKWARD, _FUNC_VARLEN, tuple(a[:6]), _with_index(options, *a[6:]), backend)
-
-    _run(ctx, outs, (dout, q, k, v, out, lse, cu_q, cu_k, used), compute)
-
-
-def _varlen_forward(q, k, v, cu_q, cu_k, used, opts):
-    result = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v.shape[-1]), q.dtype),
-              jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), _lse_dtype(q.dtype)))
-    cb = functools.partial(_varlen_forward_callback, opts)
-    return buffer_callback(cb, result)(q, k, v, cu_q, cu_k, used)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention_varlen(q, k, v, cu_q, cu_k, used, opts):
-    return _varlen_forward(q, k, v, cu_q, cu_k, used, opts)[0]
-
-
-def _attention_varlen_fwd(q, k, v, cu_q, cu_k, used, opts):
-    out, lse = _varlen_forward(q, k, v, cu_q, cu_k, used, opts)
-    return out, (q, k, v, out, lse, cu_q, cu_k, used)
-
-
-def _attention_varlen_bwd(opts, res, dout):
-    q, k, v, out, lse, cu_q, cu_k, used = res
-    result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    cb = functools.partial(_varlen_backward_callback, opts)
-    dq, dk, dv = buffer_callback(cb, result)(dout.astype(out.dtype), q, k, v, out, lse, cu_q, cu_k, used)
-    zero = lambda x: np.zeros(x.shape, dtype=jax.dtypes.float0)  # noqa: E731  (integer inputs)
-    return dq, dk, dv, zero(cu_q), zero(cu_k), zero(used)
-
-
-_attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
-
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window_size=(-1, -1), seqused_k=None, deterministic=False):
+                     softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, return_lse=False,
+                     out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
+                     alibi_slopes=None, deterministic=False):
     """Differentiable attention over a packed batch of variable-length sequences (JAX arrays).
 
-    The conventions of :func:`cuflash.attention_varlen` (flash-attn's ``flash_attn_varlen_func``,
-    FA3's ``seqused_k``); gradients with respect to q, k and v (:func:`cuflash.attention_varlen_backward`)
-    through ``jax.custom_vjp``; eager and under ``jax.jit`` and ``jax.grad`` (not ``jax.vmap``: a
-    packed batch is already one), on CPU and GPU as :func:`attention`.
+    Every parameter, convention and return value of :func:`cuflash.attention_varlen`
+    (flash-attn's ``flash_attn_varlen_func``, FA3's ``seqused_k``), plus the backward's
+    ``deterministic``; gradients with respect to q and k, v (:func:`cuflash.attention_varlen_backward`)
+    through ``jax.custom_vjp``; eager and under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (the
+    pipeline runs once per mapped element), on CPU and GPU as :func:`attention`.
 
     Parameters
     ----------
     q : jax.Array ``(total_q, Hq, D)``
     k, v : jax.Array ``(total_k, Hk, D)``, ``(total_k, Hk, Dv)``
+        Or, with ``block_table``, the paged caches ``(num_pages, page_size, Hk, D|Dv)``.
     cu_seqlens_q, cu_seqlens_k : jax.Array, int32 ``(B + 1,)``
         Device-resident, so checked for dtype and shape only (the kernels clamp every index; see
         :func:`cuflash.attention_varlen`).
     max_seqlen_q, max_seqlen_k : int
-    causal, softmax_scale, window_size, seqused_k, deterministic
-        As :func:`cuflash.attention_varlen` and its backward.
+    causal, softmax_scale, window_size, seqused_k
+        As :func:`cuflash.attention_varlen` (``seqused_k``: int32 ``(B,)`` jax.Array).
+    block_table : jax.Array, int32 ``(B, max_pages)``, optional
+        Chunked prefill over a paged KV cache, as :func:`cuflash.attention_varlen`; forward only:
+        cuflash has no backward over a paged cache, so differentiating such a call (``jax.grad``
+        reaching q, k or v) raises ``TypeError`` naming ``block_table`` when JAX builds the
+        gradient (not when the forward is traced: whether a gradient will be taken is not known
+        then). Apply ``jax.lax.stop_gradient`` to q, k and v to use it inside a differentiated
+        function.
+    return_lse : bool
+        Also return the log-sum-exp, ``(Hq, total_q)``; its cotangent is honoured, as in
+        :func:`attention`.
+    out : None
+        Must be None (JAX arrays are immutable; an array raises ``TypeError``).
+    backend : {"auto", "numpy", "sim", "cuda"}
+        As :func:`attention`.
+    dropout_p, dropout_seed, dropout_offset, softcap
+        As :func:`attention` (static Python numbers).
+    alibi_slopes : jax.Array, float32 ``(Hq,)`` or ``(B, Hq)``, optional
+        Constants, as in :func:`attention` (``jax.lax.stop_gradient``: cuflash computes no
+        gradient for them).
+    deterministic : bool
+        The backward's (see :func:`cuflash.attention_varlen_backward`).
 
     Returns
     -------
-    jax.Array ``(total_q, Hq, Dv)``
+    out : jax.Array ``(total_q, Hq, Dv)``
+    lse : jax.Array ``(Hq, total_q)``, float32 (float64 for float64 input); only with ``return_lse``.
 
     Raises
     ------
     TypeError, ValueError, NotImplementedError
-        As :func:`cuflash.attention_varlen`, at trace time (shapes and dtypes only).
+        As :func:`cuflash.attention_varlen`, at trace time (shapes, dtypes and static options;
+        the device indices' values are not read); ``TypeError`` for ``out``, a scalar option
+        given as a ``jax.Array``, or a gradient through ``block_table``.
     """
-    causal = validation.check_flag(causal, "causal", _FUNC_VARLEN)
-    deterministic = validation.check_flag(deterministic, "deterministic", _FUNC_VARLEN)
-    for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{_FUNC_VARLEN}: {name} must be a jax.Array, got {type(x).__module__}.{type(x).__qualname__}")
-    if seqused_k is not None and not hasattr(seqused_k, "dtype"):
-        raise TypeError(f"{_FUNC_VARLEN}: seqused_k must be a jax.Array or None, got {type(seqused_k).__qualname__}")
-    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)):
+    func = _FUNC_VARLEN
+    _check_out(func, out)
+    causal = validation.check_flag(causal, "causal", func)
+    return_lse = validation.check_flag(return_lse, "return_lse", func)
+    deterministic = validation.check_flag(deterministic, "deterministic", func)
+    _check_static(func, dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+                             dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+                             softcap=softcap))
+    optional = dict(seqused_k=seqused_k, block_table=block_table, alibi_slopes=alibi_slopes)
+    _check_arrays(func, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
+                  optional)
+    index = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=block_table)
+    for name, x in index.items():
         if x is not None and np.dtype(x.dtype) != np.int32:   # before jnp.asarray, which narrows int64 silently
-            raise TypeError(f"{_FUNC_VARLEN}: {name} must be int32, got {name}.dtype={np.dtype(x.dtype)}")
-    index = [jnp.asarray(x) for x in (cu_seqlens_q, cu_seqlens_k)]
-    used = jnp.zeros((index[0].shape[0] - 1 if index[0].ndim == 1 else 0,), jnp.int32) if seqused_k is None \
-        else jnp.asarray(seqused_k)
-    # q, k, v and the options as cuflash.attention_varlen checks them (validated as one sequence:
-    # device indices have no values to read at trace time); the indices' dtype and shape here
-    for name, x, n in (("cu_seqlens_q", index[0], None), ("cu_seqlens_k", index[1], index[0].shape[:1]),
-                       ("seqused_k", used, (index[0].shape[0] - 1,) if index[0].ndim == 1 else None)):
+            raise TypeError(f"{func}: {name} must be int32, got {name}.dtype={np.dtype(x.dtype)}")
+    cq, ck = (tuple(x.shape) for x in (cu_seqlens_q, cu_seqlens_k))
+    batch = cq[0] - 1 if len(cq) == 1 else 0
+    for name, x, n in (("cu_seqlens_q", cu_seqlens_q, None), ("cu_seqlens_k", cu_seqlens_k, cq[:1]),
+                       ("seqused_k", seqused_k, (batch,))):
+        if x is None:
+            continue
         if x.ndim != 1:
-            raise ValueError(f"{_FUNC_VARLEN}: {name} must be 1-D, got {name}.shape={x.shape}")
-        if n is not None and (name != "seqused_k" or seqused_k is not None) and x.shape != n:
-            raise ValueError(f"{_FUNC_VARLEN}: {name}.shape={x.shape} must be {n}")
-    if index[0].shape[0] < 1:
-        raise ValueError(f"{_FUNC_VARLEN}: cu_seqlens_q must have at least one entry (0)")
-    max_q = validation.check_int(max_seqlen_q, "max_seqlen_q", _FUNC_VARLEN)
-    max_k = validation.check_int(max_seqlen_k, "max_seqlen_k", _FUNC_VARLEN)
-    one = lambda n: np.array([0, n], np.int32)  # noqa: E731
+            raise ValueError(f"{func}: {name} must be 1-D, got {name}.shape={tuple(x.shape)}")
+        if n is not None and tuple(x.shape) != n:
+            raise ValueError(f"{func}: {name}.shape={tuple(x.shape)} must be {n}")
+    if batch < 0:
+        raise ValueError(f"{func}: cu_seqlens_q must have at least one entry (0)")
+    max_q = validation.check_int(max_seqlen_q, "max_seqlen_q", func)
+    max_k = validation.check_int(max_seqlen_k, "max_seqlen_k", func)
+    # q, k, v and the options as cuflash.attention_varlen checks them, on host indices of the
+    # batch's size whose values fit any call (device indices have no values to read at trace time)
+    total_q, total_k = q.shape[0] if q.ndim else 0, k.shape[0] if k.ndim else 0
+    ends = lambda total: np.array([0] * batch + [total], np.int32)  # noqa: E731
+    packed = PackedOptions(ends(total_q), np.zeros(batch + 1, np.int32) if block_table is not None else ends(total_k),
+                           total_q, total_k,
+                           None if seqused_k is None else np.zeros(batch, np.int32),
+                           None if block_table is None else np.zeros(tuple(block_table.shape), np.int32))
     problem = validation.check_attention_varlen(
-        *(_stand_in(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
+        _stand_in(q), _stand_in(k), _stand_in(v),
         Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                packed=PackedOptions(one(q.shape[0]), one(k.shape[0]), q.shape[0], k.shape[0])), func=_FUNC_VARLEN)
+                dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                modifiers=ModifierOptions(softcap, None if alibi_slopes is None else _stand_in(alibi_slopes)),
+                packed=packed), func=func, cache_check=validation_kvcache.varlen_cache)
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
         if not 0 <= value < 2**31 - 256:
-            raise ValueError(f"{_FUNC_VARLEN}: {name}={value} must be in [0, 2**31 - 256)")
-    left, right = validation.normalize_window(*validation.check_window_size(window_size, causal, _FUNC_VARLEN),
-                                              max_q, max_k)
-    opts = Options(causal=problem.causal, softmax_scale=float(problem.softmax_scale), window_size=(left, right),
-                   return_lse=True, deterministic=deterministic,   # hashable: custom_vjp's static argument
-                   packed=PackedOptions(max_seqlen_q=max_q, max_seqlen_k=max_k,
-                                        seqused_k=None if seqused_k is None else _GIVEN))
-    return _attention_varlen(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), index[0], index[1], used, opts)
+            raise ValueError(f"{func}: {name}={value} must be in [0, 2**31 - 256)")
+    left, right = validation.normalize_window(*validation.check_window_size(window_size, causal, func), max_q, max_k)
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    _check_backend(func, backend, q)
+    arrays = {"cu_seqlens_q": jnp.asarray(cu_seqlens_q), "cu_seqlens_k": jnp.asarray(cu_seqlens_k)}
+    if alibi_slopes is not None:
+        arrays["alibi_slopes"] = jax.lax.stop_gradient(jnp.asarray(alibi_slopes))
+    for name in ("seqused_k", "block_table"):
+        if optional[name] is not None:
+            arrays[name] = jnp.asarray(optional[name])
+    options = Options(causal=problem.causal, softmax_scale=float(problem.softmax_scale), window_size=(left, right),
+                      return_lse=True, backend=backend, deterministic=deterministic, dropout=_dropout(problem),
+                      modifiers=ModifierOptions(_softcap(problem), _given(alibi_slopes)),
+                      packed=PackedOptions(_GIVEN, _GIVEN, max_q, max_k, _given(seqused_k), _given(block_table)))
+    call = _Call(func, *_VARLEN, options, 3)
+    o, lse = _core(q, k, v, tuple(arrays[n] for n in call.names), call)
+    return (o, lse) if return_lse else o
