@@ -5,10 +5,12 @@
 //
 // One warp per row (CUFLASH_THREADS / 32 rows per block). Partial row `row` of split s is
 // o_partial[(s * partial_rows + row) * Dv + c] and lse_partial[s * partial_rows + row]; rows are
-// ordered (batch, head, query row), as the attention kernel writes them. A split that saw no key
-// has LSE -inf and O 0 and adds nothing; a row with no key anywhere gives 0 and -inf. A NaN LSE
-// (a sequence whose index was out of range, a NaN input) makes the whole row NaN: the maximum
-// skips it (fmaxf) but its weight exp(NaN) reaches the sum.
+// ordered (batch, head, query row), as the attention kernel writes them. A split with LSE -inf
+// (it saw no key) adds nothing and its O is never read, whatever it holds; a row with no key
+// anywhere gives 0 and -inf. Every other split counts (cuflash.merge_attention's rule): a NaN LSE
+// (a sequence whose index was out of range, a NaN input) makes the whole row NaN (the maximum
+// skips it, fmaxf, but its weight exp(NaN) reaches the sum), and a NaN in the O of a split with a
+// finite LSE reaches the row even when its weight rounds to 0.
 //
 // Variant prelude (cuflash/kernels/attention_combine.py): CUFLASH_ENTRY, CUFLASH_T (the output's
 // element type), CUFLASH_THREADS, CUFLASH_MAX_SPLITS.
@@ -23,6 +25,7 @@ CUFLASH_ENTRY(const float* __restrict__ o_partial, const float* __restrict__ lse
               int head_dim_v, long long o_batch_stride, long long o_row_stride, long long o_head_stride,
               long long lse_batch_stride, long long lse_head_stride) {
     __shared__ float weight[WARPS][CUFLASH_MAX_SPLITS];
+    __shared__ bool counted[WARPS][CUFLASH_MAX_SPLITS];   // LSE != -inf: the split's O is read
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * WARPS + warp;
     if (row >= partial_rows) return;   // warp-uniform; no block-wide barrier follows
@@ -33,8 +36,10 @@ CUFLASH_ENTRY(const float* __restrict__ o_partial, const float* __restrict__ lse
     const float shift = m == CUFLASH_NEG_INF ? 0.0f : m;   // every split empty: weights exp(-inf) = 0
     float sum = 0.0f;
     for (int s = lane; s < num_splits; s += 32) {
-        const float w = expf(lse_partial[s * partial_rows + row] - shift);
+        const float l = lse_partial[s * partial_rows + row];
+        const float w = expf(l - shift);
         weight[warp][s] = w;
+        counted[warp][s] = l != CUFLASH_NEG_INF;
         sum += w;
     }
 #pragma unroll
@@ -48,8 +53,7 @@ CUFLASH_ENTRY(const float* __restrict__ o_partial, const float* __restrict__ lse
     for (int c = lane; c < head_dim_v; c += 32) {
         float acc = 0.0f;
         for (int s = 0; s < num_splits; ++s) {
-            const float w = weight[warp][s];
-            if (w != 0.0f) acc += w * o_partial[(s * partial_rows + row) * head_dim_v + c];   // NaN w is != 0
+            if (counted[warp][s]) acc += weight[warp][s] * o_partial[(s * partial_rows + row) * head_dim_v + c];
         }
         o_row[c] = from_float<elem_t>(acc * inv);
     }

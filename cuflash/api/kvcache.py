@@ -154,8 +154,13 @@ def merge_attention(outs, lses):
 
     ``lse = log(sum_i exp(lse_i))`` and ``out = sum_i exp(lse_i - lse) * out_i`` (the
     flash-decoding combine; Milakov & Gimelshein 2018 for the identity), computed in float32
-    (float64 for float64 input). A part with ``lse = -inf`` (it saw no key) adds nothing; a row
-    where every part has ``-inf`` gives 0 and ``-inf``. NaN in a part reaches its row.
+    (float64 for float64 input).
+
+    The rule for empty and non-finite parts: a part with ``lse = -inf`` (it saw no key, or was
+    never written) adds nothing, even when its ``out`` holds NaN or garbage; a row where every
+    part has ``-inf`` gives 0 and ``-inf``. Every other part counts, so a NaN ``lse``, or a NaN
+    in the ``out`` of a part whose ``lse`` is not ``-inf``, makes its row's ``out`` (and, for a
+    NaN ``lse``, its ``lse``) NaN, on every backend.
 
     Parameters
     ----------

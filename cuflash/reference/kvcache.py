@@ -101,9 +101,13 @@ def merge_attention(outs, lses, *, xp=np):
     With parts ``o_i = softmax(s_i) v_i`` and ``lse_i = log sum exp(s_i)`` (natural log) over key
     sets ``K_i``, attention over their union is ``lse = log sum_i exp(lse_i)`` and ``o = sum_i
     exp(lse_i - lse) o_i`` (the split-KV combine of flash-decoding, Dao et al. 2023; the same
-    identity as the online softmax, Milakov & Gimelshein 2018). A part with ``lse_i = -inf`` (no
-    key) adds nothing; when every part has ``-inf`` the result is 0 with ``lse = -inf``. NaN in
-    any part's ``lse`` or ``o`` reaches the row's result.
+    identity as the online softmax, Milakov & Gimelshein 2018).
+
+    Empty and non-finite parts: a part with ``lse_i = -inf`` (no key, or a partial never
+    written) adds nothing, whatever its ``o_i`` holds (NaN or garbage included); when every part
+    of a row has ``-inf`` the row is 0 with ``lse = -inf``. Any other part counts: a NaN (or
+    ``+inf``) ``lse_i``, or a NaN in the ``o_i`` of a part whose ``lse_i`` is not ``-inf``, makes
+    the row's result NaN, even where the part's weight ``exp(lse_i - lse)`` rounds to 0.
 
     Parameters
     ----------
@@ -120,13 +124,16 @@ def merge_attention(outs, lses, *, xp=np):
     acc = np.float64 if any(np.dtype(o.dtype) == np.float64 or np.dtype(s.dtype) == np.float64
                             for o, s in zip(outs, lses)) else np.float32
     lse = xp.stack([xp.asarray(s, dtype=acc) for s in lses])                 # (n, ..., Sq)
-    m = lse.max(axis=0)
+    m = lse.max(axis=0)                                                       # NaN if any lse is NaN
     m_safe = xp.where(xp.isneginf(m), acc(0), m)                              # every part empty: shift 0
     w = xp.exp(lse - m_safe)                                                  # (n, ..., Sq); 0 for -inf parts
     total = w.sum(axis=0)
     empty = total == 0
     total_safe = xp.where(empty, acc(1), total)
     lse_out = xp.where(empty, acc(-np.inf), m_safe + xp.log(total_safe))
-    o = sum(w[i][..., None] * xp.asarray(outs[i], dtype=acc) for i in range(len(outs)))
+    o = 0
+    for i in range(len(outs)):   # an empty part's o_i is never read into the sum (0 * NaN would be NaN)
+        part = w[i][..., None] * xp.asarray(outs[i], dtype=acc)
+        o = o + xp.where(xp.isneginf(lse[i])[..., None], acc(0), part)
     out = (o / total_safe[..., None]).astype(outs[0].dtype)
     return out, lse_out

@@ -256,6 +256,87 @@ def test_merge_attention_equals_attention_over_the_union(rng):
     assert np.isfinite(np.delete(s.ravel(), 1)).all()
 
 
+def _hostile_parts(rng, dv=8):
+    """Three parts of (B=1, H=2, Sq=5, Dv) rows, each row a case of the rule for empty and NaN parts:
+    row 0 plain; row 1 part 0 never written (lse -inf, out NaN); row 2 a NaN in the out of part 2,
+    whose finite lse is so far below the others that its weight rounds to 0 in float32; row 3 every
+    part never written; row 4 a NaN lse in part 1."""
+    outs = [rng.standard_normal((1, 2, 5, dv)).astype(np.float32) for _ in range(3)]
+    lses = [rng.standard_normal((1, 2, 5)).astype(np.float32) for _ in range(3)]
+    outs[0][:, :, 1] = np.nan
+    lses[0][:, :, 1] = -np.inf
+    outs[2][:, :, 2, 3] = np.nan
+    lses[2][:, :, 2] = -200.0
+    for i in range(3):
+        outs[i][:, :, 3] = np.nan if i != 1 else 1e4
+        lses[i][:, :, 3] = -np.inf
+    lses[1][:, :, 4] = np.nan
+    return outs, lses
+
+
+def _merge_f64(outs, lses):
+    """The merge from its definition, in float64, row by row over the parts whose lse is not -inf."""
+    o_all, l_all = np.stack(outs).astype(np.float64), np.stack(lses).astype(np.float64)
+    out = np.zeros(o_all.shape[1:])
+    lse = np.full(l_all.shape[1:], -np.inf)
+    for idx in np.ndindex(*l_all.shape[1:]):
+        keep = [i for i in range(len(outs)) if not np.isneginf(l_all[(i, *idx)])]
+        if not keep:
+            continue
+        ls = np.array([l_all[(i, *idx)] for i in keep])
+        lse[idx] = np.log(np.sum(np.exp(ls)))
+        out[idx] = sum(np.exp(l - lse[idx]) * o_all[(i, *idx)] for i, l in zip(keep, ls))
+    return out, lse
+
+
+@pytest.mark.parametrize("backend", ["numpy", "sim"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_merge_attention_ignores_empty_parts_and_keeps_nan_of_the_others(monkeypatch, rng, backend, dtype):
+    """A part with lse = -inf adds nothing even when its out is NaN or garbage; a NaN lse, or a NaN
+    in the out of a part with finite lse (weight rounding to 0 included), reaches its row; on the
+    NumPy path and on the simulator alike."""
+    from cuflash.sim import device as sim_device
+
+    outs, lses = _hostile_parts(rng)
+    want, want_lse = _merge_f64(outs, lses)
+    assert np.isnan(want[0, :, 2, 3]).all() and np.isfinite(np.delete(want[0, :, 2], 3, axis=-1)).all()
+    made = []
+    monkeypatch.setattr(sim_device.SimDevice, "launch", lambda self, plan: made.append(plan))   # no kernel expected
+    init = sim_device.SimDevice.__init__
+    monkeypatch.setattr(sim_device.SimDevice, "__init__", lambda self, *a: made.append("device") or init(self, *a))
+    monkeypatch.setenv("CUFLASH_BACKEND", backend)
+    out, lse = cuflash.merge_attention([o.astype(dtype) for o in outs], lses)
+    assert made == ([] if backend == "numpy" else ["device"])
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(want_lse))
+    tol = 2e-3 if dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(np.nan_to_num(out.astype(np.float64)), np.nan_to_num(want), rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-6)
+    assert (out[0, :, 3] == 0).all() and np.isneginf(lse[0, :, 3]).all()
+
+
+def test_the_split_kv_combine_kernel_follows_the_merge_rule(rng):
+    """The combine kernel (kernels_cu/attention_combine.cu) on the simulator, on the partials of
+    _hostile_parts laid out as the KV-cache forward writes them: the rule of merge_attention."""
+    from cuflash.kernels import attention_combine
+    from cuflash.sim import launcher
+
+    outs, lses = _hostile_parts(rng, dv=40)
+    want, want_lse = _merge_f64(outs, lses)
+    rows = 2 * 5
+    o_part = np.ascontiguousarray(np.stack(outs).reshape(3, rows, 40))   # rows (batch, head, query row)
+    l_part = np.ascontiguousarray(np.stack(lses).reshape(3, rows))
+    out = np.full((1, 5, 2, 40), 7.0, np.float16)   # (B, Sq, Hq, Dv)
+    lse = np.full((1, 2, 5), 7.0, np.float32)
+    plan = attention_combine.plan_combine(o_part, l_part, out, lse, num_heads_q=2, seqlen_q=5)
+    launcher.load_variant(plan.variant).launch(plan)
+    got = out.swapaxes(1, 2).astype(np.float64)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(want_lse))
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_merge_attention_float32(rng):
     q = rng.standard_normal((1, 2, 5, 16)).astype(np.float32)
     k = rng.standard_normal((1, 2, 9, 16)).astype(np.float32)
