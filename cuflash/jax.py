@@ -322,7 +322,8 @@ def _check_backend(func: str, backend, q) -> None:
         raise ValueError(f"{func}: backend must be one of {pipeline.BACKENDS}, got {backend!r}")
     if isinstance(q, jax.core.Tracer):
         return
-    host = all(d.platform == "cpu" for d in q.devices())
+    devices = q.devices() if isinstance(q, jax.Array) else [jax.devices()[0]]   # NumPy: JAX's default device
+    host = all(d.platform == "cpu" for d in devices)
     pipeline.resolve_backend(backend, "numpy" if host else "jax", func)
 
 
@@ -341,6 +342,31 @@ def _given(x):
 
 # --------------------------------------------------------------------------------------------
 # fixed-shape attention
+
+
+@functools.partial(jax.jit, static_argnames=("call", "layout"))
+def _fixed(q, k, v, mods: dict, *, call: _Call, layout: str):
+    """:func:`attention` after validation, as one jitted computation (an eager call compiles once
+    per shape, not once per operation): the callbacks run "bhsd" of rank >= 3, so that mapped
+    axes lead and the modifiers line up with them."""
+    if layout == "bshd":
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    one_head = q.ndim == 2
+    if one_head:
+        q, k, v = q[None], k[None], v[None]
+    arrays = dict(mods)
+    if "alibi_slopes" in arrays:   # constants, in the batched form (*batch, Hq) that a mapped axis extends
+        arrays["alibi_slopes"] = jnp.broadcast_to(jax.lax.stop_gradient(arrays["alibi_slopes"]), q.shape[:-2])
+    for name in ("attn_bias", "attn_mask"):
+        if name in arrays:   # rank q.ndim: a mapped axis leads both
+            x = arrays[name]
+            arrays[name] = x.reshape((1,) * (q.ndim - x.ndim) + x.shape)
+    o, lse = _core(q, k, v, tuple(arrays[n] for n in call.names), call)
+    if one_head:
+        o, lse = o[0], lse[0]
+    if layout == "bshd":
+        o = jnp.swapaxes(o, 1, 2)
+    return o, lse
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
@@ -437,33 +463,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                 dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
                 modifiers=ModifierOptions(softcap, **stand)), func=_FUNC)
-    q, k, v = (jnp.asarray(x) for x in (q, k, v))
     _check_backend(_FUNC, backend, q)
-    # the callback runs "bhsd" of rank >= 3, so mapped axes lead and the modifiers line up with them
-    if layout == "bshd":
-        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-    one_head = q.ndim == 2
-    if one_head:
-        q, k, v = q[None], k[None], v[None]
-    arrays = {}
-    if alibi_slopes is not None:   # the batched form (*batch, Hq), so a mapped axis batches it
-        arrays["alibi_slopes"] = jnp.broadcast_to(jax.lax.stop_gradient(jnp.asarray(alibi_slopes)), q.shape[:-2])
-    for name in ("attn_bias", "attn_mask"):
-        if mods[name] is not None:   # rank q.ndim: a mapped axis leads both
-            x = jnp.asarray(mods[name])
-            arrays[name] = x.reshape((1,) * (q.ndim - x.ndim) + x.shape)
-    if sinks is not None:
-        arrays["sinks"] = jnp.asarray(sinks)
+    present = {n: x for n, x in mods.items() if x is not None}
     options = Options(causal=problem.causal, softmax_scale=float(problem.softmax_scale),
                       window_size=(problem.window_left, problem.window_right), return_lse=True, backend=backend,
                       deterministic=deterministic, dropout=_dropout(problem),
-                      modifiers=ModifierOptions(_softcap(problem), *(_given(arrays.get(n)) for n in mods)))
-    call = _Call(_FUNC, *_ATTENTION, options, q.ndim)
-    o, lse = _core(q, k, v, tuple(arrays[n] for n in call.names), call)
-    if one_head:
-        o, lse = o[0], lse[0]
-    if layout == "bshd":
-        o = jnp.swapaxes(o, 1, 2)
+                      modifiers=ModifierOptions(_softcap(problem), *(_given(x) for x in mods.values())))
+    call = _Call(_FUNC, *_ATTENTION, options, max(q.ndim, 3))
+    o, lse = _fixed(q, k, v, present, call=call, layout=layout)
     return (o, lse) if return_lse else o
 
 
@@ -575,18 +582,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if not 0 <= value < 2**31 - 256:
             raise ValueError(f"{func}: {name}={value} must be in [0, 2**31 - 256)")
     left, right = validation.normalize_window(*validation.check_window_size(window_size, causal, func), max_q, max_k)
-    q, k, v = (jnp.asarray(x) for x in (q, k, v))
     _check_backend(func, backend, q)
-    arrays = {"cu_seqlens_q": jnp.asarray(cu_seqlens_q), "cu_seqlens_k": jnp.asarray(cu_seqlens_k)}
-    if alibi_slopes is not None:
-        arrays["alibi_slopes"] = jax.lax.stop_gradient(jnp.asarray(alibi_slopes))
-    for name in ("seqused_k", "block_table"):
-        if optional[name] is not None:
-            arrays[name] = jnp.asarray(optional[name])
+    arrays = {n: x for n, x in dict(alibi_slopes=alibi_slopes, **index).items() if x is not None}
     options = Options(causal=problem.causal, softmax_scale=float(problem.softmax_scale), window_size=(left, right),
                       return_lse=True, backend=backend, deterministic=deterministic, dropout=_dropout(problem),
                       modifiers=ModifierOptions(_softcap(problem), _given(alibi_slopes)),
                       packed=PackedOptions(_GIVEN, _GIVEN, max_q, max_k, _given(seqused_k), _given(block_table)))
-    call = _Call(func, *_VARLEN, options, 3)
-    o, lse = _core(q, k, v, tuple(arrays[n] for n in call.names), call)
+    o, lse = _packed(q, k, v, arrays, call=_Call(func, *_VARLEN, options, 3))
     return (o, lse) if return_lse else o
+
+
+@functools.partial(jax.jit, static_argnames=("call",))
+def _packed(q, k, v, arrays: dict, *, call: _Call):
+    """:func:`attention_varlen` after validation, as one jitted computation."""
+    if "alibi_slopes" in arrays:   # constants
+        arrays = dict(arrays, alibi_slopes=jax.lax.stop_gradient(arrays["alibi_slopes"]))
+    return _core(q, k, v, tuple(arrays[n] for n in call.names), call)
