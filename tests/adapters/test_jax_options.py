@@ -376,3 +376,12 @@ def test_refusals_name_the_argument(rng):
         cj.attention_varlen(qp, kp, vp, cq, ck, 4, 5, alibi_slopes=jnp.ones((3, 2)))
     with pytest.raises(TypeError, match="cuflash.jax.attention_varlen: max_seqlen_q must be a Python number"):
         jax.jit(lambda m: cj.attention_varlen(qp, kp, vp, cq, ck, m, 5))(4)
+
+
+def test_the_missing_cupy_hint_names_both_installs(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", None)   # import cupy raises ImportError
+    with pytest.raises(RuntimeError, match=r"pip install 'cuflash\[cuda12\]' .*source checkout pip install "
+                                           r"'\.\[cuda12\]'"):
+        cj._cupy()
