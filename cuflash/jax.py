@@ -190,14 +190,20 @@ def _lse_pass(xp, call: _Call, dlse, q, k, v, out, lse) -> tuple:
     ``d lse_i / d s_ij = P_ij``, so the cotangent ``dlse`` adds ``P * dlse`` to ``dS = P * (dP -
     D)``: the backward of values that are zero (``dP = 0``) with a ``(dout, out)`` pair whose row
     dot product is ``D = -dlse`` (``dlse`` split into two terms of out's dtype, so the float32
-    sum keeps its precision). The sink and bias gradients follow from ``dS`` and ``D`` alike."""
+    sum keeps its precision; for float16 each row scaled by a power of two that ``out`` carries,
+    so the terms stay in its range). The sink and bias gradients follow from ``dS`` and ``D``
+    alike."""
     rows = dlse.T if call.options.packed is not None else dlse   # (Hq, total_q) -> out's rows
+    unit = 1.0
+    if out.dtype == np.float16:   # its narrow range: carry each row as (dlse / 2^e) * 2^e, 2^e in [2^-14, 2^15]
+        unit = xp.exp2(xp.clip(xp.ceil(xp.log2(xp.maximum(xp.abs(rows), 2.0**-24))), -14, 15)).astype(rows.dtype)
+        rows = rows / unit
     hi = rows.astype(out.dtype)
     lo = (rows - hi.astype(rows.dtype)).astype(out.dtype)
     shape = out.shape[:-1] + (_LSE_PASS_DV,)
     dout2, out2 = xp.zeros(shape, out.dtype), xp.zeros(shape, out.dtype)
     dout2[..., 0], dout2[..., 1] = hi, lo
-    out2[..., :2] = -1
+    out2[..., 0] = out2[..., 1] = -unit
     return dout2, q, k, xp.zeros(v.shape[:-1] + (_LSE_PASS_DV,), v.dtype), out2, lse
 
 

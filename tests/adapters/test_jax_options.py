@@ -385,3 +385,16 @@ def test_the_missing_cupy_hint_names_both_installs(monkeypatch):
     with pytest.raises(RuntimeError, match=r"pip install 'cuflash\[cuda12\]' .*source checkout pip install "
                                            r"'\.\[cuda12\]'"):
         cj._cupy()
+
+
+def test_a_large_lse_cotangent_in_float16(rng):
+    # lse's share of the gradient is carried in float16 operands: a cotangent past float16's range
+    # (and one below its normal range) must arrive intact
+    q, k, v = qkv(rng, shapes(1, 2, 1, 3, 4, 8, 8, "bhsd"), np.float16)
+    u = np.array([[[9e4, -2e5, 3e-6], [1.5, -7e4, 1e5]]], np.float32)
+    kw = dict(softmax_scale=0.05)   # gradients of about 1e4, inside float16's range
+    g = jax.jit(jax.grad(lambda q, k: jnp.sum(cj.attention(q, k, v, return_lse=True, **kw)[1] * u),
+                         argnums=(0, 1)))(q, k)
+    e = oracle_grads_with_lse(np.zeros((1, 2, 3, 8)), u, q, k, v, **kw)
+    for name, a, x in zip(("dq", "dk"), g, e):
+        close(a, x, rel=2e-3, name=name)   # float16 rounding of the gradients (about 1e4)
