@@ -492,7 +492,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Every parameter, convention and return value of :func:`cuflash.attention_varlen`
     (flash-attn's ``flash_attn_varlen_func``, FA3's ``seqused_k``), plus the backward's
-    ``deterministic``; gradients with respect to q and k, v (:func:`cuflash.attention_varlen_backward`)
+    ``deterministic``; gradients with respect to q, k and v (:func:`cuflash.attention_varlen_backward`)
     through ``jax.custom_vjp``; eager and under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (the
     pipeline runs once per mapped element), on CPU and GPU as :func:`attention`.
 
