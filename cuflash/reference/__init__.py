@@ -46,7 +46,9 @@ Layout
 :mod:`~cuflash.reference.kvcache` (rotary, the KV-cache append and gather, the LSE merge),
 :mod:`~cuflash.reference.modifiers` (softcap, ALiBi, attn_bias, attn_mask and sinks, block by block,
 and their gradients),
-:mod:`~cuflash.reference.tolerance` (the accuracy rule every backend is held to).
+:mod:`~cuflash.reference.tolerance` (the accuracy rule every backend is held to),
+:mod:`~cuflash.reference.memory` (the working-memory estimate every tiled function checks before it
+allocates, ``CUFLASH_MEMORY_LIMIT``, and the checks that read a broadcast view's distinct elements).
 Imports: :mod:`cuflash.runtime` only.
 """
 

@@ -16,6 +16,11 @@ initializes hold the 0xFE byte pattern. A normal module whose source has volatil
 same instrumentation with empty plain hooks, so its volatile reads can yield (spin-waits).
 ``gpu_numerics`` adds ``-mfma -ffp-contract=fast -DCUSIM_GPU_NUMERICS=1``.
 
+Before a launch runs, its time is estimated (:func:`estimate_seconds`); past
+:data:`SLOW_LAUNCH_SECONDS` the launcher warns once per process and kernel entry with a
+:class:`SimSlowLaunchWarning` (a ``RuntimeWarning``), so a long simulated launch does not run in
+silence. Filter it as any warning (``warnings.simplefilter("ignore", SimSlowLaunchWarning)``).
+
 The shared library lands in the cache folder (``CUFLASH_SIM_CACHE_DIR``, default
 ``~/.cache/cuflash/sim``) under the SHA-256 of everything that determines it: the module text,
 the runtime files, the compiler's identity and the flags. Writes are atomic (rename), so
@@ -38,9 +43,11 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -69,6 +76,11 @@ STACK_POISON_BYTES = 4096
 
 class SimError(RuntimeError):
     """A kernel failed in the simulator (a trap, a strictness check, a deadlock, a limit)."""
+
+
+class SimSlowLaunchWarning(RuntimeWarning):
+    """A simulated launch is estimated to run longer than :data:`SLOW_LAUNCH_SECONDS` (issued
+    once per process and kernel entry, before the launch; the message gives the estimate)."""
 
 
 class SimCheckError(SimError):
@@ -208,6 +220,94 @@ class LaunchStats:
     context_switches: int
     static_smem_bytes: int
     dynamic_smem_bytes: int
+
+
+#: estimated seconds past which a launch warns (:class:`SimSlowLaunchWarning`)
+SLOW_LAUNCH_SECONDS = 60.0
+
+#: CPU seconds per block-iteration (:func:`block_iterations`) on one worker thread, for an entry
+#: whose own launches have not been timed yet: the first pattern found in the entry's name
+#: decides, else :data:`DEFAULT_ITERATION_SECONDS`. Measured on 2 EPYC cores (head dim 64;
+#: head dim 128 costs about 4x per iteration): the attention forwards 70-180 us (SIMT, mma,
+#: sm_90a), the backward's main kernels 170-740 us, the row kernels (softmax, the backward's
+#: dot and convert passes, the combine, the append, dropout) 0.2-2 us.
+ITERATION_SECONDS = (("_dot_", 2e-6), ("_convert_", 2e-6), ("combine", 2e-6), ("append", 2e-6),
+                     ("softmax", 3e-6), ("dropout", 2e-6), ("attn_bwd", 700e-6), ("attn_fwd", 250e-6))
+DEFAULT_ITERATION_SECONDS = 2e-6
+#: checked mode's cost over a normal launch (measured 7-13x)
+CHECKED_FACTOR = 12.0
+#: launches shorter than this are not timed into an entry's rate (their fixed costs dominate)
+_MIN_TIMED_SECONDS = 0.05
+
+_timing_lock = threading.Lock()
+_timings: dict = {}     # (entry, checked) -> [block-iterations, CPU seconds] of timed launches
+_warned: set = set()    # entries that have warned in this process
+
+
+def block_iterations(plan) -> int:
+    """The work measure of the launch-time estimate: blocks times the longest axis of the plan's
+    arrays (pointer and tensor-map arguments). Each block of the attention kernels loops over the
+    key (or query) sequence, the longest axis; a row kernel's block over its row. (An estimate:
+    a paged cache's longest axis is its page count or page size, not the sequence.)"""
+    longest = 1
+    for a in plan.args:
+        pointer = a.pointer if isinstance(a, TensorMapArg) else a
+        if isinstance(pointer, PointerArg) and pointer.shape:
+            longest = max(longest, *(int(n) for n in pointer.shape))
+    return plan.num_blocks * longest
+
+
+def estimate_seconds(plan, workers: int, checked: bool = False) -> float:
+    """Estimated wall seconds of ``plan`` on ``workers`` threads: :func:`block_iterations` times
+    the entry's CPU seconds per block-iteration, over the workers the grid can use.
+
+    The rate is the one measured on this process's earlier launches of the entry (those of at
+    least 0.05 s, summed), else the documented constant :data:`ITERATION_SECONDS` (times
+    :data:`CHECKED_FACTOR` in checked mode)."""
+    with _timing_lock:
+        timed = _timings.get((plan.entry, checked))
+    if timed is not None:
+        rate = timed[1] / timed[0]
+    else:
+        rate = next((r for pat, r in ITERATION_SECONDS if pat in plan.entry), DEFAULT_ITERATION_SECONDS)
+        rate *= CHECKED_FACTOR if checked else 1.0
+    return block_iterations(plan) * rate / max(1, min(workers, plan.num_blocks))
+
+
+def _caller_stacklevel() -> int:
+    """The warnings stack level of the first frame outside the cuflash package."""
+    package = str(SIM_DIR.parent)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_if_slow(plan, workers: int, checked: bool) -> None:
+    if plan.entry in _warned:
+        return
+    seconds = estimate_seconds(plan, workers, checked)
+    if seconds <= SLOW_LAUNCH_SECONDS:
+        return
+    with _timing_lock:
+        if plan.entry in _warned:
+            return
+        _warned.add(plan.entry)
+    warnings.warn(SimSlowLaunchWarning(
+        f"cuflash simulator: {plan.entry}: this launch of {plan.num_blocks} blocks x {plan.threads_per_block} threads "
+        f"is estimated to take about {seconds:.0f} s on {workers} worker threads (more than {SLOW_LAUNCH_SECONDS:.0f} s; "
+        f"the simulator runs every thread on the CPU); smaller inputs or a GPU run faster. This warning is given "
+        f"once per kernel"), stacklevel=_caller_stacklevel())
+
+
+def _record_time(plan, seconds: float, workers: int, checked: bool) -> None:
+    if seconds < _MIN_TIMED_SECONDS:
+        return
+    cpu = seconds * max(1, min(workers, plan.num_blocks))
+    with _timing_lock:
+        timed = _timings.setdefault((plan.entry, checked), [0, 0.0])
+        timed[0] += block_iterations(plan)
+        timed[1] += cpu
 
 
 def cache_dir() -> Path:
@@ -462,6 +562,12 @@ class SimModule:
         SimError
             If the kernel fails (trap, misaligned or misplaced PTX operand, deadlock,
             shared memory over the limit, ...).
+
+        Warns
+        -----
+        SimSlowLaunchWarning
+            Once per process and entry, before a launch whose :func:`estimate_seconds` exceeds
+            :data:`SLOW_LAUNCH_SECONDS`; the launch then runs as usual.
         """
         opts = options or sim_config.current_options()
         if plan.entry not in self._launch:
@@ -494,6 +600,7 @@ class SimModule:
                 f"{plan.entry}: {plan.shared_mem_bytes} bytes of dynamic shared memory exceed the {cfg.smem_limit}-byte "
                 f"limit of sm_{cc}" + ("" if plan.needs_smem_opt_in else " without the opt-in")
             )
+        _warn_if_slow(plan, cfg.workers, self.checked)
         t0 = time.perf_counter()
         if regions is not None:
             try:
@@ -507,6 +614,7 @@ class SimModule:
         if rc != 0:
             msg = err.value.decode(errors="replace") or f"launch failed (code {rc})"
             raise SimError(f"cuflash simulator: {plan.entry} (sm_{cc}): {msg}")
+        _record_time(plan, dt, cfg.workers, self.checked)
         return LaunchStats(dt, int(cfg.blocks_run), plan.threads_per_block, int(cfg.context_switches),
                            int(cfg.static_smem_used), plan.shared_mem_bytes)
 
