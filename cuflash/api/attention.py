@@ -141,8 +141,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     :func:`cuflash.torch.attention` (the same kernels, through custom operators with the
     FlashAttention-2 backward), so ``loss.backward()`` reaches q, k, v, ``attn_bias`` and
     ``sinks``; JAX tracers (``jax.jit``, ``jax.grad``, ``jax.vmap``) run through
-    :func:`cuflash.jax.attention`. The returned ``lse`` carries no gradient. See
-    :mod:`cuflash.autodiff`.
+    :func:`cuflash.jax.attention`. The returned ``lse`` carries no gradient in torch; under JAX its
+    cotangent is honoured. See :mod:`cuflash.autodiff`.
 
     GPU arrays run on their own device, asynchronously (the host is never synchronized):
 
