@@ -283,6 +283,10 @@ def _caller_stacklevel() -> int:
     return level
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _warn_if_slow(plan, workers: int, checked: bool) -> None:
     if plan.entry in _warned:
         return
@@ -294,8 +298,9 @@ def _warn_if_slow(plan, workers: int, checked: bool) -> None:
             return
         _warned.add(plan.entry)
     warnings.warn(SimSlowLaunchWarning(
-        f"cuflash simulator: {plan.entry}: this launch of {plan.num_blocks} blocks x {plan.threads_per_block} threads "
-        f"is estimated to take about {seconds:.0f} s on {workers} worker threads (more than {SLOW_LAUNCH_SECONDS:.0f} s; "
+        f"cuflash simulator: {plan.entry}: this launch of {_count(plan.num_blocks, 'block')} x "
+        f"{_count(plan.threads_per_block, 'thread')} is estimated to take about {seconds:.0f} s on "
+        f"{_count(workers, 'worker thread')} (more than {SLOW_LAUNCH_SECONDS:.0f} s; "
         f"the simulator runs every thread on the CPU); smaller inputs or a GPU run faster. This warning is given "
         f"once per kernel"), stacklevel=_caller_stacklevel())
 
