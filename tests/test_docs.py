@@ -21,6 +21,7 @@ import contextlib
 import io
 import os
 import re
+import shlex
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,6 +241,59 @@ def test_environment_table_names_every_variable_the_package_reads():
     documented = set(re.findall(r"^\| `((?:CUFLASH|CUPY)_[A-Z0-9_]+)`", table, re.M))
     documented |= set(re.findall(r"^\| `[A-Z_]+`, `((?:CUFLASH|CUPY)_[A-Z0-9_]+)`", table, re.M))
     assert not read - documented, f"docs/gpu.md's table lacks {sorted(read - documented)}"
+
+
+def _documented_commands():
+    """``(block name, argv)`` of every ``python -m cuflash ...`` command in the pages' bash blocks
+    (after ``&&``, and after ``VAR=value`` prefixes)."""
+    for block in ALL_BLOCKS:
+        if block.lang != "bash":
+            continue
+        for line in block.code.splitlines():
+            tokens = shlex.split(line, comments=True)
+            segment: list = []
+            for token in tokens + ["&&"]:
+                if token != "&&":
+                    segment.append(token)
+                    continue
+                while segment and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", segment[0]):
+                    segment.pop(0)
+                if len(segment) >= 3 and segment[0].endswith("python") and segment[1:3] == ["-m", "cuflash"]:
+                    yield block.name, segment[3:]
+                segment = []
+
+
+class _Parsed(Exception):
+    """Raised instead of running a command once its arguments parsed."""
+
+
+def test_documented_commands_parse(monkeypatch):
+    """Each command the pages show is accepted by that command's parser (nothing is run)."""
+    import argparse
+
+    from cuflash import __main__ as cli
+
+    commands = list(_documented_commands())
+    assert len(commands) >= 10 and any(argv[:1] == ["roofline"] for _, argv in commands)
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    refused = []
+    for name, argv in commands:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+                status = cli.main(argv)
+        except _Parsed:
+            continue
+        except SystemExit as e:
+            status = e.code
+        if status != 0:
+            refused.append(f"{name}: python -m cuflash {shlex.join(argv)}: {err.getvalue().strip()[-300:]}")
+    assert not refused, "commands the pages show that their parsers refuse:\n" + "\n".join(refused)
 
 
 # --------------------------------------------------------------------------------------------
