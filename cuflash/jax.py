@@ -1,6 +1,8 @@
 """JAX: :func:`attention` and :func:`attention_varlen`, differentiable (``jax.custom_vjp``), under
 ``jax.jit``, ``jax.vmap`` and ``jax.grad``, with every option of :func:`cuflash.attention` and
-:func:`cuflash.attention_varlen` (score modifiers, dropout, windows, ``return_lse``, ``backend``).
+:func:`cuflash.attention_varlen` (score modifiers, dropout, windows, ``return_lse``, ``backend``);
+:func:`softmax` and :func:`merge_attention`, the forms of :func:`cuflash.softmax` and
+:func:`cuflash.merge_attention`, likewise differentiable and traceable.
 
 Importing :mod:`cuflash` never imports JAX; importing ``cuflash.jax`` does (JAX with
 ``jax.experimental.buffer_callback``, 0.7 and newer).
@@ -43,14 +45,17 @@ from jax.experimental.buffer_callback import buffer_callback
 from cuflash.api import attention as api_attention
 from cuflash.api import backward as api_backward
 from cuflash.api import pipeline
+from cuflash.api import softmax as api_softmax
 from cuflash.api import varlen as api_varlen
-from cuflash.runtime import validation, validation_kvcache
+from cuflash.runtime import dtypes, validation, validation_kvcache
 from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options, PackedOptions
 
-__all__ = ["attention", "attention_varlen"]
+__all__ = ["attention", "attention_varlen", "softmax", "merge_attention"]
 
 _FUNC = "cuflash.jax.attention"
 _FUNC_VARLEN = "cuflash.jax.attention_varlen"
+_FUNC_SOFTMAX = "cuflash.jax.softmax"
+_FUNC_MERGE = "cuflash.jax.merge_attention"
 #: the static options' stand-in for an array option the call has (its buffer arrives in the callback)
 _GIVEN = "given"
 #: the width of the zero values in the backward pass that carries lse's cotangent (16-byte rows)
@@ -604,3 +609,222 @@ def _packed(q, k, v, arrays: dict, *, call: _Call):
     if "alibi_slopes" in arrays:   # constants
         arrays = dict(arrays, alibi_slopes=jax.lax.stop_gradient(arrays["alibi_slopes"]))
     return _core(q, k, v, tuple(arrays[n] for n in call.names), call)
+
+
+# --------------------------------------------------------------------------------------------
+# softmax
+
+
+#: :func:`cuflash.softmax`'s pipeline under this adapter's name
+_SOFTMAX = dataclasses.replace(api_softmax.SOFTMAX, func=_FUNC_SOFTMAX)
+
+
+def softmax(x, axis=-1, *, backend="auto"):
+    """Differentiable softmax of a JAX array along ``axis``: ``exp(x - max) / sum(exp(x - max))``.
+
+    The forward is :func:`cuflash.softmax` (the online-normalizer kernel, or its NumPy
+    implementation) run in one ``buffer_callback`` on JAX's buffers, as :func:`attention` runs
+    its forward; the gradient (``jax.custom_vjp``) is ``dx = y * (g - sum(g * y, axis))`` in
+    ``jax.numpy`` operations, in float32 (float64 for float64 input), rounded once to x's dtype.
+    Works eagerly and under ``jax.jit``, ``jax.vmap`` (mapped axes become leading axes of the
+    callback's buffers; ``axis`` refers to the unmapped array) and ``jax.grad``, on CPU and GPU.
+
+    Parameters
+    ----------
+    x : jax.Array (or a NumPy array), at least 1-D
+        dtype float16, bfloat16, float32, or float64 (with ``jax_enable_x64``; NumPy path only).
+    axis : int, default -1
+        Axis to normalize over; a static Python int (compiled into the call).
+    backend : {"auto", "numpy", "sim", "cuda"}, default "auto"
+        As :func:`attention`: "auto" runs the NumPy implementation for CPU arrays and the CUDA
+        kernel for GPU arrays (``CUFLASH_BACKEND`` overrides "auto" only); "numpy" and "sim" take
+        CPU arrays, "cuda" GPU arrays. Checked when called on concrete arrays; under ``jax.jit`` a
+        backend that does not fit the device raises when the call runs.
+
+    Returns
+    -------
+    jax.Array
+        Same shape and dtype as ``x``. ``-inf`` entries get probability 0, a row of only ``-inf``
+        gives NaN, a NaN makes its whole row NaN (as :func:`cuflash.softmax`); the gradient of a
+        NaN row is NaN, of a ``-inf`` entry 0.
+
+    Raises
+    ------
+    TypeError
+        ``x`` not an array, an unsupported dtype, ``axis`` not an int (a ``jax.Array`` included:
+        the axis is static).
+    ValueError
+        A 0-d ``x``, an out-of-range ``axis``, an unknown backend, or (for concrete arrays) a
+        backend that does not fit their device.
+    NotImplementedError
+        float64 input with ``backend="sim"`` or ``"cuda"`` (the kernels compute float16, bfloat16
+        and float32).
+    """
+    func = _FUNC_SOFTMAX
+    _check_arrays(func, {"x": x}, {})
+    try:
+        dtype = np.dtype(x.dtype)
+    except TypeError:
+        dtype = None
+    allowed = (np.dtype(np.float16), np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
+    if dtype not in allowed:
+        raise TypeError(f"{func}: x.dtype must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{func}: axis must be an int, got {type(axis).__name__}")
+    ndim = len(x.shape)
+    if ndim == 0:
+        raise ValueError(f"{func}: x must have at least 1 dimension, got a 0-d array")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{func}: axis={axis} must be in [{-ndim}, {ndim - 1}] for x.ndim={ndim}")
+    _check_backend(func, backend, x)
+    explicit = backend if backend != "auto" else pipeline.env_backend(func)
+    if dtype == np.float64 and explicit in ("sim", "cuda"):
+        raise NotImplementedError(f"{func}: the kernels compute float16, bfloat16 and float32; float64 runs on the "
+                                  f"NumPy path only (backend='numpy'), got backend={explicit!r}")
+    # counted from the end, so that the leading axes jax.vmap adds to the callback's buffers leave it in place
+    return _softmax(x, axis=int(axis) % ndim - ndim, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "backend"))
+def _softmax(x, *, axis: int, backend: str):
+    """:func:`softmax` after validation (``axis`` negative), one jitted computation."""
+    if x.size == 0:   # nothing to normalize, and no callback on an empty buffer
+        return x
+    return _softmax_core(x, axis, backend)
+
+
+def _softmax_forward(x, axis: int, backend: str):
+    cb = functools.partial(_softmax_callback, axis, backend)
+    return buffer_callback(cb, (jax.ShapeDtypeStruct(x.shape, x.dtype),), vmap_method="broadcast_all")(x)[0]
+
+
+def _softmax_callback(axis, backend, ctx, outs, x):
+    def compute(xp, a, o):
+        _write((pipeline.run(_SOFTMAX, (a[0],), Options(backend=backend, axis=axis)),), o)
+
+    _run(ctx, outs, (x,), compute)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _softmax_core(x, axis, backend):
+    return _softmax_forward(x, axis, backend)
+
+
+def _softmax_fwd(x, axis, backend):
+    y = _softmax_forward(x, axis, backend)
+    return y, y
+
+
+def _softmax_bwd(axis, backend, y, g):
+    acc = _lse_dtype(y.dtype)
+    yf, gf = y.astype(acc), g.astype(acc)
+    return ((yf * (gf - jnp.sum(gf * yf, axis=axis, keepdims=True))).astype(y.dtype),)
+
+
+_softmax_core.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# merging partial attention results
+
+
+def merge_attention(outs, lses):
+    """Combine attention results over disjoint key sets into the result over their union
+    (JAX arrays; differentiable in every ``out`` and ``lse``).
+
+    ``lse = log(sum_i exp(lse_i))`` and ``out = sum_i exp(lse_i - lse) * out_i`` in float32
+    (float64 if any part is float64), the result rounded once to the parts' dtype, with
+    :func:`cuflash.merge_attention`'s rule for empty and non-finite parts: a part with ``lse =
+    -inf`` adds nothing, even when its ``out`` holds NaN or garbage (its gradients are 0); a row
+    where every part has ``-inf`` gives 0 and ``-inf`` (zero gradients, no NaN from ``-inf -
+    -inf``); every other part counts, so a NaN ``lse``, or a NaN in the ``out`` of a part whose
+    ``lse`` is not ``-inf``, makes its row NaN.
+
+    The merge is written in ``jax.numpy`` operations, not a callback: it is elementwise work
+    and one reduction over the parts (on the GPU, :func:`cuflash.merge_attention` itself runs
+    it as CuPy array operations, not a kernel), which XLA fuses into the surrounding
+    computation; JAX's autodiff then gives the exact gradient in every input, and ``jax.jit``,
+    ``jax.vmap`` and ``jax.grad`` need nothing more. The row maximum that shifts the
+    exponentials carries no gradient (``jax.lax.stop_gradient``: the result does not depend on
+    it), and an empty part's ``out`` is replaced by 0 before it is weighted, so neither its NaN
+    nor a ``0 * inf`` reaches the values or the gradients.
+
+    Parameters
+    ----------
+    outs : list or tuple of jax.Array ``(..., Sq, Dv)``
+        At least one part; one shape and one dtype (float16, bfloat16, float32, float64). NumPy
+        arrays are taken as constants.
+    lses : list or tuple of jax.Array ``(..., Sq)``
+        One per part: its natural-log log-sum-exp (as ``return_lse=True`` gives it in layout
+        "bhsd"), float32 or float64.
+
+    Returns
+    -------
+    out : jax.Array ``(..., Sq, Dv)`` of the parts' dtype
+    lse : jax.Array ``(..., Sq)``, float32 (float64 if any part is float64)
+
+    Raises
+    ------
+    TypeError
+        ``outs`` or ``lses`` not a list or tuple (an array is refused: its first axis is not a
+        list of parts), a part that is not an array, dtypes that are not supported or disagree.
+    ValueError
+        No part, different numbers of ``outs`` and ``lses``, shapes that disagree.
+    """
+    func = _FUNC_MERGE
+    for name, seq in (("outs", outs), ("lses", lses)):
+        if not isinstance(seq, (list, tuple)):
+            raise TypeError(f"{func}: {name} must be a list or tuple of arrays (one per part), got "
+                            f"{type(seq).__module__}.{type(seq).__qualname__}")
+    outs, lses = list(outs), list(lses)
+    if not outs:
+        raise ValueError(f"{func}: outs must hold at least one part, got none")
+    if len(outs) != len(lses):
+        raise ValueError(f"{func}: {len(outs)} outs but {len(lses)} lses; one lse per part")
+    named = {f"outs[{i}]": o for i, o in enumerate(outs)}
+    named.update({f"lses[{i}]": s for i, s in enumerate(lses)})
+    _check_arrays(func, named, {})
+    first = tuple(outs[0].shape)
+    for i, o in enumerate(outs):
+        dt = _np_dtype(o)
+        if dt not in dtypes.SUPPORTED:
+            raise TypeError(f"{func}: outs[{i}].dtype={o.dtype} is not supported; expected one of "
+                            f"{', '.join(d.name for d in dtypes.SUPPORTED)}")
+        if dt != _np_dtype(outs[0]):
+            raise TypeError(f"{func}: outs[{i}].dtype={o.dtype} must equal outs[0].dtype={outs[0].dtype}")
+    if len(first) < 2:
+        raise ValueError(f"{func}: outs[0].shape={first} must be (..., Sq, Dv)")
+    for i, (o, s) in enumerate(zip(outs, lses)):
+        if _np_dtype(s) not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"{func}: lses[{i}].dtype={s.dtype} must be float32 or float64")
+        if tuple(s.shape) != first[:-1]:
+            raise ValueError(f"{func}: lses[{i}].shape={tuple(s.shape)} must be {first[:-1]} (outs[0].shape[:-1])")
+        if tuple(o.shape) != first:
+            raise ValueError(f"{func}: outs[{i}].shape={tuple(o.shape)} must equal outs[0].shape={first}")
+    return _merge(tuple(outs), tuple(lses))
+
+
+def _np_dtype(x):
+    try:
+        return np.dtype(x.dtype)
+    except TypeError:
+        return None
+
+
+@jax.jit
+def _merge(outs: tuple, lses: tuple):
+    """:func:`merge_attention` after validation, one jitted computation."""
+    wide = any(x.dtype == jnp.float64 for x in outs + lses)
+    acc = jnp.float64 if wide else jnp.float32
+    lse = jnp.stack([s.astype(acc) for s in lses])                        # (n, ..., Sq)
+    m = jax.lax.stop_gradient(jnp.max(lse, axis=0))                       # NaN if any lse is NaN
+    m = jnp.where(jnp.isneginf(m), jnp.zeros((), acc), m)                 # every part empty: shift 0
+    w = jnp.exp(lse - m)                                                  # 0 for the empty parts
+    total = jnp.sum(w, axis=0)
+    empty = total == 0
+    total_safe = jnp.where(empty, jnp.ones((), acc), total)
+    lse_out = jnp.where(empty, jnp.full((), -jnp.inf, acc), m + jnp.log(total_safe))
+    o = 0
+    for i, part in enumerate(outs):   # an empty part's out is never weighted (0 * NaN would be NaN)
+        o = o + w[i][..., None] * jnp.where(jnp.isneginf(lse[i])[..., None], jnp.zeros((), acc), part.astype(acc))
+    return (o / total_safe[..., None]).astype(outs[0].dtype), lse_out
