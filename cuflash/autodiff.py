@@ -126,10 +126,8 @@ attention_with_kvcache = _routed(
     _attention_with_kvcache, "cuflash.attention_with_kvcache", "attention_with_kvcache", None,
     " (it appends to the caches in place, and JAX arrays are immutable): call it on concrete arrays outside "
     "jax.jit, or use cuflash.jax.attention over the cache")
-merge_attention = _routed(_merge_attention, "cuflash.merge_attention", "merge_attention", None,
-                          " yet: call cuflash.merge_attention on concrete arrays outside jax.jit")
-softmax = _routed(_softmax, "cuflash.softmax", "softmax", None,
-                  " yet: use jax.nn.softmax inside traced code")
+merge_attention = _routed(_merge_attention, "cuflash.merge_attention", "merge_attention", "merge_attention")
+softmax = _routed(_softmax, "cuflash.softmax", "softmax", "softmax")
 attention_backward = _routed(_attention_backward, "cuflash.attention_backward", None, None, _NO_DOUBLE)
 attention_varlen_backward = _routed(_attention_varlen_backward, "cuflash.attention_varlen_backward", None, None,
                                     _NO_DOUBLE)

@@ -189,8 +189,10 @@ def merge_attention(outs, lses):
     -----
     The parts' kind chooses where it runs, as ``backend="auto"`` does for
     :func:`cuflash.attention` (NumPy on the host, CuPy or CUDA tensors on their GPU; the
-    ``CUFLASH_BACKEND`` environment variable overrides it likewise). For autograd use
-    :func:`cuflash.torch.merge_attention` (differentiable in every input).
+    ``CUFLASH_BACKEND`` environment variable overrides it likewise). torch tensors that require
+    grad run through :func:`cuflash.torch.merge_attention` and JAX tracers through
+    :func:`cuflash.jax.merge_attention`, both differentiable in every input
+    (:mod:`cuflash.autodiff`).
     """
     func = "cuflash.merge_attention"
     for name, seq in (("outs", outs), ("lses", lses)):

@@ -94,8 +94,8 @@ def softmax(x, axis: int = -1, *, backend: str = "auto"):
     without launching anything.
 
     torch tensors that require grad (grad mode on) run through :func:`cuflash.torch.softmax`, whose
-    backward is ``dx = y * (g - sum(g * y, axis))``; a JAX tracer is refused with ``TypeError``
-    (``jax.nn.softmax`` serves traced code) (:mod:`cuflash.autodiff`).
+    backward is ``dx = y * (g - sum(g * y, axis))``, and JAX tracers through
+    :func:`cuflash.jax.softmax` (:mod:`cuflash.autodiff`).
 
     Raises
     ------

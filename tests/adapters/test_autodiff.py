@@ -115,3 +115,26 @@ def test_a_jax_tracer_is_refused_where_cuflash_jax_has_no_form():
     x = jax.numpy.zeros((2, 4), jax.numpy.float32)
     with pytest.raises(TypeError, match=r"cuflash\.attention_backward: dout is a JAX tracer.*cuflash\.jax"):
         jax.jit(lambda d: cuflash.attention_backward(d, x, x, x, x, x[:, 0]))(x)
+
+
+def test_softmax_and_merge_keep_their_gradients():
+    jax = pytest.importorskip("jax")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 5))
+    g = rng.standard_normal((3, 5))
+    y = np.exp(x - x.max(-1, keepdims=True))
+    y /= y.sum(-1, keepdims=True)
+    want = y * (g - (g * y).sum(-1, keepdims=True))   # d/dx of sum(g * softmax(x))
+    xt = torch.tensor(x, requires_grad=True)
+    (cuflash.softmax(xt) * torch.tensor(g)).sum().backward()
+    np.testing.assert_allclose(xt.grad.numpy(), want, rtol=1e-10, atol=1e-12)
+    got = jax.grad(lambda x: (cuflash.softmax(x) * g.astype(np.float32)).sum())(jax.numpy.asarray(x, np.float32))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+    # merge: d lse / d lse_i = exp(lse_i - lse), the softmax of the parts' lse
+    lses = [torch.tensor([[0.5]], dtype=torch.float64, requires_grad=True),
+            torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)]
+    outs = [torch.ones(1, 1, 2, dtype=torch.float64), torch.zeros(1, 1, 2, dtype=torch.float64)]
+    _, lse = cuflash.merge_attention(outs, lses)
+    lse.sum().backward()
+    w = np.exp([0.5, -1.0]) / np.exp([0.5, -1.0]).sum()
+    np.testing.assert_allclose([lses[0].grad.item(), lses[1].grad.item()], w, rtol=1e-12)
