@@ -129,6 +129,22 @@ def _c_contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
+def _dlpack_device(x, name: str, func: str):
+    """``x.__dlpack_device__()``, after refusing by name a tensor on torch's meta device (a shape
+    without data, which DLPack has no device code for).
+
+    Raises
+    ------
+    ValueError
+        Naming the argument and its device.
+    """
+    device = getattr(x, "device", None)
+    if getattr(device, "type", None) == "meta":
+        raise ValueError(f"{func}: {name} is a {type_name(x)} on device {device} (a shape without data), which "
+                         f"cuflash cannot compute on; expected an array on the CPU or a CUDA device")
+    return x.__dlpack_device__()
+
+
 def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
     """Describe ``x`` (an argument called ``name``) from its metadata alone.
 
@@ -167,7 +183,7 @@ def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
             device=device,
         )
     # Generic DLPack producer (torch, JAX, ...): metadata through its Python attributes.
-    device = tuple(int(c) for c in x.__dlpack_device__())
+    device = tuple(int(c) for c in _dlpack_device(x, name, func))
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(
             f"{func}: {name} is a {type_name(x)} with __dlpack__ but no .shape/.dtype to validate it "
@@ -231,7 +247,8 @@ def require_cuda(func: str):
     except ImportError as exc:
         raise RuntimeError(
             f"{func}: GPU arrays need CuPy, which is not installed ({exc}); install cuflash with "
-            f"the 'cuda12' or 'cuda13' extra (e.g. pip install 'cuflash[cuda12]')"
+            f"the 'cuda12' or 'cuda13' extra: pip install 'cuflash[cuda12]' (from a source checkout: "
+            f"pip install '.[cuda12]'); [cuda13] for CUDA 13"
         ) from None
     except Exception as exc:  # noqa: BLE001 - CuPy installed but broken (missing libraries, ...)
         raise RuntimeError(f"{func}: CuPy failed to import ({type(exc).__name__}: {exc})") from None
