@@ -3,19 +3,22 @@
 Registered with :func:`torch.library.custom_op`:
 
 * ``cuflash::attention_fwd(q, k, v, causal, softmax_scale, window_left, window_right, layout,
-  deterministic=False, dropout_p=0.0, dropout_seed=0, dropout_offset=0) -> (out, lse)``
-  (``deterministic`` only travels to the backward)
+  deterministic=False, dropout_p=0.0, dropout_seed=0, dropout_offset=0, backend="auto") -> (out,
+  lse)`` (``deterministic`` only travels to the backward)
 * ``cuflash::attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, window_left,
-  window_right, layout, deterministic=False, dropout_p=0.0, dropout_seed=0, dropout_offset=0)
-  -> (dq, dk, dv)``
+  window_right, layout, deterministic=False, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
+  backend="auto") -> (dq, dk, dv)``
 * ``cuflash::attention_mod_fwd`` / ``cuflash::attention_mod_bwd``: the same with the score
   modifiers (``softcap, alibi_slopes, attn_bias, attn_mask, sinks``; the backward also returns
   ``dbias`` and ``dsinks``), used only when a modifier is given
+* ``cuflash::attention_out(q, k, v, out, ...) -> lse``: the forward into a given ``out`` (it
+  mutates ``out``; no backward: :func:`attention` refuses ``out=`` when a gradient is needed)
 
-each with a ``register_fake`` implementation (shapes and dtypes only) and the forwards with
-``register_autograd`` (the context saves q, k, v, out and lse; the backward is the
+each with a ``register_fake`` implementation (shapes and dtypes only) and the functional
+forwards with ``register_autograd`` (the context saves q, k, v, out and lse; the backward is the
 FlashAttention-2 backward, :func:`cuflash.attention_backward`). Each operator runs
-:func:`cuflash.attention`'s (or :func:`cuflash.attention_backward`'s) pipeline on its tensors.
+:func:`cuflash.attention`'s (or :func:`cuflash.attention_backward`'s) pipeline on its tensors, on
+the backend its ``backend`` argument names.
 
 Imports: torch, :mod:`cuflash.api` and below.
 """
@@ -29,21 +32,28 @@ from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options
 from cuflash.torch import tensors
 from cuflash.torch.tensors import detached, lse_dtype, prepare
 
-__all__ = ["attention", "attention_fwd", "attention_bwd", "attention_mod_fwd", "attention_mod_bwd"]
+__all__ = ["attention", "attention_fwd", "attention_bwd", "attention_mod_fwd", "attention_mod_bwd", "attention_out"]
 
 _FUNC = "cuflash.torch.attention"
 _FUNC_BWD = _FUNC + " (backward)"
 
 
-def _options(causal, softmax_scale, window, layout, deterministic, dropout, modifiers=ModifierOptions()) -> Options:
+def _options(causal, softmax_scale, window, layout, deterministic, dropout, modifiers=ModifierOptions(),
+             backend="auto") -> Options:
     """The options of an operator's call: ``window`` is ``(left, right)``, ``dropout`` ``(p, seed,
     offset)``."""
     return Options(causal=causal, softmax_scale=softmax_scale, window_size=tuple(window), layout=layout,
-                   return_lse=True, deterministic=deterministic, dropout=DropoutOptions(*dropout), modifiers=modifiers)
+                   return_lse=True, backend=backend, deterministic=deterministic, dropout=DropoutOptions(*dropout),
+                   modifiers=modifiers)
 
 
-def _forward(q, k, v, options):
-    return tensors.run(api_attention.FORWARD, (prepare(q), prepare(k), prepare(v), None), options, _FUNC, q)
+def _forward(q, k, v, options, out=None):
+    operands = (prepare(q), prepare(k), prepare(v), detached(out))
+    return tensors.run(api_attention.FORWARD, operands, options, _FUNC, q)
+
+
+def _modifiers(softcap, alibi_slopes, attn_bias, attn_mask, sinks) -> ModifierOptions:
+    return ModifierOptions(softcap, *(detached(t) for t in (alibi_slopes, attn_bias, attn_mask, sinks)))
 
 
 def _backward(arrays, options):
@@ -60,17 +70,18 @@ def _backward(arrays, options):
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
     window_left: int, window_right: int, layout: str, deterministic: bool = False, dropout_p: float = 0.0,
-    dropout_seed: int = 0, dropout_offset: int = 0,
+    dropout_seed: int = 0, dropout_offset: int = 0, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out, lse)``; ``lse`` is float32 (float64 for float64 input). ``deterministic``
-    is the backward's (saved for it); the dropout arguments are :func:`cuflash.attention`'s."""
+    is the backward's (saved for it); the dropout arguments and ``backend`` are
+    :func:`cuflash.attention`'s."""
     return _forward(q, k, v, _options(causal, softmax_scale, (window_left, window_right), layout, False,
-                                      (dropout_p, dropout_seed, dropout_offset)))
+                                      (dropout_p, dropout_seed, dropout_offset), backend=backend))
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic=False,
-                        dropout_p=0.0, dropout_seed=0, dropout_offset=0):
+                        dropout_p=0.0, dropout_seed=0, dropout_offset=0, backend="auto"):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if layout == "bshd":
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])
@@ -84,15 +95,17 @@ def attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int, layout: str,
     deterministic: bool = False, dropout_p: float = 0.0, dropout_seed: int = 0, dropout_offset: int = 0,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv)`` in the dtypes and shapes of q, k and v (FlashAttention-2, Alg. 2)."""
     return _backward((dout, q, k, v, out, lse), _options(causal, softmax_scale, (window_left, window_right), layout,
-                                                         deterministic, (dropout_p, dropout_seed, dropout_offset)))
+                                                         deterministic, (dropout_p, dropout_seed, dropout_offset),
+                                                         backend=backend))
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
-                        deterministic=False, dropout_p=0.0, dropout_seed=0, dropout_offset=0):
+                        deterministic=False, dropout_p=0.0, dropout_seed=0, dropout_offset=0, backend="auto"):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
@@ -100,7 +113,8 @@ def _setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale, window_left, window_right, layout, *rest = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    rest = list(rest) + [False, 0.0, 0, 0][len(rest):]   # deterministic, dropout_p, dropout_seed, dropout_offset
+    # deterministic, dropout_p, dropout_seed, dropout_offset, backend (the defaults where not given)
+    rest = list(rest) + [False, 0.0, 0, 0, "auto"][len(rest):]
     ctx.options = (causal, softmax_scale, window_left, window_right, layout, bool(rest[0]), *rest[1:])
     ctx.mark_non_differentiable(lse)
 
@@ -108,7 +122,7 @@ def _setup_context(ctx, inputs, output):
 def _grads(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * 10
 
 
 attention_fwd.register_autograd(_grads, setup_context=_setup_context)
@@ -124,16 +138,18 @@ def attention_mod_fwd(
     window_left: int, window_right: int, layout: str, deterministic: bool, dropout_p: float,
     dropout_seed: int, dropout_offset: int, softcap: float, alibi_slopes: torch.Tensor | None,
     attn_bias: torch.Tensor | None, attn_mask: torch.Tensor | None, sinks: torch.Tensor | None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward with score modifiers: ``(out, lse)`` (:func:`cuflash.attention`'s arguments)."""
-    mods = ModifierOptions(softcap, *(detached(t) for t in (alibi_slopes, attn_bias, attn_mask, sinks)))
+    mods = _modifiers(softcap, alibi_slopes, attn_bias, attn_mask, sinks)
     return _forward(q, k, v, _options(causal, softmax_scale, (window_left, window_right), layout, False,
-                                      (dropout_p, dropout_seed, dropout_offset), mods))
+                                      (dropout_p, dropout_seed, dropout_offset), mods, backend))
 
 
 @attention_mod_fwd.register_fake
 def _attention_mod_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout, deterministic,
-                            dropout_p, dropout_seed, dropout_offset, softcap, alibi_slopes, attn_bias, attn_mask, sinks):
+                            dropout_p, dropout_seed, dropout_offset, softcap, alibi_slopes, attn_bias, attn_mask, sinks,
+                            backend="auto"):
     return _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout)
 
 
@@ -143,14 +159,15 @@ def attention_mod_bwd(
     lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int, layout: str,
     deterministic: bool, dropout_p: float, dropout_seed: int, dropout_offset: int, softcap: float,
     alibi_slopes: torch.Tensor | None, attn_bias: torch.Tensor | None, attn_mask: torch.Tensor | None,
-    sinks: torch.Tensor | None, return_dbias: bool, return_dsinks: bool,
+    sinks: torch.Tensor | None, return_dbias: bool, return_dsinks: bool, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward with score modifiers: ``(dq, dk, dv, dbias, dsinks)``; ``dbias``/``dsinks`` are
     empty ``(0,)`` tensors when not asked for."""
-    mods = ModifierOptions(softcap, *(detached(t) for t in (alibi_slopes, attn_bias, attn_mask, sinks)))
+    mods = _modifiers(softcap, alibi_slopes, attn_bias, attn_mask, sinks)
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
-                      layout=layout, deterministic=deterministic, return_dbias=return_dbias, return_dsinks=return_dsinks,
-                      dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset), modifiers=mods)
+                      layout=layout, backend=backend, deterministic=deterministic, return_dbias=return_dbias,
+                      return_dsinks=return_dsinks, dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                      modifiers=mods)
     grads = list(_backward((dout, q, k, v, out, lse), options))
     dq, dk, dv = grads[:3]
     rest = grads[3:]
@@ -162,7 +179,7 @@ def attention_mod_bwd(
 @attention_mod_bwd.register_fake
 def _attention_mod_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout,
                             deterministic, dropout_p, dropout_seed, dropout_offset, softcap, alibi_slopes, attn_bias,
-                            attn_mask, sinks, return_dbias, return_dsinks):
+                            attn_mask, sinks, return_dbias, return_dsinks, backend="auto"):
     dq, dk, dv = _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, layout)
     dbias = torch.empty_like(attn_bias, memory_format=torch.contiguous_format) if return_dbias else q.new_empty((0,))
     dsinks = sinks.new_empty(sinks.shape, dtype=lse_dtype(q.dtype)) if return_dsinks else q.new_empty((0,))
@@ -178,6 +195,7 @@ def _mod_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi, bias, mask, sinks)
     ctx.options = tuple(inputs[3:13])
+    ctx.backend = inputs[17] if len(inputs) > 17 else "auto"
     ctx.mark_non_differentiable(lse)
 
 
@@ -186,8 +204,8 @@ def _mod_grads(ctx, dout, dlse):
     want_bias = bias is not None and ctx.needs_input_grad[_MOD_BIAS]
     want_sinks = sinks is not None and ctx.needs_input_grad[_MOD_SINKS]
     dq, dk, dv, dbias, dsinks = attention_mod_bwd(dout, q, k, v, out, lse, *ctx.options, alibi, bias, mask, sinks,
-                                                  want_bias, want_sinks)
-    grads = [dq, dk, dv] + [None] * 14
+                                                  want_bias, want_sinks, ctx.backend)
+    grads = [dq, dk, dv] + [None] * 15
     if want_bias:
         grads[_MOD_BIAS] = dbias.to(bias.dtype)
     if want_sinks:
@@ -199,28 +217,55 @@ attention_mod_fwd.register_autograd(_mod_grads, setup_context=_mod_setup_context
 
 
 # --------------------------------------------------------------------------------------------
+# the forward into a given out= (mutates it; no autograd: attention() refuses out= when a gradient
+# is needed)
+
+
+@torch.library.custom_op("cuflash::attention_out", mutates_args=("out",))
+def attention_out(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool, softmax_scale: float,
+    window_left: int, window_right: int, layout: str, dropout_p: float, dropout_seed: int, dropout_offset: int,
+    softcap: float, alibi_slopes: torch.Tensor | None, attn_bias: torch.Tensor | None,
+    attn_mask: torch.Tensor | None, sinks: torch.Tensor | None, backend: str,
+) -> torch.Tensor:
+    """Forward written into ``out`` (checked as :func:`cuflash.attention` checks ``out=``); returns
+    ``lse``."""
+    mods = _modifiers(softcap, alibi_slopes, attn_bias, attn_mask, sinks)
+    _, lse = _forward(q, k, v, _options(causal, softmax_scale, (window_left, window_right), layout, False,
+                                        (dropout_p, dropout_seed, dropout_offset), mods, backend), out=out)
+    return lse
+
+
+@attention_out.register_fake
+def _attention_out_fake(q, k, v, out, causal, softmax_scale, window_left, window_right, layout, dropout_p,
+                        dropout_seed, dropout_offset, softcap, alibi_slopes, attn_bias, attn_mask, sinks, backend):
+    return _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left, window_right, layout)[1]
+
+
+# --------------------------------------------------------------------------------------------
 # the public function
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-              deterministic=False, dropout_p=0.0, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None,
-              sinks=None):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
+              out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
+              alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, deterministic=False):
     """Differentiable exact attention, ``softmax(softmax_scale * q k^T + mask) v``, for torch tensors.
 
-    The conventions of :func:`cuflash.attention` (GQA/MQA, ``window_size``, layouts, empty rows
-    -> 0); gradients come from the FlashAttention-2 backward (:func:`cuflash.attention_backward`)
-    with ``P`` recomputed from the saved log-sum-exp. Works under ``torch.compile``
-    (``fullgraph=True``) through the custom operators ``cuflash::attention_fwd`` and
-    ``cuflash::attention_bwd``.
+    Every parameter of :func:`cuflash.attention` with its name, default and meaning, plus
+    ``deterministic`` (the backward's); the conventions of :func:`cuflash.attention` (GQA/MQA,
+    ``window_size``, layouts, empty rows -> 0). Gradients come from the FlashAttention-2 backward
+    (:func:`cuflash.attention_backward`) with ``P`` recomputed from the saved log-sum-exp. Works
+    under ``torch.compile`` (``fullgraph=True``) through the custom operators
+    ``cuflash::attention_fwd`` / ``cuflash::attention_bwd`` (``cuflash::attention_mod_fwd`` /
+    ``_bwd`` with a score modifier, ``cuflash::attention_out`` with ``out=``).
 
     Parameters
     ----------
     q : torch.Tensor, shape ``(..., Sq, D)`` ("bhsd") or ``(B, Sq, Hq, D)`` ("bshd")
     k : torch.Tensor, shape ``(..., Sk, D)`` or ``(B, Sk, Hk, D)``
     v : torch.Tensor, shape ``(..., Sk, Dv)`` or ``(B, Sk, Hk, Dv)``
-        One dtype (float16, bfloat16, float32, float64) and one device. CPU tensors run the NumPy
-        implementation; CUDA tensors (float16, bfloat16, float32) the CUDA forward and backward
-        kernels on torch's current stream.
+        One dtype (float16, bfloat16, float32, float64) and one device, CPU or CUDA (a meta
+        tensor is refused).
     causal : bool
         Causal mask aligned bottom-right (flash-attn >= 2.1): query ``i`` sees key ``j`` iff
         ``j <= i + Sk - Sq``. PyTorch SDPA's ``is_causal`` is top-left; they agree when ``Sq == Sk``.
@@ -228,58 +273,109 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         None means ``1/sqrt(D)``; ``0.0`` is valid.
     window_size : (int, int)
         ``(left, right)`` local-attention bounds, -1 = unbounded; ``causal=True`` sets ``right = 0``.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scaled, masked scores (natural log). The lse is
+        not differentiable (``lse.requires_grad`` is False): a loss through it gets no gradient
+        from it; only ``out`` carries gradients back to the inputs.
     layout : {"bhsd", "bshd"}
-    deterministic : bool
-        The backward's: bit-identical gradients run to run on CUDA tensors (no atomics in the dQ
-        sum; a float32 workspace of up to 16 copies of dq and a slower backward, see
-        :func:`cuflash.attention_backward`). CPU tensors are always deterministic.
+    out : torch.Tensor, optional
+        Output buffer (the result's shape, q's dtype and device), written in place and returned.
+        Not differentiable: with grad mode on, ``out=`` together with an input (or ``out``) that
+        requires grad raises ``TypeError`` (as torch's own ``out=`` operators refuse autograd).
+    backend : {"auto", "numpy", "sim", "cuda"}
+        "auto": CPU tensors run the NumPy implementation, CUDA tensors the CUDA kernels on
+        torch's current stream (``CUFLASH_BACKEND`` overrides "auto", as for
+        :func:`cuflash.attention`). "numpy" and "sim" (the CUDA kernels on the CPU simulator)
+        take CPU tensors, "cuda" CUDA tensors; a backend that would move data raises
+        ``ValueError``. The backward runs on the forward's backend.
     dropout_p : float
         Attention dropout in ``[0, 1)`` (applied whenever it is > 0, as ``F.dropout(training=True)``;
-        pass 0 to evaluate). The mask's seed and offset are drawn from torch's default CPU generator
-        (``torch.randint``, no device synchronization), so ``torch.manual_seed`` reproduces a run;
-        the backward regenerates the same mask (:func:`cuflash.reference.dropout_mask` shows it).
-        Drawing them is a graph break under ``torch.compile``.
+        pass 0 to evaluate). The backward regenerates the same mask
+        (:func:`cuflash.reference.dropout_mask` shows it).
+    dropout_seed, dropout_offset : int, optional
+        The mask's Philox key, each in ``[0, 2**32)``, as :func:`cuflash.attention` takes them.
+        With ``dropout_seed=None`` (the default) and ``dropout_p > 0`` both are drawn from torch's
+        default CPU generator (``torch.randint``, no device synchronization), so
+        ``torch.manual_seed`` reproduces a run; drawing them is a graph break under
+        ``torch.compile`` (pass ``dropout_seed`` to trace without one). A ``dropout_offset``
+        without ``dropout_seed`` is refused.
     softcap, alibi_slopes, attn_bias, attn_mask, sinks
         The score modifiers of :func:`cuflash.attention` (softcap as in Gemma 2, ALiBi slopes
         ``(Hq,)``/``(B, Hq)`` float32, an additive ``attn_bias`` broadcastable to ``(B, Hq, Sq,
         Sk)``, a bool ``attn_mask`` (True = attend), float32 ``sinks`` ``(Hq,)``), as tensors of
         q's device. ``attn_bias`` and ``sinks`` are differentiable: their gradients come from
         the backward when they require grad (``d attn_bias`` summed over the axes it broadcasts
-        over). These calls go through the operators ``cuflash::attention_mod_fwd`` /
-        ``cuflash::attention_mod_bwd``.
+        over). The backward computes no gradient for ``alibi_slopes``: slopes that require grad
+        raise ``TypeError`` (pass ``alibi_slopes.detach()``).
+    deterministic : bool
+        The backward's: bit-identical gradients run to run on the kernel backends (no atomics in
+        the dQ sum; a float32 workspace of up to 16 copies of dq and a slower backward, see
+        :func:`cuflash.attention_backward`). The NumPy path is always deterministic.
 
     Returns
     -------
-    torch.Tensor
-        q's dtype and device, shape ``q.shape[:-1] + (Dv,)``; differentiable with respect to q, k,
-        v (and ``attn_bias``, ``sinks``).
+    out : torch.Tensor
+        q's dtype and device, shape ``q.shape[:-1] + (Dv,)`` ("bhsd") or ``(B, Sq, Hq, Dv)``;
+        differentiable with respect to q, k, v, ``attn_bias`` and ``sinks`` (``out=`` itself
+        when given).
+    lse : torch.Tensor
+        Only with ``return_lse=True``: float32 (float64 for float64 input), ``q.shape[:-1]``
+        ("bhsd") or ``(B, Hq, Sq)`` ("bshd"); not differentiable.
 
     Raises
     ------
-    TypeError, ValueError
-        As :func:`cuflash.attention` (raised when the operator runs).
+    TypeError
+        A non-tensor argument; with grad mode on, ``out=`` with tensors that require grad, or
+        ``alibi_slopes`` that requires grad; otherwise as :func:`cuflash.attention`.
+    ValueError
+        A meta tensor; an unknown backend or one that would move data; as :func:`cuflash.attention`.
     NotImplementedError
-        Tensors on devices other than CPU and CUDA, float64 CUDA tensors.
+        Tensors on devices other than CPU and CUDA; as :func:`cuflash.attention` (float64 on a
+        kernel backend, a call without a kernel).
     """
-    mods = (alibi_slopes, attn_bias, attn_mask, sinks)
-    tensors.check_tensors(_FUNC, {"q": q, "k": k, "v": v}, dict(zip(("alibi_slopes", "attn_bias", "attn_mask",
-                                                                     "sinks"), mods)))
+    mods = {"alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "attn_mask": attn_mask, "sinks": sinks}
+    tensors.check_tensors(_FUNC, {"q": q, "k": k, "v": v}, {"out": out, **mods})
     causal = validation.check_flag(causal, "causal", _FUNC)
+    return_lse = validation.check_flag(return_lse, "return_lse", _FUNC)
     deterministic = validation.check_flag(deterministic, "deterministic", _FUNC)
     layout = validation.check_layout(layout, _FUNC)
+    backend = tensors.check_backend(backend, _FUNC)
     left, right = validation.check_window_size(window_size, False, _FUNC)
+    _refuse_gradients(q, k, v, out, mods)
     seq_axis = 1 if layout == "bshd" else -2
     if q.dim() >= 2 and k.dim() >= 2:  # other ranks are refused when the operator validates
         # bounds past both sequences mean "unbounded": -1 keeps the operator's int64 arguments in range
         left, right = validation.normalize_window(left, right, q.shape[seq_axis], k.shape[seq_axis])
     scale = tensors.scale_of(softmax_scale, q.shape[-1] if q.dim() else 0, _FUNC)
-    seed, offset = tensors.dropout_key(dropout_p, _FUNC)
-    if softcap != 0.0 or any(x is not None for x in mods):
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"{_FUNC}: softcap must be a real number >= 0 (0 = off), got {softcap!r} "
-                            f"({type(softcap).__name__})")
-        out, _ = attention_mod_fwd(q, k, v, causal, scale, left, right, layout, deterministic, float(dropout_p), seed,
-                                   offset, float(softcap), *mods)
-        return out
-    out, _ = attention_fwd(q, k, v, causal, scale, left, right, layout, deterministic, float(dropout_p), seed, offset)
-    return out
+    seed, offset = tensors.dropout_key(dropout_p, dropout_seed, dropout_offset, _FUNC)
+    modified = softcap != 0.0 or any(x is not None for x in mods.values())
+    if modified and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))):
+        raise TypeError(f"{_FUNC}: softcap must be a real number >= 0 (0 = off), got {softcap!r} "
+                        f"({type(softcap).__name__})")
+    scalars = (causal, scale, left, right, layout)
+    if out is not None:
+        lse = attention_out(q, k, v, out, *scalars, float(dropout_p), seed, offset, float(softcap), *mods.values(),
+                            backend)
+    elif modified:
+        out, lse = attention_mod_fwd(q, k, v, *scalars, deterministic, float(dropout_p), seed, offset, float(softcap),
+                                     *mods.values(), backend)
+    else:
+        out, lse = attention_fwd(q, k, v, *scalars, deterministic, float(dropout_p), seed, offset, backend)
+    return (out, lse) if return_lse else out
+
+
+def _refuse_gradients(q, k, v, out, mods) -> None:
+    """The options without a gradient, refused where one is needed (never dropped quietly)."""
+    slopes = tensors.requiring_grad({"alibi_slopes": mods["alibi_slopes"]})
+    if slopes:
+        raise TypeError(f"{_FUNC}: alibi_slopes requires grad (grad mode is on), but the backward computes no "
+                        f"gradient for the ALiBi slopes; pass alibi_slopes.detach() (constant slopes), or call under "
+                        f"torch.no_grad()")
+    if out is not None:
+        needing = tensors.requiring_grad({"q": q, "k": k, "v": v, "attn_bias": mods["attn_bias"],
+                                          "sinks": mods["sinks"], "out": out})
+        if needing:
+            raise TypeError(f"{_FUNC}: out= cannot be differentiated, and {tensors.require_phrase(needing)} (grad "
+                            f"mode is on): a result written into a given buffer has no autograd history (torch's "
+                            f"own out= operators refuse autograd too); drop out= for a differentiable result, or "
+                            f"call under torch.no_grad()")

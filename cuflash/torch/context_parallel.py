@@ -49,16 +49,19 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def merge_attention(outs, lses):
     """:func:`cuflash.merge_attention` in torch operations: differentiable in every ``out`` and
-    ``lse`` (ring attention's backward needs it), any device, traceable by ``torch.compile``.
+    ``lse`` (ring attention's backward needs it), on CPU and CUDA tensors, traceable by
+    ``torch.compile``.
 
     ``lse = log(sum_i exp(lse_i))``, ``out = sum_i exp(lse_i - lse) out_i`` in float32 (float64
-    for float64), a part with ``lse = -inf`` adding nothing and a row empty in every part giving
-    0 and ``-inf`` with zero gradients (no NaN from ``-inf - -inf``).
+    for float64), with :func:`cuflash.merge_attention`'s rule for empty and non-finite parts: a
+    part with ``lse = -inf`` adds nothing (even when its ``out`` holds NaN; its gradients are 0),
+    a row empty in every part gives 0 and ``-inf`` with zero gradients (no NaN from ``-inf -
+    -inf``), and a NaN ``lse``, or a NaN in the ``out`` of a part that counts, makes its row NaN.
 
     Parameters
     ----------
-    outs : sequence of torch.Tensor ``(..., Sq, Dv)``
-    lses : sequence of torch.Tensor ``(..., Sq)``
+    outs : list or tuple of torch.Tensor ``(..., Sq, Dv)``
+    lses : list or tuple of torch.Tensor ``(..., Sq)``
 
     Returns
     -------
@@ -66,16 +69,28 @@ def merge_attention(outs, lses):
 
     Raises
     ------
-    TypeError, ValueError
-        As :func:`cuflash.merge_attention`.
+    TypeError
+        ``outs`` or ``lses`` not a list or tuple (a tensor is refused: its first axis is not a
+        list of parts), a part that is not a tensor.
+    ValueError
+        No part, different numbers of ``outs`` and ``lses``, shapes or dtypes that disagree, a
+        meta tensor.
     """
     func = "cuflash.torch.merge_attention"
+    for name, seq in (("outs", outs), ("lses", lses)):
+        if not isinstance(seq, (list, tuple)):
+            raise TypeError(f"{func}: {name} must be a list or tuple of torch.Tensors (one per part), got "
+                            f"{type(seq).__module__}.{type(seq).__qualname__}")
     outs, lses = list(outs), list(lses)
     if not outs or len(outs) != len(lses):
         raise ValueError(f"{func}: outs and lses must be non-empty and of one length, got {len(outs)} and {len(lses)}")
     for i, (o, s) in enumerate(zip(outs, lses)):
         if not isinstance(o, torch.Tensor) or not isinstance(s, torch.Tensor):
             raise TypeError(f"{func}: outs[{i}] and lses[{i}] must be torch.Tensors")
+        for name, x in ((f"outs[{i}]", o), (f"lses[{i}]", s)):
+            if x.device.type == "meta":
+                raise ValueError(f"{func}: {name} is on device {x.device} (a tensor with a shape but no data), "
+                                 f"which cuflash cannot compute on; expected CPU or CUDA tensors")
         if o.shape != outs[0].shape or o.dtype != outs[0].dtype:
             raise ValueError(f"{func}: outs[{i}] is {tuple(o.shape)} {o.dtype}, outs[0] {tuple(outs[0].shape)} "
                              f"{outs[0].dtype}; the parts must agree")
@@ -85,13 +100,16 @@ def merge_attention(outs, lses):
         else torch.float32
     lse = torch.stack([s.to(acc) for s in lses])
     m = lse.detach().amax(dim=0)
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    m = torch.where(torch.isneginf(m) | torch.isnan(m), torch.zeros_like(m), m)
     w = torch.exp(lse - m)
     total = w.sum(dim=0)
     empty = total == 0
     total_safe = torch.where(empty, torch.ones_like(total), total)
     lse_out = torch.where(empty, torch.full_like(total, -math.inf), m + torch.log(total_safe))
-    o = sum(w[i].unsqueeze(-1) * outs[i].to(acc) for i in range(len(outs)))
+    # a part with lse -inf adds nothing: its out is masked before the product (no 0 * NaN, and a
+    # zero gradient for it)
+    parts = (torch.where(torch.isneginf(lses[i]).unsqueeze(-1), 0.0, outs[i].to(acc)) for i in range(len(outs)))
+    o = sum(w[i].unsqueeze(-1) * part for i, part in enumerate(parts))
     return (o / total_safe.unsqueeze(-1)).to(outs[0].dtype), lse_out
 
 
@@ -129,6 +147,9 @@ def _check_shards(func: str, q, k, v, layout: str, group) -> tuple[int, int]:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{func}: {name} must be a torch.Tensor, got {type(x).__qualname__}")
+        if x.device.type == "meta":
+            raise ValueError(f"{func}: {name} is on device {x.device} (a tensor with a shape but no data), which "
+                             f"cuflash cannot compute on; expected CPU or CUDA tensors")
         if x.dim() != 4:
             want = "(B, S, H, D)" if layout == "bshd" else "(B, H, S, D)"
             raise ValueError(f"{func}: {name}.shape={tuple(x.shape)} must be {want} for layout={layout!r}")

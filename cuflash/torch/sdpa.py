@@ -39,7 +39,7 @@ never reach those ops, so on the machines this was written on (no GPU) not one l
 run; it waits for a session with a GPU rather than landing untested. This module's drop-in
 covers every device and case meanwhile.
 
-Imports: torch and :mod:`cuflash.torch.attention`.
+Imports: torch, :mod:`cuflash.torch.attention` and :mod:`cuflash.torch.tensors`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from cuflash.torch import tensors
 from cuflash.torch.attention import attention
 
 __all__ = ["scaled_dot_product_attention", "plan", "Mapped", "SDPAError", "SDPADtypeError", "top_left_causal"]
@@ -294,6 +295,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         (``ValueError`` and ``RuntimeError``) Rank < 2, mismatched ``E`` or ``S``, batch dims or
         a mask that do not broadcast, GQA head counts that do not divide, ``attn_mask`` with
         ``is_causal``, ``dropout_p > 1``, tensors on different devices.
+    ValueError
+        A meta tensor (naming the argument and its device).
     NotImplementedError
         Tensors on a device cuflash has no path for (as :func:`cuflash.torch.attention`).
 
@@ -305,6 +308,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     >>> sdpa(q, k, v, is_causal=True).shape
     torch.Size([2, 8, 128, 64])
     """
+    tensors.check_devices(_FUNC, {"query": query, "key": key, "value": value, "attn_mask": attn_mask})
     q, k, v, m = plan(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     if m is None:
         return q  # dropout_p >= 1: the zeros plan() made

@@ -266,15 +266,19 @@ def test_importing_cuflash_does_not_import_torch():
 
 def test_device_backends(gen):
     # CPU tensors run the NumPy path, CUDA tensors the CUDA kernels (checked on a GPU by
-    # tests/tools/test_gpu.py); tensors on a device without kernels (meta: shapes but no data) are
-    # refused clearly (the operators' fake implementations give meta tensors their shapes).
+    # tests/tools/test_gpu.py); a meta tensor (a shape without data) is refused by name before
+    # any operator runs (the operators' fake implementations still give meta tensors their shapes).
     from cuflash.torch.tensors import backend_for
 
     assert backend_for(torch.empty(1), "f") == "numpy"
-    with pytest.raises(NotImplementedError, match=r"cuflash.torch.attention: tensors on device meta are not supported"):
+    with pytest.raises(ValueError, match=r"cuflash.torch.attention: the tensor is on device meta"):
         backend_for(torch.empty(1, device="meta"), "cuflash.torch.attention")
     q = torch.empty(1, 2, 4, 8, device="meta")
-    assert ct.attention(q, q, q).shape == (1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"cuflash.torch.attention: q is on device meta \(a tensor with a shape but "
+                                         r"no data\)"):
+        ct.attention(q, q, q)
+    out, lse = torch.ops.cuflash.attention_fwd(q, q, q, False, 0.5, -1, -1, "bhsd")
+    assert out.shape == (1, 2, 4, 8) and out.device.type == "meta" and lse.shape == (1, 2, 4)
 
 
 def test_validation_errors(gen):
