@@ -1,10 +1,10 @@
 """FLOPs, HBM bytes, arithmetic intensity and roofline time of naive vs. fused attention.
 
-This is section 3 of the seed write-up (``seed/000_3876ba264cdb75d1.txt``, "算数强度分析") turned
-into a tool, with the IO analysis of FlashAttention (Dao et al., "FlashAttention: Fast and
-Memory-Efficient Exact Attention with IO-Awareness", 2022, §3.2 and Algorithm 0/3 for the
-standard attention's forward and backward) and the FLOP conventions of FlashAttention-2 (Dao,
-2023: the backward is counted as 2.5x the forward).
+The standard FLOP/byte analysis of naive and fused attention, as a library and a command
+(``python -m cuflash intensity``): the IO analysis of FlashAttention (Dao et al.,
+"FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness", 2022, section 3.2,
+and its Algorithms 0 and 3 for the standard attention's forward and backward) and the FLOP
+conventions of FlashAttention-2 (Dao, 2023: the backward is counted as 2.5x the forward).
 
 The model
 ---------
@@ -14,7 +14,7 @@ dim ``D`` for Q/K and ``Dv`` for V/O, ``e`` bytes per element.
 
 *FLOPs* are the matrix-multiply FLOPs only (a multiply-add is 2 FLOPs). The softmax's
 exponentials, maxima, sums and rescalings (O(Sq*Sk) per head, against O(Sq*Sk*D) for the
-matmuls) are **not** counted, as the seed drops them as low-order terms. The fused kernel computes
+matmuls) are **not** counted: they are low-order terms. The fused kernel computes
 only visible (query, key) pairs: ``2*B*H*(D + Dv)*P`` (DESIGN §6), where ``P`` is the exact number
 of visible pairs (:func:`visible_pairs`); its backward is 2.5x that (the FA2 convention: S is
 recomputed, then dV, dP, dS->dQ, dS->dK). Naive attention computes the dense matrices whatever
@@ -23,21 +23,21 @@ forward and runs four matmuls (dV, dP, dQ, dK), ``4*B*H*Sq*Sk*(D + Dv)``.
 :func:`flash_attn_flops` gives flash-attn's benchmark convention (``4*B*H*Sq*Sk*D``, halved for
 causal; backward 2.5x) for comparing with published numbers.
 
-*Bytes* are HBM (global memory) traffic; SRAM/register traffic is free. Naive forward (the seed's
-section 1 and FlashAttention Algorithm 0): read Q, K; write S; read S; write P; read P, V; write
+*Bytes* are HBM (global memory) traffic; SRAM/register traffic is free. Naive forward
+(FlashAttention Algorithm 0): read Q, K; write S; read S; write P; read P, V; write
 O, so every (Sq x Sk) matrix is written once and read once (four Sq*Sk*e terms). Naive backward
 (FlashAttention Algorithm 3, P kept from the forward): read P, dO, write dV; read dO, V, write dP;
 read P, dP, write dS; read dS, K, write dQ; read dS, Q, write dK (seven Sq*Sk*e terms).
 Fused forward: Q, K, V read once, O written once, LSE (float32; float64 for float64 input)
 written once. For fp32 with ``B = H = 1``, ``D = Dv = d`` and ``Sq = Sk = N`` this is
-``4*(4*N*d) + 4*N`` bytes against ``4*N**2*d`` FLOPs: intensity ``N*d/(4*d + 1)``, i.e. the seed's
-``N/4`` once the LSE term is dropped (510 FLOP/byte at N = 2048, d = 64; the seed's 512).
+``4*(4*N*d) + 4*N`` bytes against ``4*N**2*d`` FLOPs: intensity ``N*d/(4*d + 1)``, i.e. ``N/4``
+once the LSE term is dropped (510 FLOP/byte at N = 2048, d = 64; 512 without the LSE).
 Fused backward: reads Q, K, V, O, dO, LSE and writes dQ, dK, dV once each.
 
 K/V re-reads. A fused forward runs one thread block per ``block_m``-row query tile and each of
-them streams K and V. The seed argues that these re-reads hit L2 (K and V of one head at N = 2048
-and fp32 are 1 MiB, against A100's 40 MB L2), so by default (``l2_reuse=True``) K and V are
-counted once. With ``l2_reuse=False`` each query tile reads the K/V rows it can see (for a dense
+them streams K and V. These re-reads hit L2 when K and V fit there (K and V of one head at
+N = 2048 and fp32 are 1 MiB, against A100's 40 MB L2), so by default (``l2_reuse=True``) K and V
+are counted once. With ``l2_reuse=False`` each query tile reads the K/V rows it can see (for a dense
 mask: ``ceil(Sq/block_m)`` passes over K and V). The fused backward (FA2) runs one block per
 ``block_n``-row key tile; with ``l2_reuse=False`` each key tile re-reads the Q, dO and LSE rows
 that see it and read-modify-writes a float32 dQ accumulator for those rows, then the accumulator
@@ -59,7 +59,10 @@ Roofline time on a device is ``max(FLOPs / peak, bytes / bandwidth)``
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
+
+from cuflash.analysis import cli
 
 __all__ = [
     "A100",
@@ -81,14 +84,9 @@ __all__ = [
 
 _WHO = "cuflash.intensity"
 
-# Canonical dtype names and bytes per element; a few common aliases map onto them.
+# Canonical dtype names and bytes per element; the other spellings are the commands' shared ones
+# (cli.DTYPE_ALIASES).
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-_DTYPE_ALIASES = {
-    "fp16": "float16", "half": "float16", "f2": "float16",
-    "bf16": "bfloat16",
-    "fp32": "float32", "float": "float32", "single": "float32", "f4": "float32",
-    "fp64": "float64", "double": "float64", "f8": "float64",
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,7 +114,7 @@ class Device:
     memory_gb : float
         HBM capacity, GB.
     l2_mb : float
-        L2 cache size, MB, the size the seed compares K/V against.
+        L2 cache size, MB (what the K/V of one head are compared against).
     source : str
         Where the numbers come from.
     """
@@ -223,9 +221,10 @@ def element_bytes(dtype) -> int:
     Parameters
     ----------
     dtype : str, int or NumPy dtype
-        ``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"`` (aliases ``fp16``, ``half``,
-        ``bf16``, ``fp32``, ``float``, ``fp64``, ``double``), a NumPy dtype or scalar type of one
-        of these, or a positive int taken as the size in bytes.
+        ``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"`` or another spelling of one
+        of them (:data:`cuflash.analysis.cli.DTYPE_ALIASES`: ``fp16``, ``half``, ``bf16``,
+        ``fp32``, ``float``, ``fp64``, ``double``, ...; case-insensitive), a NumPy dtype or
+        scalar type of one of these, or a positive int taken as the size in bytes.
 
     Returns
     -------
@@ -252,7 +251,7 @@ def element_bytes(dtype) -> int:
         except (ImportError, TypeError) as exc:
             raise TypeError(f"{_WHO}: dtype must be a dtype name or a size in bytes, got "
                             f"{type(dtype).__name__} {dtype!r}") from exc
-    name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+    name = cli.canonical_dtype(dtype)
     if name not in _DTYPE_BYTES:
         raise ValueError(f"{_WHO}: dtype must be one of {sorted(_DTYPE_BYTES)} or a size in "
                          f"bytes, got {dtype!r}")
@@ -261,7 +260,7 @@ def element_bytes(dtype) -> int:
 
 def _dtype_label(dtype) -> str:
     if isinstance(dtype, str):
-        return _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+        return cli.canonical_dtype(dtype) or dtype.lower()
     if isinstance(dtype, int):
         return f"{dtype}-byte"
     try:
@@ -595,7 +594,7 @@ def naive_attention_cost(seqlen_q, headdim, *, seqlen_k=None, headdim_v=None, ba
                          backward=False) -> Cost:
     """FLOPs and minimum HBM bytes of naive (materialised S and P) attention.
 
-    Forward (seed section 1; FlashAttention paper Algorithm 0): ``S = QK^T`` written to HBM,
+    Forward (FlashAttention paper, Algorithm 0): ``S = QK^T`` written to HBM,
     read back, ``P = softmax(S)`` written, read back for ``O = PV``. Bytes, with ``e`` bytes per
     element::
 
@@ -607,7 +606,7 @@ def naive_attention_cost(seqlen_q, headdim, *, seqlen_k=None, headdim_v=None, ba
 
     FLOPs ``2*B*H*Sq*Sk*(D + Dv)``: the dense matmuls, whatever the mask, since the naive
     version masks S in place and multiplies full matrices. For fp32, ``B = H = 1``, ``D = Dv = d``,
-    ``Sq = Sk = N`` the intensity is the seed's ``N*d / (4*(N + d))`` (15.5 FLOP/byte at N = 2048,
+    ``Sq = Sk = N`` the intensity is ``N*d / (4*(N + d))`` (15.5 FLOP/byte at N = 2048,
     d = 64).
 
     Backward (FlashAttention paper Algorithm 3, P kept from the forward): read P, dO, write dV;
@@ -667,7 +666,7 @@ def fused_attention_cost(seqlen_q, headdim, *, seqlen_k=None, headdim_v=None, ba
                          backward=False, l2_reuse=True, block_m=128, block_n=128) -> Cost:
     """FLOPs and minimum HBM bytes of fused (FlashAttention) attention.
 
-    Forward (seed section 3; FlashAttention paper §3.2): Q, K, V read once, O and LSE written
+    Forward (FlashAttention paper, section 3.2): Q, K, V read once, O and LSE written
     once. ``Sq_seen`` and ``Sk_seen`` are the query rows that see at least one key and the keys
     that at least one query sees (``Sq`` and ``Sk`` without a window, and for causal with
     ``Sq <= Sk``)::
@@ -678,7 +677,7 @@ def fused_attention_cost(seqlen_q, headdim, *, seqlen_k=None, headdim_v=None, ba
         LSE write  l*B*H*Sq                     (l = 4, or 8 for float64)
 
     For fp32, ``B = H = 1``, ``D = Dv = d``, ``Sq = Sk = N``: ``16*N*d + 4*N`` bytes and
-    ``4*N**2*d`` FLOPs, intensity ``N*d/(4*d + 1)`` ~ ``N/4`` (the seed's result; 510 at N = 2048,
+    ``4*N**2*d`` FLOPs, intensity ``N*d/(4*d + 1)`` ~ ``N/4`` (510 at N = 2048,
     d = 64, 512 without the LSE term). With ``l2_reuse=False``, K and V are read once per
     ``block_m``-row query tile, each tile reading the key rows it sees (``ceil(Sq/block_m)``
     passes for a dense mask).
@@ -706,7 +705,7 @@ def fused_attention_cost(seqlen_q, headdim, *, seqlen_k=None, headdim_v=None, ba
     backward : bool
         The backward pass instead of the forward.
     l2_reuse : bool
-        True (the seed's argument): re-reads of K/V (forward) or Q/dO/LSE/dQ (backward) by
+        True (K/V, or Q/dO/LSE, fit in L2): re-reads of K/V (forward) or Q/dO/LSE/dQ (backward) by
         other tiles hit L2 and cost no HBM traffic. False: count them.
     block_m : int
         Query-tile rows of the forward (``Br``), used when ``l2_reuse=False``.
@@ -818,10 +817,12 @@ def _time(seconds: float) -> str:
 
 
 #: the model's argument names and the command-line options that set them
-_CLI_NAMES = {"seqlen_q": "--seqlen", "seqlen_k": "--seqlen-k", "headdim_v": "--headdim-v",
-              "headdim": "--headdim", "heads_k": "--heads-k", "heads": "--heads", "batch": "--batch",
+_CLI_NAMES = {"seqlen_q": "--seqlen", "seqlen_k": "--seqlen-k", "headdim_v": "--head-dim-v",
+              "headdim": "--head-dim", "heads_k": "--heads-k", "heads": "--heads", "batch": "--batch",
               "block_m": "--block-m", "block_n": "--block-n", "window_size[0]": "--window LEFT",
               "window_size[1]": "--window RIGHT", "dtype": "--dtype"}
+
+PROG = "python -m cuflash intensity"
 
 
 def _cli_message(message: str) -> str:
@@ -834,34 +835,55 @@ def _cli_message(message: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    positive = cli.int_at_least(1)
     p = argparse.ArgumentParser(
-        prog="python -m cuflash intensity",
+        prog=PROG, allow_abbrev=False,
         description="FLOPs, HBM bytes, arithmetic intensity (FLOP/byte) and roofline time of "
-                    "naive vs. fused (FlashAttention) attention; the seed's section 3 as a tool.")
-    p.add_argument("--seqlen", type=int, default=2048, help="query length Sq (default 2048)")
-    p.add_argument("--seqlen-k", type=int, default=None, help="key length Sk (default Sq)")
-    p.add_argument("--headdim", type=int, default=64, help="Q/K head dim D (default 64)")
-    p.add_argument("--headdim-v", type=int, default=None, help="V head dim Dv (default D)")
-    p.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
-    p.add_argument("--heads", type=int, default=1, help="query heads H (default 1)")
-    p.add_argument("--heads-k", type=int, default=None, help="KV heads Hk for GQA (default H)")
-    p.add_argument("--dtype", default="float32",
-                   help="float16, bfloat16, float32 or float64 (default float32, as the seed)")
-    p.add_argument("--causal", action="store_true", help="bottom-right aligned causal mask")
-    p.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"), default=(-1, -1),
-                   help="local window (left, right), -1 unbounded")
+                    "naive vs. fused (FlashAttention) attention: the standard FLOP/byte analysis "
+                    "(FlashAttention, Dao et al. 2022, section 3.2).")
+    p.add_argument("--seqlen", type=positive, default=2048, help="query length Sq (default 2048)")
+    p.add_argument("--seqlen-k", type=positive, default=None, help="key length Sk (default Sq)")
+    p.add_argument("--head-dim", type=positive, default=64, help="Q/K head dim D (default 64)")
+    p.add_argument("--head-dim-v", type=positive, default=None, help="V head dim Dv (default D)")
+    p.add_argument("--batch", type=positive, default=1, help="batch B (default 1)")
+    p.add_argument("--heads", type=positive, default=1, help="query heads H (default 1)")
+    p.add_argument("--heads-k", type=positive, default=None, help="KV heads Hk for GQA (default H)")
+    p.add_argument("--dtype", type=cli.dtype_arg(), default="float32",
+                   help=f"element type: {cli.dtype_help()} (default float32)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False,
+                   help="bottom-right aligned causal mask (default: none)")
+    p.add_argument("--window", type=cli.int_at_least(-1), nargs=2, metavar=("LEFT", "RIGHT"),
+                   default=(-1, -1), help="local window (left, right), -1 unbounded; with --causal "
+                                          "RIGHT is 0 (or -1)")
     p.add_argument("--backward", action="store_true", help="also count the backward pass")
-    p.add_argument("--device", choices=sorted(DEVICES), default="h100",
-                   help="roofline device preset (default h100)")
-    p.add_argument("--tf32", action="store_true", help="float32 on TF32 tensor cores")
+    p.add_argument("--device", choices=sorted(DEVICES), default=cli.DEFAULT_DEVICE,
+                   help=f"roofline device preset (default {cli.DEFAULT_DEVICE})")
+    p.add_argument("--tf32", action="store_true", help="float32 on TF32 tensor cores (--dtype float32 only)")
     p.add_argument("--no-l2", action="store_true",
                    help="count K/V re-reads per query tile instead of assuming L2 hits")
-    p.add_argument("--block-m", type=int, default=128, help="query tile rows Br (default 128)")
-    p.add_argument("--block-n", type=int, default=128,
-                   help="key tile rows Bc of the backward (default 128)")
+    p.add_argument("--block-m", type=positive, default=None,
+                   help="query tile rows Br counted with --no-l2 (default 128)")
+    p.add_argument("--block-n", type=positive, default=None,
+                   help="key tile rows Bc of the backward counted with --no-l2 --backward (default 128)")
     return p
 
 
+def _refuse_meaningless(parser: argparse.ArgumentParser, args) -> None:
+    """parser.error for a combination of flags that means nothing."""
+    if args.tf32 and args.dtype != "float32":
+        parser.error(f"--tf32 applies to float32 only, got --dtype {args.dtype} (drop --tf32 or use "
+                     "--dtype float32)")
+    if args.block_m is not None and not args.no_l2:
+        parser.error("--block-m counts K/V re-reads, which only --no-l2 counts; add --no-l2 or drop --block-m")
+    if args.block_n is not None and not (args.no_l2 and args.backward):
+        parser.error("--block-n counts the backward's Q/dO re-reads, which only --no-l2 --backward counts; "
+                     "add them or drop --block-n")
+    if args.causal and args.window[1] > 0:
+        parser.error(f"--window RIGHT={args.window[1]} with --causal: the causal mask sets the right bound "
+                     f"to 0; use --window {args.window[0]} 0 or drop --causal")
+
+
+@cli.command(PROG, rewrite=_cli_message)
 def main(argv: list[str] | None = None) -> int:
     """``python -m cuflash intensity``: print naive vs. fused FLOPs, bytes, intensity, roofline.
 
@@ -873,36 +895,33 @@ def main(argv: list[str] | None = None) -> int:
     Returns
     -------
     int
-        0 on success, 2 for invalid arguments (the message goes to stderr).
+        0 on success, 2 for invalid arguments (``python -m cuflash intensity: error: ...`` on
+        stderr; argparse's own errors raise ``SystemExit(2)``).
     """
-    import sys
-
     parser = _parser()
     args = parser.parse_args(argv)
-    kw = dict(seqlen_k=args.seqlen_k, headdim_v=args.headdim_v, batch=args.batch,
+    _refuse_meaningless(parser, args)
+    block_m = 128 if args.block_m is None else args.block_m
+    block_n = 128 if args.block_n is None else args.block_n
+    kw = dict(seqlen_k=args.seqlen_k, headdim_v=args.head_dim_v, batch=args.batch,
               heads=args.heads, heads_k=args.heads_k, dtype=args.dtype, causal=args.causal,
               window_size=tuple(args.window))
-    fused_kw = dict(l2_reuse=not args.no_l2, block_m=args.block_m, block_n=args.block_n)
+    fused_kw = dict(l2_reuse=not args.no_l2, block_m=block_m, block_n=block_n)
     device = DEVICES[args.device]
-    try:
-        rows = [naive_attention_cost(args.seqlen, args.headdim, **kw),
-                fused_attention_cost(args.seqlen, args.headdim, **kw, **fused_kw)]
-        if args.backward:
-            rows += [naive_attention_cost(args.seqlen, args.headdim, backward=True, **kw),
-                     fused_attention_cost(args.seqlen, args.headdim, backward=True, **kw,
-                                          **fused_kw)]
-        fa_flops = flash_attn_flops(args.seqlen, args.headdim, seqlen_k=args.seqlen_k,
-                                    batch=args.batch, heads=args.heads, causal=args.causal)
-        roofs = [c.roofline(device, tf32=args.tf32) for c in rows]
-    except (TypeError, ValueError) as exc:
-        print(f"python -m cuflash intensity: error: {_cli_message(str(exc))}", file=sys.stderr)
-        return 2
+    rows = [naive_attention_cost(args.seqlen, args.head_dim, **kw),
+            fused_attention_cost(args.seqlen, args.head_dim, **kw, **fused_kw)]
+    if args.backward:
+        rows += [naive_attention_cost(args.seqlen, args.head_dim, backward=True, **kw),
+                 fused_attention_cost(args.seqlen, args.head_dim, backward=True, **kw, **fused_kw)]
+    fa_flops = flash_attn_flops(args.seqlen, args.head_dim, seqlen_k=args.seqlen_k,
+                                batch=args.batch, heads=args.heads, causal=args.causal)
+    roofs = [c.roofline(device, tf32=args.tf32) for c in rows]
 
     c0 = rows[1]
     sq = args.seqlen
     sk = sq if args.seqlen_k is None else args.seqlen_k
-    d = args.headdim
-    dv = d if args.headdim_v is None else args.headdim_v
+    d = args.head_dim
+    dv = d if args.head_dim_v is None else args.head_dim_v
     hk = args.heads if args.heads_k is None else args.heads_k
     mask = "causal" if args.causal else "no mask"
     if tuple(args.window) != (-1, -1):
@@ -919,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
           + tf32_note)
     kv_mb = c0.element_bytes * sk * (d + dv) / 1e6
     print(f"K+V of one head: {kv_mb:.3g} MB vs. L2 {device.l2_mb:g} MB; fused K/V re-reads "
-          + ("counted (--no-l2, Br=%d)" % args.block_m if args.no_l2 else "assumed L2 hits"))
+          + ("counted (--no-l2, Br=%d)" % block_m if args.no_l2 else "assumed L2 hits"))
     print()
     header = f"{'':<15}{'FLOPs':>11}{'HBM bytes':>12}{'FLOP/byte':>11}{'roofline':>11}  bound"
     print(header)
@@ -933,20 +952,20 @@ def main(argv: list[str] | None = None) -> int:
           f" {_si(fa_flops)}; naive/fused bytes: {rows[0].bytes / rows[1].bytes:.1f}x")
     print()
     e = c0.element_bytes
-    # The seed's N/e law holds for the dense, MHA, D = Dv, L2-reuse case only.
-    seed_law = (not args.causal and tuple(args.window) == (-1, -1) and hk == args.heads
-                and d == dv and not args.no_l2)
+    # fused ~ N/e holds for the dense, MHA, D = Dv, L2-reuse case only
+    dense_law = (not args.causal and tuple(args.window) == (-1, -1) and hk == args.heads
+                 and d == dv and not args.no_l2)
     print("forward intensity (FLOP/byte) vs. N = Sq = Sk"
-          + (f"; the seed: fused ~ N/{e} for {e}-byte elements:" if seed_law else ":"))
-    print(f"{'N':>8}{'naive':>9}{'fused':>9}" + (f"{'N/' + str(e):>9}" if seed_law else ""))
+          + (f"; dense attention: fused ~ N/{e} for {e}-byte elements:" if dense_law else ":"))
+    print(f"{'N':>8}{'naive':>9}{'fused':>9}" + (f"{'N/' + str(e):>9}" if dense_law else ""))
     for n in (512, 1024, 2048, 4096, 8192, 16384):
         skw = dict(kw, seqlen_k=None)
         nv = naive_attention_cost(n, d, **skw)
         fu = fused_attention_cost(n, d, **skw, **fused_kw)
         print(f"{n:>8}{nv.intensity:>9.1f}{fu.intensity:>9.1f}"
-              + (f"{n / e:>9.0f}" if seed_law else ""))
+              + (f"{n / e:>9.0f}" if dense_law else ""))
     return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,7 +1,7 @@
-"""Tests of cuflash.intensity: the FLOP/byte model of naive vs. fused attention (seed section 3).
+"""Tests of cuflash.intensity: the FLOP/byte model of naive vs. fused attention.
 
-Expected values are written out as arithmetic from the formulas (FlashAttention §3.2, the seed's
-section 3, DESIGN §6), and mask-dependent counts are checked against brute-force NumPy masks.
+Expected values are written out as arithmetic from the formulas (FlashAttention §3.2, DESIGN
+§6), and mask-dependent counts are checked against brute-force NumPy masks.
 """
 
 import dataclasses
@@ -131,13 +131,13 @@ def test_flash_attn_convention():
 # ---------------------------------------------------------------------------------- bytes
 
 
-def test_naive_forward_bytes_match_the_seed():
+def test_naive_forward_bytes_match_the_closed_form():
     n, d = 2048, 64
     c = it.naive_attention_cost(n, d, dtype="float32")
     # Read Q,K (2Nd), write S, read S, write P, read P (4N^2), read V (Nd), write O (Nd).
     assert c.bytes == 4 * (4 * n * d + 4 * n * n)
     assert c.flops == 4 * n * n * d
-    # The seed's closed form N*d / (4*(N + d)).
+    # The closed form N*d / (4*(N + d)).
     assert c.intensity == pytest.approx(n * d / (4 * (n + d)))
     assert 15 < c.intensity < 16
 
@@ -169,18 +169,18 @@ def test_naive_backward_bytes():
     assert c.flops == 4 * n * n * (d + d)
 
 
-def test_fused_forward_bytes_and_the_seeds_512():
+def test_fused_forward_bytes_and_the_dense_512():
     n, d = 2048, 64
     c = it.fused_attention_cost(n, d, dtype="float32")
     # Q, K, V read, O written: 4 bytes * 4Nd; LSE (float32): 4N.
     assert c.bytes == 4 * 4 * n * d + 4 * n
     assert c.flops == 4 * n * n * d
     assert c.intensity == pytest.approx(n * d / (4 * d + 1))
-    # The seed: ~N/4 = 512 (the LSE write costs 0.4%).
+    # Dense fp32: ~N/4 = 512 (the LSE write costs 0.4%).
     assert c.intensity == pytest.approx(512, rel=0.005)
-    seed = 4 * n * n * d / (4 * (3 * n * d + n * d))
-    assert seed == 512
-    assert c.intensity == pytest.approx(seed * (16 * n * d) / (16 * n * d + 4 * n))
+    law = 4 * n * n * d / (4 * (3 * n * d + n * d))
+    assert law == 512
+    assert c.intensity == pytest.approx(law * (16 * n * d) / (16 * n * d + 4 * n))
 
 
 @pytest.mark.parametrize("n", [512, 1024, 4096, 16384])
@@ -314,8 +314,8 @@ def test_cost_is_frozen():
 # ---------------------------------------------------------------------------------- CLI
 
 
-def test_cli_reproduces_the_seed(capsys):
-    assert it.main(["--seqlen", "2048", "--headdim", "64", "--dtype", "float32"]) == 0
+def test_cli_reproduces_the_dense_analysis(capsys):
+    assert it.main(["--seqlen", "2048", "--head-dim", "64", "--dtype", "float32", "--device", "h100"]) == 0
     out = capsys.readouterr().out
     assert "H100 SXM" in out
     naive = next(line for line in out.splitlines() if line.startswith("naive fwd"))
@@ -325,14 +325,14 @@ def test_cli_reproduces_the_seed(capsys):
     # Intensities: N*d/(4(N+d)) = 15.5 and N*d/(4d+1) = 510.0.
     assert f"{2048 * 64 / (4 * 2112):.1f}" in naive
     assert f"{2048 * 64 / 257:.1f}" in fused
-    # The sweep prints the seed's N/4 column with 512 at N = 2048.
+    # The sweep prints the dense law's N/4 column with 512 at N = 2048.
     sweep = next(line for line in out.splitlines() if line.split()[:1] == ["2048"])
     assert sweep.split()[-1] == "512"
     assert "N/4" in out
 
 
 def test_cli_backward_gqa_no_l2(capsys):
-    argv = ["--seqlen", "1024", "--seqlen-k", "4096", "--headdim", "128", "--heads", "16",
+    argv = ["--seqlen", "1024", "--seqlen-k", "4096", "--head-dim", "128", "--heads", "16",
             "--heads-k", "4", "--dtype", "bf16", "--causal", "--backward", "--device", "a100",
             "--no-l2", "--block-m", "64"]
     assert it.main(argv) == 0
@@ -340,25 +340,31 @@ def test_cli_backward_gqa_no_l2(capsys):
     for label in ("naive fwd", "fused fwd", "naive bwd", "fused bwd"):
         assert label in out
     assert "A100" in out and "Hk=4" in out and "causal" in out and "Br=64" in out
-    assert "N/2" not in out  # the seed's law is not claimed for causal GQA
+    assert "N/2" not in out  # the dense law is not claimed for causal GQA
 
 
-def test_cli_bad_arguments(capsys):
-    assert it.main(["--seqlen", "-3"]) == 2
-    assert "error: --seqlen must be a positive int, got -3" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, message", [
+    (["--seqlen", "-3"], "argument --seqlen: expected a positive integer, got -3"),
+    (["--window", "-4", "0"], "argument --window: expected an integer >= -1, got -4"),
+    (["--dtype", "int7"], "argument --dtype: 'int7' is not a dtype; expected one of float16 (fp16"),
+    (["--device", "v100"], "argument --device: invalid choice: 'v100'"),
+])
+def test_cli_bad_arguments(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        it.main(argv)
+    assert exit_info.value.code == 2
+    assert f"python -m cuflash intensity: error: {message}" in capsys.readouterr().err
+
+
+def test_cli_model_errors_name_the_flags(capsys):
     assert it.main(["--heads", "3", "--heads-k", "2"]) == 2
-    assert "--heads=3 must be a multiple of --heads-k=2" in capsys.readouterr().err
-    assert it.main(["--window", "-4", "0"]) == 2
-    assert "--window LEFT must be an int >= -1, got -4" in capsys.readouterr().err
-    assert it.main(["--dtype", "int7"]) == 2
-    assert "dtype" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        it.main(["--device", "v100"])
+    assert capsys.readouterr().err == ("python -m cuflash intensity: error: --heads=3 must be a multiple of "
+                                       "--heads-k=2 (GQA)\n")
 
 
 def test_cli_through_the_dispatcher(capsys):
     from cuflash.__main__ import main as dispatch
-    assert dispatch(["intensity", "--seqlen", "512", "--headdim", "32"]) == 0
+    assert dispatch(["intensity", "--seqlen", "512", "--head-dim", "32"]) == 0
     assert "fused fwd" in capsys.readouterr().out
 
 
