@@ -1,6 +1,6 @@
 """A roofline read from the kernels' own SASS: ``python -m cuflash roofline`` and :func:`analyze`.
 
-The seed's arithmetic-intensity analysis (``cuflash.intensity``: FLOPs against HBM bytes) carried
+The arithmetic-intensity analysis of :mod:`cuflash.intensity` (FLOPs against HBM bytes) carried
 one level down, to what one SM does per K/V tile of a kernel's main loop. No GPU is needed: the
 variant the dispatcher would choose is compiled with NVRTC (the run-time options), disassembled
 with ``cuobjdump``/``nvdisasm`` (the ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` wheels),
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from cuflash.analysis import intensity
+from cuflash.analysis import cli, intensity
 
 __all__ = ["SmRates", "RATES", "Counts", "Roofline", "analyze", "compile_sass", "variants", "main"]
 
@@ -120,7 +120,7 @@ def _hopper(device: intensity.Device) -> SmRates:
         mma_sync_macs=0.6 * wgmma, wgmma_macs=wgmma, smem_bytes=128.0, mufu_lanes=16.0, fp32_lanes=128.0,
         issue=4.0, registers=65536, smem_per_sm=228 * 1024, smem_reserved=1024, max_threads=2048, max_ctas=32,
         source=(f"{device.source}; 132 SMs and 2048 dense 16-bit MACs per cycle per SM for wgmma (the "
-                "datasheet's peak at 1.83 GHz); mma.sync about 60% of that on sm_90 (issue 17; "
+                "datasheet's peak at 1.83 GHz); mma.sync about 60% of that on sm_90 ("
                 "FlashAttention-3, Shah et al. 2024, section 1: mma.sync reaches about two thirds of "
                 "the H100's peak); " + _GUIDE))
 
@@ -610,19 +610,19 @@ def variants(arch: int, *, backward: bool | None = None, dtype: str | None = Non
     return found
 
 
-_ALIASES = {"f16": "float16", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "f32": "float32",
-            "fp32": "float32"}
+#: the dtypes the attention kernels compute in
+KERNEL_DTYPES = ("float16", "bfloat16", "float32")
 
 
 def _numpy_dtype(dtype):
-    """A supported NumPy dtype from ``"bf16"``, ``"float16"``, ... (ValueError naming it if not)."""
+    """A supported NumPy dtype from ``"bf16"``, ``"float16"``, ... (any spelling of
+    :data:`cuflash.analysis.cli.DTYPE_ALIASES`; ValueError naming it if not a kernel dtype)."""
     from cuflash.runtime import dtypes
 
-    dt = dtypes.from_name(_ALIASES.get(str(dtype).lower(), str(dtype).lower()))
-    if dt is None:
-        raise ValueError(f"cuflash.roofline: dtype={dtype!r} must be one of float16, bfloat16, float32 "
-                         "(or f16, bf16, f32)")
-    return dt
+    name = cli.canonical_dtype(dtype)
+    if name not in KERNEL_DTYPES:
+        raise ValueError(f"cuflash.roofline: dtype={dtype!r} must be one of {cli.dtype_help(KERNEL_DTYPES)}")
+    return dtypes.from_name(name)
 
 
 def _dtype_key(dtype) -> str:
@@ -655,6 +655,13 @@ def compile_sass(variant, arch: int) -> tuple[str, dict]:
     return disassemble(cubin), cuda_runner.ptxas_resources(log, variant.entry)
 
 
+def _keep_sass(text: str, variant, arch: int, sass_dir: str | None) -> None:
+    """Write the disassembly to ``<sass_dir>/<entry>.sm_<arch>.sass`` (nothing when None)."""
+    if sass_dir is not None:
+        Path(sass_dir).mkdir(parents=True, exist_ok=True)
+        (Path(sass_dir) / f"{variant.entry}.sm_{arch}.sass").write_text(text)
+
+
 def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str | None = None) -> Roofline:
     """Compile ``variant`` for the device's arch, read its main loop and model it.
 
@@ -680,9 +687,7 @@ def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str 
         raise ValueError(f"cuflash.roofline: device={device!r} must be one of {sorted(RATES)}")
     rates = RATES[device]
     text, res = compile_sass(variant, rates.arch)
-    if sass_dir is not None:
-        Path(sass_dir).mkdir(parents=True, exist_ok=True)
-        (Path(sass_dir) / f"{variant.entry}.sm_{rates.arch}.sass").write_text(text)
+    _keep_sass(text, variant, rates.arch, sass_dir)
     insns = parse_sass(text, variant.entry)
     head, latch, inner = main_loop(insns)
     unmasked, masked = loop_paths(insns, head, latch)[:2]
@@ -731,13 +736,15 @@ class DecodeRoofline:
     predicted_gb_per_s: float
 
 
-def analyze_decode(variant, device: str = "h200", *, rows: int = 4, cache: str = "paged") -> DecodeRoofline:
+def analyze_decode(variant, device: str = "h200", *, rows: int = 4, cache: str = "paged",
+                   sass_dir: str | None = None) -> DecodeRoofline:
     """Model a decode step of the KV-cache kernel ``variant`` from its SASS (a prediction).
 
     ``rows`` packed query rows per CTA (GQA group x Sq); ``cache`` "paged" (the row-by-row
     gather through the block table, its copy loop counted at its trip count) or "contiguous"
     (the unrolled regular copy). Warps whose rows are all past ``rows`` skip the math: they count
-    the loop's path with the fewest tensor instructions.
+    the loop's path with the fewest tensor instructions. ``sass_dir``: folder to keep the
+    disassembly in (``<entry>.sm_<arch>.sass``).
     """
     if device not in RATES:
         raise ValueError(f"cuflash.roofline: device={device!r} must be one of {sorted(RATES)}")
@@ -745,6 +752,7 @@ def analyze_decode(variant, device: str = "h200", *, rows: int = 4, cache: str =
         raise ValueError(f"cuflash.roofline: {variant.entry} is not a KV-cache variant")
     rates = RATES[device]
     text, res = compile_sass(variant, rates.arch)
+    _keep_sass(text, variant, rates.arch, sass_dir)
     insns = parse_sass(text, variant.entry)
     head, latch, _ = main_loop(insns)
     inner = [(x.target, x.addr) for x in insns
@@ -791,100 +799,200 @@ def analyze_decode(variant, device: str = "h200", *, rows: int = 4, cache: str =
         predicted_gb_per_s=round(rates.device.hbm_gb_per_s * frac, 1))
 
 
-def format_decode_table(rows: list[DecodeRoofline]) -> str:
-    head = (f"{'entry':<46} {'cache':>10} {'rows':>4} {'act/w':>5} {'regs':>4} {'CTA/SM':>6} {'KB/tile':>7} "
-            f"{'tensor':>7} {'smem':>7} {'issue':>7} {'hbm':>7} {'bound':>6} {'HBM %':>6} {'GB/s':>7}")
+#: the prefix every attention kernel's entry name starts with (left out of the narrow tables)
+ENTRY_PREFIX = "cuflash_attn_"
+
+#: the columns the narrow tables fit in
+TABLE_COLUMNS = 100
+
+
+def _short(entry: str) -> str:
+    return entry.removeprefix(ENTRY_PREFIX)
+
+
+def format_decode_table(rows: list[DecodeRoofline], *, wide: bool = False) -> str:
+    """The decode model's table: every pipe with ``wide``, else the binding pipe and the predicted
+    bandwidth in :data:`TABLE_COLUMNS` columns (entry names without :data:`ENTRY_PREFIX`)."""
+    if wide:
+        head = (f"{'entry':<46} {'cache':>10} {'rows':>4} {'act/w':>5} {'regs':>4} {'CTA/SM':>6} {'KB/tile':>7} "
+                f"{'tensor':>7} {'smem':>7} {'issue':>7} {'hbm':>7} {'bound':>6} {'HBM %':>6} {'GB/s':>7}")
+        lines = [head, "-" * len(head)]
+        for r in rows:
+            p = r.pipes
+            lines.append(f"{r.entry:<46} {r.cache:>10} {r.rows:>4} {f'{r.active_warps}/{r.warps}':>5} "
+                         f"{r.registers:>4} {r.ctas_per_sm:>6} {r.cache_bytes_per_tile / 1024:>7.1f} "
+                         f"{p['tensor']:>7.0f} {p['smem']:>7.0f} {p['issue']:>7.0f} {p['hbm']:>7.0f} {r.bound:>6} "
+                         f"{100 * r.hbm_fraction:>5.0f}% {r.predicted_gb_per_s:>7.0f}")
+        return "\n".join(lines)
+    w = max([len(_short(r.entry)) for r in rows] + [len("kernel")])
+    head = (f"{'kernel':<{w}} {'cache':>10} {'rows':>4} {'act/w':>5} {'CTA/SM':>6} {'KB/tile':>7} "
+            f"{'bound':>9} {'HBM %':>5} {'GB/s':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        p = r.pipes
-        lines.append(f"{r.entry:<46} {r.cache:>10} {r.rows:>4} {f'{r.active_warps}/{r.warps}':>5} {r.registers:>4} "
-                     f"{r.ctas_per_sm:>6} {r.cache_bytes_per_tile / 1024:>7.1f} {p['tensor']:>7.0f} {p['smem']:>7.0f} "
-                     f"{p['issue']:>7.0f} {p['hbm']:>7.0f} {r.bound:>6} {100 * r.hbm_fraction:>5.0f}% "
-                     f"{r.predicted_gb_per_s:>7.0f}")
+        lines.append(f"{_short(r.entry):<{w}} {r.cache:>10} {r.rows:>4} {f'{r.active_warps}/{r.warps}':>5} "
+                     f"{r.ctas_per_sm:>6} {r.cache_bytes_per_tile / 1024:>7.1f} {r.bound:>9} "
+                     f"{100 * r.hbm_fraction:>4.0f}% {r.predicted_gb_per_s:>6.0f}")
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------
 # command line
-# --------------------------------------------------------------------------------------------
 
-def format_table(rows: list[Roofline]) -> str:
-    head = (f"{'entry':<44} {'dir':>3} {'BrxBc':>7} {'D':>4} {'w':>2} {'regs':>4} {'spill':>5} {'smemKB':>6} "
-            f"{'CTA/SM':>6} {'w/SM':>4} {'tensor':>6} {'other/T':>7} {'smemB/T':>7} {'mufu':>4} "
-            f"{'tensor':>7} {'smem':>7} {'issue':>7} {'mufu':>6} {'hbm':>6} {'bound':>7} {'TFLOP/s':>7}")
+
+def format_table(rows: list[Roofline], *, wide: bool = False) -> str:
+    """The model's table, one row per kernel: every count and pipe with ``wide``; else the tile,
+    the occupancy, the tensor, shared-memory and issue pipes' cycles, the binding pipe and the
+    ceiling in :data:`TABLE_COLUMNS` columns (entry names without :data:`ENTRY_PREFIX`; ``*``
+    after a name marks a main loop with inner loops, whose counts are lower bounds)."""
+    if wide:
+        head = (f"{'entry':<44} {'dir':>3} {'BrxBc':>7} {'D':>4} {'w':>2} {'regs':>4} {'spill':>5} {'smemKB':>6} "
+                f"{'CTA/SM':>6} {'w/SM':>4} {'tensor':>6} {'other/T':>7} {'smemB/T':>7} {'mufu':>4} "
+                f"{'tensor':>7} {'smem':>7} {'issue':>7} {'mufu':>6} {'hbm':>6} {'bound':>7} {'TFLOP/s':>7}")
+        lines = [head, "-" * len(head)]
+        for r in rows:
+            p = r.pipes
+            ot = f"{r.other_per_tensor:.2f}" if r.tensor_per_tile else "-"
+            ot += "*" if r.inner_loops else ""
+            st = f"{r.smem_bytes_per_tensor:.0f}" if r.tensor_per_tile else "-"
+            lines.append(
+                f"{r.entry:<44} {r.direction:>3} {f'{r.block_m}x{r.block_n}':>7} {r.head_dim:>4} {r.warps:>2} "
+                f"{r.registers:>4} {r.spills:>5} {r.smem_bytes / 1024:>6.1f} {r.ctas_per_sm:>6} {r.warps_per_sm:>4} "
+                f"{r.tensor_per_tile:>6} {ot:>7} {st:>7} {r.mufu_per_tile:>4} {p['tensor']:>7.0f} {p['smem']:>7.0f} "
+                f"{p['issue']:>7.0f} {p['mufu']:>6.0f} {p['hbm']:>6.0f} {r.bound:>7} {r.ceiling_tflops:>7.0f}")
+        return "\n".join(lines)
+    names = [_short(r.entry) + ("*" if r.inner_loops else "") for r in rows]
+    w = max([len(n) for n in names] + [len("kernel")])
+    head = (f"{'kernel':<{w}} {'BrxBc':>7} {'CTA/SM':>6} {'tensor':>6} {'smem':>6} {'issue':>6} "
+            f"{'bound':>9} {'TFLOP/s':>7}")
     lines = [head, "-" * len(head)]
-    for r in rows:
+    for name, r in zip(names, rows):
         p = r.pipes
-        ot = f"{r.other_per_tensor:.2f}" if r.tensor_per_tile else "-"
-        ot += "*" if r.inner_loops else ""
-        st = f"{r.smem_bytes_per_tensor:.0f}" if r.tensor_per_tile else "-"
-        lines.append(
-            f"{r.entry:<44} {r.direction:>3} {f'{r.block_m}x{r.block_n}':>7} {r.head_dim:>4} {r.warps:>2} "
-            f"{r.registers:>4} {r.spills:>5} {r.smem_bytes / 1024:>6.1f} {r.ctas_per_sm:>6} {r.warps_per_sm:>4} "
-            f"{r.tensor_per_tile:>6} {ot:>7} {st:>7} {r.mufu_per_tile:>4} {p['tensor']:>7.0f} {p['smem']:>7.0f} "
-            f"{p['issue']:>7.0f} {p['mufu']:>6.0f} {p['hbm']:>6.0f} {r.bound:>7} {r.ceiling_tflops:>7.0f}")
+        lines.append(f"{name:<{w}} {f'{r.block_m}x{r.block_n}':>7} {r.ctas_per_sm:>6} {p['tensor']:>6.0f} "
+                     f"{p['smem']:>6.0f} {p['issue']:>6.0f} {r.bound:>9} {r.ceiling_tflops:>7.0f}")
     return "\n".join(lines)
 
 
+PROG = "python -m cuflash roofline"
+
+
 def _parser() -> argparse.ArgumentParser:
+    positive = cli.int_at_least(1)
     p = argparse.ArgumentParser(
-        prog="python -m cuflash roofline",
+        prog=PROG, allow_abbrev=False,
         description="A roofline read from the kernels' SASS (a MODEL, not a measurement): per K/V tile "
                     "of the main loop, the tensor, shared-memory, MUFU, FP32, issue and HBM pipes' cycles "
                     "and the binding one's predicted ceiling. Needs NVRTC (CuPy) and the "
-                    "nvidia-cuda-cuobjdump/nvdisasm wheels; no GPU.")
-    p.add_argument("--device", default="h200", choices=sorted(RATES), help="per-SM rates (default h200)")
-    p.add_argument("--arch", type=int, default=None, help="compute capability; must match the device's")
-    p.add_argument("--dtype", default="bf16", help="float16/bfloat16/float32 (f16, bf16, f32)")
-    p.add_argument("--head-dim", type=int, default=None, help="the variant chosen for this head dim (default: all)")
-    p.add_argument("--head-dim-v", type=int, default=None, help="value head dim (default: --head-dim)")
+                    "nvidia-cuda-cuobjdump/nvdisasm wheels; no GPU. Compiling every variant takes minutes: "
+                    "progress is shown on stderr when it is a terminal (a tqdm bar when tqdm is installed).")
+    p.add_argument("--device", default=cli.DEFAULT_DEVICE, choices=sorted(RATES),
+                   help=f"per-SM rates (default {cli.DEFAULT_DEVICE})")
+    p.add_argument("--arch", type=positive, default=None, help="compute capability; must match the device's")
+    p.add_argument("--dtype", type=cli.dtype_arg(KERNEL_DTYPES), default="bfloat16",
+                   help=f"{cli.dtype_help(KERNEL_DTYPES)} (default bfloat16)")
+    p.add_argument("--head-dim", type=positive, default=None, help="the variant chosen for this head dim (default: all)")
+    p.add_argument("--head-dim-v", type=positive, default=None, help="value head dim, with --head-dim (default: --head-dim)")
     p.add_argument("--backward", action="store_true", help="the backward pass")
     p.add_argument("--forward-and-backward", action="store_true", help="both passes")
     p.add_argument("--varlen", action="store_true", help="the packed variable-length kernels (attention_varlen)")
-    p.add_argument("--seqlen", type=int, default=8192, help="reference sequence length of the HBM pipe")
+    p.add_argument("--seqlen", type=positive, default=None,
+                   help="reference sequence length of the HBM pipe (default 8192; not with --decode)")
     p.add_argument("--decode", action="store_true",
                    help="the KV-cache (decode) kernel: per key tile, paged and contiguous caches, for --rows packed "
                         "query rows (GQA group x Sq)")
-    p.add_argument("--rows", type=int, default=4, help="packed query rows per CTA for --decode (default 4)")
-    p.add_argument("--json", metavar="FILE", help="write the records (one per variant) as JSON")
+    p.add_argument("--rows", type=positive, default=None, help="packed query rows per CTA, with --decode (default 4)")
+    p.add_argument("--json", metavar="FILE", help="write the records (one per variant) as JSON to FILE ('-' for "
+                                                  "stdout, the table then goes to stderr)")
     p.add_argument("--sass", metavar="DIR", help="keep the disassembly read, one file per variant")
+    p.add_argument("--wide", action="store_true",
+                   help=f"the full table (every count and pipe); default: the main columns in {TABLE_COLUMNS} columns")
+    p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    rates = RATES[args.device]
+def _refuse_meaningless(parser: argparse.ArgumentParser, args, rates: SmRates) -> None:
+    """parser.error for a combination of flags that means nothing."""
     if args.arch is not None and args.arch != rates.arch:
-        print(f"cuflash roofline: --arch {args.arch} does not match --device {args.device} (sm_{rates.arch})",
-              file=sys.stderr)
-        return 2
-    if args.seqlen < 1:
-        print(f"cuflash roofline: --seqlen must be >= 1, got {args.seqlen}", file=sys.stderr)
-        return 2
+        parser.error(f"--arch {args.arch} does not match --device {args.device} (sm_{rates.arch})")
+    if args.backward and args.forward_and_backward:
+        parser.error("--backward with --forward-and-backward: pick one")
     if args.decode:
-        return _main_decode(args, rates)
-    backward = None if args.forward_and_backward else args.backward
+        for flag, given in (("--backward", args.backward), ("--forward-and-backward", args.forward_and_backward),
+                            ("--varlen", args.varlen), ("--seqlen", args.seqlen is not None)):
+            if given:
+                parser.error(f"{flag} with --decode: the decode model is the KV-cache forward kernel's, "
+                             f"per key tile; drop {flag} or --decode")
+        if args.head_dim_v is not None and args.head_dim is None:
+            parser.error("--head-dim-v needs --head-dim (one value head dim for every head dim means nothing)")
+    else:
+        if args.rows is not None:
+            parser.error("--rows applies to --decode only; add --decode or drop --rows")
+        if args.head_dim_v is not None and args.head_dim is None:
+            parser.error("--head-dim-v needs --head-dim (without it every variant is listed, whatever its head dims)")
+
+
+def _install_hint(exc: BaseException) -> str:
+    return (f"{exc}; the command compiles with NVRTC through CuPy and disassembles with cuobjdump/nvdisasm: "
+            "pip install 'cuflash[cuda12,test]' (or cupy-cuda12x nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 "
+            "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+
+
+def _say(text: str, out) -> None:
+    import textwrap
+
+    print(textwrap.fill(text, TABLE_COLUMNS, break_on_hyphens=False), file=out)
+
+
+def _write_json(path: str, records) -> None:
+    text = json.dumps(records, indent=1)
+    if path == "-":
+        print(text)
+    else:
+        Path(path).write_text(text)
+
+
+@cli.command(PROG)
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cuflash roofline``: the model's table for the variants chosen by the flags.
+
+    Returns
+    -------
+    int
+        0 on success; 2 for invalid arguments (``python -m cuflash roofline: error: ...``); 1 when
+        the compiler or the SASS tools are missing or fail.
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    rates = RATES[args.device]
+    _refuse_meaningless(parser, args, rates)
+    out = sys.stderr if args.json == "-" else sys.stdout
     try:
-        chosen = variants(rates.arch, backward=backward, dtype=args.dtype, head_dim=args.head_dim,
-                          head_dim_v=args.head_dim_v, varlen=args.varlen)
-    except (TypeError, ValueError, NotImplementedError) as e:
-        print(_message(e), file=sys.stderr)
-        return 2
-    try:
-        rows = [analyze(v, args.device, seqlen=args.seqlen, sass_dir=args.sass) for v in chosen]
+        if args.decode:
+            return _main_decode(args, rates, out)
+        return _main_loops(args, rates, out)
     except ImportError as e:
-        print(f"cuflash roofline: {e}; the command compiles with NVRTC through CuPy and disassembles with "
-              "cuobjdump/nvdisasm: pip install 'cuflash[cuda12,test]' (or cupy-cuda12x nvidia-cuda-nvrtc-cu12 "
-              "nvidia-cuda-runtime-cu12 nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)", file=sys.stderr)
+        cli.error(PROG, _install_hint(e))
         return 1
-    except (RuntimeError, ValueError) as e:
-        print(_message(e), file=sys.stderr)
+    except RuntimeError as e:
+        if isinstance(e, NotImplementedError):   # cuflash refusing the input: cli.command's, status 2
+            raise
+        cli.error(PROG, str(e).removeprefix("cuflash.roofline: "))
         return 1
-    print(f"MODEL, not a measurement: per-SM rates of the {rates.device.name} (sm_{rates.arch}, {rates.sms} SMs at "
-          f"{rates.clock_ghz:.2f} GHz); counts per warp and K/V tile of the main loop (unmasked path), pipe "
-          "cycles per tile and CTA; * marks loops with inner loops (counted once: lower bounds). Sources: "
-          "python -c 'import cuflash.analysis.roofline as r; print(r.RATES[\"h200\"].source)'")
-    print(format_table(rows))
+
+
+def _main_loops(args, rates: SmRates, out) -> int:
+    backward = None if args.forward_and_backward else args.backward
+    seqlen = 8192 if args.seqlen is None else args.seqlen
+    chosen = variants(rates.arch, backward=backward, dtype=args.dtype, head_dim=args.head_dim,
+                      head_dim_v=args.head_dim_v, varlen=args.varlen)
+    rows = [analyze(v, args.device, seqlen=seqlen, sass_dir=args.sass)
+            for v in cli.progress(chosen, "roofline", enabled=not args.no_progress, label=lambda v: v.entry)]
+    _say(f"MODEL, not a measurement: per-SM rates of the {rates.device.name} (sm_{rates.arch}, {rates.sms} SMs at "
+         f"{rates.clock_ghz:.2f} GHz); counts per warp and K/V tile of the main loop (unmasked path), pipe "
+         "cycles per tile and CTA; * marks loops with inner loops (counted once: lower bounds)"
+         + ("" if args.wide else f"; kernels without their {ENTRY_PREFIX} prefix, --wide for every count and pipe")
+         + ". Sources of the rates:", out)
+    print(f"  python -c 'import cuflash.analysis.roofline as r; print(r.RATES[\"{args.device}\"].source)'", file=out)
+    print(format_table(rows, wide=args.wide), file=out)
     records = [r.as_dict() for r in rows]
     if args.head_dim is not None:
         want_d, want_dv = args.head_dim, args.head_dim_v or args.head_dim
@@ -893,41 +1001,33 @@ def main(argv: list[str] | None = None) -> int:
                 (3 * want_d + 2 * want_dv) / (3 * r.head_dim + 2 * r.head_dim_v)
             rec.update(requested_head_dim=want_d, requested_head_dim_v=want_dv, useful_fraction=round(useful, 4))
             if useful < 1:
-                print(f"note: head dim {want_d} (v {want_dv}) runs in the d{r.head_dim} bucket of {r.entry}: the figures "
-                      f"are that kernel's, {useful:.0%} of its FLOPs are useful (ceiling for D={want_d}: "
-                      f"{r.ceiling_tflops * useful:.0f} TFLOP/s, predicted)")
+                _say(f"note: head dim {want_d} (v {want_dv}) runs in the d{r.head_dim} bucket of {r.entry}: the "
+                     f"figures are that kernel's, {useful:.0%} of its FLOPs are useful (ceiling for D={want_d}: "
+                     f"{r.ceiling_tflops * useful:.0f} TFLOP/s, predicted)", out)
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1))
+        _write_json(args.json, records)
     return 0
 
 
-def _main_decode(args, rates) -> int:
+def _main_decode(args, rates: SmRates, out) -> int:
     from cuflash.kernels import attention_fwd_mma
 
-    if args.rows < 1:
-        print(f"cuflash roofline: --rows must be >= 1, got {args.rows}", file=sys.stderr)
-        return 2
-    try:
-        dt = _numpy_dtype(args.dtype)
-        dims = [args.head_dim] if args.head_dim else list(attention_fwd_mma.HEAD_DIM_BUCKETS)
-        chosen = [attention_fwd_mma.choose_variant(dt, d, args.head_dim_v or d, rates.arch, kvcache=True) for d in dims]
-        rows = [analyze_decode(v, args.device, rows=args.rows, cache=c) for v in chosen for c in ("paged", "contiguous")]
-    except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
-        print(_message(e), file=sys.stderr)
-        return 1 if isinstance(e, RuntimeError) else 2
-    print(f"MODEL, not a measurement: a decode step on the KV-cache kernel, per key tile and CTA, with {args.rows} "
-          f"packed query rows; per-SM rates of the {rates.device.name} (sm_{rates.arch}); HBM % is the share of "
-          "its bandwidth the binding pipe leaves (throughput only: latency and bytes in flight are not modelled)")
-    print(format_decode_table(rows))
+    rows_per_cta = 4 if args.rows is None else args.rows
+    dt = _numpy_dtype(args.dtype)
+    dims = [args.head_dim] if args.head_dim else list(attention_fwd_mma.HEAD_DIM_BUCKETS)
+    chosen = [attention_fwd_mma.choose_variant(dt, d, args.head_dim_v or d, rates.arch, kvcache=True) for d in dims]
+    jobs = [(v, c) for v in chosen for c in ("paged", "contiguous")]
+    rows = [analyze_decode(v, args.device, rows=rows_per_cta, cache=c, sass_dir=args.sass)
+            for v, c in cli.progress(jobs, "roofline --decode", enabled=not args.no_progress,
+                                     label=lambda job: f"{job[0].entry} {job[1]}")]
+    _say(f"MODEL, not a measurement: a decode step on the KV-cache kernel, per key tile and CTA, with {rows_per_cta} "
+         f"packed query rows; per-SM rates of the {rates.device.name} (sm_{rates.arch}); HBM % is the share of "
+         "its bandwidth the binding pipe leaves (throughput only: latency and bytes in flight are not modelled)"
+         + ("" if args.wide else f"; kernels without their {ENTRY_PREFIX} prefix, --wide for every pipe"), out)
+    print(format_decode_table(rows, wide=args.wide), file=out)
     if args.json:
-        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+        _write_json(args.json, [dataclasses.asdict(r) for r in rows])
     return 0
-
-
-def _message(e: Exception) -> str:
-    text = str(e)
-    return text.replace("cuflash.roofline: ", "cuflash roofline: ", 1) if text.startswith("cuflash.roofline") else \
-        f"cuflash roofline: {text}"
 
 
 if __name__ == "__main__":
