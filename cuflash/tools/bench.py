@@ -32,6 +32,9 @@ import statistics
 import sys
 import time
 
+from cuflash.analysis import cli
+from cuflash.tools import cpu_bench
+
 TOKENS = 16384
 HIDDEN = 2048
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -410,72 +413,139 @@ def plot(records: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+PROG = "python -m cuflash bench"
+
+#: the GPU sweep's defaults and the CPU mode's (``--warmup``, ``--iters``)
+GPU_WARMUP, GPU_ITERS = 3, 10
+CPU_WARMUP, CPU_ITERS = 1, 5
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cuflash bench", description=__doc__.split("\n\n")[0] + ".",
+    positive = cli.int_at_least(1)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0] + ".", allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="bf16/fp16, hdim 64/128, S 2k/8k; baselines at the bar shape only")
-    p.add_argument("--dtype", choices=DTYPES, action="append", help="only this dtype (repeatable)")
-    p.add_argument("--hdim", type=int, action="append", help="only this head dim (repeatable)")
-    p.add_argument("--seqlen", type=int, action="append", help="only this seqlen (repeatable)")
-    p.add_argument("--causal", choices=("yes", "no"), help="only causal or only non-causal")
+    p.add_argument("--dtype", type=cli.dtype_arg(), action="append",
+                   help="only this dtype (repeatable): bfloat16 (bf16) or float16 (fp16, half) on the GPU; "
+                        "float32 with --cpu")
+    p.add_argument("--head-dim", type=positive, action="append", help="only this head dim (repeatable)")
+    p.add_argument("--seqlen", type=positive, action="append", help="only this seqlen (repeatable)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                   help="only causal (--causal) or only non-causal (--no-causal) configurations (default both)")
     p.add_argument("--no-baselines", action="store_true", help="time cuflash only")
     p.add_argument("--backward", action="store_true",
                    help="also time the backward (the kernel cuflash's dispatcher picks, and SDPA flash's with torch)")
     p.add_argument("--decode", action="store_true",
                    help="also time a paged decode step (attention_with_kvcache) against the copy bandwidth")
-    p.add_argument("--warmup", type=int, default=3, help="warm-up calls per measurement (default 3)")
-    p.add_argument("--iters", type=int, default=10, help="timed calls per measurement; the median is reported (default 10)")
+    p.add_argument("--warmup", type=cli.int_at_least(0), default=None,
+                   help=f"warm-up calls per measurement (default {GPU_WARMUP}; {CPU_WARMUP} with --cpu)")
+    p.add_argument("--iters", type=positive, default=None,
+                   help=f"timed calls per measurement; the median is reported (default {GPU_ITERS}; {CPU_ITERS} with "
+                        "--cpu, half as many above S=2048)")
     p.add_argument("--json", metavar="FILE", help="write the records as JSON to FILE ('-' for stdout, table on stderr)")
-    p.add_argument("--plot", metavar="FILE.png", help="save TFLOP/s against seqlen (matplotlib)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="save throughput against seqlen (needs matplotlib: the bench extra)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (a bar when stderr is a terminal; with --cpu a line per measurement)")
     p.add_argument("--cpu", action="store_true",
-                   help="time the CPU path instead (no GPU needed): cuflash on NumPy vs naive NumPy and torch's "
-                        "CPU SDPA, B=1 H=8 D=64 float32, S 2048/8192 (--seqlen, --no-baselines apply)")
+                   help=f"time the CPU path instead (no GPU needed): cuflash on NumPy vs naive NumPy and torch's "
+                        f"CPU SDPA, B={cpu_bench.B} H={cpu_bench.H} D={cpu_bench.D} float32, S 2048/8192 (--seqlen, "
+                        "--causal, --no-baselines, --warmup, --iters, --json, --plot, --no-progress apply)")
     p.add_argument("--compare", nargs=2, metavar=("BASE.json", "NEW.json"),
                    help="compare two saved pytest-benchmark runs by their ratios to the baselines; exit 1 on a "
                         "regression (no GPU needed)")
-    p.add_argument("--tolerance", type=float, default=0.25,
-                   help="--compare: how much a ratio may grow before it counts as a regression (default 0.25)")
+    p.add_argument("--tolerance", type=cli.float_above(0.0), default=None,
+                   help="with --compare: how much a ratio may grow before it counts as a regression (default 0.25)")
     return p
 
 
-def _progress(items, enabled: bool, desc: str):
-    if not enabled:
-        return items
+def _given(parser: argparse.ArgumentParser, args) -> dict[str, object]:
+    """The flags given on the command line (those whose value is not the default), by flag name."""
+    flags = {}
+    for action in parser._actions:
+        if action.dest in ("help",) or not action.option_strings:
+            continue
+        value = getattr(args, action.dest)
+        if value != action.default:
+            flag = action.option_strings[0]
+            flags["--no-causal" if action.dest == "causal" and value is False else flag] = value
+    return flags
+
+
+def _check_mode(parser: argparse.ArgumentParser, args) -> None:
+    """parser.error for a flag the chosen mode (--compare, --cpu, the GPU sweep) does not honour."""
+    given = _given(parser, args)
+    if args.compare:
+        extra = [f for f in given if f not in ("--compare", "--tolerance")]
+        if extra:
+            parser.error(f"{extra[0]} with --compare: --compare only reads two saved runs (it takes --tolerance)")
+        return
+    if "--tolerance" in given:
+        parser.error("--tolerance applies to --compare only")
+    if args.cpu:
+        for flag in ("--quick", "--backward", "--decode"):
+            if flag in given:
+                parser.error(f"{flag} with --cpu: the CPU mode times the forward of B={cpu_bench.B} H={cpu_bench.H} "
+                             f"D={cpu_bench.D} float32 (it takes --seqlen, --causal, --no-baselines, --warmup, --iters, "
+                             "--json, --plot, --no-progress)")
+        if any(d != "float32" for d in args.dtype or ()):
+            parser.error(f"--dtype {next(d for d in args.dtype if d != 'float32')} with --cpu: the CPU mode times "
+                         "float32")
+        if any(d != cpu_bench.D for d in args.head_dim or ()):
+            parser.error(f"--head-dim {next(d for d in args.head_dim if d != cpu_bench.D)} with --cpu: the CPU mode "
+                         f"times D={cpu_bench.D}")
+        return
+    bad = [d for d in args.dtype or () if d not in DTYPES]
+    if bad:
+        parser.error(f"--dtype {bad[0]}: the GPU benchmark times {' and '.join(DTYPES)} (float32 with --cpu)")
+
+
+def _matplotlib_missing() -> bool:
     try:
-        from tqdm import tqdm
-
-        return tqdm(items, desc=desc, file=sys.stderr, unit="cfg")
+        import matplotlib  # noqa: F401
     except ImportError:
-        return items
+        return True
+    return False
 
 
+@cli.command(PROG)
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """``python -m cuflash bench``: the GPU sweep, ``--cpu`` or ``--compare``.
+
+    Returns
+    -------
+    int
+        0 on success; 1 when a cuflash result failed its check (or ``--compare`` found a
+        regression); 2 for invalid arguments or no GPU (``python -m cuflash bench: error: ...``).
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_mode(parser, args)
     if args.compare:
         from cuflash.tools import bench_compare
 
-        return bench_compare.main(*args.compare, tolerance=args.tolerance)
+        tolerance = bench_compare.DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+        return bench_compare.main(*args.compare, tolerance=tolerance)
+    if args.plot and _matplotlib_missing():
+        return cli.error(PROG, "--plot needs matplotlib, which is not installed: pip install 'cuflash[bench]' "
+                               "(from a source checkout: pip install '.[bench]')")
     if args.cpu:
-        from cuflash.tools import cpu_bench
-
-        return cpu_bench.main(seqlens=args.seqlen, rounds=max(1, args.iters // 2), no_baselines=args.no_baselines)
+        return cpu_bench.main(seqlens=args.seqlen, rounds=CPU_ITERS if args.iters is None else args.iters,
+                              warmup=CPU_WARMUP if args.warmup is None else args.warmup,
+                              no_baselines=args.no_baselines, causal=args.causal, progress=not args.no_progress,
+                              json_path=args.json, plot_path=args.plot)
     ok, device = gpu_available()
     if not ok:
-        print(f"cuflash bench: {device}. The benchmark needs a GPU (the simulator is not "
-              f"benchmarked); nothing was measured.", file=sys.stderr)
-        return 2
-    causal = None if args.causal is None else args.causal == "yes"
-    configs = sweep(args.quick, dtypes=args.dtype, head_dims=args.hdim, seqlens=args.seqlen, causal=causal)
-    if args.plot:
-        import matplotlib  # noqa: F401 - fail before measuring, not after
+        return cli.error(PROG, f"{device}. The benchmark needs a GPU (the simulator is not benchmarked); nothing "
+                               "was measured (--cpu times the CPU path)")
+    configs = sweep(args.quick, dtypes=args.dtype, head_dims=args.head_dim, seqlens=args.seqlen, causal=args.causal)
 
     t0 = time.perf_counter()
-    timer = Timer(args.warmup, args.iters)
+    timer = Timer(GPU_WARMUP if args.warmup is None else args.warmup, GPU_ITERS if args.iters is None else args.iters)
     peak, peak_src = matmul_peak_tflops(timer)
     torch_ok = _have_torch_cuda()
     records: list[dict] = []
-    for cfg in _progress(configs, not args.no_progress, "cuflash bench"):
+    for cfg in cli.progress(configs, "cuflash bench", enabled=not args.no_progress, label=lambda c: c.label):
         impls = ("cuflash",) + (() if args.no_baselines else baselines_for(cfg, args.quick))
         if args.backward:
             impls += IMPLS_BWD[:1] if args.no_baselines else IMPLS_BWD

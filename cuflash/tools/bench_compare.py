@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import sys
 
+from cuflash.analysis import cli
+
 DEFAULT_TOLERANCE = 0.25
 #: implementations that are cuflash's own; every other ``impl`` of a group is a baseline
 OURS = ("cuflash", "cuflash_bwd", "cuflash_fwd_bwd")
@@ -158,8 +160,7 @@ def main(base_path: str, new_path: str, tolerance: float = DEFAULT_TOLERANCE, ou
             with open(path, encoding="utf-8") as f:
                 docs.append(json.load(f))
         except (OSError, json.JSONDecodeError) as exc:
-            print(f"cuflash bench --compare: cannot read {path}: {exc}", file=sys.stderr)
-            return 2
+            return cli.error("python -m cuflash bench", f"--compare: cannot read {path}: {exc}")
     rows, problems = compare(docs[0], docs[1], tolerance)
     print(format_rows(rows), file=out)
     if problems:

@@ -1,6 +1,6 @@
 """``python -m cuflash bench --decode``: one paged decode step against the copy bandwidth.
 
-The issue's serving shape (B=64 sequences, Hq=32 query heads over Hk=8 kv heads, head dim 128,
+A serving-sized decode shape (B=64 sequences, Hq=32 query heads over Hk=8 kv heads, head dim 128,
 8192 cached tokens each, bf16, pages of 16 tokens scattered over the cache) through
 :func:`cuflash.attention_with_kvcache` (split count from the heuristic, and 1), timed with CUDA
 events (L2 flushed, median), as the cache bytes it must read per second (K and V of every cached
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-#: the decode shape of the issue
+#: the decode shape timed: a serving batch (B=64, GQA 32/8, d128, 8192 cached tokens each, pages of 16)
 SHAPE = dict(batch=64, heads_q=32, heads_k=8, head_dim=128, cache=8192, page=16)
 
 

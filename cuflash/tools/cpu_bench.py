@@ -1,18 +1,20 @@
 """``python -m cuflash bench --cpu``: the CPU path against what a CPU user already has.
 
-The seed's example size, B=1, H=8, D=64, float32, at S = 2048 and 8192, causal or not:
+A small forward problem, B=1, H=8, D=64, float32, at S = 2048 and 8192, causal or not:
 ``cuflash.attention`` on NumPy arrays (the tiled NumPy path, threaded), naive NumPy attention
 (S and P materialised in float32, what a user writes) and, when torch is importable, torch's CPU
 ``scaled_dot_product_attention`` (its math and flash CPU kernels; torch picks). Each is timed
-with ``time.perf_counter`` after one warm-up call; the median of the rounds is reported, with
-cuflash's ratio to each baseline measured in the same run (ratios survive a noisy machine where
-absolute times do not). The same cases and runners serve the pytest-benchmark file
+with ``time.perf_counter`` after warm-up calls (one by default); the median of the rounds is
+reported, with cuflash's ratio to each baseline measured in the same run (ratios survive a noisy
+machine where absolute times do not). The records can be saved as JSON (:func:`document`) and
+drawn as GFLOP/s against the sequence length (:func:`plot`, matplotlib). The same cases and runners serve the pytest-benchmark file
 ``tests/benchmarks/test_cpu_path.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -39,8 +41,10 @@ class CpuCase:
         return 4 * B * H * self.seqlen**2 * D // (2 if self.causal else 1)
 
 
-def cases(seqlens=SEQLENS) -> list[CpuCase]:
-    return [CpuCase(s, c) for s in seqlens for c in (False, True)]
+def cases(seqlens=SEQLENS, causal: bool | None = None) -> list[CpuCase]:
+    """Every ``(seqlen, causal)`` case; ``causal`` None means both masks."""
+    masks = (False, True) if causal is None else (causal,)
+    return [CpuCase(s, c) for s in seqlens for c in masks]
 
 
 def make_inputs(case: CpuCase, seed: int = 2048):
@@ -87,8 +91,11 @@ def runner(impl: str, q, k, v, causal: bool):
     raise ValueError(f"cuflash bench --cpu: unknown implementation {impl!r}; expected one of {IMPLS}")
 
 
-def median_seconds(fn, rounds: int) -> float:
-    fn()  # warm-up: the pool, the BLAS library, torch's kernels
+def median_seconds(fn, rounds: int, warmup: int = 1) -> float:
+    """Median seconds of ``rounds`` timed calls of ``fn()`` after ``warmup`` untimed ones (the
+    thread pool, the BLAS library, torch's kernels)."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -97,15 +104,17 @@ def median_seconds(fn, rounds: int) -> float:
     return statistics.median(times)
 
 
-def measure(case_list, impls, rounds: int, progress=None) -> list[dict]:
-    """One record per (case, impl): ``seconds`` (median), ``gflops``, and for cuflash
-    ``time_ratio_to_<impl>`` (cuflash seconds / that baseline's, same run)."""
+def measure(case_list, impls, rounds: int, progress=None, warmup: int = 1) -> list[dict]:
+    """One record per (case, impl): ``seconds`` (median of ``rounds`` calls, half as many above
+    S = 2048), ``gflops``, and for cuflash ``time_ratio_to_<impl>`` (cuflash seconds / that
+    baseline's, same run)."""
     records = []
     for case in case_list:
         q, k, v = make_inputs(case)
         rows = {}
         for impl in impls:
-            sec = median_seconds(runner(impl, q, k, v, case.causal), rounds if case.seqlen <= 2048 else max(1, rounds // 2))
+            sec = median_seconds(runner(impl, q, k, v, case.causal),
+                                 rounds if case.seqlen <= 2048 else max(1, rounds // 2), warmup)
             rows[impl] = dict(case=case.label, seqlen=case.seqlen, causal=case.causal, impl=impl, seconds=sec,
                               gflops=case.flops / sec / 1e9)
             if progress:
@@ -133,19 +142,70 @@ def format_table(records: list[dict], threads: int) -> str:
     return "\n".join(lines)
 
 
-def main(seqlens=None, rounds: int = 5, no_baselines: bool = False, out=None) -> int:
-    """Print the table; 0 on success. ``seqlens`` None means :data:`SEQLENS`."""
+def document(records: list[dict], threads: int) -> dict:
+    """The JSON document of a run: the problem, the thread count and the records."""
+    return dict(mode="cpu", batch=B, heads=H, head_dim=D, dtype="float32", threads=threads,
+                flops="4*B*H*S^2*D, halved causal", records=records)
+
+
+def plot(records: list[dict], path: str) -> None:
+    """GFLOP/s against the sequence length, one line per implementation, one panel per mask
+    (matplotlib, written to ``path``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    masks = sorted({r["causal"] for r in records})
+    fig, axes = plt.subplots(1, len(masks), figsize=(4.6 * len(masks), 3.6), squeeze=False)
+    for ax, causal in zip(axes.flat, masks):
+        for impl in IMPLS:
+            pts = sorted((r["seqlen"], r["gflops"]) for r in records if (r["causal"], r["impl"]) == (causal, impl))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"B={B} H={H} D={D} float32, {'causal' if causal else 'full'}", fontsize=9)
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("GFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(seqlens=None, rounds: int = 5, no_baselines: bool = False, out=None, *, warmup: int = 1,
+         causal: bool | None = None, progress: bool = True, json_path: str | None = None,
+         plot_path: str | None = None) -> int:
+    """Measure and print the table; 0 on success.
+
+    ``seqlens`` None means :data:`SEQLENS`; ``causal`` None both masks; ``progress`` prints a
+    line per measurement to stderr; ``json_path`` writes :func:`document` there (``"-"``: to
+    stdout, the table then going to stderr); ``plot_path`` writes :func:`plot` there.
+    """
     from cuflash.runtime import threads
 
-    out = out or sys.stdout
+    out = out or (sys.stderr if json_path == "-" else sys.stdout)
     impls = ["cuflash"]
     if not no_baselines:
         impls.append("naive_numpy")
         if have_torch():
             impls.append("torch_sdpa")
-    case_list = cases(tuple(seqlens) if seqlens else SEQLENS)
-    records = measure(case_list, impls, rounds, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    case_list = cases(tuple(seqlens) if seqlens else SEQLENS, causal)
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else None
+    records = measure(case_list, impls, rounds, progress=say, warmup=warmup)
     print(format_table(records, threads.num_threads()), file=out)
     if "torch_sdpa" not in impls and not no_baselines:
         print("(torch is not installed: no SDPA baseline)", file=out)
+    if json_path is not None:
+        text = json.dumps(document(records, threads.num_threads()), indent=1)
+        if json_path == "-":
+            print(text)
+        else:
+            with open(json_path, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+            print(f"records written to {json_path}", file=out)
+    if plot_path is not None:
+        plot(records, plot_path)
+        print(f"plot written to {plot_path}", file=out)
     return 0
