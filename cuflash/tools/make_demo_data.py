@@ -63,7 +63,7 @@ def make_demo_data(path: str | Path = EMBEDDED_DATA, layers=LAYERS, text: str = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cuflash.tools.make_demo_data",
+    parser = argparse.ArgumentParser(prog="python -m cuflash.tools.make_demo_data", allow_abbrev=False,
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(EMBEDDED_DATA), help="output .npz path")
     args = parser.parse_args(argv)

@@ -161,8 +161,8 @@ def test_cli_argument_errors(capsys, argv, message):
 
 def test_cli_backend_that_cannot_take_numpy(capsys, monkeypatch):
     monkeypatch.setattr(demo, "gpu_available", lambda: False)  # as on a machine without a GPU
-    assert demo.main(["--embedded", "--backend", "cuda"]) == 1
-    assert "cuda" in capsys.readouterr().err
+    assert demo.main(["--embedded", "--backend", "cuda"]) == 2
+    assert capsys.readouterr().err.startswith("python -m cuflash demo: error: --backend cuda needs")
 
 
 def test_python_dash_m_cuflash_demo():
