@@ -1,29 +1,44 @@
 """``python -m cuflash check``: the GPU self-check (docs/testing.md, "GPU checks").
 
 One command for a machine with a GPU, runnable from a source tree with nothing installed
-(``PYTHONPATH=. python -m cuflash check``). Sections, each timed and isolated (an exception or
-an overrun fails that section only, the others still run):
+(``PYTHONPATH=. python -m cuflash check``). It runs these sections in this order, each timed
+with its share of the time budget (``--budget``, default 170 s) and isolated (an exception or
+an overrun fails that section only, the others still run); ``--sections`` picks a subset:
 
-``device``     the device, compute capability, memory, CuPy / CUDA / NVRTC / torch / JAX versions
-``compile``    every kernel variant this arch may run, compiled and loaded (timed each)
-``grid``       correctness on the GPU against a float64 oracle: dtypes, head dims 32..256 (incl.
-               40/72/96/160/192), odd lengths, GQA/MQA, causal/windows, empty rows, layouts,
-               strided/cache/broadcast views, large logits, ``out=`` poisoned, LSE
-``large``      S = 8192 (a subset of rows checked), batch*heads > 65535, element offsets past
-               2**31 (when memory allows)
-``softmax``    ``cuflash.softmax`` on the GPU against NumPy
-``sim``        GPU output against the CUDA simulator's on the same small inputs
-``hopper``     (compute capability 9.0) the sm_90a probes of kernels_cu/hopper_probe.cu: TMA-fed
-               wgmma GEMMs for every swizzle and both B layouts, A from registers, the
-               warp-specialized pipeline, stmatrix, elect.sync; each exact, and equal to the
-               simulator's result
-``torch``      torch CUDA round-trip (types, devices, torch-allocated outputs, side streams)
-``jax``        JAX GPU round-trip
-``graph``      CUDA-graph capture of a call, replayed on new inputs
-``demo``       the demo's GPU path on its embedded data
+``device``       the device, compute capability, memory, CuPy / CUDA runtime and driver / NVRTC
+                 versions, torch and JAX versions
+``compile``      every kernel variant this arch may run, compiled and loaded (timed each)
+``grid``         the forward on the GPU against the float64 oracle: dtypes, head dims 8..256
+                 (incl. 40/72/96/160/192 and Dv != D), odd lengths, GQA/MQA, causal/windows,
+                 empty rows and query tiles, layouts, strided/cache/broadcast views, large
+                 logits, ``out=`` poisoned, LSE, non-finite input
+``large``        S = 8192 (a spread of rows checked), batch*heads > 65535, element offsets past
+                 2**31 (when memory allows)
+``softmax``      ``cuflash.softmax`` on the GPU against the float64 softmax
+``backward``     dq, dk, dv against the float64 gradients; with torch on CUDA, autograd through
+                 ``cuflash.torch`` against torch's float64 autograd
+``kvcache``      ``attention_with_kvcache`` (paged decode with append and rotary, split-KV,
+                 device indices) against the NumPy path, caches byte-identical; a decode step
+                 replayed from a CUDA graph
+``dropout``      the mask kernel's bits equal to the NumPy generator's; forward and backward
+                 with dropout against the NumPy path on the same mask
+``modifiers``    softcap, ALiBi, a broadcast bias, a boolean mask with fully masked rows and
+                 tiles, sinks: forward and backward (with d attn_bias and d sinks)
+``sim``          GPU output against the CUDA simulator's on the same small inputs
+``hopper``       (compute capability 9.0) the sm_90a probes of kernels_cu/hopper_probe.cu:
+                 TMA-fed wgmma GEMMs for every swizzle and both B layouts, A from registers, the
+                 warp-specialized pipeline, stmatrix, elect.sync; each exact, and equal to the
+                 simulator's result
+``torch``        torch CUDA round-trip (types, devices, torch-allocated outputs, side streams)
+``distributed``  ring and Ulysses attention over NCCL with a world of one, equal to plain
+                 attention, forward and gradients
+``jax``          JAX GPU round-trip
+``graph``        CUDA-graph capture of a call, replayed on new inputs
+``demo``         the demo's GPU path on its embedded data
 
-A short pass/fail table is printed last. Exit status: 0 all passed (or skipped), 1 a section
-failed, 2 no usable GPU (nothing is run and nothing is reported as passed).
+A section whose requirement is absent (torch, JAX, an sm_90 device) is skipped, saying why. A
+short pass/fail table is printed last. Exit status: 0 all passed (or skipped), 1 a section
+failed, 2 no usable GPU or invalid arguments (nothing is run and nothing is reported as passed).
 
 The tolerance rule is docs/testing.md's, implemented here on its own: the error against the
 float64 reference may be at most twice the error of a naive same-dtype implementation (scores
@@ -44,9 +59,12 @@ import traceback
 import numpy as np
 
 from cuflash import reference
+from cuflash.analysis import cli
 from cuflash.reference import tolerance
 
-#: seconds the whole check may take (the issue asks for under 3 minutes)
+PROG = "python -m cuflash check"
+
+#: seconds the whole check may take by default (under 3 minutes)
 DEFAULT_BUDGET_S = 170.0
 
 SECTIONS = ("device", "compile", "grid", "large", "softmax", "backward", "kvcache", "dropout", "modifiers", "sim",
@@ -1042,34 +1060,36 @@ def format_table(results: list[Result]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m cuflash check",
+        prog=PROG, allow_abbrev=False,
         description="GPU self-check: compile every kernel variant, run the correctness grid against a "
                     "float64 oracle (also at S=8192, batch*heads > 65535, offsets past 2**31), torch and "
-                    "JAX round-trips, a CUDA-graph capture, the demo's GPU path, GPU vs simulator. "
-                    "Prints a pass/fail table last. Exit status 0 pass, 1 fail, 2 no GPU.")
+                    "JAX round-trips, a CUDA-graph capture, the demo's GPU path, GPU vs simulator; "
+                    "backward, KV cache, dropout, score modifiers, distributed and Hopper probes. "
+                    "Prints a pass/fail table last. Exit status 0 pass, 1 fail, 2 no GPU or bad arguments.")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated subset of: {', '.join(SECTIONS)} (default: all)")
-    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, metavar="S",
+    p.add_argument("--budget", type=cli.float_above(0.0, inclusive=False), default=DEFAULT_BUDGET_S, metavar="S",
                    help=f"seconds for the whole check (default {DEFAULT_BUDGET_S:.0f})")
     p.add_argument("--quiet", action="store_true", help="print only the table")
     return p
 
 
+@cli.command(PROG)
 def main(argv: list[str] | None = None) -> int:
     """``python -m cuflash check [--sections a,b] [--budget S] [--quiet]``."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in wanted if s not in SECTIONS]
-    if unknown:
-        print(f"cuflash check: unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
-        return 2
+    if unknown or not wanted:
+        return cli.error(PROG, f"--sections: unknown section(s) {', '.join(unknown)}; choose from "
+                               f"{', '.join(SECTIONS)}" if unknown else
+                               f"--sections: no section named; choose from {', '.join(SECTIONS)}")
     ok, why = gpu_status()
     if not ok:
-        print(f"cuflash check: nothing was checked: {why}.\n"
-              f"This command checks a GPU; on a machine without one run the test suite "
-              f"(python -m pytest), whose CPU tiers cover validation, the NVRTC compile gate and "
-              f"the simulator.", file=sys.stderr)
-        return 2
+        return cli.error(PROG, f"nothing was checked: {why}. This command checks a GPU; on a machine without "
+                               "one run the test suite (python -m pytest), whose CPU tiers cover validation, the "
+                               "NVRTC compile gate and the simulator")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
     def log(text: str) -> None:
