@@ -865,7 +865,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="query tile rows Br counted with --no-l2 (default 128)")
     p.add_argument("--block-n", type=positive, default=None,
                    help="key tile rows Bc of the backward counted with --no-l2 --backward (default 128)")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write the counts as JSON to FILE ('-' for stdout, the text then goes to stderr)")
     return p
+
+
+def _write_json(path: str, args, device: Device, rows, roofs, fa_flops: int) -> None:
+    """The problem, the device and one record per (algorithm, pass) as JSON at ``path`` (``-``:
+    stdout)."""
+    import json
+
+    problem = {k: v for k, v in vars(args).items() if k not in ("json", "device")}
+    problem.update(window=list(args.window), block_m=128 if args.block_m is None else args.block_m,
+                   block_n=128 if args.block_n is None else args.block_n)
+    doc = dict(problem=problem, device=dict(name=device.name, preset=args.device, hbm_gb_per_s=device.hbm_gb_per_s),
+               flash_attn_forward_flops=fa_flops, records=[
+                   dict(algorithm=c.algorithm, **{"pass": c.pass_}, dtype=c.dtype, element_bytes=c.element_bytes,
+                        flops=c.flops, bytes=c.bytes, intensity=c.intensity, traffic=[list(t) for t in c.traffic],
+                        peak_tflops=r.peak_tflops, compute_s=r.compute_s, memory_s=r.memory_s, time_s=r.time_s,
+                        bound=r.bound) for c, r in zip(rows, roofs)])
+    text = json.dumps(doc, indent=1)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
 
 
 def _refuse_meaningless(parser: argparse.ArgumentParser, args) -> None:
@@ -917,6 +941,13 @@ def main(argv: list[str] | None = None) -> int:
                                 batch=args.batch, heads=args.heads, causal=args.causal)
     roofs = [c.roofline(device, tf32=args.tf32) for c in rows]
 
+    if args.json:   # before the text, which a reader of stdout may cut short (| head)
+        _write_json(args.json, args, device, rows, roofs, fa_flops)
+    out = sys.stderr if args.json == "-" else sys.stdout
+
+    def say(*parts) -> None:
+        print(*parts, file=out)
+
     c0 = rows[1]
     sq = args.seqlen
     sk = sq if args.seqlen_k is None else args.seqlen_k
@@ -929,40 +960,40 @@ def main(argv: list[str] | None = None) -> int:
     peak_name = ("fp16/bf16 tensor" if c0.element_bytes == 2 else
                  "tf32 tensor" if args.tf32 and c0.element_bytes == 4 else
                  {4: "fp32", 8: "fp64"}.get(c0.element_bytes, "?"))
-    print(f"attention B={args.batch} H={args.heads} Hk={hk} Sq={sq} Sk={sk} D={d} Dv={dv} "
+    say(f"attention B={args.batch} H={args.heads} Hk={hk} Sq={sq} Sk={sk} D={d} Dv={dv} "
           f"{c0.dtype} ({c0.element_bytes} B/elem), {mask}")
     tf32_note = (f" ({device.ridge_point(4, tf32=True):.0f} with --tf32)"
                  if c0.element_bytes == 4 and not args.tf32 else "")
-    print(f"device {device.name}: {roofs[0].peak_tflops:g} TFLOP/s {peak_name}, "
+    say(f"device {device.name}: {roofs[0].peak_tflops:g} TFLOP/s {peak_name}, "
           f"{device.hbm_gb_per_s:g} GB/s HBM, ridge point {roofs[0].ridge_point:.1f} FLOP/byte"
           + tf32_note)
     kv_mb = c0.element_bytes * sk * (d + dv) / 1e6
-    print(f"K+V of one head: {kv_mb:.3g} MB vs. L2 {device.l2_mb:g} MB; fused K/V re-reads "
+    say(f"K+V of one head: {kv_mb:.3g} MB vs. L2 {device.l2_mb:g} MB; fused K/V re-reads "
           + ("counted (--no-l2, Br=%d)" % block_m if args.no_l2 else "assumed L2 hits"))
-    print()
+    say()
     header = f"{'':<15}{'FLOPs':>11}{'HBM bytes':>12}{'FLOP/byte':>11}{'roofline':>11}  bound"
-    print(header)
-    print("-" * len(header))
+    say(header)
+    say("-" * len(header))
     for cost, roof in zip(rows, roofs):
         label = f"{cost.algorithm} {'fwd' if cost.pass_ == 'forward' else 'bwd'}"
-        print(f"{label:<15}{_si(cost.flops):>11}{_si(cost.bytes, 'B'):>12}"
+        say(f"{label:<15}{_si(cost.flops):>11}{_si(cost.bytes, 'B'):>12}"
               f"{cost.intensity:>11.1f}{_time(roof.time_s):>11}  {roof.bound}")
-    print()
-    print(f"flash-attn convention fwd FLOPs (4*B*H*Sq*Sk*D{', /2 causal' if args.causal else ''}):"
+    say()
+    say(f"flash-attn convention fwd FLOPs (4*B*H*Sq*Sk*D{', /2 causal' if args.causal else ''}):"
           f" {_si(fa_flops)}; naive/fused bytes: {rows[0].bytes / rows[1].bytes:.1f}x")
-    print()
+    say()
     e = c0.element_bytes
     # fused ~ N/e holds for the dense, MHA, D = Dv, L2-reuse case only
     dense_law = (not args.causal and tuple(args.window) == (-1, -1) and hk == args.heads
                  and d == dv and not args.no_l2)
-    print("forward intensity (FLOP/byte) vs. N = Sq = Sk"
+    say("forward intensity (FLOP/byte) vs. N = Sq = Sk"
           + (f"; dense attention: fused ~ N/{e} for {e}-byte elements:" if dense_law else ":"))
-    print(f"{'N':>8}{'naive':>9}{'fused':>9}" + (f"{'N/' + str(e):>9}" if dense_law else ""))
+    say(f"{'N':>8}{'naive':>9}{'fused':>9}" + (f"{'N/' + str(e):>9}" if dense_law else ""))
     for n in (512, 1024, 2048, 4096, 8192, 16384):
         skw = dict(kw, seqlen_k=None)
         nv = naive_attention_cost(n, d, **skw)
         fu = fused_attention_cost(n, d, **skw, **fused_kw)
-        print(f"{n:>8}{nv.intensity:>9.1f}{fu.intensity:>9.1f}"
+        say(f"{n:>8}{nv.intensity:>9.1f}{fu.intensity:>9.1f}"
               + (f"{n / e:>9.0f}" if dense_law else ""))
     return 0
 

@@ -986,13 +986,6 @@ def _main_loops(args, rates: SmRates, out) -> int:
                       head_dim_v=args.head_dim_v, varlen=args.varlen)
     rows = [analyze(v, args.device, seqlen=seqlen, sass_dir=args.sass)
             for v in cli.progress(chosen, "roofline", enabled=not args.no_progress, label=lambda v: v.entry)]
-    _say(f"MODEL, not a measurement: per-SM rates of the {rates.device.name} (sm_{rates.arch}, {rates.sms} SMs at "
-         f"{rates.clock_ghz:.2f} GHz); counts per warp and K/V tile of the main loop (unmasked path), pipe "
-         "cycles per tile and CTA; * marks loops with inner loops (counted once: lower bounds)"
-         + ("" if args.wide else f"; kernels without their {ENTRY_PREFIX} prefix, --wide for every count and pipe")
-         + ". Sources of the rates:", out)
-    print(f"  python -c 'import cuflash.analysis.roofline as r; print(r.RATES[\"{args.device}\"].source)'", file=out)
-    print(format_table(rows, wide=args.wide), file=out)
     records = [r.as_dict() for r in rows]
     if args.head_dim is not None:
         want_d, want_dv = args.head_dim, args.head_dim_v or args.head_dim
@@ -1000,12 +993,22 @@ def _main_loops(args, rates: SmRates, out) -> int:
             useful = (want_d + want_dv) / (r.head_dim + r.head_dim_v) if r.direction == "fwd" else \
                 (3 * want_d + 2 * want_dv) / (3 * r.head_dim + 2 * r.head_dim_v)
             rec.update(requested_head_dim=want_d, requested_head_dim_v=want_dv, useful_fraction=round(useful, 4))
-            if useful < 1:
-                _say(f"note: head dim {want_d} (v {want_dv}) runs in the d{r.head_dim} bucket of {r.entry}: the "
-                     f"figures are that kernel's, {useful:.0%} of its FLOPs are useful (ceiling for D={want_d}: "
-                     f"{r.ceiling_tflops * useful:.0f} TFLOP/s, predicted)", out)
-    if args.json:
+    if args.json:   # before the text, which a reader of stdout may cut short (| head)
         _write_json(args.json, records)
+    _say(f"MODEL, not a measurement: per-SM rates of the {rates.device.name} (sm_{rates.arch}, {rates.sms} SMs at "
+         f"{rates.clock_ghz:.2f} GHz); counts per warp and K/V tile of the main loop (unmasked path), pipe "
+         "cycles per tile and CTA; * marks loops with inner loops (counted once: lower bounds)"
+         + ("" if args.wide else f"; kernels without their {ENTRY_PREFIX} prefix, --wide for every count and pipe")
+         + ". Sources of the rates:", out)
+    print(f"  python -c 'import cuflash.analysis.roofline as r; print(r.RATES[\"{args.device}\"].source)'", file=out)
+    print(format_table(rows, wide=args.wide), file=out)
+    for r, rec in zip(rows, records):
+        useful = rec.get("useful_fraction", 1)
+        if useful < 1:
+            _say(f"note: head dim {rec['requested_head_dim']} (v {rec['requested_head_dim_v']}) runs in the "
+                 f"d{r.head_dim} bucket of {r.entry}: the figures are that kernel's, {useful:.0%} of its FLOPs are "
+                 f"useful (ceiling for D={rec['requested_head_dim']}: {r.ceiling_tflops * useful:.0f} TFLOP/s, "
+                 "predicted)", out)
     return 0
 
 
@@ -1020,13 +1023,13 @@ def _main_decode(args, rates: SmRates, out) -> int:
     rows = [analyze_decode(v, args.device, rows=rows_per_cta, cache=c, sass_dir=args.sass)
             for v, c in cli.progress(jobs, "roofline --decode", enabled=not args.no_progress,
                                      label=lambda job: f"{job[0].entry} {job[1]}")]
+    if args.json:   # before the text, which a reader of stdout may cut short (| head)
+        _write_json(args.json, [dataclasses.asdict(r) for r in rows])
     _say(f"MODEL, not a measurement: a decode step on the KV-cache kernel, per key tile and CTA, with {rows_per_cta} "
          f"packed query rows; per-SM rates of the {rates.device.name} (sm_{rates.arch}); HBM % is the share of "
          "its bandwidth the binding pipe leaves (throughput only: latency and bytes in flight are not modelled)"
          + ("" if args.wide else f"; kernels without their {ENTRY_PREFIX} prefix, --wide for every pipe"), out)
     print(format_decode_table(rows, wide=args.wide), file=out)
-    if args.json:
-        _write_json(args.json, [dataclasses.asdict(r) for r in rows])
     return 0
 
 

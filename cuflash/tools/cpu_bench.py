@@ -194,9 +194,7 @@ def main(seqlens=None, rounds: int = 5, no_baselines: bool = False, out=None, *,
     case_list = cases(tuple(seqlens) if seqlens else SEQLENS, causal)
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else None
     records = measure(case_list, impls, rounds, progress=say, warmup=warmup)
-    print(format_table(records, threads.num_threads()), file=out)
-    if "torch_sdpa" not in impls and not no_baselines:
-        print("(torch is not installed: no SDPA baseline)", file=out)
+    # the files first: the text may go to a reader that stops early (| head)
     if json_path is not None:
         text = json.dumps(document(records, threads.num_threads()), indent=1)
         if json_path == "-":
@@ -204,8 +202,12 @@ def main(seqlens=None, rounds: int = 5, no_baselines: bool = False, out=None, *,
         else:
             with open(json_path, "w", encoding="utf-8") as f:
                 f.write(text + "\n")
-            print(f"records written to {json_path}", file=out)
     if plot_path is not None:
         plot(records, plot_path)
-        print(f"plot written to {plot_path}", file=out)
+    print(format_table(records, threads.num_threads()), file=out)
+    if "torch_sdpa" not in impls and not no_baselines:
+        print("(torch is not installed: no SDPA baseline)", file=out)
+    for what, path in (("records", json_path), ("plot", plot_path)):
+        if path not in (None, "-"):
+            print(f"{what} written to {path}", file=out)
     return 0

@@ -61,6 +61,7 @@ def test_shared_flags_have_one_spelling():
         assert {"--causal", "--no-causal"} <= _options(name)
     for name in ("bench", "roofline"):
         assert {"--json", "--no-progress"} <= _options(name)
+    assert "--json" in _options("intensity")
     for name in ("intensity", "roofline"):
         assert "--device" in _options(name)
     assert bench._parser().parse_args(["--head-dim", "64", "--head-dim", "128"]).head_dim == [64, 128]
@@ -259,6 +260,29 @@ def test_bench_cpu_writes_the_plot(tmp_path):
     assert bench.main(["--cpu", "--seqlen", "16", "--seqlen", "32", "--no-baselines", "--iters", "1",
                        "--plot", str(path), "--no-progress"]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------------------------
+# intensity --json
+
+
+def test_intensity_json_holds_the_counts(tmp_path, capsys):
+    n, d = 256, 32
+    path = tmp_path / "i.json"
+    assert intensity.main(["--seqlen", str(n), "--head-dim", str(d), "--backward", "--json", str(path)]) == 0
+    assert "fused fwd" in capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    assert [(r["algorithm"], r["pass"]) for r in doc["records"]] == [
+        ("naive", "forward"), ("fused", "forward"), ("naive", "backward"), ("fused", "backward")]
+    fused = doc["records"][1]
+    # fp32, B = H = 1, Sq = Sk = N: Q, K, V read and O written once (4*N*d bytes each), LSE 4*N bytes
+    assert fused["bytes"] == 4 * (4 * n * d) + 4 * n and fused["flops"] == 4 * n * n * d
+    assert fused["bytes"] == sum(b for _, b in fused["traffic"])
+    assert fused["intensity"] == pytest.approx(n * d / (4 * d + 1))
+    assert doc["device"]["preset"] == "h200" and doc["problem"]["head_dim"] == d
+    assert intensity.main(["--seqlen", str(n), "--head-dim", str(d), "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["records"][1]["bytes"] == fused["bytes"] and "fused fwd" in err
 
 
 # --------------------------------------------------------------------------------------------
