@@ -453,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--transformers", action="store_true",
                         help="run the model in Hugging Face transformers with attn_implementation='cuflash' "
                              "beside 'sdpa' and a float64 'eager' run, on a padded batch of two prompts "
-                             "(--generate N tokens each, default 16); needs the cuflash[transformers] extra")
+                             "(--generate N tokens each, default 16); needs torch and the cuflash[transformers] extra")
     return parser
 
 
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     [--embedded | --transformers]``.
 
     Returns 0 on success, 2 for invalid arguments (``python -m cuflash demo: error: ...`` on
-    stderr), 1 when the machine cannot run what was asked (a missing package or GPU)."""
+    stderr), 1 when a package it needs is missing or the device fails."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.transformers:
