@@ -280,7 +280,7 @@ def test_check_without_gpu_exits_2_and_reports_nothing():
     done = subprocess.run([sys.executable, "-m", "cuflash", "check"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "cuflash check: nothing was checked: " in done.stderr
+    assert "python -m cuflash check: error: nothing was checked: " in done.stderr
     assert done.stderr.count("cuflash check") == 1, done.stderr  # the prefix is said once
     assert "PASS" not in done.stdout + done.stderr and "passed" not in done.stdout
 
@@ -453,10 +453,10 @@ def test_bench_and_check_say_their_name_once(monkeypatch, capsys):
     _fake_cupy(monkeypatch, count_error=_CUDARuntimeError("cudaErrorInsufficientDriver"), driver=0)
     assert bench.main(["--quick"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("cuflash bench: no NVIDIA driver or GPU found") and err.count("cuflash bench") == 1
+    assert err.startswith("python -m cuflash bench: error: no NVIDIA driver or GPU found") and err.count("cuflash bench") == 1
     assert check.main([]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("cuflash check: nothing was checked: no NVIDIA driver or GPU found")
+    assert err.startswith("python -m cuflash check: error: nothing was checked: no NVIDIA driver or GPU found")
     assert err.count("cuflash check") == 1
 
 

@@ -1,6 +1,6 @@
 """The CPU path (tiled NumPy forward, threaded) against what a CPU user already has.
 
-B=1, H=8, D=64, float32 (the seed's example size) at S=2048 and, under the ``slow`` marker
+B=1, H=8, D=64, float32 (the size of the CPU benchmark, ``bench --cpu``) at S=2048 and, under the ``slow`` marker
 (not run by default), S=8192; causal or not. Baselines in the same run: naive NumPy attention
 (S and P materialised) and, when torch is installed, torch's CPU
 ``scaled_dot_product_attention``. The cases and runners are ``python -m cuflash bench --cpu``'s
