@@ -17,6 +17,7 @@ import numpy as np
 from cuflash.api import pipeline
 from cuflash.reference import forward as ref_forward
 from cuflash.reference import kvcache as ref_kvcache
+from cuflash.reference.memory import check_memory
 from cuflash.reference.modifiers import broadcast_view
 from cuflash.runtime import interop, validation
 from cuflash.runtime.options import CacheOptions, ModifierOptions, Options
@@ -184,6 +185,9 @@ def merge_attention(outs, lses):
     ValueError
         No part, different numbers of ``outs`` and ``lses``, shapes that disagree, arrays on
         different devices.
+    MemoryError
+        On the NumPy path, when its working memory exceeds the available memory
+        (``CUFLASH_MEMORY_LIMIT``, else ``MemAvailable``), before anything is allocated.
 
     Notes
     -----
@@ -303,6 +307,7 @@ def _validate_merge(parts: int, operands, options, func):
 
 def _merge_numpy(problem, operands):
     n = problem.parts
+    check_memory(problem.func, ref_kvcache.merge_memory(operands[:n], operands[n:]))   # before any allocation
     with np.errstate(invalid="ignore", over="ignore"):   # a +inf or NaN lse: NaN out, quietly
         return ref_kvcache.merge_attention(list(operands[:n]), list(operands[n:]))
 

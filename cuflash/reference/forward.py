@@ -310,9 +310,9 @@ def run_forward(p: AttentionProblem, q, k, v, out=None, block_m=None, block_n=No
     one ``(G * Br) x Bc`` score tile. fp16/bf16 K and V are converted to float32 once per head
     while those copies stay under :data:`_KV_COPY_BYTES`, else tile by tile.
 
-    Before allocating, the working memory (:func:`forward_memory`) is checked against
-    :func:`cuflash.reference.memory.available_bytes`; the non-finite check of V reads each
-    head's distinct elements (a broadcast view is not expanded).
+    Before anything is allocated or read, the working memory (:func:`forward_memory`) is
+    checked against :func:`cuflash.reference.memory.available_bytes`; the non-finite check of V
+    then reads each head's distinct elements (a broadcast view is not expanded).
 
     Raises
     ------
@@ -324,13 +324,15 @@ def run_forward(p: AttentionProblem, q, k, v, out=None, block_m=None, block_n=No
     block_m, block_n = cpu_tiles(p, block_m, block_n)
     kv = canonical(k, p.layout)
     vv = canonical(v, p.layout)
-    heads = list(np.ndindex(*kv.shape[:-2])) if not p.is_empty else []
-    v_finite = dict(zip(heads, threads.run(lambda h: all_finite(vv[h]), heads)))
+    n_heads = 0 if p.is_empty else math.prod(kv.shape[:-2])
     copies = 0
-    if kv.dtype != acc_t and heads and p.seqlen_q > block_m:
-        copies = nbytes((len(heads), p.seqlen_k, p.head_dim + p.head_dim_v), acc_t)
+    if kv.dtype != acc_t and n_heads and p.seqlen_q > block_m:
+        copies = nbytes((n_heads, p.seqlen_k, p.head_dim + p.head_dim_v), acc_t)
         copies = copies if copies <= _KV_COPY_BYTES else 0
+    # refused before any head is listed or any value read
     check_memory(p.func, forward_memory(p, block_m, block_n, new_out=out is None, kv_copies=copies))
+    heads = list(np.ndindex(*kv.shape[:-2])) if n_heads else []
+    v_finite = dict(zip(heads, threads.run(lambda h: all_finite(vv[h]), heads)))
     if out is None:
         out = np.empty(p.out_shape, dtype=p.dtype)
     lse = np.full(p.lse_shape, -np.inf, dtype=acc_t)

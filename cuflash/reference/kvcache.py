@@ -21,9 +21,11 @@ Conventions (flash-attn's ``flash_attn_with_kvcache``)
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-__all__ = ["apply_rotary", "rotary_positions", "cache_rows", "append", "gather", "merge_attention"]
+__all__ = ["apply_rotary", "rotary_positions", "cache_rows", "append", "gather", "merge_attention", "merge_memory"]
 
 
 def rotary_positions(seqlens: np.ndarray, length: int, *, per_row: bool = True) -> np.ndarray:
@@ -93,6 +95,16 @@ def gather(cache: np.ndarray, b: int, start: int, stop: int, *, page_size=None, 
         return cache[cb, start:stop]
     i0, i1 = cache_rows(b, start, stop, page_size=page_size, block_table=block_table)
     return cache[i0, i1]
+
+
+def merge_memory(outs, lses) -> dict:
+    """Bytes :func:`merge_attention` allocates on NumPy arrays, by array: the stacked ``lse`` with
+    the weights and row statistics, and the output with its accumulation-type temporaries."""
+    acc = 8 if any(np.dtype(o.dtype) == np.float64 or np.dtype(s.dtype) == np.float64 for o, s in zip(outs, lses)) else 4
+    rows = math.prod(lses[0].shape) if lses else 0
+    elems = rows * (outs[0].shape[-1] if outs and outs[0].ndim else 0)
+    return {"lse and weights": (3 * len(lses) + 6) * rows * acc,
+            "out and its accumulators": 6 * elems * acc + elems * (np.dtype(outs[0].dtype).itemsize if outs else 0)}
 
 
 def merge_attention(outs, lses, *, xp=np):

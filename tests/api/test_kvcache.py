@@ -337,6 +337,18 @@ def test_the_split_kv_combine_kernel_follows_the_merge_rule(rng):
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_merge_attention_checks_its_working_memory_first(monkeypatch):
+    """A merge of broadcast parts too large to hold is refused by name with the bytes, before NumPy
+    allocates anything; an injected limit refuses a normal merge likewise."""
+    outs = [np.broadcast_to(np.ones((1, 2, 4), np.float32), (2**44, 1, 2, 4))] * 2
+    lses = [np.broadcast_to(np.zeros((1, 2), np.float32), (2**44, 1, 2))] * 2
+    with pytest.raises(MemoryError, match=r"^cuflash\.merge_attention: .* bytes .*are available"):
+        cuflash.merge_attention(outs, lses)
+    monkeypatch.setenv("CUFLASH_MEMORY_LIMIT", "100")
+    with pytest.raises(MemoryError, match=r"^cuflash\.merge_attention: .*lse and weights: 1536 bytes"):
+        cuflash.merge_attention([np.ones((4, 8, 3), np.float32)] * 2, [np.zeros((4, 8), np.float32)] * 2)
+
+
 def test_merge_attention_float32(rng):
     q = rng.standard_normal((1, 2, 5, 16)).astype(np.float32)
     k = rng.standard_normal((1, 2, 9, 16)).astype(np.float32)

@@ -88,6 +88,17 @@ def test_a_broadcast_key_of_2_28_rows_is_estimated_small_and_refused_cleanly(mon
         cuflash.attention(np.ones((1, 1, 1, 64), np.float16), kh, kh, backend="numpy")
 
 
+def test_the_forward_is_refused_before_it_lists_heads_or_reads_a_value(monkeypatch):
+    """A batch of 2**44 broadcast rows: refused at once, no head listed and no value scanned."""
+    def never(*args, **kwargs):
+        raise AssertionError("v was read before the memory check")
+
+    monkeypatch.setattr(forward, "all_finite", never)
+    q = np.broadcast_to(np.ones((1, 2, 8), np.float32), (2**44, 1, 2, 8))
+    with pytest.raises(MemoryError, match=rf"^cuflash\.attention: .*out: {2**44 * 2 * 8 * 4} bytes"):
+        cuflash.attention(q, q, q, backend="numpy")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_a_broadcast_key_runs_without_expanding_it(dtype):
     """2**22 identical keys and values (Sq = 1): every weight is equal, so out is the value row and
