@@ -126,6 +126,8 @@ def run_online_softmax(x: np.ndarray, axis: int, block_size: int, func: str) -> 
     acc = dtypes.accumulator(x.dtype)
     xa = np.moveaxis(x, axis, -1)
     check_memory(func, online_softmax_memory(xa.shape, x.dtype, block_size))
+    if xa.size == 0:   # no slice, or empty slices: nothing to loop over, however long the axis
+        return np.moveaxis(np.empty(xa.shape, dtype=acc), -1, axis)
     n = xa.shape[-1]
     m = np.full(xa.shape[:-1], -np.inf, dtype=acc)
     l = np.zeros(xa.shape[:-1], dtype=acc)

@@ -166,3 +166,11 @@ def test_all_finite_reads_the_distinct_elements_of_a_broadcast_view():
     assert memory.all_finite(x)
     x[2999, 349] = np.nan
     assert not memory.all_finite(x)
+
+
+def test_an_empty_softmax_over_a_huge_axis_returns_at_once():
+    """Empty slices along a 2**44-long broadcast axis: the empty result, without looping over the
+    axis's blocks."""
+    x = np.broadcast_to(np.ones((3, 0), np.float16), (2**44, 3, 0))
+    y = ref.online_softmax(x, axis=0)
+    assert y.shape == x.shape and y.dtype == np.float32
