@@ -113,3 +113,76 @@ def test_kvcache_int_cache_seqlens_still_must_fit_the_cache():
         cuflash.attention_with_kvcache(q, k_cache, v_cache, 1, k=k, v=v)
     with pytest.raises(ValueError, match=r"^cuflash.attention_with_kvcache: cache_seqlens=-1 .* >= 0"):
         cuflash.attention_with_kvcache(q[:0], k_cache, v_cache, -1)
+
+
+# --------------------------------------------------------------------------------------------
+# working memory no machine has: a MemoryError that begins with the function's name
+
+#: a leading axis of stride 0 that makes every result petabytes (the views cost nothing, and an
+#: allocation this size fails at once)
+HUGE = 2**44
+
+
+def _huge(shape, dtype=np.float16):
+    return np.broadcast_to(np.ones(shape, dtype), (HUGE,) + shape)
+
+
+@pytest.mark.xfail(strict=True, reason="cuflash/api/softmax.py _numpy: the NumPy path's MemoryError comes from "
+                                       "cuflash.reference.online_softmax and begins with that name, not "
+                                       "'cuflash.softmax:'")
+def test_softmax_memory_error_begins_with_the_public_name(monkeypatch):
+    monkeypatch.setenv("CUFLASH_MEMORY_LIMIT", "1000")
+    with pytest.raises(MemoryError, match=r"^cuflash\.softmax: "):
+        cuflash.softmax(np.ones((64, 64), np.float32))
+
+
+def test_merge_attention_memory_error_begins_with_the_public_name():
+    outs, lses = [_huge((1, 2, 4), np.float32)], [_huge((1, 2), np.float32)]
+    with pytest.raises(MemoryError, match=r"^cuflash\.merge_attention: "):
+        cuflash.merge_attention(outs, lses)
+
+
+@pytest.mark.xfail(strict=True, reason="cuflash/api/kvcache.py _kvcache_numpy: no working-memory check before "
+                                       "np.empty(out_shape), NumPy's own 'Unable to allocate' MemoryError escapes")
+def test_kvcache_memory_error_begins_with_the_public_name():
+    q = np.broadcast_to(np.ones((1, 1, 1, 8), np.float16), (2, HUGE, 1, 8))
+    k_cache = np.ones((2, 4, 1, 8), np.float16)
+    with pytest.raises(MemoryError, match=r"^cuflash\.attention_with_kvcache: "):
+        cuflash.attention_with_kvcache(q, k_cache, k_cache.copy(), 2)
+
+
+@pytest.mark.xfail(strict=True, reason="the simulator target (cuflash/sim/memory.py allocation, reached through "
+                                       "cuflash/api/pipeline.py): NumPy's own 'Unable to allocate' MemoryError "
+                                       "escapes for outputs the simulated device cannot hold")
+@pytest.mark.parametrize("entry", ["attention", "softmax"])
+def test_simulator_memory_error_begins_with_the_public_name(entry):
+    q, k = _huge((2, 1, 8)), _huge((2, 4, 8))
+    with pytest.raises(MemoryError, match=rf"^cuflash\.{entry}: "):
+        if entry == "attention":
+            cuflash.attention(q, k, k, backend="sim")
+        else:
+            cuflash.softmax(q, backend="sim")
+
+
+def test_attention_refuses_working_memory_before_reading_any_value(monkeypatch):
+    from cuflash.reference import forward
+
+    def never(*args, **kwargs):
+        raise AssertionError("v was read before the memory check")
+
+    monkeypatch.setattr(forward, "all_finite", never)
+    monkeypatch.setenv("CUFLASH_MEMORY_LIMIT", "1000")
+    q = np.broadcast_to(np.ones((1, 1, 2, 8), np.float32), (64, 1, 2, 8))
+    with pytest.raises(MemoryError, match=r"^cuflash\.attention: "):
+        cuflash.attention(q, q, q)
+
+
+def test_attention_and_backward_memory_errors_begin_with_the_public_name(monkeypatch):
+    """What the fixes above are held to: the attention forward and backward's own check."""
+    q = _huge((1, 2, 8))
+    with pytest.raises(MemoryError, match=r"^cuflash\.attention_backward: .* bytes"):
+        cuflash.attention_backward(q, q, q, q, q, _huge((1, 2), np.float32))
+    monkeypatch.setenv("CUFLASH_MEMORY_LIMIT", "1000")
+    q = np.ones((1, 64, 64), np.float32)
+    with pytest.raises(MemoryError, match=r"^cuflash\.attention: .* bytes"):
+        cuflash.attention(q, q, q)

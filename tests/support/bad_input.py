@@ -777,10 +777,35 @@ RELATED = {
 }
 
 
+HUGE = 2**44
+#: entry points whose float arrays a "huge" mutation broadcasts over a new leading axis
+HUGE_ENTRIES = ("attention", "explain", "attention_backward", "softmax", "merge_attention")
+
+
+def _huge(call: Call) -> None:
+    """Every float or bool array gets a new leading axis of ``HUGE`` entries, stride 0 (a view
+    that costs nothing, a result no machine can hold): a clear ``MemoryError``, or a ``ValueError``
+    where the extra axis breaks a shape rule."""
+    def grow(a):
+        # (an empty array is left alone: cuflash.reference.online_softmax loops over a long axis of
+        # no rows, block by block; reported)
+        if not isinstance(a, Arr) or a.view.dtype.kind == "i" or a.kind == "list" or a.view.size == 0:
+            return a
+        return Arr(np.broadcast_to(a.view, (HUGE,) + a.view.shape), a.buffer, a.kind, a.readonly)
+
+    for n, a in list(call.args.items()):
+        if n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens"):
+            continue
+        call.args[n] = [grow(x) for x in a] if isinstance(a, list) else grow(a)
+    names = tuple(n for n, _ in call.arrays()) + ("outs", "lses", "q", "out", "layout")
+    call.mutations.append((f"huge: a leading axis of {HUGE}", names))
+
+
 def mutate(draw, call: Call, count: int) -> Call:
     """``call`` with ``count`` mutations applied (each recorded with the names its error may use)."""
     rng = _rng(draw)
-    for _ in range(count):
+    huge = call.entry in HUGE_ENTRIES and draw(st.integers(0, 15)) == 0
+    for _ in range(count - huge):
         names = [n for n in call.args if n in SCALAR_BAD or n in FLAGS or isinstance(call.args[n], (Arr, list))]
         extra = [n for n in ("window_size", "softmax_scale", "layout", "backend", "dropout_p", "softcap",
                              "causal", "out") if _accepts(call.entry, n)]
@@ -851,6 +876,8 @@ def mutate(draw, call: Call, count: int) -> Call:
         if name in ("k", "v"):
             names += ("k_cache", "v_cache", "cache_seqlens")
         call.mutations.append((f"{desc}", names))
+    if huge:   # last, so that no other mutation copies a huge view
+        _huge(call)
     return call
 
 
@@ -908,9 +935,16 @@ def _paged_cache_broadcast(call: Call, exc) -> bool:
                for a in caches)
 
 
+def _memory_error_unnamed(call: Call, exc) -> bool:
+    """A MemoryError from NumPy (or from the reference's own name) where the public function's
+    working memory is not checked (test_bad_input_regressions.py::test_*_memory_error_*)."""
+    return (isinstance(exc, MemoryError) and not str(exc).startswith(call.func + ": ")
+            and (call.entry in ("softmax", "attention_with_kvcache") or call.backend == "sim"))
+
+
 #: bugs found and reported (each has an xfail test in test_bad_input_regressions.py): ``predicate(call,
 #: exception) -> bool``; a call they recognise counts as "known" so the search can go past it
-KNOWN = (_paged_cache_broadcast,)
+KNOWN = (_paged_cache_broadcast, _memory_error_unnamed)
 
 
 def check(call: Call) -> str:
@@ -996,8 +1030,8 @@ def _fwd_kw(call: Call) -> dict:
 
 
 def _compare(out, q, k, v, lse, what: str, **kw):
-    for x in (q, k, v):
-        if x.dtype != F64 and x.dtype.kind == "f" and np.isinf(np.asarray(x, F64)).any():
+    for x in (q, k, v):   # non-finite input (an overlapping view reaching a buffer's poison) is not this rule's
+        if not np.isfinite(np.asarray(x, F64)).all():
             return
     q, k, v = (np.ascontiguousarray(x) for x in (q, k, v))
     ok, msg, _ = tolerance.compare(_np(out), q, k, v, lse=None if lse is None else _np(lse), **kw)
