@@ -186,3 +186,26 @@ def test_attention_and_backward_memory_errors_begin_with_the_public_name(monkeyp
     q = np.ones((1, 64, 64), np.float32)
     with pytest.raises(MemoryError, match=r"^cuflash\.attention: .* bytes"):
         cuflash.attention(q, q, q)
+
+
+# --------------------------------------------------------------------------------------------
+# the kernels with a large finite softmax_scale
+
+
+@pytest.mark.slow   # compiles the tensor-core variant on the simulator (seconds of g++)
+@pytest.mark.xfail(strict=True, reason="kernels_cu/attention_fwd_mma.cu (the tensor-core tier, chosen here because "
+                                       "stride-0 q rules out TMA): softmax_scale=1e30 gives lse = +-inf and NaN "
+                                       "output from finite input; the Hopper tier and the NumPy path give the "
+                                       "oracle's finite lse")
+def test_tensor_core_forward_with_a_large_softmax_scale_gives_no_nan():
+    from cuflash.runtime import dtypes
+
+    rng = _rng()
+    q = np.broadcast_to(rng.standard_normal((1, 1, 1, 8)).astype(dtypes.bfloat16), (2, 1, 1, 8))
+    k = rng.standard_normal((2, 2, 1, 8)).astype(dtypes.bfloat16)
+    assert cuflash.explain(q, k, k, layout="bshd", causal=True, backend="sim")["tier"] == "attention_fwd_mma"
+    out, lse = cuflash.attention(q, k, k, softmax_scale=1e30, layout="bshd", causal=True, return_lse=True,
+                                 backend="sim")
+    ok, msg, _ = tolerance.compare(out, np.ascontiguousarray(q), k, k, softmax_scale=1e30, layout="bshd",
+                                   causal=True, lse=lse)
+    assert ok, msg
