@@ -194,6 +194,8 @@ def _handover(a: Arr):
     if a.kind == "jax":
         import jax.numpy as jnp
 
+        if v.size > 2**20:   # a huge stride-0 view: JAX arrays are dense, so it stays NumPy (mixed kinds)
+            return v
         try:
             x = jnp.asarray(np.ascontiguousarray(v))
         except TypeError:
