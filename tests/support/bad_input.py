@@ -821,7 +821,7 @@ def mutate(draw, call: Call, count: int) -> Call:
         elif name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_batch_idx",
                       "cache_leftpad") or (name == "cache_seqlens" and isinstance(value, Arr)):
             result = _index_mutation(draw, rng, call, name, value)
-        elif name in ("outs", "lses") and value:
+        elif name in ("outs", "lses") and isinstance(value, list) and value:
             i = draw(st.integers(0, len(value) - 1))
             choice = draw(st.sampled_from(["drop", "entry", "entry", "type"]))
             if choice == "drop":
@@ -831,7 +831,7 @@ def mutate(draw, call: Call, count: int) -> Call:
                 form = draw(st.sampled_from(["array", "dict", "set"]))
                 first = value[0].view if isinstance(value[0], Arr) else value[0]
                 result = (f"{name} as {form}", first if form == "array" else {0: first} if form == "dict" else {1, 2})
-            else:
+            elif isinstance(value[i], Arr):
                 r = _array_mutations(draw, rng, call, f"{name}[{i}]", value[i])
                 if r is not None:
                     new = list(value)
