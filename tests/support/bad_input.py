@@ -945,9 +945,15 @@ def _memory_error_unnamed(call: Call, exc) -> bool:
     return (call.backend == "sim" and not str(exc).startswith(call.func + ": ")) or call.entry == "softmax"
 
 
+def _empty_keys_many_batch_dims(call: Call, exc) -> bool:
+    """The kernels' launch planning of Sk = 0 with several batch dims
+    (test_bad_input_regressions.py::test_simulator_with_two_batch_dims_and_no_key_gives_zero_rows)."""
+    return call.backend == "sim" and isinstance(exc, ValueError) and "cannot reshape array of size 0" in str(exc)
+
+
 #: bugs found and reported (each has an xfail test in test_bad_input_regressions.py): ``predicate(call,
 #: exception) -> bool``; a call they recognise counts as "known" so the search can go past it
-KNOWN = (_paged_cache_broadcast, _memory_error_unnamed)
+KNOWN = (_paged_cache_broadcast, _memory_error_unnamed, _empty_keys_many_batch_dims)
 
 
 def check(call: Call) -> str:
@@ -968,8 +974,23 @@ def check(call: Call) -> str:
         if n in writes:
             continue
         assert _same(a.buffer, before), f"{call.func} changed its input {n}: {call.describe()}"
-    ORACLES[call.entry](call, result, {id(a.buffer): before for _, a, before in snaps})
+    try:
+        ORACLES[call.entry](call, result, {id(a.buffer): before for _, a, before in snaps})
+    except AssertionError:
+        if _huge_scale_on_a_kernel(call):
+            return "known"
+        raise
     return "ok"
+
+
+def _huge_scale_on_a_kernel(call: Call) -> bool:
+    """A kernel run with ``|softmax_scale| >= 1e10``: the tensor-core forward overflows to inf lse and
+    NaN output (test_bad_input_regressions.py::test_tensor_core_forward_with_a_large_softmax_scale_*)."""
+    scale = call.args.get("softmax_scale")
+    try:
+        return call.backend == "sim" and scale is not None and abs(float(scale)) >= 1e10
+    except (TypeError, ValueError):
+        return False
 
 
 def _check_error(call: Call, exc: BaseException) -> None:
