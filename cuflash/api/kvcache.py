@@ -18,6 +18,7 @@ from cuflash.api import pipeline
 from cuflash.reference import forward as ref_forward
 from cuflash.reference import kvcache as ref_kvcache
 from cuflash.reference.memory import check_memory
+from cuflash.reference.memory import nbytes as _nbytes
 from cuflash.reference.modifiers import broadcast_view
 from cuflash.runtime import interop, validation
 from cuflash.runtime.options import CacheOptions, ModifierOptions, Options
@@ -237,6 +238,12 @@ def _kvcache_numpy(problem, operands):
                                          interleaved=c.rotary_interleaved)
         ref_kvcache.append(c.k_cache, c.v_cache, k_new, c.v_new, seqlens, **where)
     acc = np.float64 if p.dtype == np.float64 else np.float32
+    longest = max((int(seqlens[b]) + c.seqlen_new - int(leftpad[b]) for b in range(batch)), default=0)
+    rows = longest if c.paged else 0   # a paged cache is gathered (copied) per sequence, a contiguous one sliced
+    check_memory(p.func, {"out": 0 if out is not None else _nbytes(p.out_shape, p.dtype),
+                          "lse": _nbytes(p.lse_shape, acc),
+                          "one sequence's gathered k_cache and v_cache rows":
+                              rows * p.num_heads_k * (p.head_dim + p.head_dim_v) * np.dtype(p.dtype).itemsize})
     if out is None:
         out = np.empty(p.out_shape, dtype=p.dtype)
     lse = np.empty(p.lse_shape, dtype=acc)

@@ -16,7 +16,7 @@ import numpy as np
 
 from cuflash.api import pipeline
 from cuflash.kernels import softmax as softmax_kernel
-from cuflash.reference import online_softmax
+from cuflash.reference import normalize
 from cuflash.runtime import interop, variants
 from cuflash.runtime.options import Options
 
@@ -118,9 +118,10 @@ def _validate(operands, options, func):
 
 
 def _numpy(problem, operands):
-    """The NumPy path: :func:`cuflash.reference.online_softmax` (same recurrence) in the input dtype."""
+    """The NumPy path: :func:`cuflash.reference.online_softmax` (same recurrence) in the input dtype,
+    its working memory checked first under the public function's name."""
     x = operands[0]
-    return (online_softmax(x, problem.axis, block_size=1024).astype(x.dtype, copy=False),)
+    return (normalize.run_online_softmax(x, problem.axis, 1024, problem.func).astype(x.dtype, copy=False),)
 
 
 def _on_device(problem, operands, call):

@@ -77,7 +77,8 @@ def select_batches(idx, batch_shape: tuple, arrays: list) -> list:
     batch axis is added), or indexed."""
     nb = len(batch_shape)
     if idx is None:
-        sel = [a.reshape((-1,) + a.shape[nb:]) for a in arrays]
+        # the merged extent given (not -1, which is ambiguous for an array with no element)
+        sel = [a.reshape((math.prod(a.shape[:nb]),) + a.shape[nb:]) for a in arrays]
         if not all(a.size == 0 or plan.array_address(a) == plan.array_address(b) for a, b in zip(sel, arrays)):
             raise AssertionError("cuflash: merging batch dims copied an array")   # never: strides were checked
         return sel

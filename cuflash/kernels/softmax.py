@@ -68,18 +68,25 @@ class SoftmaxVariant(variants.Variant):
         return tuple(cls(d, m) for d in variants.DTYPES for m in ("warp", "block"))
 
 
-def _rows_view(x, axis: int, xp):
-    """``x`` as a 2-D (rows, cols) view with unit column stride, copying only if impossible."""
-    xm = xp.moveaxis(x, axis, -1)
+def _rows_view(x, axis: int, call):
+    """``x`` as a 2-D (rows, cols) view with unit column stride, copying only if impossible (the
+    copy allocated by ``call``, so a copy that does not fit is refused as the result would be)."""
+    xm = call.xp.moveaxis(x, axis, -1)
     n_cols = xm.shape[-1]
     n_rows = int(np.prod(xm.shape[:-1], dtype=np.int64))
+
+    def contiguous(z):
+        c = call.empty(z.shape, z.dtype)
+        c[...] = z
+        return c
+
     try:
         x2 = xm.reshape(n_rows, n_cols)  # a view when the leading axes collapse; else a copy
     except Exception:  # noqa: BLE001
-        x2 = xp.ascontiguousarray(xm).reshape(n_rows, n_cols)
+        x2 = contiguous(xm).reshape(n_rows, n_cols)
     item = x2.dtype.itemsize
     if n_cols > 1 and x2.strides[1] != item or (n_rows > 1 and x2.strides[0] < 0):
-        x2 = xp.ascontiguousarray(x2)
+        x2 = contiguous(x2)
     return xm.shape, x2
 
 
@@ -117,7 +124,7 @@ def run(x, axis: int, call):
     xp = call.xp
     if x.size == 0:
         return call.empty(x.shape, x.dtype)
-    moved_shape, x2 = _rows_view(x, axis, xp)
+    moved_shape, x2 = _rows_view(x, axis, call)
     if axis == x.ndim - 1:
         y = call.empty(x.shape, x.dtype)  # the result itself: framework-allocated, returned as is
         y2 = y.reshape(x2.shape)

@@ -94,7 +94,9 @@ def gather(cache: np.ndarray, b: int, start: int, stop: int, *, page_size=None, 
         cb = b if cache_batch_idx is None else int(cache_batch_idx[b])
         return cache[cb, start:stop]
     i0, i1 = cache_rows(b, start, stop, page_size=page_size, block_table=block_table)
-    return cache[i0, i1]
+    # the gather copies; NumPy lays the copy out after the source's strides, so a cache broadcast
+    # over its kv heads (stride 0) would come back without a unit-stride last axis
+    return np.ascontiguousarray(cache[i0, i1])
 
 
 def merge_memory(outs, lses) -> dict:

@@ -51,6 +51,8 @@ def softmax(x, axis=-1):
     """
     axis = _check_softmax_input(x, axis, "cuflash.reference.softmax")
     xa = x.astype(dtypes.accumulator(x.dtype), copy=False)
+    if xa.size == 0:   # no slice, or slices of no element: nothing to normalise (np.max has no identity)
+        return xa.copy()
     m = np.max(xa, axis=axis, keepdims=True)  # pass 1
     with np.errstate(invalid="ignore"):
         e = np.exp(xa - m)  # all -inf slice: -inf - -inf = NaN, as documented
@@ -108,8 +110,8 @@ def online_softmax_memory(shape, dtype, block_size: int) -> dict:
     converted block with its exponentials."""
     acc = dtypes.accumulator(dtype)
     slices = nbytes(shape[:-1], acc) if shape else acc.itemsize
-    return {"the result": nbytes(shape, acc), "row statistics": 3 * slices,
-            "blocks": 3 * slices * min(block_size, shape[-1] if shape else 1)}
+    return {"the result (x's shape, float32 or float64)": nbytes(shape, acc), "x's row statistics": 3 * slices,
+            "x's blocks": 3 * slices * min(block_size, shape[-1] if shape else 1)}
 
 
 def run_online_softmax(x: np.ndarray, axis: int, block_size: int, func: str) -> np.ndarray:

@@ -185,7 +185,13 @@ class DeviceCall:
             a = self.device.from_framework(t)
             self._owned.append((a, t))
             return a
-        return self.device.empty(shape, dtype)
+        try:
+            return self.device.empty(shape, dtype)
+        except MemoryError as e:   # NumPy's or CuPy's own, which names neither the call nor the backend
+            n = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+            raise MemoryError(f"{self.func}: a result of shape {shape} and dtype {np.dtype(dtype).name} ({n} bytes) "
+                              f"does not fit in the memory of backend {self.device.backend!r} ({e}); use smaller "
+                              f"inputs") from None
 
     def output(self, out, shape, dtype, reads: dict):
         """The output buffer: ``out`` imported (refused if it overlaps an array of ``reads``, the
@@ -223,6 +229,9 @@ class CudaDevice:
     ValueError
         For an ordinal CuPy does not see.
     """
+
+    #: the backend this device serves, for messages
+    backend = "cuda"
 
     poisoned = False
 

@@ -73,6 +73,9 @@ class SimDevice:
         call runs under the options it started with).
     """
 
+    #: the backend this device serves, for messages
+    backend = "sim"
+
     poisoned = True
     torch_device = "cpu"
 

@@ -925,35 +925,10 @@ def run(call: Call):
         return None, exc
 
 
-def _paged_cache_broadcast(call: Call, exc) -> bool:
-    """A paged cache with stride 0 on its row or head axis, refused by the NumPy path's own
-    per-sequence check (test_bad_input_regressions.py::test_*_paged_cache_broadcast_over_kv_heads_*)."""
-    if call.args.get("block_table") is None or not isinstance(exc, ValueError):
-        return False
-    if "must have unit stride on its last axis" not in str(exc):
-        return False
-    caches = [call.args.get(n) for n in ("k", "v", "k_cache", "v_cache")]
-    return any(isinstance(a, Arr) and any(st == 0 and n > 1 for st, n in zip(a.view.strides[1:3], a.view.shape[1:3]))
-               for a in caches)
-
-
-def _memory_error_unnamed(call: Call, exc) -> bool:
-    """A MemoryError from NumPy where the simulator's memory is not checked, or softmax's, which
-    names no argument (test_bad_input_regressions.py::test_*_memory_error_*)."""
-    if not isinstance(exc, MemoryError):
-        return False
-    return (call.backend == "sim" and not str(exc).startswith(call.func + ": ")) or call.entry == "softmax"
-
-
-def _empty_keys_many_batch_dims(call: Call, exc) -> bool:
-    """The kernels' launch planning of Sk = 0 with several batch dims
-    (test_bad_input_regressions.py::test_simulator_with_two_batch_dims_and_no_key_gives_zero_rows)."""
-    return call.backend == "sim" and isinstance(exc, ValueError) and "cannot reshape array of size 0" in str(exc)
-
-
-#: bugs found and reported (each has an xfail test in test_bad_input_regressions.py): ``predicate(call,
-#: exception) -> bool``; a call they recognise counts as "known" so the search can go past it
-KNOWN = (_paged_cache_broadcast, _memory_error_unnamed, _empty_keys_many_batch_dims)
+#: bugs found and reported but not fixed yet (each with an xfail test in test_bad_input_regressions.py):
+#: ``predicate(call, exception) -> bool``; a call they recognise counts as "known" so the search can
+#: go past it. Every one found so far is fixed, so none is excused.
+KNOWN = ()
 
 
 def check(call: Call) -> str:
