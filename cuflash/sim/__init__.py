@@ -123,6 +123,7 @@ from cuflash.sim.config import (
     parse_arch,
     sm_count,
 )
-from cuflash.sim.launcher import SimCheckError, SimError
+from cuflash.sim.launcher import SimCheckError, SimError, SimSlowLaunchWarning
 
-__all__ = ["SimOptions", "options", "current_options", "parse_arch", "sm_count", "ARCHS", "SimError", "SimCheckError"]
+__all__ = ["SimOptions", "options", "current_options", "parse_arch", "sm_count", "ARCHS", "SimError", "SimCheckError",
+           "SimSlowLaunchWarning"]
