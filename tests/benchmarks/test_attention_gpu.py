@@ -126,7 +126,7 @@ def test_bench_command_without_gpu_exits_2(monkeypatch, capsys):
     monkeypatch.setattr(bench, "gpu_available", lambda: (False, "no NVIDIA driver or GPU found"))
     assert bench.main(["--quick"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("cuflash bench: no NVIDIA driver or GPU found.") and "nothing was measured" in err
+    assert err.startswith("python -m cuflash bench: error: no NVIDIA driver or GPU found.") and "nothing was measured" in err
 
 
 def test_sweep_shapes():
