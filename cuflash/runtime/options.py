@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-__all__ = ["Options", "DropoutOptions", "ModifierOptions", "PackedOptions", "CacheOptions", "SAME_KIND", "INDEX"]
+__all__ = ["Options", "DropoutOptions", "ModifierOptions", "Fp8Options", "PackedOptions", "CacheOptions", "SAME_KIND",
+           "INDEX"]
 
 #: an array option that must be of q's kind and device (a modifier, a cache's new keys)
 SAME_KIND = "same kind"
@@ -79,6 +80,17 @@ class ModifierOptions(_MapsArrays):
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Options(_MapsArrays):
+    """fp8 (float8_e4m3fn) input: the descales ``q_descale``, ``k_descale``, ``v_descale`` (FA3's
+    names) and the result type ``out_dtype`` (see :func:`cuflash.attention`)."""
+
+    q_descale: Any = _array(SAME_KIND)
+    k_descale: Any = _array(SAME_KIND)
+    v_descale: Any = _array(SAME_KIND)
+    out_dtype: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
 class PackedOptions(_MapsArrays):
     """A packed variable-length batch (:func:`cuflash.attention_varlen`): the sequence index and,
     for chunked prefill, the block table of a paged KV cache."""
@@ -121,8 +133,8 @@ class Options(_MapsArrays):
         The backward's requests for the modifier gradients.
     axis
         :func:`cuflash.softmax`'s axis.
-    dropout, modifiers
-        :class:`DropoutOptions`, :class:`ModifierOptions`.
+    dropout, modifiers, fp8
+        :class:`DropoutOptions`, :class:`ModifierOptions`, :class:`Fp8Options`.
     packed
         :class:`PackedOptions` for a packed batch, else None.
     cache
@@ -141,5 +153,6 @@ class Options(_MapsArrays):
     axis: Any = -1
     dropout: DropoutOptions = DropoutOptions()
     modifiers: ModifierOptions = ModifierOptions()
+    fp8: Fp8Options = Fp8Options()
     packed: PackedOptions | None = None
     cache: CacheOptions | None = None
