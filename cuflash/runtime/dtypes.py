@@ -1,6 +1,13 @@
 """The dtypes cuflash computes in, and their accumulation types.
 
 bfloat16 is ``ml_dtypes.bfloat16``, the type NumPy >= 2.1 and CuPy 14 both use for it.
+
+fp8 (OCP "E4M3", ``float8_e4m3fn``: 4 exponent bits, 3 mantissa bits, no infinities, largest
+finite 448) is ``ml_dtypes.float8_e4m3fn`` on NumPy. It is an *input* type only: q, k, v of
+:func:`cuflash.attention`'s forward (with descales) and the caches of
+:func:`cuflash.attention_with_kvcache`; results are float16/bfloat16. It is not in
+:data:`SUPPORTED` (the types every entry point computes in) but in :data:`FP8`, and
+:func:`known_or_none` describes it.
 """
 
 from __future__ import annotations
@@ -13,10 +20,19 @@ bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float32 = np.dtype(np.float32)
 float64 = np.dtype(np.float64)
 
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
+
 #: dtypes of q, k, v accepted by the NumPy path (the GPU kernels take the first three).
 SUPPORTED = (float16, bfloat16, float32, float64)
+#: the fp8 input types (see the module docstring)
+FP8 = (float8_e4m3fn,)
+#: the result types of an fp8 call (``out_dtype``); the first is the default
+FP8_OUT = (bfloat16, float16)
+#: largest finite e4m3 value: the ``satfinite`` conversions saturate to it
+E4M3_MAX = 448.0
 
 _BY_NAME = {dt.name: dt for dt in SUPPORTED}
+_KNOWN_BY_NAME = {dt.name: dt for dt in SUPPORTED + FP8}
 
 
 def name_of(dtype) -> str:
@@ -27,6 +43,22 @@ def name_of(dtype) -> str:
 def supported_or_none(dtype) -> np.dtype | None:
     dtype = np.dtype(dtype)
     return dtype if dtype in SUPPORTED else None
+
+
+def known_or_none(dtype) -> np.dtype | None:
+    """A dtype cuflash describes: :data:`SUPPORTED` or :data:`FP8`; None otherwise."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype in SUPPORTED or dtype in FP8 else None
+
+
+def known_from_name(name: str) -> np.dtype | None:
+    """:func:`known_or_none` from a name (``"float8_e4m3fn"``, as torch spells it too)."""
+    return _KNOWN_BY_NAME.get(str(name))
+
+
+def is_fp8(dtype) -> bool:
+    """True for an fp8 input type (:data:`FP8`)."""
+    return dtype is not None and np.dtype(dtype) in FP8
 
 
 def from_name(name: str) -> np.dtype | None:

@@ -103,10 +103,11 @@ def is_cupy_array(x) -> bool:
 
 
 def array_kind(x) -> str | None:
-    """``"numpy"``, ``"cupy"``, ``"dlpack"`` or None for something that is not an array."""
+    """``"numpy"``, ``"cupy"``, ``"dlpack"`` or None for something that is not an array (a
+    :class:`Float8Array` is ``"cupy"``: the CuPy bytes it reads as fp8)."""
     if isinstance(x, np.ndarray):
         return "numpy"
-    if is_cupy_array(x):
+    if is_cupy_array(x) or isinstance(x, Float8Array):
         return "cupy"
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         return "dlpack"
@@ -178,7 +179,7 @@ def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
             shape=tuple(int(n) for n in x.shape),
             strides=_elem_strides(byte_strides, dtype.itemsize),
             byte_strides=byte_strides,
-            dtype=dtypes.supported_or_none(dtype),
+            dtype=dtypes.known_or_none(dtype),
             dtype_name=dtypes.name_of(dtype),
             device=device,
         )
@@ -191,7 +192,7 @@ def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
         )
     shape = tuple(int(n) for n in x.shape)
     dtype_name = str(x.dtype).removeprefix("torch.")
-    dtype = dtypes.from_name(dtype_name)
+    dtype = dtypes.known_from_name(dtype_name)
     stride_attr = getattr(x, "stride", None)
     if callable(stride_attr):  # torch.Tensor.stride() gives strides in elements
         strides = tuple(int(s) for s in stride_attr())
@@ -208,6 +209,101 @@ def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
         dtype_name=dtype_name,
         device=device,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# fp8 bytes: the view a framework without an fp8 dtype (CuPy) passes (docs/api.md, "fp8")
+
+
+class Float8Array:
+    """A CuPy ``uint8`` array whose bytes cuflash reads as ``float8_e4m3fn`` (what
+    :func:`fp8_view` returns for CuPy, which has no fp8 dtype).
+
+    It carries the metadata validation reads (``shape``, ``strides`` in bytes, which are element
+    strides too, ``dtype``: ``ml_dtypes.float8_e4m3fn``, ``device``) and hands the bytes to a
+    device through ``__dlpack__`` / ``__cuda_array_interface__`` (as the uint8 array). The bytes
+    are not copied: writes through either name are seen by the other.
+
+    Attributes
+    ----------
+    data : cupy.ndarray
+        The ``uint8`` array.
+    """
+
+    def __init__(self, data):
+        self.data = data
+        self.shape = tuple(int(n) for n in data.shape)
+        self.strides = tuple(int(s) for s in data.strides)
+        self.dtype = dtypes.float8_e4m3fn
+        self.device = data.device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        import math
+
+        return math.prod(self.shape)
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.data.__cuda_array_interface__
+
+    def __dlpack__(self, *args, **kwargs):
+        return self.data.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.data.__dlpack_device__()
+
+    def __repr__(self) -> str:
+        return f"cuflash.fp8_view(<cupy uint8 array of shape {self.shape}>)"
+
+
+def fp8_view(x):
+    """``x``'s bytes as ``float8_e4m3fn`` (OCP E4M3) input for cuflash, without a copy.
+
+    Parameters
+    ----------
+    x : numpy.ndarray, cupy.ndarray or torch.Tensor of dtype uint8 (or already fp8)
+        The raw e4m3 bytes, one element per byte (as a quantizer or a serving engine's fp8 KV
+        cache stores them).
+
+    Returns
+    -------
+    array
+        NumPy: ``x.view(ml_dtypes.float8_e4m3fn)`` (an ordinary NumPy array). torch:
+        ``x.view(torch.float8_e4m3fn)``. CuPy, which has no fp8 dtype: a :class:`Float8Array`
+        that every cuflash function taking fp8 accepts where it accepts a CuPy array. An fp8
+        array is returned as it is.
+
+    Raises
+    ------
+    TypeError
+        For another dtype or something that is not an array.
+    """
+    kind = array_kind(x)
+    if isinstance(x, Float8Array) or (kind in ("numpy", "cupy", "dlpack") and _dtype_name(x) == "float8_e4m3fn"):
+        return x
+    if kind is None or _dtype_name(x) != "uint8":
+        what = type_name(x) if kind is None else f"{type_name(x)} of dtype {_dtype_name(x)}"
+        raise TypeError(f"cuflash.fp8_view: x must be a uint8 array (numpy, cupy or torch) holding float8_e4m3fn "
+                        f"bytes, got {what}")
+    if kind == "numpy":
+        return x.view(dtypes.float8_e4m3fn)
+    if kind == "cupy":
+        return Float8Array(x)
+    if framework_of(x) == "torch":
+        import torch
+
+        return x.view(torch.float8_e4m3fn)
+    raise TypeError(f"cuflash.fp8_view: x is a {type_name(x)}; for a DLPack producer other than torch pass "
+                    f"numpy.from_dlpack(x) (CPU) or cupy.from_dlpack(x) (GPU) of its uint8 bytes")
+
+
+def _dtype_name(x) -> str:
+    return str(getattr(x, "dtype", "")).removeprefix("torch.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,23 +435,29 @@ def exporter(x, func: str):
 
 def torch_to_numpy(t):
     """A zero-copy NumPy view of a CPU ``torch.Tensor`` (detached; bfloat16 through an int16
-    view, since NumPy's DLPack import has no bfloat16)."""
+    view and float8_e4m3fn through a uint8 view, since NumPy's DLPack import has neither: torch
+    exports fp8 through DLPack, and ``numpy.from_dlpack`` refuses it as "Unsupported dtype")."""
     import ml_dtypes
     import torch
 
     t = t.detach()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
     return t.numpy()
 
 
 def numpy_to_torch(a: np.ndarray):
-    """A CPU ``torch.Tensor`` sharing ``a``'s memory (bfloat16 through an int16 view)."""
+    """A CPU ``torch.Tensor`` sharing ``a``'s memory (bfloat16 through an int16 view,
+    float8_e4m3fn through a uint8 view)."""
     import ml_dtypes
     import torch
 
     if a.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if a.dtype == ml_dtypes.float8_e4m3fn:
+        return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
     return torch.from_numpy(a)
 
 
