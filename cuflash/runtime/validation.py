@@ -19,6 +19,7 @@ import numpy as np
 from cuflash.runtime import dtypes
 from cuflash.runtime.interop import ArrayInfo, describe, device_type_name
 from cuflash.runtime.options import Options
+from cuflash.runtime.validation_fp8 import Fp8, check_fp8
 from cuflash.runtime.validation_modifiers import Modifiers, check_modifiers
 
 #: largest head dim (of q/k and of v) that the kernels support (docs/kernels.md).
@@ -67,6 +68,9 @@ class AttentionProblem:
     #: the score modifiers (softcap, ALiBi, bias, mask, sinks:
     #: :func:`cuflash.runtime.validation_modifiers.check_modifiers`), else None
     modifiers: "Modifiers | None" = None
+    #: fp8 (float8_e4m3fn) input: descales and result type
+    #: (:func:`cuflash.runtime.validation_fp8.check_fp8`), else None
+    fp8: "Fp8 | None" = None
     #: the call's options with their flags validated (``return_lse``, ``deterministic``,
     #: ``return_dbias``, ...: what a backend asks of them beyond the fields above)
     options: Options = Options()
@@ -81,7 +85,14 @@ class AttentionProblem:
             changes["varlen"] = self.varlen.with_arrays(convert)
         if self.kvcache is not None:
             changes["kvcache"] = self.kvcache.with_arrays(convert)
+        if self.fp8 is not None:
+            changes["fp8"] = self.fp8.with_arrays(convert)
         return dataclasses.replace(self, **changes)
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        """The result's dtype: q's, or for fp8 q the call's ``out_dtype`` (bfloat16 by default)."""
+        return self.fp8.out_dtype if self.fp8 is not None else self.dtype
 
     @property
     def is_empty(self) -> bool:
@@ -254,8 +265,10 @@ def check_strides(info: ArrayInfo, name: str, func: str, *, writable_out: bool =
             )
 
 
-def describe_inputs(arrays: dict, func: str) -> dict:
-    """Describe each named array; check they are of one kind, one dtype, one device."""
+def describe_inputs(arrays: dict, func: str, *, fp8: bool = False) -> dict:
+    """Describe each named array; check they are of one kind, one dtype, one device. fp8
+    (``float8_e4m3fn``) is refused (``NotImplementedError``) unless ``fp8``: only the forward
+    takes it."""
     infos = {name: describe(x, name, func) for name, x in arrays.items()}
     names = list(infos)
     first = infos[names[0]]
@@ -272,6 +285,10 @@ def describe_inputs(arrays: dict, func: str) -> dict:
                 f"{func}: {name}.dtype={info.dtype_name} is not supported; expected one of "
                 f"{', '.join(dt.name for dt in dtypes.SUPPORTED)}"
             )
+        if dtypes.is_fp8(info.dtype) and not fp8:
+            raise NotImplementedError(f"{func}: {name}.dtype={info.dtype_name}: {_FP8_WHERE}" + (
+                "; the fp8 forward is for inference: a backward in fp8 is out of scope (compute the backward in "
+                "float16/bfloat16)" if "backward" in func else ""))
     for name in names[1:]:
         if infos[name].dtype != first.dtype:
             raise TypeError(
@@ -293,6 +310,10 @@ def describe_inputs(arrays: dict, func: str) -> dict:
                 f"{first.device} (DLPack (type, id)); all arrays must be on one device"
             )
     return infos
+
+
+_FP8_WHERE = ("fp8 input is taken by cuflash.attention's forward (q, k, v with q_descale, k_descale, v_descale) "
+              "and as the k_cache/v_cache of cuflash.attention_with_kvcache only")
 
 
 def _heads_and_batch(info: ArrayInfo, layout: str):
@@ -342,7 +363,8 @@ def check_flags(options: Options, func: str, *names: str) -> Options:
 
 
 def check_attention(q, k, v, options: Options, *, func: str = "cuflash.attention", out=None,
-                    max_head_dim: int | None = MAX_HEAD_DIM, dtypes: tuple | None = None) -> AttentionProblem:
+                    max_head_dim: int | None = MAX_HEAD_DIM, dtypes: tuple | None = None,
+                    fp8: bool = False) -> AttentionProblem:
     """Validate one attention call and return its :class:`AttentionProblem`.
 
     Parameters
@@ -359,11 +381,14 @@ def check_attention(q, k, v, options: Options, *, func: str = "cuflash.attention
         float64 oracle).
     dtypes : tuple of numpy.dtype, optional
         dtypes this backend computes in (``NotImplementedError`` for the others).
+    fp8 : bool
+        Accept ``float8_e4m3fn`` q, k, v with their descales (the forward); otherwise fp8 is a
+        ``NotImplementedError`` (the backward has no fp8 form).
     """
     options = check_flags(options, func, "causal", "return_lse")
     causal = options.causal
     layout = check_layout(options.layout, func)
-    infos = describe_inputs({"q": q, "k": k, "v": v}, func)
+    infos = describe_inputs({"q": q, "k": k, "v": v}, func, fp8=fp8)
     qi, ki, vi = infos["q"], infos["k"], infos["v"]
     if dtypes is not None and qi.dtype not in dtypes:
         raise NotImplementedError(
@@ -403,14 +428,16 @@ def check_attention(q, k, v, options: Options, *, func: str = "cuflash.attention
     else:
         out_shape = qi.shape[:-1] + (dv,)
         lse_shape = qi.shape[:-1]
+    dropout = check_dropout(options.dropout, func)
+    batch = tuple(qb) if layout == "bhsd" else (qb[0],)
     problem = AttentionProblem(
         func=func, kind=qi.kind, dtype=qi.dtype, layout=layout, batch_shape=tuple(qb),
         num_heads_q=hq, num_heads_k=hk, seqlen_q=sq, seqlen_k=sk, head_dim=d, head_dim_v=dv,
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
         out_shape=out_shape, lse_shape=lse_shape, device=qi.device, q=qi, k=ki, v=vi,
-        dropout=check_dropout(options.dropout, func),
-        modifiers=check_modifiers(func, qi, tuple(qb) if layout == "bhsd" else (qb[0],), hq, sq, sk,
-                                  options.modifiers),
+        dropout=dropout,
+        modifiers=check_modifiers(func, qi, batch, hq, sq, sk, options.modifiers),
+        fp8=check_fp8(func, qi, infos, batch, hk, options.fp8, dropout),
         options=options,
     )
     if out is not None:
@@ -425,7 +452,10 @@ def check_like_output(info: ArrayInfo, name: str, problem: AttentionProblem, rul
     func = problem.func
     if info.kind != problem.kind:
         raise TypeError(f"{func}: {name} is a {info.type_name} but q is a {problem.q.type_name}; they must be of one kind")
-    if info.dtype != problem.dtype:
+    if info.dtype != problem.out_dtype:
+        if problem.fp8 is not None and problem.fp8.q_fp8:
+            raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal the result's dtype "
+                            f"{problem.out_dtype.name} (out_dtype of fp8 input)")
         raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal q.dtype={problem.dtype.name}")
     if info.shape != problem.out_shape:
         raise ValueError(f"{func}: {name}.shape={info.shape} must be {problem.out_shape} {rule}")
