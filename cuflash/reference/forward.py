@@ -95,7 +95,7 @@ def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     return (out, lse) if return_lse else out
 
 
-def naive_rows(p: AttentionProblem, q, k, v, rows, round_to=None):
+def naive_rows(p: AttentionProblem, q, k, v, rows, round_to=None, *, p_round_to=None):
     """Naive attention of the query ``rows`` of the validated problem ``p``.
 
     The core of :func:`naive_attention` and of the tolerance rule's baseline
@@ -115,6 +115,12 @@ def naive_rows(p: AttentionProblem, q, k, v, rows, round_to=None):
         attention as a framework computes it in that dtype: float32 matmuls with the scores
         rounded to the dtype before and after scaling, softmax in float32, ``P`` rounded before
         ``P @ V``, the output rounded.
+    p_round_to : numpy dtype, optional
+        With ``round_to``: the baseline of an fp8 forward (:mod:`cuflash.reference.tolerance`):
+        the scores stay float32 (an fp8 GEMM accumulates in float32 and FA3 keeps S in float32
+        registers), ``P`` is rounded to this dtype (e4m3, the second GEMM's operand) before ``P @
+        V``, and the output to ``round_to`` (the call's ``out_dtype``). q, k, v are then the
+        descaled float32 values (:func:`cuflash.reference.fp8.dequantize`).
 
     Returns
     -------
@@ -127,16 +133,22 @@ def naive_rows(p: AttentionProblem, q, k, v, rows, round_to=None):
     def rnd(x):
         return x if round_to is None else x.astype(round_to).astype(np.float32)
 
+    def rnd_s(x):   # the scores: the dtype's rounding, none for the fp8 baseline
+        return x if p_round_to is not None else rnd(x)
+
+    def rnd_p(x):   # P before P @ V: the dtype's, or e4m3's for the fp8 baseline
+        return rnd(x) if p_round_to is None else x.astype(p_round_to).astype(np.float32)
+
     qv = split_heads(canonical(q, p.layout), p.num_heads_k)[..., rows, :].astype(acc)
     kv = kv_view(canonical(k, p.layout)).astype(acc)
     vv = kv_view(canonical(v, p.layout)).astype(acc)
-    s = rnd(rnd(qv @ kv.swapaxes(-1, -2)) * acc(p.softmax_scale))
+    s = rnd_s(rnd_s(qv @ kv.swapaxes(-1, -2)) * acc(p.softmax_scale))
     mask = problem_mask(p, rows, np.arange(p.seqlen_k))
     terms = None if p.modifiers is None else HeadTerms(p, None, acc)
     if terms is not None:   # softcap, ALiBi, bias; then attn_mask joins the causal/window mask
         with np.errstate(invalid="ignore", over="ignore"):
             terms.modify(s, rows, np.arange(p.seqlen_k))
-        s = rnd(s)   # a framework in the dtype rounds the modified scores again
+        s = rnd_s(s)   # a framework in the dtype rounds the modified scores again
         keep = terms.keep(rows, np.arange(p.seqlen_k))
         if keep is not None:
             mask = keep if mask is None else mask & keep
@@ -158,7 +170,7 @@ def naive_rows(p: AttentionProblem, q, k, v, rows, round_to=None):
             o = masked_matmul(e * keep, vv, mask) / l_safe if round_to is None else \
                 rnd(rnd(rnd(e / l_safe) * keep.astype(acc)) @ vv)
         else:
-            o = masked_matmul(e, vv, mask) / l_safe if round_to is None else rnd(rnd(e / l_safe) @ vv)
+            o = masked_matmul(e, vv, mask) / l_safe if round_to is None else rnd(rnd_p(e / l_safe) @ vv)
         lse = np.where(seen, shift + np.log(np.where(seen, l, 1)), -np.inf)
     return o, lse
 

@@ -9,6 +9,19 @@ The same functions serve the test suite (``tests/``) and the GPU self-check
 (``python -m cuflash check``), so both apply one rule. The float64 reference here is the
 naive float64 attention of :func:`cuflash.reference.naive_attention`, computed for a subset of
 query rows when asked (the GPU check samples rows of long sequences).
+
+fp8 (``float8_e4m3fn``) input, derived the same way. The reference is the float64 attention of
+the descaled fp8 values (``float64(x) * descale``: the input the caller gave, without error).
+The baseline is a naive implementation that makes exactly the roundings an fp8 forward cannot
+avoid, and no others: its inputs are the fp8 values (exact), descaled in float32; the products
+of two e4m3 values are exact in float32 and the scores accumulate in float32 (S is not rounded:
+FA3 keeps it in float32 registers); the softmax runs in float32; ``P`` is rounded to e4m3
+before ``P @ V``, because the second fp8 GEMM takes it as an e4m3 operand (3 mantissa bits:
+relative error up to 2**-4 per weight, the dominant term); ``P @ V`` accumulates in float32 and
+the output is rounded to ``out_dtype``. The bound is twice that baseline's error plus the floor
+of ``out_dtype`` (the result's type, not e4m3: the output is never fp8). An implementation
+that keeps P in float32 (the NumPy path) meets it with a wide margin; a kernel that rounds P to
+e4m3 is held to twice what rounding P costs.
 """
 
 from __future__ import annotations
@@ -19,17 +32,20 @@ import numpy as np
 
 from cuflash.reference.forward import naive_rows
 from cuflash.runtime import dtypes
-from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options
+from cuflash.runtime.options import DropoutOptions, Fp8Options, ModifierOptions, Options
 from cuflash.runtime.validation import check_attention
+from cuflash.runtime.validation_fp8 import check_out_dtype
 
-__all__ = ["attention_rows", "naive_same_dtype", "floor_for", "score_rounding_bound", "bound", "rule_bound", "compare"]
+__all__ = ["attention_rows", "naive_same_dtype", "floor_for", "result_dtype", "score_rounding_bound", "bound",
+           "rule_bound", "compare"]
 
 _FUNC = "cuflash.reference.tolerance"
 
 
 def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
                    rows=None, same_dtype=False, dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-                   alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None):
+                   alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, q_descale=None, k_descale=None,
+                   v_descale=None, out_dtype=None):
     """Naive attention of the query ``rows`` (default: all), float64 or as a same-dtype framework.
 
     ``same_dtype=False``: float64 throughout, the reference. ``same_dtype=True``: the baseline of
@@ -52,6 +68,9 @@ def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1
     softcap, alibi_slopes, attn_bias, attn_mask, sinks
         The score modifiers, as :func:`cuflash.attention` takes them (the framework baseline
         applies them in float32 to the rounded scores and rounds the result to the dtype again).
+    q_descale, k_descale, v_descale, out_dtype
+        fp8 input, as :func:`cuflash.attention` takes it: the reference descales in float64, the
+        baseline is the fp8 one of the module docstring.
 
     Returns
     -------
@@ -60,16 +79,24 @@ def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1
     """
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks),
+                      fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     return _rows(q, k, v, options, rows, same_dtype)
 
 
 def _rows(q, k, v, options: Options, rows, same_dtype: bool):
     """:func:`attention_rows` of the call's ``options``."""
-    p = check_attention(q, k, v, options, func=_FUNC, max_head_dim=None)
+    p = check_attention(q, k, v, options, func=_FUNC, max_head_dim=None, fp8=True)
     rows = np.arange(p.seqlen_q) if rows is None else np.asarray(rows)
-    lowp = same_dtype and p.dtype != dtypes.float64
-    o, lse = naive_rows(p, q, k, v, rows, round_to=p.dtype if lowp else None)
+    if p.fp8 is not None:   # the fp8 rule of the module docstring
+        from cuflash.reference.fp8 import dequantize
+
+        pd, qd, kd, vd = dequantize(p, q, k, v, np.float32 if same_dtype else np.float64)
+        o, lse = naive_rows(pd, qd, kd, vd, rows, round_to=p.out_dtype if same_dtype else None,
+                            p_round_to=dtypes.float8_e4m3fn if same_dtype else None)
+    else:
+        lowp = same_dtype and p.dtype != dtypes.float64
+        o, lse = naive_rows(p, q, k, v, rows, round_to=p.dtype if lowp else None)
     *batch, hk, g, r, dv = o.shape
     return (o.astype(np.float64).reshape(*batch, hk * g, r, dv),
             lse.astype(np.float64).reshape(*batch, hk * g, r))
@@ -85,14 +112,15 @@ def _in_layout(x, layout: str, q_ndim: int, *, lse: bool = False):
 
 def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
                      dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0, alibi_slopes=None, attn_bias=None,
-                     attn_mask=None, sinks=None):
+                     attn_mask=None, sinks=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """The baseline of the rule for all rows, as float64 values in the output's own shape
     (``q.shape[:-1] + (Dv,)`` for "bhsd", ``(B, Sq, Hq, Dv)`` for "bshd"); see
     :func:`attention_rows` (``same_dtype=True``) for how it is computed and what the keywords
     are."""
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks),
+                      fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     o, _ = _rows(q, k, v, options, None, True)
     return _in_layout(o, layout, np.ndim(q))
 
@@ -109,6 +137,13 @@ def floor_for(dtype) -> float:
     its floor is 2**-40.
     """
     return {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-18, "float64": 2.0**-40}[np.dtype(dtype).name]
+
+
+def result_dtype(q, options: Options) -> np.dtype:
+    """The dtype the rule's floor is taken for: q's, or for fp8 q the call's ``out_dtype``."""
+    if dtypes.is_fp8(getattr(q, "dtype", None)):
+        return check_out_dtype(options.fp8.out_dtype, _FUNC)
+    return np.dtype(q.dtype)
 
 
 def score_rounding_bound(q, k, v, *, softmax_scale=None) -> float:
@@ -147,23 +182,27 @@ def _reference_and_bound(q, k, v, options: Options, rows, large_logits: bool):
         ref, naive = _in_layout(ref, layout, np.ndim(q)), _in_layout(naive, layout, np.ndim(q))
         ref_lse = _in_layout(ref_lse, layout, np.ndim(q), lse=True)
     base = float(np.max(np.abs(naive - ref), initial=0.0))
-    tol = bound(q.dtype, base, q=q, k=k, v=v, softmax_scale=options.softmax_scale, large_logits=large_logits)
+    tol = bound(result_dtype(q, options), base, q=q, k=k, v=v, softmax_scale=options.softmax_scale,
+                large_logits=large_logits)
     return ref, ref_lse, tol, base
 
 
 def rule_bound(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd", rows=None,
-               large_logits=False, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None) -> float:
+               large_logits=False, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None,
+               q_descale=None, k_descale=None, v_descale=None, out_dtype=None) -> float:
     """The largest max-abs error the rule allows an implementation of attention(q, k, v, ...):
     ``2 * max|naive_same_dtype - reference| + floor_for(q.dtype)`` (see :func:`bound`); the
     keywords are :func:`compare`'s."""
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks),
+                      fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     return _reference_and_bound(q, k, v, options, rows, large_logits)[2]
 
 
 def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
             rows=None, lse=None, large_logits=False, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
-            softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None) -> tuple[bool, str, float]:
+            softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, q_descale=None, k_descale=None,
+            v_descale=None, out_dtype=None) -> tuple[bool, str, float]:
     """Hold ``actual`` (and optionally its ``lse``) to the rule.
 
     Parameters
@@ -185,6 +224,8 @@ def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-
         The call's dropout (reference and baseline apply the same mask).
     softcap, alibi_slopes, attn_bias, attn_mask, sinks
         The call's score modifiers, applied by reference and baseline alike.
+    q_descale, k_descale, v_descale, out_dtype
+        fp8 input (the module docstring's fp8 rule).
 
     Returns
     -------
@@ -193,7 +234,8 @@ def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     """
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks),
+                      fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     ref, ref_lse, tol, base = _reference_and_bound(q, k, v, options, rows, large_logits)
     a = np.asarray(actual, np.float64)
     if a.shape != ref.shape:
