@@ -11,6 +11,10 @@ fallback, why; the ``cuflash.dispatch`` logger logs the same line at DEBUG level
    aligned (head dims, strides and view offsets multiples of 8 elements);
 3. portable SIMT (:mod:`cuflash.kernels.attention_fwd_simt`): every dtype, sm_75+.
 
+fp8 (``float8_e4m3fn``) input goes only to a tier module that declares ``FP8_FORM = True``; today
+none does, so every tier says it has no fp8 form (:func:`fp8_reason`) and the call is a
+``NotImplementedError`` naming the tiers and the arch (the NumPy path computes fp8 input).
+
 A tier module may declare ``TARGET_ARCH`` (``"90a"``: its kernels are compiled for ``sm_90a``,
 as the Hopper tier's are) and ``MIN_NVRTC_MAJOR`` (13: CUDA-13-only). Before asking the
 module, the dispatcher applies the rule of :func:`target_reason`: an ``sm_90a`` tier runs only on
@@ -71,13 +75,24 @@ def target_reason(mod, arch: int, nvrtc_majors=None) -> str | None:
     return None
 
 
+def fp8_reason(mod, problem) -> str | None:
+    """Why the tier module ``mod`` cannot take ``problem``'s fp8 input (None when the problem is not
+    fp8, or the module declares ``FP8_FORM = True``)."""
+    if getattr(problem, "fp8", None) is None or getattr(mod, "FP8_FORM", False):
+        return None
+    if mod is attention_fwd_sm90:
+        return ("it has no fp8 (float8_e4m3fn) form: the Hopper fp8 forward (wgmma with e4m3 operands) is not "
+                "built yet")
+    return "it has no fp8 (float8_e4m3fn) form (it computes float16, bfloat16 and float32)"
+
+
 def _choose(problem, arch: int, arrays=None, tiers=None, nvrtc_majors=None):
     """``(module, reasons)``: the tier that runs ``problem`` and why each faster one does not
     (``tiers`` default: :data:`TIERS`, looked up at call time)."""
     tiers = TIERS if tiers is None else tiers
     reasons = []
     for name, mod in tiers:
-        why = target_reason(mod, arch, nvrtc_majors)
+        why = fp8_reason(mod, problem) or target_reason(mod, arch, nvrtc_majors)
         if why is None:
             check = getattr(mod, "unsupported_reason", None)
             why = check(problem, arch, arrays) if check is not None else None
