@@ -7,15 +7,17 @@ import math
 
 from cuflash.api import pipeline
 from cuflash.reference import forward as ref_forward
+from cuflash.reference import fp8 as ref_fp8
 from cuflash.runtime import interop, validation
-from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options
+from cuflash.runtime.options import DropoutOptions, Fp8Options, ModifierOptions, Options
 
 __all__ = ["attention", "explain"]
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
               out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-              alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None):
+              alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, q_descale=None, k_descale=None,
+              v_descale=None, out_dtype=None):
     """Exact scaled-dot-product attention, ``softmax(softmax_scale * q k^T + mask) v``, fused.
 
     The ``(Sq, Sk)`` score matrix is never materialised: keys and values are streamed in tiles
@@ -32,7 +34,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         dtype and device. CPU DLPack arrays run the NumPy path on zero-copy views
         (``numpy.from_dlpack``) and the results come back as their kind (a bare producer gets
         NumPy). dtypes: float16, bfloat16 (``ml_dtypes.bfloat16``), float32; float64
-        on the NumPy path. Leading (batch) dims must be equal, except the head axis (-3 for
+        on the NumPy path; fp8 ``float8_e4m3fn`` (``ml_dtypes.float8_e4m3fn``,
+        ``torch.float8_e4m3fn``; CuPy bytes through :func:`cuflash.fp8_view`) with the descales
+        below, forward only. Leading (batch) dims must be equal, except the head axis (-3 for
         "bhsd", 2 for "bshd"), where ``Hq % Hk == 0`` (GQA/MQA: query head ``h`` reads kv head
         ``h // (Hq // Hk)``). 2-D "bhsd" input is one head. Any strides with unit stride on the
         last axis (slices of a packed qkv buffer, transposed views, stride-0 broadcast K/V);
@@ -91,6 +95,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         Attention sinks (as gpt-oss uses them; OpenAI, gpt-oss model card, 2025): one learned
         logit per head that joins each row's softmax denominator and attends to nothing, so
         ``lse = log(sum_j exp(s_j) + exp(sink))`` and a row with no key gets 0 and ``lse = sink``.
+    q_descale, k_descale, v_descale : float32 arrays ``(B, Hk)``, optional
+        fp8 input only (FA3's names and shapes; ``(*batch, Hk)`` with several batch dims): the
+        fp8 arrays stand for ``q * q_descale``, ``k * k_descale``, ``v * v_descale``, one factor
+        per batch entry and kv head (query head ``h`` uses ``h // (Hq // Hk)``'s); None is 1. A
+        stride-0 view (``numpy.broadcast_to(s, (B, Hk))``) is one per-tensor scale. Host values
+        must be finite and > 0 (device descales are checked for dtype and shape only). The NumPy
+        path computes in float32 on the descaled values; the kernel tiers have no fp8 form yet
+        (``NotImplementedError`` naming the tier and arch). fp8 has no dropout and no backward
+        (:func:`attention_backward` refuses it: the fp8 forward is for inference).
+    out_dtype : {None, "bfloat16", "float16"}
+        The result's dtype for fp8 input (None: bfloat16, FA3's); only with fp8 input.
 
         The order is: scale, softcap, ALiBi and bias, the masks (causal/window and attn_mask),
         softmax (with the sink), dropout. On the NumPy path every dtype; float64 input may take
@@ -100,7 +115,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
     Returns
     -------
-    out : array of q's kind and dtype, shape ``q.shape[:-1] + (Dv,)`` ("bhsd") or ``(B, Sq, Hq, Dv)``
+    out : array of q's kind and dtype (``out_dtype`` for fp8 input), shape ``q.shape[:-1] + (Dv,)``
+        ("bhsd") or ``(B, Sq, Hq, Dv)``
     lse : array, float32 (float64 for float64 input), shape ``q.shape[:-1]`` ("bhsd") or
         ``(B, Hq, Sq)`` ("bshd"); only when ``return_lse=True``. With ``sinks`` it includes the
         sink term.
@@ -175,22 +191,35 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       return_lse=return_lse, backend=backend,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks),
+                      fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     return pipeline.run(FORWARD, (q, k, v, out), options)
 
 
 def _validate(operands, options, func):
     q, k, v, out = operands
-    return validation.check_attention(q, k, v, options, func=func, out=out)
+    return validation.check_attention(q, k, v, options, func=func, out=out, fp8=True)
 
 
 def _numpy(problem, operands):
     q, k, v, out = operands
+    if problem.fp8 is not None:
+        return ref_fp8.run_forward_fp8(problem, q, k, v, out)
     return ref_forward.run_forward(problem, q, k, v, out)
 
 
+def _device(problem, operands, call):
+    """:func:`pipeline.forward_on`, after asking the dispatcher first for fp8 input, so a call no
+    tier has an fp8 form for is refused before any array is imported."""
+    if problem.fp8 is not None:
+        from cuflash.kernels import dispatch
+
+        dispatch.forward_tier(problem, call.arch)
+    return pipeline.forward_on(problem, operands, call)
+
+
 #: :func:`attention`'s steps
-FORWARD = pipeline.Entry("cuflash.attention", ("q", "k", "v", "out"), _validate, _numpy, pipeline.forward_on,
+FORWARD = pipeline.Entry("cuflash.attention", ("q", "k", "v", "out"), _validate, _numpy, _device,
                          pipeline.lse_pair, out=3)
 
 
@@ -205,7 +234,8 @@ def _parse_cc(arch, func: str) -> int:
 
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd", backend="auto",
-            arch=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None) -> dict:
+            arch=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, q_descale=None,
+            k_descale=None, v_descale=None, out_dtype=None) -> dict:
     """What :func:`attention` would run for these arguments, without running it.
 
     Validates exactly as :func:`attention` does (from metadata only, so fake or CPU-side
@@ -219,6 +249,9 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     softcap, alibi_slopes, attn_bias, attn_mask, sinks
         As for :func:`attention` (validated the same way; a kernel tier that does not take a
         modifier says so, and with none left ``NotImplementedError`` names it).
+    q_descale, k_descale, v_descale, out_dtype
+        As for :func:`attention` (fp8 input: every kernel tier says it has no fp8 form, and
+        ``NotImplementedError`` names the tiers and the arch).
     arch : int or str, optional
         Compute capability to plan for (``90``, ``"sm_80"``). Default: the simulator's arch
         (:func:`cuflash.sim.options`) for ``backend="sim"``, the arrays' device for CUDA arrays
@@ -247,7 +280,8 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
 
     func = "cuflash.explain"
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
-                      backend=backend, modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+                      backend=backend, modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks),
+                      fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     host = interop.HostImport(func, FORWARD.names, (q, k, v, None), options)
     q, k, v, _ = host.operands
     problem = _validate(host.operands, host.options, func)
