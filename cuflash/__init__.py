@@ -22,6 +22,7 @@ from cuflash.autodiff import (
     softmax,
 )
 from cuflash.kernels.precompile import precompile
+from cuflash.runtime.interop import fp8_view
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
-           "merge_attention", "softmax", "explain", "precompile", "reference", "intensity", "sim", "__version__"]
+           "merge_attention", "softmax", "explain", "precompile", "fp8_view", "reference", "intensity", "sim", "__version__"]
