@@ -599,3 +599,27 @@ __device__ __forceinline__ unsigned char* ptx_align_smem_1024(unsigned char* sme
     return smem + ((1024u - (ptx_smem_addr(smem) & 1023u)) & 1023u);
 }
 #endif
+
+// ---------------------------------------------------------------- fp8 (OCP E4M3) conversion
+// cvt.rn.satfinite.e4m3x2.f32 (PTX ISA "cvt", sm_89+): two floats to two float8_e4m3fn bytes, `lo`
+// in the low byte; round to nearest even, subnormals kept, a magnitude past 448 (and inf) saturates
+// to +-448, NaN gives the canonical NaN 0x7f. Below sm_89, cuda_fp8.h's conversion with
+// __NV_SATFINITE (the same rounding and saturation, in software); on the simulator,
+// cusim::f32_to_e4m3_satfinite_bits (cusim_half.h).
+#if defined(CUFLASH_SIM)
+__device__ __forceinline__ unsigned short ptx_cvt_pack_e4m3x2(float lo, float hi) {
+    return (unsigned short)(unsigned(cusim::f32_to_e4m3_satfinite_bits(lo)) |
+                            (unsigned(cusim::f32_to_e4m3_satfinite_bits(hi)) << 8));
+}
+#elif __CUDA_ARCH__ >= 890
+__device__ __forceinline__ unsigned short ptx_cvt_pack_e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));   // first source -> upper byte
+    return r;
+}
+#else
+#include <cuda_fp8.h>
+__device__ __forceinline__ unsigned short ptx_cvt_pack_e4m3x2(float lo, float hi) {
+    return (unsigned short)__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+#endif

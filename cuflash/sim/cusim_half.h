@@ -58,6 +58,32 @@ inline uint16_t f32_to_bf16_bits(float f) {
 }
 inline float bf16_bits_to_f32(uint16_t b) { return bits_f32(uint32_t(b) << 16); }
 
+// float -> OCP E4M3 (float8_e4m3fn) as cvt.rn.satfinite.e4m3x2.f32 converts one element (PTX ISA,
+// "cvt"): round to nearest even, subnormals kept (m * 2^-9), a magnitude reaching 448 or beyond
+// (inf included) saturates to +-448 (0x7e), NaN becomes the canonical NaN 0x7f; the sign of a zero
+// result is kept.
+inline uint8_t f32_to_e4m3_satfinite_bits(float f) {
+    const uint32_t x = f32_bits(f);
+    const uint32_t sign = (x >> 24) & 0x80u;
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return 0x7fu;                  // NaN
+    if (ax >= 0x43e00000u) return uint8_t(sign | 0x7eu);  // >= 448 (and inf): saturate
+    const uint32_t e = ax >> 23;
+    if (e >= 121) {  // normal e4m3 (>= 2^-6): exponent e - 120, 3 mantissa bits
+        uint32_t r = ((e - 120) << 3) | ((ax >> 20) & 7u);
+        const uint32_t rem = ax & 0xfffffu;
+        if (rem > 0x80000u || (rem == 0x80000u && (r & 1u))) ++r;  // may carry into the exponent: right
+        return uint8_t(sign | r);
+    }
+    if (e < 117) return uint8_t(sign);  // below 2^-10 (half the smallest subnormal): zero
+    const uint32_t mant = (ax & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 141 - e;  // 21..24: value * 2^9 = mant >> shift
+    uint32_t m = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (m & 1u))) ++m;  // 8 is the smallest normal's encoding: right
+    return uint8_t(sign | m);
+}
+
 }  // namespace cusim
 
 struct __align__(2) __half {
