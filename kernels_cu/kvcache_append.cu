@@ -17,12 +17,36 @@
 // lies outside [0, num_batches) is not written at all (never another sequence's rows); a position
 // past the rotary table rotates to NaN (the attention kernel reports the sequence NaN either way).
 //
+// fp8 cache (CUFLASH_CACHE_FP8): the caches hold float8_e4m3fn bytes and each new element is
+// quantized as it is stored: its value in the new rows' type (a rotated key rounded to that type
+// first, as the NumPy path rounds it), divided by its (sequence, kv head) descale in float32
+// (k_descale / v_descale, FA3's (B, Hk); absent: 1), rounded to e4m3 by
+// cvt.rn.satfinite.e4m3x2.f32 (ptx.cuh): nearest even, +-448 past the range (480 and inf become
+// 448), NaN the canonical 0x7f. cuflash/reference/fp8.py's quantize_e4m3 computes the same bytes.
+// (The division is IEEE div.rn under -ftz=true: inputs and quotients below 2^-126 flush to 0, which
+// e4m3, whose smallest subnormal is 2^-9, rounds to 0 anyway unless a descale is below ~1e-35.)
+//
 // Variant prelude (cuflash/kernels/kvcache_append.py): CUFLASH_ENTRY, CUFLASH_T (element type),
-// CUFLASH_ROT_T (rotary table type: the element type or float), CUFLASH_THREADS.
+// CUFLASH_ROT_T (rotary table type: the element type or float), CUFLASH_THREADS, CUFLASH_CACHE_FP8
+// (0 or 1).
 #include "common.cuh"
+#include "ptx.cuh"
 
 typedef CUFLASH_T elem_t;
 typedef CUFLASH_ROT_T rot_t;
+#if CUFLASH_CACHE_FP8
+typedef unsigned char cache_t;
+#else
+typedef elem_t cache_t;
+#endif
+
+// One element of a new row (or of a rotated query) stored: as it is, or quantized into an fp8 cache.
+__device__ __forceinline__ void store_elem(elem_t* p, elem_t x, float) { *p = x; }
+#if CUFLASH_CACHE_FP8
+__device__ __forceinline__ void store_elem(unsigned char* p, elem_t x, float descale) {
+    *p = (unsigned char)(ptx_cvt_pack_e4m3x2(to_float(x) / descale, 0.0f) & 0xffu);
+}
+#endif
 
 // Rotate the pair (x1, x2) by the angle whose cosine and sine are c, s.
 __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s, float& y1, float& y2) {
@@ -31,14 +55,15 @@ __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s
 }
 
 // Row `src` -> row `dst` (head_dim columns), the first rotary_dim rotated at table row `pos`
-// (pos outside [0, seqlen_ro): NaN).
-__device__ __forceinline__ void copy_rotated(elem_t* __restrict__ dst, const elem_t* __restrict__ src, int head_dim,
+// (pos outside [0, seqlen_ro): NaN); into an fp8 cache each element quantized with `descale`.
+template <class D>
+__device__ __forceinline__ void copy_rotated(D* __restrict__ dst, const elem_t* __restrict__ src, int head_dim,
                                              int rotary_dim, int interleaved, const rot_t* __restrict__ cos_row,
-                                             const rot_t* __restrict__ sin_row, bool pos_ok) {
+                                             const rot_t* __restrict__ sin_row, bool pos_ok, float descale) {
     const int half = rotary_dim / 2;
     for (int c = threadIdx.x; c < head_dim; c += CUFLASH_THREADS) {
         if (c >= rotary_dim) {
-            dst[c] = src[c];
+            store_elem(dst + c, src[c], descale);
             continue;
         }
         const bool first = interleaved ? (c % 2 == 0) : (c < half);
@@ -47,14 +72,14 @@ __device__ __forceinline__ void copy_rotated(elem_t* __restrict__ dst, const ele
         const int c2 = interleaved ? c + 1 : c + half;
         float y1 = __int_as_float(0x7fffffff), y2 = y1;
         if (pos_ok) rotate_pair(to_float(src[c]), to_float(src[c2]), to_float(cos_row[j]), to_float(sin_row[j]), y1, y2);
-        dst[c] = from_float<elem_t>(y1);
-        dst[c2] = from_float<elem_t>(y2);
+        store_elem(dst + c, from_float<elem_t>(y1), descale);
+        store_elem(dst + c2, from_float<elem_t>(y2), descale);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS)
-CUFLASH_ENTRY(const elem_t* __restrict__ k_new, const elem_t* __restrict__ v_new, elem_t* __restrict__ k_cache,
-              elem_t* __restrict__ v_cache, const elem_t* __restrict__ q, elem_t* __restrict__ q_rot,
+CUFLASH_ENTRY(const elem_t* __restrict__ k_new, const elem_t* __restrict__ v_new, cache_t* __restrict__ k_cache,
+              cache_t* __restrict__ v_cache, const elem_t* __restrict__ q, elem_t* __restrict__ q_rot,
               const rot_t* __restrict__ rot_cos, const rot_t* __restrict__ rot_sin,
               long long kn_batch_stride, long long kn_row_stride, long long kn_head_stride,
               long long vn_batch_stride, long long vn_row_stride, long long vn_head_stride,
@@ -66,7 +91,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ k_new, const elem_t* __restrict__ v_new
               int head_dim, int head_dim_v, int rotary_dim, int interleaved, int q_per_row, int seqlen_ro,
               const int* __restrict__ cache_seqlens, int cache_seqlen, const int* __restrict__ cache_batch_idx,
               const int* __restrict__ block_table, long long block_table_stride, int page_size, int num_pages,
-              int capacity, int cache_flags) {
+              int capacity, int cache_flags, const float* __restrict__ k_descale,
+              const float* __restrict__ v_descale, long long kd_batch_stride, long long kd_head_stride,
+              long long vd_batch_stride, long long vd_head_stride) {
     const long long row = blockIdx.x;
     const long long kv_rows = (long long)batch * seqlen_new * num_heads_k;
     if (row < kv_rows) {   // a new key and value
@@ -88,13 +115,16 @@ CUFLASH_ENTRY(const elem_t* __restrict__ k_new, const elem_t* __restrict__ v_new
         }
         const elem_t* ks = k_new + b * kn_batch_stride + t * kn_row_stride + h * kn_head_stride;
         const elem_t* vs = v_new + b * vn_batch_stride + t * vn_row_stride + h * vn_head_stride;
-        elem_t* kd = k_cache + slot_b * kc_batch_stride + slot_row * kc_row_stride + h * kc_head_stride;
-        elem_t* vd = v_cache + slot_b * vc_batch_stride + slot_row * vc_row_stride + h * vc_head_stride;
+        cache_t* kd = k_cache + slot_b * kc_batch_stride + slot_row * kc_row_stride + h * kc_head_stride;
+        cache_t* vd = v_cache + slot_b * vc_batch_stride + slot_row * vc_row_stride + h * vc_head_stride;
+        // the descales of an fp8 cache (flags 16, 32: given; else 1)
+        const float k_scale = (cache_flags & 16) ? k_descale[b * kd_batch_stride + h * kd_head_stride] : 1.0f;
+        const float v_scale = (cache_flags & 32) ? v_descale[b * vd_batch_stride + h * vd_head_stride] : 1.0f;
         const bool pos_ok = p < seqlen_ro;
         const long long r = pos_ok ? p : 0;
         copy_rotated(kd, ks, head_dim, rotary_dim, interleaved, rot_cos + r * rot_row_stride, rot_sin + r * rot_row_stride,
-                     pos_ok);
-        for (int c = threadIdx.x; c < head_dim_v; c += CUFLASH_THREADS) vd[c] = vs[c];
+                     pos_ok, k_scale);
+        for (int c = threadIdx.x; c < head_dim_v; c += CUFLASH_THREADS) store_elem(vd + c, vs[c], v_scale);
         return;
     }
     const long long qrow = row - kv_rows;   // a query row to rotate
@@ -107,5 +137,5 @@ CUFLASH_ENTRY(const elem_t* __restrict__ k_new, const elem_t* __restrict__ v_new
     const long long r = pos_ok ? p : 0;
     copy_rotated(q_rot + b * qr_batch_stride + i * qr_row_stride + h * qr_head_stride,
                  q + b * q_batch_stride + i * q_row_stride + h * q_head_stride, head_dim, rotary_dim, interleaved,
-                 rot_cos + r * rot_row_stride, rot_sin + r * rot_row_stride, pos_ok);
+                 rot_cos + r * rot_row_stride, rot_sin + r * rot_row_stride, pos_ok, 1.0f);
 }

@@ -21,7 +21,7 @@ from cuflash.reference.memory import check_memory
 from cuflash.reference.memory import nbytes as _nbytes
 from cuflash.reference.modifiers import broadcast_view
 from cuflash.runtime import interop, validation
-from cuflash.runtime.options import CacheOptions, ModifierOptions, Options
+from cuflash.runtime.options import CacheOptions, Fp8Options, ModifierOptions, Options
 from cuflash.runtime.validation_kvcache import check_attention_with_kvcache, rotates_per_row
 
 __all__ = ["attention_with_kvcache", "merge_attention"]
@@ -30,7 +30,8 @@ __all__ = ["attention_with_kvcache", "merge_attention"]
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                            causal=False, softmax_scale=None, window_size=(-1, -1), num_splits=0, return_lse=False,
-                           out=None, backend="auto", softcap=0.0, alibi_slopes=None, sinks=None):
+                           out=None, backend="auto", softcap=0.0, alibi_slopes=None, sinks=None, k_descale=None,
+                           v_descale=None):
     """Attention of new queries over a KV cache, appending new keys and values first (in place).
 
     Sequence ``b`` attends to its cache rows ``[leftpad[b], cache_seqlens[b] + Snew)``: the keys
@@ -94,6 +95,19 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         Attention sinks (gpt-oss): a logit per head in each row's softmax denominator; the lse
         includes it. On the kernel backends the tensor-core KV-cache kernel's modifier forms take
         ``softcap``, ``alibi_slopes`` and ``sinks`` (split-KV included: split 0 holds the sink).
+    k_descale, v_descale : float32 arrays ``(B, Hk)``, optional
+        An fp8 cache: ``k_cache``/``v_cache`` of dtype float8_e4m3fn (``ml_dtypes.float8_e4m3fn``,
+        ``torch.float8_e4m3fn``, CuPy bytes through :func:`cuflash.fp8_view`; both caches fp8, q
+        and the new k/v of their own dtype), FA3's descales: sequence ``b``'s rows of kv head
+        ``h`` stand for ``x * descale[b, h]`` (None: 1; a stride-0 view is one scale). Keys and
+        values are dequantized as they are read. The append quantizes the new rows (rotated and
+        rounded to their dtype first): ``x / descale`` in float32, rounded to nearest-even e4m3,
+        saturating as the GPU's ``cvt.rn.satfinite.e4m3x2.f32`` does (a magnitude past 448, inf
+        included, becomes +-448: 480 is stored as 448; NaN stays NaN, the canonical 0x7f).
+        ``ml_dtypes``' own cast turns an overflow into NaN, so the NumPy path clips first; the
+        kernel's append writes the same bytes. The NumPy path takes an fp8 cache; the kernel
+        backends do not yet (``NotImplementedError``: the KV-cache kernel reads float16/bfloat16
+        caches). Host descales must be finite and > 0.
 
     Returns
     -------
@@ -146,6 +160,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     """
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout="bshd",
                       return_lse=return_lse, backend=backend, modifiers=ModifierOptions(softcap, alibi_slopes, sinks=sinks),
+                      fp8=Fp8Options(None, k_descale, v_descale),
                       cache=CacheOptions(cache_seqlens, k, v, rotary_cos, rotary_sin, rotary_interleaved,
                                          cache_batch_idx, cache_leftpad, block_table, num_splits))
     return pipeline.run(KVCACHE, (q, k_cache, v_cache, out), options)
@@ -227,6 +242,16 @@ def _kvcache_numpy(problem, operands):
     seqlens, leftpad = c.host_seqlens(batch), c.host_leftpad(batch)
     where = dict(page_size=c.page_size, block_table=c.block_table if c.paged else None,
                  cache_batch_idx=c.cache_batch_idx)
+    acc = np.float64 if p.dtype == np.float64 else np.float32
+    fp8 = p.fp8
+    longest = max((int(seqlens[b]) + c.seqlen_new - int(leftpad[b]) for b in range(batch)), default=0)
+    # a paged cache is gathered (copied) per sequence, a contiguous one sliced; an fp8 one dequantized (copied)
+    rows = longest if (c.paged or fp8 is not None) else 0
+    itemsize = np.dtype(acc if fp8 is not None else p.dtype).itemsize
+    check_memory(p.func, {"out": 0 if out is not None else _nbytes(p.out_shape, p.dtype),   # before the append
+                          "lse": _nbytes(p.lse_shape, acc),
+                          "one sequence's gathered k_cache and v_cache rows":
+                              rows * p.num_heads_k * (p.head_dim + p.head_dim_v) * itemsize})
     if c.k_new is not None:
         k_new = c.k_new
         if c.rotary_cos is not None:
@@ -236,14 +261,8 @@ def _kvcache_numpy(problem, operands):
             q = ref_kvcache.apply_rotary(q, c.rotary_cos, c.rotary_sin,
                                          ref_kvcache.rotary_positions(seqlens, sq, per_row=rotates_per_row(p)),
                                          interleaved=c.rotary_interleaved)
-        ref_kvcache.append(c.k_cache, c.v_cache, k_new, c.v_new, seqlens, **where)
-    acc = np.float64 if p.dtype == np.float64 else np.float32
-    longest = max((int(seqlens[b]) + c.seqlen_new - int(leftpad[b]) for b in range(batch)), default=0)
-    rows = longest if c.paged else 0   # a paged cache is gathered (copied) per sequence, a contiguous one sliced
-    check_memory(p.func, {"out": 0 if out is not None else _nbytes(p.out_shape, p.dtype),
-                          "lse": _nbytes(p.lse_shape, acc),
-                          "one sequence's gathered k_cache and v_cache rows":
-                              rows * p.num_heads_k * (p.head_dim + p.head_dim_v) * np.dtype(p.dtype).itemsize})
+        ref_kvcache.append(c.k_cache, c.v_cache, k_new, c.v_new, seqlens, **where,
+                           **({} if fp8 is None else {"k_descale": fp8.k_descale, "v_descale": fp8.v_descale}))
     if out is None:
         out = np.empty(p.out_shape, dtype=p.dtype)
     lse = np.empty(p.lse_shape, dtype=acc)
@@ -252,21 +271,35 @@ def _kvcache_numpy(problem, operands):
     sinks = None if mods is None or mods.sinks is None else np.asarray(mods.sinks.array)
     for b in range(batch):
         start, stop = int(leftpad[b]), int(seqlens[b]) + c.seqlen_new
-        kb = ref_kvcache.gather(c.k_cache, b, start, stop, **where)[None]
-        vb = ref_kvcache.gather(c.v_cache, b, start, stop, **where)[None]
+        kb = ref_kvcache.gather(c.k_cache, b, start, stop, **where)
+        vb = ref_kvcache.gather(c.v_cache, b, start, stop, **where)
+        qb = q[b:b + 1]
+        if fp8 is not None:   # dequantized as read; the sequence computes in the accumulation type
+            kb, vb = (ref_kvcache.dequantized(x, d, b, acc) for x, d in ((kb, fp8.k_descale), (vb, fp8.v_descale)))
+            qb = qb.astype(acc)
+        kb, vb = kb[None], vb[None]
         options = Options(causal=p.causal, softmax_scale=p.softmax_scale, window_size=(p.window_left, p.window_right),
                           layout="bshd", modifiers=ModifierOptions(0.0 if mods is None else mods.softcap,
                                                                    None if slopes is None else slopes[b:b + 1],
                                                                    sinks=sinks))
-        qb = q[b:b + 1]
         o, lse_b = ref_forward.run_forward(validation.check_attention(qb, kb, vb, options, func=p.func), qb, kb, vb)
         out[b], lse[b] = o[0], lse_b[0]
     return out, lse
 
 
+def _kvcache_device(problem, operands, call):
+    """:func:`pipeline.forward_on` (the forward's device steps), after refusing an fp8 cache, which
+    no KV-cache kernel reads yet, before any array is imported or any row appended."""
+    if problem.fp8 is not None:
+        from cuflash.kernels.kvcache_run import fp8_cache_refusal
+
+        raise NotImplementedError(fp8_cache_refusal(problem, call.arch))
+    return pipeline.forward_on(problem, operands, call)
+
+
 #: :func:`attention_with_kvcache`'s steps (the device steps are :func:`cuflash.attention`'s)
 KVCACHE = pipeline.Entry("cuflash.attention_with_kvcache", ("q", "k_cache", "v_cache", "out"), _validate_kvcache,
-                         _kvcache_numpy, pipeline.forward_on, pipeline.lse_pair, out=3)
+                         _kvcache_numpy, _kvcache_device, pipeline.lse_pair, out=3)
 
 
 # --------------------------------------------------------------------------------------------

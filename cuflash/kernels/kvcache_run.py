@@ -19,7 +19,15 @@ import numpy as np
 from cuflash.kernels import attention_combine, attention_fwd_mma, kvcache_append
 from cuflash.runtime import validation_kvcache
 
-__all__ = ["run_kvcache"]
+__all__ = ["run_kvcache", "run_append", "fp8_cache_refusal"]
+
+
+def fp8_cache_refusal(problem, arch: int) -> str:
+    """Why a KV-cache call on an fp8 cache runs on no kernel of ``sm_<arch>`` (for its
+    ``NotImplementedError``)."""
+    return (f"{problem.func}: an fp8 (float8_e4m3fn) KV cache has no kernel on sm_{arch} yet: the tensor-core "
+            f"KV-cache kernel (mma.sync) reads float16/bfloat16 caches only; the NumPy path (NumPy arrays, "
+            f"backend='numpy') takes fp8 caches. Nothing was appended")
 
 
 def run_kvcache(problem, q, out, call):
@@ -30,6 +38,8 @@ def run_kvcache(problem, q, out, call):
     ``NotImplementedError`` saying why (never a silent fallback).
     """
     p, c = problem, problem.kvcache
+    if p.fp8 is not None:
+        raise NotImplementedError(fp8_cache_refusal(p, call.arch))
     why = attention_fwd_mma.unsupported_reason(p, call.arch, (q, c.k_cache, c.v_cache, out))
     if why is not None:
         raise NotImplementedError(f"{p.func}: the KV-cache kernel runs on the tensor-core tier only, which cannot "
@@ -56,3 +66,17 @@ def run_kvcache(problem, q, out, call):
         if launch_plan is not None:
             call.launch(launch_plan)
     return out, lse
+
+
+def run_append(problem, q, call):
+    """Only the append of the KV-cache call ``problem`` (device arrays of ``call``): the new rows
+    written into the caches (rotated; quantized into an fp8 cache), and the rotated queries into
+    a fresh workspace, which is returned (None without rotary tables). :func:`run_kvcache` runs
+    the same launch first; this one serves the fp8 cache, whose attention no kernel reads yet, and
+    the tests that compare a kernel's cache with the NumPy path's byte for byte."""
+    c = problem.kvcache
+    q_rot = None if c.rotary_cos is None else call.empty(q.shape, problem.dtype)
+    launch_plan = kvcache_append.plan_append(problem, q, q_rot, validation_kvcache.rotates_per_row(problem), call)
+    if launch_plan is not None:
+        call.launch(launch_plan)
+    return q_rot

@@ -13,7 +13,8 @@ Conventions
   to float32, then to nearest-even e4m3 with saturation as the GPU's ``cvt.rn.satfinite.e4m3x2.f32``
   (PTX ISA, "cvt"): a magnitude past 448 (e4m3's largest finite) becomes +-448, infinities too,
   NaN stays NaN. ``ml_dtypes``' own cast turns an overflow into NaN (e4m3fn has no infinity), so
-  the values are clipped to [-448, 448] first (clipping keeps NaN).
+  the values are clipped to [-448, 448] first (clipping keeps NaN), and a NaN is stored as the
+  conversion's canonical NaN byte 0x7f.
 """
 
 from __future__ import annotations
@@ -44,12 +45,17 @@ def quantize_e4m3(x, descale=1.0) -> np.ndarray:
     -------
     numpy.ndarray of ``ml_dtypes.float8_e4m3fn``, ``x``'s shape: ``float32(x) / float32(descale)``
     rounded once to float32, clipped to [-448, 448] (NaN stays NaN: 480 and inf become 448), then
-    rounded to nearest even e4m3 (subnormals kept).
+    rounded to nearest even e4m3 (subnormals kept); every NaN is the canonical NaN byte 0x7f, as
+    the GPU's conversion gives it.
     """
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         y = np.asarray(x, dtype=np.float32) / np.asarray(descale, dtype=np.float32)
         y = np.clip(y, np.float32(-dtypes.E4M3_MAX), np.float32(dtypes.E4M3_MAX))
-    return y.astype(dtypes.float8_e4m3fn)
+    out = np.asarray(y.astype(dtypes.float8_e4m3fn))
+    nan = np.isnan(y)
+    if nan.any():   # the conversion's canonical NaN, whatever the sign (ml_dtypes keeps the sign)
+        out.view(np.uint8)[nan] = 0x7F
+    return out
 
 
 def descale_factors(descale, batch_shape: tuple, num_heads_k: int, group: int, layout: str, ndim: int,

@@ -17,6 +17,11 @@ Conventions (flash-attn's ``flash_attn_with_kvcache``)
   ``i`` with ``i + rotary_dim / 2``; interleaved pairs ``2 i`` with ``2 i + 1``. Dimensions past
   ``rotary_dim`` pass unchanged. The arithmetic is float32, each product and sum rounded
   (``x1 c - x2 s``, ``x2 c + x1 s``; no fused multiply-add), so the kernels write the same bits.
+* An fp8 (float8_e4m3fn) cache with descales ``k_descale``/``v_descale`` (float32 ``(B, Hk)``:
+  sequence ``b``'s rows of kv head ``h`` stand for ``x * descale[b, h]``): the append stores
+  :func:`cuflash.reference.fp8.quantize_e4m3` of each new row (rotated first and rounded to its
+  own dtype), saturating at +-448 as the GPU's ``satfinite`` conversion does; a read dequantizes
+  (:func:`gather` with ``descale``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ import math
 
 import numpy as np
 
-__all__ = ["apply_rotary", "rotary_positions", "cache_rows", "append", "gather", "merge_attention", "merge_memory"]
+from cuflash.reference.fp8 import quantize_e4m3
+from cuflash.runtime import dtypes
+
+__all__ = ["apply_rotary", "rotary_positions", "cache_rows", "append", "gather", "dequantized", "merge_attention",
+           "merge_memory"]
 
 
 def rotary_positions(seqlens: np.ndarray, length: int, *, per_row: bool = True) -> np.ndarray:
@@ -75,15 +84,34 @@ def cache_rows(b: int, start: int, stop: int, *, page_size: int | None, block_ta
 
 
 def append(k_cache: np.ndarray, v_cache: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, seqlens: np.ndarray, *,
-           page_size=None, block_table=None, cache_batch_idx=None) -> None:
+           page_size=None, block_table=None, cache_batch_idx=None, k_descale=None, v_descale=None) -> None:
     """Write ``k_new``/``v_new`` ``(B, Snew, Hk, D|Dv)`` into the caches in place at cache indices
-    ``[seqlens[b], seqlens[b] + Snew)`` of each sequence (rotate ``k_new`` first if wanted)."""
+    ``[seqlens[b], seqlens[b] + Snew)`` of each sequence (rotate ``k_new`` first if wanted). Into
+    an fp8 cache each row is quantized with its descale (``(B, Hk)``; None: 1), saturating
+    (:func:`cuflash.reference.fp8.quantize_e4m3`: clipped to +-448 before the cast, since
+    ``ml_dtypes`` turns an overflow into NaN; NaN stays NaN)."""
     snew = k_new.shape[1]
     for b in range(k_new.shape[0]):
         i0, i1 = cache_rows(b, int(seqlens[b]), int(seqlens[b]) + snew, page_size=page_size, block_table=block_table,
                             cache_batch_idx=cache_batch_idx)
-        k_cache[i0, i1] = k_new[b]
-        v_cache[i0, i1] = v_new[b]
+        k_cache[i0, i1] = _stored(k_cache, k_new[b], k_descale, b)
+        v_cache[i0, i1] = _stored(v_cache, v_new[b], v_descale, b)
+
+
+def _stored(cache, rows, descale, b):
+    """New rows ``(Snew, Hk, D)`` of sequence ``b`` as the cache stores them."""
+    if not dtypes.is_fp8(cache.dtype):
+        return rows
+    return quantize_e4m3(rows, 1.0 if descale is None else np.asarray(descale, np.float32)[b][:, None])
+
+
+def dequantized(rows: np.ndarray, descale, b: int, acc=np.float32) -> np.ndarray:
+    """Sequence ``b``'s fp8 cache rows ``(S, Hk, D)`` as ``acc`` values: ``acc(x) * descale[b, h]``
+    (descale None: 1)."""
+    x = rows.astype(acc)
+    if descale is not None:
+        x *= np.asarray(descale, acc)[b][:, None]
+    return x
 
 
 def gather(cache: np.ndarray, b: int, start: int, stop: int, *, page_size=None, block_table=None,

@@ -115,8 +115,9 @@ def check_fp8(func: str, q: ArrayInfo, fp8_inputs: dict, batch_shape: tuple, num
     q : ArrayInfo
         The query (its kind and device are the descales').
     fp8_inputs : dict
-        ``{"q": info, "k": info, "v": info}`` for :func:`cuflash.attention`, ``{"k": ..., "v":
-        ...}`` (the caches, named by their descales) for a KV cache; ``q`` is fp8 iff it is in it.
+        ``{"q": info, "k": info, "v": info}`` for :func:`cuflash.attention`, ``{"k_cache": ...,
+        "v_cache": ...}`` for a KV cache (a descale belongs to the input whose name begins as its
+        own: ``k_descale`` to ``k_cache``); q is fp8 iff ``"q"`` is among them and fp8.
     batch_shape, num_heads_k : the descales' shape is ``batch_shape + (num_heads_k,)``.
     fp8_options : cuflash.runtime.options.Fp8Options
     dropout : the call's validated dropout (refused with fp8)
@@ -145,8 +146,8 @@ def check_fp8(func: str, q: ArrayInfo, fp8_inputs: dict, batch_shape: tuple, num
             raise ValueError(f"{func}: out_dtype={fo.out_dtype!r} applies to float8_e4m3fn input only; the result "
                              f"has q's dtype {q.dtype_name}")
         return None
-    for name in given:
-        owner = name.split("_")[0]
+    for name in given:   # q_descale belongs to "q", k_descale to "k" (or "k_cache"), ...
+        owner = next((n for n in fp8_inputs if n.split("_")[0] == name.split("_")[0]), "q")
         if not is_fp8.get(owner, False):
             dt = fp8_inputs[owner].dtype_name if owner in fp8_inputs else q.dtype_name
             raise ValueError(f"{func}: {name} is a descale of float8_e4m3fn input, but {owner}.dtype={dt}")

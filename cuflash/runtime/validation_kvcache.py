@@ -15,9 +15,10 @@ import numbers
 
 import numpy as np
 
-from cuflash.runtime import validation
+from cuflash.runtime import dtypes, validation
 from cuflash.runtime.interop import ArrayInfo, describe
 from cuflash.runtime.validation import AttentionProblem, check_flag, check_int
+from cuflash.runtime.validation_fp8 import check_fp8
 from cuflash.runtime.validation_modifiers import check_modifiers
 
 #: the array fields of :class:`KVCache`
@@ -110,17 +111,23 @@ def _check_index(x, name: str, func: str, shape: tuple, q: ArrayInfo) -> ArrayIn
     return validation._check_index(x, name, func, None, q.kind, q.device, shape=shape)
 
 
-def check_cache_arrays(func: str, q: ArrayInfo, k_cache, v_cache, block_table, batch: int, *, writable: bool):
+def check_cache_arrays(func: str, q: ArrayInfo, k_cache, v_cache, block_table, batch: int, *, writable: bool,
+                       fp8: bool = False):
     """The caches' shapes against q, and the block table's; ``(k_info, v_info, paged, page_size,
-    num_pages, capacity)``."""
+    num_pages, capacity)``. With ``fp8`` both caches may be float8_e4m3fn instead of q's dtype."""
     ki = describe(k_cache, "k_cache", func)
     vi = describe(v_cache, "v_cache", func)
+    fp8_cache = fp8 and dtypes.is_fp8(ki.dtype)
     for name, info in (("k_cache", ki), ("v_cache", vi)):
         if info.kind != q.kind:
             raise TypeError(f"{func}: {name} is a {info.type_name} but q is a {q.type_name}; all arrays must be of "
                             f"one kind (no implicit copies between host and device)")
-        if info.dtype != q.dtype:
-            raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal q.dtype={q.dtype_name}")
+        if fp8_cache and info.dtype != ki.dtype:
+            raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal k_cache.dtype={ki.dtype_name} (an fp8 "
+                            f"cache holds keys and values in fp8)")
+        if not fp8_cache and info.dtype != q.dtype:
+            also = " or, for an fp8 cache, float8_e4m3fn (both caches)" if fp8 else ""
+            raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal q.dtype={q.dtype_name}{also}")
         if info.device != q.device:
             raise ValueError(f"{func}: {name} is on device {info.device} but q is on device {q.device}")
         if info.ndim != 4:
@@ -224,6 +231,10 @@ def check_attention_with_kvcache(q, k_cache, v_cache, options, *, func: str = "c
     qi = describe(q, "q", func)
     if qi.dtype is None:
         raise TypeError(f"{func}: q.dtype={qi.dtype_name} is not supported")
+    if dtypes.is_fp8(qi.dtype):
+        raise NotImplementedError(f"{func}: q.dtype={qi.dtype_name}: with a KV cache q is float16, bfloat16 or float32 "
+                                  f"(float64 on the NumPy path); the caches may be fp8 (float8_e4m3fn, with k_descale "
+                                  f"and v_descale)")
     if qi.kind == "dlpack" and not qi.on_cuda:
         raise ValueError(f"{func}: q is a {qi.type_name} on the CPU; pass a NumPy array for the CPU path")
     if qi.ndim != 4:
@@ -234,7 +245,7 @@ def check_attention_with_kvcache(q, k_cache, v_cache, options, *, func: str = "c
     if (k is None) != (v is None):
         raise ValueError(f"{func}: k and v are appended together; got only {'k' if v is None else 'v'}")
     ki, vi, paged, page_size, num_pages, capacity = check_cache_arrays(func, qi, k_cache, v_cache, block_table,
-                                                                          batch, writable=have_new)
+                                                                          batch, writable=have_new, fp8=True)
     if have_new and isinstance(k_cache, np.ndarray) and validation._overlaps(k_cache, v_cache):
         raise ValueError(f"{func}: k_cache and v_cache share memory; the values appended would overwrite the keys "
                          f"(pass two separate caches)")
@@ -311,7 +322,8 @@ def check_attention_with_kvcache(q, k_cache, v_cache, options, *, func: str = "c
         seqlen_q=sq, seqlen_k=capacity, head_dim=d, head_dim_v=dv, softmax_scale=scale, causal=causal,
         window_left=left, window_right=right, out_shape=(batch, sq, hq, dv), lse_shape=(batch, hq, sq),
         device=qi.device, q=qi, k=ki, v=vi, kvcache=cache,
-        modifiers=check_modifiers(func, qi, (batch,), hq, sq, capacity, options.modifiers), options=options,
+        modifiers=check_modifiers(func, qi, (batch,), hq, sq, capacity, options.modifiers),
+        fp8=check_fp8(func, qi, {"k_cache": ki, "v_cache": vi}, (batch,), hk, options.fp8), options=options,
     )
     if out is not None:
         inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
