@@ -212,7 +212,7 @@ def describe(x, name: str, func: str = "cuflash") -> ArrayInfo:
 
 
 # --------------------------------------------------------------------------------------------
-# fp8 bytes: the view a framework without an fp8 dtype (CuPy) passes (docs/api.md, "fp8")
+# fp8 bytes: the view a framework without an fp8 dtype (CuPy) passes (docs/api.md, "fp8 (float8_e4m3fn)")
 
 
 class Float8Array:
