@@ -139,14 +139,19 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         (argument or ``CUFLASH_BACKEND``), a malformed ``window_size``, a non-finite
         ``softmax_scale``, a bad ``out=``, arrays on different devices, or a backend that would
         move data; a negative or non-finite ``softcap``; slopes or sinks of the wrong shape; a
-        bias or mask that does not broadcast to ``(B, Hq, Sq, Sk)``. (``TypeError`` for slopes
+        bias or mask that does not broadcast to ``(B, Hq, Sq, Sk)``; descales of the wrong
+        shape or strides, non-positive or non-finite (host) descales, descales or ``out_dtype``
+        without fp8 input, an ``out_dtype`` other than bfloat16/float16 (``TypeError`` for
+        descales that are not float32). (``TypeError`` for slopes
         or sinks that are not float32, a bias not of q's dtype or float32, a mask not bool, or
         a modifier array of another kind than q.)
     TypeError (gradients)
         An option that has no gradient, given with torch tensors that require grad (named by
         :mod:`cuflash.torch`, e.g. ``out=``, or ``alibi_slopes`` that requires grad).
     NotImplementedError
-        A head dim above 256, or a valid call that has no kernel on the chosen backend.
+        A head dim above 256, or a valid call that has no kernel on the chosen backend: fp8
+        input on "sim"/"cuda" (no kernel tier has an fp8 form yet; the message names each tier
+        and the arch), fp8 with dropout.
     RuntimeError
         GPU arrays on a machine where CuPy or a usable CUDA device is missing (raised after
         validation, before any device work).
