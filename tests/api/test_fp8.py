@@ -312,3 +312,19 @@ def test_fp8_append_kernel_compiles_with_the_satfinite_store():
     except RuntimeError:
         return   # the disassembler wheels are optional; the compile itself was checked
     assert "F2FP.SATFINITE.E4M3.F32" in sass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", [dict(), dict(causal=True), dict(window_size=(17, 5)), dict(causal=True, window_size=(40, -1))])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
+def test_fp8_numpy_path_full_grid(d, mask, heads):
+    """The full cross-product (head dims 64/128/256, masks, MHA/GQA/MQA) with per-head descales
+    and values up to e4m3's max."""
+    rng = np.random.default_rng(d + heads[0] * 7 + len(mask))
+    hq, hk = heads
+    q, k, v = fp8(rng, (2, hq, 77, d), 100), fp8(rng, (2, hk, 131, d), 100), fp8(rng, (2, hk, 131, d), 100)
+    kw = dict(mask, q_descale=descales(rng, (2, hk)) / 40, k_descale=descales(rng, (2, hk)) / 40,
+              v_descale=descales(rng, (2, hk)))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+    check_close(out, q, k, v, lse=lse, **kw)
