@@ -906,6 +906,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wide", action="store_true",
                    help=f"the full table (every count and pipe); default: the main columns in {TABLE_COLUMNS} columns")
     p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    p.add_argument("--sass-of", metavar="FILE",
+                   help="count the main loop of a kernel in FILE instead (a cubin, shared library or executable, "
+                        "disassembled with cuobjdump -sass, or a cuobjdump -sass text: .sass/.txt), with --kernel")
+    p.add_argument("--kernel", metavar="NAME",
+                   help="with --sass-of: the function whose mangled or demangled name contains NAME")
     return p
 
 
@@ -963,9 +968,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     rates = RATES[args.device]
+    if (args.sass_of is None) != (args.kernel is None):
+        parser.error("--sass-of and --kernel go together: give both or neither")
     _refuse_meaningless(parser, args, rates)
     out = sys.stderr if args.json == "-" else sys.stdout
     try:
+        if args.sass_of is not None:
+            return _main_sass_of(args, out)
         if args.decode:
             return _main_decode(args, rates, out)
         return _main_loops(args, rates, out)
@@ -1009,6 +1018,35 @@ def _main_loops(args, rates: SmRates, out) -> int:
                  f"d{r.head_dim} bucket of {r.entry}: the figures are that kernel's, {useful:.0%} of its FLOPs are "
                  f"useful (ceiling for D={rec['requested_head_dim']}: {r.ceiling_tflops * useful:.0f} TFLOP/s, "
                  "predicted)", out)
+    return 0
+
+
+def format_paths(name: str, paths: dict) -> str:
+    """The named passes' table: instructions per warp and pass, per 16 tensor instructions, and
+    the class mix per pass."""
+    from cuflash.analysis import sass_count
+
+    cls = sass_count.CLASSES
+    head = f"{'path':<15} {'insns':>6} {'/16T':>7} " + " ".join(f"{c[:6]:>6}" for c in cls)
+    lines = [f"kernel: {name}", head, "-" * len(head)]
+    for p in paths.values():
+        lines.append(f"{p.path:<15} {p.instructions:>6} {p.per_16_tensor():>7.1f} "
+                     + " ".join(f"{p.classes[c]:>6}" for c in cls))
+    return "\n".join(lines)
+
+
+def _main_sass_of(args, out) -> int:
+    from cuflash.analysis import sass_count
+
+    name, insns = sass_count.read_sass(args.sass_of, args.kernel)
+    paths = sass_count.count_loop(insns)
+    if args.json:
+        _write_json(args.json, {"kernel": name, "paths": {
+            k: {"instructions": p.instructions, "per_16_tensor": p.per_16_tensor(), "classes": p.classes,
+                "rescale": p.rescale} for k, p in paths.items()}})
+    _say("Counts per warp and pass of the main loop (the innermost natural loop holding tensor instructions), "
+         "along the named paths; /16T: instructions per 16 tensor instructions", out)
+    print(format_paths(name, paths), file=out)
     return 0
 
 

@@ -1,0 +1,116 @@
+"""``python -m cuflash roofline --sass-of FILE --kernel NAME`` on hand-written SASS: each expected
+figure is counted by hand from the fixture (the comments list the instructions), never read from
+the tool. No compiles; fast."""
+
+from __future__ import annotations
+
+import pytest
+
+from cuflash.analysis import roofline, sass_count
+
+# An outer persistent tile loop (header 0x20, back edge at 0x110, one HGMMA of its own) around
+# the inner K/V loop (header 0x60, latch 0xf0, two HGMMA). Inside the inner loop: a mask branch
+# (@P0 BRA 0x1c0) to an out-of-line block placed after the function's EXIT, which branches back
+# to 0xa0; a rescale branch (@P1 BRA 0xf0) around four FMULs on the O accumulator (0xb0..0xe0).
+SASS = """
+        Function : _Z6outer_innerv
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_CTAID.X ;
+        /*0020*/                   IADD3 R2, R0, 0x1, RZ ;
+        /*0030*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0040*/                   FMUL R3, R3, R4 ;
+        /*0050*/                   NOP ;
+        /*0060*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0070*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], R24 ;
+        /*0080*/                   MUFU.EX2 R5, R6 ;
+        /*0090*/              @P0 BRA 0x1c0 ;
+        /*00a0*/              @P1 BRA 0xf0 ;
+        /*00b0*/                   FMUL R24, R24, R9 ;
+        /*00c0*/                   FMUL R25, R25, R9 ;
+        /*00d0*/                   FMUL R26, R26, R9 ;
+        /*00e0*/                   FMUL R27, R27, R9 ;
+        /*00f0*/              @P2 BRA 0x60 ;
+        /*0100*/                   STG.E desc[UR4][R6.64], R24 ;
+        /*0110*/              @P3 BRA 0x20 ;
+        /*0120*/                   EXIT ;
+        /*01c0*/                   FSEL R20, R21, -INF , P4 ;
+        /*01d0*/                   FSEL R22, R23, -INF , P4 ;
+        /*01e0*/                   ISETP.GE.AND P4, PT, R2, R8, PT ;
+        /*01f0*/                   BRA 0xa0 ;
+        /*0200*/                   BRA 0x200 ;
+        Function : _Z5otherv
+        /*0000*/                   EXIT ;
+        Function : _Z5other2v
+        /*0000*/                   EXIT ;
+"""
+
+
+def _insns():
+    return sass_count.parse_functions(SASS)["_Z6outer_innerv"]
+
+
+def test_the_inner_tensor_loop_is_chosen_not_the_outer_persistent_loop():
+    insns = _insns()
+    head, body, latches, (starts, ends, _) = sass_count.main_loop(insns)
+    addrs = {insns[starts[b]].addr for b in body}
+    assert insns[starts[head]].addr == 0x60
+    # the inner loop's blocks: 0x60 (header), 0xa0, 0xb0, 0xf0 (latch) and the out-of-line 0x1c0
+    assert addrs == {0x60, 0xa0, 0xb0, 0xf0, 0x1c0}
+    assert {insns[starts[b]].addr for b in latches} == {0xf0}
+
+
+def test_named_paths_count_the_out_of_line_mask_block_and_the_rescale():
+    sass_count.RESCALE_FMULS, keep = 4, sass_count.RESCALE_FMULS
+    try:
+        paths = sass_count.count_loop(_insns())
+    finally:
+        sass_count.RESCALE_FMULS = keep
+    assert set(paths) == {"steady+rescale", "steady-rescale", "masked+rescale", "masked-rescale"}
+    # steady-rescale: HGMMA, HGMMA, MUFU, @P0 BRA, @P1 BRA, @P2 BRA = 6
+    s = paths["steady-rescale"]
+    assert (s.instructions, s.tensor, s.classes["mufu"], s.classes["predicate"], s.classes["fp32"]) == (6, 2, 1, 3, 0)
+    # + the four FMULs
+    assert paths["steady+rescale"].instructions == 10 and paths["steady+rescale"].classes["fp32"] == 4
+    # masked: + the out-of-line block FSEL, FSEL, ISETP, BRA
+    m = paths["masked+rescale"]
+    assert (m.instructions, m.classes["predicate"], m.classes["fp32"]) == (14, 3 + 4, 4)
+    assert paths["masked-rescale"].instructions == 10
+    assert m.per_16_tensor() == 16 * 14 / 2
+
+
+def test_without_a_rescale_block_only_steady_and_masked():
+    paths = sass_count.count_loop(_insns())   # four FMULs are below the default threshold
+    assert set(paths) == {"steady", "masked"}
+    assert (paths["steady"].instructions, paths["masked"].instructions) == (6, 14)
+
+
+def test_command_line_on_a_sass_text(tmp_path, capsys):
+    f = tmp_path / "k.sass"
+    f.write_text(SASS)
+    assert roofline.main(["--sass-of", str(f), "--kernel", "outer_inner"]) == 0
+    out = capsys.readouterr().out
+    assert "_Z6outer_innerv" in out and "\nsteady " in out and "\nmasked " in out
+
+
+def test_errors(tmp_path, capsys, monkeypatch):
+    f = tmp_path / "k.sass"
+    f.write_text(SASS)
+    assert roofline.main(["--sass-of", str(f), "--kernel", "nope"]) == 2
+    assert "no function of" in capsys.readouterr().err
+    assert roofline.main(["--sass-of", str(f), "--kernel", "other"]) == 2
+    err = capsys.readouterr().err
+    assert "matches 2 functions" in err and "more exact name" in err
+    empty = tmp_path / "e.txt"
+    empty.write_text("no sass here\n")
+    assert roofline.main(["--sass-of", str(empty), "--kernel", "k"]) == 2
+    assert "holds no SASS functions" in capsys.readouterr().err
+    assert roofline.main(["--sass-of", str(tmp_path / "missing.so"), "--kernel", "k"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    binary = tmp_path / "lib.so"
+    binary.write_bytes(b"\0ELF")
+    monkeypatch.setattr(sass_count, "find_tool", lambda name: None)
+    assert roofline.main(["--sass-of", str(binary), "--kernel", "k"]) == 1
+    assert "cuobjdump not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        roofline.main(["--sass-of", str(f)])
+    assert "--sass-of and --kernel go together" in capsys.readouterr().err
