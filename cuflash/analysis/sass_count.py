@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Insn", "LoopCount", "CLASSES", "RESCALE_FMULS", "parse_functions", "select_function", "main_loop",
+__all__ = ["Insn", "LoopCount", "CLASSES", "RESCALE_FMULS", "parse_functions", "select_function", "main_loop", "main_loops",
            "count_loop", "read_sass", "classify"]
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)([^;]*);")
@@ -263,10 +263,10 @@ def _natural_loops(succ):
     return loops
 
 
-def main_loop(insns: list[Insn]):
-    """``(header block, body blocks, latch blocks, blocks)`` of the innermost natural loop holding
-    tensor instructions (the most of them among the innermost), else of the loop with the most FP32
-    instructions.
+def main_loops(insns: list[Insn]):
+    """``(blocks, [(header block, body blocks, latch blocks), ...])``: the innermost natural loops
+    holding the most tensor instructions (a kernel that compiles its masked tiles as a loop of
+    their own has two), else the loop with the most FP32 instructions.
 
     Raises
     ------
@@ -287,10 +287,17 @@ def main_loop(insns: list[Insn]):
     if with_tensor:
         inner = [h for h in with_tensor
                  if not any(g != h and loops[g][0] < loops[h][0] and tensor[g] for g in with_tensor)]
-        h = max(inner, key=lambda h: (tensor[h], -len(loops[h][0])))
+        most = max(tensor[h] for h in inner)
+        chosen = sorted(h for h in inner if tensor[h] == most)
     else:
-        h = max(loops, key=lambda h: (n_of(loops[h][0], "fp32"), -len(loops[h][0])))
-    return h, loops[h][0], loops[h][1], blocks
+        chosen = [max(loops, key=lambda h: (n_of(loops[h][0], "fp32"), -len(loops[h][0])))]
+    return blocks, [(h, loops[h][0], loops[h][1]) for h in chosen]
+
+
+def main_loop(insns: list[Insn]):
+    """``(header block, body blocks, latch blocks, blocks)`` of the first of :func:`main_loops`."""
+    blocks, found = main_loops(insns)
+    return (*found[0], blocks)
 
 
 @dataclass(frozen=True)
@@ -316,8 +323,22 @@ def count_loop(insns: list[Insn]) -> dict[str, LoopCount]:
     """The named passes of the main loop (:func:`main_loop`): ``steady``, ``masked``, each with
     ``+rescale`` / ``-rescale`` where the loop has a rescale block (else only the two names).
 
-    Passes follow the loop's edges without its back edges (inner loops count once)."""
-    h, body, latches, (starts, ends, succ) = main_loop(insns)
+    Passes follow the loop's edges without its back edges (inner loops count once). Where several
+    innermost loops hold the most tensor instructions (masked tiles compiled as a loop of their
+    own), ``steady`` paths come from the loop whose pass is shortest, ``masked`` from the longest.
+    """
+    blocks, found = main_loops(insns)
+    out = {}
+    for h, body, latches in found:
+        for label, c in _count_one(insns, blocks, h, body, latches).items():
+            shorter = c.instructions < out[label].instructions if label in out else True
+            if label not in out or (shorter if label.startswith("steady") else not shorter):
+                out[label] = c
+    return out
+
+
+def _count_one(insns, blocks, h, body, latches):
+    starts, ends, succ = blocks
     loops = _natural_loops(succ)
     back = {(b, g) for g, (_, ls) in loops.items() for b in ls}
     order = _topo(h, body, succ, back)

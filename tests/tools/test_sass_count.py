@@ -114,3 +114,25 @@ def test_errors(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         roofline.main(["--sass-of", str(f)])
     assert "--sass-of and --kernel go together" in capsys.readouterr().err
+
+
+# Masked tiles compiled as a loop of their own (FA3's form): a masking loop (0x00..0x40: HGMMA,
+# FSEL, FSEL, ISETP, @P0 BRA) then a steady loop (0x50..0x70: HGMMA, IADD3, @P1 BRA).
+TWO_LOOPS = """
+        Function : two_loops
+        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0010*/                   FSEL R20, R21, -INF , P4 ;
+        /*0020*/                   FSEL R22, R23, -INF , P4 ;
+        /*0030*/                   ISETP.GE.AND P0, PT, R2, R8, PT ;
+        /*0040*/              @P0 BRA 0x0 ;
+        /*0050*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0060*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0070*/              @P1 BRA 0x50 ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_a_separate_masking_loop_gives_the_masked_path_and_the_other_the_steady():
+    paths = sass_count.count_loop(sass_count.parse_functions(TWO_LOOPS)["two_loops"])
+    assert (paths["steady"].instructions, paths["masked"].instructions) == (3, 5)
+    assert paths["masked"].classes["predicate"] == 4 and paths["steady"].classes["integer"] == 1
