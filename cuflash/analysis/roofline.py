@@ -1027,10 +1027,10 @@ def format_paths(name: str, paths: dict) -> str:
     from cuflash.analysis import sass_count
 
     cls = sass_count.CLASSES
-    head = f"{'path':<15} {'insns':>6} {'/16T':>7} " + " ".join(f"{c[:6]:>6}" for c in cls)
+    head = f"{'path':<15} {'insns':>6} {'/16T':>7} {'o/100k':>6} " + " ".join(f"{c[:6]:>6}" for c in cls)
     lines = [f"kernel: {name}", head, "-" * len(head)]
     for p in paths.values():
-        lines.append(f"{p.path:<15} {p.instructions:>6} {p.per_16_tensor():>7.1f} "
+        lines.append(f"{p.path:<15} {p.instructions:>6} {p.per_16_tensor():>7.1f} {p.per_100k_macs():>6.0f} "
                      + " ".join(f"{p.classes[c]:>6}" for c in cls))
     return "\n".join(lines)
 
@@ -1042,10 +1042,11 @@ def _main_sass_of(args, out) -> int:
     paths = sass_count.count_loop(insns)
     if args.json:
         _write_json(args.json, {"kernel": name, "paths": {
-            k: {"instructions": p.instructions, "per_16_tensor": p.per_16_tensor(), "classes": p.classes,
+            k: {"instructions": p.instructions, "per_16_tensor": p.per_16_tensor(), "classes": p.classes, "macs_per_warp": p.macs,
                 "rescale": p.rescale} for k, p in paths.items()}})
     _say("Counts per warp and pass of the main loop (the innermost natural loop holding tensor instructions), "
-         "along the named paths; /16T: instructions per 16 tensor instructions", out)
+         "along the named paths; /16T: instructions per 16 tensor instructions; o/100k: non-tensor instructions "
+         "per 100k MACs", out)
     print(format_paths(name, paths), file=out)
     return 0
 

@@ -187,6 +187,18 @@ def read_sass(path: str, kernel: str) -> tuple[str, list[Insn]]:
     return name, functions[name]
 
 
+def mma_macs(insn: Insn) -> int:
+    """MACs per warp of a tensor instruction (``HMMA.16816``, ``.1688``, ``.884``; ``HGMMA.64xNxK``
+    per warpgroup, a quarter per warp); 0 for a shape not listed."""
+    if insn.op == "HMMA":
+        for shape, macs in ((".16816", 16 * 8 * 16), (".1688", 16 * 8 * 8), (".884", 8 * 8 * 4)):
+            if insn.mods.startswith(shape):
+                return macs
+        return 0
+    m = re.match(r"\.64x(\d+)x(\d+)", insn.mods)
+    return 64 * int(m.group(1)) * int(m.group(2)) // 4 if m else 0
+
+
 # --------------------------------------------------------------------------------------------
 # control flow
 
@@ -308,6 +320,12 @@ class LoopCount:
     instructions: int
     classes: dict
     rescale: bool
+    macs: int = 0
+
+    def per_100k_macs(self, value: int | None = None) -> float:
+        """``value`` (default: the non-tensor instructions) per 100k MACs of the pass (per warp)."""
+        v = self.instructions - self.tensor if value is None else value
+        return 1e5 * v / self.macs if self.macs else float("nan")
 
     @property
     def tensor(self) -> int:
@@ -354,6 +372,9 @@ def _count_one(insns, blocks, h, body, latches):
     skippable = {b for b in body if b != h and not _on_every_pass(h, b, body, latches, succ, back)}
     rescale = {b for b in skippable if fmuls[b] >= RESCALE_FMULS}
     names = {"steady": 1, "masked": -1}
+    tensor_insns = [x for b in body for x in insns[starts[b]:ends[b]] if classify(x.op) == "tensor"]
+    n_tensor = len(tensor_insns)
+    macs = sum(mma_macs(x) for x in tensor_insns)
     out = {}
     for name, sign in names.items():
         for want in ((True, False) if rescale else (None,)):
@@ -368,7 +389,8 @@ def _count_one(insns, blocks, h, body, latches):
             label = name if want is None else f"{name}{'+' if want else '-'}rescale"
             if want is not None and (r > 0) != want:
                 continue
-            out[label] = LoopCount(label, sum(total.values()), dict(total), r > 0)
+            out[label] = LoopCount(label, sum(total.values()), dict(total), r > 0,
+                                   macs if total["tensor"] == n_tensor else 0)
     return out
 
 

@@ -136,3 +136,10 @@ def test_a_separate_masking_loop_gives_the_masked_path_and_the_other_the_steady(
     paths = sass_count.count_loop(sass_count.parse_functions(TWO_LOOPS)["two_loops"])
     assert (paths["steady"].instructions, paths["masked"].instructions) == (3, 5)
     assert paths["masked"].classes["predicate"] == 4 and paths["steady"].classes["integer"] == 1
+
+
+def test_macs_per_warp_and_per_100k():
+    paths = sass_count.count_loop(_insns())
+    # two HGMMA.64x128x16 per pass: 2 x 64 x 128 x 16 / 4 MACs per warp; steady: 4 non-tensor
+    assert paths["steady"].macs == 2 * 64 * 128 * 16 // 4
+    assert paths["steady"].per_100k_macs() == pytest.approx(1e5 * 4 / (2 * 64 * 128 * 16 // 4))
