@@ -306,6 +306,9 @@ __device__ __forceinline__ void ptx_tma_store_5d(const cuflash_tensor_map* map, 
     const int32_t c[5] = {c0, c1, c2, c3, c4};
     cusim::tma_store(map, c, 5, src);
 }
+__device__ __forceinline__ void ptx_bulk_reduce_add_f32(float* gmem, const void* smem, unsigned bytes) {
+    cusim::bulk_reduce_add_f32(gmem, smem, bytes);
+}
 __device__ __forceinline__ void ptx_bulk_commit() { cusim::bulk_commit(); }
 template <int N> __device__ __forceinline__ void ptx_bulk_wait() { cusim::bulk_wait(uint32_t(N)); }
 template <int N> __device__ __forceinline__ void ptx_bulk_wait_read() { cusim::bulk_wait(uint32_t(N)); }
@@ -537,6 +540,13 @@ __device__ __forceinline__ void ptx_tma_store_4d(const cuflash_tensor_map* map, 
 __device__ __forceinline__ void ptx_tma_store_5d(const cuflash_tensor_map* map, int c0, int c1, int c2, int c3, int c4, const void* src) {
     asm volatile("cp.async.bulk.tensor.5d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4, %5}], [%6];\n"
                  ::"l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(ptx_smem_addr(src)) : "memory");
+}
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 (PTX ISA "cp.reduce.async.bulk"; SASS UBLKRED):
+// adds `bytes` (a multiple of 16; both addresses 16-byte aligned) of float32 from shared memory into
+// global memory; completes with the bulk group (commit_group, then wait_group.read before reusing smem).
+__device__ __forceinline__ void ptx_bulk_reduce_add_f32(float* gmem, const void* smem, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
+                 "r"(ptx_smem_addr(smem)), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void ptx_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void ptx_bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }

@@ -842,7 +842,7 @@ struct GShadow {
     ShadowByte s;
     uint32_t w_block, r_block;   // linear block + 1 of the last writer / reader (0: none)
     uint32_t r_blocks;           // 1: readers of more than one block
-    uint32_t pad;
+    uint32_t red_block;          // linear block + 1 of the last cp.reduce.async.bulk on the byte (0: none)
 };
 
 CUSIM_NOSAN inline void block_xyz(Worker* w, uint64_t linear, uint32_t out[3]) {
@@ -863,6 +863,20 @@ CUSIM_NOSAN inline void check_global_race(Worker* w, uint64_t region, int64_t of
         uint32_t other_block = 0;
         unsigned other = 0xffffu;
         bool other_write = false;
+        if (g.red_block && g.red_block != me) {   // a plain access of bytes another block reduce-adds to
+            CheckReport r{};
+            r.kind = kGlobalRace;
+            r.region = uint32_t(region);
+            r.offset = off + int64_t(k);
+            r.size = uint32_t(n);
+            r.is_write = write;
+            r.other_write = true;
+            block_xyz(w, g.red_block - 1, r.other_block);
+            r.other_valid = 1;
+            check_fail(w, r, "checked: global-memory race through argument %u, byte %lld of its region: plain %s here, "
+                       "reduce-added (cp.reduce.async.bulk) by another block", w->cfg->regions[region].index,
+                       (long long)(off + int64_t(k)), write ? "write" : "read");
+        }
         if (g.w_block && g.w_block != me) {
             other_block = g.w_block, other = g.s.w_tid, other_write = true;
         } else if (write && g.r_block && (g.r_block != me || g.r_blocks)) {
@@ -940,6 +954,55 @@ CUSIM_NOSAN inline bool check_global(Worker* w, uintptr_t a, uint64_t n, bool wr
         return true;
     }
     return false;
+}
+
+// Checked mode: a bulk reduce-add (cp.reduce.async.bulk ... .add) landing on [a, a + n): bounds and
+// writability as for a write; reduce-adds of several blocks on one byte are atomic (no race), but a
+// plain write or read of another block on the same bytes races with it (and the reverse, in
+// check_global_race).
+CUSIM_NOSAN inline void check_global_reduce(Worker* w, uintptr_t a, uint64_t n) {
+    if (!w->chk) return;
+    if (!check_global(w, a, n, true, true)) {
+        CheckReport r{};
+        r.kind = kWild;
+        r.size = uint32_t(n);
+        r.is_write = 1;
+        r.address = a;
+        check_fail(w, r, "checked: cp.reduce.async.bulk writes %u bytes at 0x%llx, inside no argument of the launch",
+                   unsigned(n), (unsigned long long)a);
+    }
+    const LaunchConfig& cfg = *w->cfg;
+    const uint32_t me = uint32_t(w->block_linear + 1);
+    for (uint64_t i = 0; i < cfg.nregions; ++i) {
+        const Region& g = cfg.regions[i];
+        const int64_t off = int64_t(a - g.start);
+        if (off + int64_t(n) <= 0 || off >= int64_t(g.size)) continue;
+        GShadow* shadow = static_cast<GShadow*>(w->launch->gshadow[i]);
+        if (!shadow) return;
+        for (uint64_t k = 0; k < n; ++k) {
+            GShadow& s = shadow[off + int64_t(k)];
+            const uint32_t other = s.w_block && s.w_block != me ? s.w_block
+                                   : s.r_block && (s.r_block != me || s.r_blocks) ? s.r_block : 0;
+            if (other) {
+                CheckReport r{};
+                r.kind = kGlobalRace;
+                r.region = uint32_t(i);
+                r.offset = off + int64_t(k);
+                r.size = uint32_t(n);
+                r.is_write = true;
+                r.other_write = s.w_block == other;
+                if (other != me) {
+                    block_xyz(w, other - 1, r.other_block);
+                    r.other_valid = 1;
+                }
+                check_fail(w, r, "checked: global-memory race through argument %u, byte %lld of its region: "
+                           "cp.reduce.async.bulk here, plainly %s by another block", g.index,
+                           (long long)(off + int64_t(k)), s.w_block == other ? "written" : "read");
+            }
+            s.red_block = me;
+        }
+        return;
+    }
 }
 
 // The loaded image of this module (code, constants, __constant__ and other globals).

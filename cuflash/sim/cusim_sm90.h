@@ -110,10 +110,11 @@ struct TmaLoad {
     std::vector<unsigned char> bytes;       // the shared-memory image of the box, swizzled
 };
 
-struct TmaStore {
+struct TmaStore {       // a TMA store, or (reduce_dst != 0) a cp.reduce.async.bulk .add.f32
     unsigned issuer = 0;
     uint32_t group = 0;
     uint64_t src_off = 0, bytes = 0;
+    uintptr_t reduce_dst = 0;
     unsigned char map[128];
     int32_t coords[5];
 };
@@ -1117,6 +1118,19 @@ CUSIM_NOSAN inline void tma_load(void* smem, const void* map, const int32_t* coo
 }
 
 CUSIM_NOSAN inline void land_store(Worker* w, TmaStore& st) {
+    if (st.reduce_dst) {   // cp.reduce.async.bulk .add.f32: each float added atomically (blocks run in parallel)
+        if (w->chk) check_global_reduce(w, st.reduce_dst, st.bytes);
+        for (uint64_t k = 0; k < st.bytes / 4; ++k) {
+            float* p = reinterpret_cast<float*>(st.reduce_dst) + k;
+            float v;
+            std::memcpy(&v, w->arena + st.src_off + 4 * k, 4);
+            float old, want;
+            __atomic_load(p, &old, __ATOMIC_SEQ_CST);
+            do { want = old + v; } while (!__atomic_compare_exchange(p, &old, &want, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+        }
+        add_readers(w, st.src_off, st.bytes, -1);
+        return;
+    }
     SimTensorMap t;
     std::memcpy(&t, st.map, sizeof t);
     const unsigned sw = 16u * t.swizzle16;
@@ -1144,6 +1158,32 @@ CUSIM_NOSAN inline void tma_store(const void* map, const int32_t* coords, int ra
     std::memcpy(st.map, map, 128);
     for (int i = 0; i < 5; ++i) st.coords[i] = i < rank ? coords[i] : 0;
     check_async_read(w, st.src_off, st.bytes, "cp.async.bulk.tensor (store)");
+    add_readers(w, st.src_off, st.bytes, +1);
+    progress();
+    if (lands_early(w)) land_store(w, st);
+    else sm90(w).stores.push_back(st);
+}
+
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [dst], [src], bytes (PTX ISA 9.7.9.24.7):
+// the async proxy adds `bytes` of float32 from shared memory into global memory, element by element;
+// both addresses 16-byte aligned and bytes a multiple of 16. It completes with the thread's bulk
+// group (commit_group / wait_group{.read}), like a TMA store.
+CUSIM_NOSAN inline void bulk_reduce_add_f32(float* dst, const void* smem, uint32_t bytes) {
+    Worker* w = t_worker;
+    const char* what = "cp.reduce.async.bulk (.add.f32)";
+    const uintptr_t d = reinterpret_cast<uintptr_t>(dst);
+    if (d % 16 || bytes % 16 || bytes == 0)
+        fail("%s: the global address (0x%llx) must be 16-byte aligned and the size (%u bytes) a positive multiple "
+             "of 16", what, (unsigned long long)d, bytes);
+    TmaStore st;
+    st.issuer = w->cur->linear;
+    st.group = sm90(w).threads[st.issuer].bulk_committed;
+    st.src_off = arena_off(w, smem);
+    if (st.src_off % 16) fail("%s: the shared address (arena offset %llu) must be 16-byte aligned", what,
+                              (unsigned long long)st.src_off);
+    st.bytes = bytes;
+    st.reduce_dst = d;
+    check_async_read(w, st.src_off, st.bytes, what);
     add_readers(w, st.src_off, st.bytes, +1);
     progress();
     if (lands_early(w)) land_store(w, st);
@@ -1185,7 +1225,7 @@ CUSIM_NOSAN inline void sm90_thread_exit(Worker* w, unsigned me) {
                 CheckReport r{};
                 r.kind = kAsyncOverlap;
                 shared_site(w, s->stores[i].src_off, r);
-                check_fail(w, r, "checked: the thread exits with a TMA store of %s still in flight (no "
+                check_fail(w, r, "checked: the thread exits with a TMA store or bulk reduce of %s still in flight (no "
                            "cp.async.bulk.commit_group + cp.async.bulk.wait_group covers it): the block's shared "
                            "memory may be released before the store reads it", r.name);
             }
