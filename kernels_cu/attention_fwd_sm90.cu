@@ -7,7 +7,7 @@
 //   and "empty" mbarriers); warpgroups 1 and 2 are consumers (setmaxnreg.inc) of 64 query rows
 //   each (Br = 128). Per key tile of Bc keys a consumer runs S = Q K^T by wgmma with both operands
 //   in shared memory (128-byte swizzle, the head dim in 64-element panels), the online softmax on
-//   the accumulators in the log2 domain (scale * log2 e fused), converts P to 16-bit registers
+//   the accumulators in the log2 domain (the scale fused into the exponent's FFMA), converts P to 16-bit registers
 //   (the accumulator fragment is the A fragment of the next wgmma) and runs O += P V by wgmma with
 //   A from registers and V N-major from shared memory; O is rescaled in registers, divided once at
 //   the end, staged in shared memory (over the consumer's own Q rows) and stored by TMA, whose
@@ -133,6 +133,11 @@ __device__ __forceinline__ void issue_pv(float (&o)[DV / 2], const unsigned (&pa
 struct Rows {   // what the softmax needs to know of this thread's rows and the mask
     int row0, wrow_lo, wrow_hi, Sq, Sk, diag, window_left, window_right, t;
     float scale_log2;
+    // scale_log2 > 0 (the plain forms): the row max is taken over the raw scores and P = exp2(s *
+    // scale_log2 - m) is one FFMA per score; otherwise (a negative scale reverses the order, 0 makes
+    // -inf * 0 NaN; the modifier forms act on scaled scores) the scores are scaled first
+    bool prescale;
+    float eff_scale;   // 1 when prescaled, else scale_log2
 #if CUFLASH_MODS
     ScoreMods mods;   // the score modifiers (score_mods.cuh) and this block's (batch, head) share
     HeadMods hm;
@@ -148,11 +153,15 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
     const bool boundary = kv0 + BC > w.Sk ||
                           (CUFLASH_LOCAL && ((w.window_left >= 0 && kv0 < w.wrow_hi + w.diag - w.window_left) ||
                                              (w.window_right >= 0 && kv0 + BC - 1 > w.wrow_lo + w.diag + w.window_right)));
-    float mx[2] = {m_run[0], m_run[1]};
+    if (w.prescale) {
+#pragma unroll
+        for (int i = 0; i < BC / 2; ++i) sc[i] *= w.scale_log2;
+    }
+    float mx[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF};   // over this tile's (unscaled unless prescaled) scores
 #pragma unroll
     for (int i = 0; i < BC / 2; ++i) {
         const int r = (i % 4) / 2, col = kv0 + 8 * (i / 4) + 2 * w.t + i % 2, row = w.row0 + 8 * r;
-        float x = sc[i] * w.scale_log2;
+        float x = sc[i];
 #if CUFLASH_MODS
         if (row < w.Sq && col < w.Sk) x = mod_score<elem_t>(w.mods, w.hm, x, row, col, w.Sq, w.Sk);
 #endif
@@ -165,7 +174,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
     float base[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        mx[r] = quad_max(mx[r]);
+        mx[r] = fmaxf(m_run[r], quad_max(mx[r]) * w.eff_scale);   // -inf * eff_scale > 0 stays -inf
         base[r] = mx[r] == CUFLASH_NEG_INF ? 0.0f : mx[r];   // a row with no key yet: exp2(-inf) = 0, no NaN
         alpha[r] = exp2f(m_run[r] - base[r]);
         m_run[r] = mx[r];
@@ -173,7 +182,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
     }
 #pragma unroll
     for (int i = 0; i < BC / 2; ++i) {
-        sc[i] = exp2f(sc[i] - base[(i % 4) / 2]);
+        sc[i] = exp2f(fmaf(sc[i], w.eff_scale, -base[(i % 4) / 2]));
         l_run[(i % 4) / 2] += sc[i];
     }
 }
@@ -252,7 +261,8 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     const int c = wg - 1;                                     // rows 64c.. of the tile
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int row0 = m0 + 64 * c + 16 * warp + g;             // this thread's rows: row0 and row0 + 8
-    const Rows rows{row0, m0 + 64 * c, m0 + 64 * c + 63, Sq, Sk, diag, window_left, window_right, t, scale_log2
+    const Rows rows{row0, m0 + 64 * c, m0 + 64 * c + 63, Sq, Sk, diag, window_left, window_right, t, scale_log2,
+                    CUFLASH_MODS || !(scale_log2 > 0.0f), CUFLASH_MODS || !(scale_log2 > 0.0f) ? 1.0f : scale_log2
 #if CUFLASH_MODS
                     , mods, head_mods<elem_t>(mods, b, h)
 #endif
