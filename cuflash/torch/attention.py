@@ -248,7 +248,8 @@ def _attention_out_fake(q, k, v, out, causal, softmax_scale, window_left, window
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
               out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-              alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, deterministic=False):
+              alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, deterministic=False, q_descale=None,
+              k_descale=None, v_descale=None, out_dtype=None):
     """Differentiable exact attention, ``softmax(softmax_scale * q k^T + mask) v``, for torch tensors.
 
     Every parameter of :func:`cuflash.attention` with its name, default and meaning, plus
@@ -311,6 +312,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         The backward's: bit-identical gradients run to run on the kernel backends (no atomics in
         the dQ sum; a float32 workspace of up to 16 copies of dq and a slower backward, see
         :func:`cuflash.attention_backward`). The NumPy path is always deterministic.
+    q_descale, k_descale, v_descale, out_dtype : optional
+        fp8 (``torch.float8_e4m3fn``) input, as :func:`cuflash.attention` takes it: the call is
+        forwarded to :func:`cuflash.attention` unchanged. fp8 attention has no backward, so with
+        grad mode on, fp8 options together with inputs that require grad raise ``TypeError``.
 
     Returns
     -------
@@ -334,6 +339,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         kernel backend, a call without a kernel).
     """
     mods = {"alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "attn_mask": attn_mask, "sinks": sinks}
+    fp8 = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "out_dtype": out_dtype}
+    if _is_fp8(q, fp8):
+        _refuse_fp8_gradients(_FUNC, {"q": q, "k": k, "v": v})
+        return api_attention.attention(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse,
+            layout=layout, out=out, backend=backend, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            dropout_offset=dropout_offset, softcap=softcap, **mods, **fp8)
     tensors.check_tensors(_FUNC, {"q": q, "k": k, "v": v}, {"out": out, **mods})
     causal = validation.check_flag(causal, "causal", _FUNC)
     return_lse = validation.check_flag(return_lse, "return_lse", _FUNC)
@@ -362,6 +374,20 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     else:
         out, lse = attention_fwd(q, k, v, *scalars, deterministic, float(dropout_p), seed, offset, backend)
     return (out, lse) if return_lse else out
+
+
+def _is_fp8(q, fp8: dict) -> bool:
+    """Whether the call is an fp8 one (fp8 q, or an fp8 option given)."""
+    return any(x is not None for x in fp8.values()) or getattr(q, "dtype", None) == getattr(torch, "float8_e4m3fn", 0)
+
+
+def _refuse_fp8_gradients(func: str, arrays: dict) -> None:
+    """fp8 attention has no backward: refuse inputs that would need one (never drop it quietly)."""
+    needing = tensors.requiring_grad(arrays)
+    if needing:
+        raise TypeError(f"{func}: fp8 attention (float8_e4m3fn input or a descale) has no backward, and "
+                        f"{tensors.require_phrase(needing)} (grad mode is on); detach the inputs or call under "
+                        f"torch.no_grad()")
 
 
 def _refuse_gradients(q, k, v, out, mods) -> None:

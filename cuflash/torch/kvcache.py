@@ -56,7 +56,8 @@ def _attention_with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_seqle
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                            causal=False, softmax_scale=None, window_size=(-1, -1), num_splits=0, return_lse=False,
-                           out=None, backend="auto", softcap=0.0, alibi_slopes=None, sinks=None):
+                           out=None, backend="auto", softcap=0.0, alibi_slopes=None, sinks=None, k_descale=None,
+                           v_descale=None):
     """:func:`cuflash.attention_with_kvcache` as the custom operator
     ``cuflash::attention_with_kvcache`` (it mutates ``k_cache``, ``v_cache`` and ``out``; no
     backward, as flash-attn's), so a decode step traces under ``torch.compile`` and, on CUDA with
@@ -67,6 +68,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     ``cache_seqlens`` an int or an int32 tensor. ``backend`` as :func:`cuflash.torch.attention`
     ("auto": CPU tensors run the NumPy path, CUDA tensors the kernels on torch's current stream;
     "sim" runs the kernels on the simulator with CPU tensors).
+
+    An fp8 cache (``torch.float8_e4m3fn`` caches, or ``k_descale``/``v_descale`` given) is
+    forwarded to :func:`cuflash.attention_with_kvcache` unchanged (no custom operator: it does
+    not trace under ``torch.compile``).
 
     Returns
     -------
@@ -99,6 +104,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
                         f"has no backward: it is the inference path, appending k and v to the caches in place; call "
                         f"it under torch.no_grad() or torch.inference_mode(), or use cuflash.torch.attention for a "
                         f"differentiable result")
+    fp8 = getattr(torch, "float8_e4m3fn", 0)
+    if k_descale is not None or v_descale is not None or getattr(k_cache, "dtype", None) == fp8:
+        return api_kvcache.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+            block_table=block_table, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+            num_splits=num_splits, return_lse=return_lse, out=out, backend=backend, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks, k_descale=k_descale, v_descale=v_descale)
     left, right = validation.check_window_size(window_size, validation.check_flag(causal, "causal", _FUNC), _FUNC)
     return_lse = validation.check_flag(return_lse, "return_lse", _FUNC)
     backend = tensors.check_backend(backend, _FUNC)

@@ -183,6 +183,21 @@ def test_torch_fp8_tensors():
     assert cuflash.fp8_view(tq.view(torch.uint8)).dtype == torch.float8_e4m3fn
 
 
+def test_torch_adapter_forwards_fp8_and_refuses_its_gradient():
+    torch = pytest.importorskip("torch")
+    import cuflash.torch as ct
+    q, k, v = _qkv(np.random.default_rng(6))
+    tq, tk, tv = (torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn) for x in (q, k, v))
+    d = torch.full((2, 2), 0.5)
+    got = ct.attention(tq, tk, tv, q_descale=d, k_descale=d, out_dtype="float16")
+    want = cuflash.attention(q, k, v, q_descale=d.numpy(), k_descale=d.numpy(), out_dtype="float16")
+    assert got.dtype == torch.float16
+    np.testing.assert_array_equal(got.numpy(), want)
+    bq = torch.zeros(2, 2, 3, 16, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(TypeError, match="fp8 attention .* has no backward.*q requires grad"):
+        ct.attention(bq, bq.detach(), bq.detach(), q_descale=d)
+
+
 # --------------------------------------------------------------------------------------------
 # the fp8 KV cache
 
