@@ -17,6 +17,10 @@
 //   Ping-pong (section 3.1): the consumers take turns on the tensor cores through two named
 //   barriers; each waits for its turn before issuing a tile's wgmmas and hands the turn over
 //   right after, so one warpgroup's softmax runs while the other's GEMMs do.
+//   The walk over key tiles is compiled as separate loops of one tile body (as FA3 peels its
+//   masked tiles): a steady loop with no mask code, and loops that test the right edge (the
+//   diagonal, a window's right bound, Sk), the left edge (a window's left bound) or both. The
+//   wgmma descriptors are built once and advanced by constants.
 //
 //   The load and store stages sit behind one seam (load_q / load_k / load_v / store_o): a cp.async gather
 //   or a masked store (packed sequences, paged caches) replaces them without touching the math.
@@ -108,25 +112,33 @@ __device__ __forceinline__ void store_o(const Tiles& t, const unsigned char* o_s
 }
 
 // ------------------------------------------------------------------- the consumer's math
+// The wgmma descriptors of a 128-byte-swizzled tile: K-major (Q, K: 16 head-dim columns a step)
+// and N-major (V: 16 keys a step). Built once per buffer; the k steps advance them by constants.
+__device__ __forceinline__ unsigned long long desc_k_major(const unsigned char* tile) {
+    return ptx_wgmma_desc(tile, 16, 1024, 128);
+}
+__device__ __forceinline__ unsigned long long desc_n_major(const unsigned char* tile) {
+    return ptx_wgmma_desc(tile, PANEL_KV, 1024, 128);
+}
+
 // S = Q K^T for one key tile, issued (not waited for): K-major Q and K, 16 head-dim columns a step
-__device__ __forceinline__ void issue_s(float (&sc)[BC / 2], const unsigned char* q_c, const unsigned char* ks) {
+// (32 bytes within a 128-byte swizzle row, then the next 64-column panel)
+__device__ __forceinline__ void issue_s(float (&sc)[BC / 2], unsigned long long dq, unsigned long long dk) {
     ptx_wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const int p = (kk * 16) / PANEL, inner = (kk * 16) % PANEL;
-        const unsigned long long dq = ptx_wgmma_desc(q_c + p * PANEL_Q + inner * 2, 16, 1024, 128);
-        const unsigned long long dk = ptx_wgmma_desc(ks + p * PANEL_KV + inner * 2, 16, 1024, 128);
-        ptx_wgmma_ss<BC, BF16, 0, 0>(sc, dq, dk, kk > 0);
+        ptx_wgmma_ss<BC, BF16, 0, 0>(sc, ptx_wgmma_desc_advance(dq, p * PANEL_Q + inner * 2),
+                                     ptx_wgmma_desc_advance(dk, p * PANEL_KV + inner * 2), kk > 0);
     }
     ptx_wgmma_commit();
 }
 
 // O += P V for one key tile, issued (not waited for): P from registers, V N-major, 16 keys a step
-__device__ __forceinline__ void issue_pv(float (&o)[DV / 2], const unsigned (&pa)[BC / 16][4], const unsigned char* vs) {
+__device__ __forceinline__ void issue_pv(float (&o)[DV / 2], const unsigned (&pa)[BC / 16][4], unsigned long long dv) {
     ptx_wgmma_fence();
 #pragma unroll
-    for (int kb = 0; kb < BC / 16; ++kb)
-        ptx_wgmma_rs<DV, BF16, 1>(o, pa[kb], ptx_wgmma_desc(vs + kb * 16 * 128, PANEL_KV, 1024, 128), 1);
+    for (int kb = 0; kb < BC / 16; ++kb) ptx_wgmma_rs<DV, BF16, 1>(o, pa[kb], ptx_wgmma_desc_advance(dv, kb * 16 * 128), 1);
     ptx_wgmma_commit();
 }
 
@@ -144,30 +156,66 @@ struct Rows {   // what the softmax needs to know of this thread's rows and the 
 #endif
 };
 
-// The online softmax of one tile in place (log2 domain): mask, row max, l rescaled, S -> P in fp32.
+// Floor and ceiling of x / BC for any sign of x.
+__device__ __forceinline__ int floor_tiles(int x) { return x >= 0 ? x / BC : -((BC - 1 - x) / BC); }
+__device__ __forceinline__ int ceil_tiles(int x) { return -floor_tiles(-x); }
+
+// The key tiles [lo, hi) that need no mask for the rows [w.wrow_lo, w.wrow_hi]: no key past Sk
+// and (a window) no key left of the last row's first visible key or right of the first row's
+// last one. Every other tile of the walk lies before lo (the left window edge) or from hi on (the
+// diagonal, Sk): the walk runs them as two masked loops around one steady loop.
+// Which edges of the visible keys a tile's mask tests (a compile-time axis of the softmax): none
+// (the steady loop), the left (a window's left edge), the right (the diagonal, a window's right
+// edge, Sk) or both (a window narrower than a tile).
+enum Mask { MASK_NONE = 0, MASK_LEFT = 1, MASK_RIGHT = 2, MASK_BOTH = 3 };
+template <int M> struct MaskOf {   // a Mask as a type, for a generic lambda
+    static constexpr int value = M;
+};
+struct SteadyTiles {
+    int lo, hi;
+};
+__device__ __forceinline__ SteadyTiles steady_tiles(const Rows& w) {
+    SteadyTiles st{0, w.Sk / BC};
+    if (CUFLASH_LOCAL && w.window_left >= 0) st.lo = ceil_tiles(w.wrow_hi + w.diag - w.window_left);
+    if (CUFLASH_LOCAL && w.window_right >= 0) st.hi = min(st.hi, floor_tiles(w.wrow_lo + w.diag + w.window_right + 1));
+    return st;
+}
+
+// The online softmax of one tile in place (log2 domain): the mask (the edges MASK names; none on
+// the tiles of SteadyTiles, whose mask code is not compiled), row max, l rescaled, S -> P in fp32.
 // Returns in alpha the factor O must be rescaled by (done by the caller once O's wgmma is waited).
+template <int MASK>
 __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const Rows& w, float (&m_run)[2],
                                              float (&l_run)[2], float (&alpha)[2]) {
-    // a tile needs the mask if it holds keys past Sk, or (a window) keys left of the last row's
-    // first visible key or right of the first row's last one
-    const bool boundary = kv0 + BC > w.Sk ||
-                          (CUFLASH_LOCAL && ((w.window_left >= 0 && kv0 < w.wrow_hi + w.diag - w.window_left) ||
-                                             (w.window_right >= 0 && kv0 + BC - 1 > w.wrow_lo + w.diag + w.window_right)));
     if (w.prescale) {
 #pragma unroll
         for (int i = 0; i < BC / 2; ++i) sc[i] *= w.scale_log2;
     }
+    // the mask, per row: the visible keys of rows row0 and row0 + 8 are [first, last] (the
+    // window's edges and Sk), kept here relative to this thread's first column kv0 + 2t, so that a
+    // score's test is two compares of a register with its constant column offset
+    int lo[2], hi[2];
+    if (MASK != MASK_NONE) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = w.row0 + 8 * r, here = kv0 + 2 * w.t;
+            int first = 0, last = w.Sk - 1;
+            if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, row + w.diag - w.window_left);
+            if (CUFLASH_LOCAL && w.window_right >= 0) last = min(last, row + w.diag + w.window_right);
+            lo[r] = first - here;
+            hi[r] = last - here;
+        }
+    }
     float mx[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF};   // over this tile's (unscaled unless prescaled) scores
 #pragma unroll
     for (int i = 0; i < BC / 2; ++i) {
-        const int r = (i % 4) / 2, col = kv0 + 8 * (i / 4) + 2 * w.t + i % 2, row = w.row0 + 8 * r;
+        const int r = (i % 4) / 2, offset = 8 * (i / 4) + i % 2;   // the score's column: kv0 + 2t + offset
         float x = sc[i];
 #if CUFLASH_MODS
+        const int col = kv0 + 2 * w.t + offset, row = w.row0 + 8 * r;
         if (row < w.Sq && col < w.Sk) x = mod_score<elem_t>(w.mods, w.hm, x, row, col, w.Sq, w.Sk);
 #endif
-        if (boundary && (col >= w.Sk || (CUFLASH_LOCAL && ((w.window_left >= 0 && col < row + w.diag - w.window_left) ||
-                                                          (w.window_right >= 0 && col > row + w.diag + w.window_right)))))
-            x = CUFLASH_NEG_INF;
+        if (((MASK & MASK_LEFT) && offset < lo[r]) || ((MASK & MASK_RIGHT) && offset > hi[r])) x = CUFLASH_NEG_INF;
         sc[i] = x;
         mx[r] = fmaxf(mx[r], x);
     }
@@ -213,7 +261,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     unsigned char* v_s = k_s + STAGES * K_BYTES;             // [STAGES][NPANEL_V][BC rows][128 B]
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
     const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, b};
-    const int wg = threadIdx.x / 128;
+    // the warpgroup, read from lane 0 so that the compiler knows it uniform across the warp (it
+    // then keeps what derives from it, the consumer's descriptors, in uniform registers)
+    const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
     // the key tiles some row of the block sees: [tile_lo, tile_hi)
     const int diag = Sk - Sq;
     int kv_lo = 0, kv_hi = Sk;
@@ -267,7 +317,14 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
                     , mods, head_mods<elem_t>(mods, b, h)
 #endif
     };
-    const unsigned char* q_c = q_s + 64 * c * 128;           // this consumer's 64 rows of each Q panel
+    // the wgmma descriptors: this consumer's 64 rows of Q, and stage 0 of the K and V rings (the
+    // stage s ones are K_BYTES / V_BYTES further on)
+    unsigned long long dq = desc_k_major(q_s + 64 * c * 128), dk0 = desc_k_major(k_s), dv0 = desc_n_major(v_s);
+#ifndef CUFLASH_SIM
+    // (opaque to NVVM: it otherwise folds the advances into 64-bit adds with carry and rebuilds
+    // the stage descriptors from the addresses inside the first loop; no instruction is emitted)
+    asm volatile("" : "+l"(dq), "+l"(dk0), "+l"(dv0));
+#endif
     float o[DV / 2];
 #pragma unroll
     for (int i = 0; i < DV / 2; ++i) o[i] = 0.0f;
@@ -281,35 +338,56 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     if (ntiles > 0) {
         ptx_mbarrier_wait(&full_k[0], 0);
         ptx_bar_sync(TURN_BAR + c, 256);
-        issue_s(sc, q_c, k_s);
+        issue_s(sc, dq, dk0);
         ptx_bar_arrive(TURN_BAR + 1 - c, 256);
         ptx_wgmma_wait<0>();
         if (tid == 0) ptx_mbarrier_arrive(&empty_k[0]);
-        softmax_tile(sc, tile_lo * BC, rows, m_run, l_run, alpha);   // O is 0: alpha unused
+        softmax_tile<CUFLASH_LOCAL ? MASK_BOTH : MASK_RIGHT>(sc, tile_lo * BC, rows, m_run, l_run, alpha);   // O is 0: alpha unused
         to_a_fragment(sc, pa);
     }
-    for (int j = 1; j < ntiles; ++j) {
-        const int s = j % STAGES, sv = (j - 1) % STAGES;
+    // tile j of the walk, with P V of tile j - 1; mask: a MaskOf<Mask>
+    // (j >= 1: unsigned, the stage and phase arithmetic is shifts and masks)
+    auto tile = [&](unsigned j, auto mask) {
+        const unsigned s = j % STAGES, sv = (j - 1) % STAGES;
         ptx_mbarrier_wait(&full_k[s], (j / STAGES) & 1);
         ptx_mbarrier_wait(&full_v[sv], ((j - 1) / STAGES) & 1);
         ptx_bar_sync(TURN_BAR + c, 256);
-        issue_s(sc, q_c, k_s + s * K_BYTES);
-        issue_pv(o, pa, v_s + sv * V_BYTES);
+        issue_s(sc, dq, ptx_wgmma_desc_advance(dk0, s * K_BYTES));
+        issue_pv(o, pa, ptx_wgmma_desc_advance(dv0, sv * V_BYTES));
         ptx_bar_arrive(TURN_BAR + 1 - c, 256);
         ptx_wgmma_wait<1>();                       // S_j is in; P_{j-1} V_{j-1} may still run
         if (tid == 0) ptx_mbarrier_arrive(&empty_k[s]);
-        softmax_tile(sc, (tile_lo + j) * BC, rows, m_run, l_run, alpha);
+        softmax_tile<decltype(mask)::value>(sc, (tile_lo + j) * BC, rows, m_run, l_run, alpha);
         ptx_wgmma_wait<0>();
         if (tid == 0) ptx_mbarrier_arrive(&empty_v[sv]);
 #pragma unroll
         for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i % 4) / 2];
         to_a_fragment(sc, pa);
+    };
+    // tiles 1.. of the walk (tile 0 ran masked above): left of ta = st.lo - tile_lo a tile needs the
+    // left edge tested, from tb = st.hi - tile_lo on the right one; each consumer has its own ta and
+    // tb, and as many turns. With ta <= tb: [1, ta) left, [ta, tb) steady, [tb, n) right; with ta > tb (a
+    // window narrower than a tile): [1, tb) left, [tb, ta) both, [ta, n) right.
+    const SteadyTiles st = steady_tiles(rows);
+    const int ta = max(1, min(ntiles, st.lo - tile_lo)), tb = max(1, min(ntiles, st.hi - tile_lo));
+    // The modifier forms keep one loop, masked throughout: their per-score modifier code
+    // dominates a tile, and four copies of it would double the kernel and its ptxas time.
+    int j = 1;
+    if (CUFLASH_MODS) {
+        for (; j < ntiles; ++j) tile(j, MaskOf<CUFLASH_LOCAL ? MASK_BOTH : MASK_RIGHT>{});
+    } else {
+        if (CUFLASH_LOCAL) {
+            for (; j < min(ta, tb); ++j) tile(j, MaskOf<MASK_LEFT>{});
+            for (; j < ta; ++j) tile(j, MaskOf<MASK_BOTH>{});
+        }
+        for (; j < tb; ++j) tile(j, MaskOf<MASK_NONE>{});
+        for (; j < ntiles; ++j) tile(j, MaskOf<MASK_RIGHT>{});
     }
     if (ntiles > 0) {
         const int sv = (ntiles - 1) % STAGES;
         ptx_mbarrier_wait(&full_v[sv], ((ntiles - 1) / STAGES) & 1);
         ptx_bar_sync(TURN_BAR + c, 256);
-        issue_pv(o, pa, v_s + sv * V_BYTES);
+        issue_pv(o, pa, ptx_wgmma_desc_advance(dv0, sv * V_BYTES));
         if (c == 0) ptx_bar_arrive(TURN_BAR + 1, 256);
         ptx_wgmma_wait<0>();   // (the last V slot is not released: no load waits for it)
     }

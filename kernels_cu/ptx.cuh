@@ -603,6 +603,14 @@ __device__ __forceinline__ unsigned long long ptx_wgmma_desc(const void* smem, u
     const unsigned long long mode = swizzle_bytes == 128 ? 1ull : swizzle_bytes == 64 ? 2ull : swizzle_bytes == 32 ? 3ull : 0ull;
     return enc_start | (enc_lbo << 16) | (enc_sbo << 32) | (mode << 62);
 }
+// The descriptor of the matrix `bytes` (a multiple of 16) past the one `desc` describes: its
+// start-address field advanced by bytes >> 4, on the low 32 bits only (a shared-memory address
+// is below 2^18, so the 14-bit field cannot carry into the leading byte offset). A loop builds a
+// base descriptor once and steps it by constants, instead of masking and shifting an address
+// for every wgmma.
+__device__ __forceinline__ unsigned long long ptx_wgmma_desc_advance(unsigned long long desc, unsigned bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | (unsigned)((unsigned)desc + (bytes >> 4));
+}
 // The first 1024-byte-aligned byte of a dynamic shared-memory area (the 128-byte swizzle's pattern
 // boundary; the plan asks for 1 KB more than the tiles).
 __device__ __forceinline__ unsigned char* ptx_align_smem_1024(unsigned char* smem) {

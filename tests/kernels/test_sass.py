@@ -107,3 +107,39 @@ def test_sass_proves_the_tensor_core_backward(arch, variant, cuobjdump):
     assert sum(n for op, n in ops.items() if op.startswith("LDGSTS")) > 0, dict(ops)
     assert ops["LDGDEPBAR"] > 0 and sum(n for op, n in ops.items() if op.startswith("DEPBAR")) > 0, dict(ops)
     assert not any(op.startswith(("LDL", "STL")) for op in ops), f"local memory (spills) in {variant.entry}: {dict(ops)}"
+
+
+# ------------------------------------------------------------------------------- Hopper forward
+
+
+def _sm90_variants():
+    from cuflash.kernels import attention_fwd_sm90
+
+    return [attention_fwd_sm90.Sm90ForwardVariant(dt, 128, 128, local) for dt in ("f16", "bf16") for local in (False, True)]
+
+
+@pytest.mark.parametrize("variant", _sm90_variants(), ids=lambda v: v.entry)
+def test_sass_hopper_forward_steady_loop_has_no_mask(variant, cuobjdump):
+    """The Hopper forward's tiles run as separate loops (docs/roofline.md's counting rule): one
+    steady loop with no mask code in it, and the masked loops (the right edge: the diagonal and
+    Sk; with a window also the left edge and both), each with every HGMMA of a tile. The budgets
+    are the instruction counts per warp and tile this kernel is held to (FlashAttention-3's bf16
+    d128 steady loop counts 458 by the same rule)."""
+    from cuflash.analysis import sass_count
+
+    text, resources = roofline.compile_sass(variant, 90)
+    assert resources["spill_stores"] == 0 and resources["spill_loads"] == 0, resources
+    fns = sass_count.parse_functions(text)
+    insns = fns[sass_count.select_function(fns, variant.entry)]
+    blocks, loops = sass_count.main_loops(insns)
+    assert len(loops) == (4 if variant.local else 2), [h for h, _, _ in loops]
+    passes = []
+    for h, body, latches in loops:
+        counts = sass_count._count_one(insns, blocks, h, body, latches)
+        c = counts.get("steady-rescale", counts.get("steady"))   # (the pass without the prescale branch)
+        assert c.tensor == 16, (h, c)
+        passes.append(c)
+    steady = min(passes, key=lambda c: c.instructions)
+    assert steady.instructions <= 500, steady
+    assert steady.classes["predicate"] <= 16, steady   # no per-score compare or select
+    assert max(c.instructions for c in passes) <= 720, passes
