@@ -4,11 +4,13 @@ The arithmetic-intensity analysis of :mod:`cuflash.intensity` (FLOPs against HBM
 one level down, to what one SM does per K/V tile of a kernel's main loop. No GPU is needed: the
 variant the dispatcher would choose is compiled with NVRTC (the run-time options), disassembled
 with ``cuobjdump``/``nvdisasm`` (the ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` wheels),
-and its main loop (the loop with the most tensor instructions, else the most FP32 ones) is
-counted per warp along two paths through its body: the *unmasked* one (every tensor instruction
-and copy, fewest other instructions: a full tile in the steady state, where the forward's
-conditional O rescale is skipped because no row's maximum moved) and the *masked* one (the most
-instructions: a diagonal or window tile, with the rescale). From the counts and per-SM rates (:data:`RATES`, each with its source),
+and its main loops (the natural loops with the most tensor instructions, else the most FP32 ones,
+found by :mod:`cuflash.analysis.sass_count`) are counted per warp along two passes: the
+*unmasked* one (every tensor instruction and copy, fewest other instructions: a full tile in the
+steady state, where the forward's conditional O rescale is skipped because no row's maximum
+moved), from the loop where it is shortest, and the *masked* one (the most instructions: a
+diagonal or window tile, with the rescale), from the loop where it is longest (a kernel that
+compiles its edge tiles as loops of their own has several). From the counts and per-SM rates (:data:`RATES`, each with its source),
 the time of each pipe per tile and CTA, and the binding one's throughput as the predicted
 ceiling. **A model, never a measurement**: it ignores latency, occupancy effects beyond
 ``ctas_per_sm`` > 0, bank conflicts and L2; benchmarks on the GPU (``python -m cuflash bench``)
@@ -40,8 +42,6 @@ import dataclasses
 import json
 import math
 import os
-import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from cuflash.analysis import cli, intensity
+from cuflash.analysis import cli, intensity, sass_count
+from cuflash.analysis.sass_count import Insn, find_tool  # (the SASS reader is sass_count's)
 
 __all__ = ["SmRates", "RATES", "Counts", "Roofline", "analyze", "compile_sass", "variants", "main"]
 
@@ -143,10 +144,6 @@ RATES = {"h200": _hopper(intensity.H200), "h100": _hopper(intensity.H100), "a100
 # SASS
 # --------------------------------------------------------------------------------------------
 
-_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)([^;]*);")
-_FUNCTION = re.compile(r"Function : (\S+)")
-
-
 @dataclass(frozen=True)
 class Counts:
     """Per-warp counts of one pass through the main loop's body."""
@@ -171,47 +168,24 @@ class Counts:
 _COUNT_KEYS = tuple(f.name for f in dataclasses.fields(Counts))
 
 
-@dataclass(frozen=True)
-class Insn:
-    addr: int
-    predicated: bool
-    op: str          # opcode without modifiers, e.g. "HMMA"
-    mods: str        # modifiers, e.g. ".16816.F32.BF16"
-    operands: str
-
-    @property
-    def target(self) -> int | None:
-        if self.op not in ("BRA", "JMP"):
-            return None
-        m = re.search(r"0x([0-9a-f]+)", self.operands)
-        return int(m.group(1), 16) if m else None
-
-
 def parse_sass(text: str, entry: str | None = None) -> list[Insn]:
     """The instructions of ``entry`` (default: the first function) in ``cuobjdump --dump-sass``
-    output.
+    output (:func:`cuflash.analysis.sass_count.parse_functions`).
 
     Raises
     ------
     ValueError
         If the function is not in ``text`` or has no instructions.
     """
-    starts = [(m.start(), m.group(1)) for m in _FUNCTION.finditer(text)]
-    if entry is not None:
-        found = [i for i, (_, name) in enumerate(starts) if name == entry]
-        if not found:
-            raise ValueError(f"cuflash.roofline: function {entry!r} is not in the SASS "
-                             f"(has {', '.join(n for _, n in starts) or 'none'})")
-        i = found[0]
-    else:
-        i = 0
-    lo = starts[i][0] if starts else 0
-    hi = starts[i + 1][0] if starts and i + 1 < len(starts) else len(text)
-    out = [Insn(int(m.group(1), 16), bool(m.group(2)), m.group(3), m.group(4), m.group(5).strip())
-           for m in _INSN.finditer(text, lo, hi)]
-    if not out:
-        raise ValueError(f"cuflash.roofline: no SASS instructions for {entry or 'the first function'}")
-    return out
+    functions = sass_count.parse_functions(text)
+    if entry is None:
+        if not functions:
+            raise ValueError("cuflash.roofline: no SASS instructions for the first function")
+        return next(iter(functions.values()))
+    if entry not in functions:
+        raise ValueError(f"cuflash.roofline: function {entry!r} is not in the SASS "
+                         f"(has {', '.join(functions) or 'none'})")
+    return functions[entry]
 
 
 def _width_bytes(mods: str, default: int = 4) -> int:
@@ -219,20 +193,6 @@ def _width_bytes(mods: str, default: int = 4) -> int:
         if bits in mods:
             return nbytes
     return default
-
-
-def _mma_macs(op: str, mods: str) -> int:
-    """MACs of one warp's tensor instruction (PTX ISA shapes: m16n8k16, m16n8k8, m8n8k4; wgmma
-    m64nNk16 per warpgroup, a quarter per warp)."""
-    if op == "HMMA":
-        for shape, macs in ((".16816", 16 * 8 * 16), (".1688", 16 * 8 * 8), (".884", 8 * 8 * 4)):
-            if mods.startswith(shape):
-                return macs
-        raise ValueError(f"cuflash.roofline: unknown HMMA shape {op}{mods}")
-    m = re.match(r"\.64x(\d+)x(\d+)", mods)
-    if not m:
-        raise ValueError(f"cuflash.roofline: unknown HGMMA shape {op}{mods}")
-    return 64 * int(m.group(1)) * int(m.group(2)) // 4
 
 
 def insn_counts(insn: Insn) -> dict:
@@ -244,7 +204,9 @@ def insn_counts(insn: Insn) -> dict:
     op, mods = insn.op, insn.mods
     if op in ("HMMA", "HGMMA"):
         c["tensor"] = 1
-        c["macs"] = _mma_macs(op, mods)
+        c["macs"] = sass_count.mma_macs(insn)
+        if not c["macs"]:
+            raise ValueError(f"cuflash.roofline: unknown {op} shape {op}{mods}")
     elif op == "LDSM":
         c["smem_read"] = 128 * (4 if mods.endswith(".4") else 2 if mods.endswith(".2") else 1)
     elif op == "LDS":   # "LDS RZ, [RZ]" (the compiler's dependency placeholders) moves no data
@@ -270,109 +232,51 @@ def _add(a: dict, b: dict) -> dict:
     return {k: a[k] + b[k] for k in _COUNT_KEYS}
 
 
-def _blocks(insns: list[Insn]):
-    """Basic blocks: (start index, end index exclusive, successor start addresses)."""
-    addr_index = {x.addr: i for i, x in enumerate(insns)}
-    leaders = {0}
-    for i, x in enumerate(insns):
-        t = x.target
-        if t is not None and t in addr_index:
-            leaders.add(addr_index[t])
-        if (t is not None or x.op in ("EXIT", "RET", "BRX")) and i + 1 < len(insns):
-            leaders.add(i + 1)
-    starts = sorted(leaders)
-    blocks = []
-    for j, s in enumerate(starts):
-        e = starts[j + 1] if j + 1 < len(starts) else len(insns)
-        last = insns[e - 1]
-        succ = []
-        if last.target is not None and last.target in addr_index:
-            succ.append(last.target)
-        falls = not ((last.op in ("BRA", "JMP", "EXIT", "RET", "BRX")) and not last.predicated)
-        if falls and e < len(insns):
-            succ.append(insns[e].addr)
-        blocks.append((s, e, succ))
-    return blocks
+def unmasked_pass(c: dict):
+    """The unmasked pass's preference: every tensor instruction and copy, the fewest others."""
+    return c["tensor"], c["smem_write"], -c["instructions"]
 
 
-def _reaches(insns: list[Insn], head: int, latch: int) -> bool:
-    """Whether the branch at ``latch`` is reachable from ``head`` along forward edges inside
-    ``[head, latch]``."""
-    blocks = {insns[s].addr: (e, succ) for s, e, succ in _blocks(insns) if head <= insns[s].addr <= latch}
-    seen, todo = set(), [head]
-    while todo:
-        here = todo.pop()
-        if here in seen or here not in blocks:
-            continue
-        seen.add(here)
-        e, succ = blocks[here]
-        if insns[e - 1].addr == latch:
-            return True
-        todo.extend(n for n in succ if here < n <= latch)
-    return False
+def masked_pass(c: dict):
+    """The masked pass's preference: every tensor instruction and copy, the most others."""
+    return c["tensor"], c["smem_write"], c["instructions"]
 
 
-def main_loop(insns: list[Insn]) -> tuple[int, int, int]:
-    """``(header address, latch address, inner loops)`` of the loop with the most tensor
-    instructions in its body (else the most FP32 ones): the latch is the backward branch.
+def loop_passes(insns: list[Insn], keys=(unmasked_pass, masked_pass)):
+    """``(passes, main)``: for each main loop, the per-warp :class:`Counts` of the pass that
+    maximizes each key (a function of the running counts, by name in :class:`Counts`); ``main``
+    the loops as :func:`cuflash.analysis.sass_count.main_loops` gives them, outer loops included
+    (``(blocks, [(header, body, latches), ...])``).
+
+    The main loops are the natural loops holding the most tensor instructions (else the most FP32
+    ones), with their out-of-line blocks; a pass runs from the header to a latch, inner loops
+    once. Several main loops mean masked tiles compiled as loops of their own.
 
     Raises
     ------
     ValueError
-        If the code has no loop.
+        If the code has no loop, or no pass reaches a latch.
     """
-    backs = [(x.target, x.addr) for x in insns if x.target is not None and x.target <= x.addr]
-    ranked = []
-    for head, latch in backs:
-        body = [x for x in insns if head <= x.addr <= latch]
-        key = (sum(x.op in ("HMMA", "HGMMA") for x in body), sum(x.op in ("FFMA", "FADD", "FMUL") for x in body),
-               -(latch - head))
-        ranked.append((key, head, latch))
-    if not ranked:
-        raise ValueError("cuflash.roofline: the kernel has no loop")
-    ranked.sort(reverse=True)
-    # a backward branch the body does not reach by forward edges is no loop's latch: the out-of-line
-    # retry of a spin-wait (an mbarrier try_wait placed after the code, jumping back into it)
-    _, head, latch = next(((k, h, t) for k, h, t in ranked if _reaches(insns, h, t)), ranked[0])
-    inner = sum(1 for h, t in backs if head <= h and t < latch and (h, t) != (head, latch))
-    return head, latch, inner
+    blocks, loops = sass_count.main_loops(insns, innermost=False)
+    passes = []
+    for loop in loops:
+        found = sass_count.best_passes(insns, blocks, loop, insn_counts,
+                                       [lambda t, key=key: key(_full(t)) for key in keys])
+        if any(t is None for t in found):
+            raise ValueError("cuflash.roofline: no pass from the main loop's header to a latch")
+        passes.append(tuple(Counts(**_full(t)) for t in found))
+    return passes, (blocks, loops)
 
 
-def loop_paths(insns: list[Insn], head: int, latch: int, keys=None) -> tuple[Counts, ...]:
-    """(unmasked, masked) per-warp counts of one pass from ``head`` to the branch at ``latch``.
+def _full(t: dict) -> dict:
+    return {k: t.get(k, 0) for k in _COUNT_KEYS}
 
-    Paths follow forward edges only (inner loops count one pass). Unmasked: the most tensor
-    instructions, then the most copies into shared memory, then the fewest instructions;
-    masked: the same but the most instructions. ``keys``: other path preferences instead (each
-    a function of the running counts; the path maximizing it is taken), one result per key.
-    """
-    blocks = [b for b in _blocks(insns) if head <= insns[b[0]].addr <= latch]
-    start_of = {insns[s].addr: (s, e, succ) for s, e, succ in blocks}
-    if head not in start_of:
-        raise ValueError(f"cuflash.roofline: loop header {head:#x} is not a block start")
-    if keys is None:
-        keys = [lambda c, sign=sign: (c["tensor"], c["smem_write"], -sign * c["instructions"]) for sign in (1, -1)]
-    results = []
-    for key in keys:
-        best = {head: dict.fromkeys(_COUNT_KEYS, 0)}
-        end = None
-        for s, e, succ in blocks:
-            here = insns[s].addr
-            if here not in best:
-                continue
-            total = best[here]
-            for x in insns[s:e]:
-                total = _add(total, insn_counts(x))
-            if insns[e - 1].addr == latch:
-                if end is None or key(total) > key(end):
-                    end = total
-            for nxt in succ:
-                if here < nxt <= latch and nxt in start_of and (nxt not in best or key(total) > key(best[nxt])):
-                    best[nxt] = total
-        if end is None:
-            raise ValueError(f"cuflash.roofline: no path from {head:#x} to the latch {latch:#x}")
-        results.append(Counts(**end))
-    return tuple(results)
+
+def _arithmetic_inner_loops(insns: list[Insn], blocks, loop) -> list:
+    """The loops nested in ``loop`` that compute (tensor or FP32 instructions; not a spin-wait)."""
+    starts, ends, _ = blocks
+    return [g for g in sass_count.inner_loops(blocks, loop)
+            if any(x.op in ("HMMA", "HGMMA", "FFMA", "FADD", "FMUL") for b in g[1] for x in insns[starts[b]:ends[b]])]
 
 
 # --------------------------------------------------------------------------------------------
@@ -519,18 +423,6 @@ def model(counts: Counts, masked: Counts, kernel: Kernel, *, rates: SmRates, seq
 # --------------------------------------------------------------------------------------------
 # variants, compilation, disassembly
 # --------------------------------------------------------------------------------------------
-
-def find_tool(name: str) -> str | None:
-    """``name`` (``cuobjdump``, ``nvdisasm``) from the nvidia-cuda-* wheels of this interpreter
-    (site-packages/nvidia/*/bin), else from PATH."""
-    for entry in sys.path:
-        root = Path(entry) / "nvidia"
-        if root.is_dir():
-            for cand in sorted(root.glob(f"*/bin/{name}")):
-                if os.access(cand, os.X_OK):
-                    return str(cand)
-    return shutil.which(name)
-
 
 def disassemble(cubin: bytes) -> str:
     """``cuobjdump --dump-sass`` of a cubin.
@@ -689,10 +581,14 @@ def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str 
     text, res = compile_sass(variant, rates.arch)
     _keep_sass(text, variant, rates.arch, sass_dir)
     insns = parse_sass(text, variant.entry)
-    head, latch, inner = main_loop(insns)
-    unmasked, masked = loop_paths(insns, head, latch)[:2]
+    passes, (blocks, loops) = loop_passes(insns)
+    # the masked tiles as loops of their own: the unmasked pass from the shortest, masked the longest
+    unmasked = min((p[0] for p in passes), key=lambda c: c.instructions)
+    masked = max((p[1] for p in passes), key=lambda c: c.instructions)
+    starts, ends, _ = blocks
+    inner = max(len(_arithmetic_inner_loops(insns, blocks, loop)) for loop in loops)
     direction, bm, bn, d, dv = _shape_of(variant)
-    wgmma = any(x.op == "HGMMA" for x in insns if head <= x.addr <= latch)
+    wgmma = any(x.op == "HGMMA" for _, body, _ in loops for b in body for x in insns[starts[b]:ends[b]])
     kernel = Kernel(variant.entry, direction, bm, bn, d, dv, variant.threads, res["registers"],
                     res["spill_stores"] + res["spill_loads"], variant.smem_bytes + res["static_smem"],
                     2 if variant.dtype in ("f16", "bf16") else 4, inner_loops=inner, wgmma=wgmma,
@@ -754,18 +650,18 @@ def analyze_decode(variant, device: str = "h200", *, rows: int = 4, cache: str =
     text, res = compile_sass(variant, rates.arch)
     _keep_sass(text, variant, rates.arch, sass_dir)
     insns = parse_sass(text, variant.entry)
-    head, latch, _ = main_loop(insns)
-    inner = [(x.target, x.addr) for x in insns
-             if x.target is not None and head < x.target <= x.addr < latch]   # the paged copy loop
     paged = cache == "paged"
     sel = -1 if paged else 1   # paged: the path through the (one-pass) copy loop, fewest copies
-    math_c, copy_c = loop_paths(insns, head, latch, keys=[
+    passes, (blocks, loops) = loop_passes(insns, keys=[
         lambda c: (c["tensor"], sel * c["smem_write"], -c["instructions"]),
         lambda c: (-c["tensor"], sel * c["smem_write"], -c["instructions"])])
+    math_c, copy_c = passes[0]
     extra = dict.fromkeys(_COUNT_KEYS, 0)
-    if paged and inner:
-        ih, il = max(inner, key=lambda t: t[1] - t[0])
-        body = loop_paths(insns, ih, il, keys=[lambda c: (c["smem_write"], c["instructions"])])[0]
+    copy_loops = [g for g in sass_count.inner_loops(blocks, loops[0])
+                  if any(insn_counts(x)["smem_write"] for b in g[1] for x in insns[blocks[0][b]:blocks[1][b]])]
+    if paged and copy_loops:   # the paged copy loop: its pass once more per further trip
+        body = Counts(**_full(sass_count.best_passes(insns, blocks, copy_loops[0], insn_counts,
+                                                     [lambda t: (t.get("smem_write", 0), t.get("instructions", 0))])[0]))
         trips = -(-variant.block_n * (variant.head_dim_max // 8) // variant.threads)
         extra = {k: (trips - 1) * getattr(body, k) for k in _COUNT_KEYS}
     warps = variant.threads // 32

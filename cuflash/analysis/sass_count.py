@@ -8,11 +8,14 @@ The rules (docs/roofline.md):
   placed in the code (before the header, or after the latch and branched to and back);
 * a pass is a path from the header to a latch through the loop's blocks (inner loops without
   tensor instructions count one pass);
-* the **named paths**: ``steady`` (every tensor instruction, the fewest instructions: no mask) and
-  ``masked`` (every tensor instruction, the most instructions), each ``+rescale`` (through the
-  conditional block that scales the O accumulator: a block some pass skips holding at least
-  :data:`RESCALE_FMULS` ``FMUL``) or ``-rescale`` (around it). The count to compare is the path
-  that rescales, as kernels that always rescale have no other.
+* the **named paths**: ``steady`` (every tensor instruction and copy into shared memory, the
+  fewest instructions: no mask) and ``masked`` (every tensor instruction and copy, the most
+  instructions), each ``+rescale`` (through the conditional block that scales the O accumulator:
+  a block some pass skips holding at least :data:`RESCALE_FMULS` ``FMUL`` on an accumulator the
+  loop carries) or ``-rescale`` (around it). The count to compare is the path that rescales, as
+  kernels that always rescale have no other.
+* :func:`best_passes` walks any per-instruction measure along the same passes: the roofline
+  model (:mod:`cuflash.analysis.roofline`) counts its pipes with it.
 * figures per warp and pass, and per 16 tensor instructions, so unrolling changes nothing.
 """
 
@@ -26,8 +29,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Insn", "LoopCount", "CLASSES", "RESCALE_FMULS", "parse_functions", "select_function", "main_loop", "main_loops",
-           "count_loop", "read_sass", "classify"]
+__all__ = ["Insn", "LoopCount", "CLASSES", "COPIES", "RESCALE_FMULS", "parse_functions", "select_function", "main_loop",
+           "main_loops", "inner_loops", "best_passes", "count_loop", "read_sass", "classify", "find_tool", "mma_macs"]
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)([^;]*);")
 _FUNCTION = re.compile(r"Function : (\S+)")
@@ -275,10 +278,13 @@ def _natural_loops(succ):
     return loops
 
 
-def main_loops(insns: list[Insn]):
+def main_loops(insns: list[Insn], *, innermost: bool = True):
     """``(blocks, [(header block, body blocks, latch blocks), ...])``: the innermost natural loops
     holding the most tensor instructions (a kernel that compiles its masked tiles as a loop of
-    their own has two), else the loop with the most FP32 instructions.
+    their own has two), else the loop with the most FP32 instructions. ``innermost=False``: the
+    loops holding the most tensor instructions, outer ones included (a main loop with a loop of
+    tensor instructions inside it; the roofline model of our own kernels, which have no
+    persistent outer loop).
 
     Raises
     ------
@@ -298,12 +304,20 @@ def main_loops(insns: list[Insn]):
     with_tensor = [h for h in loops if tensor[h]]
     if with_tensor:
         inner = [h for h in with_tensor
-                 if not any(g != h and loops[g][0] < loops[h][0] and tensor[g] for g in with_tensor)]
+                 if not innermost or not any(g != h and loops[g][0] < loops[h][0] and tensor[g] for g in with_tensor)]
         most = max(tensor[h] for h in inner)
         chosen = sorted(h for h in inner if tensor[h] == most)
     else:
         chosen = [max(loops, key=lambda h: (n_of(loops[h][0], "fp32"), -len(loops[h][0])))]
     return blocks, [(h, loops[h][0], loops[h][1]) for h in chosen]
+
+
+def inner_loops(blocks, loop) -> list:
+    """The natural loops nested in ``loop`` (``(header, body, latches)``), each as
+    ``(header, body, latches)``, outermost first."""
+    h, body, _ = loop
+    found = [(g, b, ls) for g, (b, ls) in _natural_loops(blocks[2]).items() if g != h and g in body and b <= body]
+    return sorted(found, key=lambda t: -len(t[1]))
 
 
 def main_loop(insns: list[Insn]):
@@ -355,42 +369,104 @@ def count_loop(insns: list[Insn]) -> dict[str, LoopCount]:
     return out
 
 
-def _count_one(insns, blocks, h, body, latches):
+#: the instructions that copy into shared memory: a steady pass makes every copy of the next tile
+COPIES = ("LDGSTS", "STS", "STSM")
+
+
+def _measure_classes(x: Insn) -> dict:
+    if x.op == "NOP":
+        return {}
+    c = {classify(x.op): 1}
+    if x.op in COPIES:
+        c["copies"] = 1
+    return c
+
+
+def best_passes(insns: list[Insn], blocks, loop, measure, keys, *, per_block=None) -> list:
+    """Per key, the totals of the pass through ``loop`` (``(header, body, latches)`` of
+    :func:`main_loops`) that maximizes ``key(totals)``, or None where no pass reaches a latch.
+
+    A pass runs from the header to a latch along the loop's edges without its back edges (inner
+    loops count one pass). ``measure(insn)`` is a dict of counts, summed along the pass (missing
+    keys count 0); ``per_block``: block -> a dict added once for that block."""
+    h, body, latches = loop
     starts, ends, succ = blocks
-    loops = _natural_loops(succ)
-    back = {(b, g) for g, (_, ls) in loops.items() for b in ls}
+    back = {(b, g) for g, (_, ls) in _natural_loops(succ).items() for b in ls}
     order = _topo(h, body, succ, back)
     counts = {}
     for b in body:
-        c = dict.fromkeys(CLASSES, 0)
+        c = dict((per_block or {}).get(b, {}))
         for x in insns[starts[b]:ends[b]]:
-            if x.op != "NOP":
-                c[classify(x.op)] += 1
+            for k, v in measure(x).items():
+                c[k] = c.get(k, 0) + v
         counts[b] = c
-    # the rescale blocks: some pass skips them, and they hold RESCALE_FMULS FMUL
-    fmuls = {b: sum(x.op == "FMUL" for x in insns[starts[b]:ends[b]]) for b in body}
+    return [_best_pass(h, order, body, latches, succ, back, counts, key) for key in keys]
+
+
+def _operands(x: Insn) -> list[str]:
+    return [o.strip() for o in x.operands.split(",") if o.strip()]
+
+
+def _accumulator_registers(tensor_insns: list[Insn]) -> set[int]:
+    """The registers of the accumulators the loop carries: destinations of tensor instructions
+    none of whose instances starts from zero (an ``RZ`` accumulator input), such as O += P V's
+    (S = Q K^T starts from zero every tile)."""
+    widths, fresh = {}, set()
+    for x in tensor_insns:
+        ops = _operands(x)
+        if not ops or not re.fullmatch(r"R\d+", ops[0]):
+            continue
+        base = int(ops[0][1:])
+        m = re.match(r"\.64x(\d+)x", x.mods)
+        widths[base] = int(m.group(1)) // 2 if m else (2 if ".F16" in x.mods and ".F32" not in x.mods else 4)
+        c = [o for o in ops[1:] if re.fullmatch(r"RZ|R\d+", o)]
+        if c and c[-1] == "RZ":
+            fresh.add(base)
+    return {r for base, n in widths.items() if base not in fresh for r in range(base, base + n)}
+
+
+def _rescale_blocks(insns, blocks, h, body, latches) -> set[int]:
+    """The O rescale blocks: some pass skips them, and they hold :data:`RESCALE_FMULS` FMUL
+    writing the accumulators the loop carries (any FMUL in a loop without tensor instructions)."""
+    starts, ends, succ = blocks
+    back = {(b, g) for g, (_, ls) in _natural_loops(succ).items() for b in ls}
+    tensor = [x for b in body for x in insns[starts[b]:ends[b]] if classify(x.op) == "tensor"]
+    acc = _accumulator_registers(tensor)
+
+    def on_acc(x):
+        ops = _operands(x)
+        return not tensor or (ops and re.fullmatch(r"R\d+", ops[0]) and int(ops[0][1:]) in acc)
+
     skippable = {b for b in body if b != h and not _on_every_pass(h, b, body, latches, succ, back)}
-    rescale = {b for b in skippable if fmuls[b] >= RESCALE_FMULS}
-    names = {"steady": 1, "masked": -1}
+    return {b for b in skippable
+            if sum(x.op == "FMUL" and on_acc(x) for x in insns[starts[b]:ends[b]]) >= RESCALE_FMULS}
+
+
+def _count_one(insns, blocks, h, body, latches):
+    starts, ends, succ = blocks
+    rescale = _rescale_blocks(insns, blocks, h, body, latches)
     tensor_insns = [x for b in body for x in insns[starts[b]:ends[b]] if classify(x.op) == "tensor"]
     n_tensor = len(tensor_insns)
     macs = sum(mma_macs(x) for x in tensor_insns)
-    out = {}
-    for name, sign in names.items():
+    keys, labels = [], []
+    for name, sign in (("steady", 1), ("masked", -1)):
         for want in ((True, False) if rescale else (None,)):
-            def key(total, r, sign=sign, want=want):
-                tensor = total["tensor"]
-                ok = 0 if want is None else (1 if (r > 0) == want else 0)
-                return (ok, tensor, -sign * sum(total.values()))
-            best = _best_pass(h, order, body, latches, succ, back, counts, rescale, key)
-            if best is None:
-                raise ValueError("cuflash.roofline: no pass from the loop's header to a latch")
-            total, r = best
-            label = name if want is None else f"{name}{'+' if want else '-'}rescale"
-            if want is not None and (r > 0) != want:
-                continue
-            out[label] = LoopCount(label, sum(total.values()), dict(total), r > 0,
-                                   macs if total["tensor"] == n_tensor else 0)
+            def key(t, sign=sign, want=want):
+                ok = 0 if want is None else int((t.get("_rescale", 0) > 0) == want)
+                return (ok, t.get("tensor", 0), t.get("copies", 0), -sign * sum(t.get(k, 0) for k in CLASSES))
+            keys.append(key)
+            labels.append((name if want is None else f"{name}{'+' if want else '-'}rescale", want))
+    found = best_passes(insns, blocks, (h, body, latches), _measure_classes, keys,
+                        per_block={b: {"_rescale": 1} for b in rescale})
+    out = {}
+    for (label, want), total in zip(labels, found):
+        if total is None:
+            raise ValueError("cuflash.roofline: no pass from the loop's header to a latch")
+        r = total.get("_rescale", 0) > 0
+        if want is not None and r != want:
+            continue
+        classes = {k: total.get(k, 0) for k in CLASSES}
+        out[label] = LoopCount(label, sum(classes.values()), classes, r, macs if classes["tensor"] == n_tensor else 0)
     return out
 
 
@@ -429,18 +505,18 @@ def _on_every_pass(h, b, body, latches, succ, back):
     return True
 
 
-def _best_pass(h, order, body, latches, succ, back, counts, rescale, key):
-    best = {h: (counts[h], int(h in rescale))}
+def _best_pass(h, order, body, latches, succ, back, counts, key):
+    best = {h: counts[h]}
     end = None
     for b in order:
         if b not in best:
             continue
-        total, r = best[b]
-        if b in latches and (end is None or key(total, r) > key(*end)):
-            end = (total, r)
+        total = best[b]
+        if b in latches and (end is None or key(total) > key(end)):
+            end = total
         for s in succ[b]:
             if s in body and (b, s) not in back:
-                cand = ({k: total[k] + counts[s][k] for k in CLASSES}, r + int(s in rescale))
-                if s not in best or key(*cand) > key(*best[s]):
+                cand = {k: total.get(k, 0) + counts[s].get(k, 0) for k in total.keys() | counts[s].keys()}
+                if s not in best or key(cand) > key(best[s]):
                     best[s] = cand
     return end

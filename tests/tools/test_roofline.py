@@ -35,9 +35,11 @@ SASS = """
 def test_sass_reader_counts_both_paths_of_a_loop():
     insns = roofline.parse_sass(SASS, "toy")
     assert [x.op for x in insns[:3]] == ["MOV", "LDGSTS", "LDSM"] and insns[4].target == 0x80
-    head, latch, inner = roofline.main_loop(insns)
-    assert (head, latch, inner) == (0x20, 0x90, 0)
-    unmasked, masked = roofline.loop_paths(insns, head, latch)
+    passes, ((starts, ends, _), loops) = roofline.loop_passes(insns)
+    assert len(passes) == len(loops) == 1
+    head, body, latches = loops[0]   # the latch: the block that ends with the back edge at 0x90
+    assert insns[starts[head]].addr == 0x20 and {insns[ends[b] - 1].addr for b in latches} == {0x90}
+    unmasked, masked = passes[0]
     # unmasked: LDSM, HMMA, BRA, HMMA, BRA = 5 instructions; masked adds FSEL, MUFU, LDS RZ
     assert (unmasked.instructions, unmasked.tensor, unmasked.macs) == (5, 2, 2 * 16 * 8 * 16)
     assert (unmasked.smem_read, unmasked.mufu, unmasked.other) == (4 * 8 * 16, 0, 3)

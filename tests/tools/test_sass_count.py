@@ -4,6 +4,8 @@ the tool. No compiles; fast."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cuflash.analysis import roofline, sass_count
@@ -143,3 +145,40 @@ def test_macs_per_warp_and_per_100k():
     # two HGMMA.64x128x16 per pass: 2 x 64 x 128 x 16 / 4 MACs per warp; steady: 4 non-tensor
     assert paths["steady"].macs == 2 * 64 * 128 * 16 // 4
     assert paths["steady"].per_100k_macs() == pytest.approx(1e5 * 4 / (2 * 64 * 128 * 16 // 4))
+
+
+# A skippable block of 8 FMULs on the S accumulator (R88: its HGMMA starts from RZ every pass, as
+# a prescale of the scores does) is no O rescale; a skippable copy into shared memory (the next
+# tile's load) is on the steady pass.
+PRESCALE_AND_COPY = """
+        Function : prescale_copy
+        /*0000*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR4], RZ, !UPT ;
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, R152, gdesc[UR8].tnspB, R24, gsb0 ;
+        /*0020*/              @P0 BRA 0xb0 ;
+        /*0030*/                   FMUL R88, R88, R9 ;
+        /*0040*/                   FMUL R89, R89, R9 ;
+        /*0050*/                   FMUL R90, R90, R9 ;
+        /*0060*/                   FMUL R91, R91, R9 ;
+        /*0070*/                   FMUL R92, R92, R9 ;
+        /*0080*/                   FMUL R93, R93, R9 ;
+        /*0090*/                   FMUL R94, R94, R9 ;
+        /*00a0*/                   FMUL R95, R95, R9 ;
+        /*00b0*/              @P1 BRA 0xd0 ;
+        /*00c0*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;
+        /*00d0*/              @P2 BRA 0x0 ;
+        /*00e0*/                   EXIT ;
+"""
+
+
+def test_fmuls_on_a_fresh_accumulator_are_no_rescale_and_steady_makes_the_copy():
+    paths = sass_count.count_loop(sass_count.parse_functions(PRESCALE_AND_COPY)["prescale_copy"])
+    assert set(paths) == {"steady", "masked"}
+    # steady: HGMMA, HGMMA, @P0 BRA, @P1 BRA, LDGSTS, @P2 BRA; masked: + the 8 FMULs
+    assert (paths["steady"].instructions, paths["steady"].classes["memory"]) == (6, 1)
+    assert (paths["masked"].instructions, paths["masked"].classes["fp32"]) == (14, 8)
+    # the same FMULs on the carried O accumulator (R24) are the rescale
+    on_o = re.sub(r"FMUL R(\d+), R\1,", lambda m: f"FMUL R{int(m.group(1)) - 64}, R{int(m.group(1)) - 64},",
+                  PRESCALE_AND_COPY)
+    assert on_o.count("FMUL R24, R24,") == 1
+    assert set(sass_count.count_loop(sass_count.parse_functions(on_o)["prescale_copy"])) == {
+        "steady+rescale", "steady-rescale", "masked+rescale", "masked-rescale"}
