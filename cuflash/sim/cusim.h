@@ -852,6 +852,20 @@ CUSIM_NOSAN inline void block_xyz(Worker* w, uint64_t linear, uint32_t out[3]) {
     out[2] = uint32_t(linear / (uint64_t(c.grid[0]) * c.grid[1]));
 }
 
+// The report of a global race on byte `offset` of `region` (the other access's block and thread
+// are the caller's to fill).
+CUSIM_NOSAN inline CheckReport global_race_report(uint64_t region, int64_t offset, uint64_t n, bool write,
+                                                  bool other_write) {
+    CheckReport r{};
+    r.kind = kGlobalRace;
+    r.region = uint32_t(region);
+    r.offset = offset;
+    r.size = uint32_t(n);
+    r.is_write = write;
+    r.other_write = other_write;
+    return r;
+}
+
 CUSIM_NOSAN inline void check_global_race(Worker* w, uint64_t region, int64_t off, uint64_t n, bool write) {
     GShadow* shadow = static_cast<GShadow*>(w->launch->gshadow[region]);
     if (!shadow) return;
@@ -864,13 +878,7 @@ CUSIM_NOSAN inline void check_global_race(Worker* w, uint64_t region, int64_t of
         unsigned other = 0xffffu;
         bool other_write = false;
         if (g.red_block && g.red_block != me) {   // a plain access of bytes another block reduce-adds to
-            CheckReport r{};
-            r.kind = kGlobalRace;
-            r.region = uint32_t(region);
-            r.offset = off + int64_t(k);
-            r.size = uint32_t(n);
-            r.is_write = write;
-            r.other_write = true;
+            CheckReport r = global_race_report(region, off + int64_t(k), n, write, true);
             block_xyz(w, g.red_block - 1, r.other_block);
             r.other_valid = 1;
             check_fail(w, r, "checked: global-memory race through argument %u, byte %lld of its region: plain %s here, "
@@ -889,13 +897,7 @@ CUSIM_NOSAN inline void check_global_race(Worker* w, uint64_t region, int64_t of
             if (other != 0xffffu) other_block = me;
         }
         if (other != 0xffffu || other_block) {
-            CheckReport r{};
-            r.kind = kGlobalRace;
-            r.region = uint32_t(region);
-            r.offset = off + int64_t(k);
-            r.size = uint32_t(n);
-            r.is_write = write;
-            r.other_write = other_write;
+            CheckReport r = global_race_report(region, off + int64_t(k), n, write, other_write);
             if (other_block) {
                 block_xyz(w, other_block - 1, r.other_block);
                 r.other_valid = 1;
