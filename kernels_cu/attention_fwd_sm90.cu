@@ -20,7 +20,8 @@
 //   The walk over key tiles is compiled as separate loops of one tile body (as FA3 peels its
 //   masked tiles): a steady loop with no mask code, and loops that test the right edge (the
 //   diagonal, a window's right bound, Sk), the left edge (a window's left bound) or both. The
-//   wgmma descriptors are built once and advanced by constants.
+//   wgmma descriptors are built once: Q's per k step held in registers, K's and V's advanced by
+//   constants.
 //
 //   The load and store stages sit behind one seam (load_q / load_k / load_v / store_o): a cp.async gather
 //   or a masked store (packed sequences, paged caches) replaces them without touching the math.
@@ -121,16 +122,29 @@ __device__ __forceinline__ unsigned long long desc_n_major(const unsigned char* 
     return ptx_wgmma_desc(tile, PANEL_KV, 1024, 128);
 }
 
+// The byte offset of k step kk (16 head-dim columns) in a K-major tile of `rows` rows: 32 bytes
+// within a 128-byte swizzle row, then the next 64-column panel.
+__device__ __forceinline__ constexpr unsigned k_step_offset(int kk, int rows) {
+    return (kk * 16) / PANEL * rows * 128 + (kk * 16) % PANEL * 2;
+}
+
+// Q's descriptors per k step (Q is loop-invariant): built once and held in registers, as
+// FA3 does (only K's then change per tile), except in the d256 modifier forms, which have no
+// registers left for 16 of them and advance one base instead.
+constexpr bool HOIST_Q = !(CUFLASH_MODS && D > 192);
+struct QDescs {
+    unsigned long long base, step[HOIST_Q ? D / 16 : 1];
+    __device__ __forceinline__ unsigned long long at(int kk) const {
+        return HOIST_Q ? step[kk] : ptx_wgmma_desc_advance(base, k_step_offset(kk, BR));
+    }
+};
+
 // S = Q K^T for one key tile, issued (not waited for): K-major Q and K, 16 head-dim columns a step
-// (32 bytes within a 128-byte swizzle row, then the next 64-column panel)
-__device__ __forceinline__ void issue_s(float (&sc)[BC / 2], unsigned long long dq, unsigned long long dk) {
+__device__ __forceinline__ void issue_s(float (&sc)[BC / 2], const QDescs& dq, unsigned long long dk) {
     ptx_wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const int p = (kk * 16) / PANEL, inner = (kk * 16) % PANEL;
-        ptx_wgmma_ss<BC, BF16, 0, 0>(sc, ptx_wgmma_desc_advance(dq, p * PANEL_Q + inner * 2),
-                                     ptx_wgmma_desc_advance(dk, p * PANEL_KV + inner * 2), kk > 0);
-    }
+    for (int kk = 0; kk < D / 16; ++kk)
+        ptx_wgmma_ss<BC, BF16, 0, 0>(sc, dq.at(kk), ptx_wgmma_desc_advance(dk, k_step_offset(kk, BC)), kk > 0);
     ptx_wgmma_commit();
 }
 
@@ -319,11 +333,17 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     };
     // the wgmma descriptors: this consumer's 64 rows of Q, and stage 0 of the K and V rings (the
     // stage s ones are K_BYTES / V_BYTES further on)
-    unsigned long long dq = desc_k_major(q_s + 64 * c * 128), dk0 = desc_k_major(k_s), dv0 = desc_n_major(v_s);
+    QDescs dq;
+    dq.base = desc_k_major(q_s + 64 * c * 128);
+    unsigned long long dk0 = desc_k_major(k_s), dv0 = desc_n_major(v_s);
+#pragma unroll
+    for (int kk = 0; kk < (HOIST_Q ? D / 16 : 1); ++kk) dq.step[kk] = ptx_wgmma_desc_advance(dq.base, k_step_offset(kk, BR));
 #ifndef CUFLASH_SIM
     // (opaque to NVVM: it otherwise folds the advances into 64-bit adds with carry and rebuilds
     // the stage descriptors from the addresses inside the first loop; no instruction is emitted)
-    asm volatile("" : "+l"(dq), "+l"(dk0), "+l"(dv0));
+    asm volatile("" : "+l"(dq.base), "+l"(dk0), "+l"(dv0));
+#pragma unroll
+    for (int kk = 0; kk < (HOIST_Q ? D / 16 : 1); ++kk) asm volatile("" : "+l"(dq.step[kk]));
 #endif
     float o[DV / 2];
 #pragma unroll
