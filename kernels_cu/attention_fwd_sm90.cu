@@ -174,10 +174,6 @@ struct Rows {   // what the softmax needs to know of this thread's rows and the 
 __device__ __forceinline__ int floor_tiles(int x) { return x >= 0 ? x / BC : -((BC - 1 - x) / BC); }
 __device__ __forceinline__ int ceil_tiles(int x) { return -floor_tiles(-x); }
 
-// The key tiles [lo, hi) that need no mask for the rows [w.wrow_lo, w.wrow_hi]: no key past Sk
-// and (a window) no key left of the last row's first visible key or right of the first row's
-// last one. Every other tile of the walk lies before lo (the left window edge) or from hi on (the
-// diagonal, Sk): the walk runs them as two masked loops around one steady loop.
 // Which edges of the visible keys a tile's mask tests (a compile-time axis of the softmax): none
 // (the steady loop), the left (a window's left edge), the right (the diagonal, a window's right
 // edge, Sk) or both (a window narrower than a tile).
@@ -185,6 +181,10 @@ enum Mask { MASK_NONE = 0, MASK_LEFT = 1, MASK_RIGHT = 2, MASK_BOTH = 3 };
 template <int M> struct MaskOf {   // a Mask as a type, for a generic lambda
     static constexpr int value = M;
 };
+// The key tiles [lo, hi) that need no mask for the rows [w.wrow_lo, w.wrow_hi]: no key past Sk
+// and (a window) no key left of the last row's first visible key or right of the first row's
+// last one. Every other tile of the walk lies before lo (the left window edge) or from hi on (the
+// diagonal, Sk): the walk runs them in masked loops around one steady loop.
 struct SteadyTiles {
     int lo, hi;
 };
@@ -333,18 +333,13 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     };
     // the wgmma descriptors: this consumer's 64 rows of Q, and stage 0 of the K and V rings (the
     // stage s ones are K_BYTES / V_BYTES further on)
+    // (each made opaque to the compiler: it otherwise folds the advances into 64-bit adds with
+    // carry and rebuilds the stage descriptors from the addresses inside the first loop)
     QDescs dq;
-    dq.base = desc_k_major(q_s + 64 * c * 128);
-    unsigned long long dk0 = desc_k_major(k_s), dv0 = desc_n_major(v_s);
+    dq.base = ptx_opaque(desc_k_major(q_s + 64 * c * 128));
+    const unsigned long long dk0 = ptx_opaque(desc_k_major(k_s)), dv0 = ptx_opaque(desc_n_major(v_s));
 #pragma unroll
-    for (int kk = 0; kk < (HOIST_Q ? D / 16 : 1); ++kk) dq.step[kk] = ptx_wgmma_desc_advance(dq.base, k_step_offset(kk, BR));
-#ifndef CUFLASH_SIM
-    // (opaque to NVVM: it otherwise folds the advances into 64-bit adds with carry and rebuilds
-    // the stage descriptors from the addresses inside the first loop; no instruction is emitted)
-    asm volatile("" : "+l"(dq.base), "+l"(dk0), "+l"(dv0));
-#pragma unroll
-    for (int kk = 0; kk < (HOIST_Q ? D / 16 : 1); ++kk) asm volatile("" : "+l"(dq.step[kk]));
-#endif
+    for (int kk = 0; kk < (HOIST_Q ? D / 16 : 0); ++kk) dq.step[kk] = ptx_opaque(ptx_wgmma_desc_advance(dq.base, k_step_offset(kk, BR)));
     float o[DV / 2];
 #pragma unroll
     for (int i = 0; i < DV / 2; ++i) o[i] = 0.0f;

@@ -611,6 +611,14 @@ __device__ __forceinline__ unsigned long long ptx_wgmma_desc(const void* smem, u
 __device__ __forceinline__ unsigned long long ptx_wgmma_desc_advance(unsigned long long desc, unsigned bytes) {
     return (desc & 0xFFFFFFFF00000000ull) | (unsigned)((unsigned)desc + (bytes >> 4));
 }
+// `x`, opaque to the compiler: an empty asm that reads and writes it (no instruction), so that
+// what it is built from is not rebuilt or folded where it is used. The simulator has nothing to hide.
+__device__ __forceinline__ unsigned long long ptx_opaque(unsigned long long x) {
+#if !defined(CUFLASH_SIM)
+    asm volatile("" : "+l"(x));
+#endif
+    return x;
+}
 // The first 1024-byte-aligned byte of a dynamic shared-memory area (the 128-byte swizzle's pattern
 // boundary; the plan asks for 1 KB more than the tiles).
 __device__ __forceinline__ unsigned char* ptx_align_smem_1024(unsigned char* smem) {
