@@ -228,10 +228,6 @@ def insn_counts(insn: Insn) -> dict:
     return c
 
 
-def _add(a: dict, b: dict) -> dict:
-    return {k: a[k] + b[k] for k in _COUNT_KEYS}
-
-
 def unmasked_pass(c: dict):
     """The unmasked pass's preference: every tensor instruction and copy, the fewest others."""
     return c["tensor"], c["smem_write"], -c["instructions"]

@@ -27,10 +27,11 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 __all__ = ["Insn", "LoopCount", "CLASSES", "COPIES", "RESCALE_FMULS", "parse_functions", "select_function", "main_loop",
-           "main_loops", "inner_loops", "best_passes", "count_loop", "read_sass", "classify", "find_tool", "mma_macs"]
+           "main_loops", "inner_loops", "best_passes", "count_loop", "count_loops", "read_sass", "classify", "find_tool", "mma_macs"]
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)([^;]*);")
 _FUNCTION = re.compile(r"Function : (\S+)")
@@ -257,7 +258,18 @@ def _dominators(succ: list[list[int]]) -> list[set[int] | None]:
 
 
 def _natural_loops(succ):
-    """header block -> (body blocks, latch blocks), back edges merged by header."""
+    """header block -> (body blocks, latch blocks), back edges merged by header (computed once per
+    control-flow graph; the result is shared, not to be changed)."""
+    return _natural_loops_of(tuple(map(tuple, succ)))
+
+
+def _back_edges(succ) -> set:
+    """The (latch, header) edges of :func:`_natural_loops`."""
+    return {(b, g) for g, (_, ls) in _natural_loops(succ).items() for b in ls}
+
+
+@lru_cache(maxsize=8)
+def _natural_loops_of(succ):
     dom = _dominators(succ)
     preds = [[] for _ in succ]
     for b, ss in enumerate(succ):
@@ -359,14 +371,21 @@ def count_loop(insns: list[Insn]) -> dict[str, LoopCount]:
     innermost loops hold the most tensor instructions (masked tiles compiled as a loop of their
     own), ``steady`` paths come from the loop whose pass is shortest, ``masked`` from the longest.
     """
-    blocks, found = main_loops(insns)
     out = {}
-    for h, body, latches in found:
-        for label, c in _count_one(insns, blocks, h, body, latches).items():
+    for counts in count_loops(insns):
+        for label, c in counts.items():
             shorter = c.instructions < out[label].instructions if label in out else True
             if label not in out or (shorter if label.startswith("steady") else not shorter):
                 out[label] = c
     return out
+
+
+def count_loops(insns: list[Insn]) -> list[dict[str, LoopCount]]:
+    """The named passes (as :func:`count_loop` names them) of each of :func:`main_loops`' loops,
+    in code order: a kernel that compiles its edge tiles as loops of their own has one entry per
+    loop."""
+    blocks, found = main_loops(insns)
+    return [_count_one(insns, blocks, h, body, latches) for h, body, latches in found]
 
 
 #: the instructions that copy into shared memory: a steady pass makes every copy of the next tile
@@ -391,7 +410,7 @@ def best_passes(insns: list[Insn], blocks, loop, measure, keys, *, per_block=Non
     keys count 0); ``per_block``: block -> a dict added once for that block."""
     h, body, latches = loop
     starts, ends, succ = blocks
-    back = {(b, g) for g, (_, ls) in _natural_loops(succ).items() for b in ls}
+    back = _back_edges(succ)
     order = _topo(h, body, succ, back)
     counts = {}
     for b in body:
@@ -429,7 +448,7 @@ def _rescale_blocks(insns, blocks, h, body, latches) -> set[int]:
     """The O rescale blocks: some pass skips them, and they hold :data:`RESCALE_FMULS` FMUL
     writing the accumulators the loop carries (any FMUL in a loop without tensor instructions)."""
     starts, ends, succ = blocks
-    back = {(b, g) for g, (_, ls) in _natural_loops(succ).items() for b in ls}
+    back = _back_edges(succ)
     tensor = [x for b in body for x in insns[starts[b]:ends[b]] if classify(x.op) == "tensor"]
     acc = _accumulator_registers(tensor)
 

@@ -129,16 +129,10 @@ def test_sass_hopper_forward_steady_loop_has_no_mask(variant, cuobjdump):
 
     text, resources = roofline.compile_sass(variant, 90)
     assert resources["spill_stores"] == 0 and resources["spill_loads"] == 0, resources
-    fns = sass_count.parse_functions(text)
-    insns = fns[sass_count.select_function(fns, variant.entry)]
-    blocks, loops = sass_count.main_loops(insns)
-    assert len(loops) == (4 if variant.local else 2), [h for h, _, _ in loops]
-    passes = []
-    for h, body, latches in loops:
-        counts = sass_count._count_one(insns, blocks, h, body, latches)
-        c = counts["steady"]   # each loop's shortest pass: around the rare prescale branch (scale <= 0)
-        assert c.tensor == 16, (h, c)
-        passes.append(c)
+    loops = sass_count.count_loops(sass_count.parse_functions(text)[variant.entry])
+    assert len(loops) == (4 if variant.local else 2), loops
+    passes = [counts["steady"] for counts in loops]   # each loop's shortest pass: around the rare prescale branch (scale <= 0)
+    assert all(c.tensor == 16 for c in passes), passes
     steady = min(passes, key=lambda c: c.instructions)
     assert steady.instructions <= 480, steady
     assert steady.classes["predicate"] <= 16, steady   # no per-score compare or select

@@ -135,8 +135,11 @@ TWO_LOOPS = """
 
 
 def test_a_separate_masking_loop_gives_the_masked_path_and_the_other_the_steady():
-    paths = sass_count.count_loop(sass_count.parse_functions(TWO_LOOPS)["two_loops"])
+    insns = sass_count.parse_functions(TWO_LOOPS)["two_loops"]
+    paths = sass_count.count_loop(insns)
     assert (paths["steady"].instructions, paths["masked"].instructions) == (3, 5)
+    # per loop, in code order: the masking loop's one pass (5), then the steady loop's (3)
+    assert [c["steady"].instructions for c in sass_count.count_loops(insns)] == [5, 3]
     assert paths["masked"].classes["predicate"] == 4 and paths["steady"].classes["integer"] == 1
 
 
