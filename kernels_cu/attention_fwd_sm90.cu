@@ -43,8 +43,17 @@
 // one with the modifier code in its body) puts the fragment in local memory, whose stores read the
 // accumulators while the wgmma is in flight, and ptxas then serializes every wgmma (C7514).
 //
+// Packed batches (the CUFLASH_VARLEN 1 variants; cuflash.attention_varlen with seqused_k): q (total_q,
+// Hq, D), k and v (total_k, Hk, D|Dv), o (total_q, Hq, Dv) through ragged tensor maps that clip every
+// box at its sequence's end (the load and store seam below); block (tile, head, b) reads sequence
+// b's rows and lengths from cu_seqlens_q/k and seqused_k on the device (common.cuh: varlen_seq,
+// which clamps them into the arrays), and from there on runs the fixed-shape code on them: causal
+// and windows bottom-right per sequence, the key tile that straddles the sequence's end in the
+// masked loop, the steady loop unchanged. lse is (Hq, total_q).
+//
 // Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D and CUFLASH_DV (head-dim buckets: 64, 96,
-// 128, 192, 256; Dv <= D), CUFLASH_BC (keys per tile), CUFLASH_LOCAL (0/1), CUFLASH_MODS (0/1).
+// 128, 192, 256; Dv <= D), CUFLASH_BC (keys per tile), CUFLASH_LOCAL (0/1), CUFLASH_MODS (0/1),
+// CUFLASH_VARLEN (0/1).
 #include "ptx.cuh"
 #include "score_mods.cuh"
 
@@ -84,6 +93,50 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // ---------------------------------------------------------------- the load and store seam (TMA)
+#if CUFLASH_VARLEN
+// A packed batch: q, k, v and o through ragged maps (cuflash/runtime/tensor_map.py,
+// TensorMap.ragged) of dims (head dim, head, E, end) over the packed rows, E the box's rows:
+// element (c, h, r, e) is packed row r + e - E, in bounds iff 0 <= r < E. A box at packed row
+// `row` with e = min(end, row + E), r = row - e + E holds rows [row, end) and zeros (loads) or
+// nothing (stores) past `end`, the sequence's end: no row of another sequence, and no key past
+// seqused_k, is ever read, and a store never spills into the next sequence.
+struct Tiles {
+    const cuflash_tensor_map *q, *k, *v, *o;
+    int h, hk, q0, k0, q_end, k_end;   // the sequence's first query and key rows, and their ends
+};
+template <int E>
+__device__ __forceinline__ int2 ragged(int row, int end) {
+    const int e = min(end, row + E);
+    return make_int2(row - e + E, e);
+}
+
+__device__ __forceinline__ void load_q(const Tiles& t, unsigned char* q_s, int m0, unsigned long long* bar) {
+    const int2 c = ragged<BR>(t.q0 + m0, t.q_end);
+    ptx_mbarrier_arrive_expect_tx(bar, Q_BYTES);
+    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(q_s + p * PANEL_Q, t.q, p * PANEL, t.h, c.x, c.y, bar);
+}
+
+__device__ __forceinline__ void load_k(const Tiles& t, unsigned char* ks, int kv0, unsigned long long* bar) {
+    const int2 c = ragged<BC>(t.k0 + kv0, t.k_end);
+    ptx_mbarrier_arrive_expect_tx(bar, K_BYTES);
+    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(ks + p * PANEL_KV, t.k, p * PANEL, t.hk, c.x, c.y, bar);
+}
+
+__device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv0, unsigned long long* bar) {
+    const int2 c = ragged<BC>(t.k0 + kv0, t.k_end);
+    ptx_mbarrier_arrive_expect_tx(bar, V_BYTES);
+    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_load_4d(vs + p * PANEL_KV, t.v, p * PANEL, t.hk, c.x, c.y, bar);
+}
+
+// one consumer's 64 x Dv output rows from shared memory (after its named barrier); rows past the
+// sequence's end are dropped by the ragged map
+__device__ __forceinline__ void store_o(const Tiles& t, const unsigned char* o_s, int row0) {
+    const int2 c = ragged<64>(t.q0 + row0, t.q_end);
+    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_4d(t.o, p * PANEL, t.h, c.x, c.y, o_s + p * PANEL_Q);
+    ptx_bulk_commit();
+    ptx_bulk_wait<0>();
+}
+#else
 struct Tiles {
     const cuflash_tensor_map *q, *k, *v, *o;
     int h, hk, b;
@@ -111,6 +164,7 @@ __device__ __forceinline__ void store_o(const Tiles& t, const unsigned char* o_s
     ptx_bulk_commit();
     ptx_bulk_wait<0>();
 }
+#endif
 
 // ------------------------------------------------------------------- the consumer's math
 // The wgmma descriptors of a 128-byte-swizzled tile: K-major (Q, K: 16 head-dim columns a step)
@@ -261,7 +315,8 @@ __device__ __forceinline__ void to_a_fragment(const float (&sc)[BC / 2], unsigne
 
 __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_map& map_k, const cuflash_tensor_map& map_v,
                         const cuflash_tensor_map& map_o, float* lse, int Sq, int Sk, int Hq, int group, float scale_log2,
-                        int window_left, int window_right, const ScoreMods& mods) {
+                        int window_left, int window_right, const ScoreMods& mods, const int* __restrict__ cu_seqlens_q,
+                        const int* __restrict__ cu_seqlens_k, const int* __restrict__ seqused_k, int varlen) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long q_full;
     // K and V have their own ring slots and barriers: a K slot frees once S is waited for, a
@@ -274,7 +329,18 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     unsigned char* k_s = q_s + Q_BYTES;                      // [STAGES][NPANEL][BC rows][128 B]
     unsigned char* v_s = k_s + STAGES * K_BYTES;             // [STAGES][NPANEL_V][BC rows][128 B]
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
+#if CUFLASH_VARLEN
+    // a packed batch (Sq, Sk: the totals): sequence b's rows and lengths, warp-uniform (common.cuh);
+    // the grid covers the longest sequence, and a block past this one's rows leaves at once
+    const VarlenSeq seq = varlen_seq_uniform(b, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, Sq, Sk);
+    lse += size_t(h) * Sq + seq.q0;   // lse (Hq, total_q): this head's rows of the sequence
+    Sq = seq.seqlen_q;
+    Sk = seq.seqlen_k;
+    if (m0 >= Sq) return;
+    const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, seq.q0, seq.k0, seq.q0 + Sq, seq.k0 + Sk};
+#else
     const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, b};
+#endif
     // the warpgroup, read from lane 0 so that the compiler knows it uniform across the warp (it
     // then keeps what derives from it, the consumer's descriptors, in uniform registers)
     const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
@@ -418,7 +484,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #endif
         inv[r] = l > 0.0f ? keep / l : 0.0f;
         if (t == 0 && row0 + 8 * r < Sq)
-            lse[(size_t(b) * Hq + h) * Sq + row0 + 8 * r] = l > 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
+            lse[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = l > 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
     }
     unsigned char* o_s = q_s + 64 * c * 128;
 #pragma unroll
@@ -441,6 +507,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(const __grid_
                                                                    const __grid_constant__ cuflash_tensor_map map_o,
                                                                    float* lse, int Sq, int Sk, int Hq, int group,
                                                                    float scale_log2, int window_left, int window_right
+#if CUFLASH_VARLEN
+                                                                   , const int* __restrict__ cu_seqlens_q,
+                                                                   const int* __restrict__ cu_seqlens_k,
+                                                                   const int* __restrict__ seqused_k, int varlen
+#endif
 #if CUFLASH_MODS
                                                                    , CUFLASH_MODS_PARAMS
 #endif
@@ -450,7 +521,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(const __grid_
 #else
     const ScoreMods mods{};   // none: every modifier off
 #endif
-    fwd_sm90::forward(map_q, map_k, map_v, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods);
+#if !CUFLASH_VARLEN
+    const int *cu_seqlens_q = nullptr, *cu_seqlens_k = nullptr, *seqused_k = nullptr, varlen = 0;   // (fixed shapes)
+#endif
+    fwd_sm90::forward(map_q, map_k, map_v, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods,
+                      cu_seqlens_q, cu_seqlens_k, seqused_k, varlen);
 }
 
 #endif  // sm_90a

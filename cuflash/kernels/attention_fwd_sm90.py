@@ -10,9 +10,12 @@ visibly). Calls it takes: f16/bf16, D and Dv multiples of 8 up to 256 with Dv <=
 buckets 64, 96, 128, 192, 256 (the tile's unused columns are the tensor maps' zero fill), causal
 and windows (bottom-right), GQA, rows without keys (0 / lse -inf), the score modifiers (softcap,
 ALiBi, bias, boolean mask, sinks: the ``mods`` forms), and any strides a tensor map can describe:
-the head dim contiguous, every other stride and each base 16-byte aligned. The rest
-(fp32, dropout, packed variable-length batches, KV caches, Sk = 0, views TMA cannot describe) goes
-to the tensor-core mma.sync tier, and ``explain`` says why.
+the head dim contiguous, every other stride and each base 16-byte aligned. Packed batches
+(``cuflash.attention_varlen``, with ``seqused_k``; the ``varlen`` forms) run here too, plain:
+sequence starts come from ``cu_seqlens`` on the device, and ragged tensor maps
+(:meth:`cuflash.runtime.tensor_map.TensorMap.ragged`) clip every load and store at its sequence's
+end. The rest (fp32, dropout, score modifiers on packed batches, KV caches and chunked prefill,
+Sk = 0, views TMA cannot describe) goes to the tensor-core mma.sync tier, and ``explain`` says why.
 
 Tiles (the roofline's per-head-dim choice; shared memory per block = Q + two stages of K and V +
 1 KB of alignment): Br = 128 always; Bc = 128 for head dims up to 128, 112 for 192, 80 for 256.
@@ -29,6 +32,7 @@ import numpy as np
 from cuflash.kernels import launch_args as la
 from cuflash.runtime import plan, variants
 from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg, TensorMapArg
+from cuflash.runtime.tensor_map import TensorMap
 from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 #: this module's tier, in the dispatcher's words
@@ -72,6 +76,9 @@ class Sm90ForwardVariant(variants.Variant):
     #: the score modifiers (``CUFLASH_MODS``: softcap, ALiBi, bias, boolean mask, sinks as run-time
     #: arguments, kernels_cu/score_mods.cuh); a compile-time axis, so a plain call runs without them
     mods: bool = False
+    #: packed variable-length batches (``CUFLASH_VARLEN``: ragged tensor maps, the sequence index on
+    #: the device); a compile-time axis, so a fixed-shape call runs exactly the fixed kernel
+    varlen: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -79,13 +86,16 @@ class Sm90ForwardVariant(variants.Variant):
         for name, d in (("head_dim", self.head_dim), ("head_dim_v", self.head_dim_v)):
             if d not in HEAD_DIM_BUCKETS:
                 raise ValueError(f"Sm90ForwardVariant: {name}={d} must be one of {HEAD_DIM_BUCKETS}")
+        if self.varlen and self.mods:
+            raise ValueError("Sm90ForwardVariant: the packed (varlen) forms have no score modifiers")
         if self.head_dim_v > self.head_dim:
             raise ValueError(f"Sm90ForwardVariant: head_dim_v={self.head_dim_v} must not exceed head_dim="
                              f"{self.head_dim} (the output is staged over the query tile)")
 
     def axes(self) -> tuple[str, ...]:
         dims = f"d{self.head_dim}" if self.head_dim == self.head_dim_v else f"d{self.head_dim}_dv{self.head_dim_v}"
-        return (self.dtype, dims) + (("local",) if self.local else ()) + (("mods",) if self.mods else ())
+        return ((self.dtype, dims) + (("local",) if self.local else ()) + (("mods",) if self.mods else ())
+                + (("varlen",) if self.varlen else ()))
 
     @property
     def block_m(self) -> int:
@@ -129,10 +139,12 @@ class Sm90ForwardVariant(variants.Variant):
         return super().defines() + (("CUFLASH_BF16", "1" if self.dtype == "bf16" else "0"),
                                     ("CUFLASH_D", str(self.head_dim)), ("CUFLASH_DV", str(self.head_dim_v)),
                                     ("CUFLASH_BC", str(self.block_n)), ("CUFLASH_LOCAL", "1" if self.local else "0"),
-                                    ("CUFLASH_MODS", "1" if self.mods else "0"))
+                                    ("CUFLASH_MODS", "1" if self.mods else "0"),
+                                    ("CUFLASH_VARLEN", "1" if self.varlen else "0"))
 
     def describe(self) -> str:
-        return (f"{self.entry}: a producer warpgroup (TMA, 2-stage K and V rings) and 2 consumer warpgroups of 64 "
+        packed = "packed sequences (ragged tensor maps clipped at each sequence's end): " if self.varlen else ""
+        return (f"{self.entry}: {packed}a producer warpgroup (TMA, 2-stage K and V rings) and 2 consumer warpgroups of 64 "
                 f"query rows (wgmma; ping-pong, softmax overlapped with P V), Br={BLOCK_M}, Bc={self.block_n}, {self.smem_bytes} B of shared memory")
 
 
@@ -146,27 +158,27 @@ def bucket(d: int) -> int:
 
 def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
                  dropout: bool = False, mods: bool = False) -> tuple[Sm90ForwardVariant, ...]:
-    """Every variant (the compile gate's and precompile's list); none below sm_90, and no packed,
-    KV-cache or dropout forms (those calls go to the tensor-core tier); ``mods``: the
-    score-modifier forms."""
-    if arch != 90 or varlen or kvcache or dropout:
+    """Every variant (the compile gate's and precompile's list); none below sm_90, and no KV-cache
+    or dropout forms, nor modifiers on packed batches (those calls go to the tensor-core tier);
+    ``mods``: the score-modifier forms; ``varlen``: the packed forms."""
+    if arch != 90 or kvcache or dropout or (varlen and mods):
         return ()
-    return tuple(Sm90ForwardVariant(dt, d, dv, local, mods) for dt in DTYPES for d in HEAD_DIM_BUCKETS
+    return tuple(Sm90ForwardVariant(dt, d, dv, local, mods, varlen) for dt in DTYPES for d in HEAD_DIM_BUCKETS
                  for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)) for local in (False, True))
 
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int = 90, *, local: bool = False,
-                   mods: bool = False) -> Sm90ForwardVariant:
+                   mods: bool = False, varlen: bool = False) -> Sm90ForwardVariant:
     """The variant of a call's dtype and head dims (``local``: causal or a window; ``mods``: score
-    modifiers)."""
-    return Sm90ForwardVariant(variants.dtype_key(dtype), bucket(head_dim), bucket(head_dim_v), local, mods)
+    modifiers; ``varlen``: a packed batch)."""
+    return Sm90ForwardVariant(variants.dtype_key(dtype), bucket(head_dim), bucket(head_dim_v), local, mods, varlen)
 
 
 def variant_for(problem, arch: int = 90) -> Sm90ForwardVariant:
     """The variant that runs ``problem`` (``arch``: the dispatcher's, for the signature every tier shares)."""
     p = problem
     return choose_variant(p.dtype, p.head_dim, p.head_dim_v, local=p.window_left >= 0 or p.window_right >= 0,
-                          mods=p.modifiers is not None)
+                          mods=p.modifiers is not None, varlen=p.varlen is not None)
 
 
 def _bhsd(a, layout: str):
@@ -211,8 +223,10 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         return f"dtype {np.dtype(p.dtype)} (wgmma here takes float16/bfloat16)"
     if p.dropout is not None:
         return "dropout is not in the Hopper kernel yet"
-    if p.varlen is not None or p.kvcache is not None:
-        return "packed variable-length batches and KV caches need a non-TMA load path the Hopper kernel lacks yet"
+    if p.kvcache is not None:
+        return "KV caches (and chunked prefill over one) need a non-TMA load path the Hopper kernel lacks yet"
+    if p.varlen is not None and p.modifiers is not None:
+        return "score modifiers on packed variable-length batches are not in the Hopper kernel yet"
     for name, d in (("D", p.head_dim), ("Dv", p.head_dim_v)):
         if d % 8:
             return f"{name}={d} is not a multiple of 8 (TMA rows are 16-byte multiples)"
@@ -221,9 +235,14 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     if bucket(p.head_dim_v) > bucket(p.head_dim) or (bucket(p.head_dim_v) != bucket(p.head_dim)
                                                      and (bucket(p.head_dim), bucket(p.head_dim_v)) != (192, 128)):
         return f"(D, Dv) = ({p.head_dim}, {p.head_dim_v}) has no Hopper variant (Dv's bucket must equal D's, or be 128 for 192)"
-    if p.seqlen_k == 0:
+    if p.varlen is not None:
+        if p.varlen.total_k == 0:
+            return "no key in the whole packed batch (a tensor map has no empty dimension)"
+        if p.varlen.batch > plan.MAX_GRID_DIMS[2]:
+            return f"{p.varlen.batch} packed sequences exceed the grid's {plan.MAX_GRID_DIMS[2]} (gridDim.z)"
+    elif p.seqlen_k == 0:
         return "Sk = 0 (a tensor map has no empty dimension)"
-    if len(p.batch_shape) != 1 or (p.layout == "bhsd" and len(p.q.shape) != 4):
+    elif len(p.batch_shape) != 1 or (p.layout == "bhsd" and len(p.q.shape) != 4):
         return f"batch dims {p.batch_shape}: the Hopper kernel's tensor maps take one batch dim"
     for a, name in zip(arrays or (), ("q", "k", "v", "out")):
         if a is None:
@@ -288,11 +307,87 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
     return LaunchPlan(variant, variant.entry, (-(-sq // BLOCK_M), hq, b), (384, 1, 1), variant.smem_bytes, args)
 
 
+def plan_varlen(q, k, v, out, lse, index_args: tuple, *, batch: int, max_seqlen_q: int, softmax_scale: float,
+                window_left: int = -1, window_right: int = -1, dtype: str) -> LaunchPlan:
+    """The launch of a packed batch: a block per (128-row query tile of the longest sequence, query
+    head, sequence); each block finds its sequence's rows in the index on the device.
+
+    Parameters
+    ----------
+    q : array (total_q, Hq, D); k : array (total_k, Hk, D); v : array (total_k, Hk, Dv)
+        Packed rows, float16 or bf16 bits as uint16 (``dtype``); any strides a tensor map can
+        describe. ``total_k`` must be at least 1.
+    out : array (total_q, Hq, Dv), written only in the rows of the sequences' query rows
+    lse : array (Hq, total_q) float32, C-contiguous, written likewise (natural log)
+    index_args : tuple of plan arguments
+        ``cu_seqlens_q, cu_seqlens_k, seqused_k, varlen`` (:func:`cuflash.kernels.launch_args.varlen_args`).
+    batch, max_seqlen_q : int
+        Sequences, and the query rows of the longest (the grid's extent; rows past it stay unwritten).
+    softmax_scale, window_left, window_right, dtype
+        As :func:`plan_forward`.
+
+    Raises
+    ------
+    ValueError
+        For shapes the kernel cannot take, naming the arrays.
+    """
+    total_q, hq, d = q.shape
+    total_k, hk, dk = k.shape
+    dv = v.shape[-1]
+    if (tuple(v.shape[:2]) != (total_k, hk) or dk != d or tuple(out.shape) != (total_q, hq, dv)
+            or hk == 0 or hq % hk or total_k < 1):
+        raise ValueError(f"attention_fwd_sm90: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out "
+                         f"{tuple(out.shape)} must be (total_q, Hq, D), (total_k, Hk, D), (total_k, Hk, Dv), "
+                         "(total_q, Hq, Dv) with Hq a multiple of Hk and total_k >= 1")
+    if tuple(lse.shape) != (hq, total_q) or np.dtype(lse.dtype) != np.float32 or not lse.flags.c_contiguous:
+        raise ValueError(f"attention_fwd_sm90: lse must be a C-contiguous float32 {(hq, total_q)}, got "
+                         f"{tuple(lse.shape)} {lse.dtype}")
+    variant = Sm90ForwardVariant(dtype, bucket(d), bucket(dv), window_left >= 0 or window_right >= 0, False, True)
+    bn = variant.block_n
+
+    def ragged(name, a, rows, writable=False):
+        return TensorMapArg(name, PointerArg.of(name, a, writable=writable),
+                            TensorMap.ragged(a, rows, PANEL, swizzle=128))
+
+    args = (ragged("map_q", q, BLOCK_M), ragged("map_k", k, bn), ragged("map_v", v, bn),
+            ragged("map_o", out, 64, writable=True),
+            PointerArg.of("lse", lse, writable=True), ScalarArg("Sq", np.int32(total_q)),
+            ScalarArg("Sk", np.int32(total_k)), ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
+            ScalarArg("scale_log2", np.float32(softmax_scale * math.log2(math.e))),
+            ScalarArg("window_left", np.int32(window_left)), ScalarArg("window_right", np.int32(window_right)),
+            *index_args)
+    return LaunchPlan(variant, variant.entry, (-(-max_seqlen_q // BLOCK_M), hq, batch), (384, 1, 1),
+                      variant.smem_bytes, args)
+
+
+def _forward_varlen(problem, q, k, v, out, call):
+    """A packed batch: outputs NaN-filled first when the index lives on the device (rows no block
+    covers, from an index that disagrees with ``max_seqlen_q``, read NaN, never stale data), then
+    one launch."""
+    p = problem
+    vl = p.varlen
+    if out is None:
+        out = call.empty(p.out_shape, p.dtype)
+    lse = call.empty(p.lse_shape, np.float32)
+    if not vl.checked:
+        out.fill(np.nan)
+        lse.fill(np.nan)
+    if not p.is_empty and vl.max_seqlen_q > 0:
+        key = variants.dtype_key(p.dtype)
+        bits = (lambda a: a.view(np.uint16)) if key == "bf16" else (lambda a: a)
+        call.launch(plan_varlen(bits(q), bits(k), bits(v), bits(out), lse, la.varlen_args(p, call), batch=vl.batch,
+                                max_seqlen_q=vl.max_seqlen_q, softmax_scale=p.softmax_scale,
+                                window_left=p.window_left, window_right=p.window_right, dtype=key))
+    return out, lse
+
+
 def forward(problem, q, k, v, out, call):
     """``(out, lse)`` of ``problem`` on the Hopper kernel: allocate what the caller did not pass on
     the call's device, view the arrays as (B, H, S, D) (bfloat16 as its 16 bits, which the tensor
-    maps move unchanged) and launch once."""
+    maps move unchanged) and launch once (a packed batch: its own plan, :func:`plan_varlen`)."""
     p = problem
+    if p.varlen is not None:
+        return _forward_varlen(p, q, k, v, out, call)
     if out is None:
         out = call.empty(p.out_shape, p.dtype)
     lse = call.empty(p.lse_shape, np.float32)

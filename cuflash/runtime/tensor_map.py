@@ -19,6 +19,13 @@ models swizzled boxes whose inner extent equals the swizzle span (what wgmma's c
 use), and :class:`TensorMap` refuses the others rather than guess; out-of-bounds box elements
 are zero-filled on load and dropped on store (``CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE``), element
 strides are 1, no interleave, no L2 promotion.
+
+A *ragged* map (:meth:`TensorMap.ragged`) views an array of packed sequences (rows of several
+sequences one after another) so that every box is clipped at the end of its own sequence, not
+only at the array's: two dimensions with the same row stride, the inner of extent ``E`` (the
+box's rows) and the outer indexed by the sequence's end, and an origin ``E`` rows before the
+array (:attr:`TensorMap.base_offset`). The hardware's bounds check on the inner dimension is
+then the sequence's end; no element outside the array is ever reached.
 """
 
 from __future__ import annotations
@@ -80,6 +87,9 @@ class TensorMap:
         The box one instruction moves, outermost first; each in 1..256.
     swizzle : int
         Shared-memory swizzle span in bytes: 0 (none), 32, 64 or 128.
+    base_offset : int
+        Bytes from the array's address to the map's origin (negative for a ragged map, whose
+        origin lies before the array; the kernel's coordinates reach only elements inside it).
 
     Raises
     ------
@@ -94,6 +104,7 @@ class TensorMap:
     strides: tuple
     box: tuple
     swizzle: int = 0
+    base_offset: int = 0
 
     def __post_init__(self):
         dt = np.dtype(self.dtype)
@@ -146,19 +157,54 @@ class TensorMap:
                 strides[i] = max(16, -(-inner // 16) * 16)
         return cls(array.dtype, shape, tuple(strides), tuple(box), swizzle)
 
+    @classmethod
+    def ragged(cls, array, rows: int, inner: int, *, swizzle: int = 0) -> "TensorMap":
+        """The ragged map of a packed ``array`` ``(total, H, D)`` (rows of sequences one after
+        another; the head dim contiguous) with boxes of ``rows`` rows of one head and ``inner``
+        head-dim elements.
+
+        Its dims, innermost first, are (D, H, ``rows``, total + 1): element ``(c, h, r, e)`` is
+        ``array[r + e - rows, h, c]``, in bounds iff ``0 <= r < rows``. A kernel loads or stores
+        the box at packed row ``row`` of a sequence ending at row ``end`` with ``e = min(end, row +
+        rows)`` and ``r = row - e + rows``: rows from ``end`` on are zero-filled on load and
+        dropped on store, so the box never reaches another sequence.
+
+        Raises
+        ------
+        ValueError
+            If ``array`` is not 3-d, or for geometry the driver refuses (as the constructor).
+        """
+        if array.ndim != 3:
+            raise ValueError(f"TensorMap.ragged: the array must be (total, H, D), got shape {tuple(array.shape)}")
+        total, heads, dim = (int(n) for n in array.shape)
+        item = array.dtype.itemsize
+        row_stride, head_stride = int(array.strides[0]), int(array.strides[1])
+        if heads == 1:   # never used: one the driver accepts
+            head_stride = max(16, -(-dim * item // 16) * 16)
+        if total == 0:
+            row_stride = max(16, -(-heads * head_stride // 16) * 16)
+        return cls(array.dtype, (total + 1, rows, heads, dim), (row_stride, row_stride, head_stride, item),
+                   (1, rows, 1, inner), swizzle, -rows * row_stride)
+
     @property
     def box_bytes(self) -> int:
         """Bytes one instruction moves (the mbarrier's transaction count of a load)."""
         return int(np.prod(self.box)) * self.dtype.itemsize
 
-    def _check_address(self, address: int) -> None:
+    def _check_address(self, address: int) -> int:
+        """The map's origin for a view at ``address`` (with :attr:`base_offset`), checked."""
         if address % 16:
             raise ValueError(f"TensorMap: the global address {address:#x} must be 16-byte aligned "
                              "(cuTensorMapEncodeTiled)")
+        origin = address + self.base_offset
+        if origin < 0:
+            raise ValueError(f"TensorMap: the map's origin {self.base_offset} bytes from the view at {address:#x} "
+                             "would lie below address 0")
+        return origin
 
     def encode_sim(self, address: int) -> bytes:
         """The simulator's 128-byte form for a view starting at host ``address``."""
-        self._check_address(address)
+        address = self._check_address(address)
         rank = len(self.shape)
         dims = list(reversed(self.shape)) + [1] * (5 - rank)
         strides = list(reversed(self.strides))[1:] + [0] * (5 - rank)
@@ -176,7 +222,7 @@ class TensorMap:
             If the driver library cannot be loaded (no GPU driver) or refuses the map (its
             CUresult is in the message).
         """
-        self._check_address(address)
+        address = self._check_address(address)
         rank = len(self.shape)
         fn = _encode_tiled()
         u64, u32 = ctypes.c_uint64, ctypes.c_uint32
