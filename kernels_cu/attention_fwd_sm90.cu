@@ -23,8 +23,9 @@
 //   wgmma descriptors are built once: Q's per k step held in registers, K's and V's advanced by
 //   constants.
 //
-//   The load and store stages sit behind one seam (load_q / load_k / load_v / store_o): a cp.async gather
-//   or a masked store (packed sequences, paged caches) replaces them without touching the math.
+//   The load and store stages sit behind one seam (load_q / load_k / load_v / store_o): packed
+//   sequences only move their boxes (ragged maps, below); a cp.async gather (paged caches) would
+//   replace them without touching the math.
 //
 // Layout: q (B, Hq, Sq, D), k (B, Hk, Sk, D), v (B, Hk, Sk, Dv), o (B, Hq, Sq, Dv) through 4-d
 // tensor maps (any strides TMA can describe: the head dim contiguous, the others multiples of 16
@@ -93,6 +94,11 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // ---------------------------------------------------------------- the load and store seam (TMA)
+// Each stage moves 64-column panels of a box; where the box lies is the form's (Box: the three
+// coordinates after the head-dim column).
+struct Box {
+    int c1, c2, c3;
+};
 #if CUFLASH_VARLEN
 // A packed batch: q, k, v and o through ragged maps (cuflash/runtime/tensor_map.py,
 // TensorMap.ragged) of dims (head dim, head, E, end) over the packed rows, E the box's rows:
@@ -105,66 +111,50 @@ struct Tiles {
     int h, hk, q0, k0, q_end, k_end;   // the sequence's first query and key rows, and their ends
 };
 template <int E>
-__device__ __forceinline__ int2 ragged(int row, int end) {
+__device__ __forceinline__ Box ragged(int head, int row, int end) {
     const int e = min(end, row + E);
-    return make_int2(row - e + E, e);
+    return Box{head, row - e + E, e};
 }
-
-__device__ __forceinline__ void load_q(const Tiles& t, unsigned char* q_s, int m0, unsigned long long* bar) {
-    const int2 c = ragged<BR>(t.q0 + m0, t.q_end);
-    ptx_mbarrier_arrive_expect_tx(bar, Q_BYTES);
-    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(q_s + p * PANEL_Q, t.q, p * PANEL, t.h, c.x, c.y, bar);
-}
-
-__device__ __forceinline__ void load_k(const Tiles& t, unsigned char* ks, int kv0, unsigned long long* bar) {
-    const int2 c = ragged<BC>(t.k0 + kv0, t.k_end);
-    ptx_mbarrier_arrive_expect_tx(bar, K_BYTES);
-    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(ks + p * PANEL_KV, t.k, p * PANEL, t.hk, c.x, c.y, bar);
-}
-
-__device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv0, unsigned long long* bar) {
-    const int2 c = ragged<BC>(t.k0 + kv0, t.k_end);
-    ptx_mbarrier_arrive_expect_tx(bar, V_BYTES);
-    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_load_4d(vs + p * PANEL_KV, t.v, p * PANEL, t.hk, c.x, c.y, bar);
-}
-
-// one consumer's 64 x Dv output rows from shared memory (after its named barrier); rows past the
-// sequence's end are dropped by the ragged map
-__device__ __forceinline__ void store_o(const Tiles& t, const unsigned char* o_s, int row0) {
-    const int2 c = ragged<64>(t.q0 + row0, t.q_end);
-    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_4d(t.o, p * PANEL, t.h, c.x, c.y, o_s + p * PANEL_Q);
-    ptx_bulk_commit();
-    ptx_bulk_wait<0>();
-}
+__device__ __forceinline__ Box q_box(const Tiles& t, int m0) { return ragged<BR>(t.h, t.q0 + m0, t.q_end); }
+__device__ __forceinline__ Box kv_box(const Tiles& t, int kv0) { return ragged<BC>(t.hk, t.k0 + kv0, t.k_end); }
+__device__ __forceinline__ Box o_box(const Tiles& t, int row0) { return ragged<64>(t.h, t.q0 + row0, t.q_end); }
 #else
+// (B, H, S, D) maps: rows past Sq / Sk are the maps' out-of-bounds rows
 struct Tiles {
     const cuflash_tensor_map *q, *k, *v, *o;
     int h, hk, b;
 };
+__device__ __forceinline__ Box q_box(const Tiles& t, int m0) { return Box{m0, t.h, t.b}; }
+__device__ __forceinline__ Box kv_box(const Tiles& t, int kv0) { return Box{kv0, t.hk, t.b}; }
+__device__ __forceinline__ Box o_box(const Tiles& t, int row0) { return Box{row0, t.h, t.b}; }
+#endif
 
 __device__ __forceinline__ void load_q(const Tiles& t, unsigned char* q_s, int m0, unsigned long long* bar) {
+    const Box c = q_box(t, m0);
     ptx_mbarrier_arrive_expect_tx(bar, Q_BYTES);
-    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(q_s + p * PANEL_Q, t.q, p * PANEL, m0, t.h, t.b, bar);
+    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(q_s + p * PANEL_Q, t.q, p * PANEL, c.c1, c.c2, c.c3, bar);
 }
 
 __device__ __forceinline__ void load_k(const Tiles& t, unsigned char* ks, int kv0, unsigned long long* bar) {
+    const Box c = kv_box(t, kv0);
     ptx_mbarrier_arrive_expect_tx(bar, K_BYTES);
-    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(ks + p * PANEL_KV, t.k, p * PANEL, kv0, t.hk, t.b, bar);
+    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(ks + p * PANEL_KV, t.k, p * PANEL, c.c1, c.c2, c.c3, bar);
 }
 
 __device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv0, unsigned long long* bar) {
+    const Box c = kv_box(t, kv0);
     ptx_mbarrier_arrive_expect_tx(bar, V_BYTES);
-    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_load_4d(vs + p * PANEL_KV, t.v, p * PANEL, kv0, t.hk, t.b, bar);
+    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_load_4d(vs + p * PANEL_KV, t.v, p * PANEL, c.c1, c.c2, c.c3, bar);
 }
 
 // one consumer's 64 x Dv output rows from shared memory (after its named barrier); rows past Sq
-// are dropped by the map's bounds
+// (a packed batch: past the sequence's end) are dropped by the map's bounds
 __device__ __forceinline__ void store_o(const Tiles& t, const unsigned char* o_s, int row0) {
-    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_4d(t.o, p * PANEL, row0, t.h, t.b, o_s + p * PANEL_Q);
+    const Box c = o_box(t, row0);
+    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_4d(t.o, p * PANEL, c.c1, c.c2, c.c3, o_s + p * PANEL_Q);
     ptx_bulk_commit();
     ptx_bulk_wait<0>();
 }
-#endif
 
 // ------------------------------------------------------------------- the consumer's math
 // The wgmma descriptors of a 128-byte-swizzled tile: K-major (Q, K: 16 head-dim columns a step)
