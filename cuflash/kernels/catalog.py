@@ -53,6 +53,7 @@ def variants_for_arch(arch: int) -> tuple:
             out.extend(dataclasses.replace(v, varlen=varlen) for v in attention_bwd_mma.all_variants(arch, dropout=True))
     out.extend(attention_fwd_sm90.all_variants(arch))   # (sm_90a: compute capability 9.0 only)
     out.extend(attention_fwd_sm90.all_variants(arch, mods=True))
+    out.extend(attention_fwd_sm90.all_variants(arch, varlen=True))
     if arch >= 75:
         out.extend(dropout_mask.DropoutMaskVariant.all())
         out.extend(kvcache_append.KVCacheAppend.all())

@@ -3,7 +3,8 @@
 Every sequence of a packed batch is held to the float64 oracle of a fixed-shape call on its own
 slices (the tolerance rules of tests/support/tolerance.py and
 tests/reference/test_backward_reference.py), on the NumPy path and on the simulator's tiers
-(tensor-core on sm_90 and sm_80, SIMT on sm_75), over a pairwise covering design of batches with
+(tensor-core on sm_90 and sm_80, SIMT on sm_75; the Hopper tier's packed forms have their own
+grid in tests/kernels/test_hopper_varlen.py), over a pairwise covering design of batches with
 mixed lengths (0, 1, up to 300), GQA, head dims 40 to 256 with Dv != D, causal and windows,
 ``seqused_k``, both dtypes and both backward modes; in checked mode; deterministic bits across
 thread orders; hostile device-style indices that the kernels must clamp; the validation messages;
@@ -25,7 +26,7 @@ from support.tolerance import check_packed_backward as check_backward
 from support.tolerance import check_packed_forward as check_forward
 
 import cuflash
-from cuflash.kernels import backward_run, dispatch
+from cuflash.kernels import attention_fwd_sm90, backward_run, dispatch
 from cuflash.runtime import dtypes
 
 #: (query length, key length) of each sequence of a batch
@@ -52,6 +53,15 @@ PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
 
 
 def run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, *, checked=False, seed=0):
+    if tier == "mma_sm90":   # the tensor-core tier on sm_90: without the Hopper tier, which takes aligned packed calls
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dispatch, "TIERS", tuple(t for t in dispatch.TIERS if t[1] is not attention_fwd_sm90))
+            return _run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, checked=checked,
+                             seed=seed)
+    return _run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, checked=checked, seed=seed)
+
+
+def _run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, *, checked=False, seed=0):
     hq, hk = heads
     dv = d if dv_kind == "same" else HEAD_DIMS[(HEAD_DIMS.index(d) + 2) % len(HEAD_DIMS)]
     dt = DTYPES[dtype_key]
@@ -117,11 +127,12 @@ def test_matches_fixed_shape_calls_bit_for_bit_per_sequence(rng):
 
 
 @pytest.mark.parametrize("tier", ["mma_sm90", pytest.param("simt_sm75", marks=pytest.mark.slow)])
-def test_hostile_indices_stay_inside_the_arrays(tier, rng):
+def test_hostile_indices_stay_inside_the_arrays(tier, rng, monkeypatch):
     """Device-resident indices are not read by the host: whatever they hold, the kernels clamp
     every index into the arrays (checked mode would report any access outside q, k, v, out or
     lse), and rows no tile covers come out NaN (the fresh output is NaN-filled), never stale
     data. The problem is built from valid indices, then handed garbage as if unchecked."""
+    monkeypatch.setattr(dispatch, "TIERS", tuple(t for t in dispatch.TIERS if t[1] is not attention_fwd_sm90))
     q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 2, 1, 64, 64, dtypes.float16)
     problem = check_varlen(q, k, v, cq, ck, mq, mk)
     # decreasing, negative, past the end; clamped, the sequences do not overlap (overlapping
@@ -184,7 +195,8 @@ def test_backward_bad_input(rng):
         cuflash.attention_varlen_backward(out, q, k, v, out, lse, cq, ck, mq, mk, deterministic=1)
 
 
-def test_empty_batch_and_out(rng):
+@pytest.mark.usefixtures("without_hopper_tier")   # (the tensor-core tier's packed form; the Hopper one's out=:
+def test_empty_batch_and_out(rng):                # tests/kernels/test_hopper_varlen.py)
     q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 2, 1, 64, 64, dtypes.float16)
     empty = np.zeros(1, np.int32)
     z = cuflash.attention_varlen(q[:0], k[:0], v[:0], empty, empty, 0, 0, backend="sim")

@@ -210,6 +210,16 @@ def _run(v, rng, monkeypatch):
         return _packed(rng, v, v.head_dim_max, True) if v.varlen else _fixed(rng, v, v.head_dim_max, True)
     if isinstance(v, attention_fwd_sm90.Sm90ForwardVariant):
         dt = DTYPES[v.dtype]
+        if v.varlen:   # two sequences, the second over two query tiles and two key tiles
+            lq, lk = (21, 150), (30, 170)
+            cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+            ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+            q = rng.standard_normal((int(cq[-1]), 2, v.head_dim)).astype(dt)
+            k = rng.standard_normal((int(ck[-1]), 1, v.head_dim)).astype(dt)
+            vv = rng.standard_normal((int(ck[-1]), 1, v.head_dim_v)).astype(dt)
+            out, lse = cuflash.attention_varlen(q, k, vv, cq, ck, max(lq), max(lk), causal=v.local, return_lse=True,
+                                                backend="sim")
+            return check_packed_forward(out, lse, q, k, vv, cq, ck, None, causal=v.local)
         q = rng.standard_normal((1, 2, 150, v.head_dim)).astype(dt)   # two 128-row query tiles
         k = rng.standard_normal((1, 1, 170, v.head_dim)).astype(dt)
         vv = rng.standard_normal((1, 1, 170, v.head_dim_v)).astype(dt)
