@@ -46,7 +46,8 @@ FILES = {
     "softmax.cu": ("softmax_checked", "softmax_seeds"),
     "attention_combine.cu": ("kvcache_split_checked", "kvcache_split_seeds"),
     "hopper_probe.cu": ("hopper_checked", "hopper_seeds"),
-    "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked"),
+    "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked",
+                              "fwd_sm90_varlen_checked"),
 }
 #: mutants no probe kills, each with why removing that line is harmless (or what gap it shows)
 SURVIVORS: dict[str, str] = {
@@ -221,6 +222,37 @@ def _sm90_case(dtype, d, sq, sk, causal, checked, seeds):
         assert ok, f"Hopper forward, seed {seed}: {msg}"
 
 
+def _sm90_varlen_case(checked, seeds):
+    """The Hopper forward's packed form (f16, head dim 64, causal, GQA) through the dispatcher (its
+    tier asserted): a sequence of 4 key tiles, an empty one, one shorter than a tile; each
+    sequence against the oracle of its own slices."""
+    import cuflash
+    from cuflash import sim
+    from cuflash.kernels import attention_fwd_sm90, dispatch
+    from cuflash.reference import tolerance
+    from support.options import check_varlen
+
+    rng = np.random.default_rng(11)
+    lq, lk = (150, 0, 60), (400, 5, 30)
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    q = rng.standard_normal((int(cq[-1]), 2, 64)).astype(F16)
+    k = rng.standard_normal((int(ck[-1]), 1, 64)).astype(F16)
+    v = rng.standard_normal((int(ck[-1]), 1, 64)).astype(F16)
+    problem = check_varlen(q, k, v, cq, ck, max(lq), max(lk), causal=True)
+    assert dispatch.forward_tier(problem, 90, (q, k, v)) is attention_fwd_sm90
+    for seed in seeds:
+        with sim.options(arch="sm_90", checked=checked, seed=seed):
+            out, lse = cuflash.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), causal=True, return_lse=True,
+                                                backend="sim")
+        for b in range(len(lq)):
+            rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            if lq[b]:
+                ok, msg, _ = tolerance.compare(out[None, rq], q[None, rq], k[None, rk], v[None, rk],
+                                               lse=np.ascontiguousarray(lse[None, :, rq]), causal=True, layout="bshd")
+                assert ok, f"Hopper packed forward, sequence {b}, seed {seed}: {msg}"
+
+
 F16, F32 = np.float16, np.float32
 PROBES = {
     "fwd_mma_checked": lambda: _attention_case(F16, 64, 200, 300, True, "sm_80", True, (0,), False),
@@ -252,6 +284,7 @@ PROBES = {
     "fwd_sm90_checked": lambda: _sm90_case(F16, 64, 200, 600, False, True, (0,)),
     "fwd_sm90_seeds": lambda: _sm90_case(F16, 64, 200, 300, False, False, SEEDS),
     "fwd_sm90_local_checked": lambda: _sm90_case(F16, 128, 190, 260, True, True, (0,)),
+    "fwd_sm90_varlen_checked": lambda: _sm90_varlen_case(True, (0,)),
     "hopper_seeds": lambda: _hopper_case(False, SEEDS),
 }
 
