@@ -189,3 +189,23 @@ def test_checked_mode():
 def test_thread_orders(seed):
     run_case(np.random.default_rng(seed), EDGES, (4, 2), 64, 64, "causal", "some", "f16", seed=seed)
     run_case(np.random.default_rng(seed), BATCHES["long"], (2, 1), 128, 128, "none", "all", "bf16", seed=seed)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+def test_hostile_indices_stay_inside_the_arrays():
+    """Garbage in a device-resident index (decreasing, negative, past the end): the kernel clamps
+    every index into the arrays (checked mode reports any access outside q, k, v, out or lse);
+    the one non-empty query sequence then has no key: output 0, lse -inf."""
+    rng = np.random.default_rng(8)
+    q, k, v, cq, ck, mq, mk, _ = make_case(rng, [(5, 7), (0, 3), (33, 40)], 2, 1, 64, 64, dtypes.float16, "all")
+    problem = check_varlen(q, k, v, cq, ck, mq, mk, causal=True)
+    bad_q = np.array([5, -7, 10**6, 2], np.int32)          # -> [5, 5), [0, 38), [38, 38)
+    bad_k = np.array([0, 80, 90, 2**31 - 1], np.int32)     # -> [0, 50), [50, 50), [50, 50)
+    used = np.array([10**6, -3, 1], np.int32)
+    vl = dataclasses.replace(problem.varlen, cu_seqlens_q=bad_q, cu_seqlens_k=bad_k, seqused_k=used, checked=False)
+    with cuflash.sim.options(arch="sm_90", checked=True), sim_call(q) as call:
+        p, qd, kd, vd = on_device(call, dataclasses.replace(problem, varlen=vl), q, k, v)
+        assert dispatch.forward_tier(p, 90, (qd, kd, vd)) is attention_fwd_sm90
+        out, lse = dispatch.run_forward(p, qd, kd, vd, None, call)
+    assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all()
