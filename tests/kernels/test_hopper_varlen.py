@@ -155,6 +155,28 @@ def test_explain_names_the_packed_form_and_why_other_forms_go_to_the_tensor_core
         assert dispatch.forward_tier(plain, arch, (q, k, v)) is not attention_fwd_sm90
 
 
+def test_ragged_map_geometry():
+    """TensorMap.ragged of a packed (total, H, D) view: dims (total + 1, rows, H, D) outermost
+    first, both row dims with the row stride, the origin `rows` rows before the view; element
+    (c, h, r, e) is row r + e - rows. Refused for a non-3-d array, and where the origin would lie
+    below address 0."""
+    from cuflash.runtime.tensor_map import TensorMap
+
+    a = _packed(np.random.default_rng(0), (37, 4, 64), np.float16)   # rows of 4 x 80 elements
+    t = TensorMap.ragged(a, 128, 64, swizzle=128)
+    row = 4 * 80 * 2
+    assert t.shape == (38, 128, 4, 64) and t.strides == (row, row, 160, 2) and t.box == (1, 128, 1, 64)
+    assert t.base_offset == -128 * row
+    blob = t.encode_sim(1 << 20)
+    assert int.from_bytes(blob[8:16], "little") == (1 << 20) - 128 * row
+    with pytest.raises(ValueError, match="below address 0"):
+        t.encode_sim(16 * row)
+    with pytest.raises(ValueError, match=r"must be \(total, H, D\)"):
+        TensorMap.ragged(a[0], 128, 64)
+    one_head = TensorMap.ragged(a[:, :1], 64, 64, swizzle=128)   # the head stride of one head is never used
+    assert one_head.strides[2] % 16 == 0 and one_head.strides[:2] == (row, row)
+
+
 # ------------------------------------------------------------------------------------- slow
 
 BATCHES = {
