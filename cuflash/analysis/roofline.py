@@ -478,7 +478,7 @@ def variants(arch: int, *, backward: bool | None = None, dtype: str | None = Non
         out = []
         for bwd in ((False, True) if backward is None else (backward,)):
             tier = dispatch.backward_tier(problem, arch) if bwd else dispatch.forward_tier(problem, arch)
-            if varlen and not bwd:   # packed batches: the tier that has packed forms (the Hopper tier has none)
+            if varlen and not bwd:   # packed batches: the fastest tier that has packed forms
                 tier = next(m for _, m in dispatch.TIERS if m.all_variants(arch, varlen=True))
             chosen = tier.choose_variant(dt, head_dim, dv, arch)
             if varlen:   # the tier's packed form of that variant
