@@ -31,6 +31,9 @@ from cuflash.runtime import source
 from cuflash.runtime.plan import LaunchPlan, PointerArg, TensorMapArg
 from cuflash.sim import launcher
 
+# hopper_layouts.cu compiled once per run: test_sim_cute_layouts.py shares it on the same worker
+pytestmark = pytest.mark.xdist_group("hopper_layouts")
+
 KERNELS = Path(__file__).parent / "kernels"
 BF16 = ml_dtypes.bfloat16
 MODE = {0: 0, 128: 1, 64: 2, 32: 3}

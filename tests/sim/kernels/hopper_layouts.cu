@@ -76,3 +76,52 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_raw_n192(WGMMA_RAW_ARGS)
 extern "C" __global__ void __launch_bounds__(128) wgmma_raw_n256(WGMMA_RAW_ARGS) { WGMMA_RAW_BODY(256) }
 #undef WGMMA_RAW_BODY
 #undef WGMMA_RAW_ARGS
+
+// Each of `nops` wgmma m64nNk16 on its own zeroed accumulator, one after another, over one shared-memory
+// image (copied in at a 1024-byte-aligned base): op i takes its descriptors' start fields relative to
+// that base (desc_a[i], desc_b[i]), A from registers when bit 1 of flags[i] is set (thread t's four
+// registers a_regs[4 * (128 * i + t) ..]), B N-major when bit 0 is set, A M-major when bit 2 is.
+// out[(128 * i + t) * N / 2 + r] is thread t's accumulator register r.
+template <int N>
+__device__ void wgmma_each_impl(const unsigned char* img, int bytes, const unsigned long long* desc_a,
+                                const unsigned long long* desc_b, const unsigned* a_regs, const int* flags, int nops,
+                                float* out) {
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* s = ptx_align_smem_1024(smem_raw);
+    for (int i = threadIdx.x; i < bytes; i += blockDim.x) s[i] = img[i];
+    ptx_fence_proxy_async();
+    __syncthreads();
+    const unsigned long long base = ptx_smem_addr(s) >> 4;
+    for (int op = 0; op < nops; ++op) {
+        float acc[N / 2];
+        for (int i = 0; i < N / 2; ++i) acc[i] = 0.0f;
+        unsigned a[4];
+        for (int r = 0; r < 4; ++r) a[r] = a_regs[4 * (128 * op + threadIdx.x) + r];
+        const unsigned long long da = desc_a[op] + base, db = desc_b[op] + base;
+        ptx_wgmma_fence();
+        switch (flags[op]) {
+        case 0: ptx_wgmma_ss<N, true, 0, 0>(acc, da, db, 0); break;
+        case 1: ptx_wgmma_ss<N, true, 0, 1>(acc, da, db, 0); break;
+        case 2: ptx_wgmma_rs<N, true, 0>(acc, a, db, 0); break;
+        case 3: ptx_wgmma_rs<N, true, 1>(acc, a, db, 0); break;
+        case 4: ptx_wgmma_ss<N, true, 1, 0>(acc, da, db, 0); break;
+        default: ptx_wgmma_ss<N, true, 1, 1>(acc, da, db, 0); break;
+        }
+        ptx_wgmma_commit();
+        ptx_wgmma_wait<0>();
+        for (int i = 0; i < N / 2; ++i) out[(128 * op + threadIdx.x) * (N / 2) + i] = acc[i];
+    }
+}
+
+#define WGMMA_EACH_ARGS const unsigned char* img, int bytes, const unsigned long long* desc_a, const unsigned long long* desc_b, const unsigned* a_regs, const int* flags, int nops, float* out
+#define WGMMA_EACH_BODY(N) wgmma_each_impl<N>(img, bytes, desc_a, desc_b, a_regs, flags, nops, out);
+extern "C" __global__ void __launch_bounds__(128) wgmma_each_n16(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(16) }
+extern "C" __global__ void __launch_bounds__(128) wgmma_each_n64(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(64) }
+extern "C" __global__ void __launch_bounds__(128) wgmma_each_n80(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(80) }
+extern "C" __global__ void __launch_bounds__(128) wgmma_each_n96(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(96) }
+extern "C" __global__ void __launch_bounds__(128) wgmma_each_n112(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(112) }
+extern "C" __global__ void __launch_bounds__(128) wgmma_each_n128(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(128) }
+extern "C" __global__ void __launch_bounds__(128) wgmma_each_n192(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(192) }
+extern "C" __global__ void __launch_bounds__(128) wgmma_each_n256(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(256) }
+#undef WGMMA_EACH_BODY
+#undef WGMMA_EACH_ARGS
