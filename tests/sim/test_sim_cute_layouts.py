@@ -437,3 +437,62 @@ def test_cute_evaluation_here_matches_cutes_own(co, generic):
     reqs = co.requests_so_far()
     assert len(reqs) >= 8
     assert co.check_evaluator(reqs) > 1000
+
+
+# --------------------------------------------------------------------------- ldmatrix / stmatrix
+FORMS = [(1, False), (2, False), (4, False), (1, True), (2, True), (4, True)]   # ldsm_each / stsm_each order
+
+
+def _rows(seed: int) -> np.ndarray:
+    """Each lane's row: 32 distinct 16-byte rows of a 64-row image, in a shuffled order."""
+    return (np.random.default_rng(seed).permutation(64)[:32] * 16).astype(np.int32)
+
+
+def test_ldmatrix_fragments_are_cutes(co, probes):
+    """ldmatrix x1/x2/x4 (+ .trans) from rows at scattered addresses: each lane's register halves are
+    the elements CuTe's copy atom (LdMatrix8x8x16bOp) gives that thread, read from the row CuTe
+    says which lane addresses."""
+    mod, o = probes
+    rows = _rows(1)
+    img = (np.arange(64 * 8, dtype=np.uint16) + 1)   # row r, element e: 8 r + e + 1
+    out = np.zeros(32 * 14, np.uint32)
+    args = (PointerArg.of("img", img.view(np.uint8)), i32(img.nbytes), PointerArg.of("rows", rows), P(out))
+    mod.launch(LaunchPlan(None, "ldsm_each", 1, 32, img.nbytes, args), o)
+    out = out.reshape(32, 14)
+    col = 0
+    for x, trans in FORMS:
+        src, dst = co.copy_layouts("ldmatrix", x, trans)
+        t, v = np.meshgrid(np.arange(8 * x), np.arange(8), indexing="ij")   # the lanes whose rows are read
+        table = np.zeros(64 * x, np.int64)
+        table[src.index(t, v)] = img[rows[t] // 2 + v]
+        assert np.unique(src.index(t, v)).size == 64 * x
+        t, v = np.meshgrid(np.arange(32), np.arange(2 * x), indexing="ij")
+        want = table[dst.index(t, v)]
+        regs = out[:, col:col + x]
+        got = np.stack([regs[:, v // 2] >> (16 * (v % 2)) & 0xFFFF for v in range(2 * x)], axis=1)
+        np.testing.assert_array_equal(got, want, err_msg=f"ldmatrix.x{x}{'.trans' if trans else ''}")
+        col += x
+
+
+@pytest.mark.parametrize("form", range(len(FORMS)), ids=[f"x{x}{'-trans' if t else ''}" for x, t in FORMS])
+def test_stmatrix_fragments_are_cutes(co, probes, form):
+    """stmatrix x1/x2/x4 (+ .trans) to rows at scattered addresses: each row holds the register
+    halves CuTe's copy atom (StMatrix8x8x16bOp) takes from each thread for it; no other byte changes."""
+    mod, o = probes
+    x, trans = FORMS[form]
+    rows = _rows(2 + form)
+    regs = np.random.default_rng(form).permutation(np.arange(1, 32 * 4 * 2 + 1, dtype=np.uint32))
+    regs = (regs[0::2] | (regs[1::2] << 16)).reshape(32, 4)   # distinct nonzero halves
+    img = np.zeros(64 * 8, np.uint16)
+    args = (PointerArg.of("img", img.view(np.uint8), writable=True), i32(img.nbytes), PointerArg.of("rows", rows),
+            PointerArg.of("regs", regs.ravel()), i32(form))
+    mod.launch(LaunchPlan(None, "stsm_each", 1, 32, img.nbytes, args), o)
+    src, dst = co.copy_layouts("stmatrix", x, trans)
+    t, v = np.meshgrid(np.arange(32), np.arange(2 * x), indexing="ij")
+    table = np.zeros(64 * x, np.int64)
+    table[src.index(t, v)] = regs[t, v // 2] >> (16 * (v % 2)) & 0xFFFF
+    assert np.unique(src.index(t, v)).size == 64 * x
+    want = np.zeros(64 * 8, np.int64)
+    t, e = np.meshgrid(np.arange(8 * x), np.arange(8), indexing="ij")   # the lanes whose rows are written
+    want[rows[t] // 2 + e] = table[dst.index(t, e)]
+    np.testing.assert_array_equal(img, want)

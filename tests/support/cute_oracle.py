@@ -34,7 +34,7 @@ os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90_helpers  # noqa: E402
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup  # noqa: E402
+from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup  # noqa: E402
 
 VERSION = "4.8.1"   # the pinned nvidia-cutlass-dsl (setup.cfg's test extra)
 
@@ -148,6 +148,17 @@ def _trace(requests: cutlass.Constexpr):
                                 swizzle_samples=[(b, int(ident(b))) for b in probes],
                                 byte_samples=[(p, int(lay8((p[0], 2 * p[1]) if major == "K" else (2 * p[0], p[1]))))
                                               for p in pts])
+        elif cutlass.const_expr(req[0] == "copy"):
+            _, kind, x, trans = req
+            op = (warp.LdMatrix8x8x16bOp if kind == "ldmatrix" else warp.StMatrix8x8x16bOp)(trans, x)
+            atom = cute.make_copy_atom(op, cutlass.BFloat16)
+            res = {}
+            for name, lay in (("src", atom.layout_src_tv), ("dst", atom.layout_dst_tv)):
+                nvals = int(np.prod(_static(lay.shape)[1]))
+                pts = [(t, v) for t in (0, 3, 9, 31) for v in range(nvals)]
+                res[name] = dict(shape=_static(lay.shape), stride=_static(lay.stride),
+                                 samples=[(p, int(lay(p))) for p in pts])
+            _ORACLE[req] = res
         else:
             _, n, a_regs = req
             tm = sm90_helpers.make_trivial_tiled_mma(
@@ -194,6 +205,16 @@ def requests_so_far() -> list:
     return list(_ORACLE)
 
 
+def copy_layouts(kind: str, x: int, trans: bool) -> tuple:
+    """CuTe's (source, destination) thread/value layouts of ``ldmatrix`` or ``stmatrix`` (``kind``)
+    .m8n8.x{1,2,4}{.trans} on 16-bit elements: (thread, value) -> the index of the element in the
+    8 x-matrix block (64 per matrix, row-major 8 x 8); for the shared-memory side each thread's 8
+    values are the row it gives the address of."""
+    key = ("copy", kind, x, bool(trans))
+    r = evaluate([key])[key]
+    return TvLayout(r["src"]["shape"], r["src"]["stride"], 0), TvLayout(r["dst"]["shape"], r["dst"]["stride"], 0)
+
+
 def check_evaluator(requests) -> int:
     """Hold this module's arithmetic (layout_offsets, swizzle_bytes) to CuTe's own evaluation on
     the sampled coordinates of each request; returns the number of points compared. A 16-bit
@@ -201,7 +222,8 @@ def check_evaluator(requests) -> int:
     offsets there are byte offsets, swizzle included): CuTe's swizzle acts on bytes."""
     count = 0
     for req, r in evaluate(requests).items():
-        for part in ([r] if req[0] == "smem" else [r["C"], r["A"]]):
+        parts = {"smem": lambda: [r], "copy": lambda: [r["src"], r["dst"]], "tv": lambda: [r["C"], r["A"]]}[req[0]]()
+        for part in parts:
             for coord, want in part["samples"]:
                 got = int(layout_offsets(part["shape"], part["stride"], np.array([coord]))[0])
                 assert got == want, f"cute_oracle: {req} at {coord}: CuTe {want}, evaluated here {got}"

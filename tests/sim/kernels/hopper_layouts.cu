@@ -125,3 +125,42 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_each_n192(WGMMA_EACH_ARG
 extern "C" __global__ void __launch_bounds__(128) wgmma_each_n256(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(256) }
 #undef WGMMA_EACH_BODY
 #undef WGMMA_EACH_ARGS
+
+// ldmatrix / stmatrix with any row addresses: lane l gives the shared row at byte rows[l] of an
+// image (copied in, 16-byte rows); ldsm_each writes each lane's registers of x1, x2, x4 and their
+// .trans forms to out[lane * 14 ..]; stsm_each stores lane l's registers regs[4 * l ..] by the
+// form `form` (0..5: x1, x2, x4, x1.trans, x2.trans, x4.trans) and copies the image out.
+extern "C" __global__ void __launch_bounds__(32) ldsm_each(const unsigned char* img, int bytes, const int* rows,
+                                                          unsigned* out) {
+    extern __shared__ __align__(16) unsigned char sm[];
+    for (int i = threadIdx.x; i < bytes; i += 32) sm[i] = img[i];
+    __syncwarp();
+    const void* row = sm + rows[threadIdx.x];
+    unsigned a1[1], a2[2], a4[4], t1[1], t2[2], t4[4];
+    ptx_ldmatrix_x1(a1, row);
+    ptx_ldmatrix_x2(a2, row);
+    ptx_ldmatrix_x4(a4, row);
+    ptx_ldmatrix_x1_trans(t1, row);
+    ptx_ldmatrix_x2_trans(t2, row);
+    ptx_ldmatrix_x4_trans(t4, row);
+    const unsigned all[14] = {a1[0], a2[0], a2[1], a4[0], a4[1], a4[2], a4[3], t1[0], t2[0], t2[1], t4[0], t4[1], t4[2], t4[3]};
+    for (int i = 0; i < 14; ++i) out[threadIdx.x * 14 + i] = all[i];
+}
+
+extern "C" __global__ void __launch_bounds__(32) stsm_each(unsigned char* img, int bytes, const int* rows,
+                                                          const unsigned* regs, int form) {
+    extern __shared__ __align__(16) unsigned char sm[];
+    for (int i = threadIdx.x; i < bytes; i += 32) sm[i] = img[i];
+    __syncwarp();
+    void* row = sm + rows[threadIdx.x];
+    const unsigned* r = regs + 4 * threadIdx.x;
+    const unsigned r1[1] = {r[0]}, r2[2] = {r[0], r[1]}, r4[4] = {r[0], r[1], r[2], r[3]};
+    if (form == 0) ptx_stmatrix_x1(row, r1);
+    if (form == 1) ptx_stmatrix_x2(row, r2);
+    if (form == 2) ptx_stmatrix_x4(row, r4);
+    if (form == 3) ptx_stmatrix_x1_trans(row, r1);
+    if (form == 4) ptx_stmatrix_x2_trans(row, r2);
+    if (form == 5) ptx_stmatrix_x4_trans(row, r4);
+    __syncwarp();
+    for (int i = threadIdx.x; i < bytes; i += 32) img[i] = sm[i];
+}
