@@ -269,6 +269,8 @@ CUSIM_NOSAN inline void sm90_free(Worker* w);
 CUSIM_NOSAN inline void sm90_thread_exit(Worker* w, unsigned me);
 CUSIM_NOSAN inline void check_wgmma_regs(Worker* w, uintptr_t a, uint64_t n, bool write);
 CUSIM_NOSAN inline void check_own_pending_read(Worker* w, uint64_t byte, bool tma);
+CUSIM_NOSAN inline void check_reduce_in_flight(Worker* w, uint64_t region, int64_t off, uintptr_t a, uint64_t n,
+                                              bool write);
 
 struct Worker {
     Launch* launch = nullptr;
@@ -952,6 +954,7 @@ CUSIM_NOSAN inline bool check_global(Worker* w, uintptr_t a, uint64_t n, bool wr
             r.is_write = 1;
             check_fail(w, r, "checked: write through argument %u, which the launch plan marks read-only", g.index);
         }
+        if (!atomic && w->sm90) check_reduce_in_flight(w, i, off, a, n, write);
         if (!atomic) check_global_race(w, i, off, n, write);
         return true;
     }

@@ -1190,6 +1190,27 @@ CUSIM_NOSAN inline void bulk_reduce_add_f32(float* dst, const void* smem, uint32
     else sm90(w).stores.push_back(st);
 }
 
+// Checked mode: a plain access of global bytes that a cp.reduce.async.bulk of this block still has
+// in flight (issued, its issuer's covering cp.async.bulk.wait_group not yet reached) races with it,
+// by any thread of the block, the issuer included (reduce-adds of other blocks: check_global_race).
+CUSIM_NOSAN inline void check_reduce_in_flight(Worker* w, uint64_t region, int64_t off, uintptr_t a, uint64_t n,
+                                              bool write) {
+    for (const TmaStore& st : w->sm90->stores) {
+        if (!st.reduce_dst || a + n <= st.reduce_dst || a >= st.reduce_dst + st.bytes) continue;
+        const uint64_t first = std::max(a, st.reduce_dst) - a;
+        CheckReport r = global_race_report(region, off + int64_t(first), n, write, true);
+        r.other_write = 2;   // the other access is a bulk reduce-add in flight (launcher.py words it so)
+        block_xyz(w, w->block_linear, r.other_block);
+        r.other_valid = 1;
+        thread_xyz(w, st.issuer, r.other_thread);
+        check_fail(w, r, "checked: global-memory race through argument %u, byte %lld of its region: plain %s here "
+                   "while this block's cp.reduce.async.bulk (issued by thread (%u,%u,%u)) is in flight: no "
+                   "cp.async.bulk.wait_group of its issuer covers it yet", w->cfg->regions[region].index,
+                   (long long)(off + int64_t(first)), write ? "write" : "read", r.other_thread[0], r.other_thread[1],
+                   r.other_thread[2]);
+    }
+}
+
 CUSIM_NOSAN inline void bulk_commit() {
     Worker* w = t_worker;
     ++sm90(w).threads[w->cur->linear].bulk_committed;

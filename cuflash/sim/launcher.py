@@ -94,7 +94,8 @@ class SimCheckError(SimError):
         ``"cp.async in flight"`` (an access to shared bytes a ``cp.async`` is still filling),
         ``"wild access"`` (outside every argument, the block's shared memory, the thread's own stack
         and the module's image), ``"global race"`` (two threads of one block in one barrier phase,
-        or of two blocks, on one byte of an argument, at least one writing, neither atomic),
+        or of two blocks, on one byte of an argument, at least one writing, neither atomic; or a
+        plain access of bytes a ``cp.reduce.async.bulk`` of the block has in flight),
         ``"misaligned access"`` (below the natural alignment of the accessed type), the sm_90a kinds
         ``"wgmma registers"``, ``"proxy fence"``, ``"async overlap"``, ``"mbarrier object"``
         (:mod:`cuflash.sim`) or ``"crash"`` (the checked launch's child died).
@@ -114,7 +115,8 @@ class SimCheckError(SimError):
     other_thread : tuple of 3 int or None
         For races: the thread whose earlier access in the same barrier phase conflicts.
     other_access : str or None
-        For races: ``"read"`` or ``"write"``, that earlier access.
+        For races: ``"read"`` or ``"write"``, that earlier access (``"reduce-add"``: the block's own
+        ``cp.reduce.async.bulk`` in flight, issued by ``other_thread``).
     other_block : tuple of 3 int or None
         For global races: ``blockIdx`` of the other access (``None`` when several blocks read).
     address : int or None
@@ -838,7 +840,11 @@ def _check_error(plan, arch: int, r: _Report, regions: _CheckedRegions, detail: 
             other_access = "write" if r.other_write else "read"
             if r.other_valid:
                 other_block, other = _xyz(r.other_block), _xyz(r.other_thread)
-            if other_block == block:
+            if r.other_write == 2:   # a cp.reduce.async.bulk of this block, still in flight
+                other_access = "reduce-add"
+                by = (f"a cp.reduce.async.bulk of this block issued by thread {other}, still in flight (no "
+                      "cp.async.bulk.wait_group of its issuer covers it yet)")
+            elif other_block == block:
                 by = f"thread {other} of the same block in the same barrier phase (no __syncthreads orders them)"
             elif other_block is not None:
                 by = f"block {other_block} thread {other} (blocks of one launch are not ordered; use an atomic)"

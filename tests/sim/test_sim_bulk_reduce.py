@@ -28,13 +28,13 @@ def module():
         return launcher.load_source(text, origin="bulk_reduce.cu", options=o)
 
 
-def _launch(mod, mode):
+def _launch(mod, mode, blocks=BLOCKS):
     rng = np.random.default_rng(5)
-    src = rng.integers(-1000, 1000, size=(BLOCKS, N)).astype(np.float32)
+    src = rng.integers(-1000, 1000, size=(blocks, N)).astype(np.float32)
     ws = rng.integers(-50, 50, size=N).astype(np.float32)
     want = ws.astype(np.float64) + src.astype(np.float64).sum(axis=0)
     with sim.options(arch=90, checked=True) as o:
-        mod.launch(plan("bulk_reduce", BLOCKS, 128, P(src), P(ws, "ws"), i32(N), i32(mode)), o)
+        mod.launch(plan("bulk_reduce", blocks, 128, P(src), P(ws, "ws"), i32(N), i32(mode)), o)
     return ws, want
 
 
@@ -51,6 +51,27 @@ def test_bulk_reduce_faults_are_reported(module, mode, kind, match):
     with pytest.raises(launcher.SimCheckError, match=match) as e:
         _launch(module, mode)
     assert e.value.kind == kind
+
+
+@pytest.mark.parametrize("mode,match", [
+    (3, r"race on ws\[0\].*: read here, reduce-add by a cp.reduce.async.bulk of this block issued by thread "
+        r"\(0, 0, 0\), still in flight"),
+    (4, r"race on ws\[1\].*: write here, reduce-add by a cp.reduce.async.bulk of this block issued by thread "
+        r"\(0, 0, 0\), still in flight"),
+], ids=["issuer-reads-before-its-wait", "other-thread-writes-before-the-wait"])
+def test_plain_access_racing_the_blocks_own_reduce_is_reported(module, mode, match):
+    """One block: a plain access of the workspace while the block's own reduce-add is in flight (the
+    issuer itself before its wait_group, or another thread between barriers around the issue and
+    the wait) is a global race."""
+    with pytest.raises(launcher.SimCheckError, match=match) as e:
+        _launch(module, mode, blocks=1)
+    assert e.value.kind == "global race" and e.value.other_access == "reduce-add"
+    assert e.value.thread == (0 if mode == 3 else 33, 0, 0) and e.value.other_thread == (0, 0, 0)
+
+
+def test_reading_the_sum_after_the_issuers_wait_and_a_barrier_is_clean(module):
+    ws, want = _launch(module, 5, blocks=1)
+    np.testing.assert_array_equal(ws.astype(np.float64), want)
 
 
 def test_bulk_reduce_compiles_for_sm_90a_to_ublkred(cuobjdump):
