@@ -10,7 +10,7 @@ same kernels, with their autograd): see :mod:`cuflash.autodiff`.
 
 __version__ = "0.1.0"
 
-from cuflash import intensity, reference, sim
+from cuflash import intensity, mods, reference, sim
 from cuflash.api.attention import explain
 from cuflash.autodiff import (
     attention,
@@ -25,4 +25,4 @@ from cuflash.kernels.precompile import precompile
 from cuflash.runtime.interop import fp8_view
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
-           "merge_attention", "softmax", "explain", "precompile", "fp8_view", "reference", "intensity", "sim", "__version__"]
+           "merge_attention", "softmax", "explain", "precompile", "fp8_view", "mods", "reference", "intensity", "sim", "__version__"]

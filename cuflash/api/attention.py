@@ -16,7 +16,7 @@ __all__ = ["attention", "explain"]
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
               out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-              alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, q_descale=None, k_descale=None,
+              alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None, q_descale=None, k_descale=None,
               v_descale=None, out_dtype=None):
     """Exact scaled-dot-product attention, ``softmax(softmax_scale * q k^T + mask) v``, fused.
 
@@ -95,6 +95,18 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         Attention sinks (as gpt-oss uses them; OpenAI, gpt-oss model card, 2025): one learned
         logit per head that joins each row's softmax denominator and attends to nothing, so
         ``lse = log(sum_j exp(s_j) + exp(sink))`` and a row with no key gets 0 and ``lse = sink``.
+    score_mod : callable, optional
+        ``score_mod(score, b, h, q_idx, kv_idx) -> new score`` (FlexAttention's form): ``score``
+        the scaled score after softcap, ALiBi and bias, ``b`` the batch index (row-major over
+        the batch axes), ``h`` the query head, ``q_idx``/``kv_idx`` the rows of q and k (from
+        0, no causal offset). Traced once into an expression of a fixed operation set
+        (arithmetic, comparisons, ``where``, ``exp``/``log``/``tanh``/``abs``/``minimum``/
+        ``maximum``, ``//`` and ``%`` on integers, reads of captured arrays by index; see
+        :mod:`cuflash.mods`); anything else is a ``TypeError`` naming the operation. NumPy
+        path only for now (the kernel tiers raise ``NotImplementedError`` naming it).
+    mask_mod : callable, optional
+        ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = attend; joins the causal/window mask
+        and ``attn_mask`` (a row left with no key gets 0 and ``lse = -inf``). Traced likewise.
     q_descale, k_descale, v_descale : float32 arrays ``(B, Hk)``, optional
         fp8 input only (FA3's names and shapes; ``(*batch, Hk)`` with several batch dims): the
         fp8 arrays stand for ``q * q_descale``, ``k * k_descale``, ``v * v_descale``, one factor
@@ -107,8 +119,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     out_dtype : {None, "bfloat16", "float16"}
         The result's dtype for fp8 input (None: bfloat16, FA3's); only with fp8 input.
 
-        The order is: scale, softcap, ALiBi and bias, the masks (causal/window and attn_mask),
-        softmax (with the sink), dropout. On the NumPy path every dtype; float64 input may take
+        The order is: scale, softcap, ALiBi and bias, score_mod, the masks (causal/window,
+        attn_mask and mask_mod), softmax (with the sink), dropout. On the NumPy path every dtype; float64 input may take
         float64 slopes and sinks. On the kernel backends ("sim", "cuda") the Hopper and tensor-core
         tiers' modifier forms run them (float16/bfloat16); float32 (the SIMT tier) and dropout
         together with a modifier raise ``NotImplementedError`` naming the modifier.
@@ -144,7 +156,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         without fp8 input, an ``out_dtype`` other than bfloat16/float16 (``TypeError`` for
         descales that are not float32). (``TypeError`` for slopes
         or sinks that are not float32, a bias not of q's dtype or float32, a mask not bool, or
-        a modifier array of another kind than q.)
+        a modifier array of another kind than q.) ``score_mod``/``mask_mod``: ``TypeError`` for
+        a function that is not traceable (the operation named), the wrong signature, a captured
+        array of an unsupported dtype or another kind than q; ``ValueError`` for a read of a
+        captured array whose index may fall outside it.
     TypeError (gradients)
         An option that has no gradient, given with torch tensors that require grad (named by
         :mod:`cuflash.torch`, e.g. ``out=``, or ``alibi_slopes`` that requires grad).
@@ -196,7 +211,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       return_lse=return_lse, backend=backend,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod),
                       fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     return pipeline.run(FORWARD, (q, k, v, out), options)
 
@@ -239,7 +254,7 @@ def _parse_cc(arch, func: str) -> int:
 
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd", backend="auto",
-            arch=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, q_descale=None,
+            arch=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None, q_descale=None,
             k_descale=None, v_descale=None, out_dtype=None) -> dict:
     """What :func:`attention` would run for these arguments, without running it.
 
@@ -251,7 +266,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     ----------
     q, k, v, causal, softmax_scale, window_size, layout, backend
         As for :func:`attention`.
-    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod
         As for :func:`attention` (validated the same way; a kernel tier that does not take a
         modifier says so, and with none left ``NotImplementedError`` names it).
     q_descale, k_descale, v_descale, out_dtype
@@ -285,7 +300,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
 
     func = "cuflash.explain"
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
-                      backend=backend, modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks),
+                      backend=backend, modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod),
                       fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     host = interop.HostImport(func, FORWARD.names, (q, k, v, None), options)
     q, k, v, _ = host.operands

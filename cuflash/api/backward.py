@@ -12,7 +12,7 @@ __all__ = ["attention_backward"]
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        layout="bhsd", backend="auto", deterministic=False, dropout_p=0.0, dropout_seed=None,
-                       dropout_offset=0, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None,
+                       dropout_offset=0, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
                        return_dbias=False, return_dsinks=False):
     """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` from its output and log-sum-exp.
 
@@ -60,6 +60,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         The forward's score modifiers (see :func:`cuflash.attention`), exactly as it got them.
         Under a softcap, ``dS`` is multiplied by ``1 - tanh^2(s / softcap)`` before it meets q
         and k.
+    score_mod, mask_mod
+        The forward's traced functions (see :func:`cuflash.attention`): ``dS`` is multiplied by
+        the symbolic derivative ``d score_mod / d score`` at the score score_mod received
+        (before the bias gradient is taken and before the softcap's factor); captured arrays get
+        no gradient. At a kink the derivative takes a side (``abs``: 0 at 0; ``minimum``,
+        ``maximum``: a tie goes to the first argument), and a pair whose ``dS`` is 0 (a hidden
+        pair) stays 0 even where the derivative is not finite. NumPy path only for now.
     return_dbias : bool
         Also return ``d attn_bias``: ``dS`` summed over the axes the bias broadcasts over, in
         the bias's own shape and dtype (accumulated in float32, float64 for float64 input, and
@@ -111,7 +118,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       backend=backend, deterministic=deterministic, return_dbias=return_dbias,
                       return_dsinks=return_dsinks, dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod))
     return pipeline.run(BACKWARD, (dout, q, k, v, out, lse), options)
 
 

@@ -32,9 +32,9 @@ Conventions (shared with every cuflash backend)
   (-1 = unbounded); ``causal=True`` sets ``right = 0``.
 * ``lse`` is the natural-log log-sum-exp of the scaled scores of each query row.
 * A query row that sees no key gets output 0 and ``lse = -inf`` (``lse = sink`` with ``sinks``).
-* Score modifiers, in this order after the scale: softcap, ALiBi and ``attn_bias``, the masks
-  (causal/window and ``attn_mask``), the softmax with the sink in its denominator
-  (:mod:`~cuflash.reference.modifiers`); the lse includes the sink.
+* Score modifiers, in this order after the scale: softcap, ALiBi and ``attn_bias``,
+  ``score_mod``, the masks (causal/window, ``attn_mask`` and ``mask_mod``), the softmax with the
+  sink in its denominator (:mod:`~cuflash.reference.modifiers`); the lse includes the sink.
 
 Layout
 ------
@@ -45,7 +45,8 @@ Layout
 :mod:`~cuflash.reference.dropout` (Philox 4x32-10 and the dropout keep mask, :func:`dropout_mask`),
 :mod:`~cuflash.reference.kvcache` (rotary, the KV-cache append and gather, the LSE merge),
 :mod:`~cuflash.reference.modifiers` (softcap, ALiBi, attn_bias, attn_mask and sinks, block by block,
-and their gradients),
+and their gradients), :mod:`~cuflash.reference.score_mods` (traced score_mod/mask_mod evaluated on
+NumPy blocks),
 :mod:`~cuflash.reference.tolerance` (the accuracy rule every backend is held to),
 :mod:`~cuflash.reference.memory` (the working-memory estimate every tiled function checks before it
 allocates, ``CUFLASH_MEMORY_LIMIT``, and the checks that read a broadcast view's distinct elements).

@@ -43,7 +43,7 @@ import numpy as np
 from cuflash.reference.dropout import problem_keep
 from cuflash.reference.masks import masked_matmul, problem_mask, query_range
 from cuflash.reference.memory import all_finite, check_memory, nbytes
-from cuflash.reference.modifiers import BiasGrad, HeadTerms, reduce_bias_grad, sink_grad
+from cuflash.reference.modifiers import BiasGrad, HeadTerms, reduce_bias_grad, scale_grad, sink_grad
 from cuflash.reference.views import (
     canonical,
     check_numpy,
@@ -164,7 +164,7 @@ def _outputs(q, k, v, dtype):
 def attention_backward(
     dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
     dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None,
-    sinks=None, return_dbias=False, return_dsinks=False,
+    sinks=None, score_mod=None, mask_mod=None, return_dbias=False, return_dsinks=False,
 ):
     """Gradients of attention with S, P, dP and dS materialised, in float64: the ground truth.
 
@@ -193,10 +193,11 @@ def attention_backward(
     dropout_p, dropout_seed, dropout_offset
         The forward's dropout: with the mask ``Z`` of :func:`cuflash.reference.dropout_mask`,
         ``dV = (P Z / (1 - p))^T dO`` and ``dS = P (dP Z / (1 - p) - D)``.
-    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod
         The forward's score modifiers (:mod:`cuflash.reference.modifiers` has the gradients:
-        ``dS * (1 - tanh^2)`` under a softcap, ``d attn_bias`` = ``dS`` summed over the
-        broadcast axes, ``d sinks = -sum exp(sink - lse) * D``).
+        ``dS * score_mod'`` through score_mod's symbolic derivative, then ``d attn_bias`` =
+        that summed over the broadcast axes, ``* (1 - tanh^2)`` under a softcap, ``d sinks =
+        -sum exp(sink - lse) * D``).
     return_dbias, return_dsinks : bool
         Also return ``d attn_bias`` (the bias's own shape) and ``d sinks`` (``(Hq,)``).
 
@@ -221,7 +222,7 @@ def attention_backward(
     func = "cuflash.reference.attention_backward"
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, return_dbias=return_dbias,
                       return_dsinks=return_dsinks, dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod))
     p = check_backward(dout, q, k, v, out, lse, options, func=func)
     check_numpy(p)
     dq, dk, dv = _outputs(q, k, v, np.float64)
@@ -246,9 +247,9 @@ def attention_backward(
         rows, cols = np.arange(p.seqlen_q), np.arange(p.seqlen_k)
         mask = problem_mask(p, rows, cols)
         terms = None if mods is None else HeadTerms(p, None, f64)
-        tanh = None
+        chain = None
         if terms is not None:
-            tanh = terms.modify(s, rows, cols)
+            chain = terms.modify(s, rows, cols, grad=True)
             user = terms.keep(rows, cols)
             if user is not None:
                 mask = user if mask is None else mask & user
@@ -257,14 +258,16 @@ def attention_backward(
         dp = dov @ vv.swapaxes(-1, -2)
         keep = problem_keep(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))   # Z / (1 - p), or None
         ds = _grad_ds(probs, dp if keep is None else dp * keep, d_row, pairs)
+        if chain is not None:   # through score_mod: d score_mod / d score
+            ds = scale_grad(ds, chain.mod)
         extra = []
         if return_dbias:
             extra.append(reduce_bias_grad(mods.attn_bias, ds.reshape(mods.attn_bias.shape)))
         if return_dsinks:   # d sink = -sum over batch and rows of exp(sink - lse) * D
             w = np.where(np.isneginf(lv), 0, np.exp(terms.sinks[..., None] - np.where(np.isneginf(lv), 0, lv)))
             extra.append(-(w * d_row).sum(axis=-1).reshape((-1, p.num_heads_q)).sum(axis=0))
-        if tanh is not None:
-            ds = ds * (1 - tanh * tanh)   # through the softcap
+        if chain is not None and chain.cap is not None:   # through the softcap (dbias may be a view of ds)
+            ds = scale_grad(ds.copy(), chain.cap)
         pairs_t = pairs.swapaxes(-1, -2)
         split_heads(canonical(dq, layout), p.num_heads_k)[...] = p.softmax_scale * masked_matmul(ds, kv, pairs)
         canonical(dk, layout)[...] = p.softmax_scale * masked_matmul(ds.swapaxes(-1, -2), qv, pairs_t).sum(axis=-3)
@@ -279,7 +282,7 @@ def attention_backward(
 
 def flash_attention_backward(
     dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-    block_m=None, block_n=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None,
+    block_m=None, block_n=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
     return_dbias=False, return_dsinks=False,
 ):
     """The tiled FlashAttention-2 backward in NumPy: the CPU path of :func:`cuflash.attention_backward`.
@@ -309,7 +312,7 @@ def flash_attention_backward(
     ----------
     dout, q, k, v, out, lse, causal, softmax_scale, window_size, layout
         As :func:`attention_backward`.
-    softcap, alibi_slopes, attn_bias, attn_mask, sinks, return_dbias, return_dsinks
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod, return_dbias, return_dsinks
         As :func:`attention_backward`. ``d attn_bias`` is summed per work item over the bias's
         broadcast axes into a small partial, and the partials are added in a fixed order (the
         work items run in waves of the pool's size for it), so it is bit-identical run to run
@@ -344,7 +347,7 @@ def flash_attention_backward(
     func = "cuflash.reference.flash_attention_backward"
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, return_dbias=return_dbias,
                       return_dsinks=return_dsinks, modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias,
-                                                                             attn_mask, sinks))
+                                                                             attn_mask, sinks, score_mod, mask_mod))
     p = check_backward(dout, q, k, v, out, lse, options, func=func)
     check_numpy(p)
     block_m, block_n = check_block_sizes(block_m, block_n, func)
@@ -521,7 +524,7 @@ def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, 
                         continue
                 s = q_t @ kt.T
                 s *= scale
-                tanh = None if terms is None else terms.modify(s, np.arange(r0, r1), cols, stacked=True)
+                chain = None if terms is None else terms.modify(s, np.arange(r0, r1), cols, stacked=True, grad=True)
                 probs, pairs = _probs_and_pairs(s, lse_h[r0:r1].reshape(rows), mask)
                 pairs_t = pairs.T
                 keep = problem_keep(p, np.arange(r0, r1), cols, head_index)   # dropout: Z / (1 - p)
@@ -532,12 +535,12 @@ def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, 
                 if keep is not None:
                     dp *= keep
                 ds = _grad_ds(probs, dp, d_row[r0:r1].reshape(rows), pairs)
+                if chain is not None:   # through score_mod: d score_mod / d score
+                    scale_grad(ds, chain.mod)
                 if dbias is not None:
                     bias_grad.add(dbias, ds, r0, r1, c0 - k0, c1 - k0)
-                if tanh is not None:   # through the softcap: d tanh-capped / d s = 1 - tanh^2
-                    tanh *= tanh
-                    np.subtract(1, tanh, out=tanh)
-                    ds *= tanh
+                if chain is not None:   # through the softcap: d tanh-capped / d s = 1 - tanh^2
+                    scale_grad(ds, chain.cap)
                 ds *= scale
                 dq_acc[r0:r1].reshape(rows, p.head_dim)[...] += (
                     masked_matmul(ds, kt, pairs) if not finite["k"] else ds @ kt)

@@ -37,7 +37,7 @@ __all__ = ["naive_attention", "flash_attention", "naive_rows", "cpu_tiles", "for
 
 def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
                     dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0, alibi_slopes=None, attn_bias=None,
-                    attn_mask=None, sinks=None):
+                    attn_mask=None, sinks=None, score_mod=None, mask_mod=None):
     """Attention with S and P materialised, in float64: the ground truth.
 
     ``out = softmax(softmax_scale * q @ k^T + mask) @ v``, computed entirely in float64
@@ -62,9 +62,11 @@ def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     dropout_p, dropout_seed, dropout_offset
         Attention dropout with the mask of :func:`cuflash.reference.dropout_mask` (P after the
         softmax times ``Z / (1 - p)``; the LSE is the undropped softmax's).
-    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod
         The score modifiers, as :func:`cuflash.attention` takes them (scale, softcap, ALiBi and
-        bias, mask, softmax with the sink in the denominator; the lse includes the sink).
+        bias, score_mod, the masks with mask_mod, softmax with the sink in the denominator; the
+        lse includes the sink). score_mod and mask_mod are evaluated over the whole ``(Sq,
+        Sk)`` grid of every head, in float64 (:mod:`cuflash.reference.score_mods`).
 
     Returns
     -------
@@ -82,7 +84,7 @@ def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     """
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, return_lse=return_lse,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod))
     p = check_attention(q, k, v, options, func="cuflash.reference.naive_attention", max_head_dim=None)
     check_numpy(p)
     out = np.zeros(p.out_shape, dtype=np.float64)
@@ -181,7 +183,7 @@ def naive_rows(p: AttentionProblem, q, k, v, rows, round_to=None, *, p_round_to=
 
 def flash_attention(
     q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
-    block_m=None, block_n=None, out=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None,
+    block_m=None, block_n=None, out=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
 ):
     """The tiled FlashAttention forward in NumPy: the CPU path of :func:`cuflash.attention`.
 
@@ -214,10 +216,11 @@ def flash_attention(
     ----------
     q, k, v, causal, softmax_scale, window_size, return_lse, layout
         As :func:`naive_attention`; head dims are not limited here.
-    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod
         The score modifiers, as :func:`cuflash.attention` takes them; a bias or mask is read one
-        ``(G * Br) x Bc`` block at a time from its (stride-0 broadcast) view, and a key tile that
-        attn_mask hides from every row of the query tile is skipped.
+        ``(G * Br) x Bc`` block at a time from its (stride-0 broadcast) view, score_mod and
+        mask_mod are evaluated on the same blocks, and a key tile that attn_mask or mask_mod
+        hides from every row of the query tile is skipped.
     block_m, block_n : int, optional
         Query rows (Br) and key rows (Bc) per tile, >= 1; None (default) picks them for the
         cache (:func:`cpu_tiles`: Bc = 512, or 256 above head dim 128, more keys when the
@@ -249,7 +252,7 @@ def flash_attention(
     """
     func = "cuflash.reference.flash_attention"
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, return_lse=return_lse,
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks))
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod))
     p = check_attention(q, k, v, options, func=func, out=out, max_head_dim=None)
     check_numpy(p)
     block_m, block_n = check_block_sizes(block_m, block_n, func)

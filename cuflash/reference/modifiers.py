@@ -1,7 +1,7 @@
-"""The score modifiers on the NumPy paths: softcap, ALiBi, attn_bias, attn_mask, sinks.
+"""The score modifiers on the NumPy paths: softcap, ALiBi, attn_bias, attn_mask, sinks, score_mod, mask_mod.
 
 The convention is :mod:`cuflash.runtime.validation_modifiers`'s (docs/conventions.md, "Score modifiers"): scale, softcap,
-ALiBi and bias, mask, softmax with the sink in the denominator. :class:`HeadTerms` gives the
+ALiBi and bias, score_mod, mask (causal/window, attn_mask, mask_mod), softmax with the sink in the denominator. :class:`HeadTerms` gives the
 modifiers of one kv head (its ``G`` query heads) or of the whole problem, block by block: a
 broadcast bias or mask is a stride-0 view of the argument, and only the block a tile needs is
 ever read (and converted to the accumulation type). :class:`BiasGrad` sums ``dS`` blocks over
@@ -10,8 +10,10 @@ the bias's broadcast axes into a buffer of the bias's own shape.
 Gradients (``s`` the scaled score, ``t = tanh(s / softcap)``, ``dS = P * (dP - D)`` the
 gradient of the final score, ``D = rowsum(dO * O)``)::
 
-    d attn_bias = dS, summed over the axes the bias broadcasts over
-    d s         = dS * (1 - t**2)                       (softcap; dS itself without it)
+    dS'         = dS * score_mod'(s')                   (s' the score score_mod received; the
+                                                          symbolic derivative, cuflash.runtime.score_mod)
+    d attn_bias = dS', summed over the axes the bias broadcasts over
+    d s         = dS' * (1 - t**2)                      (softcap; dS' itself without it)
     d sinks[h]  = -sum over batch and rows of exp(sinks[h] - lse) * D
 
 (the last because ``lse`` is the only place a sink enters: ``d lse / d sink = exp(sink - lse)``,
@@ -22,11 +24,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from cuflash.reference.score_mods import ModTerms
 from cuflash.reference.views import split_heads
 from cuflash.runtime.validation import AttentionProblem
 from cuflash.runtime.validation_modifiers import BroadcastArray
 
-__all__ = ["broadcast_view", "HeadTerms", "BiasGrad", "stack_rows", "sink_grad"]
+__all__ = ["broadcast_view", "HeadTerms", "ScoreGrad", "BiasGrad", "stack_rows", "sink_grad", "scale_grad"]
 
 
 def broadcast_view(b: BroadcastArray) -> np.ndarray:
@@ -56,8 +59,9 @@ class HeadTerms:
 
     def __init__(self, p: AttentionProblem, h=None, acc_t=np.float64):
         m = p.modifiers
-        self.p, self.acc_t = p, np.dtype(acc_t)
+        self.p, self.acc_t, self.h = p, np.dtype(acc_t), h
         self.softcap = m.softcap
+        self.mods = None if m.score_mod is None and m.mask_mod is None else ModTerms(m.score_mod, m.mask_mod)
         hk, g = p.num_heads_k, p.group_size
         lead = (...,) if h is None else tuple(h)
         self.slopes = self.bias = self.mask = self.sinks = None
@@ -78,20 +82,43 @@ class HeadTerms:
             return x[..., r, :][..., c]
         return x[..., r[:, None], c[None, :]]
 
-    def modify(self, s: np.ndarray, rows, cols, stacked: bool = False):
-        """Softcap, ALiBi and bias applied to the scaled scores ``s`` in place (``(G, R, n)`` or,
-        with ``stacked``, ``(R * G, n)``); returns ``tanh(s / softcap)`` (before the cap) for the
-        backward, or None without a softcap."""
-        t = None
+    def modify(self, s: np.ndarray, rows, cols, stacked: bool = False, grad: bool = False):
+        """Softcap, ALiBi, bias and score_mod applied to the scaled scores ``s`` in place
+        (``(G, R, n)`` or, with ``stacked``, ``(R * G, n)``; ``(*batch, Hk, G, R, n)`` for every
+        head); with ``grad``, returns the :class:`ScoreGrad` of the block for the backward."""
+        cap = None
         if self.softcap > 0:
             s /= self.softcap
             np.tanh(s, out=s)
-            t = s.copy()
+            if grad:   # d (softcap * tanh(s / softcap)) / d s = 1 - tanh**2
+                cap = 1 - s * s
             s *= self.softcap
         add = self.additive(rows, cols)
         if add is not None:
             s += stack_rows(add) if stacked else add
-        return t
+        mod = None
+        if self.mods is not None and self.mods.score_mod is not None:
+            mod = self.mods.modify(s, self.mod_index(rows, cols, stacked), want_grad=grad)
+        return ScoreGrad(mod, cap) if grad else None
+
+    def mod_index(self, rows, cols, stacked: bool = False) -> dict:
+        """The ``b``, ``h``, ``q_idx``, ``kv_idx`` arguments of score_mod/mask_mod for a block
+        (int64 arrays broadcastable to it); ``b`` is the row-major linear batch index, ``h``
+        the query head."""
+        p, g = self.p, self.p.group_size
+        rows, cols = np.asarray(rows, np.int64), np.asarray(cols, np.int64)
+        if self.h is None:   # (*batch, Hk, G, R, n)
+            b = np.arange(int(np.prod(p.batch_shape, dtype=np.int64)), dtype=np.int64).reshape(
+                tuple(p.batch_shape) + (1, 1, 1, 1))
+            h = np.arange(p.num_heads_q, dtype=np.int64).reshape(p.num_heads_k, g, 1, 1)
+            return {"b": b, "h": h, "q_idx": rows[:, None], "kv_idx": cols[None, :]}
+        *bidx, hk = self.h
+        b = np.int64(np.ravel_multi_index(tuple(bidx), p.batch_shape)) if bidx else np.int64(0)
+        heads = hk * g + np.arange(g, dtype=np.int64)
+        if stacked:   # row r * G + g
+            return {"b": b, "h": np.tile(heads, len(rows))[:, None], "q_idx": np.repeat(rows, g)[:, None],
+                    "kv_idx": cols[None, :]}
+        return {"b": b, "h": heads[:, None, None], "q_idx": rows[None, :, None], "kv_idx": cols[None, None, :]}
 
     def additive(self, rows, cols):
         """ALiBi plus bias for the block, in the accumulation type, or None."""
@@ -106,15 +133,49 @@ class HeadTerms:
         return add
 
     def keep(self, rows, cols, stacked: bool = False):
-        """attn_mask's block (True = attend), or None without a mask."""
-        if self.mask is None:
-            return None
-        k = self._block(self.mask, rows, cols)
-        return stack_rows(k) if stacked else k
+        """attn_mask's block and mask_mod's (True = attend), or None without either."""
+        k = None
+        if self.mask is not None:
+            k = self._block(self.mask, rows, cols)
+            k = stack_rows(k) if stacked else k
+        if self.mods is not None and self.mods.mask_mod is not None:
+            shape = self._shape(len(rows), len(cols), stacked)
+            user = self.mods.keep(self.mod_index(rows, cols, stacked), shape)
+            k = user if k is None else k & user
+        return k
+
+    def _shape(self, r: int, n: int, stacked: bool) -> tuple:
+        p, g = self.p, self.p.group_size
+        if self.h is None:
+            return tuple(p.batch_shape) + (p.num_heads_k, g, r, n)
+        return (r * g, n) if stacked else (g, r, n)
 
     def stacked_sinks(self, rows: int):
         """The sinks of the stacked ``(rows * G,)`` rows, or None."""
         return None if self.sinks is None else np.tile(self.sinks, rows)
+
+
+class ScoreGrad:
+    """The chain factors of one block's modified scores, for the backward.
+
+    Attributes
+    ----------
+    mod : array or None
+        ``d score_mod / d score`` at the score score_mod received (None: 1, or no score_mod).
+    cap : array or None
+        ``1 - tanh(s / softcap)**2`` (None: no softcap).
+    """
+
+    def __init__(self, mod, cap):
+        self.mod, self.cap = mod, cap
+
+
+def scale_grad(ds: np.ndarray, factor) -> np.ndarray:
+    """``ds * factor`` in place where ``ds != 0`` (a pair with no gradient keeps 0 even where the
+    factor is not finite, e.g. a masked pair's); ``factor`` None is 1."""
+    if factor is not None:
+        np.multiply(ds, factor, out=ds, where=ds != 0)
+    return ds
 
 
 def join_sinks(m, l, acc, sinks):

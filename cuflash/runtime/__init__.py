@@ -11,7 +11,9 @@ kernel source text and the CUDA runner.
   :class:`cuflash.sim.device.SimDevice`;
 * :mod:`~cuflash.runtime.validation`: argument checks done from metadata before any work
   (:class:`~cuflash.runtime.validation.AttentionProblem`); :mod:`~cuflash.runtime.validation_modifiers`
-  the score modifiers' (softcap, ALiBi, bias, mask, sinks: ``AttentionProblem.modifiers``);
+  the score modifiers' (softcap, ALiBi, bias, mask, sinks, score_mod, mask_mod:
+  ``AttentionProblem.modifiers``); :mod:`~cuflash.runtime.score_mod` traces ``score_mod`` and
+  ``mask_mod`` into an expression tree (its canonical text, derivative and index ranges);
 * :mod:`~cuflash.runtime.variants`: the base of kernel variants (compile-time axes);
 * :mod:`~cuflash.runtime.plan`: launch plans, shared by the CUDA runner and the simulator;
 * :mod:`~cuflash.runtime.paths` and :mod:`~cuflash.runtime.source`: finding ``kernels_cu/`` and

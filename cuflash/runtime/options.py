@@ -69,14 +69,17 @@ class DropoutOptions(_MapsArrays):
 
 @dataclasses.dataclass(frozen=True)
 class ModifierOptions(_MapsArrays):
-    """The score modifiers as given: ``softcap`` and the arrays ``alibi_slopes``, ``attn_bias``,
-    ``attn_mask``, ``sinks`` (see :func:`cuflash.attention`)."""
+    """The score modifiers as given: ``softcap``, the arrays ``alibi_slopes``, ``attn_bias``,
+    ``attn_mask``, ``sinks``, and the functions ``score_mod`` and ``mask_mod`` (see
+    :func:`cuflash.attention`)."""
 
     softcap: Any = 0.0
     alibi_slopes: Any = _array(SAME_KIND)
     attn_bias: Any = _array(SAME_KIND)
     attn_mask: Any = _array(SAME_KIND)
     sinks: Any = _array(SAME_KIND)
+    score_mod: Any = None
+    mask_mod: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Validation of the score modifiers: ``softcap``, ``alibi_slopes``, ``attn_bias``, ``attn_mask``, ``sinks``.
+"""Validation of the score modifiers: ``softcap``, ``alibi_slopes``, ``attn_bias``, ``attn_mask``, ``sinks``,
+``score_mod`` and ``mask_mod``.
 
 The convention (docs/conventions.md, "Score modifiers"), in the order a backend applies it to the scores ``s`` of query
 row ``i`` and key ``j`` of batch ``b`` and query head ``h``::
@@ -7,15 +8,18 @@ row ``i`` and key ``j`` of batch ``b`` and query head ``h``::
     s = softcap * tanh(s / softcap)                 softcap > 0 (Gemma 2)
     s = s - alibi_slopes[b, h] * |i + Sk - Sq - j|  (ALiBi, Press et al. 2022; bottom-right aligned)
     s = s + attn_bias[b, h, i, j]
-    s = -inf where the causal/window mask or attn_mask[b, h, i, j] hides the pair
+    s = score_mod(s, b, h, i, j)                    (a traced function, cuflash.runtime.score_mod)
+    s = -inf where the causal/window mask, attn_mask[b, h, i, j] or not mask_mod(b, h, i, j) hides the pair
     lse_i = log(sum_j exp(s_ij) + exp(sinks[h]))    (the sink attends to nothing: its value is 0)
 
 :func:`check_modifiers` turns the arguments into one :class:`Modifiers` (None when none is
 given, so an unmodified call's path does not change). Every array is described by a
 :class:`BroadcastArray`: the argument as given, its own metadata, and the element strides that
 view it in the shape the kernels index (stride 0 on a broadcast axis), so a broadcast bias is
-read tile by tile and never materialised. Imports: :mod:`cuflash.runtime.interop` and
-:mod:`cuflash.runtime.dtypes` only. Nothing here reads array data.
+read tile by tile and never materialised. ``score_mod`` and ``mask_mod`` are traced here
+(:func:`cuflash.runtime.score_mod.trace`), their captured arrays checked for kind, device and
+index range. Imports: :mod:`cuflash.runtime.interop`, :mod:`cuflash.runtime.dtypes` and
+:mod:`cuflash.runtime.score_mod` only. Nothing here reads array data.
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ import numbers
 import numpy as np
 
 from cuflash.runtime import dtypes
+from cuflash.runtime import score_mod as tracing
 from cuflash.runtime.interop import ArrayInfo, describe
 
 __all__ = ["BroadcastArray", "Modifiers", "check_modifiers", "MODIFIER_NAMES", "first_modifier", "refuse_modifiers"]
 
 #: the modifier arguments, in the order of the convention
-MODIFIER_NAMES = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks")
+MODIFIER_NAMES = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks", "score_mod", "mask_mod")
+#: those that are arrays
+ARRAY_MODIFIERS = ("alibi_slopes", "attn_bias", "attn_mask", "sinks")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -97,6 +104,9 @@ class Modifiers:
         Shape ``(*batch, Hq, Sq, Sk)``; bool, True = attend.
     sinks : BroadcastArray or None
         Shape ``(Hq,)``; float32 (float64 allowed with float64 q).
+    score_mod, mask_mod : TracedMod or None
+        The traced functions (:mod:`cuflash.runtime.score_mod`); their captured arrays are of
+        q's kind and device, and every read stays inside its array.
     """
 
     softcap: float = 0.0
@@ -104,6 +114,8 @@ class Modifiers:
     attn_bias: BroadcastArray | None = None
     attn_mask: BroadcastArray | None = None
     sinks: BroadcastArray | None = None
+    score_mod: tracing.TracedMod | None = None
+    mask_mod: tracing.TracedMod | None = None
 
     @property
     def present(self) -> tuple:
@@ -116,7 +128,7 @@ class Modifiers:
         shapes and element strides stay those validated."""
         return dataclasses.replace(self, **{
             n: dataclasses.replace(b, array=convert(b.array))
-            for n in MODIFIER_NAMES[1:] if (b := getattr(self, n)) is not None})
+            for n in ARRAY_MODIFIERS if (b := getattr(self, n)) is not None})
 
 
 def first_modifier(problem, allowed=()) -> str | None:
@@ -201,6 +213,13 @@ def check_modifiers(func: str, q: ArrayInfo, batch_shape: tuple, num_heads_q: in
         A non-real or bool ``softcap``; slopes or sinks not float32 (float64 too with float64 q);
         a bias not of q's dtype or float32; a mask that is not bool; an array of another kind
         than q.
+    TypeError (traced functions)
+        ``score_mod``/``mask_mod`` not traceable (the operation is named; see
+        :mod:`cuflash.runtime.score_mod`), a captured array of an unsupported dtype or of
+        another kind than q.
+    ValueError (traced functions)
+        A captured array read with an index that may fall outside it (the array, axis and range
+        are named).
     ValueError
         A negative or non-finite ``softcap``; slopes not ``(Hq,)`` or ``(*batch, Hq)``; sinks not
         ``(Hq,)``; a bias or mask that does not broadcast to ``(*batch, Hq, Sq, Sk)`` (both shapes
@@ -209,7 +228,8 @@ def check_modifiers(func: str, q: ArrayInfo, batch_shape: tuple, num_heads_q: in
     m = modifiers
     softcap, alibi_slopes, attn_bias, attn_mask, sinks = m.softcap, m.alibi_slopes, m.attn_bias, m.attn_mask, m.sinks
     cap = _check_real(softcap, "softcap", func)
-    if cap == 0 and alibi_slopes is None and attn_bias is None and attn_mask is None and sinks is None:
+    if (cap == 0 and alibi_slopes is None and attn_bias is None and attn_mask is None and sinks is None
+            and m.score_mod is None and m.mask_mod is None):
         return None
     batch = tuple(batch_shape)
     hq = num_heads_q
@@ -238,4 +258,19 @@ def check_modifiers(func: str, q: ArrayInfo, batch_shape: tuple, num_heads_q: in
                             f"attn_mask.dtype={info.dtype_name}; for an additive mask pass attn_bias")
         mask = BroadcastArray("attn_mask", attn_mask, info, bias_target,
                               _broadcast(info, "attn_mask", bias_target, bias_name, func))
-    return Modifiers(cap, slopes, bias, mask, sink)
+    extents = {"b": math.prod(batch), "h": hq, "q_idx": seqlen_q, "kv_idx": seqlen_k}
+    traced = [None if fn is None else _check_traced(tracing.trace(fn, role, func), func, q, extents)
+              for fn, role in ((m.score_mod, "score_mod"), (m.mask_mod, "mask_mod"))]
+    return Modifiers(cap, slopes, bias, mask, sink, *traced)
+
+
+def _check_traced(traced: tracing.TracedMod, func: str, q: ArrayInfo, extents: dict) -> tracing.TracedMod:
+    """A traced function's captured arrays: q's kind and device, no negative strides, every read
+    inside its array (:func:`cuflash.runtime.score_mod.check_reads`)."""
+    for name, arr in zip(traced.names, traced.arrays):
+        info = _describe_like_q(arr, f"{traced.role}'s captured array {name!r}", func, q)
+        if info.dtype_name in ("float64", "int64") and q.kind != "numpy":
+            raise TypeError(f"{func}: {traced.role}'s captured array {name!r} is {info.dtype_name}; the kernels take "
+                            f"float32, int32 and bool captured arrays (float64/int64 on the NumPy path only)")
+    tracing.check_reads(traced, extents, func)
+    return traced

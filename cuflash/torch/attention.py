@@ -248,8 +248,8 @@ def _attention_out_fake(q, k, v, out, causal, softmax_scale, window_left, window
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
               out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-              alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, deterministic=False, q_descale=None,
-              k_descale=None, v_descale=None, out_dtype=None):
+              alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
+              deterministic=False, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Differentiable exact attention, ``softmax(softmax_scale * q k^T + mask) v``, for torch tensors.
 
     Every parameter of :func:`cuflash.attention` with its name, default and meaning, plus
@@ -308,6 +308,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         the backward when they require grad (``d attn_bias`` summed over the axes it broadcasts
         over). The backward computes no gradient for ``alibi_slopes``: slopes that require grad
         raise ``TypeError`` (pass ``alibi_slopes.detach()``).
+    score_mod, mask_mod : callable, optional
+        Not through autograd yet: given, they raise ``NotImplementedError`` before any work.
+        :func:`cuflash.attention` takes them for arrays that carry no gradient (NumPy path).
     deterministic : bool
         The backward's: bit-identical gradients run to run on the kernel backends (no atomics in
         the dQ sum; a float32 workspace of up to 16 copies of dq and a slower backward, see
@@ -336,8 +339,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         A meta tensor; an unknown backend or one that would move data; as :func:`cuflash.attention`.
     NotImplementedError
         Tensors on devices other than CPU and CUDA; as :func:`cuflash.attention` (float64 on a
-        kernel backend, a call without a kernel).
+        kernel backend, a call without a kernel); ``score_mod`` or ``mask_mod`` given.
     """
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None:
+            raise NotImplementedError(f"{_FUNC}: {name} does not run through torch autograd yet; call "
+                                      f"cuflash.attention on arrays that carry no gradient (NumPy, or tensors "
+                                      f"that do not require grad) to use it")
     mods = {"alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "attn_mask": attn_mask, "sinks": sinks}
     fp8 = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "out_dtype": out_dtype}
     if _is_fp8(q, fp8):
