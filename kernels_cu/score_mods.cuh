@@ -1,8 +1,8 @@
 // cuflash: the score modifiers of docs/conventions.md, "Score modifiers" on the device, shared by the kernels' CUFLASH_MODS
 // variants (a call with no modifier runs the variants without them, whose code is unchanged).
 //
-// Order (docs/conventions.md, "Score modifiers"): scale, softcap, ALiBi and the additive bias, the boolean mask (then the
-// causal / window mask, then the softmax). Every modifier is a run-time argument, off when its
+// Order (docs/conventions.md, "Score modifiers"): scale, softcap, ALiBi and the additive bias, a traced score_mod, the
+// boolean mask and a traced mask_mod (then the causal / window mask, then the softmax). Every modifier is a run-time argument, off when its
 // value says so (softcap 0, a null pointer):
 //   softcap  s <- softcap * tanh(s / softcap)                         (Gemma 2, Riviere et al. 2024)
 //   ALiBi    s <- s - slope(b, h) * |i + Sk - Sq - j|                 (Press et al. 2022, bottom-right)
@@ -21,6 +21,52 @@
 #define CUFLASH_MODS 0
 #endif
 
+// A traced score_mod / mask_mod (cuflash/runtime/score_mod.py) as one more compile-time choice:
+// CUFLASH_USER_MOD bit 1 defines CUFLASH_SCORE_MOD(score, b, h, q_idx, kv_idx, A), bit 2
+// CUFLASH_MASK_MOD(b, h, q_idx, kv_idx, A), each one C expression emitted from the traced tree
+// (the variant's prelude; its name carries a hash of the two). `score` is in natural units (the
+// scaled score after softcap, ALiBi and bias), b the flattened batch index, h the query head,
+// q_idx / kv_idx the row of q and of k; their captured arrays are run-time arguments (A.p[n]
+// with element strides A.s[n][axis]), so new values need no new compile.
+#ifndef CUFLASH_USER_MOD
+#define CUFLASH_USER_MOD 0
+#endif
+#if CUFLASH_USER_MOD
+#define CUFLASH_LN2 0.6931471805599453f
+struct UserArrays {
+    const void* p[4];
+    long long s[4][3];
+    long long batch0;   // the launch's first batch in the flattened batch index
+};
+// Python's floor division and modulo, and NumPy's NaN-propagating minimum / maximum.
+__device__ __forceinline__ long long cuflash_floordiv_ll(long long a, long long b) {
+    const long long q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ long long cuflash_mod_ll(long long a, long long b) {
+    const long long r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+__device__ __forceinline__ long long cuflash_abs_ll(long long a) { return a < 0 ? -a : a; }
+__device__ __forceinline__ long long cuflash_min_ll(long long a, long long b) { return a < b ? a : b; }
+__device__ __forceinline__ long long cuflash_max_ll(long long a, long long b) { return a > b ? a : b; }
+__device__ __forceinline__ float cuflash_min_f(float a, float b) { return (a != a || b != b) ? a + b : fminf(a, b); }
+__device__ __forceinline__ float cuflash_max_f(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+#define CUFLASH_USER_PARAMS                                                                                       \
+    , const void* __restrict__ user_a0, const void* __restrict__ user_a1, const void* __restrict__ user_a2,        \
+        const void* __restrict__ user_a3, long long user_s00, long long user_s01, long long user_s02,              \
+        long long user_s10, long long user_s11, long long user_s12, long long user_s20, long long user_s21,         \
+        long long user_s22, long long user_s30, long long user_s31, long long user_s32, long long user_batch0
+#define CUFLASH_USER_INIT                                                                                         \
+    , UserArrays{{user_a0, user_a1, user_a2, user_a3},                                                            \
+                 {{user_s00, user_s01, user_s02}, {user_s10, user_s11, user_s12}, {user_s20, user_s21, user_s22},   \
+                  {user_s30, user_s31, user_s32}},                                                                \
+                 user_batch0}
+#else
+#define CUFLASH_USER_PARAMS
+#define CUFLASH_USER_INIT
+#endif
+
 // The kernel parameters of the modifiers (appended to an entry's signature in CUFLASH_MODS
 // variants). mod_flags says which are on: 1 ALiBi, 2 bias, 4 mask, 8 sinks (the pointers of the
 // others point at an empty array and are never read); softcap 0 is off.
@@ -30,7 +76,8 @@
         const void* __restrict__ attn_bias, int bias_f32, long long bias_batch_stride,                      \
         long long bias_head_stride, long long bias_row_stride, long long bias_col_stride,                   \
         const unsigned char* __restrict__ attn_mask, long long mask_batch_stride, long long mask_head_stride, \
-        long long mask_row_stride, long long mask_col_stride, const float* __restrict__ sinks, long long sinks_stride
+        long long mask_row_stride, long long mask_col_stride, const float* __restrict__ sinks,                    \
+        long long sinks_stride CUFLASH_USER_PARAMS
 
 #define CUFLASH_MODS_INIT                                                                                  \
     ScoreMods{softcap * CUFLASH_LOG2E, (mod_flags & 1) ? alibi_slopes : nullptr, alibi_batch_stride,      \
@@ -39,7 +86,7 @@
               {bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride},                      \
               (mod_flags & 4) ? attn_mask : nullptr,                                                        \
               {mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride},                      \
-              (mod_flags & 8) ? sinks : nullptr, sinks_stride}
+              (mod_flags & 8) ? sinks : nullptr, sinks_stride CUFLASH_USER_INIT}
 
 struct ScoreMods {
     float cap;                       // softcap * log2 e (0: off)
@@ -52,6 +99,9 @@ struct ScoreMods {
     long long mask_s[4];
     const float* sinks;              // sink of head h at sinks[h * sinks_s]; null: off
     long long sinks_s;
+#if CUFLASH_USER_MOD
+    UserArrays user;                 // the traced functions' captured arrays
+#endif
 };
 
 // One (batch, head)'s share of the modifiers: pointers moved to the head, the slope in log2 units.
@@ -59,6 +109,10 @@ struct HeadMods {
     float cap, slope;                // softcap * log2 e (0: off); slope * log2 e (0: no ALiBi)
     const void* bias;
     const unsigned char* mask;
+#if CUFLASH_USER_MOD
+    long long b;                     // the flattened batch index and the query head, for the traced functions
+    int h;
+#endif
 };
 
 template <class T>
@@ -71,6 +125,10 @@ __device__ __forceinline__ HeadMods head_mods(const ScoreMods& m, long long b, i
                      : m.bias_f32 ? static_cast<const void*>(static_cast<const float*>(m.bias) + bo)
                                   : static_cast<const void*>(static_cast<const T*>(m.bias) + bo);
     r.mask = m.mask ? m.mask + b * m.mask_s[0] + h * m.mask_s[1] : nullptr;
+#if CUFLASH_USER_MOD
+    r.b = m.user.batch0 + b;
+    r.h = h;
+#endif
     return r;
 }
 
@@ -100,6 +158,12 @@ __device__ __forceinline__ float mod_score(const ScoreMods& m, const HeadMods& h
         x += (m.bias_f32 ? static_cast<const float*>(hm.bias)[off] : to_float(static_cast<const T*>(hm.bias)[off])) *
              CUFLASH_LOG2E;
     }
+#if CUFLASH_USER_MOD & 1
+    x = CUFLASH_SCORE_MOD(x * CUFLASH_LN2, hm.b, hm.h, i, j, m.user) * CUFLASH_LOG2E;
+#endif
+#if CUFLASH_USER_MOD & 2
+    if (!CUFLASH_MASK_MOD(hm.b, hm.h, i, j, m.user)) x = CUFLASH_NEG_INF;
+#endif
     if (!mask_keeps(m, hm, i, j)) x = CUFLASH_NEG_INF;
     return x;
 }

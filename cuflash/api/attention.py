@@ -102,8 +102,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         0, no causal offset). Traced once into an expression of a fixed operation set
         (arithmetic, comparisons, ``where``, ``exp``/``log``/``tanh``/``abs``/``minimum``/
         ``maximum``, ``//`` and ``%`` on integers, reads of captured arrays by index; see
-        :mod:`cuflash.mods`); anything else is a ``TypeError`` naming the operation. NumPy
-        path only for now (the kernel tiers raise ``NotImplementedError`` naming it).
+        :mod:`cuflash.mods`); anything else is a ``TypeError`` naming the operation. Runs on
+        the NumPy path and in the tensor-core forward (float16/bfloat16; compiled once per
+        canonical text, the captured arrays passed at run time: at most 4, float32, int32 or
+        bool, of at most 3 axes); other tiers raise ``NotImplementedError`` naming it.
     mask_mod : callable, optional
         ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = attend; joins the causal/window mask
         and ``attn_mask`` (a row left with no key gets 0 and ``lse = -inf``). Traced likewise.

@@ -22,7 +22,7 @@ import numpy as np
 
 from cuflash.kernels import forward_run
 from cuflash.kernels import launch_args as la
-from cuflash.runtime import plan, variants
+from cuflash.runtime import plan, score_mod, variants
 from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 #: head-dim buckets: a variant serves every ``max(D, Dv)`` (a multiple of 8) up to its bucket
@@ -74,6 +74,8 @@ TWO_FRAGMENT_MAX_BUCKET = 128
 MIN_BLOCKS = 2
 #: the score modifiers the kernel takes (its ``mods`` forms; kernels_cu/score_mods.cuh)
 MODIFIERS = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks")
+#: and the traced functions (the ``mods`` forms with ``score_c``/``mask_c``: CUFLASH_USER_MOD)
+USER_MODIFIERS = ("score_mod", "mask_mod")
 #: bytes every row (and base address) must be aligned to (fresh outputs are allocated so)
 ALIGN_BYTES = 16
 
@@ -96,6 +98,10 @@ class AttentionFwdMma(variants.TileVariant):
     """
 
     kvcache: bool = dataclasses.field(default=False, kw_only=True)
+    #: a traced score_mod / mask_mod as CUDA C expressions (:func:`cuflash.runtime.score_mod.emit_c`;
+    #: "" for none): a compile-time axis of the ``mods`` forms, named by a hash of the two
+    score_c: str = dataclasses.field(default="", kw_only=True)
+    mask_c: str = dataclasses.field(default="", kw_only=True)
 
     family: ClassVar[str] = "attn_fwd_mma"
     source: ClassVar[str] = "attention_fwd_mma.cu"
@@ -108,6 +114,11 @@ class AttentionFwdMma(variants.TileVariant):
         if self.block_m % rows or not 1 <= self.block_m // rows <= 16 or self.block_n % 16 or self.block_n <= 0:
             raise ValueError(f"AttentionFwdMma: tile ({self.block_m}, {self.block_n}) must be a multiple of {rows} rows "
                              f"({rows} per warp, <= 16 warps) by a multiple of 16 keys")
+
+    @property
+    def user_mod(self) -> int:
+        """CUFLASH_USER_MOD: bit 1 a traced score_mod, bit 2 a traced mask_mod."""
+        return (1 if self.score_c else 0) | (2 if self.mask_c else 0)
 
     @property
     def rows_per_warp(self) -> int:
@@ -141,16 +152,31 @@ class AttentionFwdMma(variants.TileVariant):
 
     @property
     def name(self) -> str:
-        return super().name + ("_kvcache" if self.kvcache else "")
+        return super().name + ("_kvcache" if self.kvcache else "") + self._user_suffix()
+
+    def _user_suffix(self) -> str:
+        """``_um`` and 16 hex digits of a hash of the traced functions' C (none without them)."""
+        if not self.user_mod:
+            return ""
+        import hashlib
+
+        return "_um" + hashlib.sha256(f"{self.score_c}\n{self.mask_c}".encode()).hexdigest()[:16]
 
     def defines(self) -> tuple[tuple[str, str], ...]:
+        user = ()
+        if self.user_mod:
+            user = (("CUFLASH_USER_MOD", str(self.user_mod)),)
+            if self.score_c:
+                user += (("CUFLASH_SCORE_MOD(score, b, h, q_idx, kv_idx, A)", self.score_c),)
+            if self.mask_c:
+                user += (("CUFLASH_MASK_MOD(b, h, q_idx, kv_idx, A)", self.mask_c),)
         return super().defines() + (
             ("CUFLASH_KVCACHE", "1" if self.kvcache else "0"),
             ("CUFLASH_BF16", "1" if self.dtype == "bf16" else "0"),
             ("CUFLASH_M_FRAGS", str(self.rows_per_warp // 16)),
             ("CUFLASH_STAGES", str(self.stages)),
             ("CUFLASH_MIN_BLOCKS", str(MIN_BLOCKS)),
-        )
+        ) + user
 
     def describe(self) -> str:
         return (f"{self.entry}: {self.warps} warps of {self.rows_per_warp} query rows, Br={self.block_m} x "
@@ -159,10 +185,11 @@ class AttentionFwdMma(variants.TileVariant):
 
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: bool = False,
-                   kvcache: bool = False, dropout: bool = False, mods: bool = False) -> AttentionFwdMma:
+                   kvcache: bool = False, dropout: bool = False, mods: bool = False,
+                   user: tuple = ("", "")) -> AttentionFwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``varlen``: of
     the packed variable-length form; ``kvcache``: of the KV-cache form; ``mods``: with the score
-    modifiers, on the same tile as without)."""
+    modifiers; ``user``: the traced score_mod's and mask_mod's CUDA C, :func:`user_c`)."""
     key = variants.dtype_key(dtype)
     if key not in MMA_DTYPES:
         raise NotImplementedError(f"cuflash: the tensor-core kernel computes float16 and bfloat16, not {np.dtype(dtype)}")
@@ -179,7 +206,8 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
         tiles = TILE_CANDIDATES_VARLEN_SM90.get(bucket, TILE_CANDIDATES[bucket])
     else:
         tiles = TILE_CANDIDATES[bucket]
-    candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, kvcache=kvcache, dropout=dropout, mods=mods)
+    candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, kvcache=kvcache, dropout=dropout, mods=mods,
+                                  score_c=user[0], mask_c=user[1])
                   for bm, bn in tiles)
     v = AttentionFwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
     if v is None:
@@ -212,9 +240,13 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     shape-level conditions are checked.
     """
     p = problem
-    why = refuse_modifiers(p, "the tensor-core kernel", MODIFIERS)
+    why = refuse_modifiers(p, "the tensor-core kernel", MODIFIERS + USER_MODIFIERS)
     if why is not None:
         return why
+    for traced in _traced(p):
+        why = score_mod.kernel_refusal(traced)
+        if why is not None:
+            return why + " in the tensor-core kernel"
     if p.modifiers is not None and p.dropout is not None:   # (their forms spill 8-40 bytes at head dims 192, 256)
         return f"dropout with {p.modifiers.present[0]} is not in the tensor-core kernel yet (each alone is)"
     if arch < MIN_ARCH:
@@ -251,12 +283,28 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
 # planning
 
 
+def _traced(problem) -> tuple:
+    m = problem.modifiers
+    return () if m is None else tuple(t for t in (m.score_mod, m.mask_mod) if t is not None)
+
+
+def user_c(problem) -> tuple[str, str]:
+    """The CUDA C of ``problem``'s traced score_mod and mask_mod (``""`` for an absent one); the
+    mask_mod's captured arrays follow the score_mod's in the kernel's array slots."""
+    m = problem.modifiers
+    if m is None:
+        return ("", "")
+    n = 0 if m.score_mod is None else len(m.score_mod.arrays)
+    return ("" if m.score_mod is None else score_mod.emit_c(m.score_mod),
+            "" if m.mask_mod is None else score_mod.emit_c(m.mask_mod, n))
+
+
 def variant_for(problem, arch: int) -> AttentionFwdMma:
     """The variant that runs ``problem`` on ``sm_<arch>``: its packed, dropout and modifier forms
     as the call needs (the KV-cache form: :func:`cuflash.kernels.kvcache_run.run_kvcache`)."""
     return choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
                           varlen=problem.varlen is not None, dropout=problem.dropout is not None,
-                          mods=problem.modifiers is not None)
+                          mods=problem.modifiers is not None, user=user_c(problem))
 
 
 def forward(problem, q, k, v, out, call):

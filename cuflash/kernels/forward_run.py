@@ -60,7 +60,8 @@ def plan_forward(problem, q, k, v, out, lse, variant, call) -> list[plan.LaunchP
             *la.forward_args(p, sel[:5], [st(a) for a in sel[:4]], st(sel[4]), sizes, call),
             *la.varlen_args(p, call),
             *la.dropout_args(p, la.flat_batch(idx, batch_shape), getattr(variant, "dropout", False)),
-            *la.mods_args(p, launch_mods, call, mods_on),
+            *la.mods_args(p, launch_mods, call, mods_on, bool(getattr(variant, "user_mod", 0)),
+                          la.flat_batch(idx, batch_shape)),
         )
         plans.append(plan.LaunchPlan(variant, variant.entry, (grid, 1, 1), variant.block, variant.smem_bytes, args))
     return plans

@@ -157,12 +157,30 @@ def modifier_views(problem, call) -> dict:
     return out
 
 
-def mods_args(problem, views: dict, call, enabled: bool) -> tuple:
+def user_args(problem, call, batch0: int) -> tuple:
+    """The traced score_mod / mask_mod's arguments (``kernels_cu/score_mods.cuh``:
+    ``CUFLASH_USER_PARAMS``): the captured arrays (the score_mod's, then the mask_mod's; device
+    arrays of ``call``), the device's empty index for unused slots, their element strides (0 past
+    an array's rank) and ``batch0``, the launch's first batch in the flattened batch index."""
+    m = problem.modifiers
+    arrays = [a for t in (m.score_mod, m.mask_mod) if t is not None for a in t.arrays]
+    ptrs, strides = [], []
+    for n in range(4):
+        a = arrays[n] if n < len(arrays) else None
+        ptrs.append(plan.PointerArg.of(f"user_a{n}", a if a is not None else call.empty_index))
+        st = () if a is None else element_strides(a)
+        strides += [i64(f"user_s{n}{axis}", st[axis] if axis < len(st) else 0) for axis in range(3)]
+    return (*ptrs, *strides, i64("user_batch0", batch0))
+
+
+def mods_args(problem, views: dict, call, enabled: bool, user: bool = False, batch0: int = 0) -> tuple:
     """The score-modifier variants' trailing arguments (``kernels_cu/score_mods.cuh``:
     ``CUFLASH_MODS_PARAMS``) from :func:`modifier_views` sliced to the launch (batch axis first,
-    then head, row, key), or none for the other variants."""
+    then head, row, key), or none for the other variants; with ``user`` (a variant with a traced
+    score_mod / mask_mod) followed by :func:`user_args`."""
     if not enabled:
         return ()
+    tail = user_args(problem, call, batch0) if user else ()
     m = problem.modifiers
     flags = sum(f for n, f in MOD_FLAGS.items() if n in views and n != "dbias")
 
@@ -181,7 +199,7 @@ def mods_args(problem, views: dict, call, enabled: bool) -> tuple:
             *(i64(f"bias_{w}_stride", x) for w, x in zip(("batch", "head", "row", "col"), st("attn_bias", 4))),
             ptr("attn_mask"), *(i64(f"mask_{w}_stride", x)
                                 for w, x in zip(("batch", "head", "row", "col"), st("attn_mask", 4))),
-            ptr("sinks"), i64("sinks_stride", st("sinks", 1)[0]))
+            ptr("sinks"), i64("sinks_stride", st("sinks", 1)[0]), *tail)
 
 
 def dbias_args(problem, views: dict, call, enabled: bool) -> tuple:

@@ -44,7 +44,7 @@ _FUNC = "cuflash.reference.tolerance"
 
 def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
                    rows=None, same_dtype=False, dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-                   alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, q_descale=None, k_descale=None,
+                   alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None, q_descale=None, k_descale=None,
                    v_descale=None, out_dtype=None):
     """Naive attention of the query ``rows`` (default: all), float64 or as a same-dtype framework.
 
@@ -65,7 +65,7 @@ def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1
     dropout_p, dropout_seed, dropout_offset
         Dropout with :func:`cuflash.reference.dropout_mask`'s mask (the framework baseline drops
         the rounded P and rounds again).
-    softcap, alibi_slopes, attn_bias, attn_mask, sinks
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod
         The score modifiers, as :func:`cuflash.attention` takes them (the framework baseline
         applies them in float32 to the rounded scores and rounds the result to the dtype again).
     q_descale, k_descale, v_descale, out_dtype
@@ -79,7 +79,7 @@ def attention_rows(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1
     """
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod),
                       fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     return _rows(q, k, v, options, rows, same_dtype)
 
@@ -112,14 +112,14 @@ def _in_layout(x, layout: str, q_ndim: int, *, lse: bool = False):
 
 def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
                      dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0, alibi_slopes=None, attn_bias=None,
-                     attn_mask=None, sinks=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+                     attn_mask=None, sinks=None, score_mod=None, mask_mod=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """The baseline of the rule for all rows, as float64 values in the output's own shape
     (``q.shape[:-1] + (Dv,)`` for "bhsd", ``(B, Sq, Hq, Dv)`` for "bshd"); see
     :func:`attention_rows` (``same_dtype=True``) for how it is computed and what the keywords
     are."""
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod),
                       fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     o, _ = _rows(q, k, v, options, None, True)
     return _in_layout(o, layout, np.ndim(q))
@@ -188,20 +188,20 @@ def _reference_and_bound(q, k, v, options: Options, rows, large_logits: bool):
 
 
 def rule_bound(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd", rows=None,
-               large_logits=False, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None,
+               large_logits=False, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
                q_descale=None, k_descale=None, v_descale=None, out_dtype=None) -> float:
     """The largest max-abs error the rule allows an implementation of attention(q, k, v, ...):
     ``2 * max|naive_same_dtype - reference| + floor_for(q.dtype)`` (see :func:`bound`); the
     keywords are :func:`compare`'s."""
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod),
                       fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     return _reference_and_bound(q, k, v, options, rows, large_logits)[2]
 
 
 def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
             rows=None, lse=None, large_logits=False, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
-            softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, q_descale=None, k_descale=None,
+            softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None, q_descale=None, k_descale=None,
             v_descale=None, out_dtype=None) -> tuple[bool, str, float]:
     """Hold ``actual`` (and optionally its ``lse``) to the rule.
 
@@ -222,8 +222,9 @@ def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-
         Allow at least :func:`score_rounding_bound` (scores of magnitude ~1e4).
     dropout_p, dropout_seed, dropout_offset
         The call's dropout (reference and baseline apply the same mask).
-    softcap, alibi_slopes, attn_bias, attn_mask, sinks
-        The call's score modifiers, applied by reference and baseline alike.
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod
+        The call's score modifiers, applied by reference and baseline alike (a traced
+        score_mod in the baseline's float32, as a framework would).
     q_descale, k_descale, v_descale, out_dtype
         fp8 input (the module docstring's fp8 rule).
 
@@ -234,7 +235,7 @@ def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     """
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod),
                       fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     ref, ref_lse, tol, base = _reference_and_bound(q, k, v, options, rows, large_logits)
     a = np.asarray(actual, np.float64)

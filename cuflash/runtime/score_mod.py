@@ -65,7 +65,8 @@ import types
 import numpy as np
 
 __all__ = ["Expr", "TracedMod", "TraceRefused", "trace", "derivative", "where", "exp", "log", "tanh", "absolute",
-           "minimum", "maximum", "clamp", "check_reads", "index_bounds", "SCORE_ARGS", "MASK_ARGS"]
+           "minimum", "maximum", "clamp", "check_reads", "index_bounds", "emit_c", "kernel_refusal", "SCORE_ARGS",
+           "MASK_ARGS"]
 
 #: the arguments of a score_mod and of a mask_mod, in order
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -791,3 +792,99 @@ def check_reads(traced: TracedMod, extents: dict, func: str) -> None:
                     f"values in [{lo}, {hi}] for b < {extents['b']}, h < {extents['h']}, q_idx < "
                     f"{extents['q_idx']}, kv_idx < {extents['kv_idx']}, but {name}.shape[{axis}]={int(n)}; pass a "
                     f"larger array or clamp the index with cuflash.mods.clamp/minimum/maximum")
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA C
+
+
+#: the most captured arrays, and axes of one, that the kernels' parameter list carries
+#: (kernels_cu/score_mods.cuh: UserArrays)
+MAX_KERNEL_ARRAYS = 4
+MAX_KERNEL_RANK = 3
+_C_TYPES = {"float32": "float", "int32": "int", "bool": "unsigned char"}
+_C_BINARY = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==",
+             "ne": "!=", "and": "&&", "or": "||"}
+_C_FLOAT_FUNCS = {"exp": "expf", "log": "logf", "tanh": "tanhf"}
+
+
+def _c_float(v: float) -> str:
+    if math.isnan(v):
+        return "__int_as_float(0x7fffffff)"
+    if math.isinf(v):
+        return "(-CUFLASH_NEG_INF)" if v > 0 else "CUFLASH_NEG_INF"
+    return f"{v!r}f" if ("." in repr(v) or "e" in repr(v)) else f"{v!r}.0f"
+
+
+def kernel_refusal(traced: TracedMod) -> str | None:
+    """Why the kernels cannot take ``traced`` (more than :data:`MAX_KERNEL_ARRAYS` captured
+    arrays, one of more than :data:`MAX_KERNEL_RANK` axes, or of a dtype the kernels do not
+    read), or None."""
+    if len(traced.arrays) > MAX_KERNEL_ARRAYS:
+        return f"{traced.role} with {len(traced.arrays)} captured arrays (the kernels take {MAX_KERNEL_ARRAYS})"
+    for name, a, dt in zip(traced.names, traced.arrays, traced.array_dtypes):
+        if len(a.shape) > MAX_KERNEL_RANK:
+            return f"{traced.role}'s captured array {name!r} has {len(a.shape)} axes (the kernels take {MAX_KERNEL_RANK})"
+        if dt not in _C_TYPES:
+            return f"{traced.role}'s captured array {name!r} is {dt} (the kernels read {', '.join(_C_TYPES)})"
+    return None
+
+
+def emit_c(traced: TracedMod, first_slot: int = 0) -> str:
+    """One CUDA C expression computing ``traced`` (kernels_cu/score_mods.cuh: the body of the
+    ``CUFLASH_SCORE_MOD(score, b, h, q_idx, kv_idx, A)`` / ``CUFLASH_MASK_MOD(b, h, q_idx, kv_idx,
+    A)`` macros): float arithmetic in float32, integers in ``long long`` (NumPy's int64),
+    ``//`` and ``%`` floored as in Python, ``minimum``/``maximum`` propagating NaN as NumPy's,
+    captured array ``N`` read as ``A.p[first_slot + N]`` with element strides ``A.s[...]``.
+    A score_mod's value is float, a mask_mod's bool."""
+
+    def c(e: Expr) -> str:
+        op, a = e.op, e.args
+        if op == "score":
+            return "(score)"
+        if op in ("b", "h", "q_idx", "kv_idx"):
+            return f"((long long)({op}))"
+        if op == "const":
+            if e.kind == "b":
+                return "true" if e.value else "false"
+            return f"{e.value}LL" if e.kind == "i" else _c_float(e.value)
+        if op == "read":
+            slot = first_slot + e.value
+            dt = traced.array_dtypes[e.value]
+            off = " + ".join(f"{c(i)} * A.s[{slot}][{axis}]" for axis, i in enumerate(a))
+            val = f"static_cast<const {_C_TYPES[dt]}*>(A.p[{slot}])[{off}]"
+            if dt == "bool":
+                return f"({val} != 0)"
+            return f"((long long){val})" if dt == "int32" else f"({val})"
+        if op == "where":
+            x, y = c(a[1]), c(a[2])
+            if e.kind == "f":
+                x, y = f"(float){x}", f"(float){y}"
+            return f"({c(a[0])} ? {x} : {y})"
+        if op == "neg":
+            return f"(-{c(a[0])})"
+        if op == "not":
+            return f"(!{c(a[0])})"
+        if op in _C_FLOAT_FUNCS:
+            return f"{_C_FLOAT_FUNCS[op]}((float){c(a[0])})"
+        if op == "abs":
+            return f"fabsf({c(a[0])})" if e.kind == "f" else f"cuflash_abs_ll({c(a[0])})"
+        if op == "div":
+            return f"((float){c(a[0])} / (float){c(a[1])})"
+        if op in ("floordiv", "mod"):
+            return f"cuflash_{op}_ll({c(a[0])}, {c(a[1])})"
+        if op in ("min", "max"):
+            if e.kind == "f":
+                return f"cuflash_{op}_f((float){c(a[0])}, (float){c(a[1])})"
+            return f"cuflash_{op}_ll({c(a[0])}, {c(a[1])})"
+        if e.kind == "f" and op in ("add", "sub", "mul"):
+            x, y = c(a[0]), c(a[1])
+            x = x if a[0].kind == "f" else f"(float){x}"
+            y = y if a[1].kind == "f" else f"(float){y}"
+            return f"({x} {_C_BINARY[op]} {y})"
+        if op in ("lt", "le", "gt", "ge", "eq", "ne") and "f" in (a[0].kind, a[1].kind):
+            return f"((float){c(a[0])} {_C_BINARY[op]} (float){c(a[1])})"
+        return f"({c(a[0])} {_C_BINARY[op]} {c(a[1])})"
+
+    text = c(traced.expr)
+    return f"((float){text})" if traced.role == "score_mod" else f"((bool){text})"

@@ -126,9 +126,11 @@ class Modifiers:
     def with_arrays(self, convert) -> "Modifiers":
         """A copy whose arrays are ``convert(array)`` (the CUDA path's zero-copy CuPy views); the
         shapes and element strides stay those validated."""
-        return dataclasses.replace(self, **{
-            n: dataclasses.replace(b, array=convert(b.array))
-            for n in ARRAY_MODIFIERS if (b := getattr(self, n)) is not None})
+        changes = {n: dataclasses.replace(b, array=convert(b.array))
+                   for n in ARRAY_MODIFIERS if (b := getattr(self, n)) is not None}
+        changes.update({n: dataclasses.replace(t, arrays=tuple(convert(a) for a in t.arrays))
+                        for n in ("score_mod", "mask_mod") if (t := getattr(self, n)) is not None})
+        return dataclasses.replace(self, **changes)
 
 
 def first_modifier(problem, allowed=()) -> str | None:
