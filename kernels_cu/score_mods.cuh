@@ -23,7 +23,8 @@
 
 // A traced score_mod / mask_mod (cuflash/runtime/score_mod.py) as one more compile-time choice:
 // CUFLASH_USER_MOD bit 1 defines CUFLASH_SCORE_MOD(score, b, h, q_idx, kv_idx, A), bit 2
-// CUFLASH_MASK_MOD(b, h, q_idx, kv_idx, A), each one C expression emitted from the traced tree
+// CUFLASH_MASK_MOD(b, h, q_idx, kv_idx, A), each one C expression emitted from the traced tree, and in
+// the backward CUFLASH_SCORE_MOD_GRAD (d score_mod / d score, which mod_score folds into *dcap)
 // (the variant's prelude; its name carries a hash of the two). `score` is in natural units (the
 // scaled score after softcap, ALiBi and bias), b the flattened batch index, h the query head,
 // q_idx / kv_idx the row of q and of k; their captured arrays are run-time arguments (A.p[n]
@@ -159,12 +160,21 @@ __device__ __forceinline__ float mod_score(const ScoreMods& m, const HeadMods& h
              CUFLASH_LOG2E;
     }
 #if CUFLASH_USER_MOD & 1
-    x = CUFLASH_SCORE_MOD(x * CUFLASH_LN2, hm.b, hm.h, i, j, m.user) * CUFLASH_LOG2E;
+    {   // score_mod in natural units; its derivative (the backward's) is the same in both
+        const float s_in = x * CUFLASH_LN2;
+        x = CUFLASH_SCORE_MOD(s_in, hm.b, hm.h, i, j, m.user) * CUFLASH_LOG2E;
+#ifdef CUFLASH_SCORE_MOD_GRAD
+        if (dcap) *dcap *= CUFLASH_SCORE_MOD_GRAD(s_in, hm.b, hm.h, i, j, m.user);
+#endif
+    }
 #endif
 #if CUFLASH_USER_MOD & 2
     if (!CUFLASH_MASK_MOD(hm.b, hm.h, i, j, m.user)) x = CUFLASH_NEG_INF;
 #endif
     if (!mask_keeps(m, hm, i, j)) x = CUFLASH_NEG_INF;
+#if CUFLASH_USER_MOD
+    if (dcap && x == CUFLASH_NEG_INF) *dcap = 0.0f;   // no probability, no gradient (a non-finite derivative too)
+#endif
     return x;
 }
 

@@ -135,15 +135,18 @@ def _candidates(bucket: int, arch: int, mods: bool = False) -> tuple[tuple[int, 
     return TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket]) if arch < 90 else TILE_CANDIDATES[bucket]
 
 
-def _fitting(key: str, bucket: int, arch: int, dropout: bool = False, mods: bool = False) -> AttentionBwdMma | None:
-    candidates = (AttentionBwdMma(key, bucket, bm, bn, st, dropout=dropout, mods=mods)
+def _fitting(key: str, bucket: int, arch: int, dropout: bool = False, mods: bool = False,
+             user: tuple = ("", "", "")) -> AttentionBwdMma | None:
+    candidates = (AttentionBwdMma(key, bucket, bm, bn, st, dropout=dropout, mods=mods, score_c=user[0],
+                                  mask_c=user[1], grad_c=user[2])
                   for bm, bn, st in _candidates(bucket, arch, mods))
     return AttentionBwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
 
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout: bool = False,
-                   mods: bool = False) -> AttentionBwdMma:
-    """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory.
+                   mods: bool = False, user: tuple = ("", "", "")) -> AttentionBwdMma:
+    """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``user``: the
+    traced functions' CUDA C, :func:`cuflash.kernels.attention_fwd_mma.user_c` with the derivative).
 
     Raises
     ------
@@ -152,7 +155,7 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout:
     """
     key = variants.dtype_key(dtype)
     bucket = AttentionBwdMma.bucket(head_dim, head_dim_v)
-    v = _fitting(key, bucket, arch, dropout, mods)
+    v = _fitting(key, bucket, arch, dropout, mods, user)
     if v is None:
         raise NotImplementedError(f"cuflash: no tensor-core backward tile fits sm_{arch}'s shared memory "
                                   f"({plan.max_dynamic_smem(arch)} B) for head dim {bucket}")
@@ -174,9 +177,12 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     ``(q, k, v, out, dout)``; the forward's rules apply to each, and a tile of the head dims'
     bucket must fit the arch's shared memory."""
     p = problem
-    why = refuse_modifiers(p, "the tensor-core backward", attention_fwd_mma.MODIFIERS)
+    why = refuse_modifiers(p, "the tensor-core backward", attention_fwd_mma.MODIFIERS + attention_fwd_mma.USER_MODIFIERS)
     if why is not None:
         return why
+    if p.modifiers is not None and p.modifiers.score_mod is not None and p.options.return_dbias:
+        # (the kernel writes d attn_bias before the score_mod's derivative is applied)
+        return "return_dbias with score_mod is not in the tensor-core backward yet"
     arrays = tuple(arrays or ())
     why = attention_fwd_mma.unsupported_reason(p, arch, arrays[:4])
     if why is None and len(arrays) > 4:
@@ -197,4 +203,5 @@ def main_variant(problem, arch: int) -> AttentionBwdMma:
     modifier forms as the call needs (:func:`cuflash.kernels.backward_run.backward` runs it
     between the portable dot and convert stages)."""
     return choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
-                          dropout=problem.dropout is not None, mods=problem.modifiers is not None)
+                          dropout=problem.dropout is not None, mods=problem.modifiers is not None,
+                          user=attention_fwd_mma.user_c(problem, grad=True))

@@ -98,10 +98,6 @@ class AttentionFwdMma(variants.TileVariant):
     """
 
     kvcache: bool = dataclasses.field(default=False, kw_only=True)
-    #: a traced score_mod / mask_mod as CUDA C expressions (:func:`cuflash.runtime.score_mod.emit_c`;
-    #: "" for none): a compile-time axis of the ``mods`` forms, named by a hash of the two
-    score_c: str = dataclasses.field(default="", kw_only=True)
-    mask_c: str = dataclasses.field(default="", kw_only=True)
 
     family: ClassVar[str] = "attn_fwd_mma"
     source: ClassVar[str] = "attention_fwd_mma.cu"
@@ -114,11 +110,6 @@ class AttentionFwdMma(variants.TileVariant):
         if self.block_m % rows or not 1 <= self.block_m // rows <= 16 or self.block_n % 16 or self.block_n <= 0:
             raise ValueError(f"AttentionFwdMma: tile ({self.block_m}, {self.block_n}) must be a multiple of {rows} rows "
                              f"({rows} per warp, <= 16 warps) by a multiple of 16 keys")
-
-    @property
-    def user_mod(self) -> int:
-        """CUFLASH_USER_MOD: bit 1 a traced score_mod, bit 2 a traced mask_mod."""
-        return (1 if self.score_c else 0) | (2 if self.mask_c else 0)
 
     @property
     def rows_per_warp(self) -> int:
@@ -152,31 +143,16 @@ class AttentionFwdMma(variants.TileVariant):
 
     @property
     def name(self) -> str:
-        return super().name + ("_kvcache" if self.kvcache else "") + self._user_suffix()
-
-    def _user_suffix(self) -> str:
-        """``_um`` and 16 hex digits of a hash of the traced functions' C (none without them)."""
-        if not self.user_mod:
-            return ""
-        import hashlib
-
-        return "_um" + hashlib.sha256(f"{self.score_c}\n{self.mask_c}".encode()).hexdigest()[:16]
+        return super().name + ("_kvcache" if self.kvcache else "")
 
     def defines(self) -> tuple[tuple[str, str], ...]:
-        user = ()
-        if self.user_mod:
-            user = (("CUFLASH_USER_MOD", str(self.user_mod)),)
-            if self.score_c:
-                user += (("CUFLASH_SCORE_MOD(score, b, h, q_idx, kv_idx, A)", self.score_c),)
-            if self.mask_c:
-                user += (("CUFLASH_MASK_MOD(b, h, q_idx, kv_idx, A)", self.mask_c),)
         return super().defines() + (
             ("CUFLASH_KVCACHE", "1" if self.kvcache else "0"),
             ("CUFLASH_BF16", "1" if self.dtype == "bf16" else "0"),
             ("CUFLASH_M_FRAGS", str(self.rows_per_warp // 16)),
             ("CUFLASH_STAGES", str(self.stages)),
             ("CUFLASH_MIN_BLOCKS", str(MIN_BLOCKS)),
-        ) + user
+        )
 
     def describe(self) -> str:
         return (f"{self.entry}: {self.warps} warps of {self.rows_per_warp} query rows, Br={self.block_m} x "
@@ -186,7 +162,7 @@ class AttentionFwdMma(variants.TileVariant):
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: bool = False,
                    kvcache: bool = False, dropout: bool = False, mods: bool = False,
-                   user: tuple = ("", "")) -> AttentionFwdMma:
+                   user: tuple = ("", "", "")) -> AttentionFwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``varlen``: of
     the packed variable-length form; ``kvcache``: of the KV-cache form; ``mods``: with the score
     modifiers; ``user``: the traced score_mod's and mask_mod's CUDA C, :func:`user_c`)."""
@@ -207,7 +183,7 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
     else:
         tiles = TILE_CANDIDATES[bucket]
     candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, kvcache=kvcache, dropout=dropout, mods=mods,
-                                  score_c=user[0], mask_c=user[1])
+                                  score_c=user[0], mask_c=user[1], grad_c=user[2])
                   for bm, bn in tiles)
     v = AttentionFwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
     if v is None:
@@ -288,15 +264,13 @@ def _traced(problem) -> tuple:
     return () if m is None else tuple(t for t in (m.score_mod, m.mask_mod) if t is not None)
 
 
-def user_c(problem) -> tuple[str, str]:
-    """The CUDA C of ``problem``'s traced score_mod and mask_mod (``""`` for an absent one); the
-    mask_mod's captured arrays follow the score_mod's in the kernel's array slots."""
+def user_c(problem, grad: bool = False) -> tuple[str, str, str]:
+    """The CUDA C of ``problem``'s traced score_mod, mask_mod and (``grad``) the score_mod's
+    derivative (:func:`cuflash.runtime.score_mod.kernel_texts`)."""
     m = problem.modifiers
     if m is None:
-        return ("", "")
-    n = 0 if m.score_mod is None else len(m.score_mod.arrays)
-    return ("" if m.score_mod is None else score_mod.emit_c(m.score_mod),
-            "" if m.mask_mod is None else score_mod.emit_c(m.mask_mod, n))
+        return ("", "", "")
+    return score_mod.kernel_texts(m.score_mod, m.mask_mod, grad)
 
 
 def variant_for(problem, arch: int) -> AttentionFwdMma:

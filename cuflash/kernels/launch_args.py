@@ -202,14 +202,14 @@ def mods_args(problem, views: dict, call, enabled: bool, user: bool = False, bat
             ptr("sinks"), i64("sinks_stride", st("sinks", 1)[0]), *tail)
 
 
-def dbias_args(problem, views: dict, call, enabled: bool) -> tuple:
+def dbias_args(problem, views: dict, call, enabled: bool, user: bool = False, batch0: int = 0) -> tuple:
     """The backward's modifier arguments: :func:`mods_args` (``mod_flags`` bit 16 when ``views``
-    holds the ``"dbias"`` workspace), then the workspace pointer (the empty index, never written,
-    without it) and its strides."""
+    holds the ``"dbias"`` workspace; ``user`` and ``batch0`` as there), then the workspace pointer
+    (the empty index, never written, without it) and its strides."""
     if not enabled:
         return ()
     ws = views.get("dbias")
-    args = mods_args(problem, views, call, True)
+    args = mods_args(problem, views, call, True, user, batch0)
     if ws is not None:
         args = (i32("mod_flags", int(args[0].value) | MOD_FLAGS["dbias"]),) + args[1:]
     st = (0, 0, 0) if ws is None else tuple(int(x) // 4 for x in ws.strides[:3])

@@ -65,7 +65,8 @@ import types
 import numpy as np
 
 __all__ = ["Expr", "TracedMod", "TraceRefused", "trace", "derivative", "where", "exp", "log", "tanh", "absolute",
-           "minimum", "maximum", "clamp", "check_reads", "index_bounds", "emit_c", "kernel_refusal", "SCORE_ARGS",
+           "minimum", "maximum", "clamp", "check_reads", "index_bounds", "emit_c", "kernel_refusal",
+           "kernel_texts", "SCORE_ARGS",
            "MASK_ARGS"]
 
 #: the arguments of a score_mod and of a mask_mod, in order
@@ -888,3 +889,18 @@ def emit_c(traced: TracedMod, first_slot: int = 0) -> str:
 
     text = c(traced.expr)
     return f"((float){text})" if traced.role == "score_mod" else f"((bool){text})"
+
+
+def kernel_texts(score: TracedMod | None, mask: TracedMod | None, grad: bool = False) -> tuple[str, str, str]:
+    """``(score_c, mask_c, grad_c)``: the CUDA C of a traced score_mod, of a mask_mod (its arrays
+    in the slots after the score_mod's) and, with ``grad``, of ``d score_mod / d score``
+    (:func:`derivative`); ``""`` for each one absent (``grad_c`` also when the derivative is 1)."""
+    n = 0 if score is None else len(score.arrays)
+    score_c = "" if score is None else emit_c(score)
+    mask_c = "" if mask is None else emit_c(mask, n)
+    grad_c = ""
+    if grad and score is not None:
+        d = derivative(score.expr)
+        if not (d.op == "const" and d.value == 1.0):
+            grad_c = emit_c(dataclasses.replace(score, expr=d))
+    return score_c, mask_c, grad_c

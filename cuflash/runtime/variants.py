@@ -123,6 +123,12 @@ class AttentionVariant(Variant):
     #: boolean mask and sinks as run-time arguments, ``kernels_cu/score_mods.cuh``); a compile-time
     #: axis, so a call without modifiers runs the kernel without them
     mods: bool = dataclasses.field(default=False, kw_only=True)
+    #: a traced score_mod / mask_mod, and the score_mod's derivative (the backward's), as CUDA C
+    #: expressions (:func:`cuflash.runtime.score_mod.kernel_texts`; "" for none): an axis of the
+    #: ``mods`` forms (``CUFLASH_USER_MOD``, kernels_cu/score_mods.cuh), named by a hash of the three
+    score_c: str = dataclasses.field(default="", kw_only=True)
+    mask_c: str = dataclasses.field(default="", kw_only=True)
+    grad_c: str = dataclasses.field(default="", kw_only=True)
 
     def __post_init__(self):
         name = type(self).__name__
@@ -138,7 +144,33 @@ class AttentionVariant(Variant):
     @property
     def name(self) -> str:
         return ("_".join(self.axes()) + ("_varlen" if self.varlen else "") + ("_dropout" if self.dropout else "")
-                + ("_mods" if self.mods else ""))
+                + ("_mods" if self.mods else "") + self._user_suffix())
+
+    @property
+    def user_mod(self) -> int:
+        """``CUFLASH_USER_MOD``: bit 1 a traced score_mod, bit 2 a traced mask_mod."""
+        return (1 if self.score_c else 0) | (2 if self.mask_c else 0)
+
+    def _user_suffix(self) -> str:
+        """``_um`` and 16 hex digits of a hash of the traced functions' C (none without them)."""
+        if not self.user_mod:
+            return ""
+        import hashlib
+
+        text = "\n".join((self.score_c, self.mask_c, self.grad_c))
+        return "_um" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def user_defines(self) -> tuple[tuple[str, str], ...]:
+        """The traced functions' ``#define`` lines (none without them)."""
+        if not self.user_mod:
+            return ()
+        out = (("CUFLASH_USER_MOD", str(self.user_mod)),)
+        for macro, text in (("CUFLASH_SCORE_MOD(score, b, h, q_idx, kv_idx, A)", self.score_c),
+                            ("CUFLASH_SCORE_MOD_GRAD(score, b, h, q_idx, kv_idx, A)", self.grad_c),
+                            ("CUFLASH_MASK_MOD(b, h, q_idx, kv_idx, A)", self.mask_c)):
+            if text:
+                out += ((macro, text),)
+        return out
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -156,7 +188,7 @@ class AttentionVariant(Variant):
             ("CUFLASH_VARLEN", "1" if self.varlen else "0"),
             ("CUFLASH_DROPOUT", "1" if self.dropout else "0"),
             ("CUFLASH_MODS", "1" if self.mods else "0"),
-        )
+        ) + self.user_defines()
 
     @classmethod
     def bucket(cls, head_dim: int, head_dim_v: int) -> int:

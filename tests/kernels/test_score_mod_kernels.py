@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from support.grads import grad_floor
+
 import cuflash
 from cuflash import mods, sim
 from cuflash.reference import tolerance
@@ -85,9 +87,10 @@ def test_the_kernel_tier_refuses_what_it_cannot_read(rng):
     with pytest.raises(NotImplementedError, match=r"score_mod with 5 captured arrays"):
         cuflash.explain(q, k, v, backend="sim", arch=80,
                         score_mod=lambda s, b, h, i, j: s + a0[h] + a1[h] + a2[h] + a3[h] + a4[h])
-    with pytest.raises(NotImplementedError, match=r"score_mod is not in the tensor-core backward yet"):
+    bias = np.zeros((SQ, SK), np.float32)
+    with pytest.raises(NotImplementedError, match=r"return_dbias with score_mod is not in the tensor-core backward"):
         cuflash.attention_backward(q, q, k, v, q, np.zeros(q.shape[:-1], np.float32), backend="sim",
-                                   score_mod=mods.softcap(2.0))
+                                   score_mod=mods.softcap(2.0), attn_bias=bias, return_dbias=True)
 
 
 def _emitted(fn, role="score_mod"):
@@ -143,3 +146,31 @@ def test_checked_mode_is_clean_with_a_score_mod(rng):
         out, lse = cuflash.attention(q, k, v, return_lse=True, backend="sim", score_mod=score_fn, mask_mod=mask_fn)
     ok, msg, _ = tolerance.compare(out, q, k, v, lse=lse, score_mod=score_fn, mask_mod=mask_fn)
     assert ok, msg
+
+
+@pytest.mark.slow
+def test_backward_with_score_and_mask_mod_on_the_simulator(rng):
+    """The tensor-core backward with the score_mod's derivative (CUFLASH_SCORE_MOD_GRAD) and the
+    mask_mod: dq, dk, dv within twice the error of the same-dtype NumPy path plus the floor."""
+    dtype = dtypes.float16
+    q, k, v = _qkv(rng, dtype)
+    slopes = rng.uniform(0.05, 0.5, HQ).astype(np.float32)
+    doc_q, doc_k = _documents(rng)
+    score_fn, mask_fn = _capped_alibi_documents(slopes, doc_q, doc_k)
+    kw = dict(score_mod=score_fn, mask_mod=mask_fn)
+    out, lse = _run(q, k, v, **kw)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    with sim.options(arch=80):
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim", **kw)
+    f64 = [x.astype(np.float64) for x in (q, k, v, dout)]
+    o64, l64 = cuflash.attention(*f64[:3], return_lse=True, **kw)
+    exact = cuflash.attention_backward(f64[3], *f64[:3], o64, l64, **kw)
+    o16, l16 = cuflash.attention(q, k, v, return_lse=True, **kw)
+    same = cuflash.attention_backward(dout, q, k, v, o16, l16, **kw)
+    for name, a, x, base in zip(("dq", "dk", "dv"), grads, exact, same):
+        a = np.asarray(a, np.float64)
+        assert not np.isnan(a).any(), name
+        base_err = float(np.max(np.abs(np.asarray(base, np.float64) - x)))
+        excess = np.abs(a - x) - (2 * base_err + grad_floor(x, dtype) + 1e-6)
+        assert (excess <= 0).all(), f"{name}: error exceeds the rule by {excess.max():.3g}"
+    assert np.abs(np.asarray(grads[0], np.float64)[:, :, 5]).max() == 0   # the row with no key
