@@ -66,8 +66,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         (before the bias gradient is taken and before the softcap's factor); captured arrays get
         no gradient. At a kink the derivative takes a side (``abs``: 0 at 0; ``minimum``,
         ``maximum``: a tie goes to the first argument), and a pair whose ``dS`` is 0 (a hidden
-        pair) stays 0 even where the derivative is not finite. NumPy path only for now (the
-        kernel backward raises ``NotImplementedError`` naming them).
+        pair) stays 0 even where the derivative is not finite. On the NumPy path and in the
+        tensor-core backward (float16/bfloat16; the derivative compiled beside the function),
+        which does not take them together with ``return_dbias`` (``NotImplementedError``).
     return_dbias : bool
         Also return ``d attn_bias``: ``dS`` summed over the axes the bias broadcasts over, in
         the bias's own shape and dtype (accumulated in float32, float64 for float64 input, and
