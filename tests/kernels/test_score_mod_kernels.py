@@ -174,3 +174,43 @@ def test_backward_with_score_and_mask_mod_on_the_simulator(rng):
         excess = np.abs(a - x) - (2 * base_err + grad_floor(x, dtype) + 1e-6)
         assert (excess <= 0).all(), f"{name}: error exceeds the rule by {excess.max():.3g}"
     assert np.abs(np.asarray(grads[0], np.float64)[:, :, 5]).max() == 0   # the row with no key
+
+
+def _example(name, rng):
+    """The ready-made mods of cuflash.mods as (score_mod, mask_mod) for Sq = Sk = SK."""
+    slopes = rng.uniform(0.05, 0.5, HQ).astype(np.float32)
+    return {
+        "alibi": (mods.alibi(slopes), None),
+        "alibi_per_batch": (mods.alibi(rng.uniform(0.05, 0.5, (B, HQ)).astype(np.float32)), None),
+        "softcap": (mods.softcap(5.0), None),
+        "relative_position_bias": (mods.relative_position_bias(rng.standard_normal((HQ, 9)).astype(np.float32), 4),
+                                   None),
+        "document_mask": (None, mods.document_mask(np.sort(rng.integers(0, 5, SK)).astype(np.int32), causal=True)),
+        "prefix_lm": (None, mods.prefix_lm(np.array([3, 40], np.int32))),
+        "sliding_window": (None, mods.sliding_window(9, 2)),
+    }[name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["alibi", "alibi_per_batch", "softcap", "relative_position_bias", "document_mask",
+                                  "prefix_lm", "sliding_window"])
+def test_ready_made_mods_on_the_simulator(name, rng):
+    q, k, v = _qkv(rng, dtypes.bfloat16, SK, SK)
+    score_fn, mask_fn = _example(name, rng)
+    out, lse = _run(q, k, v, score_mod=score_fn, mask_mod=mask_fn)
+    ok, msg, _ = tolerance.compare(out, q, k, v, lse=lse, score_mod=score_fn, mask_mod=mask_fn)
+    assert ok, msg
+
+
+@pytest.mark.slow
+def test_checked_mode_is_clean_in_the_backward(rng):
+    q, k, v = _qkv(rng, dtypes.float16)
+    slopes = rng.uniform(0.05, 0.5, HQ).astype(np.float32)
+    doc_q, doc_k = _documents(rng)
+    score_fn, mask_fn = _capped_alibi_documents(slopes, doc_q, doc_k)
+    out, lse = _run(q, k, v, score_mod=score_fn, mask_mod=mask_fn)
+    dout = rng.standard_normal(out.shape).astype(dtypes.float16)
+    with sim.options(arch=80, checked=True):
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim", score_mod=score_fn,
+                                           mask_mod=mask_fn)
+    assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
