@@ -30,7 +30,7 @@ import numbers
 
 import numpy as np
 
-from cuflash.runtime import dtypes
+from cuflash.runtime import dtypes, interop
 from cuflash.runtime import score_mod as tracing
 from cuflash.runtime.interop import ArrayInfo, describe
 
@@ -267,8 +267,13 @@ def check_modifiers(func: str, q: ArrayInfo, batch_shape: tuple, num_heads_q: in
 
 
 def _check_traced(traced: tracing.TracedMod, func: str, q: ArrayInfo, extents: dict) -> tracing.TracedMod:
-    """A traced function's captured arrays: q's kind and device, no negative strides, every read
-    inside its array (:func:`cuflash.runtime.score_mod.check_reads`)."""
+    """A traced function's captured arrays: q's kind and device (a CPU DLPack array, such as a
+    torch CPU tensor, with NumPy q becomes a zero-copy NumPy view, as the operands do), no
+    negative strides, every read inside its array (:func:`cuflash.runtime.score_mod.check_reads`)."""
+    if q.kind == "numpy" and any(interop.is_host_dlpack(a) for a in traced.arrays):
+        traced = dataclasses.replace(traced, arrays=tuple(
+            interop.host_to_numpy(a, f"{traced.role}'s captured array {n!r}", func) if interop.is_host_dlpack(a) else a
+            for n, a in zip(traced.names, traced.arrays)))
     for name, arr in zip(traced.names, traced.arrays):
         info = _describe_like_q(arr, f"{traced.role}'s captured array {name!r}", func, q)
         if info.dtype_name in ("float64", "int64") and q.kind != "numpy":

@@ -256,10 +256,26 @@ def test_refusals_of_a_call(rng):
                         score_mod=mods.softcap(3.0))
 
 
-def test_captured_array_of_another_kind_is_refused(rng):
+def test_captured_torch_cpu_tensors_are_read_as_numpy_views_and_other_kinds_refused(rng):
     torch = pytest.importorskip("torch")
     q, k, v = _qkv(rng)
-    slopes = torch.ones(HQ, dtype=torch.float64)
-    with pytest.raises(TypeError, match=r"score_mod's captured array 'slopes' is a torch.Tensor but q is a "
-                                        r"numpy.ndarray"):
-        cuflash.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + slopes[h])
+    slopes = torch.linspace(0.1, 0.4, HQ, dtype=torch.float64)
+    got = cuflash.attention(q, k, v, score_mod=mods.alibi(slopes, SQ, SK))
+    _same((got,), (cuflash.attention(q, k, v, alibi_slopes=slopes.numpy()),), 1e-13)
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))   # torch CPU input: the NumPy path, torch out
+    got_t = cuflash.attention(tq, tk, tv, score_mod=mods.alibi(slopes, SQ, SK))
+    assert isinstance(got_t, torch.Tensor)
+    _same((got_t.numpy(),), (got,), 0)
+
+    class Elsewhere:   # a DLPack array on another device than q's
+        shape, dtype, ndim = (HQ,), np.dtype(np.float32), 1
+
+        def __dlpack__(self, stream=None):
+            raise AssertionError("never imported")
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    far = Elsewhere()
+    with pytest.raises((TypeError, ValueError), match=r"score_mod's captured array 'far'"):
+        cuflash.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + far[h])
