@@ -321,6 +321,18 @@ def _ceiling(direction: str, head_dim: int, *, tier: str = "dispatch", nvrtc: st
             roofline.compile_sass.cache_clear()
 
 
+def _call_mix_row(*flags) -> str:
+    """docs/roofline.md's --call-mix row of our bf16 d128 forward at S = 8192 (one compile)."""
+    from cuflash.analysis import roofline
+
+    args = roofline._parser().parse_args(["--call-mix", "--head-dim", "128", "--seqlen", "8192", *flags])
+    mix = roofline.call_mix(args, roofline.RATES["h200"])
+    t, n = mix.walk.tiles, mix.per_warp
+    masked = [p for p in ("right", "left", "both") if t[p]]
+    cell = ", ".join(f"{t[p]} x {n[p].instructions} (`{p}`)" for p in masked) or f"0 ({n['right'].instructions})"
+    return f"{t['steady']} x {n['steady'].instructions} | {cell} | {mix.total(first=False):,} | {mix.total():,}"
+
+
 #: every figure the pages quote, as (page, the sentence with {} for the number, how to recompute it)
 QUOTED = [
     ("README.md", "{} TFLOP/s for the Hopper-tier forward at head dim 128 on an H200 (bf16)",
@@ -336,6 +348,8 @@ QUOTED_SLOW = [
      lambda: round(_ceiling("backward", 128).ceiling_tflops)),
     ("docs/roofline.md", "spills {} bytes under NVRTC 13.5",
      lambda: _ceiling("backward", 128, nvrtc="13").spills),
+    ("docs/roofline.md", "| cuflash sm90, causal | {} |", lambda: _call_mix_row("--causal")),
+    ("docs/roofline.md", "| cuflash sm90, no mask | {} |", lambda: _call_mix_row()),
 ]
 
 

@@ -33,6 +33,10 @@ backward (the MACs of ``S = Q K^T`` and ``O += P V``; of ``S``, ``dP``, ``dV``, 
 A loop inside the main loop (``inner_loops`` > 0: the SIMT kernels' loops over the head dim, the
 tensor-core backward's loop over dQ column blocks) is counted once, so its counts are a lower
 bound there; the tensor and FP32 pipes then take at least the tile math's MACs.
+
+``--call-mix`` (:func:`call_mix`, :mod:`cuflash.analysis.call_mix`) counts a whole forward call
+instead: the tiles of each path of the key walk the grid runs for a call's shape, times each
+path's per-warp instructions, by class. A count, never a speed.
 """
 
 from __future__ import annotations
@@ -787,7 +791,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--forward-and-backward", action="store_true", help="both passes")
     p.add_argument("--varlen", action="store_true", help="the packed variable-length kernels (attention_varlen)")
     p.add_argument("--seqlen", type=positive, default=None,
-                   help="reference sequence length of the HBM pipe (default 8192; not with --decode)")
+                   help="reference sequence length of the HBM pipe; with --call-mix the query length Sq (default 8192; "
+                        "not with --decode)")
     p.add_argument("--decode", action="store_true",
                    help="the KV-cache (decode) kernel: per key tile, paged and contiguous caches, for --rows packed "
                         "query rows (GQA group x Sq)")
@@ -803,7 +808,32 @@ def _parser() -> argparse.ArgumentParser:
                         "disassembled with cuobjdump -sass, or a cuobjdump -sass text: .sass/.txt), with --kernel")
     p.add_argument("--kernel", metavar="NAME",
                    help="with --sass-of: the function whose mangled or demangled name contains NAME")
+    g = p.add_argument_group(
+        "a whole call (--call-mix)",
+        "the instructions a forward call executes: the tiles of each path of the key walk the grid runs for the "
+        "call's shape, times each path's per-warp count; our Hopper forward with --head-dim (its walk read from its "
+        "source), or the kernel of --sass-of with its walk described by --block-m, --block-n and --walk")
+    g.add_argument("--call-mix", action="store_true", help="count a whole call (the flags below)")
+    g.add_argument("--seqlen-k", type=positive, default=None, help="key length Sk (default: --seqlen)")
+    g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False,
+                   help="bottom-right aligned causal mask (default: none)")
+    g.add_argument("--window", type=cli.int_at_least(-1), nargs=2, metavar=("LEFT", "RIGHT"), default=None,
+                   help="local window (left, right), -1 unbounded; with --causal RIGHT is 0 (or -1)")
+    g.add_argument("--batch", type=positive, default=1, help="batch B (default 1)")
+    g.add_argument("--heads", type=positive, default=1, help="query heads H (default 1)")
+    g.add_argument("--block-m", type=positive, default=None, help="with --sass-of: query rows per tile")
+    g.add_argument("--block-n", type=positive, default=None, help="with --sass-of: keys per tile")
+    g.add_argument("--walk", choices=("down", "up"), default=None,
+                   help="with --sass-of: the order of each query tile's key tiles, from the last down "
+                        "(FlashAttention-3) or from the first up; the first tile runs before the loops")
+    g.add_argument("--math-warps", type=positive, default=None,
+                   help="with --sass-of: warps running the loop per tile (default block-m / 16)")
     return p
+
+
+#: the flags of --call-mix, and those of them that describe another kernel's walk
+CALL_FLAGS = ("seqlen_k", "causal", "window", "batch", "heads", "block_m", "block_n", "walk", "math_warps")
+WALK_FLAGS = ("block_m", "block_n", "walk", "math_warps")
 
 
 def _refuse_meaningless(parser: argparse.ArgumentParser, args, rates: SmRates) -> None:
@@ -812,6 +842,26 @@ def _refuse_meaningless(parser: argparse.ArgumentParser, args, rates: SmRates) -
         parser.error(f"--arch {args.arch} does not match --device {args.device} (sm_{rates.arch})")
     if args.backward and args.forward_and_backward:
         parser.error("--backward with --forward-and-backward: pick one")
+    defaults = {"causal": False, "batch": 1, "heads": 1}
+    given_call = [f for f in CALL_FLAGS if getattr(args, f) != defaults.get(f)]
+    if not args.call_mix and given_call:
+        parser.error(f"--{given_call[0].replace('_', '-')} applies to --call-mix only; add --call-mix or drop it")
+    if args.call_mix:
+        for flag, given in (("--decode", args.decode), ("--backward", args.backward),
+                            ("--forward-and-backward", args.forward_and_backward), ("--varlen", args.varlen)):
+            if given:
+                parser.error(f"{flag} with --call-mix: the call mix is the fixed-shape forward's; drop {flag}")
+        if args.sass_of is None:
+            if args.head_dim is None:
+                parser.error("--call-mix needs --head-dim (the forward chosen for it), or --sass-of and --kernel")
+            walk = [f for f in WALK_FLAGS if getattr(args, f) is not None]
+            if walk:
+                parser.error(f"--{walk[0].replace('_', '-')} describes the walk of a --sass-of kernel; our "
+                             "forward's walk is read from its source: drop it")
+        else:
+            missing = [f"--{f.replace('_', '-')}" for f in ("block_m", "block_n", "walk") if getattr(args, f) is None]
+            if missing:
+                parser.error(f"--call-mix with --sass-of needs the kernel's walk: {', '.join(missing)}")
     if args.decode:
         for flag, given in (("--backward", args.backward), ("--forward-and-backward", args.forward_and_backward),
                             ("--varlen", args.varlen), ("--seqlen", args.seqlen is not None)):
@@ -865,6 +915,8 @@ def main(argv: list[str] | None = None) -> int:
     _refuse_meaningless(parser, args, rates)
     out = sys.stderr if args.json == "-" else sys.stdout
     try:
+        if args.call_mix:
+            return _main_call_mix(args, rates, out)
         if args.sass_of is not None:
             return _main_sass_of(args, out)
         if args.decode:
@@ -940,6 +992,68 @@ def _main_sass_of(args, out) -> int:
          "along the named paths; /16T: instructions per 16 tensor instructions; o/100k: non-tensor instructions "
          "per 100k MACs", out)
     print(format_paths(name, paths), file=out)
+    return 0
+
+
+def call_mix(args, rates: SmRates):
+    """The :class:`cuflash.analysis.call_mix.Mix` of the call the flags describe: our Hopper
+    forward (compiled for ``--head-dim``) or the ``--sass-of`` kernel with the walk the flags give.
+
+    Raises
+    ------
+    ValueError
+        For a window that means nothing, a device without the Hopper forward, or SASS whose loops
+        do not match the walk.
+    RuntimeError
+        If NVRTC or the SASS tools fail or are missing.
+    """
+    from cuflash.analysis import call_mix as cm
+    from cuflash.analysis import sass_count
+
+    left, right = cm.window_of(args.causal, args.window)
+    sq = 8192 if args.seqlen is None else args.seqlen
+    sk = sq if args.seqlen_k is None else args.seqlen_k
+    bh = args.batch * args.heads
+    if args.sass_of is not None:
+        name, insns = sass_count.read_sass(args.sass_of, args.kernel)
+        walk = cm.anchor_walk(sq, sk, left=left, right=right, block_m=args.block_m, block_n=args.block_n,
+                              order=args.walk, warps=args.math_warps)
+        per_warp, first_as = cm.anchor_paths(sass_count.count_loops(insns))
+        return cm.Mix(name, walk, per_warp, first_as, bh)
+    chosen = variants(rates.arch, backward=False, dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim_v)
+    if not chosen or chosen[0].family != "attn_fwd_sm90":
+        raise ValueError(f"cuflash.roofline: --call-mix: the call mix follows the Hopper forward's walk, which "
+                         f"--device {args.device} (sm_{rates.arch}) does not run; use --device h100 or h200")
+    local = left >= 0 or right >= 0
+    variant = dataclasses.replace(chosen[0], local=local)
+    text, _ = compile_sass(variant, rates.arch)
+    _keep_sass(text, variant, rates.arch, args.sass)
+    per_warp, first_as = cm.hopper_paths(sass_count.count_loops(parse_sass(text, variant.entry)), local)
+    walk = cm.hopper_walk(sq, sk, left=left, right=right, block_m=variant.block_m, block_n=variant.block_n)
+    return cm.Mix(variant.entry, walk, per_warp, first_as, bh)
+
+
+def _main_call_mix(args, rates: SmRates, out) -> int:
+    from cuflash.analysis import call_mix as cm
+    from cuflash.analysis import sass_count
+
+    mix = call_mix(args, rates)
+    left, right = cm.window_of(args.causal, args.window)
+    sq = 8192 if args.seqlen is None else args.seqlen
+    sk = sq if args.seqlen_k is None else args.seqlen_k
+    record = {"seqlen": sq, "seqlen_k": sk, "window": [left, right], **mix.as_dict()}
+    if args.json:
+        _write_json(args.json, record)
+    mask = "causal" if args.causal else ("no mask" if (left, right) == (-1, -1) else f"window ({left}, {right})")
+    _say(f"A COUNT, not a speed: the instructions a forward call executes (Sq {sq}, Sk {sk}, {mask}, batch x heads "
+         f"{args.batch * args.heads}): per path of the key walk, the tiles the grid runs times each path's per-warp "
+         "instructions (its loop's pass with every tensor instruction and copy and the fewest instructions) times "
+         f"the warps per tile. The first tile of each walk runs before the loops: its figure is assumed to be the "
+         f"{mix.first_as} loop's, and the totals are given without it (loops) and with it (all).", out)
+    if args.sass_of is not None:
+        _say(f"Walk assumed from the flags: {args.block_m} x {args.block_n} tiles, keys walked {args.walk}, the first "
+             "tile outside the loops, every other tile the mask cuts in the longest loop, the rest in the shortest.", out)
+    print(cm.format_mix(mix, sass_count.CLASSES), file=out)
     return 0
 
 
