@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 
 from cuflash import intensity, mods, reference, sim
 from cuflash.api.attention import explain
+from cuflash.api.kvcache import explain_kvcache
+from cuflash.api.varlen import explain_varlen
 from cuflash.autodiff import (
     attention,
     attention_backward,
@@ -25,4 +27,5 @@ from cuflash.kernels.precompile import precompile
 from cuflash.runtime.interop import fp8_view
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
-           "merge_attention", "softmax", "explain", "precompile", "fp8_view", "mods", "reference", "intensity", "sim", "__version__"]
+           "merge_attention", "softmax", "explain", "explain_varlen", "explain_kvcache", "precompile", "fp8_view", "mods",
+           "reference", "intensity", "sim", "__version__"]

@@ -1,7 +1,7 @@
 """Serving: :func:`attention_with_kvcache` (decode and chunked prefill against a contiguous or
-paged KV cache, with in-place append, rotary embedding and split-KV) and
-:func:`merge_attention` (exported as ``cuflash.attention_with_kvcache`` and
-``cuflash.merge_attention``).
+paged KV cache, with in-place append, rotary embedding and split-KV), :func:`explain_kvcache` and
+:func:`merge_attention` (exported as ``cuflash.attention_with_kvcache``,
+``cuflash.explain_kvcache`` and ``cuflash.merge_attention``).
 
 flash-attn's ``flash_attn_with_kvcache`` names and conventions (the conventions are spelled out in
 :mod:`cuflash.reference.kvcache`).
@@ -24,7 +24,7 @@ from cuflash.runtime import interop, validation
 from cuflash.runtime.options import CacheOptions, Fp8Options, ModifierOptions, Options
 from cuflash.runtime.validation_kvcache import check_attention_with_kvcache, rotates_per_row
 
-__all__ = ["attention_with_kvcache", "merge_attention"]
+__all__ = ["attention_with_kvcache", "explain_kvcache", "merge_attention"]
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -164,6 +164,75 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
                       cache=CacheOptions(cache_seqlens, k, v, rotary_cos, rotary_sin, rotary_interleaved,
                                          cache_batch_idx, cache_leftpad, block_table, num_splits))
     return pipeline.run(KVCACHE, (q, k_cache, v_cache, out), options)
+
+
+def explain_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                    rotary_interleaved=True, cache_batch_idx=None, cache_leftpad=None, block_table=None, causal=False,
+                    softmax_scale=None, window_size=(-1, -1), num_splits=0, backend="auto", arch=None, softcap=0.0,
+                    alibi_slopes=None, sinks=None, k_descale=None, v_descale=None) -> dict:
+    """What :func:`attention_with_kvcache` would run for these arguments, without running it.
+
+    The KV-cache counterpart of :func:`cuflash.explain`: the call is validated exactly as
+    :func:`attention_with_kvcache` validates it, and the answer names the kernel form (paged or
+    contiguous cache), its tiles, the key splits and why each faster tier was passed over.
+    Nothing is appended, copied to a device or launched: the caches are left as they are.
+
+    Parameters
+    ----------
+    q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos, rotary_sin, rotary_interleaved,
+    cache_batch_idx, cache_leftpad, block_table, causal, softmax_scale, window_size, num_splits,
+    backend, softcap, alibi_slopes, sinks, k_descale, v_descale
+        As for :func:`attention_with_kvcache` (``out`` and ``return_lse`` are not taken: they do
+        not change the kernel). The arrays are read for their metadata; host index arrays
+        (NumPy ``cache_seqlens``, ``cache_leftpad``, ``cache_batch_idx``, ``block_table``) are
+        read and checked in full, as the real call checks them on the host, and with
+        ``num_splits=0`` the split count uses the longest sequence they give (``cache_seqlens[b]
+        + Snew - cache_leftpad[b]``) as the real call does; device-resident ones are checked
+        for dtype and shape only and the split count plans with the cache's capacity.
+    arch : int or str, optional
+        Compute capability to plan for (``90``, ``"sm_80"``), as :func:`cuflash.explain` takes
+        it. With ``num_splits=0`` the split count depends on the SM count: the GPU's for CUDA
+        arrays and ``arch=None``, else that of the device the simulator's arch stands for
+        (:data:`cuflash.sim.config.SM_COUNTS`: 132 for sm_90, 108 for sm_80).
+
+    Returns
+    -------
+    dict
+        :func:`cuflash.explain`'s keys (``backend``; on the kernel backends ``arch``, ``tier``,
+        ``variant``, ``entry``, ``block_m``/``block_n``, ``threads``, ``smem_bytes``, ``blocks``
+        of the attention kernel, ``choice``), and ``splits``: the key splits per (sequence, kv
+        head, query tile); above 1 the combine kernel merges the partial results. On the NumPy
+        path ``block_m``/``block_n`` are None (each sequence picks its own tiles).
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        As :func:`attention_with_kvcache` raises them (the message names
+        ``cuflash.explain_kvcache``), including the kernel backends' refusals of an fp8 cache
+        and of calls the tensor-core KV-cache kernel cannot take. ``ValueError`` also for
+        ``num_splits=0`` with an ``arch`` whose SM count is not known here (neither the GPU's
+        nor one the simulator emulates).
+    RuntimeError
+        For CUDA arrays with ``arch=None`` on a machine without a usable GPU.
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> k_cache = v_cache = np.zeros((64, 16, 2, 128), np.float16)    # 64 pages of 16 rows
+    >>> block_table = np.arange(64, dtype=np.int32).reshape(2, 32)
+    >>> q = np.zeros((2, 1, 16, 128), np.float16)                     # decode, 16 query heads
+    >>> info = cuflash.explain_kvcache(q, k_cache, v_cache, np.array([500, 300], np.int32),
+    ...                                block_table=block_table, arch=90)
+    >>> info["variant"], info["splits"]
+    ('f16_d128_m64_n64_kvcache', 4)
+    """
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout="bshd",
+                      backend=backend, modifiers=ModifierOptions(softcap, alibi_slopes, sinks=sinks),
+                      fp8=Fp8Options(None, k_descale, v_descale),
+                      cache=CacheOptions(cache_seqlens, k, v, rotary_cos, rotary_sin, rotary_interleaved,
+                                         cache_batch_idx, cache_leftpad, block_table, num_splits))
+    return pipeline.explain_forward(KVCACHE, (q, k_cache, v_cache, None), options, arch, "cuflash.explain_kvcache",
+                                    "each sequence through cuflash.reference.flash_attention on its gathered keys")
 
 
 def merge_attention(outs, lses):

@@ -19,6 +19,9 @@ arguments and calls :func:`run` with its :class:`Entry`. The steps, the same for
      array the kernels touch, check ``out=``, launch through the dispatcher, export. The
      simulator target runs this code exactly as a GPU call does.
 
+:func:`explain_forward` takes steps 1-3 the same way and then asks the dispatcher what the device
+steps would launch, without a device call (``cuflash.explain_varlen``, ``cuflash.explain_kvcache``).
+
 Imports: :mod:`cuflash.kernels`, :mod:`cuflash.sim`, :mod:`cuflash.reference`, :mod:`cuflash.runtime`.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from typing import Callable
 
@@ -34,7 +38,7 @@ from cuflash.runtime import device_call, dtypes, interop
 from cuflash.runtime.options import Options
 
 __all__ = ["Entry", "run", "refuse_framework_state", "resolve_backend", "env_backend", "check_kernel_dtype", "BACKENDS", "forward_on",
-           "backward_on", "lse_pair"]
+           "backward_on", "lse_pair", "explain_forward"]
 
 BACKENDS = ("auto", "numpy", "sim", "cuda")
 
@@ -235,3 +239,70 @@ def backward_on(problem, operands, call) -> tuple:
     arrays = [call.import_array(x) for x in operands]
     grads = dispatch.run_backward(problem.on_device(call.import_array), *arrays, call)
     return tuple(call.export(g) for g in grads)
+
+
+# --------------------------------------------------------------------------------------------
+# planning without running (the explain functions)
+
+
+def explain_forward(entry: Entry, operands: tuple, options: Options, arch, func: str, numpy_path: str) -> dict:
+    """What :func:`run` would run for a forward ``entry`` (its operands ``(q, k, v, out)``, k and v
+    the caches for a KV cache), without running it: steps 1-3 of the module docstring as
+    :func:`run` takes them (the same validation, from metadata; the same backend rule), then the
+    dispatcher's decisions (:func:`cuflash.kernels.dispatch.explain_forward`) for ``sm_<arch>``
+    instead of a device call. Nothing is imported to a device, written or launched.
+
+    ``arch`` None plans for the simulator's arch (``backend="sim"``) or the arrays' GPU; an
+    ``arch`` with NumPy input on the NumPy path plans as the simulator would. ``numpy_path``
+    describes the NumPy path when that is the answer. The result's keys are
+    :func:`cuflash.explain`'s.
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        As :func:`run` would for the same call (``func`` named in the message).
+    RuntimeError
+        For GPU arrays with ``arch=None`` on a machine without a usable GPU.
+    """
+    from cuflash import sim
+
+    host = interop.HostImport(func, entry.names, operands, options)
+    problem = entry.validate(host.operands, host.options, func)
+    chosen = resolve_backend(options.backend, problem.kind, func)
+    if chosen == "numpy" and arch is not None:
+        chosen = "sim"   # asking for an arch means asking what a device would run
+    if chosen == "numpy":
+        from cuflash.runtime import threads
+
+        n = threads.num_threads()
+        return {"backend": "numpy", "block_m": None, "block_n": None, "threads": n,
+                "choice": f"NumPy path ({numpy_path}, {n} threads); pass arch=... or backend='sim' to see the "
+                          "kernel a GPU would run"}
+    check_kernel_dtype(problem, chosen)
+    sm_count = None
+    if arch is not None:
+        arch = sim.parse_arch(arch, func) if chosen == "sim" else _parse_cc(arch, func)
+    elif chosen == "sim":
+        arch = sim.current_options().arch
+    else:
+        cupy = interop.require_cuda(func)
+        dev = int(problem.device[1])
+        arch = int(cupy.cuda.Device(dev).compute_capability)
+        sm_count = device_call.cuda_sm_count(dev)
+    if sm_count is None and arch in sim.ARCHS:
+        sm_count = sim.sm_count(arch)   # the device the simulator's arch stands for
+    q, k, v, _ = host.operands
+    arrays = (q, k, v) if problem.kind in ("numpy", "cupy") else None   # DLPack: shape-level checks only
+    c = problem.kvcache
+    if c is not None and arrays is not None:   # the append writes the caches while q and the new rows are read
+        for name, cache in (("k_cache", k), ("v_cache", v)):
+            device_call.check_no_overlap(func, cache, {"q": q, "k": c.k_new, "v": c.v_new}, out_name=name)
+    return {"backend": chosen, "arch": arch, **dispatch.explain_forward(problem, arch, arrays, sm_count)}
+
+
+def _parse_cc(arch, func: str) -> int:
+    """A compute capability from ``90``, ``"90"`` or ``"sm_90"`` (any arch: planning only)."""
+    m = re.fullmatch(r"(?:sm_)?(\d+)", str(arch).strip())
+    if isinstance(arch, bool) or m is None:
+        raise ValueError(f"{func}: arch={arch!r} must be a compute capability such as 90 or 'sm_90'")
+    return int(m.group(1))

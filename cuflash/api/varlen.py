@@ -1,5 +1,6 @@
-"""Packed variable-length batches: :func:`attention_varlen` and :func:`attention_varlen_backward`
-(exported as ``cuflash.attention_varlen`` and ``cuflash.attention_varlen_backward``).
+"""Packed variable-length batches: :func:`attention_varlen`, :func:`attention_varlen_backward` and
+:func:`explain_varlen` (exported as ``cuflash.attention_varlen``, ``cuflash.attention_varlen_backward``
+and ``cuflash.explain_varlen``).
 
 flash-attn's ``flash_attn_varlen_func`` convention (and FA3's ``seqused_k``): the sequences of a
 batch are concatenated along one axis, q ``(total_q, Hq, D)``, k/v ``(total_k, Hk, D|Dv)``, and
@@ -22,7 +23,7 @@ from cuflash.reference import kvcache as ref_kvcache
 from cuflash.runtime import interop, validation, validation_kvcache
 from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options, PackedOptions
 
-__all__ = ["attention_varlen", "attention_varlen_backward"]
+__all__ = ["attention_varlen", "attention_varlen_backward", "explain_varlen"]
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -127,6 +128,66 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                       packed=PackedOptions(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
                                            block_table))
     return pipeline.run(FORWARD, (q, k, v, out), options)
+
+
+def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                   softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, backend="auto",
+                   arch=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
+                   alibi_slopes=None) -> dict:
+    """What :func:`attention_varlen` would run for these arguments, without running it.
+
+    The packed-batch counterpart of :func:`cuflash.explain`: the call is validated exactly as
+    :func:`attention_varlen` validates it, and the dispatcher says which kernel form, variant and
+    tiles serve it on ``sm_<arch>`` and why each faster tier was passed over. Nothing is copied
+    to a device, launched or written.
+
+    Parameters
+    ----------
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+    window_size, seqused_k, block_table, backend, dropout_p, dropout_seed, dropout_offset,
+    softcap, alibi_slopes
+        As for :func:`attention_varlen` (``out`` and ``return_lse`` are not taken: they do not
+        change the kernel). The arrays are read for their metadata (kind, dtype, shape, strides,
+        device); index arrays on the host (NumPy ``cu_seqlens_q``, ``cu_seqlens_k``,
+        ``seqused_k``, ``block_table``) are read and checked in full, as the real call checks
+        them on the host; device-resident ones for dtype and shape only, as the real call does,
+        and no plan depends on their values (the grid covers ``max_seqlen_q`` rows per sequence).
+    arch : int or str, optional
+        Compute capability to plan for (``90``, ``"sm_80"``), as :func:`cuflash.explain` takes it.
+
+    Returns
+    -------
+    dict
+        :func:`cuflash.explain`'s keys: ``backend``; on the kernel backends ``arch``, ``tier``,
+        ``variant`` (its name ends in ``_varlen`` for the packed forms, ``_kvcache`` for chunked
+        prefill over a paged cache), ``entry``, ``block_m``/``block_n``, ``threads``,
+        ``smem_bytes``, ``blocks`` (``ceil(max_seqlen_q / block_m)`` query tiles per head and
+        sequence; blocks past a sequence's end exit at once) and ``choice``. With a
+        ``block_table`` also ``splits`` (1: chunked prefill runs unsplit). On the NumPy path
+        ``block_m``/``block_n`` are None (each sequence picks its own tiles).
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        As :func:`attention_varlen` raises them (the message names ``cuflash.explain_varlen``).
+    RuntimeError
+        For CUDA arrays with ``arch=None`` on a machine without a usable GPU.
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> cu = np.array([0, 3, 3, 10], dtype=np.int32)
+    >>> q = k = v = np.zeros((10, 4, 64), np.float16)
+    >>> cuflash.explain_varlen(q, k, v, cu, cu, 7, 7, causal=True, arch=90)["variant"]
+    'f16_d64_local_varlen'
+    """
+    options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, backend=backend,
+                      dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                      modifiers=ModifierOptions(softcap, alibi_slopes),
+                      packed=PackedOptions(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                           block_table))
+    return pipeline.explain_forward(FORWARD, (q, k, v, None), options, arch, "cuflash.explain_varlen",
+                                    "each sequence through cuflash.reference.flash_attention")
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

@@ -23,6 +23,11 @@ compute capability 9.0 (Blackwell, 10.x and 12.x, gets the next tier, and ``expl
 and a CUDA-13-only tier only where NVRTC 13.x is installed (under the ``cuda12`` extra the next
 tier runs, visibly).
 
+:func:`explain_forward` answers, without launching, what :func:`run_forward` would launch: the
+tier and variant above, or for a KV-cache call the tensor-core KV-cache variant and its key splits
+(:func:`cuflash.kernels.kvcache_run.choose`, the choice the KV-cache path itself makes), with the
+same refusals; the public ``explain`` functions return it.
+
 The simulator (``backend="sim"``) asks with its emulated arch (``cuflash.sim.options(arch=...)``,
 sm_90 by default), so it runs the variant an sm_90 device would get.
 """
@@ -30,6 +35,7 @@ sm_90 by default), so it runs the variant an sm_90 device would get.
 from __future__ import annotations
 
 import logging
+import math
 
 from cuflash.kernels import (
     attention_bwd_mma,
@@ -148,6 +154,82 @@ def describe_choice(problem, arch: int, arrays=None) -> str:
     if reasons:
         line += "; " + "; ".join(reasons)
     return line
+
+
+def _tiles(variant) -> dict:
+    """The tile fields of :func:`explain_forward`'s answer."""
+    return {"variant": variant.name, "entry": variant.entry, "block_m": getattr(variant, "block_m", None),
+            "block_n": getattr(variant, "block_n", None), "threads": math.prod(variant.block),
+            "smem_bytes": getattr(variant, "smem_bytes", None)}
+
+
+def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
+    """What :func:`run_forward` would launch for ``problem`` on ``sm_<arch>``, without launching.
+
+    The same decisions in the same order, so the same refusals: a KV-cache problem (a KV cache,
+    or a packed batch over a paged one) takes :func:`cuflash.kernels.kvcache_run.choose`'s
+    variant and split count, any other the tier :func:`forward_tier` picks.
+
+    Parameters
+    ----------
+    problem : AttentionProblem
+        A validated forward (fixed, packed or KV-cache).
+    arch : int
+        Compute capability.
+    arrays : tuple, optional
+        ``(q, k, v)`` (the caches for a KV cache) when their strides and addresses are known
+        (alignment checks); None decides from shapes and dtypes.
+    sm_count : int, optional
+        The device's SM count; needed only by a KV-cache call with ``num_splits=0`` that is not a
+        packed batch (its split count depends on it).
+
+    Returns
+    -------
+    dict
+        ``tier`` (module name), ``variant``, ``entry``, ``block_m``, ``block_n``, ``threads``,
+        ``smem_bytes``, ``blocks`` (thread blocks of the attention kernel), ``choice`` (one line:
+        the form, its tiles, and why each faster tier was passed over), and for the KV-cache form
+        ``splits`` (key splits; above 1 a combine launch merges them).
+
+    Raises
+    ------
+    NotImplementedError
+        As the launch would: no tier takes the call, or the KV-cache kernel cannot.
+    """
+    p = problem
+    c = p.kvcache
+    if c is None:
+        mod, reasons = _choose(p, arch, arrays)
+        v = variant_for(mod, p, arch)
+        blocks = None
+        if getattr(v, "block_m", None):
+            blocks = -(-p.seqlen_q // v.block_m) * p.num_heads_q * math.prod(p.batch_shape)
+        return {"tier": mod.__name__.rsplit(".", 1)[-1], **_tiles(v), "blocks": blocks,
+                "choice": describe_choice(p, arch, arrays)}
+    reasons = []
+    for name, mod in TIERS:   # the tiers faster than the one KV-cache kernel's, and why each passes
+        if mod is attention_fwd_mma:
+            break
+        why = target_reason(mod, arch) or mod.unsupported_reason(p, arch, arrays)
+        reasons.append(f"{name} tier not used: {why}")
+    if c.num_splits == 0 and p.varlen is None and sm_count is None:
+        raise ValueError(f"{p.func}: num_splits=0 chooses the split count from the device's SM count, which is "
+                         f"not known here for sm_{arch}; pass num_splits=n, or an arch the simulator emulates")
+    v, splits = kvcache_run.choose(p, arch, arrays, sm_count)
+    batch = p.varlen.batch if p.varlen is not None else p.batch_shape[0]
+    tiles = attention_fwd_mma.kvcache_query_tiles(p, v)
+    pack = attention_fwd_mma.kvcache_pack(p)
+    blocks = tiles * splits * (p.num_heads_q // pack) * batch
+    where = (f"a paged cache ({c.num_pages} pages of {c.page_size} rows)" if c.paged
+             else f"a contiguous cache ({c.num_pages} x {c.capacity} rows)")
+    form = f"chunked prefill: packed queries over {where}" if p.varlen is not None else f"KV-cache form over {where}"
+    split = f"{splits} key splits merged by the combine kernel" if splits > 1 else "unsplit"
+    line = (f"sm_{arch}: tensor-core mma.sync tier, {form}, {pack} query head{'s' * (pack != 1)} per block "
+            f"(pack-GQA), {split}: {v.describe()}")
+    if reasons:
+        line += "; " + "; ".join(reasons)
+    return {"tier": attention_fwd_mma.__name__.rsplit(".", 1)[-1], **_tiles(v), "blocks": blocks, "splits": splits,
+            "choice": line}
 
 
 def run_forward(problem, q, k, v, out, call):

@@ -19,7 +19,7 @@ import numpy as np
 from cuflash.kernels import attention_combine, attention_fwd_mma, kvcache_append
 from cuflash.runtime import validation_kvcache
 
-__all__ = ["run_kvcache", "run_append", "fp8_cache_refusal"]
+__all__ = ["choose", "run_kvcache", "run_append", "fp8_cache_refusal"]
 
 
 def fp8_cache_refusal(problem, arch: int) -> str:
@@ -30,6 +30,34 @@ def fp8_cache_refusal(problem, arch: int) -> str:
             f"backend='numpy') takes fp8 caches. Nothing was appended")
 
 
+def choose(problem, arch: int, arrays=None, sm_count=None) -> tuple:
+    """``(variant, splits)``: the tensor-core KV-cache variant that runs the KV-cache call
+    ``problem`` on ``sm_<arch>`` and its key splits (:func:`attention_fwd_mma.kvcache_splits`;
+    ``sm_count``, the device's SM count, is read only by its heuristic: ``num_splits=0`` and not a
+    packed batch). :func:`run_kvcache` launches with them; ``explain_kvcache`` reports them.
+
+    ``arrays`` is ``(q, k_cache, v_cache, out)`` (alignment of views; None: shapes only). Only the
+    tensor-core tier has the KV-cache form: a call it cannot take is refused, never sent to a
+    slower tier.
+
+    Raises
+    ------
+    NotImplementedError
+        An fp8 cache (:func:`fp8_cache_refusal`), or a call the tensor-core tier cannot take
+        (saying why).
+    """
+    p = problem
+    if p.fp8 is not None:
+        raise NotImplementedError(fp8_cache_refusal(p, arch))
+    why = attention_fwd_mma.unsupported_reason(p, arch, arrays)
+    if why is not None:
+        raise NotImplementedError(f"{p.func}: the KV-cache kernel runs on the tensor-core tier only, which cannot "
+                                  f"take this call: {why}")
+    variant = attention_fwd_mma.choose_variant(p.dtype, p.head_dim, p.head_dim_v, arch, varlen=p.varlen is not None,
+                                               kvcache=True, mods=p.modifiers is not None)
+    return variant, attention_fwd_mma.kvcache_splits(p, variant, arch, sm_count)
+
+
 def run_kvcache(problem, q, out, call):
     """``(out, lse)`` of the KV-cache call ``problem`` (its ``kvcache`` arrays and ``q`` device
     arrays of ``call``; ``out`` None allocates).
@@ -38,22 +66,13 @@ def run_kvcache(problem, q, out, call):
     ``NotImplementedError`` saying why (never a silent fallback).
     """
     p, c = problem, problem.kvcache
-    if p.fp8 is not None:
-        raise NotImplementedError(fp8_cache_refusal(p, call.arch))
-    why = attention_fwd_mma.unsupported_reason(p, call.arch, (q, c.k_cache, c.v_cache, out))
-    if why is not None:
-        raise NotImplementedError(f"{p.func}: the KV-cache kernel runs on the tensor-core tier only, which cannot "
-                                  f"take this call: {why}")
+    variant, splits = choose(p, call.arch, (q, c.k_cache, c.v_cache, out), call.sm_count)
     if out is None:
         out = call.empty(p.out_shape, p.dtype)
     lse = call.empty(p.lse_shape, np.float32)
     q_rot = None if c.rotary_cos is None else call.empty(q.shape, p.dtype)
     plans = [kvcache_append.plan_append(p, q, q_rot, validation_kvcache.rotates_per_row(p), call)]
     if not p.is_empty:
-        variant = attention_fwd_mma.choose_variant(p.dtype, p.head_dim, p.head_dim_v, call.arch,
-                                                   varlen=p.varlen is not None, kvcache=True,
-                                                   mods=p.modifiers is not None)
-        splits = attention_fwd_mma.kvcache_splits(p, variant, call.arch, call.sm_count)
         rows = p.batch_shape[0] * p.num_heads_q * p.seqlen_q if splits > 1 else 0
         o_part = call.empty((splits, rows, p.head_dim_v), np.float32)
         lse_part = call.empty((splits, rows), np.float32)
