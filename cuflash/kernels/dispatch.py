@@ -46,7 +46,7 @@ from cuflash.kernels import (
     backward_run,
     kvcache_run,
 )
-from cuflash.runtime import cubin, cuda_runner, nvrtc
+from cuflash.runtime import cubin, cuda_runner, nvrtc, plan
 
 log = logging.getLogger("cuflash.dispatch")
 
@@ -163,6 +163,12 @@ def _tiles(variant) -> dict:
             "smem_bytes": getattr(variant, "smem_bytes", None)}
 
 
+def _check_grid(problem, blocks: int) -> None:
+    """The 1-D grid limit the packed and KV-cache launch plans refuse past (the same message)."""
+    if blocks > plan.MAX_GRID_DIMS[0]:
+        raise NotImplementedError(f"{problem.func}: {blocks} thread blocks exceed the grid limit {plan.MAX_GRID_DIMS[0]}")
+
+
 def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
     """What :func:`run_forward` would launch for ``problem`` on ``sm_<arch>``, without launching.
 
@@ -204,6 +210,8 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
         blocks = None
         if getattr(v, "block_m", None):
             blocks = -(-p.seqlen_q // v.block_m) * p.num_heads_q * math.prod(p.batch_shape)
+        if p.varlen is not None and mod is not attention_fwd_sm90:   # one launch on a 1-D grid
+            _check_grid(p, blocks)
         return {"tier": mod.__name__.rsplit(".", 1)[-1], **_tiles(v), "blocks": blocks,
                 "choice": describe_choice(p, arch, arrays)}
     reasons = []
@@ -220,6 +228,7 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
     tiles = attention_fwd_mma.kvcache_query_tiles(p, v)
     pack = attention_fwd_mma.kvcache_pack(p)
     blocks = tiles * splits * (p.num_heads_q // pack) * batch
+    _check_grid(p, blocks)
     where = (f"a paged cache ({c.num_pages} pages of {c.page_size} rows)" if c.paged
              else f"a contiguous cache ({c.num_pages} x {c.capacity} rows)")
     form = f"chunked prefill: packed queries over {where}" if p.varlen is not None else f"KV-cache form over {where}"
