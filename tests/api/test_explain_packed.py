@@ -10,6 +10,7 @@ run, no compile.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -276,3 +277,70 @@ def test_the_signature_is_the_calls_without_out_and_return_lse(real, explain):
         q = inspect.signature(explain).parameters[p.name]
         assert (q.kind, q.default) == (p.kind, p.default), p.name
     assert inspect.signature(explain).parameters["arch"].default is None
+
+
+# ------------------------------------------------------------------ drawn input (support.bad_input)
+
+#: the name each explain function's messages carry instead of the call's
+EXPLAINS = {"attention_varlen": "explain_varlen", "attention_with_kvcache": "explain_kvcache"}
+
+
+def _outcome(fn, args, kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:   # noqa: BLE001 - compared below
+        return type(e), str(e)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["numpy", "sim"])
+@pytest.mark.parametrize("entry", list(EXPLAINS))
+def test_drawn_calls_are_refused_by_explain_exactly_when_the_call_refuses_them(entry, backend):
+    """Valid and broken calls drawn by the bad-input strategy (NumPy, torch and JAX CPU arrays
+    among them): explain refuses a call iff the call refuses it, with the same type and message.
+    On the simulator a call explain accepts is not run (it would compile its kernel), so there the
+    check is one way: what explain refuses, the call refuses alike, before any launch. Slow only:
+    the first drawn call imports torch and starts JAX (seconds), past this file's default budget."""
+    from hypothesis import HealthCheck, given, settings
+    from support import bad_input as bi
+
+    profile = bi.Profile() if backend == "numpy" else bi.Profile(dtypes=(bi.F16, bi.BF16, bi.F32), backend="sim",
+                                                                   head_dims=(8, 16), max_len=4, mutations=(0, 1, 2))
+    explain = getattr(cuflash, EXPLAINS[entry])
+
+    @settings(max_examples=int(os.environ.get("CUFLASH_HYPOTHESIS_EXAMPLES", "300")), deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(bi.calls(entry, profile))
+    def run(call):
+        args, kwargs = bi.materialize(call)
+        for name in ("out", "return_lse"):   # not explain's arguments: left out of both
+            kwargs.pop(name, None)
+        told = _outcome(explain, args, kwargs)
+        if told is not None:
+            told = (told[0], told[1].replace(f"cuflash.{EXPLAINS[entry]}", f"cuflash.{entry}"))
+        elif backend == "sim":
+            return
+        with _no_launch():
+            did = _outcome(getattr(cuflash, entry), args, kwargs)
+        if told is None:   # the NumPy path may still refuse for its working memory, after validation
+            assert did is None or did[0] is MemoryError, f"explain accepted what the call refused: {did}"
+        else:
+            assert did == told, f"{call.describe()}"
+
+    run()
+
+
+class _no_launch:
+    """Any simulator launch inside fails the test (a refusal must come before device work)."""
+
+    def __enter__(self):
+        self.saved = SimDevice.launch
+
+        def launch(device, launch_plan):
+            raise AssertionError(f"launched {launch_plan.entry}")
+
+        SimDevice.launch = launch
+
+    def __exit__(self, *exc):
+        SimDevice.launch = self.saved
