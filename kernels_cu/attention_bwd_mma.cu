@@ -46,7 +46,13 @@
 // Loads are cp.async (16 bytes, zero-filled beyond Sq/Sk and the head dims; lse and Dd 4 bytes),
 // so rows must be 16-byte aligned: q, k, v, dout and their strides multiples of 8 elements, D and
 // Dv multiples of 8 (cuflash/kernels/attention_bwd_mma.py: unsupported_reason; the dispatcher falls
-// back to the SIMT backward otherwise).
+// back to the SIMT backward otherwise). A query tile whose rows and columns are all in view (an
+// interior tile: Br rows before Sq, D = Dv = the bucket) copies Q and dO without predicates, and
+// adds its dQ without a test per element; edge tiles test each chunk and each dQ pair (the adds
+// predicated, not branched around).
+//
+// Addresses: every ldmatrix reads at a tile base plus a per-thread byte offset plus a constant
+// (SmemOffsets), one [R + immediate] operand in SASS, so the products carry no address arithmetic.
 //
 // Shared memory (dynamic, 16-bit elements unless noted; K/V/Q/dO row pitch Dmax + 8 and P/dS row
 // pitch Bc + 8, both odd numbers of 16-byte chunks, so ldmatrix phases and the 4-byte P/dS stores
@@ -129,13 +135,37 @@ struct QueryTile {
     int row0;   // first query row
 };
 
+// This thread's shared-memory byte offsets of the loop's ldmatrix operands: every ldmatrix reads
+// at a tile base (uniform) plus one of these plus a constant (one [R + immediate] operand), so no
+// address arithmetic is left among the products. Formed once before the loop where the registers
+// allow (HOIST_OFFSETS: ptxas 12.9 and 13.x fit them beside the fixed-length, head-dim <= 128
+// accumulators), else at the top of each product phase from an opaque copy of the thread index.
+struct SmemOffsets {
+    unsigned qa;    // A of S, dP: Q, dO rows (from the stage's Q, dO)
+    unsigned kb;    // B of S, dP: K, V rows
+    unsigned pt;    // A of dV, dK: P^T, dS^T (ldmatrix.trans)
+    unsigned dot;   // B of dV, dK: dO, Q stored k-major (ldmatrix.trans)
+    unsigned dsa;   // A of dQ: dS rows
+    unsigned kt;    // B of dQ: K stored k-major (ldmatrix.trans)
+};
+#define HOIST_OFFSETS (!CUFLASH_VARLEN && DMAX <= 128)
+// The interior tiles' own dQ adds (no test per element) beside the edge tiles' predicated ones;
+// not in the score-modifier forms, where the second path's registers spill at head dims 192 and
+// 256 (and every tile takes the per-pair path anyway).
+#define INTERIOR_PATHS (!CUFLASH_MODS)
+// ... and their own Q/dO copies (no predicates), where they take one address per thread
+// (load_tile_async_full's regular case) and the dK/dV accumulators leave room for a second copy
+// path (head dims <= 128: at 256 it spills on sm_80).
+#define INTERIOR_COPIES (INTERIOR_PATHS && DMAX <= 128 && NT % CHUNKS == 0 && BR * CHUNKS % NT == 0)
+
 // A thread's ldmatrix row addresses (elements, relative to a tile base) and its warp's place in
 // each GEMM's layout. A: non-transposed (16 rows x 16 k, rows stored m-major): a_off; A from rows
 // stored k-major (ldmatrix.trans: P^T, dS^T): pat_off; B from rows stored n-major: b_off; B from
 // rows stored k-major (ldmatrix.trans): bt_off (= a_off); A from P/dS rows: pa_off. Matrix order
 // as the mma fragments: A (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15);
-// B x4: two n8 blocks. The loop recomputes them from an opaque copy of the thread index where they
-// are used (ptx_opaque), so they do not hold registers across the phases that need none of them.
+// B x4: two n8 blocks. Beside the ldmatrix offsets (SmemOffsets), the loop recomputes them from an
+// opaque copy of the thread index where they are used (ptx_opaque: masks, P/dS stores, dQ), so
+// they do not hold registers across the products.
 struct LaneOffsets {
     int g, t, a_off, b_off, pa_off, pat_off;
     int s_row0, s_col0;     // S, dP: first query, first key
@@ -159,6 +189,18 @@ __device__ __forceinline__ LaneOffsets lane_offsets(int tid) {
     o.q_row0 = (warp % Q_WM) * 16 * MF_Q;
     o.q_col0 = (warp / Q_WM) * 8 * NF_Q;
     return o;
+}
+
+__device__ __forceinline__ SmemOffsets smem_offsets(int tid) {
+    const LaneOffsets o = lane_offsets(tid);
+    SmemOffsets r;
+    r.qa = 2u * (o.s_row0 * PITCH + o.a_off);
+    r.kb = 2u * (o.s_col0 * PITCH + o.b_off);
+    r.pt = 2u * (o.kv_row0 + o.pat_off);
+    r.dot = 2u * (o.kv_col0 + o.a_off);
+    r.dsa = 2u * (o.q_row0 * PP + o.pa_off);
+    r.kt = 2u * (o.q_col0 + o.a_off);
+    return r;
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
@@ -229,14 +271,18 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int n_iter = q_tiles * group_size;
 
     // Q, dO, lse, Dd of query tile `at` into stage `st` (one cp.async group with what precedes it).
+    // An interior tile (every row and column in view) copies without predicates.
     auto load_query_tile = [&](int st, QueryTile at) {
         const int rows = min(BR, seqlen_q - at.row0);
-        load_tile_async<BR>(q_s + st * BR * PITCH,
-                            q + batch * q_batch_stride + at.hq * q_head_stride + at.row0 * q_row_stride, q_row_stride,
-                            rows, head_dim);
-        load_tile_async<BR>(do_s + st * BR * PITCH,
-                            dout + batch * do_batch_stride + at.hq * do_head_stride + at.row0 * do_row_stride,
-                            do_row_stride, rows, head_dim_v);
+        const elem_t* q_tile = q + batch * q_batch_stride + at.hq * q_head_stride + at.row0 * q_row_stride;
+        const elem_t* do_tile = dout + batch * do_batch_stride + at.hq * do_head_stride + at.row0 * do_row_stride;
+        if (INTERIOR_COPIES && rows == BR && head_dim == DMAX && head_dim_v == DMAX) {
+            load_tile_async_full<BR>(q_s + st * BR * PITCH, q_tile, q_row_stride);
+            load_tile_async_full<BR>(do_s + st * BR * PITCH, do_tile, do_row_stride);
+        } else {
+            load_tile_async<BR>(q_s + st * BR * PITCH, q_tile, q_row_stride, rows, head_dim);
+            load_tile_async<BR>(do_s + st * BR * PITCH, do_tile, do_row_stride, rows, head_dim_v);
+        }
         if (tid < 2 * BR) {   // threads [0, BR): lse; [BR, 2 BR): Dd (rows >= Sq: 0, masked)
             const int r = tid % BR;
             const float* src = tid < BR ? lse + batch * lse_batch_stride + at.hq * lse_head_stride
@@ -273,6 +319,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk_acc[f][n][e] = dv_acc[f][n][e] = 0.0f;
 
+    const SmemOffsets so_loop = smem_offsets(tid);   // (held across the loop only where HOIST_OFFSETS)
+
     for (int it = 0; it < n_iter; ++it) {
         const int st = STAGES == 2 ? it % 2 : 0;
         const elem_t* qs = q_s + st * BR * PITCH;
@@ -286,16 +334,20 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             ptx_cp_async_commit();
         }
 
+#if CUFLASH_MODS
         const LaneOffsets l1 = lane_offsets(ptx_opaque(tid));
+#endif
 #if CUFLASH_DROPOUT
+        const LaneOffsets l0 = lane_offsets(ptx_opaque(tid));
         // The keep bits of this lane's S elements, drawn before the products, where registers are
         // free (dropout.cuh: bit 2 ((f * 2 + h) * NF_S + n) + c for row 16 f + 8 h + g, key 8 n + 2 t + c)
         const DropoutArgs dr = {dropout_seed, dropout_offset, dropout_threshold, dropout_scale};
         const unsigned keep_word = dropout_tile_bits<MF_S, NF_S>(dr, (unsigned)(dropout_batch0 + batch), (unsigned)cur.hq,
-                                                                 row0 + l1.s_row0 + l1.g, col0 + l1.s_col0 + 2 * l1.t);
+                                                                 row0 + l0.s_row0 + l0.g, col0 + l0.s_col0 + 2 * l0.t);
 #define CUFLASH_KEPT(f, h, n, c) ((keep_word >> (2 * (((f) * 2 + (h)) * NF_S + (n)) + (c))) & 1u)
 #endif
         // S = Q K^T and dP = dO V^T for this warp's 16 MF_S queries x 8 NF_S keys.
+        const SmemOffsets o1 = HOIST_OFFSETS ? so_loop : smem_offsets(ptx_opaque(tid));
         float s[MF_S][NF_S][4], dp[MF_S][NF_S][4];
 #pragma unroll
         for (int f = 0; f < MF_S; ++f)
@@ -307,11 +359,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         for (int kk = 0; kk < KSTEPS_D; ++kk) {
             unsigned a[MF_S][4];
 #pragma unroll
-            for (int f = 0; f < MF_S; ++f) ptx_ldmatrix_x4(a[f], qs + (l1.s_row0 + 16 * f) * PITCH + l1.a_off + kk * 16);
+            for (int f = 0; f < MF_S; ++f) ptx_ldmatrix_x4_at(a[f], qs, o1.qa + 2 * (16 * f * PITCH + kk * 16));
 #pragma unroll
             for (int np = 0; np < NF_S / 2; ++np) {
                 unsigned b[4];
-                ptx_ldmatrix_x4(b, k_s + (l1.s_col0 + 16 * np) * PITCH + l1.b_off + kk * 16);
+                ptx_ldmatrix_x4_at(b, k_s, o1.kb + 2 * (16 * np * PITCH + kk * 16));
                 const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
                 for (int f = 0; f < MF_S; ++f) {
@@ -320,11 +372,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 }
             }
 #pragma unroll
-            for (int f = 0; f < MF_S; ++f) ptx_ldmatrix_x4(a[f], dos + (l1.s_row0 + 16 * f) * PITCH + l1.a_off + kk * 16);
+            for (int f = 0; f < MF_S; ++f) ptx_ldmatrix_x4_at(a[f], dos, o1.qa + 2 * (16 * f * PITCH + kk * 16));
 #pragma unroll
             for (int np = 0; np < NF_S / 2; ++np) {
                 unsigned b[4];
-                ptx_ldmatrix_x4(b, v_s + (l1.s_col0 + 16 * np) * PITCH + l1.b_off + kk * 16);
+                ptx_ldmatrix_x4_at(b, v_s, o1.kb + 2 * (16 * np * PITCH + kk * 16));
                 const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
                 for (int f = 0; f < MF_S; ++f) {
@@ -338,6 +390,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         // takes P Z c (stored as P) and dS = P (dP Z c - Dd); Z from keep_word (drawn above).
         // P (in s) and dS (in dp). Element e of block (f, n): query row l1.s_row0 + 16 f + l1.g + 8 (e >> 1),
         // key l1.s_col0 + 8 n + 2 t + (e & 1). Per row: lse in the log2 domain (-inf -> +inf: P = 0) and Dd.
+#if !CUFLASH_MODS
+        const LaneOffsets l1 = lane_offsets(ptx_opaque(tid));   // (formed after the products: no registers held across them)
+#endif
         float lse2[MF_S][2], ddr[MF_S][2];
 #pragma unroll
         for (int f = 0; f < MF_S; ++f)
@@ -351,6 +406,34 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         // (the modifier variants take the per-pair path on every tile)
         const bool need_mask = CUFLASH_MODS || rows < BR || cols < BC ||
                                !tile_in_window(row0, BR, col0, BC, seqlen_q, seqlen_k, window_left, window_right);
+#if !CUFLASH_MODS && !CUFLASH_DROPOUT
+        // A masked tile of the plain forms: each row's visible keys [klo, khi) relative to this
+        // thread's first key, so a pair's test is two compares of a constant (the modifier and
+        // dropout forms, whose registers are shorter, keep the per-pair key index below).
+        if (need_mask) {
+            const int key0 = col0 + l1.s_col0 + 2 * l1.t;
+#pragma unroll
+            for (int f = 0; f < MF_S; ++f)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int qi = row0 + l1.s_row0 + 16 * f + l1.g + 8 * h;
+                    IndexRange seen = window_key_range(qi, 1, seqlen_q, seqlen_k, window_left, window_right);
+                    if (qi >= seqlen_q) seen.hi = seen.lo;   // padding rows see nothing
+                    const int klo = seen.lo - key0, khi = seen.hi - key0;
+#pragma unroll
+                    for (int n = 0; n < NF_S; ++n)
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            const bool visible = 8 * n + c >= klo && 8 * n + c < khi;
+                            float& sv = s[f][n][2 * h + c];
+                            float& dv_ = dp[f][n][2 * h + c];
+                            const float p = exp2f(sv * scale_log2 - lse2[f][h]);
+                            dv_ = visible ? p * (dv_ - ddr[f][h]) : 0.0f;
+                            sv = visible ? p : 0.0f;
+                        }
+                }
+        } else
+#endif
         if (need_mask) {
 #pragma unroll
             for (int f = 0; f < MF_S; ++f)
@@ -428,18 +511,18 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                     *reinterpret_cast<unsigned*>(ds_s + off) = pack2(dp[f][n][2 * h], dp[f][n][2 * h + 1]);
                 }
         __syncthreads();   // P and dS are complete
-        const LaneOffsets l2 = lane_offsets(ptx_opaque(tid));
 
         // dV += P^T dO and dK += dS^T Q for this warp's 16 MF_KV keys x 8 NF_KV columns.
+        const SmemOffsets o2 = HOIST_OFFSETS ? so_loop : smem_offsets(ptx_opaque(tid));
 #pragma unroll
         for (int kk = 0; kk < BR / 16; ++kk) {
             unsigned a[MF_KV][4];
 #pragma unroll
-            for (int f = 0; f < MF_KV; ++f) ptx_ldmatrix_x4_trans(a[f], p_s + kk * 16 * PP + l2.pat_off + l2.kv_row0 + 16 * f);
+            for (int f = 0; f < MF_KV; ++f) ptx_ldmatrix_x4_trans_at(a[f], p_s, o2.pt + 2 * (kk * 16 * PP + 16 * f));
 #pragma unroll
             for (int c = 0; c < NF_KV / 2; ++c) {
                 unsigned b[4];
-                ptx_ldmatrix_x4_trans(b, dos + kk * 16 * PITCH + l2.a_off + l2.kv_col0 + 16 * c);
+                ptx_ldmatrix_x4_trans_at(b, dos, o2.dot + 2 * (kk * 16 * PITCH + 16 * c));
                 const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
                 for (int f = 0; f < MF_KV; ++f) {
@@ -448,11 +531,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 }
             }
 #pragma unroll
-            for (int f = 0; f < MF_KV; ++f) ptx_ldmatrix_x4_trans(a[f], ds_s + kk * 16 * PP + l2.pat_off + l2.kv_row0 + 16 * f);
+            for (int f = 0; f < MF_KV; ++f) ptx_ldmatrix_x4_trans_at(a[f], ds_s, o2.pt + 2 * (kk * 16 * PP + 16 * f));
 #pragma unroll
             for (int c = 0; c < NF_KV / 2; ++c) {
                 unsigned b[4];
-                ptx_ldmatrix_x4_trans(b, qs + kk * 16 * PITCH + l2.a_off + l2.kv_col0 + 16 * c);
+                ptx_ldmatrix_x4_trans_at(b, qs, o2.dot + 2 * (kk * 16 * PITCH + 16 * c));
                 const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
                 for (int f = 0; f < MF_KV; ++f) {
@@ -466,7 +549,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         // DQ_PASSES passes over the columns (the accumulators of one pass: NF_QP blocks).
 #pragma unroll
         for (int pass = 0; pass < DQ_PASSES; ++pass) {
-            const int c0 = l2.q_col0 + pass * 8 * NF_QP;   // this pass's first column
+            const SmemOffsets o3 = HOIST_OFFSETS ? so_loop : smem_offsets(ptx_opaque(tid));
             float acc[MF_Q][NF_QP][4];
 #pragma unroll
             for (int f = 0; f < MF_Q; ++f)
@@ -478,11 +561,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             for (int kk = 0; kk < BC / 16; ++kk) {
                 unsigned a[MF_Q][4];
 #pragma unroll
-                for (int f = 0; f < MF_Q; ++f) ptx_ldmatrix_x4(a[f], ds_s + (l2.q_row0 + 16 * f) * PP + l2.pa_off + kk * 16);
+                for (int f = 0; f < MF_Q; ++f) ptx_ldmatrix_x4_at(a[f], ds_s, o3.dsa + 2 * (16 * f * PP + kk * 16));
 #pragma unroll
                 for (int c = 0; c < NF_QP / 2; ++c) {
                     unsigned b[4];
-                    ptx_ldmatrix_x4_trans(b, k_s + kk * 16 * PITCH + l2.a_off + c0 + 16 * c);
+                    ptx_ldmatrix_x4_trans_at(b, k_s, o3.kt + 2 * (kk * 16 * PITCH + pass * 8 * NF_QP + 16 * c));
                     const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
                     for (int f = 0; f < MF_Q; ++f) {
@@ -491,11 +574,22 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                     }
                 }
             }
-            // Rows q_row0 + 16 f + g + 8 h, columns c0 + 8 n + 2 t, +1 (in view: r < rows, c < D);
-            // one per-thread offset per tile (ptx_opaque: kept out of the loop's invariants).
-            float* dq_thread = dq_part + ptx_opaque(((stat_batch * num_heads_q + cur.hq) * (long long)stat_rows + stat_q0 + row0) * head_dim +
-                                                    (l2.q_row0 + l2.g) * head_dim + c0 + 2 * l2.t);
-            if (deterministic) {   // this thread's elements of its split's partial (warp-uniform branch)
+            // Rows q_row0 + 16 f + g + 8 h, columns c0 + 8 n + 2 t, +1 (in view: r < rows, c < D): the
+            // tile's first element plus this thread's offset, one sum per tile (ptx_opaque: not split
+            // into per-thread pointers held across the loop, where registers are short), plus constants.
+            const LaneOffsets l2 = lane_offsets(ptx_opaque(tid));
+            const int c0 = l2.q_col0 + pass * 8 * NF_QP;   // this pass's first column
+            float* dq_thread = dq_part + ptx_opaque(((stat_batch * num_heads_q + cur.hq) * (long long)stat_rows + stat_q0 + row0) *
+                                                        head_dim + (l2.q_row0 + l2.g) * head_dim + c0 + 2 * l2.t);
+            if (INTERIOR_PATHS && !deterministic && rows == BR && head_dim == DMAX) {   // an interior tile: every element is in view
+#pragma unroll
+                for (int f = 0; f < MF_Q; ++f)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int n = 0; n < NF_QP; ++n)
+                            ptx_red_add_f32x2(dq_thread + (16 * f + 8 * h) * DMAX + 8 * n, acc[f][n][2 * h], acc[f][n][2 * h + 1]);
+            } else if (deterministic) {   // this thread's elements of its split's partial (warp-uniform branch)
 #pragma unroll
                 for (int f = 0; f < MF_Q; ++f)
 #pragma unroll
@@ -509,16 +603,22 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                                 o.y += acc[f][n][2 * h + 1];
                                 *dst = o;
                             }
-            } else {
+            } else {   // an edge tile: each element's add under its own predicate (no branches)
 #pragma unroll
                 for (int f = 0; f < MF_Q; ++f)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h)
+                    for (int h = 0; h < 2; ++h) {
+                        const bool row_ok = l2.q_row0 + 16 * f + l2.g + 8 * h < rows;
 #pragma unroll
-                        for (int n = 0; n < NF_QP; ++n)
-                            if (l2.q_row0 + 16 * f + l2.g + 8 * h < rows && c0 + 8 * n + 2 * l2.t < head_dim)
-                                ptx_red_add_f32x2(dq_thread + (16 * f + 8 * h) * head_dim + 8 * n, acc[f][n][2 * h],
-                                                  acc[f][n][2 * h + 1]);
+                        for (int n = 0; n < NF_QP; ++n) {
+                            const bool in_view = row_ok && c0 + 8 * n + 2 * l2.t < head_dim;
+                            float* dst = dq_thread + (16 * f + 8 * h) * head_dim + 8 * n;
+                            if (INTERIOR_PATHS)   // (predicated; the modifier forms branch, their registers being short)
+                                ptx_red_add_f32x2_if(in_view, dst, acc[f][n][2 * h], acc[f][n][2 * h + 1]);
+                            else if (in_view)
+                                ptx_red_add_f32x2(dst, acc[f][n][2 * h], acc[f][n][2 * h + 1]);
+                        }
+                    }
             }
         }
         if (STAGES == 1 && it + 1 < n_iter) {

@@ -58,3 +58,22 @@ __device__ __forceinline__ void load_tile_async(elem_t* dst, const elem_t* __res
         }
     }
 }
+
+// load_tile_async of a tile whose MAX_ROWS rows and CHUNKS chunks are all in view (an interior
+// tile): the same copies without predicates or zero-fill, one address per thread and a constant
+// step per row pass where NT divides the tile's chunks and is a multiple of CHUNKS (else the
+// general form, every test true).
+template <int MAX_ROWS>
+__device__ __forceinline__ void load_tile_async_full(elem_t* dst, const elem_t* __restrict__ src, long long row_stride) {
+    constexpr int TOTAL = MAX_ROWS * CHUNKS;
+    if constexpr (NT % CHUNKS == 0 && TOTAL % NT == 0) {
+        constexpr int RPP = NT / CHUNKS;   // rows per pass
+        const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
+        const elem_t* s = src + r0 * row_stride + c * 8;
+        elem_t* d = dst + r0 * PITCH + c * 8;
+#pragma unroll
+        for (int i = 0; i < TOTAL / NT; ++i) ptx_cp_async_16(d + i * RPP * PITCH, s + i * RPP * row_stride);
+    } else {
+        load_tile_async<MAX_ROWS>(dst, src, row_stride, MAX_ROWS, CHUNKS * 8);
+    }
+}

@@ -218,6 +218,15 @@ __device__ __forceinline__ void ptx_ldmatrix_x4(unsigned (&r)[4], const void* ro
 __device__ __forceinline__ void ptx_ldmatrix_x1_trans(unsigned (&r)[1], const void* row_addr) { cuflash_ptx_sim::ldmatrix<1, true>(r, row_addr); }
 __device__ __forceinline__ void ptx_ldmatrix_x2_trans(unsigned (&r)[2], const void* row_addr) { cuflash_ptx_sim::ldmatrix<2, true>(r, row_addr); }
 __device__ __forceinline__ void ptx_ldmatrix_x4_trans(unsigned (&r)[4], const void* row_addr) { cuflash_ptx_sim::ldmatrix<4, true>(r, row_addr); }
+// ldmatrix at `base` plus a byte offset (GPU branch: the offset is added to the shared-window
+// address in 32 bits, so a per-thread offset held in a register plus a constant becomes one
+// [R + immediate] operand).
+__device__ __forceinline__ void ptx_ldmatrix_x4_at(unsigned (&r)[4], const void* base, unsigned byte_off) {
+    cuflash_ptx_sim::ldmatrix<4, false>(r, static_cast<const unsigned char*>(base) + byte_off);
+}
+__device__ __forceinline__ void ptx_ldmatrix_x4_trans_at(unsigned (&r)[4], const void* base, unsigned byte_off) {
+    cuflash_ptx_sim::ldmatrix<4, true>(r, static_cast<const unsigned char*>(base) + byte_off);
+}
 __device__ __forceinline__ void ptx_mma_m16n8k16_f16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
     cuflash_ptx_sim::mma_m16n8k16<false>(d, a, b, c);
 }
@@ -240,6 +249,10 @@ __device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
     if (reinterpret_cast<uintptr_t>(p) & 7u) cusim::fail("red.v2.f32: address %p must be 8-byte aligned", (void*)p);
     atomicAdd(p, a);
     atomicAdd(p + 1, b);
+}
+// The same under a predicate (GPU: one predicated instruction, no branch); off: no access at all.
+__device__ __forceinline__ void ptx_red_add_f32x2_if(bool pred, float* p, float a, float b) {
+    if (pred) ptx_red_add_f32x2(p, a, b);
 }
 __device__ __forceinline__ void ptx_cp_async_commit() { cuflash_ptx_sim::cp_async_commit(); }
 template <int N> __device__ __forceinline__ void ptx_cp_async_wait() { cuflash_ptx_sim::cp_async_wait(uint32_t(N)); }
@@ -405,6 +418,14 @@ __device__ __forceinline__ void ptx_ldmatrix_x4_trans(unsigned (&r)[4], const vo
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(ptx_smem_addr(row_addr)));
 }
+__device__ __forceinline__ void ptx_ldmatrix_x4_at(unsigned (&r)[4], const void* base, unsigned byte_off) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(ptx_smem_addr(base) + byte_off));
+}
+__device__ __forceinline__ void ptx_ldmatrix_x4_trans_at(unsigned (&r)[4], const void* base, unsigned byte_off) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(ptx_smem_addr(base) + byte_off));
+}
 
 #if __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void ptx_mma_m16n8k16_f16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
@@ -432,6 +453,15 @@ __device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
 #else
     asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
     asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(b) : "memory");
+#endif
+}
+__device__ __forceinline__ void ptx_red_add_f32x2_if(bool pred, float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n @q red.global.add.v2.f32 [%0], {%1, %2};\n}\n"
+                 ::"l"(p), "f"(a), "f"(b), "r"(int(pred)) : "memory");
+#else
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n @q red.global.add.f32 [%0], %1;\n @q red.global.add.f32 [%0+4], %2;\n}\n"
+                 ::"l"(p), "f"(a), "f"(b), "r"(int(pred)) : "memory");
 #endif
 }
 __device__ __forceinline__ void ptx_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -474,6 +504,9 @@ __device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gme
 __device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
     atomicAdd(p, a);
     atomicAdd(p + 1, b);
+}
+__device__ __forceinline__ void ptx_red_add_f32x2_if(bool pred, float* p, float a, float b) {
+    if (pred) ptx_red_add_f32x2(p, a, b);
 }
 __device__ __forceinline__ void ptx_cp_async_commit() {}
 template <int N> __device__ __forceinline__ void ptx_cp_async_wait() {}

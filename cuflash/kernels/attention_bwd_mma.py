@@ -48,6 +48,10 @@ TILE_CANDIDATES_BEFORE_SM90 = {128: ((64, 64, 2), (64, 64, 1))}
 #: the score-modifier forms (``mods``): the per-pair modifier code beside S and dP spills at 64 x
 #: 128 (12 bytes for bucket 64, 84-96 for 128, sm_90), so 64 x 64 there
 TILE_CANDIDATES_MODS = {64: ((64, 64, 2), (64, 64, 1)), 128: ((64, 64, 2), (64, 64, 1))}
+#: the dropout forms: the keep bits drawn before S and dP, beside the 64 x 128 tile's dK/dV and its
+#: per-thread ldmatrix offsets, spill 32 bytes under NVRTC 13.5 at bucket 128 (sm_90), so 64 x 64
+#: there (as before sm_90)
+TILE_CANDIDATES_DROPOUT = {128: ((64, 64, 2), (64, 64, 1))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +133,11 @@ class AttentionBwdMma(variants.TileVariant):
                 f"mma.sync m16n8k16 {self.dtype}")
 
 
-def _candidates(bucket: int, arch: int, mods: bool = False) -> tuple[tuple[int, int, int], ...]:
+def _candidates(bucket: int, arch: int, mods: bool = False, dropout: bool = False) -> tuple[tuple[int, int, int], ...]:
     if mods and bucket in TILE_CANDIDATES_MODS:
         return TILE_CANDIDATES_MODS[bucket]
+    if dropout and bucket in TILE_CANDIDATES_DROPOUT:
+        return TILE_CANDIDATES_DROPOUT[bucket]
     return TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket]) if arch < 90 else TILE_CANDIDATES[bucket]
 
 
@@ -139,7 +145,7 @@ def _fitting(key: str, bucket: int, arch: int, dropout: bool = False, mods: bool
              user: tuple = ("", "", "")) -> AttentionBwdMma | None:
     candidates = (AttentionBwdMma(key, bucket, bm, bn, st, dropout=dropout, mods=mods, score_c=user[0],
                                   mask_c=user[1], grad_c=user[2])
-                  for bm, bn, st in _candidates(bucket, arch, mods))
+                  for bm, bn, st in _candidates(bucket, arch, mods, dropout))
     return AttentionBwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
 
 

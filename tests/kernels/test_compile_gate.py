@@ -154,31 +154,30 @@ KNOWN_SPILLS = {
     (13, 75, "cuflash_attn_fwd_simt_f16_d64_m32_n64_varlen"),
     (13, 75, "cuflash_attn_fwd_simt_f16_d256_m8_n32_varlen"),
     (13, 75, "cuflash_attn_fwd_simt_f32_d256_m8_n32_varlen"),
-    (13, 80, "cuflash_attn_bwd_mma_main_f16_d256_m64_n64_s1_dropout"),
-    (13, 80, "cuflash_attn_bwd_mma_main_bf16_d256_m64_n64_s1_dropout"),
-    (13, 90, "cuflash_attn_bwd_mma_main_f16_d128_m64_n128_s2"),
-    (13, 90, "cuflash_attn_bwd_mma_main_bf16_d128_m64_n128_s2"),
     (13, 90, "cuflash_attn_fwd_simt_f16_d256_m8_n32_varlen"),
     (13, 90, "cuflash_attn_fwd_simt_f32_d256_m8_n32_varlen"),
     (13, 90, "cuflash_attn_fwd_simt_bf16_d256_m8_n32_varlen"),
+    # the dropout backward at head dims 192 (sm_90, 8 bytes with 13.5) and 256 (sm_80, 4 bytes with
+    # 12.9): the keep bits, drawn before S and dP, beside the 64 x 192 / 64 x 256 dK/dV
+    # accumulators; no smaller tile of the bucket exists
+    (12, 80, "cuflash_attn_bwd_mma_main_f16_d256_m64_n64_s1_dropout"),
+    (12, 80, "cuflash_attn_bwd_mma_main_bf16_d256_m64_n64_s1_dropout"),
     (13, 90, "cuflash_attn_bwd_mma_main_f16_d192_m64_n64_s2_dropout"),
     (13, 90, "cuflash_attn_bwd_mma_main_bf16_d192_m64_n64_s2_dropout"),
     # the score-modifier backward at head dims 192 and 256 (the per-pair modifier code beside S,
-    # dP and the 64 x 256 dK/dV accumulators): 12-36 bytes, with 12.9 on the fixed forms and with
-    # both compilers on the packed ones; no smaller tile of the bucket exists (Br 64 and Bc 64 are
-    # the warp layouts' least)
+    # dP and the 64 x 192 / 64 x 256 dK/dV accumulators): 8-60 bytes, with 12.9 on the fixed forms,
+    # with 12.9 at 256 and 13.5 at 192 on the packed ones; no smaller tile of the bucket exists (Br
+    # 64 and Bc 64 are the warp layouts' least)
+    (12, 90, "cuflash_attn_bwd_mma_main_f16_d192_m64_n64_s2_mods"),
+    (12, 90, "cuflash_attn_bwd_mma_main_bf16_d192_m64_n64_s2_mods"),
     (12, 80, "cuflash_attn_bwd_mma_main_f16_d256_m64_n64_s1_mods"),
     (12, 80, "cuflash_attn_bwd_mma_main_bf16_d256_m64_n64_s1_mods"),
     (12, 90, "cuflash_attn_bwd_mma_main_f16_d256_m64_n64_s2_mods"),
     (12, 90, "cuflash_attn_bwd_mma_main_bf16_d256_m64_n64_s2_mods"),
-    (12, 90, "cuflash_attn_bwd_mma_main_f16_d192_m64_n64_s2_varlen_mods"),
-    (12, 90, "cuflash_attn_bwd_mma_main_bf16_d192_m64_n64_s2_varlen_mods"),
     (12, 90, "cuflash_attn_bwd_mma_main_f16_d256_m64_n64_s2_varlen_mods"),
     (12, 90, "cuflash_attn_bwd_mma_main_bf16_d256_m64_n64_s2_varlen_mods"),
     (13, 90, "cuflash_attn_bwd_mma_main_f16_d192_m64_n64_s2_varlen_mods"),
     (13, 90, "cuflash_attn_bwd_mma_main_bf16_d192_m64_n64_s2_varlen_mods"),
-    (13, 90, "cuflash_attn_bwd_mma_main_f16_d256_m64_n64_s2_varlen_mods"),
-    (13, 90, "cuflash_attn_bwd_mma_main_bf16_d256_m64_n64_s2_varlen_mods"),
 }
 
 

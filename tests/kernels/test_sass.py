@@ -160,3 +160,66 @@ def test_sass_hopper_packed_form_keeps_the_steady_loop(local, cuobjdump):
     packed = attention_fwd_sm90.Sm90ForwardVariant("bf16", 128, 128, local, varlen=True)
     n_fixed, n_packed = _steady_instructions(fixed), _steady_instructions(packed)
     assert n_packed <= 1.05 * n_fixed, (n_packed, n_fixed)
+
+
+# ------------------------------------------------------------------------ tensor-core backward loop
+
+
+def _bwd_loop_paths(text: str, entry: str) -> dict:
+    """Per warp and query tile of the tensor-core backward's main loop: the ``steady`` pass (every
+    mma and copy, every dQ ``REDG`` issued, the fewest instructions: an interior tile) and the
+    ``masked`` one (the same, the most instructions: a diagonal or sequence-edge tile), each as
+    totals by class plus ``fp32_arith`` (FMUL/FFMA/FADD) and ``red``."""
+    from cuflash.analysis import sass_count
+
+    insns = sass_count.parse_functions(text)[entry]
+    blocks, found = sass_count.main_loops(insns)
+    assert len(found) == 1, found
+
+    def measure(x):
+        if x.op == "NOP":
+            return {}
+        c = {sass_count.classify(x.op): 1}
+        c["copies"] = int(x.op in sass_count.COPIES)
+        c["red"] = int(x.op.startswith("RED"))
+        c["fp32_arith"] = int(x.op in ("FMUL", "FFMA", "FADD"))
+        return c
+
+    def key(sign):
+        return lambda t: (t.get("tensor", 0), t.get("copies", 0), t.get("red", 0),
+                          -sign * sum(t.get(k, 0) for k in sass_count.CLASSES))
+
+    steady, masked = sass_count.best_passes(insns, blocks, found[0], measure, [key(1), key(-1)])
+    for t in (steady, masked):
+        t["instructions"] = sum(t.get(k, 0) for k in sass_count.CLASSES)
+    return {"steady": steady, "masked": masked}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
+def test_sass_tensor_core_backward_loop_budget(dtype, cuobjdump):
+    """The d128 backward on sm_90 (64 x 128 tile), under every installed NVRTC: no spills, and per
+    warp and query tile at most 960 instructions on the steady path (FlashAttention-2's backward in
+    PyTorch counts 1003 by the same rule, docs/roofline.md), at most 850 of them outside FP32
+    arithmetic (FMUL/FFMA/FADD), and at most 1350 on the masked path; 320 mma and 16 dQ
+    ``red.global.add.v2.f32`` on both, none of them behind a branch of its own on the steady one."""
+    from cuflash.kernels import attention_bwd_mma
+    from cuflash.runtime import nvrtc
+
+    variant = attention_bwd_mma.choose_variant(dtype, 128, 128, 90)
+    assert (variant.block_m, variant.block_n) == (64, 128), variant
+    majors = cuda_runner.nvrtc_majors()
+    assert set(majors) >= set(nvrtc.MAJORS), majors   # both compilers: the test extra installs them
+    for major in majors:
+        cubin, log = cuda_runner.nvrtc_compile(source.build_source(variant), 90, name=variant.source,
+                                               extra_options=("-Xptxas=-v",), nvrtc=major)
+        r = cuda_runner.ptxas_resources(log, variant.entry)
+        where = f"{variant.entry} with NVRTC {major}.x"
+        assert r["spill_stores"] == r["spill_loads"] == r["stack_frame"] == 0, (where, r)
+        paths = _bwd_loop_paths(roofline.disassemble(cubin), variant.entry)
+        steady, masked = paths["steady"], paths["masked"]
+        for t in (steady, masked):
+            assert t.get("tensor") == 320 and t.get("red") == 16, (where, t)
+        assert steady["instructions"] <= 960, (where, steady)
+        assert steady["instructions"] - steady["fp32_arith"] <= 850, (where, steady)
+        assert steady.get("predicate", 0) <= 40, (where, steady)   # no per-element test or branch
+        assert masked["instructions"] <= 1350, (where, masked)
