@@ -35,9 +35,10 @@
 //   barrier per tile, the copy of tile j + 1 overlapping the math of tile j. STAGES = 1 (192,
 //   256: one stage fits two blocks per SM, which overlap each other instead): wait and barrier,
 //   the math, a barrier, then the refill.
-// * Copies: each thread copies the same 16-byte column chunk of rows r0, r0 + NT / CHUNKS, ...
-//   of every tile, so its source offsets are computed once, before the loop (the regular case,
-//   NT a multiple of CHUNKS; otherwise load_tile_async of mma_tile.cuh).
+// * Copies: each thread copies the same 16-byte column chunk of rows r0, r0 + kRowsPerPass, ...
+//   of every tile, so its source offsets are computed once, before the loop. Tiles with every
+//   key below Sk copy without predicates; only the tile that straddles Sk (and a thread whose
+//   chunk lies past D or Dv) tests rows and zero-fills.
 // * Masks are run-time: K/V tiles no row of the block can see are never visited (causal tiles
 //   above the diagonal, tiles outside a window), and only tiles that straddle Sk, the diagonal
 //   or a window edge pay for the per-element mask (each row's visible key range computed once
@@ -122,13 +123,22 @@ static_assert(2 * (BR * PITCH + STAGES * STAGE_ELEMS) == CUFLASH_SMEM_BYTES,
 #endif
 #include "score_mods.cuh"
 
-// The regular copy (NT a multiple of CHUNKS and of the tile's chunks): this thread moves chunk
-// `c` of rows r0 + i * RPP of a tile. `dst` and `src` already point at (r0, c) of the tile and
-// its source; `pass_stride` is RPP source rows; `rows_left` = rows in view - r0. A chunk out of
-// view is zero-filled from `base`, the head's first row (16-byte aligned even where a length-1
-// axis has an odd stride: cp.async needs an aligned address even when it reads nothing).
-constexpr bool kRegularCopy = NT % CHUNKS == 0 && (BC * CHUNKS) % NT == 0 && (BR * CHUNKS) % NT == 0;
-constexpr int kRowsPerPass = NT / CHUNKS;
+// The copies' thread layout: kRowsPerPass rows of CHUNKS 16-byte chunks per pass, the largest
+// power of two with kRowsPerPass * CHUNKS <= NT rows; thread tid < kCopyThreads moves chunk
+// tid % CHUNKS of rows tid / CHUNKS + i * kRowsPerPass of every tile, so its offsets are computed
+// once and each further row is one address add. The threads from kCopyThreads on (the last warp
+// at buckets 96 and 192, whose 12- and 24-chunk rows do not divide 128 threads) copy nothing.
+//
+// copy_rows: `dst` and `src` already point at (r0, c) of the tile and its source; `pass_stride`
+// is kRowsPerPass source rows; `rows_left` = rows in view - r0. A chunk out of view is
+// zero-filled from `base`, the array's first element (16-byte aligned even where a length-1 axis
+// has an odd stride: cp.async needs an aligned address even when it reads nothing).
+constexpr int kRowsPerPassMax = NT / CHUNKS;
+constexpr int kRowsPerPass = kRowsPerPassMax >= 32 ? 32 : kRowsPerPassMax >= 16 ? 16 : kRowsPerPassMax >= 8 ? 8
+                             : kRowsPerPassMax >= 4 ? 4 : kRowsPerPassMax >= 2 ? 2 : 1;
+constexpr int kCopyThreads = kRowsPerPass * CHUNKS;
+static_assert(CHUNKS <= NT && BC % kRowsPerPass == 0 && BR % kRowsPerPass == 0,
+              "the copies' row passes must tile Bc and Br");
 
 template <int MAX_ROWS>
 __device__ __forceinline__ void copy_rows(elem_t* dst, const elem_t* src, const elem_t* base, long long pass_stride,
@@ -138,6 +148,34 @@ __device__ __forceinline__ void copy_rows(elem_t* dst, const elem_t* src, const 
         const bool valid = col_ok && i * kRowsPerPass < rows_left;
         ptx_cp_async_16_zfill(dst + i * kRowsPerPass * PITCH, valid ? src + i * pass_stride : base, valid ? 16 : 0);
     }
+}
+
+// copy_rows for an interior tile (every row and this thread's column in view): no bounds checks,
+// no zero-fill, one address add per row pass.
+template <int MAX_ROWS>
+__device__ __forceinline__ void copy_rows_interior(elem_t* dst, const elem_t* src, long long pass_stride) {
+#pragma unroll
+    for (int i = 0; i < MAX_ROWS / kRowsPerPass; ++i) ptx_cp_async_16(dst + i * kRowsPerPass * PITCH, src + i * pass_stride);
+}
+
+// floor(x / BC) for any sign of x.
+__device__ __forceinline__ long long floor_div_bc(long long x) { return x >= 0 ? x / BC : -((BC - 1 - x) / BC); }
+
+// The steady tiles of a block's run of n_tiles key tiles from key kv_lo: tiles [lo, hi) lie wholly
+// below Sk and inside every row's window for the block's query positions [pos0, pos0 + pos_span)
+// (tile_in_window of common.cuh, solved for the tile index once instead of tested per tile); the
+// tiles outside need the per-element mask. 64-bit, so no bound near INT32_MAX wraps.
+__device__ __forceinline__ IndexRange steady_tiles(int kv_lo, int n_tiles, int pos0, int pos_span, int seqlen_q,
+                                                   int seqlen_k, int window_left, int window_right) {
+    const long long diag = (long long)seqlen_k - seqlen_q + pos0;   // the diagonal key of row pos0
+    long long hi = floor_div_bc((long long)seqlen_k - kv_lo);        // (j + 1) BC <= Sk - kv_lo
+    if (window_right >= 0) hi = min(hi, floor_div_bc(diag + window_right + 1 - kv_lo));   // last key <= diag + right
+    long long lo = 0;
+    if (window_left >= 0) lo = -floor_div_bc(-(diag + pos_span - 1 - window_left - kv_lo));   // first key >= last row's diag - left
+    IndexRange r;
+    r.lo = (int)min(max(lo, 0ll), (long long)n_tiles);
+    r.hi = (int)min(max(hi, (long long)r.lo), (long long)n_tiles);
+    return r;
 }
 
 #if CUFLASH_KVCACHE
@@ -228,17 +266,20 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     pk = pack, nsplit = num_splits;
 #endif
     const GridCoord at = grid_coord(num_q_tiles * nsplit, num_heads_q / pk);
-    const int split = at.tile % nsplit;
+    int split = at.tile % nsplit;
     const int tile = num_q_tiles - 1 - at.tile / nsplit;   // last tiles (the most keys) first
-    const int head0 = at.head * pk;
-    const long long batch = at.batch;
+    int head0 = at.head * pk;
+    long long batch = at.batch;
     const int head_k = head0 / group_size;
+    int q_first = 0, k_first = 0;   // a packed batch: the sequence's first row in q, out and lse; in k and v
 #if CUFLASH_VARLEN
+    const int total_q = seqlen_q, total_k = seqlen_k;   // the packed arrays' rows (the arguments' values)
     {   // a packed batch: this sequence's rows and lengths
         const VarlenSeq sq = varlen_seq_uniform(batch, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k);
-        q += sq.q0 * q_row_stride, out += sq.q0 * o_row_stride, lse += sq.q0;
+        q += sq.q0 * q_row_stride;   // (out and lse move at the epilogue: their pointers hold no registers in the loop)
+        q_first = sq.q0;
 #if !CUFLASH_KVCACHE
-        k += sq.k0 * k_row_stride, v += sq.k0 * v_row_stride;
+        k_first = sq.k0;
 #endif
         seqlen_q = sq.seqlen_q, seqlen_k = sq.seqlen_k;
     }
@@ -253,8 +294,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int* bt_row = block_table + batch * block_table_stride;
 #endif
 
-    const int q_rows = seqlen_q * pk;   // packed rows of this (batch, head group)
-    const int row0 = tile * BR;
+    int q_rows = seqlen_q * pk;   // packed rows of this (batch, head group)
+    int row0 = tile * BR;
     const int rows = min(BR, q_rows - row0);
     if (CUFLASH_VARLEN && rows <= 0) return;   // a packed sequence shorter than the grid's tiles (the whole block)
 
@@ -264,8 +305,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const elem_t* k_head = k + kv_batch * k_batch_stride + head_k * k_head_stride + (paged ? 0 : cs.start * k_row_stride);
     const elem_t* v_head = v + kv_batch * v_batch_stride + head_k * v_head_stride + (paged ? 0 : cs.start * v_row_stride);
 #else
-    const elem_t* k_head = k + batch * k_batch_stride + head_k * k_head_stride;
-    const elem_t* v_head = v + batch * v_batch_stride + head_k * v_head_stride;
+    const elem_t* k_head = k + batch * k_batch_stride + head_k * k_head_stride + k_first * k_row_stride;
+    const elem_t* v_head = v + batch * v_batch_stride + head_k * v_head_stride + k_first * v_row_stride;
 #endif
 
     // Keys any row of this tile can see: [kv_lo, kv_hi) (rows are query positions r / pk).
@@ -279,14 +320,21 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         kv_lo += first * BC;
     }
 
-    // This thread's chunk of every tile copy (regular case): its source pointers advance by one
-    // tile per copy, so no row-stride product is redone in the loop.
+    // This thread's chunk of every tile copy: its source pointers advance by one tile per copy, so
+    // no row-stride product is redone in the loop.
     const int cp_r0 = tid / CHUNKS, cp_c = tid % CHUNKS;
     const int s_thread = cp_r0 * PITCH + cp_c * 8;
     const elem_t* k_src = k_head + (kv_lo + cp_r0) * k_row_stride + cp_c * 8;
     const elem_t* v_src = v_head + (kv_lo + cp_r0) * v_row_stride + cp_c * 8;
+    // Tiles j < full_tiles hold no key past Sk; this thread copies them unpredicated when its K and
+    // V column chunk is inside D and Dv (per thread: a head dim below its bucket leaves the last
+    // chunks zero-filled).
+    const int full_tiles = cp_c * 8 < head_dim && cp_c * 8 < head_dim_v ? max(0, (seqlen_k - kv_lo) / BC) : 0;
+    // An edge tile's copy tests rows only: rows_left of copy_rows is n - k_row_lim (n - v_row_lim),
+    // k_row_lim being this thread's first row cp_r0, or BC (no row) when its chunk lies past D (Dv).
+    const int k_row_lim = cp_c * 8 < head_dim ? cp_r0 : BC, v_row_lim = cp_c * 8 < head_dim_v ? cp_r0 : BC;
     // K/V tile starting at key kv into stage `st`; then the sources move on by one tile.
-    auto load_kv = [&](elem_t* st, int kv) {
+    auto load_kv = [&](elem_t* st, int kv, bool interior) {
         const int n = min(BC, seqlen_k - kv);
 #if CUFLASH_KVCACHE
         if (paged) {   // row by row through the block table (pages of any size); not unrolled: the
@@ -309,17 +357,19 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             return;
         }
 #endif
-        if (kRegularCopy) {
-            copy_rows<BC>(st + s_thread, k_src, k_head, kRowsPerPass * k_row_stride, n - cp_r0, cp_c * 8 < head_dim);
-            copy_rows<BC>(st + BC * PITCH + s_thread, v_src, v_head, kRowsPerPass * v_row_stride, n - cp_r0,
-                          cp_c * 8 < head_dim_v);
-            k_src += BC * k_row_stride;
-            v_src += BC * v_row_stride;
-        } else {
-            load_tile_async<BC>(st, k_head + kv * k_row_stride, k_row_stride, n, head_dim);
-            load_tile_async<BC>(st + BC * PITCH, v_head + kv * v_row_stride, v_row_stride, n, head_dim_v);
+        if (kCopyThreads == NT || tid < kCopyThreads) {
+            if (interior) {   // every row and this thread's columns in view: unpredicated copies
+                copy_rows_interior<BC>(st + s_thread, k_src, kRowsPerPass * k_row_stride);
+                copy_rows_interior<BC>(st + BC * PITCH + s_thread, v_src, kRowsPerPass * v_row_stride);
+            } else {   // the tile that straddles Sk (or columns past D / Dv): zero-fill what is out of view
+                copy_rows<BC>(st + s_thread, k_src, k, kRowsPerPass * k_row_stride, n - k_row_lim, true);
+                copy_rows<BC>(st + BC * PITCH + s_thread, v_src, v, kRowsPerPass * v_row_stride, n - v_row_lim, true);
+            }
         }
+        k_src += BC * k_row_stride;
+        v_src += BC * v_row_stride;
     };
+
 
     // Prologue: Q and the first K/V tile, one group. A tile that sees no key (causal with
     // Sq > Sk, a window that misses every key) loads nothing: its loop below never runs, so no
@@ -338,12 +388,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                     ptx_cp_async_16_zfill(q_s + r * PITCH + c * 8, ok ? src : q_head, ok ? 16 : 0);
                 }
             }
-        } else if (kRegularCopy)
+        } else if (kCopyThreads == NT || tid < kCopyThreads) {
             copy_rows<BR>(q_s + s_thread, q_tile + cp_r0 * q_row_stride + cp_c * 8, q_tile, kRowsPerPass * q_row_stride,
                           rows - cp_r0, cp_c * 8 < head_dim);
-        else
-            load_tile_async<BR>(q_s, q_tile, q_row_stride, rows, head_dim);
-        load_kv(kv_s, kv_lo);
+        }
+        load_kv(kv_s, kv_lo, 0 < full_tiles);
     }
     ptx_cp_async_commit();
 
@@ -364,9 +413,12 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     float m_row[MT][2], l_row[MT][2];   // running max (log2 domain) and this lane's part of the sum
 #pragma unroll
     for (int f = 0; f < MT; ++f) m_row[f][0] = m_row[f][1] = CUFLASH_NEG_INF, l_row[f][0] = l_row[f][1] = 0.0f;
-    const int qi0 = row0 + 16 * MT * warp + g;   // (packed) row of fragment f's row g: qi0 + 16 f (+ 8)
+    int qi0 = row0 + 16 * MT * warp + g;   // (packed) row of fragment f's row g: qi0 + 16 f (+ 8)
     const bool warp_active = 16 * MT * warp < rows;
     const int pos_span = (row0 + BR - 1) / pk - pos0 + 1;   // query positions the tile's BR rows span
+    // Tiles [steady.lo, steady.hi) need no mask (a tile needs it if it reaches past Sk or some row of
+    // the block has a window edge inside it)
+    const IndexRange steady = steady_tiles(kv_lo, n_tiles, pos0, pos_span, seqlen_q, seqlen_k, window_left, window_right);
     // scale_log2 > 0: the max over raw scores, P = exp2(s * scale - m) in one FFMA. Otherwise the
     // scores are scaled first (a negative scale reverses the order; 0 would make -inf * 0 NaN).
     // (The modifier variants scale first too: softcap and the biases act on the scaled scores.)
@@ -383,7 +435,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         ptx_cp_async_wait<0>();   // this thread's copies of tile j (and of Q) have landed
         __syncthreads();          // every thread's; and every thread is done with tile j - 1
         if (STAGES == 2 && j + 1 < n_tiles) {
-            load_kv(kv_s + ((j + 1) % 2) * STAGE_ELEMS, kv0 + BC);   // the stage tile j - 1 used
+            load_kv(kv_s + ((j + 1) % 2) * STAGE_ELEMS, kv0 + BC, j + 1 < full_tiles);   // the stage tile j - 1 used
             ptx_cp_async_commit();
         }
 
@@ -470,8 +522,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
             // Mask: a tile needs it only if it reaches past Sk or some row of the block has a window
             // edge inside it. Each row's visible keys are computed once per tile.
-            const bool need_mask = kv0 + BC > seqlen_k ||
-                                   !tile_in_window(pos0, pos_span, kv0, BC, seqlen_q, seqlen_k, window_left, window_right);
+            const bool need_mask = j < steady.lo || j >= steady.hi;
             if (need_mask) {
 #pragma unroll
                 for (int f = 0; f < MT; ++f)
@@ -491,6 +542,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             }
 
             // Online softmax per fragment: rows g (elements 0, 1) and g + 8 (elements 2, 3).
+            unsigned p[MT][KSTEPS_N][4];
 #pragma unroll
             for (int f = 0; f < MT; ++f) {
                 float alpha[2];
@@ -514,6 +566,28 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                     }
                     l_row[f][h] = l_row[f][h] * alpha[h] + sum;
                 }
+#if CUFLASH_DROPOUT
+                // dropout on P, after the row sums (the LSE stays the undropped softmax's): pair (row, key)
+                // kept iff its Philox draw is below the threshold (keep_word), survivors scaled
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int n = 0; n < NFRAG_S; ++n) {
+                        const unsigned keep = keep_word >> (2 * ((f * 2 + h) * NFRAG_S + n));
+                        s[f][n][2 * h] = (keep & 1u) ? s[f][n][2 * h] * dropout_scale : 0.0f;
+                        s[f][n][2 * h + 1] = (keep & 2u) ? s[f][n][2 * h + 1] * dropout_scale : 0.0f;
+                    }
+#endif
+                // P's A fragments, packed as soon as the fragment's P is final (the S accumulator of two
+                // adjacent 8-key blocks is the A fragment of one 16-key k-step): 16 registers instead of 32
+                // from here on, while the other fragment's softmax and P V run.
+#pragma unroll
+                for (int kk = 0; kk < KSTEPS_N; ++kk) {
+                    p[f][kk][0] = pack2(s[f][2 * kk][0], s[f][2 * kk][1]);
+                    p[f][kk][1] = pack2(s[f][2 * kk][2], s[f][2 * kk][3]);
+                    p[f][kk][2] = pack2(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
+                    p[f][kk][3] = pack2(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
+                }
                 // O *= alpha, skipped (exactly: alpha is 1) when no row of the warp's fragment has a
                 // new maximum, as most tiles of a long row do not (a NaN alpha is != 1: it rescales).
                 if (__any_sync(CUFLASH_FULL_MASK, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
@@ -527,33 +601,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 }
             }
 
-#if CUFLASH_DROPOUT
-            {   // dropout on P, after the row sums (the LSE stays the undropped softmax's): pair (row, key)
-                // kept iff its Philox draw is below the threshold (keep_word), survivors scaled
-#pragma unroll
-                for (int f = 0; f < MT; ++f)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-#pragma unroll
-                        for (int n = 0; n < NFRAG_S; ++n) {
-                            const unsigned keep = keep_word >> (2 * ((f * 2 + h) * NFRAG_S + n));
-                            s[f][n][2 * h] = (keep & 1u) ? s[f][n][2 * h] * dropout_scale : 0.0f;
-                            s[f][n][2 * h + 1] = (keep & 2u) ? s[f][n][2 * h + 1] * dropout_scale : 0.0f;
-                        }
-            }
-#endif
-            // O += P V: P's A fragments straight from the S accumulators; each V fragment feeds all
-            // MT query fragments.
+            // O += P V: each V fragment feeds all MT query fragments.
 #pragma unroll
             for (int kk = 0; kk < KSTEPS_N; ++kk) {
-                unsigned a[MT][4];
-#pragma unroll
-                for (int f = 0; f < MT; ++f) {
-                    a[f][0] = pack2(s[f][2 * kk][0], s[f][2 * kk][1]);
-                    a[f][1] = pack2(s[f][2 * kk][2], s[f][2 * kk][3]);
-                    a[f][2] = pack2(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
-                    a[f][3] = pack2(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
-                }
 #pragma unroll
                 for (int dp = 0; dp < NFRAG_O / 2; ++dp) {
                     unsigned b[4];
@@ -561,15 +611,15 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                     const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
                     for (int f = 0; f < MT; ++f) {
-                        mma16816(o_acc[f][2 * dp], a[f], b0);
-                        mma16816(o_acc[f][2 * dp + 1], a[f], b1);
+                        mma16816(o_acc[f][2 * dp], p[f][kk], b0);
+                        mma16816(o_acc[f][2 * dp + 1], p[f][kk], b1);
                     }
                 }
             }
         }
         if (STAGES == 1 && j + 1 < n_tiles) {
             __syncthreads();   // every thread is done with the one stage
-            load_kv(kv_s, kv0 + BC);
+            load_kv(kv_s, kv0 + BC, j + 1 < full_tiles);
             ptx_cp_async_commit();
         }
     }
@@ -577,6 +627,20 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     // before it, and a tile without keys issued nothing at all.
 
     // Epilogue: finish the row sums, normalize, stage O in this warp's own Q rows, store.
+    {   // The block's coordinates again, from an opaque copy of blockIdx.x: recomputed here, they
+        // keep no register across the K/V loop (the two-fragment tiles sit at the 255-register cap).
+        const GridCoord e = grid_coord_of(ptx_opaque((long long)blockIdx.x), num_q_tiles * nsplit, num_heads_q / pk);
+        split = e.tile % nsplit;
+        row0 = (num_q_tiles - 1 - e.tile / nsplit) * BR;
+        head0 = e.head * pk;
+        batch = e.batch;
+#if CUFLASH_VARLEN
+        const VarlenSeq sq = varlen_seq(batch, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k);
+        q_first = sq.q0;
+        q_rows = sq.seqlen_q * pk;
+#endif
+        qi0 = row0 + 16 * MT * warp + g;
+    }
 #if CUFLASH_KVCACHE
     const bool nan_rows = __syncthreads_or(bad);   // an index was out of range: every row NaN
 #else
@@ -635,7 +699,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         }
     __syncwarp();
     const int wrow0 = row0 + 16 * MT * warp;
-    elem_t* o_head = out + batch * o_batch_stride + head0 * o_head_stride;
+    elem_t* o_head = out + batch * o_batch_stride + head0 * o_head_stride + q_first * o_row_stride;
     constexpr int WARP_CHUNKS = 16 * MT * CHUNKS;
 #pragma unroll
     for (int i = 0; i < (WARP_CHUNKS + 31) / 32; ++i) {
@@ -648,7 +712,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 *reinterpret_cast<const uint4*>(o_s + r * PITCH + c * 8);
     }
     if (t == 0) {
-        float* lse_head = lse + batch * lse_batch_stride + head0 * lse_head_stride;
+        float* lse_head = lse + batch * lse_batch_stride + head0 * lse_head_stride + q_first;
 #pragma unroll
         for (int f = 0; f < MT; ++f)
 #pragma unroll

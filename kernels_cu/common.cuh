@@ -49,8 +49,9 @@ struct GridCoord {
     long long batch;
 };
 
-__device__ __forceinline__ GridCoord grid_coord(int num_tiles, int num_heads) {
-    const long long block = blockIdx.x;
+// The coordinates of block `block` (grid_coord: of this block; a kernel that recomputes them
+// after its main loop from ptx_opaque(blockIdx.x) keeps no register for them across the loop).
+__device__ __forceinline__ GridCoord grid_coord_of(long long block, int num_tiles, int num_heads) {
     const long long bh = block / num_tiles;
     GridCoord c;
     c.tile = (int)(block % num_tiles);
@@ -58,6 +59,8 @@ __device__ __forceinline__ GridCoord grid_coord(int num_tiles, int num_heads) {
     c.batch = bh / num_heads;
     return c;
 }
+
+__device__ __forceinline__ GridCoord grid_coord(int num_tiles, int num_heads) { return grid_coord_of(blockIdx.x, num_tiles, num_heads); }
 
 // The mask (bottom-right aligned, as in cuflash.reference.masks): query i sees key j iff
 //     -window_left <= j - (i + Sk - Sq) <= window_right        (a bound of -1 is unbounded),

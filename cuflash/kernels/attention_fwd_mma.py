@@ -39,6 +39,9 @@ MIN_ARCH = 80
 #: 128 x 128 at head dim 64 and 128 x 64 at 128. Here 128 x 128 spills at head dim 64 (255
 #: registers: the S accumulators of two fragments; python -m cuflash roofline and the compile
 #: gate show it), so every bucket up to 128 takes 128 x 64, and 192/256 64 x 64 with one stage.
+#: The packed variable-length forms (``varlen``) and sm_80 take the same tiles: 128 x 64 at
+#: buckets 96 and 128 compiles without spills under NVRTC 12.9 and 13.5 on sm_80 and sm_90 (the
+#: compile gate holds it).
 TILE_CANDIDATES = {
     64: ((128, 64), (64, 64)),
     96: ((128, 64), (64, 64), (64, 32)),
@@ -46,14 +49,6 @@ TILE_CANDIDATES = {
     192: ((64, 64), (64, 32)),
     256: ((64, 64), (64, 32)),
 }
-#: before sm_90, ptxas allocates the 128 x 64 tile of bucket 128 8 registers past 255 (64 bytes
-#: of spills; the compile gate refuses them): there it takes 128 x 32
-TILE_CANDIDATES_BEFORE_SM90 = {128: ((128, 32), (64, 32))}
-#: the packed variable-length forms (``varlen``) on sm_90: at 128 x 64, buckets 96 and 128 spill
-#: 8-92 bytes (the per-sequence lengths and offsets take the registers the fixed kernel, at 255,
-#: does not have; python -m cuflash roofline shows it), so they take 128 x 32 there (predicted
-#: 565 TFLOP/s, shared-memory bound, against 594 for the fixed shapes)
-TILE_CANDIDATES_VARLEN_SM90 = {96: ((128, 32), (64, 32)), 128: ((128, 32), (64, 32))}
 #: the KV-cache forms (``kvcache``): 4 warps of 16 rows (one fragment each; a decode step's packed
 #: rows fill one or two of them, and the others only copy) by 64 keys; 64 x 32 where 64 x 64 does
 #: not fit (bucket 256 before sm_90)
@@ -176,10 +171,6 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
         tiles = TILE_CANDIDATES_DROPOUT
     elif mods:
         tiles = TILE_CANDIDATES_MODS.get(bucket, TILE_CANDIDATES_DROPOUT)
-    elif arch < 90:
-        tiles = TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket])
-    elif varlen:
-        tiles = TILE_CANDIDATES_VARLEN_SM90.get(bucket, TILE_CANDIDATES[bucket])
     else:
         tiles = TILE_CANDIDATES[bucket]
     candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, kvcache=kvcache, dropout=dropout, mods=mods,

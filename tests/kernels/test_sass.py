@@ -223,3 +223,30 @@ def test_sass_tensor_core_backward_loop_budget(dtype, cuobjdump):
         assert steady["instructions"] - steady["fp32_arith"] <= 850, (where, steady)
         assert steady.get("predicate", 0) <= 40, (where, steady)   # no per-element test or branch
         assert masked["instructions"] <= 1350, (where, masked)
+
+
+# --------------------------------------------------------------------------- tensor-core forward
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_sass_mma_forward_interior_tiles_copy_without_predicates(varlen, cuobjdump):
+    """The tensor-core forward's steady loop (bf16, d128, sm_90, 128 x 64 in the fixed and the
+    packed form): an interior tile's 16 ``cp.async`` per thread carry no bounds checks, and the
+    named paths (docs/roofline.md) stay within the budgets this kernel is held to, per warp and
+    tile: steady at most 800 instructions, steady with both fragments' O rescale at most 928
+    (PyTorch's FA2 build counts 1220 on its steady path by the same rule). No spills."""
+    from cuflash.analysis import sass_count
+
+    variant = attention_fwd_mma.choose_variant("bfloat16", 128, 128, 90, varlen=varlen)
+    assert (variant.block_m, variant.block_n) == (128, 64), variant.entry
+    text, resources = roofline.compile_sass(variant, 90)
+    assert resources["spill_stores"] == 0 and resources["spill_loads"] == 0, resources
+    paths = sass_count.count_loop(sass_count.parse_functions(text)[variant.entry])
+    steady, one = paths["steady-rescale"], paths["steady+rescale"]
+    assert steady.tensor == one.tensor == 256, paths
+    assert steady.instructions <= 800, steady
+    # each of the warp's two 16-row fragments has its own rescale block (64 FMUL on its O)
+    per_fragment = one.instructions - steady.instructions
+    assert 64 <= per_fragment <= 70, paths
+    assert steady.instructions + 2 * per_fragment <= 928, paths
+    assert steady.classes["predicate"] <= 40, steady   # (with the copies' bounds checks in it: 87)
