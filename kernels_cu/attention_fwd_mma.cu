@@ -333,12 +333,33 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     // An edge tile's copy tests rows only: rows_left of copy_rows is n - k_row_lim (n - v_row_lim),
     // k_row_lim being this thread's first row cp_r0, or BC (no row) when its chunk lies past D (Dv).
     const int k_row_lim = cp_c * 8 < head_dim ? cp_r0 : BC, v_row_lim = cp_c * 8 < head_dim_v ? cp_r0 : BC;
+    // This thread's rows of a K/V tile from ks / vs (its chunk of the tile's first rows) into stage
+    // `st`: unpredicated for an interior tile, else rows n and on (and chunks past D / Dv) zero-filled.
+    auto copy_kv = [&](elem_t* st, const elem_t* ks, const elem_t* vs, bool interior, int n) {
+        if (kCopyThreads == NT || tid < kCopyThreads) {
+            if (interior) {   // every row and this thread's columns in view: unpredicated copies
+                copy_rows_interior<BC>(st + s_thread, ks, kRowsPerPass * k_row_stride);
+                copy_rows_interior<BC>(st + BC * PITCH + s_thread, vs, kRowsPerPass * v_row_stride);
+            } else {   // the tile that straddles Sk (or columns past D / Dv): zero-fill what is out of view
+                copy_rows<BC>(st + s_thread, ks, k, kRowsPerPass * k_row_stride, n - k_row_lim, true);
+                copy_rows<BC>(st + BC * PITCH + s_thread, vs, v, kRowsPerPass * v_row_stride, n - v_row_lim, true);
+            }
+        }
+    };
     // K/V tile starting at key kv into stage `st`; then the sources move on by one tile.
     auto load_kv = [&](elem_t* st, int kv, bool interior) {
         const int n = min(BC, seqlen_k - kv);
 #if CUFLASH_KVCACHE
-        if (paged) {   // row by row through the block table (pages of any size); not unrolled: the
-                       // registers belong to the accumulators
+        if (paged) {
+            const int p0 = cs.start + kv;   // the tile's first cache index
+            if (p0 % page_size + BC <= page_size) {   // the whole tile in one page: copied as a contiguous one
+                const PageRow pr = page_row(bt_row, p0, page_size, num_pages, bad);
+                copy_kv(st, k_head + pr.page * k_batch_stride + (pr.row + cp_r0) * k_row_stride + cp_c * 8,
+                        v_head + pr.page * v_batch_stride + (pr.row + cp_r0) * v_row_stride + cp_c * 8, interior, n);
+                return;
+            }
+            // row by row through the block table (pages smaller than a tile, or a tile across two);
+            // not unrolled: the registers belong to the accumulators
 #pragma unroll 1
             for (int i = 0; i < (BC * CHUNKS + NT - 1) / NT; ++i) {
                 const int e = tid + i * NT;
@@ -357,15 +378,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             return;
         }
 #endif
-        if (kCopyThreads == NT || tid < kCopyThreads) {
-            if (interior) {   // every row and this thread's columns in view: unpredicated copies
-                copy_rows_interior<BC>(st + s_thread, k_src, kRowsPerPass * k_row_stride);
-                copy_rows_interior<BC>(st + BC * PITCH + s_thread, v_src, kRowsPerPass * v_row_stride);
-            } else {   // the tile that straddles Sk (or columns past D / Dv): zero-fill what is out of view
-                copy_rows<BC>(st + s_thread, k_src, k, kRowsPerPass * k_row_stride, n - k_row_lim, true);
-                copy_rows<BC>(st + BC * PITCH + s_thread, v_src, v, kRowsPerPass * v_row_stride, n - v_row_lim, true);
-            }
-        }
+        copy_kv(st, k_src, v_src, interior, n);
         k_src += BC * k_row_stride;
         v_src += BC * v_row_stride;
     };
