@@ -640,8 +640,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     // before it, and a tile without keys issued nothing at all.
 
     // Epilogue: finish the row sums, normalize, stage O in this warp's own Q rows, store.
-    {   // The block's coordinates again, from an opaque copy of blockIdx.x: recomputed here, they
-        // keep no register across the K/V loop (the two-fragment tiles sit at the 255-register cap).
+    if (MT == 2) {   // The block's coordinates again, from an opaque copy of blockIdx.x: recomputed here,
+        // they keep no register across the K/V loop. The two-fragment tiles sit at the 255-register cap
+        // and spill without it (16 bytes, bf16 d128 sm_90, NVRTC 13.5); the one-fragment forms spill
+        // with it (4-108 bytes at buckets 192 and 256 with the modifiers, dropout or a KV cache on sm_80).
         const GridCoord e = grid_coord_of(ptx_opaque((long long)blockIdx.x), num_q_tiles * nsplit, num_heads_q / pk);
         split = e.tile % nsplit;
         row0 = (num_q_tiles - 1 - e.tile / nsplit) * BR;
