@@ -554,6 +554,19 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                     }
             }
 
+            auto rescale_o = [&](int f, const float (&alpha)[2]) {
+                // O *= alpha, skipped (exactly: alpha is 1) when no row of the warp's fragment has a
+                // new maximum, as most tiles of a long row do not (a NaN alpha is != 1: it rescales).
+                if (__any_sync(CUFLASH_FULL_MASK, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+                    for (int i = 0; i < NFRAG_O; ++i) {
+                        o_acc[f][i][0] *= alpha[0];
+                        o_acc[f][i][1] *= alpha[0];
+                        o_acc[f][i][2] *= alpha[1];
+                        o_acc[f][i][3] *= alpha[1];
+                    }
+                }
+            };
             // Online softmax per fragment: rows g (elements 0, 1) and g + 8 (elements 2, 3).
             unsigned p[MT][KSTEPS_N][4];
 #pragma unroll
@@ -579,6 +592,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                     }
                     l_row[f][h] = l_row[f][h] * alpha[h] + sum;
                 }
+                if (MT == 1) rescale_o(f, alpha);   // (before the packing: the d256 packed dropout form spills otherwise)
 #if CUFLASH_DROPOUT
                 // dropout on P, after the row sums (the LSE stays the undropped softmax's): pair (row, key)
                 // kept iff its Philox draw is below the threshold (keep_word), survivors scaled
@@ -601,17 +615,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                     p[f][kk][2] = pack2(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
                     p[f][kk][3] = pack2(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
                 }
-                // O *= alpha, skipped (exactly: alpha is 1) when no row of the warp's fragment has a
-                // new maximum, as most tiles of a long row do not (a NaN alpha is != 1: it rescales).
-                if (__any_sync(CUFLASH_FULL_MASK, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-                    for (int i = 0; i < NFRAG_O; ++i) {
-                        o_acc[f][i][0] *= alpha[0];
-                        o_acc[f][i][1] *= alpha[0];
-                        o_acc[f][i][2] *= alpha[1];
-                        o_acc[f][i][3] *= alpha[1];
-                    }
-                }
+                if (MT == 2) rescale_o(f, alpha);   // (after the packing: the two-fragment tiles spill otherwise)
             }
 
             // O += P V: each V fragment feeds all MT query fragments.
