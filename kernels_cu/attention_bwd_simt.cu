@@ -37,10 +37,29 @@
 // block's sequence offsets the base pointers and sets its lengths; Dd and dq_accum are one packed
 // sequence of total_q rows. Key tiles past the sequence's keys exit; keys past seqused_k get dK = dV = 0.
 //
+// Score modifiers (stage 1's CUFLASH_MODS 1 variants; score_mods.cuh), as in the tensor-core
+// backward: each visible pair's score is modified as in the forward (softcap, ALiBi, bias, boolean
+// mask) before P = exp(z - lse) (the forward's LSE already holds any sink); dS = P (dP - Dd) is the
+// gradient of the modified score, written to the float32 dbias workspace when asked (mod_flags &
+// 16: each (b, h, i, j) by one thread of one block) and multiplied by the softcap's 1 - tanh^2
+// before it meets Q and K.
+//
+// Dropout (stage 1's CUFLASH_DROPOUT 1 variants; dropout.cuh): with Z a pair's keep bit (the
+// forward's) and c = 1 / (1 - p), dV takes P Z c and dS = P (dP Z c - Dd), where Dd = rowsum(dO O)
+// of the dropped O.
+//
 // Variant prelude (cuflash/kernels/attention_bwd_simt.py): CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BWD_STAGE,
 // CUFLASH_HEAD_DIM_MAX, CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS,
-// CUFLASH_SMEM_BYTES (stage 1's dynamic shared memory; checked below), CUFLASH_MIN_BLOCKS (stage 1).
+// CUFLASH_SMEM_BYTES (stage 1's dynamic shared memory; checked below), CUFLASH_MIN_BLOCKS (stage 1),
+// CUFLASH_VARLEN, CUFLASH_DROPOUT, CUFLASH_MODS (0/1, stage 1).
 #include "common.cuh"
+#ifndef CUFLASH_DROPOUT
+#define CUFLASH_DROPOUT 0
+#endif
+#if CUFLASH_DROPOUT
+#include "dropout.cuh"
+#endif
+#include "score_mods.cuh"
 
 typedef CUFLASH_T elem_t;
 
@@ -107,8 +126,14 @@ static_assert(SMEM_FLOATS * 4 == CUFLASH_SMEM_BYTES,
               "the variant's shared-memory size (cuflash/kernels/attention_bwd_simt.py) disagrees with this layout");
 
 // CUFLASH_MIN_BLOCKS: the occupancy the register budget aims at (ptxas's own pick spilled a
-// little on sm_75 for the 32 bucket)
-extern "C" __global__ void __launch_bounds__(NT, CUFLASH_MIN_BLOCKS)
+// little on sm_75 for the 32 bucket). On sm_70 (Volta) ptxas needs 147-229 registers where sm_75+
+// fit in 128-168 (at 4 and 3 blocks per SM it spilled 8-528 bytes, NVRTC 12.9): 2 blocks there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750
+#define BWD_MIN_BLOCKS 2
+#else
+#define BWD_MIN_BLOCKS CUFLASH_MIN_BLOCKS
+#endif
+extern "C" __global__ void __launch_bounds__(NT, BWD_MIN_BLOCKS)
 CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
               const elem_t* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dd,
               float* __restrict__ dq_accum, elem_t* __restrict__ dk, elem_t* __restrict__ dv,
@@ -123,7 +148,16 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               int num_k_tiles, float softmax_scale, int window_left, int window_right,
               int num_splits, long long dq_split_stride, int deterministic, int tile0, int tile_end,
               const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-              const int* __restrict__ seqused_k, int varlen) {
+              const int* __restrict__ seqused_k, int varlen
+#if CUFLASH_DROPOUT
+              , unsigned dropout_seed, unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale,
+              long long dropout_batch0
+#endif
+#if CUFLASH_MODS
+              , CUFLASH_MODS_PARAMS, float* __restrict__ dbias, long long dbias_batch_stride, long long dbias_head_stride,
+              long long dbias_row_stride
+#endif
+              ) {
     extern __shared__ float smem[];
     float* k_s = smem;                 // [BC][ROW]
     float* v_s = k_s + BC * ROW;       // [BC][ROW]
@@ -171,7 +205,18 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #pragma unroll
     for (int r = 0; r < KV_PER_THREAD; ++r) dk_acc[r] = dv_acc[r] = 0.0f;
 
+#if CUFLASH_MODS
+    const ScoreMods mods = CUFLASH_MODS_INIT;
+#endif
+#if CUFLASH_DROPOUT
+    const DropoutArgs dr = {dropout_seed, dropout_offset, dropout_threshold, dropout_scale};
+#endif
+
     for (int hq = head_k * group_size; hq < (head_k + 1) * group_size; ++hq) {
+#if CUFLASH_MODS
+        const HeadMods hm = head_mods<elem_t>(mods, batch, hq);
+        float* dbias_head = dbias + batch * dbias_batch_stride + hq * dbias_head_stride;
+#endif
         const elem_t* q_head = q + batch * q_batch_stride + hq * q_head_stride;
         const elem_t* do_head = dout + batch * do_batch_stride + hq * do_head_stride;
         const float* lse_head = lse + batch * lse_batch_stride + hq * lse_head_stride;
@@ -195,15 +240,35 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 const int qi = row0 + r;
                 const int kj = col0 + j;
                 const IndexRange keys_seen = window_key_range(qi, 1, seqlen_q, seqlen_k, window_left, window_right);
-                const bool visible = r < rows && j < cols && lse_s[r] != CUFLASH_NEG_INF &&
-                                     kj >= keys_seen.lo && kj < keys_seen.hi;
+                bool visible = r < rows && j < cols && lse_s[r] != CUFLASH_NEG_INF &&
+                               kj >= keys_seen.lo && kj < keys_seen.hi;
+#if CUFLASH_MODS
+                visible = visible && mask_keeps(mods, hm, qi, kj);
+#endif
                 float p = 0.0f, ds = 0.0f;
                 if (visible) {
                     float s = 0.0f, dp = 0.0f;
                     for (int c = 0; c < head_dim; ++c) s = fmaf(q_s[r * ROW + c], k_s[j * ROW + c], s);
                     for (int c = 0; c < head_dim_v; ++c) dp = fmaf(do_s[r * ROW + c], v_s[j * ROW + c], dp);
-                    p = exp2f(s * scale_log2 - lse_s[r]);
+                    float z = s * scale_log2;
+#if CUFLASH_MODS
+                    // the modified score; dS is d/dz, and d/d(scaled score) is dS * dcap
+                    float dcap = 1.0f;
+                    z = mod_score<elem_t>(mods, hm, z, qi, kj, seqlen_q, seqlen_k, &dcap);
+#endif
+                    p = exp2f(z - lse_s[r]);
+#if CUFLASH_DROPOUT
+                    const bool kept = dropout_keep1(dr, (unsigned)(dropout_batch0 + batch), (unsigned)hq, (unsigned)qi,
+                                                    (unsigned)kj);
+                    ds = p * ((kept ? dp * dropout_scale : 0.0f) - dd_s[r]);
+                    p = kept ? p * dropout_scale : 0.0f;   // (dV takes the dropped P)
+#else
                     ds = p * (dp - dd_s[r]);
+#endif
+#if CUFLASH_MODS
+                    if (mod_flags & 16) dbias_head[qi * dbias_row_stride + kj] = ds;   // d bias = dS: one writer per pair
+                    ds *= dcap;
+#endif
                 }
                 p_s[r * PROW + j] = p;
                 ds_s[r * PROW + j] = ds;

@@ -24,11 +24,37 @@
 // never loaded (their shared-memory slots are zero-filled). Offsets are 64-bit. The grid is 1-D
 // (blockIdx.x = tile + num_q_tiles * (head + Hq * batch)), so gridDim.y/z never limit B*H.
 //
+// Score modifiers (the CUFLASH_MODS 1 variants; score_mods.cuh): softcap, ALiBi, the additive
+// bias and the boolean mask act on each visible pair's scaled score before the softmax, as in the
+// tensor-core kernel; the sink joins each row's denominator at the epilogue (sink_fold).
+//
+// Dropout (the CUFLASH_DROPOUT 1 variants; dropout.cuh): the row sums (and so the LSE) are the
+// undropped softmax's; each P element stored for P V is zeroed unless the Philox draw of its pair
+// (batch, head, row, key) passes the threshold, and survivors are scaled by 1 / (1 - p): the same
+// keep bits as every other tier and the NumPy path. A thread's keys are strided over the row's
+// threads, so each pair is drawn on its own (dropout_keep1: one Philox call per pair).
+//
 // Variant prelude (cuflash/kernels/attention_fwd_simt.py: AttentionFwdSimt.defines()):
 //   CUFLASH_ENTRY, CUFLASH_T (float, __half, __nv_bfloat16), CUFLASH_HEAD_DIM_MAX (bucket of
 //   max(D, Dv)), CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS (NT),
-//   CUFLASH_SMEM_BYTES (the dynamic shared memory the launcher provides; checked below).
+//   CUFLASH_SMEM_BYTES (the dynamic shared memory the launcher provides; checked below),
+//   CUFLASH_VARLEN, CUFLASH_DROPOUT, CUFLASH_MODS (0/1).
 #include "ptx.cuh"   // (and common.cuh)
+#ifndef CUFLASH_DROPOUT
+#define CUFLASH_DROPOUT 0
+#endif
+#if CUFLASH_DROPOUT
+#include "dropout.cuh"
+#endif
+#include "score_mods.cuh"
+// __launch_bounds__' minimum blocks per SM: 0 (none) for the plain forms; 1 for the modifier and
+// dropout forms, whose per-pair code NVRTC 13's ptxas otherwise fits in 96 registers with 20-96
+// bytes of spills (d128, sm_75 to sm_90); with 1 it takes about 140 and spills nothing
+#if CUFLASH_MODS || CUFLASH_DROPOUT
+#define FWD_MIN_BLOCKS 1
+#else
+#define FWD_MIN_BLOCKS 0
+#endif
 
 typedef CUFLASH_T elem_t;
 
@@ -64,7 +90,7 @@ __device__ __forceinline__ float row_group_sum(float x) {
     return x;
 }
 
-extern "C" __global__ void __launch_bounds__(NT)
+extern "C" __global__ void __launch_bounds__(NT, FWD_MIN_BLOCKS)
 CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
               elem_t* __restrict__ out, float* __restrict__ lse,
               long long q_batch_stride, long long q_head_stride, long long q_row_stride,
@@ -75,7 +101,15 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               int num_heads_q, int group_size, int seqlen_q, int seqlen_k, int head_dim, int head_dim_v,
               int num_q_tiles, float scale_log2, int window_left, int window_right,
               const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-              const int* __restrict__ seqused_k, int varlen) {
+              const int* __restrict__ seqused_k, int varlen
+#if CUFLASH_DROPOUT
+              , unsigned dropout_seed, unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale,
+              long long dropout_batch0
+#endif
+#if CUFLASH_MODS
+              , CUFLASH_MODS_PARAMS
+#endif
+              ) {
     extern __shared__ float smem[];
     float* q_s = smem;                    // [BR][Q_STRIDE]
     float* kv_s = q_s + BR * Q_STRIDE;    // [BC][KV_STRIDE], K then V
@@ -112,6 +146,14 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
     load_tile_f32<NT>(q_s, Q_STRIDE, q_tile, q_row_stride, rows, BR, head_dim);
 
+#if CUFLASH_MODS
+    const ScoreMods mods = CUFLASH_MODS_INIT;
+    const HeadMods hm = head_mods<elem_t>(mods, batch, head);   // this row's (batch, head)
+#endif
+#if CUFLASH_DROPOUT
+    const DropoutArgs dr = {dropout_seed, dropout_offset, dropout_threshold, dropout_scale};
+#endif
+
     float m = CUFLASH_NEG_INF;   // running max of the row's scores (log2 domain)
     float l = 0.0f;              // running sum of exp2(score - m)
     float acc[DV_PER_THREAD];
@@ -139,7 +181,14 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             const int j = sub + c * TPR;
             const int kj = kv0 + j;
             const bool visible = j < cols && kj >= row_keys.lo && kj < row_keys.hi;
+#if CUFLASH_MODS
+            // softcap, ALiBi, bias and the boolean mask (score_mods.cuh), on the pairs the window lets
+            // through (a row past the sequence reads no modifier)
+            s[c] = visible && row < rows ? mod_score<elem_t>(mods, hm, s[c] * scale_log2, qi, kj, seqlen_q, seqlen_k)
+                                         : CUFLASH_NEG_INF;
+#else
             s[c] = visible ? s[c] * scale_log2 : CUFLASH_NEG_INF;
+#endif
             tile_max = fmaxf(tile_max, s[c]);
         }
         const float m_new = fmaxf(m, row_group_max(tile_max));
@@ -149,7 +198,15 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #pragma unroll
         for (int c = 0; c < COLS_PER_THREAD; ++c) {
             const float p = exp2f(s[c] - shift);
+#if CUFLASH_DROPOUT
+            // the row sum takes p, P V the dropped p (dropout.cuh: the pair's keep bit)
+            const int j = sub + c * TPR;
+            const bool kept = j < cols && dropout_keep1(dr, (unsigned)(dropout_batch0 + batch), (unsigned)head,
+                                                        (unsigned)qi, (unsigned)(kv0 + j));
+            p_s[row * P_STRIDE + j] = kept ? p * dropout_scale : 0.0f;
+#else
             p_s[row * P_STRIDE + sub + c * TPR] = p;
+#endif
             tile_sum += p;
         }
         l = l * alpha + row_group_sum(tile_sum);
@@ -177,7 +234,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         out += q0 * o_row_stride, lse += q0;
     }
     if (row < rows) {
-        const float inv_l = l != 0.0f ? 1.0f / l : 0.0f;   // l == 0: no key (O = 0); NaN l stays NaN
+        float c_sink = 1.0f;   // the sink's share of the row (score_mods.cuh: sink_fold)
+#if CUFLASH_MODS
+        c_sink = sink_fold(mods, head, m, l);
+#endif
+        const float inv_l = l != 0.0f ? c_sink / l : 0.0f;   // l == 0: no key (O = 0); NaN l stays NaN
         elem_t* o_row = out + batch * o_batch_stride + head * o_head_stride + qi * o_row_stride;
 #pragma unroll
         for (int c = 0; c < DV_PER_THREAD; ++c) {

@@ -54,6 +54,16 @@ __device__ __forceinline__ unsigned dropout_keep2(const DropoutArgs& d, unsigned
     return (a < d.threshold ? 1u : 0u) | (b < d.threshold ? 2u : 0u);
 }
 
+// The keep bit of the one pair (row, col): word col % 4 of its counter, one Philox call (for a
+// kernel whose threads hold keys that are not consecutive: the portable tier's).
+__device__ __forceinline__ bool dropout_keep1(const DropoutArgs& d, unsigned batch, unsigned head, unsigned row,
+                                              unsigned col) {
+    const uint4 w = philox4x32_10(make_uint4(col >> 2, row, head, batch), d.seed, d.offset);
+    const unsigned sel = col & 3u;
+    const unsigned a = sel == 0u ? w.x : (sel == 1u ? w.y : (sel == 2u ? w.z : w.w));
+    return a < d.threshold;
+}
+
 // A lane's keep bits for its part of an mma.sync S tile (m16n8 accumulator fragments: MF row
 // fragments of 16 rows, NF column blocks of 8 keys; the lane holds rows row_base + 16 f + 8 h
 // and keys col_base + 8 n + {0, 1}): bit 2 ((f * 2 + h) * NF + n) + c for key col_base + 8 n + c.

@@ -1,8 +1,10 @@
 """The portable attention forward (``kernels_cu/attention_fwd_simt.cu``): variant and planner.
 
-Every dtype (float16, bfloat16, float32) on every arch from sm_75. Compile-time axes are the
-dtype, the head-dim bucket (the smallest of 32, 64, 128, 256 holding ``max(D, Dv)``) and the
-tile shape; causal, windows, lengths, strides and the scale are run-time arguments.
+Every dtype (float16, bfloat16, float32) on every arch from sm_75, with every feature: the score
+modifiers (softcap, ALiBi, additive bias, boolean mask, sinks: the ``mods`` forms) and dropout
+(the ``dropout`` forms, the Philox keep bits of every tier). Compile-time axes are the dtype, the
+head-dim bucket (the smallest of 32, 64, 128, 256 holding ``max(D, Dv)``), the tile shape and
+those forms; causal, windows, lengths, strides and the scale are run-time arguments.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from typing import ClassVar
 
 from cuflash.kernels import forward_run
 from cuflash.runtime import plan, variants
-from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 #: head-dim buckets: a variant serves every ``max(D, Dv)`` up to its bucket
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
@@ -26,8 +27,10 @@ TILE_CANDIDATES = {
     128: ((32, 32), (16, 32)),
     256: ((8, 32), (8, 16)),
 }
-#: the arches the kernel targets (sm_75 is the oldest CUDA 13 supports)
-ARCHES = (75, 80, 90)
+#: the arches the kernel targets (sm_70, Volta, with NVRTC 12.x only: CUDA 13 starts at sm_75)
+ARCHES = (70, 75, 80, 90)
+#: the oldest compute capability the portable kernels run on
+MIN_ARCH = 70
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,33 +77,33 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int) -> Attentio
     return v
 
 
-def all_variants(arch: int, *, varlen: bool = False) -> tuple[AttentionFwdSimt, ...]:
+def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
+                 mods: bool = False) -> tuple[AttentionFwdSimt, ...]:
     """Every variant the dispatcher can choose on ``sm_<arch>`` (for the compile gate); with
-    ``varlen``, their packed variable-length forms."""
+    ``varlen``, ``dropout``, ``mods``, their packed, dropout and score-modifier forms."""
     out = []
     for key in variants.DTYPES:
         for bucket in HEAD_DIM_BUCKETS:
             v = choose_variant(variants.DTYPES[key][1], bucket, bucket, arch)
-            out.append(dataclasses.replace(v, varlen=True) if varlen else v)
+            out.append(dataclasses.replace(v, varlen=varlen, dropout=dropout, mods=mods))
     return tuple(dict.fromkeys(out))
 
 
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
-    """Why this portable kernel cannot take ``problem`` (None if it can): it has no dropout and
-    no score modifiers."""
-    why = refuse_modifiers(problem, "the portable kernel")   # score modifiers: none in this kernel yet
-    if why is not None:
-        return why
-    if problem.dropout is not None:
-        return ("dropout: the portable kernels have none (it runs on the tensor-core kernels: float16/bfloat16, "
-                "head dims multiples of 8, 16-byte-aligned rows, sm_80+)")
+    """Why this portable kernel cannot take ``problem`` (None if it can): only a device older than
+    :data:`MIN_ARCH`; it takes every dtype, alignment, score modifier and dropout (the
+    dispatcher's last tier)."""
+    if arch < MIN_ARCH:
+        return f"sm_{arch} is older than sm_{MIN_ARCH} (Volta), the oldest arch the kernels target"
     return None
 
 
 def variant_for(problem, arch: int) -> AttentionFwdSimt:
-    """The variant that runs ``problem`` on ``sm_<arch>``, in the packed form a packed batch needs."""
+    """The variant that runs ``problem`` on ``sm_<arch>``, in the packed, dropout and modifier forms
+    the call needs."""
     variant = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
-    return dataclasses.replace(variant, varlen=problem.varlen is not None, dropout=problem.dropout is not None)
+    return dataclasses.replace(variant, varlen=problem.varlen is not None, dropout=problem.dropout is not None,
+                               mods=problem.modifiers is not None)
 
 
 def forward(problem, q, k, v, out, call):

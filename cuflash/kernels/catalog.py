@@ -19,9 +19,11 @@ from cuflash.kernels import (
     kvcache_append,
     softmax,
 )
+from cuflash.runtime import nvrtc
 
-#: the arches the SIMT kernels are compiled and checked for (sm_75 is CUDA 13's oldest)
-SIMT_ARCHS = (75, 80, 90)
+#: the arches the SIMT kernels are compiled and checked for (sm_70, Volta, with NVRTC 12.x only:
+#: sm_75 is CUDA 13's oldest; :func:`compilers`)
+SIMT_ARCHS = (70, 75, 80, 90)
 #: the arches the tensor-core kernels are compiled and checked for
 MMA_ARCHS = attention_fwd_mma.ARCHES
 
@@ -32,9 +34,10 @@ def variants_for_arch(arch: int) -> tuple:
     if arch in SIMT_ARCHS or arch >= 75:
         out.extend(softmax.SoftmaxVariant.all())
     for varlen in (False, True):   # fixed shapes, then the packed variable-length forms
-        if arch in SIMT_ARCHS or arch >= 75:
-            out.extend(attention_fwd_simt.all_variants(arch, varlen=varlen))
-            out.extend(attention_bwd_simt.all_variants(arch, varlen=varlen))
+        if arch in SIMT_ARCHS or arch >= 75:   # (and the dropout, modifier and combined forms)
+            for dropout, mods in ((False, False), (False, True), (True, False), (True, True)):
+                out.extend(attention_fwd_simt.all_variants(arch, varlen=varlen, dropout=dropout, mods=mods))
+                out.extend(attention_bwd_simt.all_variants(arch, varlen=varlen, dropout=dropout, mods=mods))
         if arch >= attention_fwd_mma.MIN_ARCH:
             out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen))
         if arch >= attention_bwd_mma.MIN_ARCH:
@@ -54,11 +57,19 @@ def variants_for_arch(arch: int) -> tuple:
     out.extend(attention_fwd_sm90.all_variants(arch))   # (sm_90a: compute capability 9.0 only)
     out.extend(attention_fwd_sm90.all_variants(arch, mods=True))
     out.extend(attention_fwd_sm90.all_variants(arch, varlen=True))
-    if arch >= 75:
+    if arch >= 70:
         out.extend(dropout_mask.DropoutMaskVariant.all())
+    if arch >= 75:
         out.extend(kvcache_append.KVCacheAppend.all())
         out.extend(attention_combine.AttentionCombine.all())
     return tuple(dict.fromkeys(out))
+
+
+def compilers(arch: int, variant) -> tuple[int, ...]:
+    """The NVRTC majors that compile ``variant`` for ``sm_<arch>``: those not older than its
+    ``min_nvrtc_major`` whose oldest arch is not newer than ``arch`` (sm_70: 12.x only)."""
+    return tuple(m for m in nvrtc.MAJORS
+                 if m >= getattr(variant, "min_nvrtc_major", 12) and nvrtc.OLDEST_ARCH[m] <= arch)
 
 
 def compile_targets() -> list[tuple[int, object]]:

@@ -10,7 +10,8 @@ fallback, why; the ``cuflash.dispatch`` logger logs the same line at DEBUG level
    score modifiers;
 2. tensor cores (:mod:`cuflash.kernels.attention_fwd_mma`): float16/bfloat16 on sm_80+, rows 16-byte
    aligned (head dims, strides and view offsets multiples of 8 elements);
-3. portable SIMT (:mod:`cuflash.kernels.attention_fwd_simt`): every dtype, sm_75+.
+3. portable SIMT (:mod:`cuflash.kernels.attention_fwd_simt`): every dtype, every score modifier
+   and dropout, sm_70+ (Volta: with NVRTC 12.x only, :func:`compiler_reason`).
 
 fp8 (``float8_e4m3fn``) input goes only to a tier module that declares ``FP8_FORM = True``; today
 none does, so every tier says it has no fp8 form (:func:`fp8_reason`) and the call is a
@@ -82,6 +83,22 @@ def target_reason(mod, arch: int, nvrtc_majors=None) -> str | None:
     return None
 
 
+def compiler_reason(arch: int, nvrtc_majors=None) -> str | None:
+    """Why no kernel can be compiled for ``sm_<arch>`` with the NVRTCs installed (None if one can):
+    CUDA 13 dropped sm_70 (Volta, the V100), so there only NVRTC 12.x (the ``cuda12`` extra)
+    compiles. ``nvrtc_majors`` as for :func:`target_reason` (none installed: not applied)."""
+    if nvrtc_majors is None:
+        nvrtc_majors = cuda_runner.nvrtc_majors()
+    if not nvrtc_majors or any(nvrtc.OLDEST_ARCH.get(m, 0) <= arch for m in nvrtc_majors):
+        return None
+    oldest = [m for m in nvrtc.MAJORS if nvrtc.OLDEST_ARCH[m] <= arch]
+    if not oldest:
+        return f"no NVRTC compiles for sm_{arch} (cuflash's kernels need sm_70 or newer)"
+    return (f"NVRTC {', '.join(f'{m}.x' for m in nvrtc_majors)} cannot compile for sm_{arch} (CUDA 13 dropped "
+            f"sm_70, Volta): install the cuda12 extra (pip install 'cuflash[cuda12]': cupy-cuda12x and "
+            f"{nvrtc.WHEELS[oldest[-1]]!r})")
+
+
 def fp8_reason(mod, problem) -> str | None:
     """Why the tier module ``mod`` cannot take ``problem``'s fp8 input (None when the problem is not
     fp8, or the module declares ``FP8_FORM = True``)."""
@@ -97,6 +114,9 @@ def _choose(problem, arch: int, arrays=None, tiers=None, nvrtc_majors=None):
     """``(module, reasons)``: the tier that runs ``problem`` and why each faster one does not
     (``tiers`` default: :data:`TIERS`, looked up at call time)."""
     tiers = TIERS if tiers is None else tiers
+    why = compiler_reason(arch, nvrtc_majors)
+    if why is not None:
+        raise NotImplementedError(f"{problem.func}: no kernel takes this call on sm_{arch}: {why}")
     reasons = []
     for name, mod in tiers:
         why = fp8_reason(mod, problem) or target_reason(mod, arch, nvrtc_majors)

@@ -209,12 +209,18 @@ def device_arch(cc: int, nvrtc=None) -> int:
     Raises
     ------
     RuntimeError
-        If the NVRTC knows no arch that runs on ``cc`` (a device newer than the compiler).
+        If the NVRTC knows no arch that runs on ``cc`` (a device newer than the compiler, or one
+        older than it supports: NVRTC 13 has no sm_70).
     """
     lib = _resolve_nvrtc(nvrtc)
     if cc in lib.supported_archs:
         return cc
     same = [a for a in lib.supported_archs if a // 10 == cc // 10 and a <= cc]
+    if not same and cc < min(lib.supported_archs):
+        raise RuntimeError(f"cuflash: NVRTC {lib.version_string} cannot compile for compute capability "
+                           f"{cc // 10}.{cc % 10} (its oldest arch is sm_{min(lib.supported_archs)}; CUDA 13 dropped "
+                           f"sm_70, Volta): install the cuda12 extra (pip install 'cuflash[cuda12]') and use its "
+                           f"NVRTC 12.x (CUFLASH_NVRTC=12)")
     if not same:
         raise RuntimeError(f"cuflash: NVRTC {lib.version_string} cannot compile for compute capability "
                            f"{cc // 10}.{cc % 10} (it knows sm_{', sm_'.join(map(str, lib.supported_archs))}); "

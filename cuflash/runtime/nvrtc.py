@@ -32,6 +32,9 @@ import threading
 MAJORS = (12, 13)
 #: major -> the pip requirement that installs it
 WHEELS = {12: "nvidia-cuda-nvrtc-cu12==12.*", 13: "nvidia-cuda-nvrtc==13.*"}
+#: major -> the oldest compute capability its ``-arch=sm_XY`` accepts (``nvrtcGetSupportedArchs``:
+#: 12.9 lists sm_50 ... sm_121, 13.x starts at sm_75: CUDA 13 dropped Maxwell, Pascal and Volta)
+OLDEST_ARCH = {12: 50, 13: 75}
 #: major -> the folder of its wheel inside site-packages
 _WHEEL_DIRS = {12: ("nvidia", "cuda_nvrtc", "lib"), 13: ("nvidia", "cu13", "lib")}
 

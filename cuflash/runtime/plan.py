@@ -29,6 +29,7 @@ MAX_GRID_DIMS = (2**31 - 1, 65535, 65535)
 
 #: opt-in shared memory maximum per block (static + dynamic), by compute capability
 SMEM_OPT_IN_LIMIT = {
+    70: 96 * 1024,
     75: 64 * 1024,
     80: 163 * 1024,
     86: 99 * 1024,

@@ -12,8 +12,8 @@ a :class:`contextvars.ContextVar`) or, as defaults, with environment variables:
 ==================  =========================  ===================================================
 option              environment variable       meaning
 ==================  =========================  ===================================================
-``arch``            ``CUFLASH_SIM_ARCH``       emulated device: ``"sm_75"``, ``"sm_80"``,
-                                               ``"sm_86"``, ``"sm_87"``, ``"sm_89"``,
+``arch``            ``CUFLASH_SIM_ARCH``       emulated device: ``"sm_70"``, ``"sm_75"``,
+                                               ``"sm_80"``, ``"sm_86"``, ``"sm_87"``, ``"sm_89"``,
                                                ``"sm_90"`` (default). Sets ``__CUDA_ARCH__``
                                                and the shared-memory limits; the dispatcher picks
                                                the variant a device of that arch would get.

@@ -12,10 +12,10 @@ import re
 __all__ = ["SimOptions", "options", "current_options", "parse_arch", "sm_count", "ARCHS"]
 
 #: emulated compute capabilities
-ARCHS = (75, 80, 86, 87, 89, 90)
-#: SMs of the device each emulated arch stands for (T4, A100, A40, Orin, L4, H100/H200 SXM), which
-#: plans that depend on the device's size (split-KV counts) use on the simulator
-SM_COUNTS = {75: 40, 80: 108, 86: 84, 87: 16, 89: 58, 90: 132}
+ARCHS = (70, 75, 80, 86, 87, 89, 90)
+#: SMs of the device each emulated arch stands for (V100 SXM2, T4, A100, A40, Orin, L4, H100/H200
+#: SXM), which plans that depend on the device's size (split-KV counts) use on the simulator
+SM_COUNTS = {70: 80, 75: 40, 80: 108, 86: 84, 87: 16, 89: 58, 90: 132}
 
 
 def sm_count(arch: int) -> int:
@@ -147,7 +147,7 @@ def options(arch=None, checked=None, seed=None, *, workers=None, fibers=None, st
     Parameters
     ----------
     arch : str or int, optional
-        Emulated device, ``"sm_75"`` ... ``"sm_90"`` (default ``"sm_90"``).
+        Emulated device, ``"sm_70"`` ... ``"sm_90"`` (default ``"sm_90"``).
     checked : bool, optional
         Checked mode: faults raise :class:`SimCheckError` (see the module docstring).
     seed : int, optional

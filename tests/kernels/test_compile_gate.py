@@ -189,8 +189,9 @@ def _sample() -> set:
     seen, keep = set(), set()
     for major in nvrtc.MAJORS:
         for arch, v in TARGETS:
-            key = (major, arch, v.family, getattr(v, "mods", False))
-            if major >= v.min_nvrtc_major and key not in seen:
+            # (the portable tier's dropout and modifier forms: under -m compile_gate only)
+            key = (major, arch, v.family, getattr(v, "mods", False) and not v.family.endswith("_simt"))
+            if major in catalog.compilers(arch, v) and key not in seen:
                 seen.add(key)
                 keep.add((major, arch, v.entry))
     return keep
@@ -203,7 +204,7 @@ def _gate_params():
     out = []
     for major in nvrtc.MAJORS:
         for arch, v in TARGETS:
-            if major >= v.min_nvrtc_major:
+            if major in catalog.compilers(arch, v):
                 marks = [pytest.mark.compile_gate, pytest.mark.xdist_group("compile_gate")]
                 if (major, arch, v.entry) in KNOWN_SPILLS:
                     marks.append(pytest.mark.xfail(strict=True, raises=AssertionError,
@@ -221,7 +222,7 @@ def test_known_spills_name_gate_targets():
 
 
 def test_the_sample_covers_every_family_arch_and_compiler():
-    cells = {(major, arch, v.family) for major in nvrtc.MAJORS for arch, v in TARGETS if major >= v.min_nvrtc_major}
+    cells = {(major, arch, v.family) for major in nvrtc.MAJORS for arch, v in TARGETS if major in catalog.compilers(arch, v)}
     entries = {(a, v.entry): v.family for a, v in TARGETS}
     assert {(major, arch, entries[(arch, e)]) for major, arch, e in SAMPLE} == cells
     assert len(SAMPLE) < len(_gate_params()) / 5
@@ -241,6 +242,17 @@ def test_variant_compiles_without_spills(major, arch, variant, gate_pool):
     assert r["stack_frame"] == 0, f"{where} has a stack frame: {r}"
     assert r["static_smem"] + dynamic <= limit, f"{where} needs {r['static_smem'] + dynamic} B of shared memory; the limit is {limit}"
     assert r["registers"] <= 255
+
+
+def test_sm70_rows_are_nvrtc12_only():
+    """CUDA 13 dropped sm_70 (Volta): the gate's sm_70 rows are NVRTC 12.x's, and that stays
+    true (13.x must still refuse sm_70, 12.x must still take it, or the rule is stale)."""
+    assert {m for a, v in TARGETS if a == 70 for m in catalog.compilers(a, v)} == {12}
+    assert {"softmax", "attn_fwd_simt", "attn_bwd_simt"} <= {v.family for a, v in TARGETS if a == 70}
+    assert not any(v.family.endswith(("_mma", "_sm90")) for a, v in TARGETS if a == 70)
+    for major in nvrtc.MAJORS:
+        lib = compiler(major)
+        assert min(lib.supported_archs) == nvrtc.OLDEST_ARCH[major], (major, lib.supported_archs)
 
 
 _FAILS_UNDER = r"""

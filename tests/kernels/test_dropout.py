@@ -82,16 +82,16 @@ ARCHS = ["sm_90", "sm_80"]
 GRID = [tuple(c) for c in AllPairs([SHAPES, HEADS, HEAD_DIMS, list(MASKS), PS, list(DTYPES), ARCHS])]
 
 
-def run_dropout_case(rng, shape, heads, d, mask, p, dtype_key, arch, *, checked=False, seed=0):
+def run_dropout_case(rng, shape, heads, d, mask, p, dtype_key, arch, *, checked=False, seed=0, mods=None):
     sq, sk = shape
     hq, hk = heads
-    dt = DTYPES[dtype_key]
+    dt = DTYPES[dtype_key] if dtype_key != "f32" else np.dtype(np.float32)
     q = rng.standard_normal((2, hq, sq, d)).astype(dt)
     k = rng.standard_normal((2, hk, sk, d)).astype(dt)
     v = rng.standard_normal((2, hk, sk, d)).astype(dt)
     causal, window = MASKS[mask]
     drop = dict(dropout_p=p, dropout_seed=int(rng.integers(2**32)), dropout_offset=int(rng.integers(2**32)))
-    kw = dict(causal=causal, window_size=window, **drop)
+    kw = dict(causal=causal, window_size=window, **drop, **(mods or {}))
     dout = rng.standard_normal((2, hq, sq, d)).astype(dt)
     for backend in ("numpy", "sim"):
         with cuflash.sim.options(arch=arch, checked=checked, seed=seed):
@@ -104,6 +104,64 @@ def run_dropout_case(rng, shape, heads, d, mask, p, dtype_key, arch, *, checked=
 @pytest.mark.parametrize("case", default_share(GRID, ["-".join(map(str, c)) for c in GRID]))
 def test_dropout_pairwise(case, rng):
     run_dropout_case(rng, *case)
+
+
+#: float32 runs on the portable tier (its ``dropout`` forms): the same design without the dtype axis
+F32_GRID = [tuple(c) for c in AllPairs([SHAPES, HEADS, HEAD_DIMS, list(MASKS), PS, ARCHS[::-1] + ["sm_75"]])]
+#: the default run's share: one case (head dim 64: one forward and one backward variant)
+F32_DEFAULT = ((37, 45), (4, 2), 64, "causal_win", 0.5, "sm_90")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id="-".join(map(str, c)),
+                                               marks=() if c == F32_DEFAULT else (pytest.mark.slow,))
+                                  for c in [F32_DEFAULT] + [c for c in F32_GRID if c != F32_DEFAULT]])
+def test_dropout_float32_portable(case, rng):
+    shape, heads, d, mask, p, arch = case
+    q = np.zeros((1, 1, 2, d), np.float32)
+    assert cuflash.explain(q, q, q, backend="sim", arch=int(arch[3:]))["tier"] == "attention_fwd_simt"
+    run_dropout_case(rng, shape, heads, d, mask, p, "f32", arch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype_key,arch", [("f32", "sm_90"), ("f32", "sm_75"), ("f16", "sm_80"), ("bf16", "sm_90")])
+def test_dropout_with_modifiers_on_the_portable_tier(dtype_key, arch, rng):
+    """Dropout with score modifiers: the portable tier's ``_dropout_mods`` forms (the tensor-core
+    tier takes each alone, not both), forward and backward against the float64 oracle."""
+    mods = dict(softcap=3.0, attn_bias=rng.standard_normal((2, 4, 70, 150)).astype(np.float32),
+                attn_mask=rng.random((2, 1, 70, 150)) > 0.3, sinks=rng.standard_normal(4).astype(np.float32))
+    run_dropout_case(rng, (70, 150), (4, 2), 64, "causal", 0.3, dtype_key, arch, mods=mods)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("arch,shape,mask", [("sm_75", (70, 150), "causal"), ("sm_90", (37, 45), "window")])
+def test_dropout_with_modifiers_on_the_portable_tier_checked(arch, shape, mask, rng):
+    """Checked mode (races, bounds, uninitialised reads) on the float32 ``_dropout_mods`` forms,
+    forward and backward, with a strided bias (a view of a NaN-filled buffer) and a mask."""
+    buf = np.full((2, 4, shape[0], 2 * shape[1]), np.nan, np.float32)
+    buf[..., ::2] = rng.standard_normal((2, 4) + shape)
+    mods = dict(softcap=2.0, alibi_slopes=rng.uniform(0.02, 0.4, 4).astype(np.float32), attn_bias=buf[..., ::2],
+                attn_mask=rng.random((2, 1) + shape) > 0.3, sinks=rng.standard_normal(4).astype(np.float32))
+    run_dropout_case(rng, shape, (4, 2), 64, mask, 0.3, "f32", arch, checked=True, seed=3, mods=mods)
+
+
+def test_float32_keep_bits_are_the_numpy_paths(rng):
+    """The portable kernels' keep bits, read off exactly: with q = k = 0 every visible weight is
+    1 / Sk, so with V the identity out[i, j] = Z[i, j] / ((1 - p) Sk), and with dO the identity
+    too, dV[j, i] = Z[i, j] / ((1 - p) Sk); Z must be the NumPy path's mask bit for bit."""
+    b, h, s, p, seed, offset = 2, 3, 45, 0.4, 2024, 77
+    q = np.zeros((b, h, s, 16), np.float32)
+    eye = np.broadcast_to(np.eye(s, dtype=np.float32), (b, h, s, s)).copy()
+    drop = dict(dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+    with cuflash.sim.options(arch="sm_90"):
+        out, lse = cuflash.attention(q, q, eye, return_lse=True, backend="sim", **drop)
+        _, _, dv = cuflash.attention_backward(eye, q, q, eye, out, lse, backend="sim", **drop)
+    want = rd.dropout_mask((b, h, s, s), p, seed, offset)
+    assert 0.4 < want.mean() < 0.8
+    for got in (out, dv.swapaxes(-1, -2)):
+        bits = got * ((1 - p) * s)
+        assert np.abs(bits - np.round(bits)).max() < 1e-4
+        assert np.array_equal(np.round(bits).astype(bool), want)
 
 
 #: a share of the grid in checked mode: every fourth case, one in six of them in the default run
@@ -202,12 +260,6 @@ def test_bad_dropout_arguments(kw, exc, match):
         rd.dropout_mask((1, 1, 4, 8), kw["dropout_p"], kw.get("dropout_seed"), kw.get("dropout_offset", 0))
     with pytest.raises(exc, match=match):
         cuflash.attention_backward(q, q, q, q, q, np.zeros((1, 1, 4), np.float32), **kw)
-
-
-def test_dropout_on_the_portable_tier_is_refused_with_the_reason():
-    q = np.zeros((1, 1, 4, 8), np.float32)
-    with pytest.raises(NotImplementedError, match="dropout: the portable kernels have none"):
-        cuflash.attention(q, q, q, dropout_p=0.1, dropout_seed=1, backend="sim")
 
 
 def test_torch_manual_seed_reproduces_and_gradcheck():

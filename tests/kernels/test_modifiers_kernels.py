@@ -41,6 +41,14 @@ DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
 FORMS = ["full", "broadcast", "2d", "strided"]
 GRID = [tuple(c) for c in AllPairs([COMBOS, LENGTHS, HEAD_DIMS, HEADS, list(MASKS), list(DTYPES), FORMS])]
 ARCH = 80   # the tensor-core tier (sm_90's Hopper tier: HOPPER_GRID)
+#: float32 runs on the portable tier (attention_fwd_simt.cu / attention_bwd_simt.cu, their ``mods``
+#: forms): the same design, on an emulated sm_90 and sm_75
+F32_GRID = [tuple(c) for c in AllPairs([COMBOS, LENGTHS, HEAD_DIMS, HEADS, list(MASKS), FORMS, [90, 75]])]
+#: the default run's share of it: one head-dim bucket and arch (one forward and one backward
+#: variant, shared), every modifier, every mask and every form of the bias once
+F32_DEFAULT = [(("attn_bias", "attn_mask"), (70, 150), 64, (4, 2), "causal", "full", 90),
+               (("softcap", "sinks"), (129, 64), 64, (2, 2), "window", "strided", 90),
+               (("alibi_slopes", "attn_bias"), (1, 77), 64, (4, 2), "none", "broadcast", 90)]
 
 
 def make_modifiers(rng, names, b, hq, sq, sk, dtype, form):
@@ -92,7 +100,7 @@ def check_grads(actual, expected, baseline, names, dtype):
 def run_case(rng, names, lengths, d, heads, mask, dtype_key, form, *, checked=False, backward=True, seed=0,
              deterministic=False, arch=ARCH, tier="attention_fwd_mma"):
     (sq, sk), (hq, hk) = lengths, heads
-    dtype = DTYPES[dtype_key]
+    dtype = DTYPES[dtype_key] if dtype_key != "f32" else np.dtype(np.float32)
     b = 2
     q = rng.standard_normal((b, hq, sq, d)).astype(dtype)
     k = rng.standard_normal((b, hk, sk, d)).astype(dtype)
@@ -109,7 +117,7 @@ def run_case(rng, names, lengths, d, heads, mask, dtype_key, form, *, checked=Fa
         return out, lse, None
     asks = {"return_dbias": "attn_bias" in names, "return_dsinks": "sinks" in names}
     dout = rng.standard_normal(out.shape).astype(dtype)
-    with sim.options(arch=ARCH, checked=checked, seed=seed):
+    with sim.options(arch=arch, checked=checked, seed=seed):
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim", deterministic=deterministic,
                                            **opts, **mods, **asks)
     f64 = [x.astype(np.float64) for x in (q, k, v, dout)]
@@ -144,6 +152,13 @@ def check_dsinks(dsinks, dout, out, lse, sinks):
 @pytest.mark.parametrize("names,lengths,d,heads,mask,dtype,form", default_share(GRID, args=lambda c: c))
 def test_pairwise_grid(names, lengths, d, heads, mask, dtype, form, rng):
     run_case(rng, names, lengths, d, heads, mask, dtype, form)
+
+
+@pytest.mark.parametrize("names,lengths,d,heads,mask,form,arch",
+                         [pytest.param(*c, marks=() if c in F32_DEFAULT else (pytest.mark.slow,))
+                          for c in F32_DEFAULT + [c for c in F32_GRID if c not in F32_DEFAULT]])
+def test_float32_portable_grid(names, lengths, d, heads, mask, form, arch, rng):
+    run_case(rng, names, lengths, d, heads, mask, "f32", form, arch=arch, tier="attention_fwd_simt")
 
 
 #: the Hopper tier's forward (sm_90a) on every third case of the grid
@@ -251,13 +266,18 @@ def test_dispatch_picks_the_modifier_forms():
     assert info["tier"] == "attention_fwd_sm90" and info["variant"].endswith("_mods")
     info = cuflash.explain(q, q, q, softcap=30.0, backend="sim", arch=80)
     assert info["tier"] == "attention_fwd_mma" and info["variant"].endswith("_mods")
-    # dropout with a modifier: no kernel form yet; refused, naming both
-    with pytest.raises(NotImplementedError, match="dropout with softcap"):
-        with sim.options(arch=ARCH):
-            cuflash.attention(q, q, q, softcap=30.0, dropout_p=0.1, dropout_seed=1, backend="sim")
-    # float32 has only the SIMT tier, which takes no modifier: a clear refusal, never a silent drop
+    # dropout with a modifier: no tensor-core form yet; the portable tier runs it, and says why
+    from cuflash.kernels import attention_fwd_simt, dispatch
+    from support.options import check_attention
+
+    both = check_attention(q, q, q, softcap=30.0, dropout_p=0.1, dropout_seed=1)
+    assert dispatch.forward_tier(both, ARCH, (q, q, q)) is attention_fwd_simt
+    line = dispatch.describe_choice(both, ARCH, (q, q, q))
+    assert "_dropout_mods" in line and "dropout with softcap is not in the tensor-core kernel yet" in line, line
+    # float32 runs on the portable tier, in its modifier form, naming why the faster tiers do not
     q32 = np.zeros((1, 2, 8, 16), np.float32)
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        with sim.options(arch=ARCH):
-            cuflash.attention(q32, q32, q32, attn_mask=np.ones((8, 8), bool), backend="sim")
+    for arch in (90, 80, 75):
+        info = cuflash.explain(q32, q32, q32, attn_mask=np.ones((8, 8), bool), backend="sim", arch=arch)
+        assert info["tier"] == "attention_fwd_simt" and info["variant"].endswith("_mods"), info
+        assert arch < 80 or "dtype float32 (tensor cores here take float16/bfloat16)" in info["choice"]
     assert attention_fwd_mma.choose_variant(dtypes.float16, 64, 64, 90, mods=True).name.endswith("_mods")

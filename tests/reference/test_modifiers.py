@@ -407,7 +407,7 @@ def test_kvcache_modifiers_match_the_dense_formula(combo):
 
 
 # --------------------------------------------------------------------------------------------
-# the portable (SIMT) tier refuses modifiers, before any work (the other tiers take them)
+# the portable (SIMT) tier takes every modifier (float32, and what the tensor cores cannot take)
 
 
 def _one(name, hq=4, sq=8, sk=8):
@@ -416,31 +416,34 @@ def _one(name, hq=4, sq=8, sk=8):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_kernel_backends_refuse_each_modifier(name):
-    # float32 has only the portable (SIMT) tier, which takes no modifier: a refusal naming it, never
-    # a silent drop (float16/bfloat16 run the modifier forms: tests/kernels/test_modifiers_kernels.py)
+def test_kernel_backends_take_each_modifier_on_float32(name):
+    # float32 runs on the portable (SIMT) tier's modifier forms, forward and backward, as the NumPy
+    # path computes it (the full grids: tests/kernels/test_modifiers_kernels.py); float16 with a head
+    # dim the tensor cores cannot take (60) goes there too
     rng = np.random.default_rng(8)
-    q, k, v = (rng.standard_normal((1, 4, 8, 16)).astype(np.float32) for _ in range(3))
+    q, k, v = (rng.standard_normal((1, 4, 8, 64)).astype(np.float32) for _ in range(3))
     kw = {name: _one(name)}
-    with pytest.raises(NotImplementedError, match=rf"no kernel takes this call.*{name} is not in the portable kernel yet"):
-        cuflash.attention(q, k, v, backend="sim", **kw)
-    with pytest.raises(NotImplementedError, match=rf"{name} is not in the portable kernel yet"):
-        cuflash.explain(q, k, v, backend="sim", **kw)
-    out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)   # the NumPy path takes it
-    with pytest.raises(NotImplementedError, match=rf"{name} is not in the portable backward yet"):
-        cuflash.attention_backward(out, q, k, v, out, lse, backend="sim", **kw)
-    h = q.astype(np.float16)   # float16 with a head dim the tensor cores cannot take (12): the same
-    with pytest.raises(NotImplementedError, match=rf"{name} is not in the portable kernel yet"):
-        cuflash.attention(h[..., :12], k.astype(np.float16)[..., :12], v.astype(np.float16), backend="sim", **kw)
+    info = cuflash.explain(q, k, v, backend="sim", **kw)
+    assert info["tier"] == "attention_fwd_simt" and info["variant"].endswith("_mods"), info
+    out, lse = cuflash.attention(q, k, v, return_lse=True, backend="sim", **kw)
+    want, want_lse = cuflash.attention(q, k, v, return_lse=True, **kw)   # the NumPy path
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    got = cuflash.attention_backward(out, q, k, v, out, lse, backend="sim", **kw)
+    for g, w in zip(got, cuflash.attention_backward(out, q, k, v, want, want_lse, **kw)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    h = q.astype(np.float16)[..., :60]
+    assert cuflash.explain(h, h, v.astype(np.float16), backend="sim", **kw)["tier"] == "attention_fwd_simt"
 
 
-@pytest.mark.parametrize("name", ["softcap", "alibi_slopes"])
-def test_varlen_kernel_backend_refuses_modifiers(name):
+def test_varlen_kernel_backend_takes_softcap_and_alibi_on_float32():
     rng = np.random.default_rng(9)
     cu = np.array([0, 3, 8], np.int32)
     q, k, v = (rng.standard_normal((8, 4, 16)).astype(np.float32) for _ in range(3))
-    with pytest.raises(NotImplementedError, match=rf"{name} is not in the portable kernel yet"):
-        cuflash.attention_varlen(q, k, v, cu, cu, 5, 5, backend="sim", **{name: _one(name)})
+    kw = dict(softcap=1.5, alibi_slopes=rng.uniform(0.1, 0.5, (2, 4)).astype(np.float32))
+    got = cuflash.attention_varlen(q, k, v, cu, cu, 5, 5, backend="sim", causal=True, **kw)
+    want = cuflash.attention_varlen(q, k, v, cu, cu, 5, 5, causal=True, **kw)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["softcap", "alibi_slopes", "sinks"])
