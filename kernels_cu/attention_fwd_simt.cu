@@ -49,8 +49,9 @@
 #include "score_mods.cuh"
 // __launch_bounds__' minimum blocks per SM: 0 (none) for the plain forms; 1 for the modifier and
 // dropout forms, whose per-pair code NVRTC 13's ptxas otherwise fits in 96 registers with 20-96
-// bytes of spills (d128, sm_75 to sm_90); with 1 it takes about 140 and spills nothing
-#if CUFLASH_MODS || CUFLASH_DROPOUT
+// bytes of spills (d128, sm_75 to sm_90); with 1 it takes about 140 and spills nothing. Also 1 on
+// sm_70 (Volta), where NVRTC 12.9 spilled 20-48 bytes in 64-72 registers (packed forms, d32/d64).
+#if CUFLASH_MODS || CUFLASH_DROPOUT || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750)
 #define FWD_MIN_BLOCKS 1
 #else
 #define FWD_MIN_BLOCKS 0

@@ -102,8 +102,8 @@ def test_dropout_with_a_modifier_is_passed_to_the_next_tier_with_the_reason():
 
 def test_explain_refuses_an_arch_the_simulator_does_not_emulate():
     q = np.zeros((1, 1, 4, 64), np.float16)
-    for bad in ("hopper", "sm_9x", 70):
-        with pytest.raises(ValueError, match=r"cuflash.explain: arch=.* must be one of 'sm_75', 'sm_80'"):
+    for bad in ("hopper", "sm_9x", 60):
+        with pytest.raises(ValueError, match=r"cuflash.explain: arch=.* must be one of 'sm_70', 'sm_75', 'sm_80'"):
             cuflash.explain(q, q, q, arch=bad)
     assert cuflash.explain(q.astype(dtypes.bfloat16), q.astype(dtypes.bfloat16), q.astype(dtypes.bfloat16),
                            arch="sm_90")["tier"] == "attention_fwd_sm90"

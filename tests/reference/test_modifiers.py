@@ -436,6 +436,7 @@ def test_kernel_backends_take_each_modifier_on_float32(name):
     assert cuflash.explain(h, h, v.astype(np.float16), backend="sim", **kw)["tier"] == "attention_fwd_simt"
 
 
+@pytest.mark.slow   # (its own simulator variant: the packed modifier form)
 def test_varlen_kernel_backend_takes_softcap_and_alibi_on_float32():
     rng = np.random.default_rng(9)
     cu = np.array([0, 3, 8], np.int32)
