@@ -27,9 +27,10 @@ MIN_BLOCKS = {32: 4, 64: 4, 128: 3, 256: 3}
 #: ... of the dropout and score-modifier forms: 3 (168 registers) for every bucket; at 128 the
 #: packed dropout-and-modifier form spills (4 bytes stored, 68 loaded: d64, sm_90, NVRTC 13)
 MIN_BLOCKS_FEATURES = 3
-#: ... and of the packed score-modifier forms: 2 (255 registers); at 168 they spill 12-24 bytes
-#: (d128 and d256, sm_90, NVRTC 12)
-MIN_BLOCKS_VARLEN_MODS = 2
+#: ... and of the packed score-modifier forms and those of buckets 128 and 256: 2 (255 registers);
+#: at 168 they spill (12-24 bytes packed at d128 and d256, sm_90, NVRTC 12; the fixed-shape d128
+#: and d256 forms on sm_75 and sm_80 with NVRTC 12 and 13)
+MIN_BLOCKS_WIDE_MODS = 2
 STAGES = ("dot", "main", "convert")
 ARCHES = attention_fwd_simt.ARCHES
 
@@ -71,8 +72,8 @@ class AttentionBwdSimt(variants.BucketTiledVariant):
     @property
     def min_blocks(self) -> int:
         """The main stage's ``__launch_bounds__`` minimum blocks per SM (the register budget)."""
-        if self.varlen and self.mods:
-            return MIN_BLOCKS_VARLEN_MODS
+        if self.mods and (self.varlen or self.head_dim_max >= 128):
+            return MIN_BLOCKS_WIDE_MODS
         if self.dropout or self.mods:
             return min(MIN_BLOCKS[self.head_dim_max], MIN_BLOCKS_FEATURES)
         return MIN_BLOCKS[self.head_dim_max]
