@@ -3,7 +3,7 @@ targets, with each NVRTC cuflash supports (12.x and 13.x, DESIGN.md §4), with e
 the library passes at run time (plus ``-Xptxas=-v`` to read the resource use), with no spill, no
 stack frame and shared memory within the per-block limit. The default run gates one variant of
 every family on every arch with each compiler (:func:`_sample`); ``-m compile_gate`` runs the
-whole gate (every variant, about 1100 compiles: .ci/run does, after the test command). Under
+whole gate (every variant, about 2160 compiles: .ci/run does, after the test command). Under
 pytest-xdist the gate's tests share one worker (``xdist_group``, ``--dist loadgroup``), whose
 pool compiles them.
 
