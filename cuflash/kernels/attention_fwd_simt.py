@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from cuflash.kernels import forward_run
 from cuflash.runtime import plan, variants
+from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 #: head-dim buckets: a variant serves every ``max(D, Dv)`` up to its bucket
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
@@ -31,6 +32,9 @@ TILE_CANDIDATES = {
 ARCHES = (70, 75, 80, 90)
 #: the oldest compute capability the portable kernels run on
 MIN_ARCH = 70
+#: the score modifiers the kernel takes (its ``mods`` forms; kernels_cu/score_mods.cuh): the built-in
+#: ones, not a traced ``score_mod``/``mask_mod``
+MODIFIERS = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +94,13 @@ def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
 
 
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
-    """Why this portable kernel cannot take ``problem`` (None if it can): only a device older than
-    :data:`MIN_ARCH`; it takes every dtype, alignment, score modifier and dropout (the
-    dispatcher's last tier)."""
+    """Why this portable kernel cannot take ``problem`` (None if it can): a device older than
+    :data:`MIN_ARCH`, or a traced ``score_mod``/``mask_mod`` (the tensor-core tier compiles those);
+    it takes every dtype, alignment, built-in score modifier and dropout (the dispatcher's last
+    tier)."""
     if arch < MIN_ARCH:
         return f"sm_{arch} is older than sm_{MIN_ARCH} (Volta), the oldest arch the kernels target"
-    return None
+    return refuse_modifiers(problem, "the portable kernel", MODIFIERS)
 
 
 def variant_for(problem, arch: int) -> AttentionFwdSimt:
