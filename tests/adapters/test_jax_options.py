@@ -253,13 +253,21 @@ def oracle_grads_with_lse(w, u, q, k, v, **kw):
     return (grads[0], grads[1], grads[2][..., :-1]) + tuple(grads[3:])
 
 
-def test_backend_sim_runs_the_kernels_dispatcher():
-    # float32 with a softcap has no kernel (the SIMT tier lacks it): "sim" reaches the dispatcher,
-    # which says so, while the NumPy path computes the call
+def test_backend_sim_runs_the_kernels_dispatcher(monkeypatch):
+    # float32 with a softcap: "sim" runs the kernels the dispatcher picks (the portable tier's
+    # modifier form), "numpy" the NumPy path, which launches nothing; both hold to the oracle
+    from cuflash.sim import launcher
+
+    seen: list = []
+    real = launcher.run
+    monkeypatch.setattr(launcher, "run", lambda plan, options=None: (seen.append(plan.entry), real(plan, options))[1])
     q = np.linspace(-1, 1, 32, dtype=np.float32).reshape(1, 1, 4, 8)
-    with pytest.raises(Exception, match=r"cuflash.jax.attention: no kernel takes this call .*softcap"):
-        jax.block_until_ready(cj.attention(q, q, q, softcap=2.0, backend="sim"))
+    check_close(np.asarray(jax.block_until_ready(cj.attention(q, q, q, softcap=2.0, backend="sim"))), q, q, q,
+                softcap=2.0)
+    assert any("fwd_simt" in e and "mods" in e for e in seen), seen
+    seen.clear()
     check_close(np.asarray(cj.attention(q, q, q, softcap=2.0, backend="numpy")), q, q, q, softcap=2.0)
+    assert seen == []
 
 
 # --------------------------------------------------------------------------------------------

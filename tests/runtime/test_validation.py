@@ -370,7 +370,7 @@ def test_matrix_and_masked_arrays_are_refused_by_name():
 
 def test_explain_names_itself_in_arch_errors():
     q, k, v = arrays()
-    with pytest.raises(ValueError, match=r"^cuflash.explain: arch=60 must be one of 'sm_75'"):
+    with pytest.raises(ValueError, match=r"^cuflash.explain: arch=60 must be one of 'sm_70', 'sm_75'"):
         cuflash.explain(q, k, v, arch=60)
     with pytest.raises(ValueError, match=r"^cuflash.explain: arch='volta' must be one of"):
         cuflash.explain(q, k, v, arch="volta", backend="sim")
