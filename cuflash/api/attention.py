@@ -245,16 +245,6 @@ FORWARD = pipeline.Entry("cuflash.attention", ("q", "k", "v", "out"), _validate,
                          pipeline.lse_pair, out=3)
 
 
-def _parse_cc(arch, func: str) -> int:
-    """A compute capability from ``90``, ``"90"`` or ``"sm_90"`` (any arch: planning only)."""
-    import re
-
-    m = re.fullmatch(r"(?:sm_)?(\d+)", str(arch).strip())
-    if isinstance(arch, bool) or m is None:
-        raise ValueError(f"{func}: arch={arch!r} must be a compute capability such as 90 or 'sm_90'")
-    return int(m.group(1))
-
-
 def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd", backend="auto",
             arch=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None, q_descale=None,
             k_descale=None, v_descale=None, out_dtype=None) -> dict:
@@ -297,7 +287,6 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     RuntimeError
         For CUDA arrays with ``arch=None`` on a machine without a usable GPU.
     """
-    from cuflash import sim
     from cuflash.kernels import dispatch
 
     func = "cuflash.explain"
@@ -320,13 +309,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
                           f"head, {threads.num_threads()} threads); pass arch=... or "
                           "backend='sim' to see the kernel a GPU would run"}
     pipeline.check_kernel_dtype(problem, chosen)
-    if arch is not None:
-        arch = sim.parse_arch(arch, func) if chosen == "sim" else _parse_cc(arch, func)
-    elif chosen == "sim":
-        arch = sim.current_options().arch
-    else:
-        cupy = interop.require_cuda(func)
-        arch = int(cupy.cuda.Device(int(problem.device[1])).compute_capability)
+    arch, _ = pipeline.plan_arch(chosen, arch, problem, func)
     arrays = (q, k, v) if problem.kind in ("numpy", "cupy") else None  # DLPack: shape-level checks only
     tier = dispatch.forward_tier(problem, arch, arrays)
     variant = dispatch.variant_for(tier, problem, arch)

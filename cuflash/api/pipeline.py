@@ -264,8 +264,6 @@ def explain_forward(entry: Entry, operands: tuple, options: Options, arch, func:
     RuntimeError
         For GPU arrays with ``arch=None`` on a machine without a usable GPU.
     """
-    from cuflash import sim
-
     host = interop.HostImport(func, entry.names, operands, options)
     problem = entry.validate(host.operands, host.options, func)
     chosen = resolve_backend(options.backend, problem.kind, func)
@@ -279,6 +277,31 @@ def explain_forward(entry: Entry, operands: tuple, options: Options, arch, func:
                 "choice": f"NumPy path ({numpy_path}, {n} threads); pass arch=... or backend='sim' to see the "
                           "kernel a GPU would run"}
     check_kernel_dtype(problem, chosen)
+    arch, sm_count = plan_arch(chosen, arch, problem, func)
+    q, k, v, _ = host.operands
+    arrays = (q, k, v) if problem.kind in ("numpy", "cupy") else None   # DLPack: shape-level checks only
+    c = problem.kvcache
+    if c is not None and arrays is not None:   # the append writes the caches while q and the new rows are read
+        for name, cache in (("k_cache", k), ("v_cache", v)):
+            device_call.check_no_overlap(func, cache, {"q": q, "k": c.k_new, "v": c.v_new}, out_name=name)
+    return {"backend": chosen, "arch": arch, **dispatch.explain_forward(problem, arch, arrays, sm_count)}
+
+
+def plan_arch(chosen: str, arch, problem, func: str) -> tuple:
+    """``(arch, sm_count)`` an explain call plans for on backend ``chosen`` (``"sim"`` or
+    ``"cuda"``): the given ``arch`` (the simulator's names for ``"sim"``, any compute capability
+    otherwise), else the simulator's arch or the arrays' GPU; ``sm_count`` that GPU's, or the
+    simulator's table's for its arches, else None.
+
+    Raises
+    ------
+    ValueError
+        For an ``arch`` that is not a compute capability (``func`` named in the message).
+    RuntimeError
+        For GPU arrays with ``arch=None`` on a machine without a usable GPU.
+    """
+    from cuflash import sim
+
     sm_count = None
     if arch is not None:
         arch = sim.parse_arch(arch, func) if chosen == "sim" else _parse_cc(arch, func)
@@ -291,13 +314,7 @@ def explain_forward(entry: Entry, operands: tuple, options: Options, arch, func:
         sm_count = device_call.cuda_sm_count(dev)
     if sm_count is None and arch in sim.ARCHS:
         sm_count = sim.sm_count(arch)   # the device the simulator's arch stands for
-    q, k, v, _ = host.operands
-    arrays = (q, k, v) if problem.kind in ("numpy", "cupy") else None   # DLPack: shape-level checks only
-    c = problem.kvcache
-    if c is not None and arrays is not None:   # the append writes the caches while q and the new rows are read
-        for name, cache in (("k_cache", k), ("v_cache", v)):
-            device_call.check_no_overlap(func, cache, {"q": q, "k": c.k_new, "v": c.v_new}, out_name=name)
-    return {"backend": chosen, "arch": arch, **dispatch.explain_forward(problem, arch, arrays, sm_count)}
+    return arch, sm_count
 
 
 def _parse_cc(arch, func: str) -> int:
