@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from cuflash.kernels import forward_run
 from cuflash.kernels import launch_args as la
 from cuflash.runtime import plan, variants
 from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg, TensorMapArg
@@ -366,12 +367,7 @@ def _forward_varlen(problem, q, k, v, out, call):
     one launch."""
     p = problem
     vl = p.varlen
-    if out is None:
-        out = call.empty(p.out_shape, p.dtype)
-    lse = call.empty(p.lse_shape, np.float32)
-    if not vl.checked:
-        out.fill(np.nan)
-        lse.fill(np.nan)
+    out, lse = forward_run.outputs(p, out, call)
     if not p.is_empty and vl.max_seqlen_q > 0:
         key = variants.dtype_key(p.dtype)
         bits = (lambda a: a.view(np.uint16)) if key == "bf16" else (lambda a: a)

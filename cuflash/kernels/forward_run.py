@@ -67,18 +67,27 @@ def plan_forward(problem, q, k, v, out, lse, variant, call) -> list[plan.LaunchP
     return plans
 
 
+def outputs(problem, out, call) -> tuple:
+    """``(out, lse)`` of a forward on ``call``'s device: ``out`` as passed (or allocated) and a new
+    float32 ``lse``; with a device-resident packed index (not checked on the host) both start as
+    NaN, so rows no tile covers (an index that disagrees with ``max_seqlen_q``) read NaN, never
+    stale data. Every forward tier's launch path allocates through it."""
+    p = problem
+    if out is None:
+        out = call.empty(p.out_shape, p.dtype)
+    lse = call.empty(p.lse_shape, np.float32)
+    if p.varlen is not None and not p.varlen.checked:
+        out.fill(np.nan)
+        lse.fill(np.nan)
+    return out, lse
+
+
 def run_variant(problem, q, k, v, out, variant, call):
     """``(out, lse)``: allocate what the caller did not pass (``out`` None) on ``call``'s device,
     plan ``variant`` (:func:`plan_forward`) and launch. With a device-resident packed index the
     outputs start as NaN, so rows no tile covers (a bad index) read NaN, never stale data."""
     p = problem
-    unchecked = p.varlen is not None and not p.varlen.checked
-    if out is None:
-        out = call.empty(p.out_shape, p.dtype)
-    lse = call.empty(p.lse_shape, np.float32)
-    if unchecked:
-        out.fill(np.nan)
-        lse.fill(np.nan)
+    out, lse = outputs(p, out, call)
     if not p.is_empty:
         for launch_plan in plan_forward(p, q, k, v, out, lse, variant, call):
             call.launch(launch_plan)
