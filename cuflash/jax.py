@@ -47,7 +47,8 @@ from cuflash.api import backward as api_backward
 from cuflash.api import pipeline
 from cuflash.api import softmax as api_softmax
 from cuflash.api import varlen as api_varlen
-from cuflash.runtime import dtypes, validation, validation_kvcache
+from cuflash.runtime import dtypes, score_mod, validation, validation_kvcache
+from cuflash.runtime.score_mod import trace as score_mod_trace
 from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options, PackedOptions
 
 __all__ = ["attention", "attention_varlen", "softmax", "merge_attention"]
@@ -88,7 +89,16 @@ class _Call:
     def per_element(self) -> bool:
         """Whether a mapped call runs the pipeline once per element of ``jax.vmap``'s axes."""
         o = self.options
-        return o.packed is not None or o.modifiers.sinks is not None or bool(o.dropout.p)
+        return (o.packed is not None or o.modifiers.sinks is not None or bool(o.dropout.p)
+                or o.modifiers.score_mod is not None or o.modifiers.mask_mod is not None)
+
+    @property
+    def traced(self) -> tuple:
+        """The traced score_mod and mask_mod (None where absent); their arrays are stand-ins of
+        the captured arrays' shapes and dtypes, which the callbacks receive after the array
+        options."""
+        m = self.options.modifiers
+        return m.score_mod, m.mask_mod
 
 
 def _entries(func: str, forward: pipeline.Entry, backward: pipeline.Entry) -> tuple:
@@ -132,7 +142,10 @@ def _run(ctx, outs, ins, compute) -> None:
 
 
 def _write(results, outs) -> None:
-    for dst, r in zip(outs, results):
+    flat = []
+    for r in results:   # the score_mod's captured arrays' gradients come as a dict, in their order
+        flat.extend(r.values() if isinstance(r, dict) else (r,))
+    for dst, r in zip(outs, flat):
         if r is not dst:
             dst[...] = r
 
@@ -153,11 +166,29 @@ def _with_arrays(options: Options, arrays) -> Options:
     return options.map_arrays(lambda value, name, role: next(it))
 
 
+def _options_of(call: _Call, arrays) -> Options:
+    """``call.options`` with the callback's arrays: the array options (:func:`_with_arrays`),
+    then the captured arrays of the score_mod and of the mask_mod in their traced functions."""
+    n = len(call.names)
+    options = _with_arrays(call.options, arrays[:n])
+    captured = list(arrays[n:])
+    traced = []
+    for t in call.traced:
+        if t is not None:
+            t = dataclasses.replace(t, arrays=tuple(captured[:len(t.arrays)]))
+            del captured[:len(t.arrays)]
+        traced.append(t)
+    if not any(t is not None for t in traced):
+        return options
+    return dataclasses.replace(options, modifiers=dataclasses.replace(options.modifiers, score_mod=traced[0],
+                                                                      mask_mod=traced[1]))
+
+
 def _forward_callback(call, ctx, outs, *ins):
     def compute(xp, a, o):
         for idx in _elements(call, a[0]):
             x, y = [b[idx] for b in a], [b[idx] for b in o]
-            _write(pipeline.run(call.forward, (*x[:3], y[0]), _with_arrays(call.options, x[3:])), y)
+            _write(pipeline.run(call.forward, (*x[:3], y[0]), _options_of(call, x[3:])), y)
 
     _run(ctx, outs, ins, compute)
 
@@ -171,12 +202,13 @@ def _backward_callback(call, passes, ctx, outs, *ins):
         for idx in _elements(call, a[0]):
             x, y = [b[idx] for b in a], [b[idx] for b in o]
             q, k, v, out, lse = x[:5]
-            options = _with_arrays(call.options, x[5 + main + carry_lse:])
+            options = _options_of(call, x[5 + main + carry_lse:])
             if main:
                 _write(pipeline.run(call.backward, (x[5], q, k, v, out, lse), options), y)
             if carry_lse:
                 dlse = x[5 + main]
                 grads = pipeline.run(call.backward, _lse_pass(xp, call, dlse, q, k, v, out, lse), options)
+                grads = [g for r in grads for g in (r.values() if isinstance(r, dict) else (r,))]
                 for i, (dst, g) in enumerate(zip(y, grads)):
                     if i == 2:      # dv of the zero values
                         if not main:
@@ -277,21 +309,31 @@ def _core_bwd(call, res, cotangents):
         return none
     names = call.names
     want = {n: n in names and perturbed.flags[names.index(n)] for n in ("attn_bias", "sinks")}
+    # the score_mod's captured float arrays (after the array options): their gradients when one is perturbed
+    score = call.traced[0]
+    floats = () if score is None else tuple(len(names) + i for i in score_mod.float_slots(score))
+    want_mod = any(perturbed.flags[i] for i in floats)
     options = dataclasses.replace(call.options, return_lse=False, return_dbias=want["attn_bias"],
-                                  return_dsinks=want["sinks"])
+                                  return_dsinks=want["sinks"], return_dscore_mod=want_mod)
     result = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     for name in ("attn_bias", "sinks"):
         if want[name]:
             a = arrays[names.index(name)]
             result.append(jax.ShapeDtypeStruct(a.shape, a.dtype if name == "attn_bias" else _lse_dtype(q.dtype)))
+    if want_mod:
+        result += [jax.ShapeDtypeStruct(arrays[i].shape, arrays[i].dtype) for i in floats]
     ins = [q, k, v, out, lse] + ([dout.astype(out.dtype)] if main else []) + \
           ([dlse.astype(lse.dtype)] if carry_lse else []) + list(arrays)
     cb = functools.partial(_backward_callback, dataclasses.replace(call, options=options), (main, carry_lse))
     grads = list(buffer_callback(cb, tuple(result), vmap_method="broadcast_all")(*ins))
     dq, dk, dv = grads[:3]
     extra = iter(grads[3:])
-    darrays = tuple(next(extra).astype(a.dtype) if want.get(n) else None for n, a in zip(names, arrays))
-    return dq, dk, dv, darrays
+    darrays = [next(extra).astype(a.dtype) if want.get(n) else None for n, a in zip(names, arrays)]
+    darrays += [None] * (len(arrays) - len(names))
+    for i in floats if want_mod else ():
+        g = next(extra)
+        darrays[i] = g if perturbed.flags[i] else None
+    return dq, dk, dv, tuple(darrays)
 
 
 _core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
@@ -351,12 +393,27 @@ def _given(x):
     return None if x is None else _GIVEN
 
 
+def _trace_mods(score_mod, mask_mod) -> tuple:
+    """``((score, mask), captured)``: the traced functions with NumPy stand-ins of their captured
+    arrays' shapes and dtypes (nothing of JAX's traces is kept in the static call), and the
+    captured arrays themselves as JAX arrays (the score_mod's, then the mask_mod's)."""
+    traced, captured = [], []
+    for fn, role in ((score_mod, "score_mod"), (mask_mod, "mask_mod")):
+        if fn is None:
+            traced.append(None)
+            continue
+        t = score_mod_trace(fn, role, _FUNC)
+        captured += [jnp.asarray(a) for a in t.arrays]
+        traced.append(dataclasses.replace(t, arrays=tuple(_stand_in(a) for a in t.arrays), fn=None))
+    return tuple(traced), tuple(captured)
+
+
 # --------------------------------------------------------------------------------------------
 # fixed-shape attention
 
 
 @functools.partial(jax.jit, static_argnames=("call", "layout"))
-def _fixed(q, k, v, mods: dict, *, call: _Call, layout: str):
+def _fixed(q, k, v, mods: dict, captured: tuple = (), *, call: _Call, layout: str):
     """:func:`attention` after validation, as one jitted computation (an eager call compiles once
     per shape, not once per operation): the callbacks run "bhsd" of rank >= 3, so that mapped
     axes lead and the modifiers line up with them."""
@@ -372,7 +429,7 @@ def _fixed(q, k, v, mods: dict, *, call: _Call, layout: str):
         if name in arrays:   # rank q.ndim: a mapped axis leads both
             x = arrays[name]
             arrays[name] = x.reshape((1,) * (q.ndim - x.ndim) + x.shape)
-    o, lse = _core(q, k, v, tuple(arrays[n] for n in call.names), call)
+    o, lse = _core(q, k, v, tuple(arrays[n] for n in call.names) + tuple(captured), call)
     if one_head:
         o, lse = o[0], lse[0]
     if layout == "bshd":
@@ -382,7 +439,8 @@ def _fixed(q, k, v, mods: dict, *, call: _Call, layout: str):
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
               out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-              alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, deterministic=False):
+              alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
+              deterministic=False):
     """Differentiable exact attention for JAX arrays: ``softmax(softmax_scale * q k^T + mask) v``.
 
     Every parameter, convention and return value of :func:`cuflash.attention` (GQA/MQA,
@@ -440,6 +498,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         True = attend. No gradient (a bool array has none).
     sinks : jax.Array, float32 ``(Hq,)``, optional
         One logit per head in each row's softmax denominator. Differentiable (float32 cotangent).
+    score_mod, mask_mod : callable, optional
+        As :func:`cuflash.attention` takes them (traced once per call, at trace time; refusals
+        are raised then). The arrays they capture (``jax.Array`` or NumPy) become traced inputs
+        of the call, so new values compile nothing and ``jax.grad`` reaches them: a score_mod's
+        captured float arrays are differentiable (their cotangent is
+        :func:`cuflash.attention_backward`'s ``return_dscore_mod``, on the NumPy path: CPU
+        arrays); a mask_mod's get none. Under ``jax.vmap`` such a call runs the pipeline once
+        per mapped element.
     deterministic : bool
         The backward's, on the kernel backends (see :func:`cuflash.attention_backward`).
 
@@ -469,19 +535,20 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     mods = dict(alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks)
     _check_arrays(_FUNC, {"q": q, "k": k, "v": v}, mods)
     stand = {n: None if x is None else _stand_in(x) for n, x in mods.items()}
+    traced, captured = _trace_mods(score_mod, mask_mod)
     problem = validation.check_attention(
         _stand_in(q), _stand_in(k), _stand_in(v),
         Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                 dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                modifiers=ModifierOptions(softcap, **stand)), func=_FUNC)
+                modifiers=ModifierOptions(softcap, **stand, score_mod=traced[0], mask_mod=traced[1])), func=_FUNC)
     _check_backend(_FUNC, backend, q)
     present = {n: x for n, x in mods.items() if x is not None}
     options = Options(causal=problem.causal, softmax_scale=float(problem.softmax_scale),
                       window_size=(problem.window_left, problem.window_right), return_lse=True, backend=backend,
                       deterministic=deterministic, dropout=_dropout(problem),
-                      modifiers=ModifierOptions(_softcap(problem), *(_given(x) for x in mods.values())))
+                      modifiers=ModifierOptions(_softcap(problem), *(_given(x) for x in mods.values()), *traced))
     call = _Call(_FUNC, *_ATTENTION, options, max(q.ndim, 3))
-    o, lse = _fixed(q, k, v, present, call=call, layout=layout)
+    o, lse = _fixed(q, k, v, present, captured, call=call, layout=layout)
     return (o, lse) if return_lse else o
 
 

@@ -13,7 +13,7 @@ __all__ = ["attention_backward"]
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        layout="bhsd", backend="auto", deterministic=False, dropout_p=0.0, dropout_seed=None,
                        dropout_offset=0, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
-                       return_dbias=False, return_dsinks=False):
+                       return_dbias=False, return_dsinks=False, return_dscore_mod=False):
     """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` from its output and log-sum-exp.
 
     The FlashAttention-2 backward (Dao 2023, Algorithm 2): ``P = exp(S - lse)`` is recomputed
@@ -64,11 +64,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         The forward's traced functions (see :func:`cuflash.attention`): ``dS`` is multiplied by
         the symbolic derivative ``d score_mod / d score`` at the score score_mod received
         (before the bias gradient is taken and before the softcap's factor); captured arrays get
-        no gradient. At a kink the derivative takes a side (``abs``: 0 at 0; ``minimum``,
+        a gradient only with ``return_dscore_mod``. At a kink the derivative takes a side (``abs``: 0 at 0; ``minimum``,
         ``maximum``: a tie goes to the first argument), and a pair whose ``dS`` is 0 (a hidden
         pair) stays 0 even where the derivative is not finite. On the NumPy path and in the
         tensor-core backward (float16/bfloat16; the derivative compiled beside the function),
-        which does not take them together with ``return_dbias`` (``NotImplementedError``).
+        which does not take them together with ``return_dbias`` or ``return_dscore_mod``
+        (``NotImplementedError``).
     return_dbias : bool
         Also return ``d attn_bias``: ``dS`` summed over the axes the bias broadcasts over, in
         the bias's own shape and dtype (accumulated in float32, float64 for float64 input, and
@@ -76,12 +77,24 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     return_dsinks : bool
         Also return ``d sinks``, float32 ``(Hq,)`` (float64 for float64 input): ``-sum over
         batch and rows of exp(sink - lse) * rowsum(dout * out)``. Needs ``sinks``.
+    return_dscore_mod : bool
+        Also return the gradients of the score_mod's captured float arrays (float32/float64;
+        every one the function captures, as FlexAttention gives for a learned table), as a dict
+        from the array's variable name in the score_mod to its gradient (the array's shape and
+        dtype, the arrays' kind): for each read ``a[i(b, h, q_idx, kv_idx), ...]``,
+        ``d a[i] += dS * d score_mod / d read`` summed over every visible pair (the derivative
+        is symbolic, :func:`cuflash.runtime.score_mod.array_derivatives`; a hidden pair adds
+        nothing), accumulated in float64 sums per block and float32 (float64 for float64
+        input) across blocks, added in a fixed order: the same bits run to run. Integer and
+        bool arrays, and a mask_mod's arrays, get none. Needs ``score_mod``. The NumPy path
+        only (``NotImplementedError`` on the kernel backends).
 
     Returns
     -------
     dq, dk, dv : arrays of q's kind and dtype, the shapes of q, k and v
     dbias : array, ``attn_bias.shape`` and dtype; only with ``return_dbias``
     dsinks : array ``(Hq,)``; only with ``return_dsinks`` (after ``dbias`` when both are asked for)
+    dscore_mod : dict of str to array; only with ``return_dscore_mod`` (last)
 
     A row that sees no key (``lse = -inf``) has ``dq = 0`` there and adds nothing to ``dk``/``dv``.
     Non-finite input (in q, k, v, dout, or the NaN ``out``/``lse`` the forward made of it) travels
@@ -99,7 +112,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     ValueError
         Mismatched shapes of q/k/v, ``out``, ``dout`` or ``lse``; bad strides or options; an
         unknown backend or one that would move data; a bad modifier (as :func:`cuflash.attention`);
-        ``return_dbias`` without ``attn_bias`` or ``return_dsinks`` without ``sinks``.
+        ``return_dbias`` without ``attn_bias``, ``return_dsinks`` without ``sinks`` or
+        ``return_dscore_mod`` without ``score_mod``.
     TypeError (gradients)
         Arrays that carry a gradient: torch tensors that require grad (with grad mode on) or JAX
         tracers. This function is a gradient and has none of its own (no double backward); for
@@ -119,7 +133,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     """
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       backend=backend, deterministic=deterministic, return_dbias=return_dbias,
-                      return_dsinks=return_dsinks, dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                      return_dsinks=return_dsinks, return_dscore_mod=return_dscore_mod,
+                      dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
                       modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod))
     return pipeline.run(BACKWARD, (dout, q, k, v, out, lse), options)
 

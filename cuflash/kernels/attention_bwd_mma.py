@@ -189,6 +189,9 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     if p.modifiers is not None and p.modifiers.score_mod is not None and p.options.return_dbias:
         # (the kernel writes d attn_bias before the score_mod's derivative is applied)
         return "return_dbias with score_mod is not in the tensor-core backward yet"
+    if p.options.return_dscore_mod:
+        return ("return_dscore_mod (the gradients of a score_mod's captured arrays) is not in the tensor-core "
+                "backward yet; the NumPy path computes them")
     arrays = tuple(arrays or ())
     why = attention_fwd_mma.unsupported_reason(p, arch, arrays[:4])
     if why is None and len(arrays) > 4:

@@ -44,6 +44,7 @@ from cuflash.reference.dropout import problem_keep
 from cuflash.reference.masks import masked_matmul, problem_mask, query_range
 from cuflash.reference.memory import all_finite, check_memory, nbytes
 from cuflash.reference.modifiers import BiasGrad, HeadTerms, reduce_bias_grad, scale_grad, sink_grad
+from cuflash.reference.score_mods import ArrayGrads
 from cuflash.reference.views import (
     canonical,
     check_numpy,
@@ -82,14 +83,14 @@ def check_backward(dout, q, k, v, out, lse, options, *, func: str, max_head_dim=
         ``dout.dtype != out.dtype``, or an ``lse`` that is not float32/float64; a bad modifier
         (:func:`cuflash.runtime.validation_modifiers.check_modifiers`).
     ValueError
-        ``return_dbias`` without ``attn_bias``, ``return_dsinks`` without ``sinks``.
-        A wrong shape of ``out``, ``dout`` or ``lse``; a non-unit last-axis or negative stride of
+        ``return_dbias`` without ``attn_bias``, ``return_dsinks`` without ``sinks``,
+        ``return_dscore_mod`` without ``score_mod``. A wrong shape of ``out``, ``dout`` or ``lse``; a non-unit last-axis or negative stride of
         ``out`` or ``dout``; anything :func:`cuflash.runtime.validation.check_attention` refuses.
     """
-    options = check_flags(options, func, "deterministic", "return_dbias", "return_dsinks")
+    options = check_flags(options, func, "deterministic", "return_dbias", "return_dsinks", "return_dscore_mod")
     p = check_attention(q, k, v, options, func=func, max_head_dim=max_head_dim)
     mods = options.modifiers
-    for flag, name in (("return_dbias", "attn_bias"), ("return_dsinks", "sinks")):
+    for flag, name in (("return_dbias", "attn_bias"), ("return_dsinks", "sinks"), ("return_dscore_mod", "score_mod")):
         if getattr(options, flag) and getattr(mods, name) is None:
             raise ValueError(f"{func}: {flag}=True needs {name} (the gradient is {name}'s); got {name}=None")
     infos = {name: describe(x, name, func) for name, x in (("out", out), ("dout", dout), ("lse", lse))}
@@ -164,7 +165,7 @@ def _outputs(q, k, v, dtype):
 def attention_backward(
     dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
     dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None,
-    sinks=None, score_mod=None, mask_mod=None, return_dbias=False, return_dsinks=False,
+    sinks=None, score_mod=None, mask_mod=None, return_dbias=False, return_dsinks=False, return_dscore_mod=False,
 ):
     """Gradients of attention with S, P, dP and dS materialised, in float64: the ground truth.
 
@@ -200,12 +201,19 @@ def attention_backward(
         -sum exp(sink - lse) * D``).
     return_dbias, return_dsinks : bool
         Also return ``d attn_bias`` (the bias's own shape) and ``d sinks`` (``(Hq,)``).
+    return_dscore_mod : bool
+        Also return the gradients of the score_mod's captured float arrays: ``sum dS * d
+        score_mod / d read`` over every pair, scattered at each read's index
+        (:func:`cuflash.runtime.score_mod.array_derivatives`).
 
     Returns
     -------
     dq, dk, dv : numpy.ndarray, float64, the shapes of q, k and v
     dbias : numpy.ndarray, float64, ``attn_bias.shape``; only with ``return_dbias``
     dsinks : numpy.ndarray, float64, ``(Hq,)``; only with ``return_dsinks``
+    dscore_mod : dict of str to numpy.ndarray, float64; only with ``return_dscore_mod``
+        Each captured float array's name (its variable name in the score_mod) to its gradient
+        (the array's shape).
 
     Raises
     ------
@@ -221,7 +229,8 @@ def attention_backward(
     """
     func = "cuflash.reference.attention_backward"
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, return_dbias=return_dbias,
-                      return_dsinks=return_dsinks, dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
+                      return_dsinks=return_dsinks, return_dscore_mod=return_dscore_mod,
+                      dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
                       modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod))
     p = check_backward(dout, q, k, v, out, lse, options, func=func)
     check_numpy(p)
@@ -232,6 +241,9 @@ def attention_backward(
         extra.append(np.zeros(mods.attn_bias.own_shape, np.float64))
     if return_dsinks:
         extra.append(np.zeros((p.num_heads_q,), np.float64))
+    array_grad = ArrayGrads(mods.score_mod, np.float64) if p.options.return_dscore_mod else None
+    if array_grad is not None:
+        extra.append(array_grad.result(np.float64))
     if p.is_empty or not p.num_heads_k:
         return (dq, dk, dv, *extra)
     f64 = np.float64
@@ -249,7 +261,7 @@ def attention_backward(
         terms = None if mods is None else HeadTerms(p, None, f64)
         chain = None
         if terms is not None:
-            chain = terms.modify(s, rows, cols, grad=True)
+            chain = terms.modify(s, rows, cols, grad=True, arrays=array_grad is not None)
             user = terms.keep(rows, cols)
             if user is not None:
                 mask = user if mask is None else mask & user
@@ -258,6 +270,8 @@ def attention_backward(
         dp = dov @ vv.swapaxes(-1, -2)
         keep = problem_keep(p, np.arange(p.seqlen_q), np.arange(p.seqlen_k))   # Z / (1 - p), or None
         ds = _grad_ds(probs, dp if keep is None else dp * keep, d_row, pairs)
+        if array_grad is not None:   # the captured float arrays: dS (of score_mod's result) * d / d read
+            array_grad.add(array_grad.buf, ds, chain.arrays)
         if chain is not None:   # through score_mod: d score_mod / d score
             ds = scale_grad(ds, chain.mod)
         extra = []
@@ -266,6 +280,8 @@ def attention_backward(
         if return_dsinks:   # d sink = -sum over batch and rows of exp(sink - lse) * D
             w = np.where(np.isneginf(lv), 0, np.exp(terms.sinks[..., None] - np.where(np.isneginf(lv), 0, lv)))
             extra.append(-(w * d_row).sum(axis=-1).reshape((-1, p.num_heads_q)).sum(axis=0))
+        if array_grad is not None:
+            extra.append(array_grad.result(np.float64))
         if chain is not None and chain.cap is not None:   # through the softcap (dbias may be a view of ds)
             ds = scale_grad(ds.copy(), chain.cap)
         pairs_t = pairs.swapaxes(-1, -2)
@@ -283,7 +299,7 @@ def attention_backward(
 def flash_attention_backward(
     dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
     block_m=None, block_n=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
-    return_dbias=False, return_dsinks=False,
+    return_dbias=False, return_dsinks=False, return_dscore_mod=False,
 ):
     """The tiled FlashAttention-2 backward in NumPy: the CPU path of :func:`cuflash.attention_backward`.
 
@@ -312,8 +328,9 @@ def flash_attention_backward(
     ----------
     dout, q, k, v, out, lse, causal, softmax_scale, window_size, layout
         As :func:`attention_backward`.
-    softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod, return_dbias, return_dsinks
-        As :func:`attention_backward`. ``d attn_bias`` is summed per work item over the bias's
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod, return_dbias, return_dsinks, return_dscore_mod
+        As :func:`attention_backward`. ``d attn_bias`` (and the captured float arrays'
+        gradients) is summed per work item over the bias's
         broadcast axes into a small partial, and the partials are added in a fixed order (the
         work items run in waves of the pool's size for it), so it is bit-identical run to run
         and for any thread count; a key tile attn_mask hides from a whole query tile is skipped.
@@ -327,6 +344,8 @@ def flash_attention_backward(
         Accumulated in float32 (float64 for float64 input).
     dbias : numpy.ndarray of attn_bias's dtype and shape; only with ``return_dbias``
     dsinks : numpy.ndarray, float32 (float64 for float64 input), ``(Hq,)``; only with ``return_dsinks``
+    dscore_mod : dict of str to numpy.ndarray; only with ``return_dscore_mod``
+        Each captured float array's gradient, in its shape and dtype, by variable name.
 
     Raises
     ------
@@ -346,7 +365,8 @@ def flash_attention_backward(
     """
     func = "cuflash.reference.flash_attention_backward"
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout, return_dbias=return_dbias,
-                      return_dsinks=return_dsinks, modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias,
+                      return_dsinks=return_dsinks, return_dscore_mod=return_dscore_mod,
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias,
                                                                              attn_mask, sinks, score_mod, mask_mod))
     p = check_backward(dout, q, k, v, out, lse, options, func=func)
     check_numpy(p)
@@ -419,10 +439,12 @@ def run_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m=None, blo
     mods = p.modifiers
     bias_grad = BiasGrad(p, acc_t) if return_dbias else None
     dsinks = np.zeros((p.num_heads_k, p.group_size), acc_t) if return_dsinks else None
+    array_grad = ArrayGrads(mods.score_mod, acc_t) if p.options.return_dscore_mod else None
 
     def extra():
         more = [] if bias_grad is None else [bias_grad.result(mods.attn_bias.dtype)]
-        return more if dsinks is None else [*more, dsinks.reshape(p.num_heads_q)]
+        more = more if dsinks is None else [*more, dsinks.reshape(p.num_heads_q)]
+        return more if array_grad is None else [*more, array_grad.result()]
 
     if p.is_empty or not p.num_heads_k:
         return (dq, dk, dv, *extra())
@@ -465,30 +487,34 @@ def run_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m=None, blo
     def work(item):
         h, _, t0, t1 = item
         return _backward_chunk(p, per_head[h], t0, t1, block_m, block_n, acc_t, dk_v[h], dv_v[h], head_index=h,
-                               bias_grad=bias_grad)
+                               bias_grad=bias_grad, array_grad=array_grad)
 
     # with d attn_bias, waves of the pool's size keep only that many partials alive; each wave's
     # results are added in item order, so the sums' order does not depend on the wave size
-    wave = max(1, len(items) if bias_grad is None else threads.num_threads())
+    wave = max(1, len(items) if bias_grad is None and array_grad is None else threads.num_threads())
     by_head: dict = {}
     for w0 in range(0, len(items), wave):
         part_items = items[w0:w0 + wave]
-        for (h, _, t0, t1), (part, dbias_part) in zip(part_items, threads.run(work, part_items)):
+        for (h, _, t0, t1), (part, dbias_part, arrays_part) in zip(part_items, threads.run(work, part_items)):
             if part is not None:   # items are in chunk order per head
                 by_head[h] = part if h not in by_head else by_head[h] + part
             if dbias_part is not None:
                 bias_grad.commit(dbias_part, h, t0 * block_n, min(t1 * block_n, p.seqlen_k))
+            if arrays_part is not None:
+                array_grad.commit(arrays_part)
     for h, dq_h in by_head.items():
         dq_v[h][...] = dq_h.swapaxes(0, 1)
     return (dq, dk, dv, *extra())
 
 
 def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, dk_out, dv_out, head_index=None,
-                    bias_grad=None):
+                    bias_grad=None, array_grad=None):
     """Key tiles ``[t0, t1)`` of one kv head: writes their dK, dV rows into ``dk_out``/``dv_out``
-    (``(Sk, D)`` views) and returns ``(dq, dbias)``: this chunk's dQ contribution, ``(Sq, G, D)``
-    in the accumulation type (None when no query row sees these keys), and its ``d attn_bias``
-    partial (:class:`cuflash.reference.modifiers.BiasGrad`; None without ``bias_grad``)."""
+    (``(Sk, D)`` views) and returns ``(dq, dbias, darrays)``: this chunk's dQ contribution, ``(Sq, G, D)``
+    in the accumulation type (None when no query row sees these keys), its ``d attn_bias``
+    partial (:class:`cuflash.reference.modifiers.BiasGrad`; None without ``bias_grad``) and its
+    captured float arrays' partial (:class:`cuflash.reference.score_mods.ArrayGrads`; None
+    without ``array_grad``)."""
     qf, dof, d_row, lse_h, kf, vf, finite = head
     g = qf.shape[1]
     scale = acc_t.type(p.softmax_scale)
@@ -496,6 +522,7 @@ def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, 
     terms = None if p.modifiers is None else HeadTerms(p, head_index, acc_t)
     k0 = t0 * block_n
     dbias = None if bias_grad is None else bias_grad.partial(k0, min(t1 * block_n, p.seqlen_k))
+    darrays = None if array_grad is None else array_grad.partial()
     with np.errstate(invalid="ignore", over="ignore"):  # non-finite input: its NaN is kept, never warned about
         for t in range(t0, t1):
             c0 = t * block_n
@@ -524,7 +551,8 @@ def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, 
                         continue
                 s = q_t @ kt.T
                 s *= scale
-                chain = None if terms is None else terms.modify(s, np.arange(r0, r1), cols, stacked=True, grad=True)
+                chain = None if terms is None else terms.modify(s, np.arange(r0, r1), cols, stacked=True, grad=True,
+                                                                arrays=darrays is not None)
                 probs, pairs = _probs_and_pairs(s, lse_h[r0:r1].reshape(rows), mask)
                 pairs_t = pairs.T
                 keep = problem_keep(p, np.arange(r0, r1), cols, head_index)   # dropout: Z / (1 - p)
@@ -535,6 +563,8 @@ def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, 
                 if keep is not None:
                     dp *= keep
                 ds = _grad_ds(probs, dp, d_row[r0:r1].reshape(rows), pairs)
+                if darrays is not None:   # the captured float arrays: dS (of score_mod's result) * d / d read
+                    array_grad.add(darrays, ds, chain.arrays)
                 if chain is not None:   # through score_mod: d score_mod / d score
                     scale_grad(ds, chain.mod)
                 if dbias is not None:
@@ -547,4 +577,4 @@ def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, 
                 dk_j += masked_matmul(ds.T, q_t, pairs_t) if not finite["q"] else ds.T @ q_t
             dk_out[c0:c1] = dk_j
             dv_out[c0:c1] = dv_j
-    return dq_acc, dbias
+    return dq_acc, dbias, darrays

@@ -82,10 +82,11 @@ class HeadTerms:
             return x[..., r, :][..., c]
         return x[..., r[:, None], c[None, :]]
 
-    def modify(self, s: np.ndarray, rows, cols, stacked: bool = False, grad: bool = False):
+    def modify(self, s: np.ndarray, rows, cols, stacked: bool = False, grad: bool = False, arrays: bool = False):
         """Softcap, ALiBi, bias and score_mod applied to the scaled scores ``s`` in place
         (``(G, R, n)`` or, with ``stacked``, ``(R * G, n)``; ``(*batch, Hk, G, R, n)`` for every
-        head); with ``grad``, returns the :class:`ScoreGrad` of the block for the backward."""
+        head); with ``grad``, returns the :class:`ScoreGrad` of the block for the backward (with
+        ``arrays`` too, its ``arrays`` terms for the captured float arrays' gradients)."""
         cap = None
         if self.softcap > 0:
             s /= self.softcap
@@ -96,10 +97,12 @@ class HeadTerms:
         add = self.additive(rows, cols)
         if add is not None:
             s += stack_rows(add) if stacked else add
-        mod = None
+        mod, terms = None, []
         if self.mods is not None and self.mods.score_mod is not None:
-            mod = self.mods.modify(s, self.mod_index(rows, cols, stacked), want_grad=grad)
-        return ScoreGrad(mod, cap) if grad else None
+            mod = self.mods.modify(s, self.mod_index(rows, cols, stacked), want_grad=grad, want_arrays=grad and arrays)
+            if grad and arrays:
+                mod, terms = mod
+        return ScoreGrad(mod, cap, terms) if grad else None
 
     def mod_index(self, rows, cols, stacked: bool = False) -> dict:
         """The ``b``, ``h``, ``q_idx``, ``kv_idx`` arguments of score_mod/mask_mod for a block
@@ -164,10 +167,13 @@ class ScoreGrad:
         ``d score_mod / d score`` at the score score_mod received (None: 1, or no score_mod).
     cap : array or None
         ``1 - tanh(s / softcap)**2`` (None: no softcap).
+    arrays : list
+        ``(slot, index, d score_mod / d read)`` per read of a captured float array
+        (:meth:`cuflash.reference.score_mods.ModTerms.modify`); empty unless asked for.
     """
 
-    def __init__(self, mod, cap):
-        self.mod, self.cap = mod, cap
+    def __init__(self, mod, cap, arrays=()):
+        self.mod, self.cap, self.arrays = mod, cap, list(arrays)
 
 
 def scale_grad(ds: np.ndarray, factor) -> np.ndarray:

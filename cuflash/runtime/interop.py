@@ -549,5 +549,6 @@ class HostImport:
         like = next(x for x in self.originals if x is not None)
         back = exporter(like, self.func) if self.framework in ("torch", "jax") else (lambda a: a)
         given = None if out_index is None else self.originals[out_index]
-        return tuple(given if (i == 0 and given is not None) else (None if a is None else back(a))
+        return tuple(given if (i == 0 and given is not None) else
+                     (None if a is None else {n: back(g) for n, g in a.items()} if isinstance(a, dict) else back(a))
                      for i, a in enumerate(result))

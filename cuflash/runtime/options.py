@@ -132,8 +132,9 @@ class Options(_MapsArrays):
     ----------
     causal, softmax_scale, window_size, layout, return_lse, backend, deterministic
         As :func:`cuflash.attention` and :func:`cuflash.attention_backward` take them.
-    return_dbias, return_dsinks
-        The backward's requests for the modifier gradients.
+    return_dbias, return_dsinks, return_dscore_mod
+        The backward's requests for the modifier gradients (``return_dscore_mod``: the
+        score_mod's captured float arrays').
     axis
         :func:`cuflash.softmax`'s axis.
     dropout, modifiers, fp8
@@ -153,6 +154,7 @@ class Options(_MapsArrays):
     deterministic: Any = False
     return_dbias: Any = False
     return_dsinks: Any = False
+    return_dscore_mod: Any = False
     axis: Any = -1
     dropout: DropoutOptions = DropoutOptions()
     modifiers: ModifierOptions = ModifierOptions()

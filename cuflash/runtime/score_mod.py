@@ -49,7 +49,9 @@ interval arithmetic, so clamp an index with ``minimum``/``maximum`` where it can
 The tree's canonical text (:attr:`TracedMod.key`) names operations, constants (``repr``) and the
 captured arrays by position, dtype and rank, never by value or variable name: it is the cache
 key of the compiled variant. :func:`derivative` gives ``d score_mod / d score`` as another tree
-(for the backward; reads of captured arrays are constants to it).
+(for the backward; reads of captured arrays are constants to it), and
+:func:`array_derivatives` ``d score_mod / d read`` for each read of a captured float array (the
+arrays' gradients, ``return_dscore_mod``).
 
 Imports: nothing of cuflash (the bottom layer).
 """
@@ -64,7 +66,7 @@ import types
 
 import numpy as np
 
-__all__ = ["Expr", "TracedMod", "TraceRefused", "trace", "derivative", "where", "exp", "log", "tanh", "absolute",
+__all__ = ["Expr", "TracedMod", "TraceRefused", "trace", "derivative", "array_derivatives", "float_slots", "where", "exp", "log", "tanh", "absolute",
            "minimum", "maximum", "clamp", "check_reads", "index_bounds", "emit_c", "kernel_refusal",
            "kernel_texts", "SCORE_ARGS",
            "MASK_ARGS"]
@@ -558,9 +560,10 @@ def trace(fn, role: str, func: str = "cuflash") -> TracedMod:
 
     Parameters
     ----------
-    fn : callable
+    fn : callable or TracedMod
         ``score_mod(score, b, h, q_idx, kv_idx) -> float`` or ``mask_mod(b, h, q_idx, kv_idx) ->
-        bool`` written with the operation set of the module docstring. A Python function (its
+        bool`` written with the operation set of the module docstring (a :class:`TracedMod` of
+        ``role`` is returned as it is). A Python function (its
         closure and globals are searched for captured arrays), or any callable (then arrays
         must reach it some other traceable way; a plain callable object captures none).
     role : {"score_mod", "mask_mod"}
@@ -580,6 +583,10 @@ def trace(fn, role: str, func: str = "cuflash") -> TracedMod:
     """
     params = SCORE_ARGS if role == "score_mod" else MASK_ARGS
     sig_text = f"({', '.join(params)})"
+    if isinstance(fn, TracedMod):   # traced already (the framework adapters trace once, then pass it on)
+        if fn.role != role:
+            raise TypeError(f"{func}: {role} must be a function {sig_text}, got a traced {fn.role}")
+        return fn
     if not callable(fn):
         raise TypeError(f"{func}: {role} must be a function {sig_text}, got {type(fn).__name__}")
     try:
@@ -661,12 +668,17 @@ def _or_zero(a):
     return Expr("const", kind="f", value=0.0) if a is None else a
 
 
-def derivative(expr: Expr) -> Expr:
+def derivative(expr: Expr, wrt: Expr | None = None) -> Expr:
     """``d expr / d score`` as an expression (float; the constant 0.0 when it does not depend on
     the score). Reads of captured arrays, integers and bools are constants to it. At a kink the
     derivative takes a side: ``abs`` has 0 at 0, ``minimum``/``maximum`` give a tie to their
-    first argument, ``where`` differentiates the branch it takes."""
+    first argument, ``where`` differentiates the branch it takes.
+
+    With ``wrt`` (a float ``read`` node of ``expr``), ``d expr / d wrt`` instead: that one read
+    is the variable (the same array read at another index is another variable, a constant
+    here) and the score is a constant (:func:`array_derivatives`)."""
     memo: dict = {}
+    var = "score" if wrt is None else wrt.key
 
     def d(e: Expr):
         if e.kind != "f":
@@ -675,9 +687,9 @@ def derivative(expr: Expr) -> Expr:
             return memo[e.key]
         a = e.args
         op = e.op
-        if op == "score":
+        if e.key == var:
             r = Expr("const", kind="f", value=1.0)
-        elif op in ("const", "read", "b", "h", "q_idx", "kv_idx"):
+        elif op in ("const", "read", "score", "b", "h", "q_idx", "kv_idx"):
             r = None
         elif op == "add":
             r = _add(d(a[0]), d(a[1]))
@@ -717,6 +729,34 @@ def derivative(expr: Expr) -> Expr:
         return r
 
     return _or_zero(d(expr))
+
+
+def array_derivatives(traced: TracedMod) -> list:
+    """The gradient terms of a score_mod's captured float arrays: ``[(read, d), ...]``, one per
+    distinct float ``read`` node of the expression (canonical-text order), ``d`` the expression
+    ``d score_mod / d read`` (:func:`derivative` with ``wrt``). The gradient of captured array
+    ``N`` is, over every (b, h, q_idx, kv_idx) pair, ``sum dS * d`` scattered at the read's
+    index, summed over the reads of array ``N`` (``dS`` the gradient of score_mod's result).
+    Reads whose derivative is 0 everywhere are left out; a mask_mod has none (its result is a
+    bool)."""
+    if traced.role != "score_mod":
+        return []
+    out = []
+    for r in traced.reads():
+        if r.kind != "f":
+            continue
+        d = derivative(traced.expr, r)
+        if not (d.op == "const" and d.value == 0.0):
+            out.append((r, d))
+    return out
+
+
+def float_slots(traced: TracedMod) -> tuple:
+    """The slots of a score_mod's captured float arrays (float32/float64): the arrays that get a
+    gradient (``return_dscore_mod``); ``()`` for a mask_mod."""
+    if traced is None or traced.role != "score_mod":
+        return ()
+    return tuple(i for i, dt in enumerate(traced.array_dtypes) if ARRAY_KINDS[dt] == "f")
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,10 +23,13 @@ the backend its ``backend`` argument names.
 Imports: torch, :mod:`cuflash.api` and below.
 """
 
+import dataclasses
+
 import torch
 
 from cuflash.api import attention as api_attention
 from cuflash.api import backward as api_backward
+from cuflash.runtime import score_mod as tracing
 from cuflash.runtime import validation
 from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options
 from cuflash.torch import tensors
@@ -309,8 +312,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         over). The backward computes no gradient for ``alibi_slopes``: slopes that require grad
         raise ``TypeError`` (pass ``alibi_slopes.detach()``).
     score_mod, mask_mod : callable, optional
-        Not through autograd yet: given, they raise ``NotImplementedError`` before any work.
-        :func:`cuflash.attention` takes them for arrays that carry no gradient (NumPy path).
+        As :func:`cuflash.attention` takes them, differentiable: the backward multiplies ``dS``
+        by the symbolic ``d score_mod / d score``, and a captured float tensor that requires
+        grad (a learned relative-position table, trainable ALiBi slopes) gets its gradient
+        (:func:`cuflash.attention_backward`'s ``return_dscore_mod``: the NumPy path, CPU
+        tensors). The function is traced once per call; its captured tensors (of q's device)
+        are read, never copied. A mask_mod's captured tensors get no gradient (float ones that
+        require grad raise ``TypeError``). These calls run through a ``torch.autograd.Function``
+        (eager autograd; not a registered operator, so ``torch.compile`` breaks the graph
+        there). ``out=`` with them is refused (``TypeError``) when a gradient is needed.
     deterministic : bool
         The backward's: bit-identical gradients run to run on the kernel backends (no atomics in
         the dQ sum; a float32 workspace of up to 16 copies of dq and a slower backward, see
@@ -339,15 +349,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         A meta tensor; an unknown backend or one that would move data; as :func:`cuflash.attention`.
     NotImplementedError
         Tensors on devices other than CPU and CUDA; as :func:`cuflash.attention` (float64 on a
-        kernel backend, a call without a kernel); ``score_mod`` or ``mask_mod`` given.
+        kernel backend, a call without a kernel); a captured tensor that requires grad with a
+        kernel backend (its gradient is computed on the NumPy path only).
     """
-    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
-        if fn is not None:
-            raise NotImplementedError(f"{_FUNC}: {name} does not run through torch autograd yet; call "
-                                      f"cuflash.attention on arrays that carry no gradient (NumPy, or tensors "
-                                      f"that do not require grad) to use it")
     mods = {"alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "attn_mask": attn_mask, "sinks": sinks}
     fp8 = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "out_dtype": out_dtype}
+    if (score_mod is not None or mask_mod is not None) and not _is_fp8(q, fp8):
+        return _traced_attention(q, k, v, (score_mod, mask_mod), mods, dict(
+            causal=causal, softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse,
+            layout=layout, out=out, backend=backend, dropout=(dropout_p, dropout_seed, dropout_offset),
+            softcap=softcap, deterministic=deterministic))
     if _is_fp8(q, fp8):
         _refuse_fp8_gradients(_FUNC, {"q": q, "k": k, "v": v})
         return api_attention.attention(
@@ -413,3 +424,102 @@ def _refuse_gradients(q, k, v, out, mods) -> None:
                             f"mode is on): a result written into a given buffer has no autograd history (torch's "
                             f"own out= operators refuse autograd too); drop out= for a differentiable result, or "
                             f"call under torch.no_grad()")
+
+
+# --------------------------------------------------------------------------------------------
+# score_mod / mask_mod: a torch.autograd.Function (a traced function is not an operator argument)
+
+
+def _traced_attention(q, k, v, fns, mods, kw):
+    """:func:`attention` with a ``score_mod``/``mask_mod`` (``fns``; ``kw`` the other options):
+    traced here once, its captured tensors detached for the pipeline, the float ones of the
+    score_mod that require grad made inputs of :class:`_TracedAttention` (so their gradients
+    reach them)."""
+    score_mod, mask_mod = fns
+    out, backend, softcap, return_lse = kw["out"], kw["backend"], kw["softcap"], kw["return_lse"]
+
+    tensors.check_tensors(_FUNC, {"q": q, "k": k, "v": v}, {"out": out, **mods})
+    traced = {role: None if fn is None else tracing.trace(fn, role, _FUNC)
+              for role, fn in (("score_mod", score_mod), ("mask_mod", mask_mod))}
+    learned = []   # (slot, tensor) of the score_mod's float captured tensors that require grad
+    grad_on = torch.is_grad_enabled()
+    for role, t in traced.items():
+        if t is None:
+            continue
+        floats = tracing.float_slots(t) if role == "score_mod" else ()
+        for i, (name, a) in enumerate(zip(t.names, t.arrays)):
+            if grad_on and isinstance(a, torch.Tensor) and a.requires_grad:
+                if i not in floats:
+                    raise TypeError(f"{_FUNC}: {role}'s captured tensor {name!r} requires grad, but a {role}'s "
+                                    f"captured arrays get no gradient (only a score_mod's float ones do); pass "
+                                    f"{name}.detach()")
+                learned.append((i, a))
+        traced[role] = dataclasses.replace(t, arrays=tuple(a.detach() if isinstance(a, torch.Tensor) else a
+                                                           for a in t.arrays))
+    _refuse_gradients(q, k, v, out, mods)
+    if out is not None:
+        needing = tensors.requiring_grad({name: a for (_, a), name in
+                                          zip(learned, (traced["score_mod"].names[i] for i, _ in learned))})
+        if needing:
+            raise TypeError(f"{_FUNC}: out= cannot be differentiated, and {tensors.require_phrase(needing)} "
+                            f"(grad mode is on); drop out= or detach the captured tensors")
+    dropout_p, dropout_seed, dropout_offset = kw["dropout"]
+    seed, offset = tensors.dropout_key(dropout_p, dropout_seed, dropout_offset, _FUNC)
+    modifiers = ModifierOptions(softcap, *(detached(mods[n]) for n in ("alibi_slopes", "attn_bias", "attn_mask",
+                                                                          "sinks")),
+                                traced["score_mod"], traced["mask_mod"])
+    options = Options(causal=kw["causal"], softmax_scale=kw["softmax_scale"], window_size=kw["window_size"],
+                      layout=kw["layout"], return_lse=True, backend=tensors.check_backend(backend, _FUNC),
+                      deterministic=kw["deterministic"],
+                      dropout=DropoutOptions(dropout_p, seed, offset), modifiers=modifiers)
+    if out is not None:
+        o, lse = tensors.run(api_attention.FORWARD, (prepare(q), prepare(k), prepare(v), detached(out)), options,
+                             _FUNC, q)
+        return (o, lse) if return_lse else o
+    cfg = _TracedCall(options, tuple(i for i, _ in learned))
+    o, lse = _TracedAttention.apply(cfg, q, k, v, mods["attn_bias"], mods["sinks"], *(a for _, a in learned))
+    return (o, lse) if return_lse else o
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TracedCall:
+    options: Options
+    learned: tuple   # the score_mod's slots of the captured tensors given as inputs
+
+
+class _TracedAttention(torch.autograd.Function):
+    """``(out, lse)`` of a call with a traced score_mod/mask_mod; the backward is
+    :func:`cuflash.attention_backward` with ``return_dbias``/``return_dsinks``/``return_dscore_mod``
+    as the inputs need them."""
+
+    @staticmethod
+    def forward(ctx, cfg, q, k, v, attn_bias, sinks, *learned):
+        o, lse = tensors.run(api_attention.FORWARD, (prepare(q), prepare(k), prepare(v), None), cfg.options, _FUNC, q)
+        ctx.cfg = cfg
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        cfg = ctx.cfg
+        q, k, v, o, lse = ctx.saved_tensors
+        want_bias, want_sinks = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
+        want_arrays = any(ctx.needs_input_grad[6:])
+        options = dataclasses.replace(cfg.options, return_lse=False, return_dbias=want_bias,
+                                      return_dsinks=want_sinks, return_dscore_mod=want_arrays)
+        if dout is None:
+            dout = torch.zeros_like(o)
+        grads = list(tensors.run(api_backward.BACKWARD, (*(prepare(t) for t in (dout, q, k, v, o)), lse.detach()),
+                                 options, _FUNC_BWD, q))
+        dq, dk, dv = grads[:3]
+        rest = grads[3:]
+        mods = options.modifiers
+        dbias = rest.pop(0).to(mods.attn_bias.dtype) if want_bias else None
+        dsinks = rest.pop(0).to(mods.sinks.dtype) if want_sinks else None
+        darrays = [None] * len(cfg.learned)
+        if want_arrays:
+            by_name = rest.pop(0)
+            names = mods.score_mod.names
+            darrays = [by_name[names[i]].to(mods.score_mod.arrays[i].dtype) for i in cfg.learned]
+        return (None, dq, dk, dv, dbias, dsinks, *darrays)

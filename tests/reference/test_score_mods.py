@@ -279,3 +279,77 @@ def test_captured_torch_cpu_tensors_are_read_as_numpy_views_and_other_kinds_refu
     far = Elsewhere()
     with pytest.raises((TypeError, ValueError), match=r"score_mod's captured array 'far'"):
         cuflash.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + far[h])
+
+
+# ------------------------------------------------------------------------------------------ captured arrays' gradients
+
+
+def _learned(rng):
+    """An invented score_mod with two learned float arrays (a relative-position table read at two
+    indices, per-head slopes inside a tanh) and an int array it reads without a gradient."""
+    table = rng.standard_normal((HQ, 2 * 5 - 1))
+    slopes = rng.uniform(0.2, 0.8, HQ)
+    shift = np.array([1, 0, 2, 1], np.int32)
+
+    def score_mod(s, b, h, i, j):
+        rel = mods.clamp(j - i + 4, 0, 8)
+        return mods.tanh(s * slopes[h]) * 2.0 + table[h, rel] - 0.5 * table[h, mods.clamp(shift[h], 0, 8)] * s
+    return score_mod, {"table": table, "slopes": slopes}
+
+
+def test_captured_array_gradients_match_finite_differences(rng):
+    score_mod, learned = _learned(rng)
+    q, k, v = make_qkv(rng, 1, HQ, HK, 4, 5, 2, 2)
+    kw = dict(score_mod=score_mod, mask_mod=lambda b, h, i, j: j != i + 1, causal=True)
+    out, lse = ref.naive_attention(q, k, v, return_lse=True, **kw)
+    dout = randn(rng, out.shape)
+    naive = attention_backward(dout, q, k, v, out, lse, return_dscore_mod=True, **kw)[3]
+    tiled = flash_attention_backward(dout, q, k, v, out, lse, block_m=2, block_n=3, return_dscore_mod=True, **kw)[3]
+    public = cuflash.attention_backward(dout, q, k, v, out, lse, return_dscore_mod=True, **kw)[3]
+    assert sorted(naive) == ["slopes", "table"]   # the int array gets none
+    for name, arr in learned.items():   # central differences of sum(out * dout), the array perturbed in place
+        fd = np.zeros_like(arr)
+        for idx in np.ndindex(arr.shape):
+            orig = arr[idx]
+            arr[idx] = orig + 1e-6
+            plus = np.sum(ref.naive_attention(q, k, v, **kw) * dout)
+            arr[idx] = orig - 1e-6
+            minus = np.sum(ref.naive_attention(q, k, v, **kw) * dout)
+            arr[idx] = orig
+            fd[idx] = (plus - minus) / 2e-6
+        assert np.abs(fd).max() > 0.1   # the perturbation reaches the loss
+        for label, got in (("naive", naive), ("tiled", tiled), ("public", public)):
+            assert got[name].shape == arr.shape and got[name].dtype == arr.dtype
+            np.testing.assert_allclose(got[name], fd, rtol=1e-6, atol=1e-8, err_msg=f"{label} d{name}")
+
+
+def test_captured_array_gradients_are_bit_identical_for_any_thread_count(rng, monkeypatch):
+    score_mod, learned = _learned(rng)
+    table32 = learned["table"].astype(np.float32)
+    q, k, v = make_qkv(rng, 2, HQ, HK, 5, 5, 8, 8, dtype=np.float32)
+
+    def sm(s, b, h, i, j):   # float32 table: float32 gradient (float32 accumulation across blocks)
+        return s + table32[h, mods.clamp(j - i + 4, 0, 8)]
+    out, lse = cuflash.attention(q, k, v, score_mod=sm, return_lse=True)
+    runs = []
+    for n in ("1", "2", "3"):
+        monkeypatch.setenv("CUFLASH_NUM_THREADS", n)
+        runs.append(flash_attention_backward(out, q, k, v, out, lse, block_m=2, block_n=2, score_mod=sm,
+                                             return_dscore_mod=True)[3]["table32"])
+    assert runs[0].dtype == np.float32
+    assert all(np.array_equal(r, runs[0]) for r in runs[1:])
+    want = attention_backward(out, q, k, v, out, lse, score_mod=sm, return_dscore_mod=True)[3]["table32"]
+    np.testing.assert_allclose(runs[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_captured_array_gradient_refusals(rng):
+    q, k, v = _qkv(rng)
+    out, lse = ref.naive_attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=r"return_dscore_mod=True needs score_mod"):
+        cuflash.attention_backward(out, q, k, v, out, lse, return_dscore_mod=True)
+    t = np.ones(HQ, np.float32)
+    h16 = tuple(x.astype(np.float16) for x in (q, k, v, out))
+    with pytest.raises(NotImplementedError, match=r"return_dscore_mod \(the gradients of a score_mod's captured "
+                                                  r"arrays\) is not in the tensor-core backward yet"):
+        cuflash.attention_backward(h16[3], *h16, lse.astype(np.float32), score_mod=lambda s, b, h, i, j: s * t[h],
+                                   return_dscore_mod=True, backend="sim")
