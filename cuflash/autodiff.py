@@ -41,13 +41,33 @@ __all__ = ["attention", "attention_backward", "attention_varlen", "attention_var
 
 def _arrays(args, kwargs):
     """``(name, value)`` for every argument, the items of list and tuple arguments included
-    (``merge_attention``'s ``outs`` and ``lses``)."""
+    (``merge_attention``'s ``outs`` and ``lses``), and the values a ``score_mod``/``mask_mod``
+    captures (its closure cells and the globals its code names: a learned table that requires
+    grad routes the call as q would)."""
     for name, x in list(enumerate(args)) + list(kwargs.items()):
         if isinstance(x, (list, tuple)):
             for i, y in enumerate(x):
                 yield f"{name}[{i}]", y
         else:
             yield name, x
+    for name in ("score_mod", "mask_mod"):
+        yield from ((name, y) for y in _captured(kwargs.get(name)))
+
+
+def _captured(fn):
+    """The values a Python function closes over or names as globals (nothing is called)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            yield cell.cell_contents
+        except ValueError:   # an empty cell
+            continue
+    glb = getattr(fn, "__globals__", {})
+    for n in code.co_names:
+        if n in glb:
+            yield glb[n]
 
 
 def framework_needed(args, kwargs):

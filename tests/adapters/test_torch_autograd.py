@@ -323,6 +323,10 @@ def test_gradcheck_through_score_mod_with_learned_captured_tensors(gen):
     fn(q, k, v, table, slopes).sum().backward()
     assert table.grad is not None and slopes.grad is not None and fixed.grad is None
     assert table.grad[:, s:].abs().max() == 0   # causal: j - i + s - 1 < s never reaches those entries
+    import cuflash   # only the captured table requires grad: cuflash.attention still routes it through autograd
+
+    got = cuflash.attention(q.detach(), k.detach(), v.detach(), score_mod=lambda sc, b, hh, i, j: sc + table[hh, i])
+    assert got.requires_grad
     with pytest.raises(TypeError, match=r"mask_mod's captured tensor 'w' requires grad"):
         w = torch.ones(s, dtype=torch.float64, requires_grad=True)
         ct.attention(q, k, v, mask_mod=lambda b, hh, i, j: w[j] > 0)
