@@ -20,7 +20,7 @@ from cuflash.api import pipeline
 from cuflash.reference import backward as ref_backward
 from cuflash.reference import forward as ref_forward
 from cuflash.reference import kvcache as ref_kvcache
-from cuflash.runtime import interop, validation, validation_kvcache
+from cuflash.runtime import interop, score_mod, validation, validation_kvcache
 from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options, PackedOptions
 
 __all__ = ["attention_varlen", "attention_varlen_backward", "explain_varlen"]
@@ -29,7 +29,7 @@ __all__ = ["attention_varlen", "attention_varlen_backward", "explain_varlen"]
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, return_lse=False,
                      out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-                     alibi_slopes=None):
+                     alibi_slopes=None, score_mod=None, mask_mod=None):
     """Exact attention over a packed batch of sequences of different lengths, fused.
 
     Sequence ``b`` is attention of its query rows ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` over
@@ -87,6 +87,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ALiBi (Press et al. 2022): ``-slope * |i + Sk - Sq - j|`` with each sequence's own
         lengths (bottom-right aligned per sequence). On the kernel backends the tensor-core
         tier's packed modifier forms take them (float16/bfloat16), forward and backward.
+    score_mod, mask_mod : callable, optional
+        As :func:`cuflash.attention` takes them (docs/api.md, "score_mod and mask_mod"), per
+        sequence: ``b`` is the sequence's index, ``q_idx`` and ``kv_idx`` the positions within
+        the sequence (from 0; ``q_idx < max_seqlen_q``, ``kv_idx < max_seqlen_k`` bound the
+        captured arrays' index ranges), ``h`` the query head. After softcap and ALiBi, before
+        the masks. On the NumPy path (the kernel tiers raise ``NotImplementedError``).
 
     Returns
     -------
@@ -124,7 +130,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse,
                       backend=backend, dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, score_mod=score_mod, mask_mod=mask_mod),
                       packed=PackedOptions(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
                                            block_table))
     return pipeline.run(FORWARD, (q, k, v, out), options)
@@ -193,7 +199,8 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, softmax_scale=None, window_size=(-1, -1), seqused_k=None,
                               deterministic=False, backend="auto", dropout_p=0.0, dropout_seed=None,
-                              dropout_offset=0, softcap=0.0, alibi_slopes=None):
+                              dropout_offset=0, softcap=0.0, alibi_slopes=None, score_mod=None, mask_mod=None,
+                              return_dscore_mod=False):
     """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` from its output and log-sum-exp.
 
     Each sequence's gradients are those of :func:`cuflash.attention_backward` (FlashAttention-2,
@@ -213,13 +220,18 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         :func:`cuflash.attention_backward`).
     dropout_p, dropout_seed, dropout_offset
         The forward's dropout.
-    softcap, alibi_slopes
+    softcap, alibi_slopes, score_mod, mask_mod
         The forward's score modifiers (see :func:`attention_varlen`).
+    return_dscore_mod : bool
+        Also return the gradients of the score_mod's captured float arrays, a dict by variable
+        name, as :func:`cuflash.attention_backward` (each sequence's, added in sequence order;
+        the NumPy path).
     backend : {"auto", "numpy", "sim", "cuda"}
 
     Returns
     -------
     dq, dk, dv : arrays of q's, k's and v's shapes and q's dtype and kind
+    dscore_mod : dict of str to array; only with ``return_dscore_mod``
 
     Raises
     ------
@@ -229,7 +241,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     """
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, backend=backend,
                       deterministic=deterministic, dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes),
+                      return_dscore_mod=return_dscore_mod,
+                      modifiers=ModifierOptions(softcap, alibi_slopes, score_mod=score_mod, mask_mod=mask_mod),
                       packed=PackedOptions(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k))
     return pipeline.run(BACKWARD, (dout, q, k, v, out, lse), options)
 
@@ -246,7 +259,10 @@ def _validate_forward(operands, options, func):
 
 def _validate_backward(operands, options, func):
     dout, q, k, v, out, lse = operands
-    options = validation.check_flags(options, func, "deterministic")
+    options = validation.check_flags(options, func, "deterministic", "return_dscore_mod")
+    if options.return_dscore_mod and options.modifiers.score_mod is None:
+        raise ValueError(f"{func}: return_dscore_mod=True needs score_mod (the gradient is of its captured arrays); "
+                         f"got score_mod=None")
     problem = validation.check_attention_varlen(q, k, v, options, func=func)
     _check_backward_arrays(problem, dout, out, lse)
     return problem
@@ -282,15 +298,20 @@ def _sequences(problem):
 
 def _sequence_problem(p, q, k, v, b: int):
     """The fixed-shape problem of sequence ``b`` (``(1, S, H, D)`` views), its dropout counting
-    batches from ``b``, its ALiBi slopes row ``b`` of the batch's."""
+    batches from ``b``, its ALiBi slopes row ``b`` of the batch's, its score_mod/mask_mod with
+    ``b`` bound to the sequence's index (their ``q_idx``/``kv_idx`` are positions within it)."""
     mods = p.modifiers
     slopes = None
     if mods is not None and mods.alibi_slopes is not None:
         from cuflash.reference.modifiers import broadcast_view
 
         slopes = broadcast_view(mods.alibi_slopes)[b:b + 1]
+    traced = [None if mods is None or t is None else score_mod.bind(t, "b", b)
+              for t in ((None, None) if mods is None else (mods.score_mod, mods.mask_mod))]
     options = Options(causal=p.causal, softmax_scale=p.softmax_scale, window_size=(p.window_left, p.window_right),
-                      layout="bshd", modifiers=ModifierOptions(0.0 if mods is None else mods.softcap, slopes))
+                      layout="bshd", return_dscore_mod=p.options.return_dscore_mod,
+                      modifiers=ModifierOptions(0.0 if mods is None else mods.softcap, slopes, None, None, None,
+                                                *traced))
     sp = validation.check_attention(q, k, v, options, func=p.func)
     return sp if p.dropout is None else dataclasses.replace(sp, dropout=dataclasses.replace(p.dropout, batch0=b))
 
@@ -325,6 +346,10 @@ def _backward_numpy(problem, operands):
     dout, q, k, v, out, lse = operands
     p = problem
     dq, dk, dv = np.zeros(q.shape, p.dtype), np.zeros(k.shape, p.dtype), np.zeros(v.shape, p.dtype)
+    darrays = None
+    if p.options.return_dscore_mod:   # the sequences' gradients added in sequence order
+        t = p.modifiers.score_mod
+        darrays = {t.names[i]: np.zeros(t.arrays[i].shape, np.float64) for i in score_mod.float_slots(t)}
     for b, (rq, rk) in enumerate(_sequences(p)):
         if rq.stop == rq.start or rk.stop == rk.start:
             continue   # no query: nothing flows; no key used: dq = 0 and dk = dv = 0
@@ -332,7 +357,13 @@ def _backward_numpy(problem, operands):
         g = ref_backward.run_backward(_sequence_problem(p, qs, ks, vs, b), dout[None, rq], qs, ks, vs,
                                       out[None, rq], np.ascontiguousarray(lse[None, :, rq]))
         dq[rq], dk[rk], dv[rk] = g[0][0], g[1][0], g[2][0]
-    return dq, dk, dv
+        for name, grad in (g[3] if darrays is not None else {}).items():
+            darrays[name] += grad
+    if darrays is None:
+        return dq, dk, dv
+    t = p.modifiers.score_mod
+    dtypes_ = dict(zip(t.names, t.array_dtypes))
+    return dq, dk, dv, {n: a.astype(dtypes_[n]) for n, a in darrays.items()}
 
 
 #: :func:`attention_varlen`'s steps (the device steps are :func:`cuflash.attention`'s)

@@ -110,6 +110,17 @@ def fp8_reason(mod, problem) -> str | None:
     return "it has no fp8 (float8_e4m3fn) form (it computes float16, bfloat16 and float32)"
 
 
+def packed_mods_reason(problem) -> str | None:
+    """Why no tier takes a packed batch (``attention_varlen``) with a traced score_mod/mask_mod
+    (None otherwise): the tensor-core forward's packed form does not apply them per sequence
+    with the NumPy path's meaning (``b`` the sequence, positions within it) in both directions."""
+    m = getattr(problem, "modifiers", None)
+    if getattr(problem, "varlen", None) is None or m is None or (m.score_mod is None and m.mask_mod is None):
+        return None
+    return ("score_mod/mask_mod on a packed batch (attention_varlen) is not in this kernel's packed form yet; "
+            "the NumPy path takes them")
+
+
 def _choose(problem, arch: int, arrays=None, tiers=None, nvrtc_majors=None):
     """``(module, reasons)``: the tier that runs ``problem`` and why each faster one does not
     (``tiers`` default: :data:`TIERS`, looked up at call time)."""
@@ -119,7 +130,7 @@ def _choose(problem, arch: int, arrays=None, tiers=None, nvrtc_majors=None):
         raise NotImplementedError(f"{problem.func}: no kernel takes this call on sm_{arch}: {why}")
     reasons = []
     for name, mod in tiers:
-        why = fp8_reason(mod, problem) or target_reason(mod, arch, nvrtc_majors)
+        why = fp8_reason(mod, problem) or packed_mods_reason(problem) or target_reason(mod, arch, nvrtc_majors)
         if why is None:
             check = getattr(mod, "unsupported_reason", None)
             why = check(problem, arch, arrays) if check is not None else None

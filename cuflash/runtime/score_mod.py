@@ -66,7 +66,7 @@ import types
 
 import numpy as np
 
-__all__ = ["Expr", "TracedMod", "TraceRefused", "trace", "derivative", "array_derivatives", "float_slots", "where", "exp", "log", "tanh", "absolute",
+__all__ = ["Expr", "TracedMod", "TraceRefused", "trace", "bind", "derivative", "array_derivatives", "float_slots", "where", "exp", "log", "tanh", "absolute",
            "minimum", "maximum", "clamp", "check_reads", "index_bounds", "emit_c", "kernel_refusal",
            "kernel_texts", "SCORE_ARGS",
            "MASK_ARGS"]
@@ -395,7 +395,8 @@ _TORCH_FUNCS = {
 class CapturedArray:
     """The stand-in for an array a traced function captures: reading ``a[i, j]`` (one integer
     expression per axis) records a ``read`` node. ``shape``, ``ndim`` and ``dtype`` are the
-    array's (a shape used in the expression becomes a constant of it)."""
+    array's, and ``len()`` its first axis's (a shape used in the expression becomes a constant
+    of it)."""
 
     def __init__(self, array, name: str, slot: int):
         self.array, self.name, self.slot = array, name, slot
@@ -422,6 +423,16 @@ class CapturedArray:
 
     def __bool__(self):
         _refuse(f"bool() of the captured array {self.name!r}")
+
+    def __len__(self):   # a static size, as .shape[0]
+        return self.shape[0]
+
+    def __iter__(self):
+        _refuse(f"iterating over the captured array {self.name!r}; read one element per index, e.g. "
+                f"{self.name}[h]")
+
+    def __call__(self, *args, **kwargs):
+        _refuse(f"calling the captured array {self.name!r}; read it with [...]")
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         _refuse(f"numpy.{getattr(ufunc, '__name__', ufunc)} on the whole captured array {self.name!r}; "
@@ -621,6 +632,25 @@ def trace(fn, role: str, func: str = "cuflash") -> TracedMod:
     header = " ".join(f"{_dtype_name(a)}[{len(a.shape)}]" for a in arrays)
     key = f"{role}({header}) {expr.key}"
     return TracedMod(role, expr, tuple(arrays), tuple(names), key, fn)
+
+
+def bind(traced: TracedMod, name: str, value: int) -> TracedMod:
+    """``traced`` with the integer argument ``name`` (``"b"``, ``"h"``, ...) replaced by the
+    constant ``value`` everywhere (the packed batch's NumPy path runs sequence ``b`` as a
+    one-entry batch and binds ``b`` to the sequence's index)."""
+    const = Expr("const", kind="i", value=int(value))
+    memo: dict = {}
+
+    def sub(e: Expr) -> Expr:
+        if e.key in memo:
+            return memo[e.key]
+        out = const if e.op == name else Expr(e.op, tuple(sub(a) for a in e.args), e.kind, e.value)
+        memo[e.key] = out
+        return out
+
+    expr = sub(traced.expr)
+    header = traced.key.split(")", 1)[0] + ")"
+    return dataclasses.replace(traced, expr=expr, key=f"{header} {expr.key}")
 
 
 def _renumber(e: Expr, remap: dict, memo: dict) -> Expr:

@@ -353,3 +353,46 @@ def test_captured_array_gradient_refusals(rng):
                                                   r"arrays\) is not in the tensor-core backward yet"):
         cuflash.attention_backward(h16[3], *h16, lse.astype(np.float32), score_mod=lambda s, b, h, i, j: s * t[h],
                                    return_dscore_mod=True, backend="sim")
+
+
+# ------------------------------------------------------------------------------------------ packed batches
+
+
+def test_varlen_mods_are_per_sequence_with_b_the_sequence_index(rng):
+    """attention_varlen with score_mod/mask_mod equals each sequence run alone through the float64
+    oracle with ``b`` fixed to its index and positions counted from the sequence's start; the
+    backward's dq and the learned table's gradient (summed over sequences) too. Kernel tiers
+    refuse the pair by name."""
+    cu = np.array([0, 3, 3, 8], np.int32)   # lengths 3, 0, 5
+    q, k, v = (rng.standard_normal((8, 2, 8)) for _ in range(3))
+    table = rng.standard_normal((3, 2, 9))
+
+    def sm(s, b, h, i, j):
+        return s + table[b, h, j - i + 4]
+
+    def mm(b, h, i, j):
+        return j != i + 1
+
+    out, lse = cuflash.attention_varlen(q, k, v, cu, cu, 5, 5, score_mod=sm, mask_mod=mm, causal=True,
+                                        return_lse=True)
+    dout = rng.standard_normal(out.shape)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, 5, 5, score_mod=sm, mask_mod=mm,
+                                              causal=True, return_dscore_mod=True)
+    dtable = np.zeros_like(table)
+    for b, (s0, s1) in enumerate(zip(cu[:-1], cu[1:])):
+        if s1 == s0:
+            continue
+        qs, ks, vs, ds = (x[s0:s1].transpose(1, 0, 2)[None] for x in (q, k, v, dout))
+        kw = dict(score_mod=lambda s, _b, h, i, j, b=b: s + table[b, h, j - i + 4], mask_mod=mm, causal=True)
+        o, l = ref.naive_attention(qs, ks, vs, return_lse=True, **kw)
+        np.testing.assert_allclose(out[s0:s1], o[0].transpose(1, 0, 2), rtol=1e-12, atol=1e-13)
+        g = attention_backward(ds, qs, ks, vs, o, l, return_dscore_mod=True, **kw)
+        np.testing.assert_allclose(grads[0][s0:s1], g[0][0].transpose(1, 0, 2), rtol=1e-11, atol=1e-12)
+        dtable += g[3]["table"]
+    assert np.abs(dtable).max() > 0.1
+    np.testing.assert_allclose(grads[3]["table"], dtable, rtol=1e-12, atol=1e-13)
+    h16 = tuple(x.astype(np.float16) for x in (q, k, v))
+    t32 = table.astype(np.float32)
+    with pytest.raises(NotImplementedError, match=r"tensor-core mma.sync tier not used: score_mod/mask_mod on a "
+                                                  r"packed batch \(attention_varlen\) is not in this kernel's"):
+        cuflash.attention_varlen(*h16, cu, cu, 5, 5, score_mod=lambda s, b, h, i, j: s + t32[b, h, 0], backend="sim")

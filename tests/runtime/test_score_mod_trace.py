@@ -161,12 +161,21 @@ REFUSALS = [
     (lambda b, h, i, j: i - j, "mask_mod", ("must return a bool",)),
     (lambda s, b, h, i, j: mods.where(s, 1.0, 0.0), "score_mod", ("condition that is not a bool",)),
     (lambda s, b, h, i, j: s + sum(x for x in s), "score_mod", ("iterating",)),
+    (lambda s, b, h, i, j: s if s > 0 else -s, "score_mod", ("`if`", "data-dependent")),   # a conditional expression
+    (lambda s, b, h, i, j: s + sum(1.0 for _ in range(i)), "score_mod", ("Python index", "range")),   # a loop bound
+    (lambda s, b, h, i, j: s + sum(x for x in SLOPES), "score_mod", ("iterating over the captured array",)),
+    (lambda s, b, h, i, j: s + SLOPES(h), "score_mod", ("calling the captured array",)),
 ]
 
 
 @pytest.mark.parametrize("fn,role,words", REFUSALS, ids=[w[0] for _, _, w in REFUSALS])
 def test_refusals_name_the_operation(fn, role, words):
     _refused(fn, role, role, *words)
+
+
+def test_len_of_a_captured_array_is_its_static_size():
+    t = trace(lambda s, b, h, i, j: s + SLOPES[mods.minimum(h, len(SLOPES) - 1)], "score_mod")
+    assert t.key == "score_mod(float32[1]) (add score (read 0 (min h 1)))"
 
 
 def test_refused_signatures_and_non_functions():
@@ -245,3 +254,16 @@ def test_check_reads_refuses_an_index_that_may_stray():
     with pytest.raises(ValueError, match=r"SLOPES\[\.\.\.\] with index \(read 1 q_idx\) .* \[-inf, inf\]"):
         check_reads(t, {"b": 1, "h": 2, "q_idx": 5, "kv_idx": 5}, "f")
     check_reads(t, {"b": 1, "h": 2, "q_idx": 0, "kv_idx": 5}, "f")   # nothing is evaluated
+
+
+def test_array_derivatives_one_term_per_float_read():
+    from cuflash.runtime.score_mod import array_derivatives, float_slots
+
+    t = trace(lambda s, b, h, i, j: mods.tanh(s * SLOPES[h]) + mods.where(DOC[i] == 1, SLOPES[0], 0.0) + DOC[j],
+              "score_mod")
+    terms = {r.key: d.key for r, d in array_derivatives(t)}
+    assert float_slots(t) == (0,)   # DOC (int32) gets no gradient
+    th = "(tanh (mul score (read 0 h)))"
+    assert terms == {"(read 0 h)": f"(mul (sub 1.0 (mul {th} {th})) score)",
+                     "(read 0 0)": "(where (eq (read 1 q_idx) 1) 1.0 0.0)"}
+    assert array_derivatives(trace(lambda b, h, i, j: SLOPES[h] > 0, "mask_mod")) == []
