@@ -173,3 +173,11 @@ def test_grad_through_score_mod_reaches_captured_arrays(rng):
         assert dtable.dtype == jnp.float32 and dtable.shape == table.shape
         np.testing.assert_allclose(np.asarray(dtable), want[3]["t64"], rtol=2e-4, atol=2e-5)
         np.testing.assert_allclose(np.asarray(dq), want[0], rtol=2e-4, atol=2e-5)
+    # jax.vmap over a leading axis, the table unmapped: each element as the unmapped call (run per element)
+    qs = jnp.stack([jnp.asarray(q), jnp.asarray(q) * 0.5])
+    mapped = jax.vmap(lambda x: cj.attention(x, jnp.asarray(k), jnp.asarray(v), causal=True,
+                                             score_mod=lambda sc, b, hh, i, j: sc + table[hh, j - i + s - 1]))(qs)
+    for e in range(2):
+        one = cj.attention(qs[e], jnp.asarray(k), jnp.asarray(v), causal=True,
+                           score_mod=lambda sc, b, hh, i, j: sc + table[hh, j - i + s - 1])
+        np.testing.assert_array_equal(np.asarray(mapped[e]), np.asarray(one))
