@@ -29,6 +29,7 @@ import torch
 
 from cuflash.api import attention as api_attention
 from cuflash.api import backward as api_backward
+from cuflash.api import pipeline
 from cuflash.runtime import score_mod as tracing
 from cuflash.runtime import validation
 from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options
@@ -457,6 +458,13 @@ def _traced_attention(q, k, v, fns, mods, kw):
         traced[role] = dataclasses.replace(t, arrays=tuple(a.detach() if isinstance(a, torch.Tensor) else a
                                                            for a in t.arrays))
     _refuse_gradients(q, k, v, out, mods)
+    if learned:   # refused before the forward runs, not when the backward finds no kernel for them
+        chosen = backend if backend != "auto" else (pipeline.env_backend(_FUNC) or tensors.backend_for(q, _FUNC))
+        if chosen != "numpy":
+            names = ", ".join(repr(traced["score_mod"].names[i]) for i, _ in learned)
+            raise NotImplementedError(f"{_FUNC}: the score_mod's captured tensors {names} require grad, and their "
+                                      f"gradients are computed on the NumPy path only (CPU tensors, backend 'auto' "
+                                      f"or 'numpy'); this call runs on backend {chosen!r}: detach them, or run on CPU")
     if out is not None:
         needing = tensors.requiring_grad({name: a for (_, a), name in
                                           zip(learned, (traced["score_mod"].names[i] for i, _ in learned))})

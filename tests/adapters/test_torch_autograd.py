@@ -327,6 +327,9 @@ def test_gradcheck_through_score_mod_with_learned_captured_tensors(gen):
 
     got = cuflash.attention(q.detach(), k.detach(), v.detach(), score_mod=lambda sc, b, hh, i, j: sc + table[hh, i])
     assert got.requires_grad
+    with pytest.raises(NotImplementedError, match=r"captured tensors 'table' require grad.*NumPy path only.*'sim'"):
+        ct.attention(q.detach().half(), k.detach().half(), v.detach().half(), backend="sim",
+                     score_mod=lambda sc, b, hh, i, j: sc + table[hh, i])
     with pytest.raises(TypeError, match=r"mask_mod's captured tensor 'w' requires grad"):
         w = torch.ones(s, dtype=torch.float64, requires_grad=True)
         ct.attention(q, k, v, mask_mod=lambda b, hh, i, j: w[j] > 0)
