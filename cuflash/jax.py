@@ -559,7 +559,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, return_lse=False,
                      out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-                     alibi_slopes=None, deterministic=False):
+                     alibi_slopes=None, score_mod=None, mask_mod=None, deterministic=False):
     """Differentiable attention over a packed batch of variable-length sequences (JAX arrays).
 
     Every parameter, convention and return value of :func:`cuflash.attention_varlen`
@@ -598,6 +598,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     alibi_slopes : jax.Array, float32 ``(Hq,)`` or ``(B, Hq)``, optional
         Constants, as in :func:`attention` (``jax.lax.stop_gradient``: cuflash computes no
         gradient for them).
+    score_mod, mask_mod : callable, optional
+        Not here yet: given, they raise ``NotImplementedError`` (:func:`cuflash.attention_varlen`
+        takes them on concrete arrays, and :func:`attention` through ``jax.grad``).
     deterministic : bool
         The backward's (see :func:`cuflash.attention_varlen_backward`).
 
@@ -614,6 +617,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         given as a ``jax.Array``, or a gradient through ``block_table``.
     """
     func = _FUNC_VARLEN
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None:
+            raise NotImplementedError(f"{func}: {name} on a packed batch is not in cuflash.jax yet; call "
+                                      f"cuflash.attention_varlen on concrete arrays, or cuflash.jax.attention per "
+                                      f"sequence")
     _check_out(func, out)
     causal = validation.check_flag(causal, "causal", func)
     return_lse = validation.check_flag(return_lse, "return_lse", func)

@@ -153,7 +153,7 @@ def _attention_varlen_out_fake(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, return_lse=False,
                      out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-                     alibi_slopes=None, deterministic=False):
+                     alibi_slopes=None, score_mod=None, mask_mod=None, deterministic=False):
     """Differentiable attention over a packed batch of variable-length sequences.
 
     Every parameter of :func:`cuflash.attention_varlen` with its name, default and meaning, plus
@@ -195,6 +195,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         The score modifiers of :func:`cuflash.attention_varlen`; the backward takes both, but
         computes no gradient for the slopes: ``alibi_slopes`` that requires grad raises
         ``TypeError``.
+    score_mod, mask_mod : callable, optional
+        Not here yet: given, they raise ``NotImplementedError`` before any work
+        (:func:`cuflash.attention_varlen` takes them on arrays that carry no gradient, and
+        :func:`cuflash.torch.attention` through autograd).
     deterministic : bool
         The backward's, on the kernel backends (the NumPy path is always deterministic).
 
@@ -211,8 +215,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``block_table`` or ``alibi_slopes`` together with tensors that require grad (naming the
         option); otherwise as :func:`cuflash.attention_varlen`.
     ValueError, NotImplementedError
-        A meta tensor, an unknown backend; as :func:`cuflash.attention_varlen`.
+        A meta tensor, an unknown backend; as :func:`cuflash.attention_varlen`; ``score_mod`` or
+        ``mask_mod`` given (``NotImplementedError``).
     """
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None:
+            raise NotImplementedError(f"{_FUNC}: {name} on a packed batch does not run through torch autograd yet; "
+                                      f"call cuflash.attention_varlen on tensors that do not require grad (the NumPy "
+                                      f"path), or cuflash.torch.attention per sequence")
     index = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     optional_index = {"seqused_k": seqused_k, "block_table": block_table}
     tensors.check_tensors(_FUNC, {"q": q, "k": k, "v": v, **index},

@@ -330,6 +330,10 @@ def test_gradcheck_through_score_mod_with_learned_captured_tensors(gen):
     with pytest.raises(NotImplementedError, match=r"captured tensors 'table' require grad.*NumPy path only.*'sim'"):
         ct.attention(q.detach().half(), k.detach().half(), v.detach().half(), backend="sim",
                      score_mod=lambda sc, b, hh, i, j: sc + table[hh, i])
+    with pytest.raises(NotImplementedError, match=r"cuflash.torch.attention_varlen: score_mod on a packed batch"):
+        cu = torch.tensor([0, s], dtype=torch.int32)
+        ct.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, s, s,
+                            score_mod=lambda sc, b, hh, i, j: sc)
     with pytest.raises(TypeError, match=r"mask_mod's captured tensor 'w' requires grad"):
         w = torch.ones(s, dtype=torch.float64, requires_grad=True)
         ct.attention(q, k, v, mask_mod=lambda b, hh, i, j: w[j] > 0)
