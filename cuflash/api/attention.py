@@ -276,7 +276,9 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         ``backend``; for the kernel backends also ``arch``, ``tier`` (module name), ``variant``
         (its name), ``entry`` (kernel symbol), ``block_m``/``block_n`` (tile), ``threads``,
         ``smem_bytes`` (dynamic shared memory), ``blocks`` (thread blocks over all launches) and
-        ``choice`` (the dispatcher's one-line account, with why faster tiers were passed over);
+        ``choice`` (the dispatcher's one-line account, with why faster tiers were passed over),
+        ``backward`` (the same account of the backward of this call, without dropout:
+        :func:`cuflash.kernels.dispatch.describe_backward`);
         for the NumPy path ``block_m``/``block_n`` of its tiles (per kv head, the group's
         query heads stacked) and ``threads`` (its pool size).
 
@@ -323,4 +325,5 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         "block_n": getattr(variant, "block_n", None), "threads": math.prod(variant.block),
         "smem_bytes": getattr(variant, "smem_bytes", None), "blocks": blocks,
         "choice": dispatch.describe_choice(problem, arch, arrays),
+        "backward": dispatch.describe_backward(problem, arch),
     }

@@ -168,7 +168,8 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         ``variant`` (its name ends in ``_varlen`` for the packed forms, ``_kvcache`` for chunked
         prefill over a paged cache), ``entry``, ``block_m``/``block_n``, ``threads``,
         ``smem_bytes``, ``blocks`` (``ceil(max_seqlen_q / block_m)`` query tiles per head and
-        sequence; blocks past a sequence's end exit at once) and ``choice``. With a
+        sequence; blocks past a sequence's end exit at once), ``choice`` and ``backward`` (the
+        backward's tier and variant, and why; not with a ``block_table``). With a
         ``block_table`` also ``splits`` (1: chunked prefill runs unsplit). On the NumPy path
         ``block_m``/``block_n`` are None (each sequence picks its own tiles).
 

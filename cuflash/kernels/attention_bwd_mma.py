@@ -52,6 +52,22 @@ TILE_CANDIDATES_MODS = {64: ((64, 64, 2), (64, 64, 1)), 128: ((64, 64, 2), (64, 
 #: per-thread ldmatrix offsets, spill 32 bytes under NVRTC 13.5 at bucket 128 (sm_90), so 64 x 64
 #: there (as before sm_90)
 TILE_CANDIDATES_DROPOUT = {128: ((64, 64, 2), (64, 64, 1))}
+#: the forms whose every fitting tile ptxas spills (with the kernel as of this table, NVRTC 12.9 and
+#: 13.x; the compile gate's KNOWN_SPILLS rows, which it still compiles), by (gate arch, bucket,
+#: varlen, dropout, mods): the bytes spilled. The other tile of the bucket spills as much or more
+#: (64 x 64 with one stage on sm_90: 8-56 bytes), and Br = Bc = 64 is the warp layouts' least. The
+#: dispatcher sends these calls to the portable backward, which takes every built-in modifier and
+#: dropout (:func:`unsupported_reason` says so); a traced score_mod/mask_mod, which only this kernel
+#: compiles, still runs here. Sm_8x rows stand for 8.x devices, sm_90 for 9.0 and newer.
+SPILLING_FORMS = {
+    (80, 256, False, True, False): "4 bytes under NVRTC 12.x",
+    (80, 256, False, False, True): "36 bytes under NVRTC 12.x",
+    (90, 192, False, True, False): "8 bytes under NVRTC 13.x",
+    (90, 192, False, False, True): "8 bytes under NVRTC 12.x",
+    (90, 192, True, False, True): "12 bytes under NVRTC 13.x",
+    (90, 256, False, False, True): "60 bytes under NVRTC 12.x",
+    (90, 256, True, False, True): "12 bytes under NVRTC 12.x",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +191,31 @@ def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
     if arch < MIN_ARCH:
         return ()
     found = (_fitting(key, b, arch, dropout, mods) for key in MMA_DTYPES for b in HEAD_DIM_BUCKETS)
-    return tuple(dataclasses.replace(v, varlen=True) if varlen else v for v in found if v is not None)
+    found = (dataclasses.replace(v, varlen=True) if varlen else v for v in found if v is not None)
+    return tuple(v for v in found if spill_note(arch, v) is None)
+
+
+def spill_note(arch: int, variant: AttentionBwdMma) -> str | None:
+    """What ptxas spills in ``variant`` on ``sm_<arch>`` (:data:`SPILLING_FORMS`), None if nothing."""
+    key = (90 if arch >= 90 else 80, variant.head_dim_max, variant.varlen, variant.dropout, variant.mods)
+    return SPILLING_FORMS.get(key)
+
+
+def passed_over(arch: int) -> tuple[AttentionBwdMma, ...]:
+    """The variants :func:`all_variants` leaves out on ``sm_<arch>`` because they spill
+    (:data:`SPILLING_FORMS`): the compile gate still compiles them, so a row that stops spilling
+    is seen."""
+    if arch < MIN_ARCH:
+        return ()
+    out = []
+    for varlen in (False, True):
+        for dropout, mods in ((True, False), (False, True)):
+            for key in MMA_DTYPES:
+                for b in HEAD_DIM_BUCKETS:
+                    v = _fitting(key, b, arch, dropout, mods)
+                    if v is not None and spill_note(arch, v := dataclasses.replace(v, varlen=varlen)) is not None:
+                        out.append(v)
+    return tuple(out)
 
 
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
@@ -204,6 +244,15 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
             smallest = AttentionBwdMma("f16", bucket, *_candidates(bucket, arch)[-1]).smem_bytes
             why = (f"head dim {max(p.head_dim, p.head_dim_v)}: the smallest backward tile needs {smallest} B of shared "
                    f"memory, sm_{arch} has {plan.max_dynamic_smem(arch)} B")
+    m = p.modifiers
+    traced = m is not None and (m.score_mod is not None or m.mask_mod is not None)
+    if why is None and (p.dropout is not None or m is not None) and not traced:
+        spills = spill_note(arch, dataclasses.replace(main_variant(p, arch), varlen=p.varlen is not None))
+        if spills is not None:
+            what = "dropout" if p.dropout is not None else "score modifiers"
+            why = (f"with {what} at head dim {max(p.head_dim, p.head_dim_v)}{' in a packed batch' * (p.varlen is not None)}"
+                   f", its only tile that fits sm_{arch} spills registers to local memory ({spills}); the portable "
+                   "backward runs it without spills")
     return why
 
 

@@ -28,6 +28,13 @@ TILE_CANDIDATES = {
     128: ((32, 32), (16, 32)),
     256: ((8, 32), (8, 16)),
 }
+#: the plain packed forms (no dropout, no modifier) ptxas spills under NVRTC 13.x, where the kernel
+#: sets no register floor (its ``FWD_MIN_BLOCKS``): bucket 64's 32 x 64 on sm_75 (float16) runs
+#: 32 x 32 there (0 spills with both compilers, every arch and form); bucket 256's 8 x 32 (8-16
+#: bytes on sm_75 and sm_90; 8 x 16 spills as much) runs as the ``mods`` form with every modifier
+#: off, whose register floor leaves it 0 spills (:func:`packed_form`)
+PACKED_TILES_SM75 = {64: (32, 32)}
+PACKED_AS_MODS_BUCKETS = (256,)
 #: the arches the kernel targets (sm_70, Volta, with NVRTC 12.x only: CUDA 13 starts at sm_75)
 ARCHES = (70, 75, 80, 90)
 #: the oldest compute capability the portable kernels run on
@@ -89,8 +96,50 @@ def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
     for key in variants.DTYPES:
         for bucket in HEAD_DIM_BUCKETS:
             v = choose_variant(variants.DTYPES[key][1], bucket, bucket, arch)
-            out.append(dataclasses.replace(v, varlen=varlen, dropout=dropout, mods=mods))
+            out.append(packed_form(dataclasses.replace(v, varlen=varlen, dropout=dropout, mods=mods), arch))
     return tuple(dict.fromkeys(out))
+
+
+def packed_form(variant: AttentionFwdSimt, arch: int) -> AttentionFwdSimt:
+    """The form that runs ``variant`` on ``sm_<arch>``: itself, except a plain packed variant that
+    spills (:data:`PACKED_TILES_SM75`, :data:`PACKED_AS_MODS_BUCKETS`)."""
+    v = variant
+    if not v.varlen or v.dropout or v.mods:
+        return v
+    if 75 <= arch < 80 and v.head_dim_max in PACKED_TILES_SM75:
+        return dataclasses.replace(v, block_m=PACKED_TILES_SM75[v.head_dim_max][0],
+                                   block_n=PACKED_TILES_SM75[v.head_dim_max][1])
+    if v.head_dim_max in PACKED_AS_MODS_BUCKETS:
+        return dataclasses.replace(v, mods=True)
+    return v
+
+
+def form_note(problem, arch: int) -> str | None:
+    """Why :func:`variant_for` runs another form than the plain packed one for ``problem`` (the
+    dispatcher's one-line account carries it), None where it does not."""
+    v = dataclasses.replace(choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch),
+                            varlen=problem.varlen is not None, dropout=problem.dropout is not None,
+                            mods=problem.modifiers is not None)
+    w = packed_form(v, arch)
+    if w == v:
+        return None
+    if w.mods != v.mods:
+        return (f"the plain packed form of head dim {v.head_dim_max} spills registers to local memory under NVRTC "
+                "13.x (sm_75, sm_90); the score-modifier form, with every modifier off, runs it without spills")
+    return (f"the plain packed {v.block_m} x {v.block_n} tile spills registers to local memory on sm_{arch} under "
+            f"NVRTC 13.x (float16); {w.block_m} x {w.block_n} runs it without spills")
+
+
+def passed_over(arch: int) -> tuple[AttentionFwdSimt, ...]:
+    """The plain packed variants :func:`packed_form` replaces on ``sm_<arch>`` (the compile gate
+    still compiles them, so one that stops spilling is seen)."""
+    out = []
+    for key in variants.DTYPES:
+        for bucket in HEAD_DIM_BUCKETS:
+            v = dataclasses.replace(choose_variant(variants.DTYPES[key][1], bucket, bucket, arch), varlen=True)
+            if packed_form(v, arch) != v:
+                out.append(v)
+    return tuple(out)
 
 
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
@@ -107,8 +156,8 @@ def variant_for(problem, arch: int) -> AttentionFwdSimt:
     """The variant that runs ``problem`` on ``sm_<arch>``, in the packed, dropout and modifier forms
     the call needs."""
     variant = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch)
-    return dataclasses.replace(variant, varlen=problem.varlen is not None, dropout=problem.dropout is not None,
-                               mods=problem.modifiers is not None)
+    return packed_form(dataclasses.replace(variant, varlen=problem.varlen is not None,
+                                           dropout=problem.dropout is not None, mods=problem.modifiers is not None), arch)
 
 
 def forward(problem, q, k, v, out, call):

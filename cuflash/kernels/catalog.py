@@ -53,7 +53,7 @@ def variants_for_arch(arch: int) -> tuple:
     if arch >= attention_fwd_mma.MIN_ARCH:   # the dropout forms (fixed and packed), forward and backward
         for varlen in (False, True):
             out.extend(dataclasses.replace(v, varlen=varlen) for v in attention_fwd_mma.all_variants(arch, dropout=True))
-            out.extend(dataclasses.replace(v, varlen=varlen) for v in attention_bwd_mma.all_variants(arch, dropout=True))
+            out.extend(attention_bwd_mma.all_variants(arch, varlen=varlen, dropout=True))
     out.extend(attention_fwd_sm90.all_variants(arch))   # (sm_90a: compute capability 9.0 only)
     out.extend(attention_fwd_sm90.all_variants(arch, mods=True))
     out.extend(attention_fwd_sm90.all_variants(arch, varlen=True))
@@ -75,3 +75,11 @@ def compilers(arch: int, variant) -> tuple[int, ...]:
 def compile_targets() -> list[tuple[int, object]]:
     """``(arch, variant)`` pairs of the compile gate: every variant on every arch it targets."""
     return [(arch, v) for arch in SIMT_ARCHS for v in variants_for_arch(arch)]
+
+
+def passed_over_targets() -> list[tuple[int, object]]:
+    """``(arch, variant)`` pairs the dispatcher passes over because ptxas spills them (each
+    module's ``passed_over``): the compile gate compiles them too, against its KNOWN_SPILLS, so a
+    form that stops spilling is seen and can be picked again."""
+    return [(arch, v) for arch in SIMT_ARCHS for mod in (attention_fwd_simt, attention_bwd_mma)
+            for v in mod.passed_over(arch)]

@@ -35,6 +35,7 @@ sm_90 by default), so it runs the variant an sm_90 device would get.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -181,10 +182,28 @@ def describe_choice(problem, arch: int, arrays=None) -> str:
     name = dict((m, n) for n, m in TIERS)[mod]
     what = v.describe() if hasattr(v, "describe") else (
         f"{v.entry} (Br={v.block_m}, Bc={v.block_n}, {v.block[0]} threads, {v.smem_bytes} B shared memory)")
-    line = f"sm_{arch}: {name} tier, {what}"
+    note = getattr(mod, "form_note", lambda *a: None)(problem, arch)
+    line = f"sm_{arch}: {name} tier, {what}" + (f" ({note})" if note else "")
     if reasons:
         line += "; " + "; ".join(reasons)
     return line
+
+
+def describe_backward(problem, arch: int, arrays=None) -> str:
+    """One line naming the tier and main-stage variant that would run the backward of ``problem``
+    on ``sm_<arch>`` (:func:`backward_tier`), and why any faster tier was passed over, e.g.
+    ``sm_90: backward on the portable SIMT tier, cuflash_attn_bwd_simt_main_bf16_d256_m8_n16_mods;
+    tensor-core mma.sync tier not used: with score modifiers at head dim 256, its only tile ...``;
+    or ``no backward kernel: ...`` where none takes it."""
+    try:
+        mod, reasons = _choose(problem, arch, arrays, BACKWARD_TIERS)
+    except NotImplementedError as e:
+        return f"no backward kernel: {e}"
+    v = mod.main_variant(problem, arch)
+    if problem.varlen is not None:   # (the packed form, as backward_run launches it)
+        v = dataclasses.replace(v, varlen=True)
+    line = f"sm_{arch}: backward on the {dict((m, n) for n, m in BACKWARD_TIERS)[mod]} tier, {v.entry}"
+    return line + ("; " + "; ".join(reasons) if reasons else "")
 
 
 def _tiles(variant) -> dict:
@@ -225,8 +244,9 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
     dict
         ``tier`` (module name), ``variant``, ``entry``, ``block_m``, ``block_n``, ``threads``,
         ``smem_bytes``, ``blocks`` (thread blocks of the attention kernel), ``choice`` (one line:
-        the form, its tiles, and why each faster tier was passed over), and for the KV-cache form
-        ``splits`` (key splits; above 1 a combine launch merges them).
+        the form, its tiles, and why each faster tier was passed over), ``backward`` (the same for
+        the call's backward, :func:`describe_backward`; not for the KV-cache form, which has none),
+        and for the KV-cache form ``splits`` (key splits; above 1 a combine launch merges them).
 
     Raises
     ------
@@ -244,7 +264,7 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
         if p.varlen is not None and mod is not attention_fwd_sm90:   # one launch on a 1-D grid
             _check_grid(p, blocks)
         return {"tier": mod.__name__.rsplit(".", 1)[-1], **_tiles(v), "blocks": blocks,
-                "choice": describe_choice(p, arch, arrays)}
+                "choice": describe_choice(p, arch, arrays), "backward": describe_backward(p, arch)}
     reasons = []
     for name, mod in TIERS:   # the tiers faster than the one KV-cache kernel's, and why each passes
         if mod is attention_fwd_mma:

@@ -177,7 +177,8 @@ def mods_args(problem, views: dict, call, enabled: bool, user: bool = False, bat
     """The score-modifier variants' trailing arguments (``kernels_cu/score_mods.cuh``:
     ``CUFLASH_MODS_PARAMS``) from :func:`modifier_views` sliced to the launch (batch axis first,
     then head, row, key), or none for the other variants; with ``user`` (a variant with a traced
-    score_mod / mask_mod) followed by :func:`user_args`."""
+    score_mod / mask_mod) followed by :func:`user_args`. A call without modifiers that a modifier
+    form runs (the portable packed forward at head dim 256) passes every modifier off."""
     if not enabled:
         return ()
     tail = user_args(problem, call, batch0) if user else ()
@@ -193,7 +194,7 @@ def mods_args(problem, views: dict, call, enabled: bool, user: bool = False, bat
         return plan.PointerArg.of(name, a if a is not None else call.empty_index)
 
     bias = views.get("attn_bias")
-    return (i32("mod_flags", flags), plan.ScalarArg("softcap", np.float32(m.softcap)),
+    return (i32("mod_flags", flags), plan.ScalarArg("softcap", np.float32(m.softcap if m is not None else 0.0)),
             ptr("alibi_slopes"), *(i64(f"alibi_{w}_stride", x) for w, x in zip(("batch", "head"), st("alibi_slopes", 2))),
             ptr("attn_bias"), i32("bias_f32", bias is not None and bias.dtype == np.float32),
             *(i64(f"bias_{w}_stride", x) for w, x in zip(("batch", "head", "row", "col"), st("attn_bias", 4))),

@@ -1,0 +1,117 @@
+"""What the dispatcher's accounts name against what the call launches: ``explain``'s account of the
+backward (its ``backward`` line), the forms the dispatcher passes over because ptxas spills them
+(the compile gate's KNOWN_SPILLS). Each answer is
+checked against the launches the real call makes on the simulator with its launcher replaced by
+a recorder (nothing executes, no kernel compiles)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import sim
+from cuflash.kernels import attention_bwd_mma, attention_fwd_simt
+from cuflash.runtime.dtypes import bfloat16
+from cuflash.sim.device import SimDevice
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The entries the real calls in the test launch on the simulator (none executed)."""
+    recorded = []
+    monkeypatch.setattr(SimDevice, "launch", lambda self, launch_plan: recorded.append(launch_plan.entry))
+    return recorded
+
+
+def _backward_main(launches) -> str:
+    (main,) = [e for e in launches if "_main_" in e]
+    return main
+
+
+@pytest.mark.parametrize("arch, d, dtype, mods, spills", [
+    (80, 256, np.float16, dict(softcap=20.0), "36 bytes under NVRTC 12.x"),
+    (90, 192, bfloat16, dict(alibi_slopes=np.full(2, 0.1, np.float32)), "8 bytes under NVRTC 12.x"),
+    (90, 256, np.float16, dict(sinks=np.zeros(2, np.float32)), "60 bytes under NVRTC 12.x"),
+], ids=["sm80-d256-softcap", "sm90-d192-alibi", "sm90-d256-sinks"])
+def test_a_backward_whose_only_tile_spills_runs_the_portable_tier_and_explain_says_why(arch, d, dtype, mods, spills,
+                                                                                        launches):
+    q = np.zeros((1, 2, 33, d), dtype)
+    info = cuflash.explain(q, q, q, arch=arch, **mods)
+    line = info["backward"]
+    assert line.startswith(f"sm_{arch}: backward on the portable SIMT tier, cuflash_attn_bwd_simt_main_"), line
+    assert line.endswith(f"tensor-core mma.sync tier not used: with score modifiers at head dim {d}, its only tile "
+                         f"that fits sm_{arch} spills registers to local memory ({spills}); the portable backward "
+                         "runs it without spills"), line
+    lse = np.zeros((1, 2, 33), np.float32)
+    with sim.options(arch=arch):
+        cuflash.attention_backward(q, q, q, q, q, lse, backend="sim", **mods)
+    assert line.split(", ")[1].split(";")[0] == _backward_main(launches)
+
+
+def test_a_traced_score_mod_keeps_the_tensor_core_backward():
+    """Only the tensor-core backward compiles a traced score_mod, so it keeps that form."""
+    q = np.zeros((1, 2, 33, 256), np.float16)
+    line = cuflash.explain(q, q, q, arch=90, score_mod=lambda s, b, h, i, j: s * 0.5)["backward"]
+    assert line.startswith("sm_90: backward on the tensor-core mma.sync tier, cuflash_attn_bwd_mma_main_f16_d256_m64_n64_s2_mods"), line
+
+
+def test_the_tile_that_does_not_spill_stays_on_the_tensor_cores(launches):
+    q = np.zeros((1, 2, 33, 128), np.float16)
+    line = cuflash.explain(q, q, q, arch=90, softcap=20.0)["backward"]
+    assert line == "sm_90: backward on the tensor-core mma.sync tier, cuflash_attn_bwd_mma_main_f16_d128_m64_n64_s2_mods"
+    with sim.options(arch=90):
+        cuflash.attention_backward(q, q, q, q, q, np.zeros((1, 2, 33), np.float32), backend="sim", softcap=20.0)
+    assert _backward_main(launches) == line.rsplit(", ", 1)[1]
+
+
+@pytest.mark.parametrize("arch, d", [(80, 256), (90, 192)])
+def test_a_dropout_backward_whose_only_tile_spills_runs_the_portable_tier(arch, d, launches):
+    q = np.zeros((1, 2, 33, d), np.float16)
+    with sim.options(arch=arch):
+        cuflash.attention_backward(q, q, q, q, q, np.zeros((1, 2, 33), np.float32), backend="sim", dropout_p=0.1,
+                                   dropout_seed=1)
+    assert _backward_main(launches) == "cuflash_attn_bwd_simt_main_f16_d256_m8_n16_dropout"   # (bucket 256 holds 192)
+
+
+def test_a_packed_backward_whose_only_tile_spills_runs_the_portable_tier(launches):
+    cu = np.array([0, 5, 40], np.int32)
+    q = np.zeros((40, 2, 192), np.float16)
+    info = cuflash.explain_varlen(q, q, q, cu, cu, 35, 35, arch=90, softcap=5.0)
+    assert "tensor-core mma.sync tier not used: with score modifiers at head dim 192 in a packed batch, its only tile " \
+           "that fits sm_90 spills registers to local memory (12 bytes under NVRTC 13.x)" in info["backward"]
+    with sim.options(arch=90):
+        cuflash.attention_varlen_backward(q, q, q, q, q, np.zeros((2, 40), np.float32), cu, cu, 35, 35, backend="sim",
+                                          softcap=5.0)
+    assert _backward_main(launches) == "cuflash_attn_bwd_simt_main_f16_d256_m8_n16_varlen_mods"
+    assert info["backward"].split(", ")[1].split(";")[0] == _backward_main(launches)
+
+
+@pytest.mark.parametrize("arch, d, dtype, entry, note", [
+    (90, 256, np.float32, "cuflash_attn_fwd_simt_f32_d256_m8_n32_varlen_mods",
+     "the plain packed form of head dim 256 spills registers to local memory under NVRTC 13.x (sm_75, sm_90); the "
+     "score-modifier form, with every modifier off, runs it without spills"),
+    (75, 64, np.float16, "cuflash_attn_fwd_simt_f16_d64_m32_n32_varlen",
+     "the plain packed 32 x 64 tile spills registers to local memory on sm_75 under NVRTC 13.x (float16); 32 x 32 "
+     "runs it without spills"),
+], ids=["sm90-f32-d256", "sm75-f16-d64"])
+def test_a_plain_packed_portable_forward_that_spills_runs_another_form(arch, d, dtype, entry, note, launches):
+    cu = np.array([0, 5, 40], np.int32)
+    q = np.zeros((40, 2, d), dtype)
+    info = cuflash.explain_varlen(q, q, q, cu, cu, 35, 35, arch=arch)
+    assert info["entry"] == entry and f"({note})" in info["choice"], info["choice"]
+    with sim.options(arch=arch):
+        cuflash.attention_varlen(q, q, q, cu, cu, 35, 35, backend="sim")
+    assert launches == [entry]
+
+
+def test_the_tables_name_what_they_replace():
+    """Every form passed over is one the dispatcher would otherwise pick, and none is picked."""
+    for arch in (75, 80, 90):
+        for v in attention_fwd_simt.passed_over(arch):
+            assert attention_fwd_simt.packed_form(v, arch) != v and v not in attention_fwd_simt.all_variants(arch, varlen=True)
+    for arch in (80, 90):
+        picked = set().union(*(attention_bwd_mma.all_variants(arch, varlen=vl, dropout=dr, mods=m)
+                               for vl in (False, True) for dr, m in ((True, False), (False, True))))
+        assert attention_bwd_mma.passed_over(arch) and not picked & set(attention_bwd_mma.passed_over(arch))
+
