@@ -169,14 +169,19 @@ def variant_for(mod, problem, arch: int):
     return mod.variant_for(problem, arch)
 
 
-def describe_choice(problem, arch: int, arrays=None) -> str:
+def describe_choice(problem, arch: int, arrays=None, sm_count=None) -> str:
     """One line naming the tier, the variant and its tiles that run ``problem`` on ``sm_<arch>``,
     and why any faster tier was passed over, e.g.::
 
         sm_90: tensor-core mma.sync tier, cuflash_attn_fwd_mma_bf16_d128_m128_n64: 4 warps of 32 query rows, ...
         sm_90: portable SIMT tier, cuflash_attn_fwd_simt_f16_d128_m32_n32 (Br=32, Bc=32, ...);
             tensor-core mma.sync tier not used: D=59 is not a multiple of 8 (...)
+
+    A KV-cache call gets :func:`explain_forward`'s line: the KV-cache variant the launch uses
+    (:func:`cuflash.kernels.kvcache_run.choose`) and its key splits (``sm_count`` as there).
     """
+    if problem.kvcache is not None:
+        return explain_forward(problem, arch, arrays, sm_count)["choice"]
     mod, reasons = _choose(problem, arch, arrays)
     v = variant_for(mod, problem, arch)
     name = dict((m, n) for n, m in TIERS)[mod]

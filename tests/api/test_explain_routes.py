@@ -1,6 +1,6 @@
 """What the dispatcher's accounts name against what the call launches: ``explain``'s account of the
 backward (its ``backward`` line), the forms the dispatcher passes over because ptxas spills them
-(the compile gate's KNOWN_SPILLS). Each answer is
+(the compile gate's KNOWN_SPILLS), and ``describe_choice`` for a KV-cache call. Each answer is
 checked against the launches the real call makes on the simulator with its launcher replaced by
 a recorder (nothing executes, no kernel compiles)."""
 
@@ -11,7 +11,7 @@ import pytest
 
 import cuflash
 from cuflash import sim
-from cuflash.kernels import attention_bwd_mma, attention_fwd_simt
+from cuflash.kernels import attention_bwd_mma, attention_fwd_simt, dispatch, kvcache_run
 from cuflash.runtime.dtypes import bfloat16
 from cuflash.sim.device import SimDevice
 
@@ -115,3 +115,20 @@ def test_the_tables_name_what_they_replace():
                                for vl in (False, True) for dr, m in ((True, False), (False, True))))
         assert attention_bwd_mma.passed_over(arch) and not picked & set(attention_bwd_mma.passed_over(arch))
 
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_describe_choice_names_the_kvcache_variant_the_launch_uses(paged, monkeypatch, launches):
+    seen = []
+    real = kvcache_run.run_kvcache
+    monkeypatch.setattr(kvcache_run, "run_kvcache", lambda problem, *a: (seen.append(problem), real(problem, *a))[1])
+    q = np.zeros((2, 1, 16, 128), np.float16)
+    kw = dict(block_table=np.arange(64, dtype=np.int32).reshape(2, 32)) if paged else {}
+    cache = np.zeros((64, 16, 2, 128) if paged else (2, 512, 2, 128), np.float16)
+    with sim.options(arch=90):
+        cuflash.attention_with_kvcache(q, cache, cache.copy(), np.array([500, 300], np.int32), backend="sim", **kw)
+    (problem,) = seen
+    line = dispatch.describe_choice(problem, 90, sm_count=sim.sm_count(90))
+    (attention,) = [e for e in launches if "combine" not in e]
+    assert "_kvcache" in attention and f": {attention}: " in line, (attention, line)
+    splits = int(line.split(" key splits")[0].rsplit(" ", 1)[1]) if " key splits" in line else 1
+    assert sum("combine" in e for e in launches) == (splits > 1)
