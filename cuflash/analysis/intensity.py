@@ -72,6 +72,8 @@ __all__ = [
     "H100",
     "H200",
     "Roofline",
+    "T4",
+    "V100",
     "attention_flops",
     "element_bytes",
     "flash_attn_flops",
@@ -149,12 +151,16 @@ class Device:
         Raises
         ------
         ValueError
-            For an element size with no peak here (e.g. 1 byte).
+            For an element size with no peak here (e.g. 1 byte), or ``tf32`` on a device without
+            TF32 tensor cores (T4, V100).
         """
         nbytes = element_bytes(dtype)
         if nbytes == 2:
             return self.fp16_tensor_tflops
         if nbytes == 4:
+            if tf32 and not self.tf32_tensor_tflops:
+                raise ValueError(f"{_WHO}: the {self.name} has no TF32 tensor cores (they start with sm_80); "
+                                 "drop tf32")
             return self.tf32_tensor_tflops if tf32 else self.fp32_tflops
         if nbytes == 8:
             return self.fp64_tflops
@@ -197,8 +203,28 @@ H200 = Device(
     source="NVIDIA H200 Tensor Core GPU datasheet (SXM, dense = half the sparsity figures)",
 )
 
+#: NVIDIA T4 Tensor Core GPU datasheet: 65 TFLOP/s mixed-precision FP16 tensor, 8.1 TFLOP/s
+#: FP32, 320 GB/s GDDR6, 16 GB (no TF32 or BF16 tensor cores: Turing, sm_75); FP64 at 1/32 of
+#: FP32 and the 4 MB L2 from the NVIDIA Turing architecture whitepaper (TU104).
+T4 = Device(
+    name="T4", fp16_tensor_tflops=65.0, tf32_tensor_tflops=0.0, fp32_tflops=8.1,
+    fp64_tflops=8.1 / 32, hbm_gb_per_s=320.0, memory_gb=16.0, l2_mb=4.0,
+    source="NVIDIA T4 Tensor Core GPU datasheet (FP16 tensor 65 TFLOP/s, FP32 8.1, 320 GB/s GDDR6); FP64 "
+           "rate and L2 from the NVIDIA Turing architecture whitepaper",
+)
+
+#: NVIDIA V100 Tensor Core GPU datasheet (V100 SXM2 column): 125 TFLOP/s FP16 tensor, 15.7
+#: TFLOP/s FP32, 7.8 TFLOP/s FP64, 900 GB/s HBM2, 32 GB (Volta, sm_70: no TF32 or BF16 tensor
+#: cores); L2 6 MB from the NVIDIA Tesla V100 (Volta) architecture whitepaper.
+V100 = Device(
+    name="V100 SXM2", fp16_tensor_tflops=125.0, tf32_tensor_tflops=0.0, fp32_tflops=15.7,
+    fp64_tflops=7.8, hbm_gb_per_s=900.0, memory_gb=32.0, l2_mb=6.0,
+    source="NVIDIA V100 Tensor Core GPU datasheet (SXM2); L2 from the NVIDIA Tesla V100 (Volta) "
+           "architecture whitepaper",
+)
+
 #: Presets by CLI name.
-DEVICES = {"a100": A100, "h100": H100, "h200": H200}
+DEVICES = {"a100": A100, "h100": H100, "h200": H200, "t4": T4, "v100": V100}
 
 
 # --------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -140,8 +141,45 @@ def _ampere(device: intensity.Device) -> SmRates:
         source=f"{device.source}; 108 SMs, 1024 dense 16-bit MACs per cycle per SM (the peak at 1.41 GHz); " + _GUIDE)
 
 
+def _turing(device: intensity.Device) -> SmRates:
+    sms = 40
+    mma = 512.0  # 65 TFLOP/s / (40 SMs x 2 x 1.59 GHz): 8 tensor cores of 64 FP16 FMA per cycle
+    return SmRates(
+        device=device, arch=75, sms=sms, clock_ghz=device.fp16_tensor_tflops * 1e12 / (sms * 2 * mma) / 1e9,
+        mma_sync_macs=mma, wgmma_macs=0.0, smem_bytes=128.0, mufu_lanes=16.0, fp32_lanes=64.0, issue=4.0,
+        registers=65536, smem_per_sm=64 * 1024, smem_reserved=0, max_threads=1024, max_ctas=16,
+        source=(f"{device.source}; 40 SMs, 512 dense FP16 MACs per cycle per SM (8 tensor cores; the peak at "
+                "1.59 GHz), 64 FP32 lanes (8.1 TFLOP/s), 64 KB shared memory, 1024 threads and 16 CTAs per SM "
+                "(compute capability 7.5); " + _GUIDE))
+
+
+def _volta(device: intensity.Device) -> SmRates:
+    sms = 80
+    mma = 512.0  # 125 TFLOP/s / (80 SMs x 2 x 1.53 GHz): 8 tensor cores of 64 FP16 FMA per cycle
+    return SmRates(
+        device=device, arch=70, sms=sms, clock_ghz=device.fp16_tensor_tflops * 1e12 / (sms * 2 * mma) / 1e9,
+        mma_sync_macs=mma, wgmma_macs=0.0, smem_bytes=128.0, mufu_lanes=16.0, fp32_lanes=64.0, issue=4.0,
+        registers=65536, smem_per_sm=96 * 1024, smem_reserved=0, max_threads=2048, max_ctas=32,
+        source=(f"{device.source}; 80 SMs, 512 dense FP16 MACs per cycle per SM (8 tensor cores; the peak at "
+                "1.53 GHz), 64 FP32 lanes (15.7 TFLOP/s), 96 KB shared memory, 2048 threads and 32 CTAs per SM "
+                "(compute capability 7.0); " + _GUIDE))
+
+
 #: per-SM rates by device preset (``--device``)
-RATES = {"h200": _hopper(intensity.H200), "h100": _hopper(intensity.H100), "a100": _ampere(intensity.A100)}
+RATES = {"h200": _hopper(intensity.H200), "h100": _hopper(intensity.H100), "a100": _ampere(intensity.A100),
+         "t4": _turing(intensity.T4), "v100": _volta(intensity.V100)}
+
+
+def preset_for(name: str, arch: int) -> str | None:
+    """The :data:`RATES` key of a device given its name (``"Tesla T4"``, ``"NVIDIA H200"``, as
+    CUDA reports it) and compute capability (75, 90): the preset whose model name is a word of
+    ``name`` and whose arch is ``arch``; None for any other device (an RTX 2080 is sm_75 too,
+    with other rates)."""
+    words = set(re.findall(r"[a-z0-9]+", str(name).lower()))
+    for key, rates in RATES.items():
+        if key in words and rates.arch == arch:
+            return key
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,6 +358,9 @@ class Roofline:
     pipes: dict
     bound: str
     ceiling_tflops: float
+    #: the arch whose SASS was counted, where it is not ``arch`` (sm_70: CUDA 13's nvdisasm reads
+    #: no sm_70 code, so a V100 kernel is counted in its sm_75 build)
+    sass_arch: int | None = None
 
     @property
     def other_per_tensor(self) -> float:
@@ -541,9 +582,14 @@ def compile_sass(variant, arch: int) -> tuple[str, dict]:
     """
     from cuflash.runtime import cuda_runner, source
 
+    from cuflash.runtime import nvrtc
+
     target = getattr(variant, "target_arch", None) or arch   # (the Hopper tier: sm_90a)
+    lib = None   # the run-time default, except where it cannot target the arch (sm_70: NVRTC 12.x only)
+    if not os.environ.get("CUFLASH_NVRTC") and arch < nvrtc.OLDEST_ARCH[cuda_runner.default_nvrtc().major]:
+        lib = min(m for m in nvrtc.MAJORS if nvrtc.OLDEST_ARCH[m] <= arch)
     cubin, log = cuda_runner.nvrtc_compile(source.build_source(variant), target, name=variant.source,
-                                           extra_options=("-Xptxas=-v",))
+                                           extra_options=("-Xptxas=-v",), nvrtc=lib)
     return disassemble(cubin), cuda_runner.ptxas_resources(log, variant.entry)
 
 
@@ -578,8 +624,15 @@ def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str 
     if device not in RATES:
         raise ValueError(f"cuflash.roofline: device={device!r} must be one of {sorted(RATES)}")
     rates = RATES[device]
-    text, res = compile_sass(variant, rates.arch)
-    _keep_sass(text, variant, rates.arch, sass_dir)
+    sass_arch = rates.arch
+    try:
+        text, res = compile_sass(variant, rates.arch)
+    except RuntimeError as e:   # CUDA 13's nvdisasm refuses sm_70: count the same kernel's sm_75 build
+        if rates.arch >= 75 or "deprecated" not in str(e):
+            raise
+        sass_arch = 75
+        text, res = compile_sass(variant, sass_arch)
+    _keep_sass(text, variant, sass_arch, sass_dir)
     insns = parse_sass(text, variant.entry)
     passes, (blocks, loops) = loop_passes(insns)
     # the masked tiles as loops of their own: the unmasked pass from the shortest, masked the longest
@@ -593,7 +646,8 @@ def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str 
                     res["spill_stores"] + res["spill_loads"], variant.smem_bytes + res["static_smem"],
                     2 if variant.dtype in ("f16", "bf16") else 4, inner_loops=inner, wgmma=wgmma,
                     math_threads=getattr(variant, "math_threads", None))
-    return model(unmasked, masked, kernel, rates=rates, seqlen=seqlen)
+    result = model(unmasked, masked, kernel, rates=rates, seqlen=seqlen)
+    return result if sass_arch == rates.arch else dataclasses.replace(result, sass_arch=sass_arch)
 
 
 # --------------------------------------------------------------------------------------------
@@ -862,6 +916,9 @@ def _refuse_meaningless(parser: argparse.ArgumentParser, args, rates: SmRates) -
             missing = [f"--{f.replace('_', '-')}" for f in ("block_m", "block_n", "walk") if getattr(args, f) is None]
             if missing:
                 parser.error(f"--call-mix with --sass-of needs the kernel's walk: {', '.join(missing)}")
+    if args.decode and rates.arch < 80:
+        parser.error(f"--decode models the KV-cache kernel, which runs on sm_80 and newer; --device {args.device} "
+                     f"is sm_{rates.arch}")
     if args.decode:
         for flag, given in (("--backward", args.backward), ("--forward-and-backward", args.forward_and_backward),
                             ("--varlen", args.varlen), ("--seqlen", args.seqlen is not None)):
@@ -955,6 +1012,10 @@ def _main_loops(args, rates: SmRates, out) -> int:
          + ". Sources of the rates:", out)
     print(f"  python -c 'import cuflash.analysis.roofline as r; print(r.RATES[\"{args.device}\"].source)'", file=out)
     print(format_table(rows, wide=args.wide), file=out)
+    if any(r.sass_arch for r in rows):
+        _say(f"note: the counts are read from the sm_{rows[0].sass_arch} build of the same source (the "
+             f"disassembler here, CUDA 13's, reads no sm_{rates.arch} code; CUDA 12's cuobjdump and nvdisasm "
+             f"would), registers too; the rates and occupancy limits are the {rates.device.name}'s", out)
     for r, rec in zip(rows, records):
         useful = rec.get("useful_fraction", 1)
         if useful < 1:

@@ -12,7 +12,10 @@ Method (docs/benchmarks.md): CUDA events around each call, after warm-up; the L2
 (a buffer twice its size is overwritten) before every timed call; the median is reported.
 FLOPs: ``2*B*H*(D + Dv)*P`` over the visible pairs P (:func:`cuflash.intensity.attention_flops`),
 and flash-attn's ``4*B*H*S^2*D`` (halved for causal) for comparison with published numbers.
-A bf16 matmul (8192^3) measured in the same run gives the "% of peak" column. Every cuflash
+A bf16 matmul (8192^3; fp16 before sm_80, where the --quick baselines' shape is fp16 too: a T4 or
+V100 has no bf16 tensor cores) measured in the same run gives the "% of peak" column; the output
+names the tiers the device runs and the roofline preset that models it
+(:func:`cuflash.tools.check.device_plan`). Every cuflash
 result is also checked against a float32 CuPy attention on a slice (max error column); a result
 outside the tolerance makes the command exit 1.
 
@@ -88,9 +91,16 @@ def sweep(quick: bool = False, *, dtypes=None, head_dims=None, seqlens=None, cau
     return [Config(dt, d, s, c) for dt in dts for d in hds for s in sls for c in cs]
 
 
-def baselines_for(cfg: Config, quick: bool) -> tuple[str, ...]:
-    """Baselines run for ``cfg``: all of them in the full sweep, only at the bar shape in --quick."""
-    if quick and (cfg.dtype, cfg.head_dim, cfg.seqlen, cfg.causal) != BAR_SHAPE:
+def peak_dtype(arch: int) -> str:
+    """The dtype of the matmul that measures the peak and of the --quick baselines' shape on
+    ``sm_<arch>``: bfloat16, or float16 before sm_80 (a T4 or V100 has no bfloat16 tensor cores)."""
+    return "bfloat16" if arch >= 80 else "float16"
+
+
+def baselines_for(cfg: Config, quick: bool, arch: int = 90) -> tuple[str, ...]:
+    """Baselines run for ``cfg``: all of them in the full sweep, only at the bar shape in --quick
+    (in :func:`peak_dtype`'s dtype on ``sm_<arch>``)."""
+    if quick and (cfg.dtype, cfg.head_dim, cfg.seqlen, cfg.causal) != (peak_dtype(arch),) + BAR_SHAPE[1:]:
         return ()
     return IMPLS[1:]
 
@@ -142,25 +152,25 @@ class Timer:
         return statistics.median(times)
 
 
-def matmul_peak_tflops(timer: Timer, n: int = 8192) -> tuple[float, str]:
-    """Measured bf16 matmul TFLOP/s (n x n x n), with torch if present, else CuPy."""
+def matmul_peak_tflops(timer: Timer, n: int = 8192, dtype: str = "bfloat16") -> tuple[float, str]:
+    """Measured matmul TFLOP/s (n x n x n) in ``dtype`` (bfloat16, or float16: :func:`peak_dtype`),
+    with torch if present, else CuPy."""
     cp = timer.cupy
+    short = "bf16" if dtype == "bfloat16" else "fp16"
     try:
         import torch
 
         if torch.cuda.is_available():
-            a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-            b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+            a = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
+            b = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
             ms = timer.median_ms(lambda: torch.matmul(a, b))
-            return 2 * n**3 / (ms * 1e-3) / 1e12, "torch bf16 matmul"
+            return 2 * n**3 / (ms * 1e-3) / 1e12, f"torch {short} matmul"
     except ImportError:
         pass
-    from cuflash.runtime import dtypes
-
-    a = cp.asarray(cp.random.standard_normal((n, n), dtype=cp.float32).astype(dtypes.bfloat16))
-    b = cp.asarray(cp.random.standard_normal((n, n), dtype=cp.float32).astype(dtypes.bfloat16))
+    a = cp.asarray(cp.random.standard_normal((n, n), dtype=cp.float32).astype(_cupy_dtype(dtype)))
+    b = cp.asarray(cp.random.standard_normal((n, n), dtype=cp.float32).astype(_cupy_dtype(dtype)))
     ms = timer.median_ms(lambda: cp.matmul(a, b))
-    return 2 * n**3 / (ms * 1e-3) / 1e12, "cupy bf16 matmul"
+    return 2 * n**3 / (ms * 1e-3) / 1e12, f"cupy {short} matmul"
 
 
 # --------------------------------------------------------------------------------------------
@@ -546,11 +556,15 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     timer = Timer(GPU_WARMUP if args.warmup is None else args.warmup, GPU_ITERS if args.iters is None else args.iters)
-    peak, peak_src = matmul_peak_tflops(timer)
+    from cuflash.tools import check
+
+    arch = int(timer.cupy.cuda.Device().compute_capability)
+    plan_line = check.device_plan(device, arch)   # the tiers that run here and the roofline preset to compare with
+    peak, peak_src = matmul_peak_tflops(timer, dtype=peak_dtype(arch))
     torch_ok = _have_torch_cuda()
     records: list[dict] = []
     for cfg in cli.progress(configs, "cuflash bench", enabled=not args.no_progress, label=lambda c: c.label):
-        impls = ("cuflash",) + (() if args.no_baselines else baselines_for(cfg, args.quick))
+        impls = ("cuflash",) + (() if args.no_baselines else baselines_for(cfg, args.quick, arch))
         if args.backward:
             impls += IMPLS_BWD[:1] if args.no_baselines else IMPLS_BWD
         if not torch_ok:
@@ -565,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                + (f"{len(bad)} cuflash result(s) FAILED the correctness check or did not run" if bad
                   else "every cuflash result passed its correctness check"))
     if args.json:
-        doc = dict(device=device, matmul_peak_tflops=peak, matmul_peak_source=peak_src, tokens=TOKENS,
+        doc = dict(device=device, plan=plan_line, matmul_peak_tflops=peak, matmul_peak_source=peak_src, tokens=TOKENS,
                    hidden=HIDDEN, records=records)
         if args.json == "-":
             json.dump(doc, sys.stdout, indent=1)
@@ -580,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         from cuflash.tools import bench_decode
 
         print(bench_decode.format_table(bench_decode.run(timer), device), file=out)
+    print(plan_line, file=out)
     print(table, file=out)
     print(summary, file=out)
     return 1 if bad else 0

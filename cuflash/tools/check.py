@@ -261,6 +261,41 @@ def _device_info() -> dict:
             "driver": cupy.cuda.runtime.driverGetVersion(), "nvrtc": nvrtc}
 
 
+def device_plan(name: str, arch: int) -> str:
+    """What cuflash runs on the device ``name`` (as CUDA reports it) of compute capability
+    ``arch``, and the roofline preset it compares with, in one line: the tier of a float16 and a
+    bfloat16 forward and backward at head dim 128 (the dispatcher's choice, or its refusal, e.g.
+    sm_70 without the ``cuda12`` extra), and ``python -m cuflash roofline --device KEY`` where a
+    preset models this device (:func:`cuflash.analysis.roofline.preset_for`: T4, V100, A100,
+    H100, H200). No device is touched: a faked description plans the same."""
+    from cuflash.analysis import roofline
+    from cuflash.kernels import dispatch
+    from cuflash.runtime import dtypes, validation
+    from cuflash.runtime.options import Options
+
+    tiers = []
+    for label, dt in (("float16", dtypes.float16), ("bfloat16", dtypes.bfloat16)):
+        x = np.zeros((1, 1, 128, 128), dt)
+        problem = validation.check_attention(x, x, x, Options())
+        try:
+            names = [dict((m, n) for n, m in table)[pick(problem, arch)] for table, pick in
+                     ((dispatch.TIERS, dispatch.forward_tier), (dispatch.BACKWARD_TIERS, dispatch.backward_tier))]
+        except NotImplementedError as e:
+            tiers.append(f"{label}: no kernel ({str(e).split(': ', 1)[-1]})")
+            continue
+        tiers.append(f"{label}: forward on the {names[0]} tier, backward on the {names[1]} tier")
+    preset = roofline.preset_for(name, arch)
+    if preset is None:
+        model = (f"no roofline preset models this device (presets: {', '.join(sorted(roofline.RATES))}); the "
+                 "kernel figures of `python -m cuflash roofline` are per arch")
+    else:
+        dev = roofline.RATES[preset].device
+        model = (f"roofline: python -m cuflash roofline --device {preset} ({dev.name}: {dev.fp16_tensor_tflops:g} "
+                 f"TFLOP/s fp16 tensor, {dev.fp32_tflops:g} fp32, {dev.hbm_gb_per_s:g} GB/s; a model, not a "
+                 "measurement)")
+    return f"{name} (sm_{arch}): " + "; ".join(tiers) + "; " + model
+
+
 def section_device(clock, log) -> str:
     info = _device_info()
     extra = []
@@ -274,6 +309,7 @@ def section_device(clock, log) -> str:
         f"({info['free_gib']:.1f} free); CuPy {info['cupy']}, CUDA runtime {info['runtime']}, driver "
         f"{info['driver']}, NVRTC {info['nvrtc']}; {', '.join(extra)}; CUPY_CACHE_DIR="
         f"{os.environ.get('CUPY_CACHE_DIR', '~/.cupy/kernel_cache')}")
+    log(device_plan(info["name"], info["arch"]))
     return f"{info['name']} sm_{info['arch']}, CuPy {info['cupy']}, NVRTC {info['nvrtc']}"
 
 

@@ -347,7 +347,7 @@ def test_cli_backward_gqa_no_l2(capsys):
     (["--seqlen", "-3"], "argument --seqlen: expected a positive integer, got -3"),
     (["--window", "-4", "0"], "argument --window: expected an integer >= -1, got -4"),
     (["--dtype", "int7"], "argument --dtype: 'int7' is not a dtype; expected one of float16 (fp16"),
-    (["--device", "v100"], "argument --device: invalid choice: 'v100'"),
+    (["--device", "p100"], "argument --device: invalid choice: 'p100'"),
 ])
 def test_cli_bad_arguments(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -396,8 +396,8 @@ def test_validation(kwargs, exc, match):
 
 
 def test_roofline_validation():
-    with pytest.raises(ValueError, match="device must be one of .* got 'v100'"):
-        it.roofline(1, 1, "v100")
+    with pytest.raises(ValueError, match="device must be one of .* got 'p100'"):
+        it.roofline(1, 1, "p100")
     with pytest.raises(TypeError, match="device must be a Device"):
         it.roofline(1, 1, 42)
     with pytest.raises(ValueError, match="nbytes must be an int >= 0, got -1"):
