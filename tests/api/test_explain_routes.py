@@ -132,3 +132,4 @@ def test_describe_choice_names_the_kvcache_variant_the_launch_uses(paged, monkey
     assert "_kvcache" in attention and f": {attention}: " in line, (attention, line)
     splits = int(line.split(" key splits")[0].rsplit(" ", 1)[1]) if " key splits" in line else 1
     assert sum("combine" in e for e in launches) == (splits > 1)
+
