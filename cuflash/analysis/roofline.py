@@ -141,33 +141,26 @@ def _ampere(device: intensity.Device) -> SmRates:
         source=f"{device.source}; 108 SMs, 1024 dense 16-bit MACs per cycle per SM (the peak at 1.41 GHz); " + _GUIDE)
 
 
-def _turing(device: intensity.Device) -> SmRates:
-    sms = 40
-    mma = 512.0  # 65 TFLOP/s / (40 SMs x 2 x 1.59 GHz): 8 tensor cores of 64 FP16 FMA per cycle
+def _volta_turing(device: intensity.Device, *, arch: int, sms: int, smem_kb: int, max_threads: int,
+                  max_ctas: int) -> SmRates:
+    """Volta (V100) and Turing (T4): 8 tensor cores of 64 FP16 FMA per cycle per SM (the MACs
+    that give the datasheet's peak at the derived clock) and 64 FP32 lanes."""
+    mma = 512.0
+    clock = device.fp16_tensor_tflops * 1e12 / (sms * 2 * mma) / 1e9
     return SmRates(
-        device=device, arch=75, sms=sms, clock_ghz=device.fp16_tensor_tflops * 1e12 / (sms * 2 * mma) / 1e9,
-        mma_sync_macs=mma, wgmma_macs=0.0, smem_bytes=128.0, mufu_lanes=16.0, fp32_lanes=64.0, issue=4.0,
-        registers=65536, smem_per_sm=64 * 1024, smem_reserved=0, max_threads=1024, max_ctas=16,
-        source=(f"{device.source}; 40 SMs, 512 dense FP16 MACs per cycle per SM (8 tensor cores; the peak at "
-                "1.59 GHz), 64 FP32 lanes (8.1 TFLOP/s), 64 KB shared memory, 1024 threads and 16 CTAs per SM "
-                "(compute capability 7.5); " + _GUIDE))
-
-
-def _volta(device: intensity.Device) -> SmRates:
-    sms = 80
-    mma = 512.0  # 125 TFLOP/s / (80 SMs x 2 x 1.53 GHz): 8 tensor cores of 64 FP16 FMA per cycle
-    return SmRates(
-        device=device, arch=70, sms=sms, clock_ghz=device.fp16_tensor_tflops * 1e12 / (sms * 2 * mma) / 1e9,
-        mma_sync_macs=mma, wgmma_macs=0.0, smem_bytes=128.0, mufu_lanes=16.0, fp32_lanes=64.0, issue=4.0,
-        registers=65536, smem_per_sm=96 * 1024, smem_reserved=0, max_threads=2048, max_ctas=32,
-        source=(f"{device.source}; 80 SMs, 512 dense FP16 MACs per cycle per SM (8 tensor cores; the peak at "
-                "1.53 GHz), 64 FP32 lanes (15.7 TFLOP/s), 96 KB shared memory, 2048 threads and 32 CTAs per SM "
-                "(compute capability 7.0); " + _GUIDE))
+        device=device, arch=arch, sms=sms, clock_ghz=clock, mma_sync_macs=mma, wgmma_macs=0.0, smem_bytes=128.0,
+        mufu_lanes=16.0, fp32_lanes=64.0, issue=4.0, registers=65536, smem_per_sm=smem_kb * 1024, smem_reserved=0,
+        max_threads=max_threads, max_ctas=max_ctas,
+        source=(f"{device.source}; {sms} SMs, 512 dense FP16 MACs per cycle per SM (8 tensor cores; the peak at "
+                f"{clock:.2f} GHz), 64 FP32 lanes ({device.fp32_tflops:g} TFLOP/s), {smem_kb} KB shared memory, "
+                f"{max_threads} threads and {max_ctas} CTAs per SM (compute capability {arch // 10}.{arch % 10}); "
+                + _GUIDE))
 
 
 #: per-SM rates by device preset (``--device``)
 RATES = {"h200": _hopper(intensity.H200), "h100": _hopper(intensity.H100), "a100": _ampere(intensity.A100),
-         "t4": _turing(intensity.T4), "v100": _volta(intensity.V100)}
+         "t4": _volta_turing(intensity.T4, arch=75, sms=40, smem_kb=64, max_threads=1024, max_ctas=16),
+         "v100": _volta_turing(intensity.V100, arch=70, sms=80, smem_kb=96, max_threads=2048, max_ctas=32)}
 
 
 def preset_for(name: str, arch: int) -> str | None:
