@@ -24,7 +24,7 @@ import dataclasses
 from typing import ClassVar
 
 from cuflash.kernels import attention_fwd_mma
-from cuflash.runtime import plan, variants
+from cuflash.runtime import cuda_runner, nvrtc, plan, variants
 from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 HEAD_DIM_BUCKETS = (64, 128, 192, 256)
@@ -52,21 +52,24 @@ TILE_CANDIDATES_MODS = {64: ((64, 64, 2), (64, 64, 1)), 128: ((64, 64, 2), (64, 
 #: per-thread ldmatrix offsets, spill 32 bytes under NVRTC 13.5 at bucket 128 (sm_90), so 64 x 64
 #: there (as before sm_90)
 TILE_CANDIDATES_DROPOUT = {128: ((64, 64, 2), (64, 64, 1))}
-#: the forms whose every fitting tile ptxas spills (with the kernel as of this table, NVRTC 12.9 and
-#: 13.x; the compile gate's KNOWN_SPILLS rows, which it still compiles), by (gate arch, bucket,
-#: varlen, dropout, mods): the bytes spilled. The other tile of the bucket spills as much or more
-#: (64 x 64 with one stage on sm_90: 8-56 bytes), and Br = Bc = 64 is the warp layouts' least. The
-#: dispatcher sends these calls to the portable backward, which takes every built-in modifier and
-#: dropout (:func:`unsupported_reason` says so); a traced score_mod/mask_mod, which only this kernel
+#: the forms whose every fitting tile ptxas spills under one NVRTC major (with the kernel as of this
+#: table, NVRTC 12.9 and 13.x; the compile gate's KNOWN_SPILLS rows), by (gate arch, bucket,
+#: varlen, dropout, mods): NVRTC major -> the bytes spilled. The other tile of the bucket spills as
+#: much or more (64 x 64 with one stage on sm_90: 8-56 bytes), and Br = Bc = 64 is the warp
+#: layouts' least. Each compiles without spills under the other major, so such a variant is
+#: compiled by that one where it is installed (:meth:`AttentionBwdMma.spilling_nvrtc_majors`,
+#: :func:`cuflash.runtime.cuda_runner.nvrtc_for`); where only the spilling major is installed the
+#: dispatcher sends the call to the portable backward, which takes every built-in modifier and
+#: dropout (:func:`unsupported_reason` says so). A traced score_mod/mask_mod, which only this kernel
 #: compiles, still runs here. Sm_8x rows stand for 8.x devices, sm_90 for 9.0 and newer.
 SPILLING_FORMS = {
-    (80, 256, False, True, False): "4 bytes under NVRTC 12.x",
-    (80, 256, False, False, True): "36 bytes under NVRTC 12.x",
-    (90, 192, False, True, False): "8 bytes under NVRTC 13.x",
-    (90, 192, False, False, True): "8 bytes under NVRTC 12.x",
-    (90, 192, True, False, True): "12 bytes under NVRTC 13.x",
-    (90, 256, False, False, True): "60 bytes under NVRTC 12.x",
-    (90, 256, True, False, True): "12 bytes under NVRTC 12.x",
+    (80, 256, False, True, False): {12: "4 bytes"},
+    (80, 256, False, False, True): {12: "36 bytes"},
+    (90, 192, False, True, False): {13: "8 bytes"},
+    (90, 192, False, False, True): {12: "8 bytes"},
+    (90, 192, True, False, True): {13: "12 bytes"},
+    (90, 256, False, False, True): {12: "60 bytes"},
+    (90, 256, True, False, True): {12: "12 bytes"},
 }
 
 
@@ -100,6 +103,10 @@ class AttentionBwdMma(variants.TileVariant):
 
     def axes(self) -> tuple[str, ...]:
         return ("main",) + super().axes() + (f"s{self.stages}",)
+
+    def spilling_nvrtc_majors(self, arch: int) -> tuple[int, ...]:
+        """The NVRTC majors that spill this variant on ``sm_<arch>`` (:data:`SPILLING_FORMS`)."""
+        return tuple(SPILLING_FORMS.get(_spill_key(arch, self), {}))
 
     @property
     def stage(self) -> str:
@@ -187,35 +194,33 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout:
 def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
                  mods: bool = False) -> tuple[AttentionBwdMma, ...]:
     """Every variant the backward dispatcher can choose on ``sm_<arch>`` (for the compile gate);
-    with ``varlen``, their packed variable-length forms; with ``dropout``, their dropout forms."""
+    with ``varlen``, their packed variable-length forms; with ``dropout``, their dropout forms.
+    (A :data:`SPILLING_FORMS` variant is among them: it is chosen where an NVRTC major that does not
+    spill it is installed.)"""
     if arch < MIN_ARCH:
         return ()
     found = (_fitting(key, b, arch, dropout, mods) for key in MMA_DTYPES for b in HEAD_DIM_BUCKETS)
-    found = (dataclasses.replace(v, varlen=True) if varlen else v for v in found if v is not None)
-    return tuple(v for v in found if spill_note(arch, v) is None)
+    return tuple(dataclasses.replace(v, varlen=True) if varlen else v for v in found if v is not None)
 
 
-def spill_note(arch: int, variant: AttentionBwdMma) -> str | None:
-    """What ptxas spills in ``variant`` on ``sm_<arch>`` (:data:`SPILLING_FORMS`), None if nothing."""
-    key = (90 if arch >= 90 else 80, variant.head_dim_max, variant.varlen, variant.dropout, variant.mods)
-    return SPILLING_FORMS.get(key)
+def _spill_key(arch: int, variant) -> tuple:
+    return (90 if arch >= 90 else 80, variant.head_dim_max, variant.varlen, variant.dropout, variant.mods)
 
 
-def passed_over(arch: int) -> tuple[AttentionBwdMma, ...]:
-    """The variants :func:`all_variants` leaves out on ``sm_<arch>`` because they spill
-    (:data:`SPILLING_FORMS`): the compile gate still compiles them, so a row that stops spilling
-    is seen."""
-    if arch < MIN_ARCH:
-        return ()
-    out = []
-    for varlen in (False, True):
-        for dropout, mods in ((True, False), (False, True)):
-            for key in MMA_DTYPES:
-                for b in HEAD_DIM_BUCKETS:
-                    v = _fitting(key, b, arch, dropout, mods)
-                    if v is not None and spill_note(arch, v := dataclasses.replace(v, varlen=varlen)) is not None:
-                        out.append(v)
-    return tuple(out)
+def spill_note(arch: int, variant: AttentionBwdMma, majors: tuple[int, ...] | None = None) -> str | None:
+    """What ptxas spills in ``variant`` on ``sm_<arch>`` under every NVRTC major of ``majors`` (None:
+    :func:`cuflash.runtime.cuda_runner.usable_nvrtc_majors`, or every major cuflash knows when none
+    is installed), or None if one of them compiles it without spills (:data:`SPILLING_FORMS`)."""
+    if majors is None:
+        majors = cuda_runner.usable_nvrtc_majors(arch) or nvrtc.MAJORS
+    spills = SPILLING_FORMS.get(_spill_key(arch, variant), {})
+    if not majors or any(m not in spills for m in majors):
+        return None
+    clean = [m for m in nvrtc.MAJORS if m not in spills and nvrtc.OLDEST_ARCH[m] <= arch]
+    note = ", ".join(f"{spills[m]} under NVRTC {m}.x" for m in majors)
+    if clean:
+        note += "; NVRTC " + ", ".join(f"{m}.x" for m in clean) + ", which compiles it without spills, is not in use"
+    return note
 
 
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:

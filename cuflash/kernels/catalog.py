@@ -81,5 +81,4 @@ def passed_over_targets() -> list[tuple[int, object]]:
     """``(arch, variant)`` pairs the dispatcher passes over because ptxas spills them (each
     module's ``passed_over``): the compile gate compiles them too, against its KNOWN_SPILLS, so a
     form that stops spilling is seen and can be picked again."""
-    return [(arch, v) for arch in SIMT_ARCHS for mod in (attention_fwd_simt, attention_bwd_mma)
-            for v in mod.passed_over(arch)]
+    return [(arch, v) for arch in SIMT_ARCHS for v in attention_fwd_simt.passed_over(arch)]

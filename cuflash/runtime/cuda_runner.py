@@ -156,9 +156,12 @@ def default_nvrtc() -> _nvrtc.Nvrtc:
     return _nvrtc.load(want if want in installed else installed[-1])
 
 
-def nvrtc_for(variant) -> _nvrtc.Nvrtc:
+def nvrtc_for(variant, arch: int | None = None) -> _nvrtc.Nvrtc:
     """The NVRTC that compiles ``variant``: :func:`default_nvrtc`, or the newest installed one if
     the default is older than the variant's :attr:`~cuflash.runtime.variants.Variant.min_nvrtc_major`.
+    With ``arch`` (the device's compute capability, ``90`` for 9.0): if the chosen major spills the
+    variant there (:meth:`~cuflash.runtime.variants.Variant.spilling_nvrtc_majors`) and another
+    installed major compiles it without spills, that one.
 
     Raises
     ------
@@ -167,6 +170,10 @@ def nvrtc_for(variant) -> _nvrtc.Nvrtc:
     """
     need = getattr(variant, "min_nvrtc_major", 12)
     lib = default_nvrtc()
+    if arch is not None and lib.major >= need and lib.major in variant.spilling_nvrtc_majors(arch):
+        clean = [m for m in usable_nvrtc_majors(arch) if m >= need and m not in variant.spilling_nvrtc_majors(arch)]
+        if clean:
+            return _nvrtc.load(clean[-1])
     if lib.major >= need:
         return lib
     newer = [m for m in _nvrtc.installed_majors() if m >= need]
@@ -174,6 +181,16 @@ def nvrtc_for(variant) -> _nvrtc.Nvrtc:
         raise RuntimeError(f"cuflash: {variant.entry} is CUDA-{need}-only (NVRTC {lib.version_string} cannot "
                            f"compile it); install {_nvrtc.WHEELS.get(need, f'NVRTC {need}.x')!r}")
     return _nvrtc.load(newer[-1])
+
+
+def usable_nvrtc_majors(arch: int) -> tuple[int, ...]:
+    """The NVRTC majors cuflash may compile for ``sm_<arch>`` with: the one ``CUFLASH_NVRTC`` names
+    if set, else every installed major whose oldest arch is not newer than ``arch`` (found on disk,
+    nothing loaded)."""
+    env = os.environ.get("CUFLASH_NVRTC", "").strip()
+    if env in {str(m) for m in _nvrtc.MAJORS}:
+        return (int(env),)
+    return tuple(m for m in _nvrtc.installed_majors() if _nvrtc.OLDEST_ARCH[m] <= arch)
 
 
 def nvrtc_majors() -> tuple[int, ...]:
@@ -418,7 +435,7 @@ def get_module(variant, device_id: int):
         mod = _modules.get(key)
         if mod is None:
             cc = int(cupy.cuda.Device(device_id).compute_capability)
-            lib = nvrtc_for(variant)
+            lib = nvrtc_for(variant, cc)
             arch = compile_arch(variant, cc, lib)
             path = cached_cubin(build_source(variant), arch, name=variant.source, nvrtc=lib,
                                 stem=variant.entry)

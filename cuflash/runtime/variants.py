@@ -66,6 +66,12 @@ class Variant:
     #: compile gate found NVRTC 12.x cannot compile)
     min_nvrtc_major: ClassVar[int] = 12
 
+    def spilling_nvrtc_majors(self, arch: int) -> tuple[int, ...]:
+        """The NVRTC majors whose ptxas spills this variant on ``sm_<arch>`` (measured; the compile
+        gate's ``KNOWN_SPILLS`` holds each): :func:`cuflash.runtime.cuda_runner.nvrtc_for` compiles
+        it with another installed major where one is. None by default."""
+        return ()
+
     def unsupported_device_reason(self, cc: int) -> str | None:
         """Why this variant's cubin cannot run on a device of compute capability ``cc`` (``90``
         for 9.0), or None: only a :attr:`target_arch` restricts it (``"90a"``: 9.0 only)."""

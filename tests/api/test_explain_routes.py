@@ -12,6 +12,7 @@ import pytest
 import cuflash
 from cuflash import sim
 from cuflash.kernels import attention_bwd_mma, attention_fwd_simt, dispatch, kvcache_run
+from cuflash.runtime import cuda_runner
 from cuflash.runtime.dtypes import bfloat16
 from cuflash.sim.device import SimDevice
 
@@ -29,13 +30,18 @@ def _backward_main(launches) -> str:
     return main
 
 
+ONLY_12 = "; NVRTC 13.x, which compiles it without spills, is not in use"
+
+
 @pytest.mark.parametrize("arch, d, dtype, mods, spills", [
-    (80, 256, np.float16, dict(softcap=20.0), "36 bytes under NVRTC 12.x"),
-    (90, 192, bfloat16, dict(alibi_slopes=np.full(2, 0.1, np.float32)), "8 bytes under NVRTC 12.x"),
-    (90, 256, np.float16, dict(sinks=np.zeros(2, np.float32)), "60 bytes under NVRTC 12.x"),
+    (80, 256, np.float16, dict(softcap=20.0), "36 bytes under NVRTC 12.x" + ONLY_12),
+    (90, 192, bfloat16, dict(alibi_slopes=np.full(2, 0.1, np.float32)), "8 bytes under NVRTC 12.x" + ONLY_12),
+    (90, 256, np.float16, dict(sinks=np.zeros(2, np.float32)), "60 bytes under NVRTC 12.x" + ONLY_12),
 ], ids=["sm80-d256-softcap", "sm90-d192-alibi", "sm90-d256-sinks"])
 def test_a_backward_whose_only_tile_spills_runs_the_portable_tier_and_explain_says_why(arch, d, dtype, mods, spills,
-                                                                                        launches):
+                                                                                        launches, monkeypatch):
+    """With only the NVRTC major that spills the tensor-core form in use (CUFLASH_NVRTC=12)."""
+    monkeypatch.setenv("CUFLASH_NVRTC", "12")
     q = np.zeros((1, 2, 33, d), dtype)
     info = cuflash.explain(q, q, q, arch=arch, **mods)
     line = info["backward"]
@@ -47,6 +53,25 @@ def test_a_backward_whose_only_tile_spills_runs_the_portable_tier_and_explain_sa
     with sim.options(arch=arch):
         cuflash.attention_backward(q, q, q, q, q, lse, backend="sim", **mods)
     assert line.split(", ")[1].split(";")[0] == _backward_main(launches)
+
+
+@pytest.mark.parametrize("arch, d, dropout", [(80, 256, False), (90, 256, False), (90, 192, True)])
+def test_a_form_that_spills_under_one_nvrtc_is_compiled_by_the_other(arch, d, dropout, monkeypatch, launches):
+    """With both NVRTC majors installed (no CUFLASH_NVRTC), the tensor-core backward keeps the call,
+    and nvrtc_for compiles its main stage with the major that does not spill it."""
+    if set(cuda_runner.usable_nvrtc_majors(arch)) != {12, 13}:
+        pytest.fail("the test extra installs NVRTC 12.x and 13.x; this test needs both")
+    q = np.zeros((1, 2, 33, d), np.float16)
+    kw = dict(dropout_p=0.1, dropout_seed=1) if dropout else dict(softcap=20.0)
+    with sim.options(arch=arch):
+        cuflash.attention_backward(q, q, q, q, q, np.zeros((1, 2, 33), np.float32), backend="sim", **kw)
+    main = _backward_main(launches)
+    assert main.startswith("cuflash_attn_bwd_mma_main_"), main
+    (v,) = [v for v in attention_bwd_mma.all_variants(arch, dropout=dropout, mods=not dropout) if v.entry == main]
+    spilling = v.spilling_nvrtc_majors(arch)
+    assert len(spilling) == 1, (main, spilling)
+    monkeypatch.delenv("CUFLASH_NVRTC", raising=False)
+    assert cuda_runner.nvrtc_for(v, arch).major == ({12, 13} - set(spilling)).pop()
 
 
 def test_a_traced_score_mod_keeps_the_tensor_core_backward():
@@ -65,8 +90,9 @@ def test_the_tile_that_does_not_spill_stays_on_the_tensor_cores(launches):
     assert _backward_main(launches) == line.rsplit(", ", 1)[1]
 
 
-@pytest.mark.parametrize("arch, d", [(80, 256), (90, 192)])
-def test_a_dropout_backward_whose_only_tile_spills_runs_the_portable_tier(arch, d, launches):
+@pytest.mark.parametrize("arch, d, major", [(80, 256, "12"), (90, 192, "13")])
+def test_a_dropout_backward_whose_only_tile_spills_runs_the_portable_tier(arch, d, major, launches, monkeypatch):
+    monkeypatch.setenv("CUFLASH_NVRTC", major)
     q = np.zeros((1, 2, 33, d), np.float16)
     with sim.options(arch=arch):
         cuflash.attention_backward(q, q, q, q, q, np.zeros((1, 2, 33), np.float32), backend="sim", dropout_p=0.1,
@@ -74,12 +100,14 @@ def test_a_dropout_backward_whose_only_tile_spills_runs_the_portable_tier(arch, 
     assert _backward_main(launches) == "cuflash_attn_bwd_simt_main_f16_d256_m8_n16_dropout"   # (bucket 256 holds 192)
 
 
-def test_a_packed_backward_whose_only_tile_spills_runs_the_portable_tier(launches):
+def test_a_packed_backward_whose_only_tile_spills_runs_the_portable_tier(launches, monkeypatch):
+    monkeypatch.setenv("CUFLASH_NVRTC", "13")
     cu = np.array([0, 5, 40], np.int32)
     q = np.zeros((40, 2, 192), np.float16)
     info = cuflash.explain_varlen(q, q, q, cu, cu, 35, 35, arch=90, softcap=5.0)
     assert "tensor-core mma.sync tier not used: with score modifiers at head dim 192 in a packed batch, its only tile " \
-           "that fits sm_90 spills registers to local memory (12 bytes under NVRTC 13.x)" in info["backward"]
+           "that fits sm_90 spills registers to local memory (12 bytes under NVRTC 13.x; NVRTC 12.x, which compiles it " \
+           "without spills, is not in use)" in info["backward"]
     with sim.options(arch=90):
         cuflash.attention_varlen_backward(q, q, q, q, q, np.zeros((2, 40), np.float32), cu, cu, 35, 35, backend="sim",
                                           softcap=5.0)
@@ -111,9 +139,13 @@ def test_the_tables_name_what_they_replace():
         for v in attention_fwd_simt.passed_over(arch):
             assert attention_fwd_simt.packed_form(v, arch) != v and v not in attention_fwd_simt.all_variants(arch, varlen=True)
     for arch in (80, 90):
-        picked = set().union(*(attention_bwd_mma.all_variants(arch, varlen=vl, dropout=dr, mods=m)
-                               for vl in (False, True) for dr, m in ((True, False), (False, True))))
-        assert attention_bwd_mma.passed_over(arch) and not picked & set(attention_bwd_mma.passed_over(arch))
+        spilling = [v for vl in (False, True) for dr, m in ((True, False), (False, True))
+                    for v in attention_bwd_mma.all_variants(arch, varlen=vl, dropout=dr, mods=m)
+                    if v.spilling_nvrtc_majors(arch)]
+        assert spilling
+        for v in spilling:   # each spills under one major only, so one major always runs it on the tensor cores
+            (major,) = v.spilling_nvrtc_majors(arch)
+            assert attention_bwd_mma.spill_note(arch, v, (major,)) and attention_bwd_mma.spill_note(arch, v, (12, 13)) is None
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
