@@ -139,7 +139,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                    softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, backend="auto",
                    arch=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-                   alibi_slopes=None) -> dict:
+                   alibi_slopes=None, score_mod=None, mask_mod=None) -> dict:
     """What :func:`attention_varlen` would run for these arguments, without running it.
 
     The packed-batch counterpart of :func:`cuflash.explain`: the call is validated exactly as
@@ -151,7 +151,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     ----------
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
     window_size, seqused_k, block_table, backend, dropout_p, dropout_seed, dropout_offset,
-    softcap, alibi_slopes
+    softcap, alibi_slopes, score_mod, mask_mod
         As for :func:`attention_varlen` (``out`` and ``return_lse`` are not taken: they do not
         change the kernel). The arrays are read for their metadata (kind, dtype, shape, strides,
         device); index arrays on the host (NumPy ``cu_seqlens_q``, ``cu_seqlens_k``,
@@ -190,7 +190,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, backend=backend,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, score_mod=score_mod, mask_mod=mask_mod),
                       packed=PackedOptions(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
                                            block_table))
     return pipeline.explain_forward(FORWARD, (q, k, v, None), options, arch, "cuflash.explain_varlen",

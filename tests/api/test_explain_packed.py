@@ -346,3 +346,16 @@ class _no_launch:
 
     def __exit__(self, *exc):
         SimDevice.launch = self.saved
+
+
+def test_a_score_mod_on_a_packed_batch_is_explained_as_the_call_refuses_it():
+    """explain_varlen takes score_mod as attention_varlen does, and says what that call says."""
+    cu = np.array([0, 3, 10], np.int32)
+    q = np.zeros((10, 2, 64), np.float16)
+    mod = lambda s, b, h, i, j: s * 0.5   # noqa: E731
+    with pytest.raises(NotImplementedError) as explained:
+        cuflash.explain_varlen(q, q, q, cu, cu, 7, 7, score_mod=mod, backend="sim", arch=90)
+    with pytest.raises(NotImplementedError) as real:
+        cuflash.attention_varlen(q, q, q, cu, cu, 7, 7, score_mod=mod, backend="sim")
+    assert "score_mod/mask_mod on a packed batch" in str(explained.value)
+    assert str(explained.value).split(": ", 1)[1] == str(real.value).split(": ", 1)[1]
