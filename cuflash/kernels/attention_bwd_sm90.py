@@ -1,0 +1,242 @@
+"""Host side of ``kernels_cu/attention_bwd_sm90.cu``: the Hopper tier of the backward's main stage.
+
+FA3's design (Shah et al., "FlashAttention-3", 2024, §3 and its backward): one block per 128 keys
+of one kv head; a producer warp feeds Q, dO, lse and Dd per 64-row query tile through TMA and a
+2-stage mbarrier ring; two consumer warpgroups (64 keys each) keep dK and dV in registers and run
+the five GEMMs on wgmma; dQ leaves each tile through shared memory, added to the float32 workspace
+by one warp's bulk reduce-add (``cp.reduce.async.bulk .add.f32``), no atomics. The dot stage
+(``Dd = rowsum(dO * O)``), the workspace and the convert stage are
+:mod:`cuflash.kernels.backward_run`'s, shared with the other tiers.
+
+The kernel is compiled for ``sm_90a`` and runs on compute capability 9.0 only. Calls it takes:
+float16/bfloat16, D = Dv = 64 or 128 exactly, causal and windows (bottom-right), GQA, rows without
+keys, one batch dim, and any strides a tensor map can describe (the head dim contiguous, every
+other stride and each base 16-byte aligned). The rest goes to the tensor-core backward, and
+``explain`` says why: other head dims, Dv != D, deterministic mode (the semaphore that orders
+the adds per query tile is not built), dropout, score modifiers, packed batches.
+
+Tiles: Br = 64 query rows, Bc = 128 keys; shared memory = K, V, two stages of Q and dO, two dS^T
+buffers, the dQ buffer and the stages' lse and Dd, plus 1 KB of alignment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+
+from cuflash.kernels import attention_fwd_sm90
+from cuflash.kernels import launch_args as la
+from cuflash.runtime import variants
+from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg, TensorMapArg
+
+#: this module's tier, in the dispatcher's words
+TARGET_ARCH = attention_fwd_sm90.TARGET_ARCH
+HEAD_DIMS = (64, 128)
+DTYPES = attention_fwd_sm90.DTYPES
+BLOCK_M = 64
+BLOCK_N = 128
+STAGES = 2
+PANEL = attention_fwd_sm90.PANEL
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90BackwardVariant(variants.Variant):
+    """The Hopper main stage of the backward for one dtype and head dim.
+
+    Parameters
+    ----------
+    dtype : {"f16", "bf16"}
+    head_dim : {64, 128}
+        D = Dv, exactly.
+    """
+
+    family: ClassVar[str] = "attn_bwd_sm90"
+    source: ClassVar[str] = "attention_bwd_sm90.cu"
+    target_arch: ClassVar[str | None] = TARGET_ARCH
+
+    dtype: str
+    head_dim: int
+    # the forms the shared backward driver asks about (:func:`cuflash.kernels.backward_run.backward`);
+    # this kernel has none of them
+    varlen: bool = dataclasses.field(default=False, kw_only=True)
+    dropout: bool = dataclasses.field(default=False, kw_only=True)
+    mods: bool = dataclasses.field(default=False, kw_only=True)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Sm90BackwardVariant: dtype={self.dtype!r} must be one of {DTYPES}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"Sm90BackwardVariant: head_dim={self.head_dim} must be one of {HEAD_DIMS}")
+        if self.varlen or self.dropout or self.mods:
+            raise ValueError("Sm90BackwardVariant: no packed, dropout or score-modifier form exists")
+
+    def axes(self) -> tuple[str, ...]:
+        return ("main", self.dtype, f"d{self.head_dim}")
+
+    @property
+    def stage(self) -> str:
+        return "main"
+
+    @property
+    def block_m(self) -> int:
+        return BLOCK_M
+
+    @property
+    def block_n(self) -> int:
+        return BLOCK_N
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        """Three warpgroups: the producer's (a TMA warp and the dQ warp) and two consumers."""
+        return (384, 1, 1)
+
+    @property
+    def threads(self) -> int:
+        return 384
+
+    @property
+    def math_threads(self) -> int:
+        """The consumer warpgroups' threads, which run the main loop (the roofline's pipes)."""
+        return 256
+
+    @property
+    def head_dim_max(self) -> int:
+        return self.head_dim
+
+    @property
+    def head_dim_v_max(self) -> int:
+        return self.head_dim
+
+    @property
+    def smem_bytes(self) -> int:
+        """K, V, 2 stages of Q and dO (64-column panels), 2 dS^T buffers (Bc x Br 16-bit), the dQ
+        buffer (Br x D float32), 2 stages of lse and Dd, 1 KB for alignment (the kernel's
+        ``SMEM_TILES`` plus 1024)."""
+        d = self.head_dim
+        return (1024 + 2 * BLOCK_N * d * 2 + 2 * STAGES * BLOCK_M * d * 2 + 2 * BLOCK_N * BLOCK_M * 2
+                + BLOCK_M * d * 4 + 2 * STAGES * BLOCK_M * 4)
+
+    def defines(self) -> tuple[tuple[str, str], ...]:
+        return super().defines() + (("CUFLASH_BF16", "1" if self.dtype == "bf16" else "0"),
+                                    ("CUFLASH_D", str(self.head_dim)))
+
+    def describe(self) -> str:
+        return (f"{self.entry}: a producer warp (TMA, 2-stage Q/dO ring) and a dQ warp (bulk reduce-add into the "
+                f"float32 workspace), 2 consumer warpgroups of 64 keys (wgmma; dK, dV in registers), Br={BLOCK_M}, "
+                f"Bc={BLOCK_N}, {self.smem_bytes} B of shared memory")
+
+    def plan_main(self, problem, views, lse, dd, acc, call) -> LaunchPlan:
+        """The main stage's launch for :func:`cuflash.kernels.backward_run.backward`: ``views`` are
+        its ``(q, k, v, out, dout, dq, dk, dv)`` in (B, H, S, D) order, ``lse`` and ``dd`` (B, Hq,
+        Sq) float32 contiguous, ``acc`` the float32 dQ workspace ``(1, B, Hq, Sq, D)``."""
+        q, k, v, _, dout, _, dk, dv = views
+        return plan_main(q, k, v, dout, lse, dd, acc, dk, dv, call, softmax_scale=problem.softmax_scale,
+                         window_left=problem.window_left, window_right=problem.window_right, dtype=self.dtype)
+
+
+def all_variants(arch: int = 90) -> tuple[Sm90BackwardVariant, ...]:
+    """Every variant (the compile gate's list); none below sm_90."""
+    if arch != 90:
+        return ()
+    return tuple(Sm90BackwardVariant(dt, d) for dt in DTYPES for d in HEAD_DIMS)
+
+
+def plan_main(q, k, v, dout, lse, dd, acc, dk, dv, call, *, softmax_scale: float, window_left: int = -1,
+              window_right: int = -1, dtype: str) -> LaunchPlan:
+    """The main stage's launch for arrays in (B, H, S, D) order.
+
+    Parameters
+    ----------
+    q, dout : arrays (B, Hq, Sq, D); k, v : arrays (B, Hk, Sk, D)
+        float16 or bfloat16, any strides a tensor map can describe; Hq a multiple of Hk.
+    lse, dd : arrays (B, Hq, Sq) float32, C-contiguous
+        The forward's natural-log LSE and ``rowsum(dO * O)``.
+    acc : array (1, B, Hq, Sq, D) float32, C-contiguous
+        The dQ workspace, added to (unscaled).
+    dk, dv : arrays (B, Hk, Sk, D), q's dtype, written (dk times ``softmax_scale``)
+    call : DeviceCall
+    softmax_scale, window_left, window_right : as the forward's (-1 unbounded; causal: right 0)
+    dtype : {"f16", "bf16"}
+
+    Raises
+    ------
+    ValueError
+        For shapes or layouts the kernel cannot take, naming the arrays.
+    """
+    b, hq, sq, d = q.shape
+    bk, hk, sk, dk_ = k.shape
+    if (tuple(v.shape) != (b, hk, sk, d) or bk != b or dk_ != d or tuple(dout.shape) != (b, hq, sq, d)
+            or tuple(dk.shape) != (b, hk, sk, d) or tuple(dv.shape) != (b, hk, sk, d) or hk == 0 or hq % hk):
+        raise ValueError(f"attention_bwd_sm90: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, dout "
+                         f"{tuple(dout.shape)}, dk {tuple(dk.shape)}, dv {tuple(dv.shape)} must be (B, Hq, Sq, D), "
+                         "(B, Hk, Sk, D) x 3, (B, Hq, Sq, D) with Hq a multiple of Hk")
+    for name, a, shape in (("lse", lse, (b, hq, sq)), ("dd", dd, (b, hq, sq)), ("acc", acc, (1, b, hq, sq, d))):
+        if tuple(a.shape) != shape or np.dtype(a.dtype) != np.float32 or not a.flags.c_contiguous:
+            raise ValueError(f"attention_bwd_sm90: {name} must be a C-contiguous float32 {shape}, got "
+                             f"{tuple(a.shape)} {a.dtype}")
+    if sq < 1 or sk < 1:
+        raise ValueError(f"attention_bwd_sm90: Sq={sq} and Sk={sk} must be at least 1")
+    variant = Sm90BackwardVariant(dtype, d)
+    bits = (lambda a: a.view(np.uint16)) if dtype == "bf16" else (lambda a: a)
+    box_q, box_k = (1, 1, BLOCK_M, PANEL), (1, 1, BLOCK_N, PANEL)
+    dks, dvs = la.element_strides(dk)[:3], la.element_strides(dv)[:3]
+    args = (TensorMapArg.of("map_q", bits(q), box_q, swizzle=128), TensorMapArg.of("map_k", bits(k), box_k, swizzle=128),
+            TensorMapArg.of("map_v", bits(v), box_k, swizzle=128),
+            TensorMapArg.of("map_do", bits(dout), box_q, swizzle=128),
+            TensorMapArg.of("map_lse", lse.reshape(1, -1), (1, BLOCK_M)), TensorMapArg.of("map_dd", dd.reshape(1, -1), (1, BLOCK_M)),
+            call.pointer("dq_accum", acc, writable=True),
+            call.pointer("dk", dk, writable=True), call.pointer("dv", dv, writable=True),
+            la.i64("dk_batch_stride", dks[0]), la.i64("dk_head_stride", dks[1]), la.i64("dk_row_stride", dks[2]),
+            la.i64("dv_batch_stride", dvs[0]), la.i64("dv_head_stride", dvs[1]), la.i64("dv_row_stride", dvs[2]),
+            la.i32("Sq", sq), la.i32("Sk", sk), la.i32("Hq", hq), la.i32("group", hq // hk),
+            ScalarArg("softmax_scale", np.float32(softmax_scale)),
+            la.i32("window_left", window_left), la.i32("window_right", window_right))
+    return LaunchPlan(variant, variant.entry, (-(-sk // BLOCK_N), hk, b), (384, 1, 1), variant.smem_bytes, args)
+
+
+def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
+    """Why the backward of ``problem`` cannot run on this tier (None if it can). ``arrays`` is
+    ``(q, k, v, out, dout)``; each must be a view a TMA tensor map can describe. The arch rule
+    (``sm_90a``: compute capability 9.0 only) is the dispatcher's (:data:`TARGET_ARCH`)."""
+    p = problem
+    try:
+        key = variants.dtype_key(p.dtype)
+    except KeyError:
+        key = str(np.dtype(p.dtype))
+    if key not in DTYPES:
+        return f"dtype {np.dtype(p.dtype)} (wgmma here takes float16/bfloat16)"
+    if p.modifiers is not None:
+        return "score modifiers are not in the Hopper backward yet"
+    if p.dropout is not None:
+        return "dropout is not in the Hopper backward yet"
+    if p.varlen is not None:
+        return "packed variable-length batches are not in the Hopper backward yet"
+    if p.options.deterministic:
+        return "deterministic mode is not in the Hopper backward yet (the per-query-tile semaphore is not built)"
+    if p.head_dim != p.head_dim_v or p.head_dim not in HEAD_DIMS:
+        return (f"(D, Dv) = ({p.head_dim}, {p.head_dim_v}): the Hopper backward takes D = Dv in {HEAD_DIMS} "
+                "exactly so far")
+    if p.seqlen_k == 0 or p.seqlen_q == 0:
+        return "an empty sequence (a tensor map has no empty dimension)"
+    if len(p.batch_shape) != 1 or (p.layout == "bhsd" and len(p.q.shape) != 4):
+        return f"batch dims {p.batch_shape}: the Hopper backward's tensor maps take one batch dim"
+    for a, name in zip(arrays or (), ("q", "k", "v", "out", "dout")):
+        if a is None or name == "out":
+            continue
+        why = attention_fwd_sm90._tma_reason(attention_fwd_sm90._bhsd(a, p.layout), name)
+        if why:
+            return why
+    return None
+
+
+def main_variant(problem, arch: int = 90) -> Sm90BackwardVariant:
+    """The main stage that runs the backward of ``problem`` (:func:`cuflash.kernels.backward_run.backward`
+    runs it between the portable dot and convert stages)."""
+    return Sm90BackwardVariant(variants.dtype_key(problem.dtype), problem.head_dim)
+
+
+def variant_for(problem, arch: int = 90) -> Sm90BackwardVariant:
+    """The variant that runs ``problem`` (the signature every tier shares)."""
+    return main_variant(problem, arch)

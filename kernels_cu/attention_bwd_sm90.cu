@@ -1,0 +1,352 @@
+// cuflash: the Hopper (sm_90a) attention backward, main stage: FA3's design (Shah et al.,
+// "FlashAttention-3", 2024, section 3 and its backward): warp specialization, every GEMM on wgmma,
+// dQ added to a float32 workspace by bulk reduce-adds instead of atomics.
+//
+// The dot stage (Dd = rowsum(dO * O)) before and the convert stage (dq = softmax_scale * the
+// float32 workspace, in the input dtype) after are the portable ones (attention_bwd_simt.cu,
+// cuflash/kernels/backward_run.py); this kernel replaces the main stage only.
+//
+//   grid = (key tiles, kv heads, batch): one block per BC = 128 keys of one kv head. It walks every
+//   (query head of its kv head (GQA), BR = 64-row query tile that sees the key tile) pair in order.
+//   block = 3 warpgroups:
+//     warpgroup 0, warp 0 (producer): K and V once by TMA; per query tile Q and dO by TMA into a
+//       2-stage ring (full / empty mbarriers), and the tile's lse (log2 domain; +inf where P must
+//       be 0: rows past Sq and rows without keys) and Dd by plain loads of its 32 lanes, each lane
+//       arriving on the stage's full barrier after its stores;
+//     warpgroup 0, warp 1 (dQ writer): per query tile waits on the named barrier DQ_FULL, adds the
+//       64 x D float32 dQ tile from shared memory into the workspace with one
+//       cp.reduce.async.bulk .add.f32 (its rows are contiguous there), waits for the read of the
+//       shared buffer (wait_group.read) and marks it empty (DQ_EMPTY);
+//     warpgroups 1 and 2 (consumers): consumer c owns keys 64c.. of the tile, and dK, dV of those
+//       64 keys stay in its registers for the whole walk (setmaxnreg: 240 registers, the
+//       producer's warpgroup 24). Per query tile, with the products transposed so that the key
+//       axis is wgmma's M (FA3's swap of A and B):
+//         S^T  = K Q^T,  dP^T = V dO^T        (ss: K / V and Q / dO K-major, 128-byte swizzle)
+//         P^T  = exp2(S^T * scale log2 e - lse),  dS^T = P^T (dP^T - Dd)     (registers)
+//         dV  += P^T dO,  dK += dS^T Q         (rs: P^T and dS^T are the accumulators' own A
+//                                               fragments; dO / Q N-major: no transpose needed)
+//         dS^T -> shared memory (16-bit, [key][query], 128-byte swizzle), both consumers synced
+//                                               (named barrier DS_BAR), then
+//         dQ   = dS K                          (ss: dS M-major from that buffer, K N-major;
+//                                               consumer c computes columns c * D/2 ..)
+//       and dQ goes into the shared dQ buffer (float32 [64][D]) after DQ_EMPTY, then DQ_FULL.
+//   dS^T has two buffers: consumer c writes buffer it % 2 only after DS_BAR of the previous tile,
+//   which the other consumer reaches only once its dQ wgmma of the tile before has completed.
+//   The walk over query tiles runs in loops of one tile body (FA3 peels its masked tiles the same
+//   way): a steady loop with no mask code, and a masked loop before and after it (the causal
+//   diagonal, a window's edges, and every tile of a key tile that reaches past Sk).
+//   dK (times softmax_scale) and dV are stored once from registers (rows past Sk dropped); dQ
+//   is left unscaled (the convert stage scales it).
+//
+// Layout: q, dout (B, Hq, Sq, D), k, v (B, Hk, Sk, D) through 4-d tensor maps (rows past Sq / Sk
+// read as zeros); lse, dd (B, Hq, Sq) float32 contiguous (lse: the forward's, natural log);
+// dq_accum (B, Hq, Sq, D) float32 contiguous; dk, dv (B, Hk, Sk, D) with element strides. The
+// head dim is the bucket (D = Dv = CUFLASH_D, 64 or 128; the host refuses other head dims).
+// Windows are bottom-right: key j is visible to row i iff i + Sk - Sq - left <= j <= i + Sk - Sq +
+// right (-1: unbounded; causal is right = 0). A masked pair's P and dS are 0 (never 0 * NaN).
+//
+// Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D (64 or 128).
+#include "ptx.cuh"
+
+#if __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+namespace bwd_sm90 {
+
+constexpr int D = CUFLASH_D;
+constexpr bool BF16 = CUFLASH_BF16 != 0;
+#if CUFLASH_BF16
+typedef __nv_bfloat16 elem_t;
+#else
+typedef __half elem_t;
+#endif
+constexpr int BR = 64, BC = 128, STAGES = 2;
+constexpr int PANEL = 64;                                 // head-dim elements per 128-byte swizzle row
+constexpr int NPANEL = D / PANEL;
+constexpr int PANEL_Q = BR * 128, PANEL_K = BC * 128;     // bytes of one 64-column panel
+constexpr int Q_BYTES = NPANEL * PANEL_Q, K_BYTES = NPANEL * PANEL_K;
+constexpr int DS_BYTES = BC * BR * 2;                      // dS^T [BC keys][BR queries], 16-bit
+constexpr int DQ_BYTES = BR * D * 4;                       // dQ [BR][D], float32
+constexpr int DQN = D / 2;                                 // dQ columns per consumer
+// named barriers: DS_BAR the consumers (256), DQ_FULL and DQ_EMPTY the consumers and the dQ warp (288)
+constexpr int DS_BAR = 1, DQ_FULL = 2, DQ_EMPTY = 3;
+static_assert(D % 64 == 0 && BR == 64, "head-dim panels and the 128-byte rows of dS^T");
+// dynamic shared memory after 1 KB alignment: K, V, Q[2], dO[2], dS^T[2], dQ, then lse and Dd [2][BR]
+constexpr int SMEM_TILES = 2 * K_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + DQ_BYTES + 2 * STAGES * BR * 4;
+
+__device__ __forceinline__ unsigned pack(float lo, float hi) {
+    return BF16 ? ptx_cvt_pack_bf16x2(lo, hi) : ptx_cvt_pack_f16x2(lo, hi);
+}
+
+// the 128-byte-swizzled offset of byte `cb` (< 128) of row `row` of a tile of 128-byte rows
+__device__ __forceinline__ int swizzled(int row, int cb) {
+    return row * 128 + ((((cb >> 4) ^ (row & 7)) << 4) | (cb & 15));
+}
+
+// K-major descriptor (Q, dO, K, V as the operands of S^T and dP^T: 16 head-dim columns a k step)
+__device__ __forceinline__ unsigned long long desc_k_major(const unsigned char* tile) {
+    return ptx_wgmma_desc(tile, 16, 1024, 128);
+}
+// MN-major descriptor of a tile of 128-byte rows along K (dO, Q as B of dV / dK; K as B of dQ;
+// dS^T as A of dQ): 16 rows a k step, the next 64 columns `panel` bytes on
+__device__ __forceinline__ unsigned long long desc_mn_major(const unsigned char* tile, unsigned panel) {
+    return ptx_wgmma_desc(tile, panel, 1024, 128);
+}
+// the byte offset of k step kk (16 head-dim columns) in a K-major tile of `rows` rows
+__device__ __forceinline__ constexpr unsigned k_step_offset(int kk, int rows) {
+    return (kk * 16) / PANEL * rows * 128 + (kk * 16) % PANEL * 2;
+}
+
+// an accumulator (64 x N, f32) as 16-bit A fragments of the next wgmma, 16 columns a k step
+template <int N>
+__device__ __forceinline__ void to_a_fragment(const float (&acc)[N / 2], unsigned (&a)[N / 16][4]) {
+#pragma unroll
+    for (int i = 0; i < N / 2; i += 4) {
+        const int kb = i / 8, half = (i / 4) % 2;
+        a[kb][2 * half] = pack(acc[i], acc[i + 1]);
+        a[kb][2 * half + 1] = pack(acc[i + 2], acc[i + 3]);
+    }
+}
+
+enum Mask { MASK_NONE = 0, MASK_ON = 1 };
+template <int M> struct MaskOf {   // a Mask as a type, for a generic lambda
+    static constexpr int value = M;
+};
+
+struct Walk {   // what a consumer knows of its block
+    int Sq, Sk, diag, window_left, window_right, key0;   // key0: this thread's first key row
+    float scale_log2;
+};
+
+__device__ __forceinline__ void store_rows(elem_t* base, long long row_stride, int row0, int Sk, const float (&acc)[D / 2],
+                                           float mul) {
+#pragma unroll
+    for (int i = 0; i < D / 2; i += 2) {
+        const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (threadIdx.x % 4);
+        if (row < Sk) *reinterpret_cast<unsigned*>(base + row * row_stride + col) = pack(acc[i] * mul, acc[i + 1] * mul);
+    }
+}
+
+__device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_map& map_k, const cuflash_tensor_map& map_v,
+                         const cuflash_tensor_map& map_do, const cuflash_tensor_map& map_lse, const cuflash_tensor_map& map_dd,
+                         float* dq_accum, elem_t* dk, elem_t* dv, long long dk_batch_stride, long long dk_head_stride,
+                         long long dk_row_stride, long long dv_batch_stride, long long dv_head_stride,
+                         long long dv_row_stride, int Sq, int Sk, int Hq, int group, float softmax_scale,
+                         int window_left, int window_right) {
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ __align__(8) unsigned long long kv_full;
+    __shared__ __align__(8) unsigned long long full[STAGES];
+    __shared__ __align__(8) unsigned long long empty[STAGES];
+    unsigned char* k_s = ptx_align_smem_1024(smem_raw);
+    unsigned char* v_s = k_s + K_BYTES;
+    unsigned char* q_s = v_s + K_BYTES;                     // [STAGES][NPANEL][BR][128 B]
+    unsigned char* do_s = q_s + STAGES * Q_BYTES;           // [STAGES][NPANEL][BR][128 B]
+    unsigned char* ds_s = do_s + STAGES * Q_BYTES;          // [2][BC][128 B]
+    float* dq_s = reinterpret_cast<float*>(ds_s + 2 * DS_BYTES);   // [BR][D]
+    float* lse_s = dq_s + BR * D;                           // [STAGES][BR], natural log
+    float* dd_s = lse_s + STAGES * BR;                      // [STAGES][BR]
+    const int n0 = blockIdx.x * BC, hk = blockIdx.y, b = blockIdx.z;
+    const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
+    // the query rows that see a key of this tile, as query tiles [t_lo, t_hi), and the tiles
+    // [s_lo, s_hi) among them that need no mask (all 64 x 128 pairs visible, no key past Sk)
+    const int diag = Sk - Sq;
+    int row_lo = 0, row_hi = Sq;   // [row_lo, row_hi)
+    if (window_right >= 0) row_lo = max(0, n0 - diag - window_right);
+    if (window_left >= 0) row_hi = min(Sq, n0 + BC - 1 - diag + window_left + 1);
+    const int t_lo = row_lo / BR, t_hi = row_hi > row_lo ? (row_hi + BR - 1) / BR : t_lo;
+    int s_lo = t_lo, s_hi = t_hi;
+    if (n0 + BC > Sk) {
+        s_hi = s_lo;   // a key tile reaching past Sk: every tile masked
+    } else {
+        // visible: row i >= n0 + BC - 1 - diag - right (every key left of its right edge) and
+        // row i + BR - 1 <= n0 - diag + left (every key right of its left edge)
+        if (window_right >= 0) s_lo = max(s_lo, min(t_hi, (max(0, n0 + BC - 1 - diag - window_right) + BR - 1) / BR));
+        if (window_left >= 0) {
+            const int last = n0 - diag + window_left - (BR - 1);   // the last steady tile's first row
+            s_hi = last < 0 ? s_lo : min(s_hi, last / BR + 1);
+        }
+        s_hi = max(min(s_hi, Sq / BR), s_lo);   // (a tile reaching past Sq is masked: its lse and Dd boxes read on)
+    }
+    const int ntiles = t_hi - t_lo, nwalk = group * ntiles;
+    if (threadIdx.x == 0) {
+        ptx_mbarrier_init(&kv_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            ptx_mbarrier_init(&full[s], 1);
+            ptx_mbarrier_init(&empty[s], 256);   // every consumer thread (each read the stage's lse and Dd)
+        }
+        ptx_fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {   // ------------------------------------------------------- producer, dQ writer
+        ptx_setmaxnreg_dec<24>();
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        if (warp == 0 && ptx_elect_one()) {
+            if (nwalk > 0) {
+                ptx_mbarrier_arrive_expect_tx(&kv_full, 2 * K_BYTES);
+                for (int p = 0; p < NPANEL; ++p) {
+                    ptx_tma_load_4d(k_s + p * PANEL_K, &map_k, p * PANEL, n0, hk, b, &kv_full);
+                    ptx_tma_load_4d(v_s + p * PANEL_K, &map_v, p * PANEL, n0, hk, b, &kv_full);
+                }
+            }
+            for (int it = 0; it < nwalk; ++it) {
+                const int s = it % STAGES, h = hk * group + it / ntiles, m0 = (t_lo + it % ntiles) * BR;
+                if (it >= STAGES) ptx_mbarrier_wait(&empty[s], ((it / STAGES) - 1) & 1);
+                ptx_mbarrier_arrive_expect_tx(&full[s], 2 * Q_BYTES + 2 * BR * 4);
+                for (int p = 0; p < NPANEL; ++p) {
+                    ptx_tma_load_4d(q_s + s * Q_BYTES + p * PANEL_Q, &map_q, p * PANEL, m0, h, b, &full[s]);
+                    ptx_tma_load_4d(do_s + s * Q_BYTES + p * PANEL_Q, &map_do, p * PANEL, m0, h, b, &full[s]);
+                }
+                // lse and Dd of the tile's rows: boxes of the flat (B * Hq * Sq) arrays (rows past Sq
+                // read the next head's values or zeros; the consumer masks them)
+                const int flat = (b * Hq + h) * Sq + m0;
+                ptx_tma_load_2d(lse_s + s * BR, &map_lse, flat, 0, &full[s]);
+                ptx_tma_load_2d(dd_s + s * BR, &map_dd, flat, 0, &full[s]);
+            }
+        } else if (warp == 1) {
+            // the dQ buffer starts empty: one arrival up front, then one per tile but the last
+            if (nwalk > 0) ptx_bar_arrive(DQ_EMPTY, 288);
+            for (int it = 0; it < nwalk; ++it) {
+                const int h = hk * group + it / ntiles, m0 = (t_lo + it % ntiles) * BR;
+                ptx_bar_sync(DQ_FULL, 288);
+                if (lane == 0) {
+                    const int rows = min(BR, Sq - m0);
+                    ptx_bulk_reduce_add_f32(dq_accum + ((size_t(b) * Hq + h) * Sq + m0) * D, dq_s, unsigned(rows * D * 4));
+                    ptx_bulk_commit();
+                    ptx_bulk_wait_read<0>();
+                }
+                __syncwarp();
+                if (it + 1 < nwalk) ptx_bar_arrive(DQ_EMPTY, 288);
+            }
+            if (lane == 0) ptx_bulk_wait<0>();
+        }
+        return;
+    }
+
+    // ------------------------------------------------------------------------------- consumers
+    ptx_setmaxnreg_inc<240>();
+    const int c = wg - 1;
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const Walk w{Sq, Sk, diag, window_left, window_right, n0 + 64 * c + 16 * warp + g, softmax_scale * CUFLASH_LOG2E};
+    // descriptors: this consumer's 64 rows of K and V (K-major), Q and dO of stage 0 (K-major for
+    // S^T / dP^T, MN-major for dK / dV), K's columns c * D/2.. (MN-major, dQ), dS^T buffer 0
+    const unsigned long long dk_a = ptx_opaque(desc_k_major(k_s + 64 * c * 128));
+    const unsigned long long dv_a = ptx_opaque(desc_k_major(v_s + 64 * c * 128));
+    const unsigned long long dq_b = ptx_opaque(desc_k_major(q_s)), ddo_b = ptx_opaque(desc_k_major(do_s));
+    const unsigned long long dq_mn = ptx_opaque(desc_mn_major(q_s, PANEL_Q)), ddo_mn = ptx_opaque(desc_mn_major(do_s, PANEL_Q));
+    const unsigned long long dkq = ptx_opaque(desc_mn_major(k_s + (c * DQN) / PANEL * PANEL_K + (c * DQN) % PANEL * 2, PANEL_K));
+    const unsigned long long dds = ptx_opaque(desc_mn_major(ds_s, DS_BYTES));
+    float dk_acc[D / 2], dv_acc[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
+    float st[BR / 2], dpt[BR / 2], dq[DQN / 2];
+    unsigned pa[BR / 16][4], da[BR / 16][4];
+    if (nwalk > 0) ptx_mbarrier_wait(&kv_full, 0);
+
+    // one query tile: `it` the walk index (stage, phase, dS^T buffer), m0 its first row, MASK a Mask
+    auto tile = [&](int it, int m0, auto mask) {
+        constexpr int MASK = decltype(mask)::value;
+        const int s = it % STAGES;
+        ptx_mbarrier_wait(&full[s], (it / STAGES) & 1);
+        ptx_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            ptx_wgmma_ss<BR, BF16, 0, 0>(st, ptx_wgmma_desc_advance(dk_a, k_step_offset(kk, BC)),
+                                         ptx_wgmma_desc_advance(dq_b, s * Q_BYTES + k_step_offset(kk, BR)), kk > 0);
+        ptx_wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            ptx_wgmma_ss<BR, BF16, 0, 0>(dpt, ptx_wgmma_desc_advance(dv_a, k_step_offset(kk, BC)),
+                                         ptx_wgmma_desc_advance(ddo_b, s * Q_BYTES + k_step_offset(kk, BR)), kk > 0);
+        ptx_wgmma_commit();
+        ptx_wgmma_wait<1>();   // S^T is in; dP^T may still run
+        // P^T: this thread's keys key0, key0 + 8 (rows), queries m0 + 8 (i / 4) + 2t + i % 2 (columns)
+        // (an lse of -inf, a row without keys, occurs only in masked tiles, whose select drops the inf)
+        const float* ls = lse_s + s * BR;
+        const float* ds = dd_s + s * BR;
+        float nl[BR / 4];   // -lse log2 e of this thread's columns
+#pragma unroll
+        for (int j = 0; j < BR / 4; ++j) nl[j] = ls[8 * (j / 2) + 2 * t + j % 2] * -CUFLASH_LOG2E;
+#pragma unroll
+        for (int i = 0; i < BR / 2; ++i) {
+            const int col = 8 * (i / 4) + 2 * t + i % 2;
+            float p = exp2f(fmaf(st[i], w.scale_log2, nl[2 * (i / 4) + i % 2]));
+            if (MASK) {
+                const int key = w.key0 + 8 * ((i % 4) / 2), row = m0 + col, rel = key - row - w.diag;
+                const bool visible = key < w.Sk && row < w.Sq && (w.window_right < 0 || rel <= w.window_right) &&
+                                     (w.window_left < 0 || -rel <= w.window_left);
+                p = visible ? p : 0.0f;
+            }
+            st[i] = p;
+        }
+        ptx_wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < BR / 2; ++i) {
+            const int col = 8 * (i / 4) + 2 * t + i % 2;
+            dpt[i] = st[i] * (dpt[i] - ds[col]);
+            if (MASK) dpt[i] = st[i] == 0.0f ? 0.0f : dpt[i];   // a masked pair: 0, never 0 * NaN
+        }
+        to_a_fragment<BR>(st, pa);
+        to_a_fragment<BR>(dpt, da);
+        // dS^T into buffer it % 2: rows key - n0, 16-bit pairs of queries
+        unsigned char* dsb = ds_s + (it % 2) * DS_BYTES;
+#pragma unroll
+        for (int i = 0; i < BR / 2; i += 2) {
+            const int r = 64 * c + 16 * warp + g + 8 * ((i % 4) / 2), cb = (8 * (i / 4) + 2 * t) * 2;
+            *reinterpret_cast<unsigned*>(dsb + swizzled(r, cb)) = da[i / 8][(i % 8) / 2];
+        }
+        ptx_fence_proxy_async();   // the generic-proxy stores before wgmma's reads
+        ptx_wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < BR / 16; ++kb)
+            ptx_wgmma_rs<D, BF16, 1>(dv_acc, pa[kb], ptx_wgmma_desc_advance(ddo_mn, s * Q_BYTES + kb * 16 * 128), 1);
+#pragma unroll
+        for (int kb = 0; kb < BR / 16; ++kb)
+            ptx_wgmma_rs<D, BF16, 1>(dk_acc, da[kb], ptx_wgmma_desc_advance(dq_mn, s * Q_BYTES + kb * 16 * 128), 1);
+        ptx_wgmma_commit();
+        ptx_bar_sync(DS_BAR, 256);   // both consumers' halves of dS^T are stored
+#pragma unroll
+        for (int kb = 0; kb < BC / 16; ++kb)
+            ptx_wgmma_ss<DQN, BF16, 1, 1>(dq, ptx_wgmma_desc_advance(dds, (it % 2) * DS_BYTES + kb * 16 * 128),
+                                          ptx_wgmma_desc_advance(dkq, kb * 16 * 128), kb > 0);
+        ptx_wgmma_commit();
+        ptx_wgmma_wait<1>();   // dV, dK done: the stage's Q and dO are free
+        ptx_mbarrier_arrive(&empty[s]);
+        ptx_wgmma_wait<0>();
+        ptx_bar_sync(DQ_EMPTY, 288);   // the dQ warp has read the previous tile's buffer
+#pragma unroll
+        for (int i = 0; i < DQN / 2; i += 2) {
+            const int row = 16 * warp + g + 8 * ((i % 4) / 2), col = c * DQN + 8 * (i / 4) + 2 * t;
+            *reinterpret_cast<float2*>(dq_s + row * D + col) = make_float2(dq[i], dq[i + 1]);
+        }
+        ptx_fence_proxy_async();
+        ptx_bar_arrive(DQ_FULL, 288);
+    };
+
+    const int lo = min(s_lo, t_hi), hi = min(max(s_hi, lo), t_hi);
+    int it = 0;
+    for (int gi = 0; gi < group; ++gi) {
+        int m = t_lo;
+        for (; m < lo; ++m, ++it) tile(it, m * BR, MaskOf<MASK_ON>{});
+        for (; m < hi; ++m, ++it) tile(it, m * BR, MaskOf<MASK_NONE>{});
+        for (; m < t_hi; ++m, ++it) tile(it, m * BR, MaskOf<MASK_ON>{});
+    }
+    // (rows past Sk are dropped by store_rows)
+    store_rows(dk + b * dk_batch_stride + hk * dk_head_stride, dk_row_stride, w.key0, Sk, dk_acc, softmax_scale);
+    store_rows(dv + b * dv_batch_stride + hk * dv_head_stride, dv_row_stride, w.key0, Sk, dv_acc, 1.0f);
+}
+
+}  // namespace bwd_sm90
+
+extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(
+    const __grid_constant__ cuflash_tensor_map map_q, const __grid_constant__ cuflash_tensor_map map_k,
+    const __grid_constant__ cuflash_tensor_map map_v, const __grid_constant__ cuflash_tensor_map map_do,
+    const __grid_constant__ cuflash_tensor_map map_lse, const __grid_constant__ cuflash_tensor_map map_dd, float* dq_accum, bwd_sm90::elem_t* dk,
+    bwd_sm90::elem_t* dv, long long dk_batch_stride, long long dk_head_stride, long long dk_row_stride,
+    long long dv_batch_stride, long long dv_head_stride, long long dv_row_stride, int Sq, int Sk, int Hq, int group,
+    float softmax_scale, int window_left, int window_right) {
+    bwd_sm90::backward(map_q, map_k, map_v, map_do, map_lse, map_dd, dq_accum, dk, dv, dk_batch_stride, dk_head_stride,
+                       dk_row_stride, dv_batch_stride, dv_head_stride, dv_row_stride, Sq, Sk, Hq, group, softmax_scale,
+                       window_left, window_right);
+}
+
+#endif  // sm_90a
