@@ -9,10 +9,11 @@
 //   grid = (key tiles, kv heads, batch): one block per BC = 128 keys of one kv head. It walks every
 //   (query head of its kv head (GQA), BR = 64-row query tile that sees the key tile) pair in order.
 //   block = 3 warpgroups:
-//     warpgroup 0, warp 0 (producer): K and V once by TMA; per query tile Q and dO by TMA into a
-//       2-stage ring (full / empty mbarriers), and the tile's lse (log2 domain; +inf where P must
-//       be 0: rows past Sq and rows without keys) and Dd by plain loads of its 32 lanes, each lane
-//       arriving on the stage's full barrier after its stores;
+//     warpgroup 0, warp 0 (producer): K and V once by TMA; per query tile Q and dO (4-d maps) and
+//       its 64 lse and Dd values (boxes of the flat (B * Hq * Sq) float32 arrays) by TMA into a
+//       2-stage ring: a "full" mbarrier per stage (the TMA bytes) and an "empty" one that every
+//       consumer thread arrives on once it has read the stage (lse and Dd by plain loads, Q and
+//       dO through its wgmmas);
 //     warpgroup 0, warp 1 (dQ writer): per query tile waits on the named barrier DQ_FULL, adds the
 //       64 x D float32 dQ tile from shared memory into the workspace with one
 //       cp.reduce.async.bulk .add.f32 (its rows are contiguous there), waits for the read of the
@@ -25,7 +26,7 @@
 //         P^T  = exp2(S^T * scale log2 e - lse),  dS^T = P^T (dP^T - Dd)     (registers)
 //         dV  += P^T dO,  dK += dS^T Q         (rs: P^T and dS^T are the accumulators' own A
 //                                               fragments; dO / Q N-major: no transpose needed)
-//         dS^T -> shared memory (16-bit, [key][query], 128-byte swizzle), both consumers synced
+//         dS^T -> shared memory (stmatrix; 16-bit, [key][query], 128-byte swizzle), both consumers synced
 //                                               (named barrier DS_BAR), then
 //         dQ   = dS K                          (ss: dS M-major from that buffer, K N-major;
 //                                               consumer c computes columns c * D/2 ..)
@@ -43,7 +44,9 @@
 // dq_accum (B, Hq, Sq, D) float32 contiguous; dk, dv (B, Hk, Sk, D) with element strides. The
 // head dim is the bucket (D = Dv = CUFLASH_D, 64 or 128; the host refuses other head dims).
 // Windows are bottom-right: key j is visible to row i iff i + Sk - Sq - left <= j <= i + Sk - Sq +
-// right (-1: unbounded; causal is right = 0). A masked pair's P and dS are 0 (never 0 * NaN).
+// right (-1: unbounded; causal is right = 0). A masked pair's P and dS are 0 (never 0 * NaN); rows
+// past Sq read another head's lse and Dd (or zeros) and are masked, so the tile reaching past Sq
+// is always in a masked loop, as is every tile of a key tile reaching past Sk.
 //
 // Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D (64 or 128).
 #include "ptx.cuh"
@@ -71,7 +74,7 @@ constexpr int DQN = D / 2;                                 // dQ columns per con
 constexpr int DS_BAR = 1, DQ_FULL = 2, DQ_EMPTY = 3;
 static_assert(D % 64 == 0 && BR == 64, "head-dim panels and the 128-byte rows of dS^T");
 // dynamic shared memory after 1 KB alignment: K, V, Q[2], dO[2], dS^T[2], dQ, then lse and Dd [2][BR]
-constexpr int SMEM_TILES = 2 * K_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + DQ_BYTES + 2 * STAGES * BR * 4;
+// (2 K_BYTES + 4 Q_BYTES + 2 DS_BYTES + DQ_BYTES + 4 BR * 4; the host's smem_bytes adds the 1 KB)
 
 __device__ __forceinline__ unsigned pack(float lo, float hi) {
     return BF16 ? ptx_cvt_pack_bf16x2(lo, hi) : ptx_cvt_pack_f16x2(lo, hi);
@@ -107,15 +110,36 @@ __device__ __forceinline__ void to_a_fragment(const float (&acc)[N / 2], unsigne
     }
 }
 
+// every register of an accumulator pinned here (ptx_fence_operand)
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&acc)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) ptx_fence_operand(acc[i]);
+}
+
 enum Mask { MASK_NONE = 0, MASK_ON = 1 };
 template <int M> struct MaskOf {   // a Mask as a type, for a generic lambda
     static constexpr int value = M;
 };
 
 struct Walk {   // what a consumer knows of its block
-    int Sq, Sk, diag, window_left, window_right, key0;   // key0: this thread's first key row
+    int key0;                 // this thread's first key row (the other: key0 + 8)
+    int vis_lo[2], vis_hi[2];   // the queries its two key rows see (bottom-right window, Sq, Sk)
     float scale_log2;
 };
+
+// The queries [lo, hi] key `key` sees: row i sees it iff i + diag - left <= key <= i + diag +
+// right (-1: unbounded), i < Sq, key < Sk; an empty range (hi < lo) for a key past Sk.
+__device__ __forceinline__ void visible_rows(int key, int Sq, int Sk, int window_left, int window_right, int& lo,
+                                             int& hi) {
+    const long long diag = (long long)Sk - Sq;
+    long long a = 0, z = Sq - 1;
+    if (window_right >= 0) a = max(a, key - diag - window_right);
+    if (window_left >= 0) z = min(z, key - diag + window_left);
+    if (key >= Sk) z = -1;
+    lo = int(min(a, (long long)Sq));
+    hi = int(max(z, -1ll));
+}
 
 __device__ __forceinline__ void store_rows(elem_t* base, long long row_stride, int row0, int Sk, const float (&acc)[D / 2],
                                            float mul) {
@@ -214,8 +238,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
                     ptx_bulk_commit();
                     ptx_bulk_wait_read<0>();
                 }
-                __syncwarp();
-                if (it + 1 < nwalk) ptx_bar_arrive(DQ_EMPTY, 288);
+                if (it + 1 < nwalk) ptx_bar_arrive(DQ_EMPTY, 288);   // (lane 0's arrival follows its wait)
             }
             if (lane == 0) ptx_bulk_wait<0>();
         }
@@ -226,7 +249,10 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     ptx_setmaxnreg_inc<240>();
     const int c = wg - 1;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-    const Walk w{Sq, Sk, diag, window_left, window_right, n0 + 64 * c + 16 * warp + g, softmax_scale * CUFLASH_LOG2E};
+    Walk w;
+    w.key0 = n0 + 64 * c + 16 * warp + g;
+    w.scale_log2 = softmax_scale * CUFLASH_LOG2E;
+    for (int r = 0; r < 2; ++r) visible_rows(w.key0 + 8 * r, Sq, Sk, window_left, window_right, w.vis_lo[r], w.vis_hi[r]);
     // descriptors: this consumer's 64 rows of K and V (K-major), Q and dO of stage 0 (K-major for
     // S^T / dP^T, MN-major for dK / dV), K's columns c * D/2.. (MN-major, dQ), dS^T buffer 0
     const unsigned long long dk_a = ptx_opaque(desc_k_major(k_s + 64 * c * 128));
@@ -238,8 +264,23 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     float dk_acc[D / 2], dv_acc[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
+    // the per-tile accumulators, defined once before the walk (each tile's first wgmma ignores
+    // them, scale-d 0): an accumulator undefined on the loop's entry makes NVVM copy some of its
+    // registers between the k steps, and ptxas then serializes every wgmma (C7511)
     float st[BR / 2], dpt[BR / 2], dq[DQN / 2];
+#pragma unroll
+    for (int i = 0; i < BR / 2; ++i) st[i] = dpt[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DQN / 2; ++i) dq[i] = 0.0f;
     unsigned pa[BR / 16][4], da[BR / 16][4];
+    // this lane's stmatrix row of dS^T per k step: matrix lane / 8 (keys + 8 for odd ones, queries
+    // + 8 from the third), row lane % 8, 128-byte swizzled
+    unsigned st_off[BR / 16];
+#pragma unroll
+    for (int kb = 0; kb < BR / 16; ++kb) {
+        const int row = 64 * c + 16 * warp + lane % 8 + 8 * ((lane / 8) % 2);
+        st_off[kb] = swizzled(row, (2 * kb + lane / 16) * 16);
+    }
     if (nwalk > 0) ptx_mbarrier_wait(&kv_full, 0);
 
     // one query tile: `it` the walk index (stage, phase, dS^T buffer), m0 its first row, MASK a Mask
@@ -247,6 +288,8 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         constexpr int MASK = decltype(mask)::value;
         const int s = it % STAGES;
         ptx_mbarrier_wait(&full[s], (it / STAGES) & 1);
+        fence_operands(st);
+        fence_operands(dpt);
         ptx_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
@@ -259,41 +302,53 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
                                          ptx_wgmma_desc_advance(ddo_b, s * Q_BYTES + k_step_offset(kk, BR)), kk > 0);
         ptx_wgmma_commit();
         ptx_wgmma_wait<1>();   // S^T is in; dP^T may still run
+        fence_operands(st);
         // P^T: this thread's keys key0, key0 + 8 (rows), queries m0 + 8 (i / 4) + 2t + i % 2 (columns)
         // (an lse of -inf, a row without keys, occurs only in masked tiles, whose select drops the inf)
         const float* ls = lse_s + s * BR;
         const float* ds = dd_s + s * BR;
-        float nl[BR / 4];   // -lse log2 e of this thread's columns
+        float nl[BR / 4], dcol[BR / 4];   // -lse log2 e and Dd of this thread's columns (pairs: 8-byte loads)
 #pragma unroll
-        for (int j = 0; j < BR / 4; ++j) nl[j] = ls[8 * (j / 2) + 2 * t + j % 2] * -CUFLASH_LOG2E;
+        for (int j = 0; j < BR / 8; ++j) {
+            const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * j + 2 * t);
+            const float2 d2 = *reinterpret_cast<const float2*>(ds + 8 * j + 2 * t);
+            nl[2 * j] = l2.x * -CUFLASH_LOG2E;
+            nl[2 * j + 1] = l2.y * -CUFLASH_LOG2E;
+            dcol[2 * j] = d2.x;
+            dcol[2 * j + 1] = d2.y;
+        }
+#pragma unroll
+        // the mask: this thread's key rows see queries [vis_lo, vis_hi], here relative to its first
+        // column m0 + 2t, so a score's test is two compares with its constant column offset
+        int lo[2], hi[2];
+        if (MASK) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                lo[r] = w.vis_lo[r] - (m0 + 2 * t);
+                hi[r] = w.vis_hi[r] - (m0 + 2 * t);
+            }
+        }
 #pragma unroll
         for (int i = 0; i < BR / 2; ++i) {
-            const int col = 8 * (i / 4) + 2 * t + i % 2;
             float p = exp2f(fmaf(st[i], w.scale_log2, nl[2 * (i / 4) + i % 2]));
-            if (MASK) {
-                const int key = w.key0 + 8 * ((i % 4) / 2), row = m0 + col, rel = key - row - w.diag;
-                const bool visible = key < w.Sk && row < w.Sq && (w.window_right < 0 || rel <= w.window_right) &&
-                                     (w.window_left < 0 || -rel <= w.window_left);
-                p = visible ? p : 0.0f;
-            }
+            const int r = (i % 4) / 2, offset = 8 * (i / 4) + i % 2;
+            if (MASK) p = offset >= lo[r] && offset <= hi[r] ? p : 0.0f;
             st[i] = p;
         }
         ptx_wgmma_wait<0>();
+        fence_operands(dpt);
 #pragma unroll
         for (int i = 0; i < BR / 2; ++i) {
-            const int col = 8 * (i / 4) + 2 * t + i % 2;
-            dpt[i] = st[i] * (dpt[i] - ds[col]);
+            dpt[i] = st[i] * (dpt[i] - dcol[2 * (i / 4) + i % 2]);
             if (MASK) dpt[i] = st[i] == 0.0f ? 0.0f : dpt[i];   // a masked pair: 0, never 0 * NaN
         }
         to_a_fragment<BR>(st, pa);
         to_a_fragment<BR>(dpt, da);
-        // dS^T into buffer it % 2: rows key - n0, 16-bit pairs of queries
+        // dS^T into buffer it % 2 (rows: keys - n0), by stmatrix: the fragment of k step kb is four
+        // 8 x 8 matrices (keys 16 warp + 0..7 / 8..15 by queries 16 kb + 0..7 / 8..15)
         unsigned char* dsb = ds_s + (it % 2) * DS_BYTES;
 #pragma unroll
-        for (int i = 0; i < BR / 2; i += 2) {
-            const int r = 64 * c + 16 * warp + g + 8 * ((i % 4) / 2), cb = (8 * (i / 4) + 2 * t) * 2;
-            *reinterpret_cast<unsigned*>(dsb + swizzled(r, cb)) = da[i / 8][(i % 8) / 2];
-        }
+        for (int kb = 0; kb < BR / 16; ++kb) ptx_stmatrix_x4(dsb + st_off[kb], da[kb]);
         ptx_fence_proxy_async();   // the generic-proxy stores before wgmma's reads
         ptx_wgmma_fence();
 #pragma unroll

@@ -652,6 +652,15 @@ __device__ __forceinline__ unsigned long long ptx_opaque(unsigned long long x) {
 #endif
     return x;
 }
+// `x` pinned in its register here: an empty asm that reads and writes it (no instruction; CUTLASS's
+// warpgroup_fence_operand). Around a wgmma batch it keeps NVVM from copying accumulators an
+// unfinished wgmma still writes, after which ptxas serializes every wgmma (C7511). The simulator
+// has no registers to pin.
+__device__ __forceinline__ void ptx_fence_operand(float& x) {
+#if !defined(CUFLASH_SIM)
+    asm volatile("" : "+f"(x)::"memory");
+#endif
+}
 // The first 1024-byte-aligned byte of a dynamic shared-memory area (the 128-byte swizzle's pattern
 // boundary; the plan asks for 1 KB more than the tiles).
 __device__ __forceinline__ unsigned char* ptx_align_smem_1024(unsigned char* smem) {

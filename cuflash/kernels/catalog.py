@@ -11,6 +11,7 @@ import dataclasses
 from cuflash.kernels import (
     attention_bwd_mma,
     attention_bwd_simt,
+    attention_bwd_sm90,
     attention_combine,
     attention_fwd_mma,
     attention_fwd_simt,
@@ -57,6 +58,7 @@ def variants_for_arch(arch: int) -> tuple:
     out.extend(attention_fwd_sm90.all_variants(arch))   # (sm_90a: compute capability 9.0 only)
     out.extend(attention_fwd_sm90.all_variants(arch, mods=True))
     out.extend(attention_fwd_sm90.all_variants(arch, varlen=True))
+    out.extend(attention_bwd_sm90.all_variants(arch))   # (sm_90a, the backward's main stage)
     if arch >= 70:
         out.extend(dropout_mask.DropoutMaskVariant.all())
     if arch >= 75:

@@ -23,4 +23,25 @@ def on_device(call, problem, *arrays):
     return (problem.on_device(call.import_array), *(call.import_array(a) for a in arrays))
 
 
-__all__ = ["sim_call", "on_device", "to_device"]
+def sim_backward(module, dout, q, k, v, out, lse, *, causal=False, window_size=(-1, -1), layout="bhsd",
+                 deterministic=False):
+    """``(dq, dk, dv)`` of the backward tier ``module`` (its ``main_variant`` between the shared dot
+    and convert stages, :func:`cuflash.kernels.backward_run.backward`) on the simulator (its
+    current options), bypassing the dispatcher; the tier's ``unsupported_reason`` must accept
+    the call."""
+    from cuflash.kernels import backward_run
+    from cuflash.reference import backward as ref_backward
+    from cuflash.runtime.options import Options
+
+    opts = Options(causal=causal, window_size=window_size, layout=layout, deterministic=deterministic)
+    p = ref_backward.check_backward(dout, q, k, v, out, lse, opts, func="test", max_head_dim=256)
+    why = module.unsupported_reason(p, 90, (q, k, v, out, dout))
+    assert why is None, why
+    with sim_call(q) as call:
+        pd = p.on_device(call.import_array)
+        grads = backward_run.backward(pd, *(call.import_array(x) for x in (dout, q, k, v, out, lse)),
+                                      module.main_variant(p, 90), call)
+        return tuple(call.export(g) for g in grads)
+
+
+__all__ = ["sim_call", "on_device", "to_device", "sim_backward"]

@@ -48,6 +48,7 @@ FILES = {
     "hopper_probe.cu": ("hopper_checked", "hopper_seeds"),
     "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked",
                               "fwd_sm90_varlen_checked"),
+    "attention_bwd_sm90.cu": ("bwd_sm90_checked", "bwd_sm90_seeds"),
 }
 #: mutants no probe kills, each with why removing that line is harmless (or what gap it shows)
 SURVIVORS: dict[str, str] = {
@@ -253,6 +254,29 @@ def _sm90_varlen_case(checked, seeds):
                 assert ok, f"Hopper packed forward, sequence {b}, seed {seed}: {msg}"
 
 
+def _sm90_bwd_case(checked, seeds):
+    """The Hopper backward's main stage (f16, head dim 128, causal, GQA 2:1), run directly between the
+    shared dot and convert stages: 4 query tiles of each of 2 heads per key tile (the Q/dO ring
+    wraps both parities, the dQ buffer and both dS^T buffers are reused), the second key tile
+    reaching past Sk; against the float64 gradients."""
+    import cuflash
+    from cuflash import sim
+    from cuflash.kernels import attention_bwd_sm90
+    from support.device import sim_backward
+    from support.grads import check_grads_close
+
+    rng = np.random.default_rng(40)
+    q = rng.standard_normal((1, 2, 200, 128)).astype(F16)
+    k = rng.standard_normal((1, 1, 150, 128)).astype(F16)
+    v = rng.standard_normal((1, 1, 150, 128)).astype(F16)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)   # the NumPy forward
+    dout = rng.standard_normal(out.shape).astype(F16)
+    for seed in seeds:
+        with sim.options(arch="sm_90", checked=checked, seed=seed):
+            grads = sim_backward(attention_bwd_sm90, dout, q, k, v, out, lse, causal=True)
+        check_grads_close(grads, dout, q, k, v, out, lse, causal=True)
+
+
 F16, F32 = np.float16, np.float32
 PROBES = {
     "fwd_mma_checked": lambda: _attention_case(F16, 64, 200, 300, True, "sm_80", True, (0,), False),
@@ -286,6 +310,8 @@ PROBES = {
     "fwd_sm90_local_checked": lambda: _sm90_case(F16, 128, 190, 260, True, True, (0,)),
     "fwd_sm90_varlen_checked": lambda: _sm90_varlen_case(True, (0,)),
     "hopper_seeds": lambda: _hopper_case(False, SEEDS),
+    "bwd_sm90_checked": lambda: _sm90_bwd_case(True, (0,)),
+    "bwd_sm90_seeds": lambda: _sm90_bwd_case(False, SEEDS),
 }
 
 

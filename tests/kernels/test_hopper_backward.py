@@ -1,0 +1,111 @@
+"""The Hopper backward's main stage (``kernels_cu/attention_bwd_sm90.cu``) on the CUDA simulator.
+
+dq, dk, dv against the float64 gradients under the gradient rule of every tier
+(:func:`support.grads.check_grads_close`), the tier run directly between the shared dot and
+convert stages (:func:`support.device.sim_backward`). The default run takes two small cases of
+one variant (f16, head dim 128: Sq != Sk, neither a multiple of the tiles, GQA, non-causal and
+causal, several query tiles per key tile so the 2-stage ring wraps); ``slow`` runs a pairwise grid
+over dtype, head dim, mask and lengths, and checked mode (races, bounds, proxies, in-flight TMA and
+bulk reduce-adds) on the masked and steady loops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from allpairspy import AllPairs
+from support.device import sim_backward
+from support.grads import check_grads_close, make_qkv
+
+import cuflash
+from cuflash.kernels import attention_bwd_sm90
+from cuflash.reference import backward as ref_backward
+from cuflash.runtime import dtypes
+from cuflash.runtime.options import Options
+
+MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False, (40, 7)),
+         "causal_win": (True, (70, -1)), "narrow": (False, (0, 0))}
+DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
+
+
+def run_case(sq, sk, d, heads, mask, dtype_key="f16", *, seed=0, checked=False):
+    """One case on the simulator, held to the gradient rule; returns the gradients."""
+    rng = np.random.default_rng(sq * 31 + sk + d)
+    hq, hk = heads
+    dtype = DTYPES[dtype_key]
+    q, k, v = make_qkv(rng, 1, hq, hk, sq, sk, d, d, dtype=dtype)
+    causal, window = MASKS[mask]
+    kw = dict(causal=causal, window_size=window)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)  # the NumPy forward
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    with cuflash.sim.options(arch="sm_90", seed=seed, checked=checked):
+        grads = sim_backward(attention_bwd_sm90, dout, q, k, v, out, lse, **kw)
+    for g, x in zip(grads, (q, k, v)):
+        assert g.dtype == dtype and g.shape == x.shape
+    check_grads_close(grads, dout, q, k, v, out, lse, **kw)
+    return grads
+
+
+@pytest.mark.parametrize("sq,sk,heads,mask", [(70, 150, (2, 1), "none"), (200, 77, (1, 1), "causal")])
+def test_default_cases(sq, sk, heads, mask):
+    grads = run_case(sq, sk, 128, heads, mask)
+    if mask == "causal":   # Sq > Sk: the first Sq - Sk rows see no key
+        assert (grads[0][:, :, : sq - sk] == 0).all()
+
+
+GRID = [tuple(c) for c in AllPairs([[1, 70, 130, 300], [1, 97, 150, 260], [64, 128], [(1, 1), (4, 2)], list(MASKS),
+                                     list(DTYPES)])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", GRID, ids=["-".join(map(str, c)).replace(" ", "") for c in GRID])
+def test_grid(case):
+    sq, sk, d, heads, mask, dt = case
+    run_case(sq, sk, d, heads, mask, dt)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("sq,sk,d,heads,mask,dt", [(70, 150, 128, (2, 1), "causal", "f16"),
+                                                   (200, 77, 64, (4, 2), "none", "bf16"),
+                                                   (260, 129, 128, (1, 1), "causal_win", "f16")])
+def test_checked(sq, sk, d, heads, mask, dt):
+    run_case(sq, sk, d, heads, mask, dt, checked=True)
+
+
+@pytest.mark.slow
+def test_seeds_agree_bitwise_in_dk_dv():
+    """dK and dV have one writer per element (no adds across blocks): every thread order gives
+    the same bits."""
+    a = run_case(130, 150, 64, (2, 1), "causal", seed=0)
+    b = run_case(130, 150, 64, (2, 1), "causal", seed=3)
+    for x, y in zip(a[1:], b[1:]):
+        np.testing.assert_array_equal(x, y)
+
+
+def _problem(d=128, dv=128, dtype=dtypes.float16, **opts):
+    rng = np.random.default_rng(0)
+    q, k, v = make_qkv(rng, 1, 2, 1, 9, 5, d, dv, dtype=dtype)
+    out = np.zeros(q.shape[:-1] + (dv,), dtype)
+    lse = np.zeros(q.shape[:-1], np.float32)
+    return ref_backward.check_backward(out, q, k, v, out, lse, Options(**opts), func="test", max_head_dim=256)
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(opts=dict(deterministic=True)), "deterministic mode"),
+    (dict(d=96, dv=96), "D = Dv in (64, 128)"),
+    (dict(d=128, dv=64), "(D, Dv) = (128, 64)"),
+    (dict(dtype=np.float32), "float16/bfloat16"),
+])
+def test_refusals_name_the_reason(kw, words):
+    p = _problem(kw.get("d", 128), kw.get("dv", 128), kw.get("dtype", dtypes.float16), **kw.get("opts", {}))
+    assert words in attention_bwd_sm90.unsupported_reason(p, 90)
+
+
+def test_plan_refuses_mismatched_shapes():
+    q = np.zeros((1, 2, 9, 64), np.float16)
+    k = np.zeros((1, 1, 5, 64), np.float16)
+    lse = np.zeros((1, 2, 9), np.float32)
+    acc = np.zeros((1, 1, 2, 9, 64), np.float32)
+    with pytest.raises(ValueError, match="dout"):
+        attention_bwd_sm90.plan_main(q, k, k, q[:, :1], lse, lse, acc, k, k, None, softmax_scale=1.0, dtype="f16")
