@@ -172,21 +172,24 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
     // the query rows that see a key of this tile, as query tiles [t_lo, t_hi), and the tiles
     // [s_lo, s_hi) among them that need no mask (all 64 x 128 pairs visible, no key past Sk)
-    const int diag = Sk - Sq;
-    int row_lo = 0, row_hi = Sq;   // [row_lo, row_hi)
-    if (window_right >= 0) row_lo = max(0, n0 - diag - window_right);
-    if (window_left >= 0) row_hi = min(Sq, n0 + BC - 1 - diag + window_left + 1);
-    const int t_lo = row_lo / BR, t_hi = row_hi > row_lo ? (row_hi + BR - 1) / BR : t_lo;
+    // (in 64 bits: window bounds reach 2^31 - 1)
+    typedef long long i64;
+    const i64 diag = i64(Sk) - Sq;
+    i64 row_lo = 0, row_hi = Sq;   // [row_lo, row_hi)
+    if (window_right >= 0) row_lo = max(i64(0), n0 - diag - window_right);
+    if (window_left >= 0) row_hi = min(i64(Sq), n0 + BC - 1 - diag + window_left + 1);
+    const int t_lo = int(min(row_lo, i64(Sq)) / BR), t_hi = row_hi > row_lo ? int((row_hi + BR - 1) / BR) : t_lo;
     int s_lo = t_lo, s_hi = t_hi;
     if (n0 + BC > Sk) {
         s_hi = s_lo;   // a key tile reaching past Sk: every tile masked
     } else {
         // visible: row i >= n0 + BC - 1 - diag - right (every key left of its right edge) and
         // row i + BR - 1 <= n0 - diag + left (every key right of its left edge)
-        if (window_right >= 0) s_lo = max(s_lo, min(t_hi, (max(0, n0 + BC - 1 - diag - window_right) + BR - 1) / BR));
+        if (window_right >= 0)
+            s_lo = max(s_lo, int(min(i64(t_hi), (max(i64(0), n0 + BC - 1 - diag - window_right) + BR - 1) / BR)));
         if (window_left >= 0) {
-            const int last = n0 - diag + window_left - (BR - 1);   // the last steady tile's first row
-            s_hi = last < 0 ? s_lo : min(s_hi, last / BR + 1);
+            const i64 last = n0 - diag + window_left - (BR - 1);   // the last steady tile's first row
+            s_hi = last < 0 ? s_lo : int(min(i64(s_hi), last / BR + 1));
         }
         s_hi = max(min(s_hi, Sq / BR), s_lo);   // (a tile reaching past Sq is masked: its lse and Dd boxes read on)
     }

@@ -154,11 +154,14 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture
 def without_hopper_tier(monkeypatch):
-    """The forward dispatcher without its Hopper tier (kernels_cu/attention_fwd_sm90.cu), for
-    tests of the tensor-core tier on sm_90, which serves the calls the Hopper tier refuses."""
-    from cuflash.kernels import attention_fwd_sm90, dispatch
+    """The dispatcher without its Hopper tiers (kernels_cu/attention_fwd_sm90.cu and
+    attention_bwd_sm90.cu), for tests of the tensor-core tier on sm_90, which serves the calls the
+    Hopper tiers refuse."""
+    from cuflash.kernels import attention_bwd_sm90, attention_fwd_sm90, dispatch
 
     monkeypatch.setattr(dispatch, "TIERS", tuple(t for t in dispatch.TIERS if t[1] is not attention_fwd_sm90))
+    monkeypatch.setattr(dispatch, "BACKWARD_TIERS",
+                        tuple(t for t in dispatch.BACKWARD_TIERS if t[1] is not attention_bwd_sm90))
 
 
 @pytest.fixture(scope="session")

@@ -516,6 +516,9 @@ def variants(arch: int, *, backward: bool | None = None, dtype: str | None = Non
         out = []
         for bwd in ((False, True) if backward is None else (backward,)):
             tier = dispatch.backward_tier(problem, arch) if bwd else dispatch.forward_tier(problem, arch)
+            if bwd and not getattr(tier, "ROOFLINE_MODEL", True):   # (its loop nest is not modelled yet:
+                tier = next(m for _, m in dispatch.BACKWARD_TIERS    # the next tier's figures, said so)
+                            if getattr(m, "ROOFLINE_MODEL", True) and m.unsupported_reason(problem, arch) is None)
             if varlen and not bwd:   # packed batches: the fastest tier that has packed forms
                 tier = next(m for _, m in dispatch.TIERS if m.all_variants(arch, varlen=True))
             chosen = tier.choose_variant(dt, head_dim, dv, arch)

@@ -39,6 +39,10 @@ BLOCK_M = 64
 BLOCK_N = 128
 STAGES = 2
 PANEL = attention_fwd_sm90.PANEL
+#: the roofline model (``python -m cuflash roofline``) does not read this kernel's loop nest (a loop
+#: per mask kind inside the walk over query heads) yet: it models the next backward tier, and
+#: ``--sass-of`` counts this kernel's loops
+ROOFLINE_MODEL = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,3 +244,11 @@ def main_variant(problem, arch: int = 90) -> Sm90BackwardVariant:
 def variant_for(problem, arch: int = 90) -> Sm90BackwardVariant:
     """The variant that runs ``problem`` (the signature every tier shares)."""
     return main_variant(problem, arch)
+
+
+def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int = 90) -> Sm90BackwardVariant:
+    """The variant of a dtype and head dims (the signature every tier shares; D = Dv in
+    :data:`HEAD_DIMS`, else ValueError)."""
+    if head_dim != head_dim_v:
+        raise ValueError(f"attention_bwd_sm90: D={head_dim} and Dv={head_dim_v} must be equal")
+    return Sm90BackwardVariant(variants.dtype_key(dtype), head_dim)

@@ -42,6 +42,7 @@ import math
 from cuflash.kernels import (
     attention_bwd_mma,
     attention_bwd_simt,
+    attention_bwd_sm90,
     attention_fwd_mma,
     attention_fwd_simt,
     attention_fwd_sm90,
@@ -57,7 +58,8 @@ log = logging.getLogger("cuflash.dispatch")
 TIERS = (("Hopper wgmma", attention_fwd_sm90), ("tensor-core mma.sync", attention_fwd_mma),
          ("portable SIMT", attention_fwd_simt))
 #: the backward's tiers, likewise (:func:`backward_tier`)
-BACKWARD_TIERS = (("tensor-core mma.sync", attention_bwd_mma), ("portable SIMT", attention_bwd_simt))
+BACKWARD_TIERS = (("Hopper wgmma", attention_bwd_sm90), ("tensor-core mma.sync", attention_bwd_mma),
+                  ("portable SIMT", attention_bwd_simt))
 
 
 def target_reason(mod, arch: int, nvrtc_majors=None) -> str | None:
@@ -152,9 +154,12 @@ def forward_tier(problem, arch: int, arrays=None):
 
 
 def backward_tier(problem, arch: int, arrays=None):
-    """The kernel module that runs the backward of ``problem`` on ``sm_<arch>``: the tensor-core
-    backward (float16/bfloat16, sm_80+, a tile of the head dims' bucket fitting the shared memory,
-    rows 16-byte aligned) or the portable SIMT one. A tier module provides
+    """The kernel module that runs the backward of ``problem`` on ``sm_<arch>``: the Hopper
+    backward (``sm_90a``: compute capability 9.0; float16/bfloat16 with D = Dv = 64 or 128, views
+    a TMA tensor map can describe, not deterministic, no dropout, modifiers or packed batches),
+    the tensor-core backward (float16/bfloat16, sm_80+, a tile of the head dims' bucket fitting
+    the shared memory, rows 16-byte aligned) or the portable SIMT one; why each faster tier was
+    passed over is :func:`describe_backward_choice`'s line. A tier module provides
     ``main_variant(problem, arch)``, the main stage :func:`run_backward` runs between the common
     dot and convert stages; ``arrays`` is ``(q, k, v, out, dout)`` (alignment of views)."""
     mod, reasons = _choose(problem, arch, arrays, BACKWARD_TIERS)
@@ -162,6 +167,18 @@ def backward_tier(problem, arch: int, arrays=None):
         name = dict((m, n) for n, m in BACKWARD_TIERS)[mod]
         log.debug("sm_%d: backward on the %s tier%s", arch, name, "; " + "; ".join(reasons) if reasons else "")
     return mod
+
+
+def describe_backward_choice(problem, arch: int, arrays=None) -> str:
+    """One line naming the backward tier and main-stage variant that run ``problem`` on
+    ``sm_<arch>`` and why each faster tier was passed over (``arrays``: ``(q, k, v, out, dout)``),
+    e.g. ``sm_90: tensor-core mma.sync tier, cuflash_attn_bwd_mma_main_...; Hopper wgmma tier not
+    used: deterministic mode is not in the Hopper backward yet (...)``."""
+    mod, reasons = _choose(problem, arch, arrays, BACKWARD_TIERS)
+    v = mod.main_variant(problem, arch)
+    name = dict((m, n) for n, m in BACKWARD_TIERS)[mod]
+    line = f"sm_{arch}: {name} tier, " + (v.describe() if hasattr(v, "describe") else v.entry)
+    return line + ("; " + "; ".join(reasons) if reasons else "")
 
 
 def variant_for(mod, problem, arch: int):

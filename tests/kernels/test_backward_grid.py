@@ -18,6 +18,7 @@ thread orders follow. Fresh gradients are NaN-poisoned before the launches.
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from support.grads import check_grads_close, make_qkv
 from support.options import check_attention
 
 import cuflash
-from cuflash.kernels import attention_bwd_mma, attention_bwd_simt, backward_run, dispatch
+from cuflash.kernels import attention_bwd_mma, attention_bwd_simt, attention_bwd_sm90, backward_run, dispatch
 from cuflash.reference import backward as ref_backward
 from cuflash.runtime import dtypes, plan
 from cuflash.runtime.options import Options
@@ -85,10 +86,14 @@ def run_case(rng, t: Tier, case, *, seed=0, arch=None, dv=None, scale=1.0):
     dout = rng.standard_normal(out.shape).astype(dtype)
     if form == "dout_transposed":  # a non-contiguous dout: a bhsd view of bshd storage
         dout = np.ascontiguousarray(dout.swapaxes(1, 2)).swapaxes(1, 2)
-    assert dispatch.backward_tier(_problem(dout, q, k, v, out, lse, **kw), arch, (q, k, v, out, dout)) is t.module
-    with cuflash.sim.options(seed=seed, arch=f"sm_{arch}"):
-        grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim",
-                                           deterministic=mode == "deterministic", **kw)
+    # the tensor-core tier itself, also where the Hopper backward would take the call
+    # (tests/kernels/test_hopper_backward.py runs that one)
+    tiers = tuple(x for x in dispatch.BACKWARD_TIERS if x[1] is not attention_bwd_sm90)
+    with mock.patch.object(dispatch, "BACKWARD_TIERS", tiers):
+        assert dispatch.backward_tier(_problem(dout, q, k, v, out, lse, **kw), arch, (q, k, v, out, dout)) is t.module
+        with cuflash.sim.options(seed=seed, arch=f"sm_{arch}"):
+            grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim",
+                                               deterministic=mode == "deterministic", **kw)
     for g, x in zip(grads, (q, k, v)):
         assert g.dtype == dtype and g.shape == x.shape
     check_grads_close(grads, dout, q, k, v, out, lse, **kw)
@@ -183,7 +188,8 @@ def test_fallbacks_to_simt(rng):
         out, lse = cuflash.attention(q, k, v, return_lse=True)
         return dispatch.backward_tier(_problem(out, q, k, v, out, lse), arch, (q, k, v, out, out))
 
-    assert tier(64, 64) is attention_bwd_mma and tier(128, 40) is attention_bwd_mma
+    assert tier(64, 64) is attention_bwd_sm90 and tier(128, 40) is attention_bwd_mma
+    assert tier(64, 64, dtype=dtypes.bfloat16) is attention_bwd_sm90 and tier(96, 96) is attention_bwd_mma
     assert tier(192, 192) is attention_bwd_mma and tier(256, 64) is attention_bwd_mma
     assert tier(128, 128, arch=86) is attention_bwd_mma  # 64 x 64, one stage, in 99 KB
     assert tier(192, 192, arch=86) is attention_bwd_simt  # no 192 tile fits 99 KB

@@ -27,6 +27,7 @@ from cuflash import reference as ref
 from cuflash import sim
 from cuflash.kernels import (
     attention_bwd_mma,
+    attention_bwd_sm90,
     attention_bwd_simt,
     attention_fwd_mma,
     attention_fwd_simt,
@@ -45,8 +46,8 @@ TIERS = [
     ("mma_bf16_d128", "sm_80", dtypes.bfloat16, 128, attention_fwd_mma, attention_bwd_mma),
     ("mma_f16_d128_sm90", "sm_90", dtypes.float16, 128, attention_fwd_mma, attention_bwd_mma),   # 64 x 128 keys
     ("mma_bf16_d256_sm90", "sm_90", dtypes.bfloat16, 256, attention_fwd_mma, attention_bwd_mma),
-    # the Hopper forward (its LSE into the tensor-core backward)
-    ("sm90_f16_d128", "sm_90", dtypes.float16, 128, attention_fwd_sm90, attention_bwd_mma),
+    # the Hopper forward (its LSE into the Hopper backward, and at d256 into the tensor-core one)
+    ("sm90_f16_d128", "sm_90", dtypes.float16, 128, attention_fwd_sm90, attention_bwd_sm90),
     ("sm90_bf16_d256", "sm_90", dtypes.bfloat16, 256, attention_fwd_sm90, attention_bwd_mma),
 ]
 #: (name, Sq, Sk, causal, window_size)

@@ -25,6 +25,7 @@ from cuflash import reference as ref
 from cuflash.kernels import (
     attention_bwd_mma,
     attention_bwd_simt,
+    attention_bwd_sm90,
     attention_combine,
     attention_fwd_mma,
     attention_fwd_simt,
@@ -189,6 +190,8 @@ def _chunked_prefill(rng, v, d):
 
 def _without_hopper(monkeypatch):
     monkeypatch.setattr(dispatch, "TIERS", tuple(t for t in dispatch.TIERS if t[1] is not attention_fwd_sm90))
+    monkeypatch.setattr(dispatch, "BACKWARD_TIERS",
+                        tuple(t for t in dispatch.BACKWARD_TIERS if t[1] is not attention_bwd_sm90))
 
 
 def _run(v, rng, monkeypatch):
@@ -227,6 +230,15 @@ def _run(v, rng, monkeypatch):
         out, lse = cuflash.attention(q, k, vv, return_lse=True, backend="sim", **kw)
         check_close(out, q, k, vv, **kw)
         return check_lse(lse, q, k, vv, **kw)
+    if isinstance(v, attention_bwd_sm90.Sm90BackwardVariant):   # its main stage, through the public backward
+        dt = DTYPES[v.dtype]
+        q = rng.standard_normal((1, 2, 150, v.head_dim)).astype(dt)   # 3 query tiles, 2 key tiles, GQA
+        k = rng.standard_normal((1, 1, 170, v.head_dim)).astype(dt)
+        vv = rng.standard_normal((1, 1, 170, v.head_dim)).astype(dt)
+        out, lse = cuflash.attention(q, k, vv, causal=True, return_lse=True)   # the NumPy forward
+        dout = rng.standard_normal(out.shape).astype(dt)
+        grads = cuflash.attention_backward(dout, q, k, vv, out, lse, causal=True, backend="sim")
+        return check_grads_close(grads, dout, q, k, vv, out, lse, causal=True)
     if isinstance(v, softmax.SoftmaxVariant):
         x = rng.standard_normal((3, 3000 if v.mode == "block" else 100)).astype(DTYPES[v.dtype])
         y = cuflash.softmax(x, backend="sim")
@@ -263,7 +275,7 @@ def test_variant_runs_on_the_simulator(entry, launched, monkeypatch):
 def test_the_sweep_covers_every_family_and_arch():
     families = {type(v).__name__ for _, v in CATALOG.values()}
     assert families == {"SoftmaxVariant", "AttentionFwdSimt", "AttentionBwdSimt", "AttentionFwdMma", "AttentionBwdMma",
-                        "Sm90ForwardVariant", "DropoutMaskVariant", "KVCacheAppend", "AttentionCombine"}
+                        "Sm90ForwardVariant", "Sm90BackwardVariant", "DropoutMaskVariant", "KVCacheAppend", "AttentionCombine"}
     assert {arch for arch, _ in CATALOG.values()} == set(ARCHES)
     assert len(CATALOG) == len({v for arch in ARCHES for v in catalog.variants_for_arch(arch)})
     assert all(arch >= 80 for arch, v in CATALOG.values() if isinstance(v, KVCACHE_ONLY))

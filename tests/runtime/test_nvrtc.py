@@ -309,9 +309,9 @@ def test_a_cuda13_only_tier_falls_back_under_nvrtc12(monkeypatch):
         "Hopper wgmma tier not used: its kernels are CUDA-13-only" in line   # (the stand-in, then the real one)
 
 
-def test_the_public_catalog_has_one_sm90a_tier_the_hopper_forward():
-    from cuflash.kernels import attention_fwd_sm90
+def test_the_public_catalog_has_two_sm90a_tiers_the_hopper_forward_and_backward():
+    from cuflash.kernels import attention_bwd_sm90, attention_fwd_sm90
 
     sm90a = [mod for _, mod in dispatch.TIERS + dispatch.BACKWARD_TIERS if getattr(mod, "TARGET_ARCH", None)]
-    assert sm90a == [attention_fwd_sm90] and attention_fwd_sm90.TARGET_ARCH == "90a"
+    assert sm90a == [attention_fwd_sm90, attention_bwd_sm90] and attention_bwd_sm90.TARGET_ARCH == "90a"
     assert dispatch.target_reason(attention_fwd_sm90, 100) and dispatch.target_reason(attention_fwd_sm90, 90) is None
