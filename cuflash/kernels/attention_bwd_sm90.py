@@ -136,7 +136,7 @@ class Sm90BackwardVariant(variants.Variant):
         its ``(q, k, v, out, dout, dq, dk, dv)`` in (B, H, S, D) order, ``lse`` and ``dd`` (B, Hq,
         Sq) float32 contiguous, ``acc`` the float32 dQ workspace ``(1, B, Hq, Sq, D)``."""
         q, k, v, _, dout, _, dk, dv = views
-        return plan_main(q, k, v, dout, lse, dd, acc, dk, dv, call, softmax_scale=problem.softmax_scale,
+        return plan_main((q, k, v, dout, dk, dv), lse, dd, acc, call, softmax_scale=problem.softmax_scale,
                          window_left=problem.window_left, window_right=problem.window_right, dtype=self.dtype)
 
 
@@ -147,19 +147,20 @@ def all_variants(arch: int = 90) -> tuple[Sm90BackwardVariant, ...]:
     return tuple(Sm90BackwardVariant(dt, d) for dt in DTYPES for d in HEAD_DIMS)
 
 
-def plan_main(q, k, v, dout, lse, dd, acc, dk, dv, call, *, softmax_scale: float, window_left: int = -1,
-              window_right: int = -1, dtype: str) -> LaunchPlan:
+def plan_main(arrays, lse, dd, acc, call, *, softmax_scale: float, window_left: int = -1, window_right: int = -1,
+              dtype: str) -> LaunchPlan:
     """The main stage's launch for arrays in (B, H, S, D) order.
 
     Parameters
     ----------
-    q, dout : arrays (B, Hq, Sq, D); k, v : arrays (B, Hk, Sk, D)
-        float16 or bfloat16, any strides a tensor map can describe; Hq a multiple of Hk.
+    arrays : tuple ``(q, k, v, dout, dk, dv)``
+        q, dout (B, Hq, Sq, D); k, v (B, Hk, Sk, D): float16 or bfloat16, any strides a tensor map
+        can describe, Hq a multiple of Hk; dk, dv (B, Hk, Sk, D), q's dtype, written (dk times
+        ``softmax_scale``).
     lse, dd : arrays (B, Hq, Sq) float32, C-contiguous
         The forward's natural-log LSE and ``rowsum(dO * O)``.
     acc : array (1, B, Hq, Sq, D) float32, C-contiguous
         The dQ workspace, added to (unscaled).
-    dk, dv : arrays (B, Hk, Sk, D), q's dtype, written (dk times ``softmax_scale``)
     call : DeviceCall
     softmax_scale, window_left, window_right : as the forward's (-1 unbounded; causal: right 0)
     dtype : {"f16", "bf16"}
@@ -169,6 +170,7 @@ def plan_main(q, k, v, dout, lse, dd, acc, dk, dv, call, *, softmax_scale: float
     ValueError
         For shapes or layouts the kernel cannot take, naming the arrays.
     """
+    q, k, v, dout, dk, dv = arrays
     b, hq, sq, d = q.shape
     bk, hk, sk, dk_ = k.shape
     if (tuple(v.shape) != (b, hk, sk, d) or bk != b or dk_ != d or tuple(dout.shape) != (b, hq, sq, d)

@@ -108,4 +108,4 @@ def test_plan_refuses_mismatched_shapes():
     lse = np.zeros((1, 2, 9), np.float32)
     acc = np.zeros((1, 1, 2, 9, 64), np.float32)
     with pytest.raises(ValueError, match="dout"):
-        attention_bwd_sm90.plan_main(q, k, k, q[:, :1], lse, lse, acc, k, k, None, softmax_scale=1.0, dtype="f16")
+        attention_bwd_sm90.plan_main((q, k, k, q[:, :1], k, k), lse, lse, acc, None, softmax_scale=1.0, dtype="f16")

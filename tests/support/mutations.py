@@ -58,6 +58,33 @@ SURVIVORS: dict[str, str] = {
         "each consumer's data is its own (its Q rows, its registers) and the shared K/V stages are guarded by "
         "the full/empty mbarriers, so without the turn the result is the same; its arrivals then complete "
         "phases with no waiter, which is harmless",
+    # The Hopper backward: five needed synchronisations (seven mutants) the simulator cannot show missing. It runs a
+    # fiber until it blocks, so one warpgroup never lags a whole tile behind the other or behind the
+    # dQ warp, and checked mode orders a generic write before an async-proxy read (wgmma, bulk
+    # reduce) only by that writer's fence, not by a barrier between two threads: gaps of the
+    # simulator, listed rather than hidden.
+    "attention_bwd_sm90.cu|ptx_bulk_wait<0>();|#0|delete":
+        "the dQ warp's last wait for its bulk reduce-adds' global writes before it exits: the simulator "
+        "completes a reduce's shared-memory read and its global adds together, so after the loop's "
+        "wait_group.read 0 nothing is left for it; on a GPU it orders the last adds before the thread's exit",
+    "attention_bwd_sm90.cu|ptx_bulk_wait<0>();|#0|relax": "as its deletion (wait_group 1 after wait_group.read 0)",
+    "attention_bwd_sm90.cu|ptx_wgmma_commit();|#2|delete":
+        "the commit that closes dV/dK's wgmma group: without it they join dQ's group, and the wait_group 1 "
+        "before the stage's release no longer covers them, so the producer may refill Q/dO while they read "
+        "it; in the simulator the consumer always reaches its wait_group 0 before the producer's refill "
+        "lands (no lagging warpgroup)",
+    "attention_bwd_sm90.cu|ptx_bar_sync(DS_BAR, 256);|#0|delete":
+        "the consumers' barrier between their dS^T halves and the dQ wgmma that reads both: the two "
+        "warpgroups meet at every wgmma rendezvous in the simulator, so each half is always stored first, "
+        "and checked mode does not order another thread's generic store before a wgmma read",
+    "attention_bwd_sm90.cu|ptx_wgmma_wait<1>();|#1|delete":
+        "the wait for dV/dK's wgmmas before the stage's release (empty arrival): as the commit above, the "
+        "refill of that stage never overtakes the consumer's wait_group 0 in the simulator",
+    "attention_bwd_sm90.cu|ptx_wgmma_wait<1>();|#1|relax": "as its deletion",
+    "attention_bwd_sm90.cu|ptx_bar_sync(DQ_EMPTY, 288);|#0|delete":
+        "the consumers' wait for the dQ warp to have read the dQ buffer: the dQ warp runs its reduce and "
+        "wait_group.read as soon as the consumers block at their next rendezvous, before they store the "
+        "next tile's dQ, so the simulator never shows the overwrite",
 }
 
 
