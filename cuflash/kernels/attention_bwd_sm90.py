@@ -116,8 +116,8 @@ class Sm90BackwardVariant(variants.Variant):
     @property
     def smem_bytes(self) -> int:
         """K, V, 2 stages of Q and dO (64-column panels), 2 dS^T buffers (Bc x Br 16-bit), the dQ
-        buffer (Br x D float32), 2 stages of lse and Dd, 1 KB for alignment (the kernel's
-        ``SMEM_TILES`` plus 1024)."""
+        buffer (Br x D float32), 2 stages of lse and Dd, 1 KB for alignment (the kernel's layout
+        comment)."""
         d = self.head_dim
         return (1024 + 2 * BLOCK_N * d * 2 + 2 * STAGES * BLOCK_M * d * 2 + 2 * BLOCK_N * BLOCK_M * 2
                 + BLOCK_M * d * 4 + 2 * STAGES * BLOCK_M * 4)

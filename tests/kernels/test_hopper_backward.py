@@ -109,3 +109,15 @@ def test_plan_refuses_mismatched_shapes():
     acc = np.zeros((1, 1, 2, 9, 64), np.float32)
     with pytest.raises(ValueError, match="dout"):
         attention_bwd_sm90.plan_main((q, k, k, q[:, :1], k, k), lse, lse, acc, None, softmax_scale=1.0, dtype="f16")
+
+
+def test_dispatcher_picks_the_hopper_backward_on_cc90_and_says_why_not_elsewhere():
+    from cuflash.kernels import attention_bwd_mma, dispatch
+
+    p = _problem(64, 64)
+    assert dispatch.backward_tier(p, 90) is attention_bwd_sm90
+    assert dispatch.describe_backward_choice(p, 90).startswith("sm_90: Hopper wgmma tier, cuflash_attn_bwd_sm90_main_f16_d64")
+    assert dispatch.backward_tier(p, 80) is attention_bwd_mma
+    assert "Hopper wgmma tier not used" in dispatch.describe_backward_choice(p, 100)
+    line = dispatch.describe_backward_choice(_problem(128, 128, deterministic=True), 90)
+    assert line.startswith("sm_90: tensor-core mma.sync tier") and "deterministic mode is not in the Hopper" in line
