@@ -3,8 +3,8 @@
 dq, dk, dv against the float64 gradients under the gradient rule of every tier
 (:func:`support.grads.check_grads_close`), the tier run directly between the shared dot and
 convert stages (:func:`support.device.sim_backward`). The default run takes two small cases of
-one variant (f16, head dim 128: Sq != Sk, neither a multiple of the tiles, GQA, non-causal and
-causal, several query tiles per key tile so the 2-stage ring wraps); ``slow`` runs a pairwise grid
+one variant in checked mode (f16, head dim 128: Sq != Sk, neither a multiple of the tiles, GQA,
+non-causal and causal, several query tiles per key tile so the 2-stage ring wraps); ``slow`` runs a pairwise grid
 over dtype, head dim, mask and lengths, and checked mode (races, bounds, proxies, in-flight TMA and
 bulk reduce-adds) on the masked and steady loops.
 """
@@ -46,9 +46,12 @@ def run_case(sq, sk, d, heads, mask, dtype_key="f16", *, seed=0, checked=False):
     return grads
 
 
+@pytest.mark.checked
 @pytest.mark.parametrize("sq,sk,heads,mask", [(70, 150, (2, 1), "none"), (200, 77, (1, 1), "causal")])
 def test_default_cases(sq, sk, heads, mask):
-    grads = run_case(sq, sk, 128, heads, mask)
+    # in checked mode (races, bounds, proxies, TMA and bulk reduce-adds in flight): the build the
+    # mutation probe bwd_sm90_checked and the Hopper row of test_edge_cases_checked also use
+    grads = run_case(sq, sk, 128, heads, mask, checked=True)
     if mask == "causal":   # Sq > Sk: the first Sq - Sk rows see no key
         assert (grads[0][:, :, : sq - sk] == 0).all()
 
