@@ -124,3 +124,25 @@ def test_dispatcher_picks_the_hopper_backward_on_cc90_and_says_why_not_elsewhere
     assert "Hopper wgmma tier not used" in dispatch.describe_backward_choice(p, 100)
     line = dispatch.describe_backward_choice(_problem(128, 128, deterministic=True), 90)
     assert line.startswith("sm_90: tensor-core mma.sync tier") and "deterministic mode is not in the Hopper" in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,form,dt,d", [("bshd", "plain", "bf16", 128), ("bhsd", "dout_transposed", "f16", 64)])
+def test_public_backward_in_both_layouts(layout, form, dt, d):
+    """Through ``cuflash.attention_backward`` (the dispatcher's choice asserted): batch 2, GQA,
+    causal, a bshd layout or a non-contiguous dout (a bhsd view of bshd storage)."""
+    from cuflash.kernels import dispatch
+
+    rng = np.random.default_rng(5)
+    dtype = DTYPES[dt]
+    q, k, v = make_qkv(rng, 2, 4, 2, 90, 140, d, d, layout=layout, dtype=dtype)
+    kw = dict(causal=True, layout=layout)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    if form == "dout_transposed":
+        dout = np.ascontiguousarray(dout.swapaxes(1, 2)).swapaxes(1, 2)
+    p = ref_backward.check_backward(dout, q, k, v, out, lse, Options(**kw), func="test", max_head_dim=256)
+    assert dispatch.backward_tier(p, 90, (q, k, v, out, dout)) is attention_bwd_sm90
+    with cuflash.sim.options(arch="sm_90"):
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim", **kw)
+    check_grads_close(grads, dout, q, k, v, out, lse, **kw)
