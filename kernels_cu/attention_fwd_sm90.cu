@@ -52,11 +52,30 @@
 // and windows bottom-right per sequence, the key tile that straddles the sequence's end in the
 // masked loop, the steady loop unchanged. lse is (Hq, total_q).
 //
+// KV caches (the CUFLASH_KVCACHE 1 variants; cuflash.attention_with_kvcache): q and o as the
+// fixed form's (B, Hq, Sq, D) maps; the keys of sequence b are its cache indices [start, end),
+// start = cache_leftpad[b] (0 without), end = cache_seqlens[b] + seqlen_new (read on the device;
+// kvcache_append.cu wrote the new rows before this launch). The whole producer warpgroup gathers
+// each K and V tile with cp.async into the same swizzled panels TMA would fill (the load seam:
+// gather_tile), from row p % page_size of page block_table[b][p / page_size] (paged) or row p of
+// cache batch cache_batch_idx[b] (contiguous), keys past the end and columns past the head dim
+// zero-filled, never read; it then fences the writes for the async proxy and arrives on the
+// tile's "full" barrier (128 arrivals). From there on the math is the fixed form's. Split-KV
+// (num_splits > 1; the grid's x is query tile x split): a block takes its split's run of the key
+// tiles the device-read lengths give, and writes its normalized float32 O and LSE into o_partial
+// and lse_partial (rows (batch, head, query row)) for attention_combine.cu; a split without keys
+// writes 0 and -inf. Indices are clamped into the cache; a sequence whose index was out of range
+// gets NaN in every row it writes (as the tensor-core KV-cache form).
+//
 // Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D and CUFLASH_DV (head-dim buckets: 64, 96,
 // 128, 192, 256; Dv <= D), CUFLASH_BC (keys per tile), CUFLASH_LOCAL (0/1), CUFLASH_MODS (0/1),
-// CUFLASH_VARLEN (0/1).
+// CUFLASH_VARLEN (0/1), CUFLASH_KVCACHE (0/1).
 #include "ptx.cuh"
 #include "score_mods.cuh"
+
+#ifndef CUFLASH_KVCACHE
+#define CUFLASH_KVCACHE 0
+#endif
 
 #if __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -155,6 +174,70 @@ __device__ __forceinline__ void store_o(const Tiles& t, const unsigned char* o_s
     ptx_bulk_commit();
     ptx_bulk_wait<0>();
 }
+
+#if CUFLASH_KVCACHE
+// Where sequence b's keys lie in the cache (the header comment), read and clamped on the device.
+struct CacheSeq {
+    const unsigned char *k, *v;   // the kv head's rows of page (batch) 0
+    long long k_page, k_row, v_page, v_row;   // byte strides
+    const int* bt_row;            // paged: the sequence's block-table row; else nullptr
+    int page_size, num_pages, start, seqlen_k, cache_b, bad;
+};
+__device__ __forceinline__ CacheSeq cache_seq(int b, int hk, const unsigned char* k_cache, const unsigned char* v_cache,
+                                              const long long (&st)[6], const int* __restrict__ cache_seqlens,
+                                              const int* __restrict__ leftpad, const int* __restrict__ batch_idx,
+                                              const int* __restrict__ block_table, long long bt_stride, int page_size,
+                                              int num_pages, int cache_seqlen, int seqlen_new, int capacity, int flags) {
+    CacheSeq c;
+    const int keys = ((flags & 1) ? cache_seqlens[b] : cache_seqlen) + seqlen_new;
+    c.bad = keys < 0 || keys > capacity;
+    const int end = clamp_index(keys, 0, capacity);
+    const int start = (flags & 2) ? leftpad[b] : 0;
+    c.bad |= start < 0 || start > end;
+    c.start = clamp_index(start, 0, end);
+    c.seqlen_k = end - c.start;
+    const int cb = (flags & 4) ? batch_idx[b] : b;
+    const bool paged = flags & 8;
+    c.bad |= !paged && (cb < 0 || cb >= num_pages);
+    c.cache_b = paged ? 0 : clamp_index(cb, 0, num_pages - 1);
+    c.bt_row = paged ? block_table + b * bt_stride : nullptr;
+    c.k = k_cache + hk * st[2];
+    c.v = v_cache + hk * st[5];
+    c.k_page = st[0], c.k_row = st[1], c.v_page = st[3], c.v_row = st[4];
+    c.page_size = page_size, c.num_pages = num_pages;
+    return c;
+}
+
+// One K or V tile, keys [kv0, kv0 + BC) of the sequence, gathered by the 128 producer threads
+// (ptid): chunk ptid % 8 (16 bytes) of rows ptid / 8 + 16 i in each 64-column panel, at its
+// 128-byte-swizzle place (the layout a TMA box fills). Keys past Sk and bytes past `dbytes` (the
+// head dim) are zero-filled and not read; a page index out of range is clamped and sets `bad`.
+template <int NP>
+__device__ __forceinline__ void gather_tile(unsigned char* dst, const unsigned char* base, long long page_stride,
+                                            long long row_stride, const CacheSeq& c, int kv0, int Sk, int dbytes,
+                                            int ptid, int& bad) {
+    const int chunk = ptid % 8;
+    for (int r = ptid / 8; r < BC; r += 16) {
+        const int key = kv0 + r, p = c.start + key;
+        const bool live = key < Sk;
+        long long page = c.cache_b;
+        int row = p;
+        if (c.bt_row != nullptr && live) {
+            const int slot = p / c.page_size, pg = c.bt_row[slot];
+            bad |= pg < 0 || pg >= c.num_pages;
+            page = clamp_index(pg, 0, c.num_pages - 1);
+            row = p - slot * c.page_size;
+        }
+        const unsigned char* src = base + page * page_stride + row * row_stride;
+        unsigned char* d = dst + r * 128 + ((chunk ^ (r & 7)) << 4);
+#pragma unroll 1
+        for (int pn = 0; pn < NP; ++pn) {
+            const int cb = pn * 128 + chunk * 16, n = live && cb < dbytes ? 16 : 0;
+            ptx_cp_async_16_zfill(d + pn * PANEL_KV, n ? src + cb : base, n);
+        }
+    }
+}
+#endif
 
 // ------------------------------------------------------------------- the consumer's math
 // The wgmma descriptors of a 128-byte-swizzled tile: K-major (Q, K: 16 head-dim columns a step)
@@ -303,10 +386,25 @@ __device__ __forceinline__ void to_a_fragment(const float (&sc)[BC / 2], unsigne
     }
 }
 
+#if CUFLASH_KVCACHE
+struct KvArgs {   // the KV-cache form's arguments (the entry's, below)
+    const unsigned char *k_cache, *v_cache;
+    long long st[6];   // k's page (batch), row and head strides, then v's, in bytes
+    const int *cache_seqlens, *leftpad, *batch_idx, *block_table;
+    long long bt_stride, partial_rows;
+    int page_size, num_pages, cache_seqlen, seqlen_new, capacity, flags, num_splits, head_dim, head_dim_v;
+    float *o_partial, *lse_partial;
+};
+#endif
+
 __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_map& map_k, const cuflash_tensor_map& map_v,
                         const cuflash_tensor_map& map_o, float* lse, int Sq, int Sk, int Hq, int group, float scale_log2,
                         int window_left, int window_right, const ScoreMods& mods, const int* __restrict__ cu_seqlens_q,
-                        const int* __restrict__ cu_seqlens_k, const int* __restrict__ seqused_k, int varlen) {
+                        const int* __restrict__ cu_seqlens_k, const int* __restrict__ seqused_k, int varlen
+#if CUFLASH_KVCACHE
+                        , const KvArgs& kv
+#endif
+                        ) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long q_full;
     // K and V have their own ring slots and barriers: a K slot frees once S is waited for, a
@@ -315,10 +413,19 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     __shared__ __align__(8) unsigned long long full_v[STAGES];
     __shared__ __align__(8) unsigned long long empty_k[STAGES];
     __shared__ __align__(8) unsigned long long empty_v[STAGES];
+#if CUFLASH_KVCACHE
+    __shared__ int page_bad;   // a producer thread read a page index out of range
+#endif
     unsigned char* q_s = ptx_align_smem_1024(smem_raw);             // [NPANEL][BR rows][128 B]
     unsigned char* k_s = q_s + Q_BYTES;                      // [STAGES][NPANEL][BC rows][128 B]
     unsigned char* v_s = k_s + STAGES * K_BYTES;             // [STAGES][NPANEL_V][BC rows][128 B]
+#if CUFLASH_KVCACHE
+    // split-KV: blockIdx.x is (query tile, split), the split fastest
+    const int nsplit = kv.num_splits, split = blockIdx.x % nsplit;
+    const int m0 = (gridDim.x / nsplit - 1 - blockIdx.x / nsplit) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
+#else
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
+#endif
 #if CUFLASH_VARLEN
     // a packed batch (Sq, Sk: the totals): sequence b's rows and lengths, warp-uniform (common.cuh);
     // the grid covers the longest sequence, and a block past this one's rows leaves at once
@@ -331,6 +438,13 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #else
     const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, b};
 #endif
+#if CUFLASH_KVCACHE
+    // the sequence's keys in the cache, from the lengths and indices on the device
+    const CacheSeq cs = cache_seq(b, hk, kv.k_cache, kv.v_cache, kv.st, kv.cache_seqlens, kv.leftpad, kv.batch_idx,
+                                  kv.block_table, kv.bt_stride, kv.page_size, kv.num_pages, kv.cache_seqlen,
+                                  kv.seqlen_new, kv.capacity, kv.flags);
+    Sk = cs.seqlen_k;
+#endif
     // the warpgroup, read from lane 0 so that the compiler knows it uniform across the warp (it
     // then keeps what derives from it, the consumer's descriptors, in uniform registers)
     const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
@@ -341,22 +455,34 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         if (window_left >= 0) kv_lo = max(0, m0 + diag - window_left);
         if (window_right >= 0) kv_hi = min(Sk, m0 + BR - 1 + diag + window_right + 1);
     }
-    const int tile_lo = kv_lo / BC, tile_hi = kv_hi > kv_lo ? (kv_hi + BC - 1) / BC : tile_lo;
-    const int ntiles = tile_hi - tile_lo;
+    int tile_lo = kv_lo / BC;
+    const int tile_hi = kv_hi > kv_lo ? (kv_hi + BC - 1) / BC : tile_lo;
+    int ntiles = tile_hi - tile_lo;
+#if CUFLASH_KVCACHE
+    if (nsplit > 1) {   // this split's run of the tiles (the last runs may be short or empty)
+        const int per = (ntiles + nsplit - 1) / nsplit;
+        tile_lo += split * per;
+        ntiles = max(0, min(per, ntiles - split * per));
+    }
+#endif
     if (threadIdx.x == 0) {
         ptx_mbarrier_init(&q_full, 1);
         for (int s = 0; s < STAGES; ++s) {
-            ptx_mbarrier_init(&full_k[s], 1);
-            ptx_mbarrier_init(&full_v[s], 1);
+            ptx_mbarrier_init(&full_k[s], CUFLASH_KVCACHE ? 128 : 1);   // (a gather: every producer thread arrives)
+            ptx_mbarrier_init(&full_v[s], CUFLASH_KVCACHE ? 128 : 1);
             ptx_mbarrier_init(&empty_k[s], 2);   // one arrival per consumer warpgroup
             ptx_mbarrier_init(&empty_v[s], 2);
         }
         ptx_fence_mbarrier_init();
+#if CUFLASH_KVCACHE
+        page_bad = 0;
+#endif
     }
     __syncthreads();
 
     if (wg == 0) {   // ---------------------------------------------------------------- producer
-        ptx_setmaxnreg_dec<40>();
+        ptx_setmaxnreg_dec<CUFLASH_KVCACHE ? 48 : 40>();
+#if !CUFLASH_KVCACHE
         if (threadIdx.x / 32 == 0 && ptx_elect_one()) {
             load_q(tiles, q_s, m0, &q_full);
             for (int j = 0; j < ntiles; ++j) {
@@ -367,6 +493,36 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
                 load_v(tiles, v_s + s * V_BYTES, kv0, &full_v[s]);
             }
         }
+#else
+        // Q by TMA; K and V gathered by all 128 threads, one tile's K and V in flight while the
+        // previous one's V lands (cp.async groups: V_{j-1}, K_j, then K_j, V_j)
+        if (threadIdx.x / 32 == 0 && ptx_elect_one()) load_q(tiles, q_s, m0, &q_full);
+        const int ptid = threadIdx.x;
+        int bad = 0;
+        for (int j = 0; j < ntiles; ++j) {
+            const int s = j % STAGES, kv0 = (tile_lo + j) * BC;
+            if (j >= STAGES) ptx_mbarrier_wait(&empty_k[s], ((j / STAGES) - 1) & 1);
+            gather_tile<NPANEL>(k_s + s * K_BYTES, cs.k, cs.k_page, cs.k_row, cs, kv0, Sk, 2 * kv.head_dim, ptid, bad);
+            ptx_cp_async_commit();
+            if (j > 0) {   // V_{j-1} has landed
+                ptx_cp_async_wait<1>();
+                ptx_fence_proxy_async();   // the generic-proxy writes, before wgmma (async proxy) reads them
+                ptx_mbarrier_arrive(&full_v[(j - 1) % STAGES]);
+            }
+            if (j >= STAGES) ptx_mbarrier_wait(&empty_v[s], ((j / STAGES) - 1) & 1);
+            gather_tile<NPANEL_V>(v_s + s * V_BYTES, cs.v, cs.v_page, cs.v_row, cs, kv0, Sk, 2 * kv.head_dim_v, ptid, bad);
+            ptx_cp_async_commit();
+            ptx_cp_async_wait<1>();   // K_j has landed
+            ptx_fence_proxy_async();
+            ptx_mbarrier_arrive(&full_k[s]);
+        }
+        if (ntiles > 0) {   // (the consumers read page_bad after this arrival)
+            if (bad) atomicOr(&page_bad, 1);
+            ptx_cp_async_wait<0>();
+            ptx_fence_proxy_async();
+            ptx_mbarrier_arrive(&full_v[(ntiles - 1) % STAGES]);
+        }
+#endif
         return;
     }
 
@@ -462,6 +618,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         if (c == 0) ptx_bar_arrive(TURN_BAR + 1, 256);
         ptx_wgmma_wait<0>();   // (the last V slot is not released: no load waits for it)
     }
+#if CUFLASH_KVCACHE
+    const bool bad = cs.bad || (ntiles > 0 && page_bad);   // (page_bad: set before the last V's arrival)
+#endif
     // epilogue: O / l into 16-bit, staged over this consumer's Q rows (128-byte swizzle), TMA store
     float inv[2];
 #pragma unroll
@@ -473,9 +632,29 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         const float keep = 1.0f;
 #endif
         inv[r] = l > 0.0f ? keep / l : 0.0f;
+#if CUFLASH_KVCACHE
+        // a split's LSE into lse_partial (rows (batch, head, query row)); an index out of range: NaN
+        float row_lse = l > 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
+        if (bad) inv[r] = row_lse = __int_as_float(0x7fc00000);
+        if (t == 0 && row0 + 8 * r < Sq)
+            (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(size_t(b) * Hq + h) * Sq + row0 + 8 * r] = row_lse;
+#else
         if (t == 0 && row0 + 8 * r < Sq)
             lse[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = l > 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
+#endif
     }
+#if CUFLASH_KVCACHE
+    if (nsplit > 1) {   // the split's normalized float32 O, for the combine
+        float* op = kv.o_partial + (size_t(split) * kv.partial_rows + (size_t(b) * Hq + h) * Sq) * kv.head_dim_v;
+#pragma unroll
+        for (int i = 0; i < DV / 2; i += 2) {
+            const int r = (i % 4) / 2, row = row0 + 8 * r, col = 8 * (i / 4) + 2 * t;
+            if (row < Sq && col < kv.head_dim_v)
+                *reinterpret_cast<float2*>(op + size_t(row) * kv.head_dim_v + col) = make_float2(o[i] * inv[r], o[i + 1] * inv[r]);
+        }
+        return;
+    }
+#endif
     unsigned char* o_s = q_s + 64 * c * 128;
 #pragma unroll
     for (int i = 0; i < DV / 2; i += 2) {
@@ -492,8 +671,10 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 }  // namespace fwd_sm90
 
 extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(const __grid_constant__ cuflash_tensor_map map_q,
+#if !CUFLASH_KVCACHE
                                                                    const __grid_constant__ cuflash_tensor_map map_k,
                                                                    const __grid_constant__ cuflash_tensor_map map_v,
+#endif
                                                                    const __grid_constant__ cuflash_tensor_map map_o,
                                                                    float* lse, int Sq, int Sk, int Hq, int group,
                                                                    float scale_log2, int window_left, int window_right
@@ -501,6 +682,23 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(const __grid_
                                                                    , const int* __restrict__ cu_seqlens_q,
                                                                    const int* __restrict__ cu_seqlens_k,
                                                                    const int* __restrict__ seqused_k, int varlen
+#endif
+#if CUFLASH_KVCACHE
+                                                                   , const unsigned char* __restrict__ k_cache,
+                                                                   const unsigned char* __restrict__ v_cache,
+                                                                   long long k_page_stride, long long k_row_stride,
+                                                                   long long k_head_stride, long long v_page_stride,
+                                                                   long long v_row_stride, long long v_head_stride,
+                                                                   const int* __restrict__ cache_seqlens,
+                                                                   const int* __restrict__ cache_leftpad,
+                                                                   const int* __restrict__ cache_batch_idx,
+                                                                   const int* __restrict__ block_table,
+                                                                   long long block_table_stride, int page_size,
+                                                                   int num_pages, int cache_seqlen, int seqlen_new,
+                                                                   int cache_capacity, int cache_flags, int num_splits,
+                                                                   long long partial_rows, int head_dim, int head_dim_v,
+                                                                   float* __restrict__ o_partial,
+                                                                   float* __restrict__ lse_partial
 #endif
 #if CUFLASH_MODS
                                                                    , CUFLASH_MODS_PARAMS
@@ -514,8 +712,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(const __grid_
 #if !CUFLASH_VARLEN
     const int *cu_seqlens_q = nullptr, *cu_seqlens_k = nullptr, *seqused_k = nullptr, varlen = 0;   // (fixed shapes)
 #endif
+#if CUFLASH_KVCACHE
+    // (K and V are gathered from the caches: the k and v tensor maps are not read)
+    const fwd_sm90::KvArgs kv{k_cache, v_cache, {k_page_stride, k_row_stride, k_head_stride, v_page_stride, v_row_stride,
+                              v_head_stride}, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
+                              block_table_stride, partial_rows, page_size, num_pages, cache_seqlen, seqlen_new,
+                              cache_capacity, cache_flags, num_splits, head_dim, head_dim_v, o_partial, lse_partial};
+    fwd_sm90::forward(map_q, map_q, map_q, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods,
+                      cu_seqlens_q, cu_seqlens_k, seqused_k, varlen, kv);
+#else
     fwd_sm90::forward(map_q, map_k, map_v, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods,
                       cu_seqlens_q, cu_seqlens_k, seqused_k, varlen);
+#endif
 }
 
 #endif  // sm_90a

@@ -185,10 +185,10 @@ def explain_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, rotar
         As for :func:`attention_with_kvcache` (``out`` and ``return_lse`` are not taken: they do
         not change the kernel). The arrays are read for their metadata; host index arrays
         (NumPy ``cache_seqlens``, ``cache_leftpad``, ``cache_batch_idx``, ``block_table``) are
-        read and checked in full, as the real call checks them on the host, and with
-        ``num_splits=0`` the split count uses the longest sequence they give (``cache_seqlens[b]
-        + Snew - cache_leftpad[b]``) as the real call does; device-resident ones are checked
-        for dtype and shape only and the split count plans with the cache's capacity.
+        read and checked in full, as the real call checks them on the host; device-resident
+        ones are checked for dtype and shape only. The split count never depends on the lengths
+        (``num_splits=0`` plans with the cache's capacity and the shapes, as the real call does,
+        so a CUDA-graph replay with new ``cache_seqlens`` keeps its plan).
     arch : int or str, optional
         Compute capability to plan for (``90``, ``"sm_80"``), as :func:`cuflash.explain` takes
         it. With ``num_splits=0`` the split count depends on the SM count: the GPU's for CUDA

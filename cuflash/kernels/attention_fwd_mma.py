@@ -307,14 +307,15 @@ def kvcache_splits(problem, variant, arch: int, num_sms: int) -> int:
     """The split-KV count: ``num_splits`` when given, else enough splits for
     :data:`SPLIT_WAVES` waves of the blocks the SMs hold (``num_sms`` x the blocks that fit one
     SM's shared memory), keeping :data:`MIN_TILES_PER_SPLIT` key tiles per split; never more
-    splits than key tiles (the longest sequence's, when the host knows the lengths; else the
-    cache's). A packed batch (chunked prefill) runs unsplit."""
+    splits than the cache's capacity has key tiles. Never from the sequence lengths, even when
+    the host knows them: a CUDA-graph replay with new ``cache_seqlens`` keeps the captured plan,
+    and each split takes its share of the key tiles the lengths read on the device give. A packed
+    batch (chunked prefill) runs unsplit."""
     c = problem.kvcache
     if problem.varlen is not None:
         return 1
     batch = problem.batch_shape[0]
-    keys = c.capacity if c.longest is None else c.longest
-    n_tiles = max(1, -(-keys // variant.block_n))
+    n_tiles = max(1, -(-c.capacity // variant.block_n))
     if c.num_splits:
         return max(1, min(c.num_splits, n_tiles, MAX_SPLITS))
     blocks = kvcache_query_tiles(problem, variant) * (problem.num_heads_q // kvcache_pack(problem)) * batch

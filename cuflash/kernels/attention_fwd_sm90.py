@@ -14,8 +14,12 @@ the head dim contiguous, every other stride and each base 16-byte aligned. Packe
 (``cuflash.attention_varlen``, with ``seqused_k``; the ``varlen`` forms) run here too, plain:
 sequence starts come from ``cu_seqlens`` on the device, and ragged tensor maps
 (:meth:`cuflash.runtime.tensor_map.TensorMap.ragged`) clip every load and store at its sequence's
-end. The rest (fp32, dropout, score modifiers on packed batches, KV caches and chunked prefill,
-Sk = 0, views TMA cannot describe) goes to the tensor-core mma.sync tier, and ``explain`` says why.
+end. KV caches (``cuflash.attention_with_kvcache``, contiguous or paged, with ``Sq`` from
+:data:`KVCACHE_MIN_ROWS` on; the ``kvcache`` forms) run here too: the producer warpgroup gathers K
+and V from the cache with cp.async (:func:`plan_kvcache`), split-KV merges by the combine kernel.
+The rest (fp32, dropout, score modifiers on packed batches and caches, decode-like KV-cache calls,
+chunked prefill, Sk = 0, views TMA cannot describe) goes to the tensor-core mma.sync tier, and
+``explain`` says why.
 
 Tiles (the roofline's per-head-dim choice; shared memory per block = Q + two stages of K and V +
 1 KB of alignment): Br = 128 always; Bc = 128 for head dims up to 128, 112 for 192, 80 for 256.
@@ -80,6 +84,9 @@ class Sm90ForwardVariant(variants.Variant):
     #: packed variable-length batches (``CUFLASH_VARLEN``: ragged tensor maps, the sequence index on
     #: the device); a compile-time axis, so a fixed-shape call runs exactly the fixed kernel
     varlen: bool = False
+    #: the KV-cache form (``CUFLASH_KVCACHE``: K and V gathered from a contiguous or paged cache by the
+    #: producer warpgroup, split-KV); always ``local`` (an unbounded window runs the same steady loop)
+    kvcache: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -89,6 +96,8 @@ class Sm90ForwardVariant(variants.Variant):
                 raise ValueError(f"Sm90ForwardVariant: {name}={d} must be one of {HEAD_DIM_BUCKETS}")
         if self.varlen and self.mods:
             raise ValueError("Sm90ForwardVariant: the packed (varlen) forms have no score modifiers")
+        if self.kvcache and (self.varlen or self.mods or not self.local):
+            raise ValueError("Sm90ForwardVariant: the KV-cache forms are local, without packed queries or modifiers")
         if self.head_dim_v > self.head_dim:
             raise ValueError(f"Sm90ForwardVariant: head_dim_v={self.head_dim_v} must not exceed head_dim="
                              f"{self.head_dim} (the output is staged over the query tile)")
@@ -96,7 +105,7 @@ class Sm90ForwardVariant(variants.Variant):
     def axes(self) -> tuple[str, ...]:
         dims = f"d{self.head_dim}" if self.head_dim == self.head_dim_v else f"d{self.head_dim}_dv{self.head_dim_v}"
         return ((self.dtype, dims) + (("local",) if self.local else ()) + (("mods",) if self.mods else ())
-                + (("varlen",) if self.varlen else ()))
+                + (("varlen",) if self.varlen else ()) + (("kvcache",) if self.kvcache else ()))
 
     @property
     def block_m(self) -> int:
@@ -141,11 +150,15 @@ class Sm90ForwardVariant(variants.Variant):
                                     ("CUFLASH_D", str(self.head_dim)), ("CUFLASH_DV", str(self.head_dim_v)),
                                     ("CUFLASH_BC", str(self.block_n)), ("CUFLASH_LOCAL", "1" if self.local else "0"),
                                     ("CUFLASH_MODS", "1" if self.mods else "0"),
-                                    ("CUFLASH_VARLEN", "1" if self.varlen else "0"))
+                                    ("CUFLASH_VARLEN", "1" if self.varlen else "0"),
+                                    ("CUFLASH_KVCACHE", "1" if self.kvcache else "0"))
 
     def describe(self) -> str:
         packed = "packed sequences (ragged tensor maps clipped at each sequence's end): " if self.varlen else ""
-        return (f"{self.entry}: {packed}a producer warpgroup (TMA, 2-stage K and V rings) and 2 consumer warpgroups of 64 "
+        loads = "TMA, 2-stage K and V rings"
+        if self.kvcache:
+            loads = "Q by TMA, K and V gathered from the cache by cp.async into 2-stage rings"
+        return (f"{self.entry}: {packed}a producer warpgroup ({loads}) and 2 consumer warpgroups of 64 "
                 f"query rows (wgmma; ping-pong, softmax overlapped with P V), Br={BLOCK_M}, Bc={self.block_n}, {self.smem_bytes} B of shared memory")
 
 
@@ -159,11 +172,15 @@ def bucket(d: int) -> int:
 
 def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
                  dropout: bool = False, mods: bool = False) -> tuple[Sm90ForwardVariant, ...]:
-    """Every variant (the compile gate's and precompile's list); none below sm_90, and no KV-cache
-    or dropout forms, nor modifiers on packed batches (those calls go to the tensor-core tier);
-    ``mods``: the score-modifier forms; ``varlen``: the packed forms."""
-    if arch != 90 or kvcache or dropout or (varlen and mods):
+    """Every variant (the compile gate's and precompile's list); none below sm_90, and no dropout
+    forms, nor modifiers on packed batches or KV caches, nor packed queries over a cache (those
+    calls go to the tensor-core tier); ``mods``: the score-modifier forms; ``varlen``: the packed
+    forms; ``kvcache``: the KV-cache forms (local only)."""
+    if arch != 90 or dropout or (varlen and mods) or (kvcache and (varlen or mods)):
         return ()
+    if kvcache:
+        return tuple(Sm90ForwardVariant(dt, d, dv, True, kvcache=True) for dt in DTYPES for d in HEAD_DIM_BUCKETS
+                     for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)))
     return tuple(Sm90ForwardVariant(dt, d, dv, local, mods, varlen) for dt in DTYPES for d in HEAD_DIM_BUCKETS
                  for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)) for local in (False, True))
 
@@ -225,7 +242,7 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     if p.dropout is not None:
         return "dropout is not in the Hopper kernel yet"
     if p.kvcache is not None:
-        return "KV caches (and chunked prefill over one) need a non-TMA load path the Hopper kernel lacks yet"
+        return kvcache_reason(p, arch, arrays)
     if p.varlen is not None and p.modifiers is not None:
         return "score modifiers on packed variable-length batches are not in the Hopper kernel yet"
     for name, d in (("D", p.head_dim), ("Dv", p.head_dim_v)):
@@ -396,3 +413,144 @@ def forward(problem, q, k, v, out, call):
                                  softmax_scale=p.softmax_scale, window_left=p.window_left,
                                  window_right=p.window_right, dtype=key, mods_args=mods))
     return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# the KV-cache form
+
+#: a KV-cache call runs here when its query rows fill at least this many of the 128 rows of a
+#: query tile (``Sq``; the Hopper form has no GQA packing yet), and on the tensor-core decode
+#: kernel below (which packs a GQA group's heads into 64-row tiles)
+KVCACHE_MIN_ROWS = 64
+#: split-KV: the combine kernel's limit, and at least this many key tiles per split (as the
+#: tensor-core form)
+MAX_SPLITS = 256
+MIN_TILES_PER_SPLIT = 2
+
+
+def kvcache_variant(problem) -> Sm90ForwardVariant:
+    """The KV-cache form of ``problem``'s dtype and head dims (always ``local``)."""
+    p = problem
+    return Sm90ForwardVariant(variants.dtype_key(p.dtype), bucket(p.head_dim), bucket(p.head_dim_v), True,
+                              kvcache=True)
+
+
+def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
+    """Why the KV-cache call ``problem`` does not run on the Hopper KV-cache form (None if it does).
+
+    ``arrays`` is ``(q, k_cache, v_cache)`` or ``(q, k_cache, v_cache, out)`` (alignment of views;
+    None: shapes only). The arch rule (compute capability 9.0) is the caller's.
+    """
+    p, c = problem, problem.kvcache
+    if p.fp8 is not None:
+        return "an fp8 cache has no Hopper form"
+    if p.modifiers is not None:
+        return f"score modifiers ({p.modifiers.present[0]}) on a KV cache are not in the Hopper kernel yet"
+    if p.varlen is not None:
+        return "chunked prefill (packed queries over a paged cache) is not in the Hopper kernel yet"
+    try:
+        key = variants.dtype_key(p.dtype)
+    except KeyError:
+        key = str(np.dtype(p.dtype))
+    if key not in DTYPES:
+        return f"dtype {np.dtype(p.dtype)} (wgmma here takes float16/bfloat16)"
+    for name, d in (("D", p.head_dim), ("Dv", p.head_dim_v)):
+        if d % 8:
+            return f"{name}={d} is not a multiple of 8 (TMA and cp.async rows are 16-byte multiples)"
+    if max(p.head_dim, p.head_dim_v) > HEAD_DIM_BUCKETS[-1]:
+        return f"head dim {max(p.head_dim, p.head_dim_v)} > {HEAD_DIM_BUCKETS[-1]}"
+    if bucket(p.head_dim_v) > bucket(p.head_dim) or (bucket(p.head_dim_v) != bucket(p.head_dim)
+                                                     and (bucket(p.head_dim), bucket(p.head_dim_v)) != (192, 128)):
+        return f"(D, Dv) = ({p.head_dim}, {p.head_dim_v}) has no Hopper variant (Dv's bucket must equal D's, or be 128 for 192)"
+    if p.seqlen_q < KVCACHE_MIN_ROWS:
+        return (f"Sq={p.seqlen_q} query rows would fill under half of the 128-row Hopper tile (from "
+                f"{KVCACHE_MIN_ROWS} on it runs here); the tensor-core decode kernel packs the "
+                f"{p.group_size} query heads of a GQA group into its tiles")
+    if len(p.batch_shape) != 1 or p.batch_shape[0] > plan.MAX_GRID_DIMS[2]:
+        return f"batch dims {p.batch_shape}: the Hopper KV-cache form takes one batch dim of at most {plan.MAX_GRID_DIMS[2]}"
+    arrays = tuple(arrays or ())
+    for a, name in zip(arrays[:1] + arrays[3:4], ("q", "out")):
+        if a is not None:
+            why = _tma_reason(_bhsd(a, "bshd") if a.ndim == 4 else a, name)
+            if why:
+                return why
+    for a, name in zip(arrays[1:3], ("k_cache", "v_cache")):
+        if a is None or a.size == 0:
+            continue
+        item = a.dtype.itemsize
+        if a.strides[-1] != item and a.shape[-1] > 1:
+            return f"{name}'s head dim is not contiguous"
+        bad = [int(s) for s, n in zip(a.strides[:-1], a.shape[:-1]) if n > 1 and int(s) % TMA_ALIGN]
+        if bad:
+            return f"{name} has a stride of {bad[0]} bytes, not a multiple of {TMA_ALIGN} (cp.async copies 16-byte chunks)"
+        try:
+            addr = plan.array_address(a)
+        except TypeError:
+            continue
+        if addr % TMA_ALIGN:
+            return f"{name} starts at an address that is not {TMA_ALIGN}-byte aligned (cp.async copies 16-byte chunks)"
+    del c
+    return None
+
+
+def kvcache_query_tiles(problem) -> int:
+    """Query tiles of 128 rows per (sequence, query head)."""
+    return -(-problem.seqlen_q // BLOCK_M)
+
+
+def kvcache_splits(problem, variant, sm_count) -> int:
+    """The split-KV count, from what a CUDA-graph replay cannot change: the cache's capacity and the
+    shapes, never the lengths (the device reads those, and each split takes its share of the key
+    tiles they give). ``num_splits`` when given (at most the capacity's key tiles, and
+    :data:`MAX_SPLITS`); else enough splits for one block per SM (``sm_count``), keeping
+    :data:`MIN_TILES_PER_SPLIT` key tiles of the capacity per split."""
+    c = problem.kvcache
+    n_tiles = max(1, -(-c.capacity // variant.block_n))
+    if c.num_splits:
+        return max(1, min(c.num_splits, n_tiles, MAX_SPLITS))
+    blocks = kvcache_query_tiles(problem) * problem.num_heads_q * problem.batch_shape[0]
+    want = -(-max(1, sm_count or 1) // max(blocks, 1))
+    return max(1, min(want, n_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def plan_kvcache(problem, q, out, lse, variant, partials, call) -> LaunchPlan:
+    """The Hopper KV-cache forward's launch plan: ``q`` (B, Sq, Hq, D) (possibly the rotated copy)
+    against the caches of ``problem.kvcache`` (device arrays of ``call``); ``out`` (B, Sq, Hq, Dv)
+    and ``lse`` (B, Hq, Sq) C-contiguous float32; ``partials`` is ``(o_partial, lse_partial)``,
+    ``(splits, B * Hq * Sq, Dv)`` and ``(splits, B * Hq * Sq)`` float32, which the kernel writes
+    instead of ``out`` and ``lse`` when there are several splits (``splits`` = their first axis).
+    A block per (128-row query tile x split, query head, sequence)."""
+    p, c = problem, problem.kvcache
+    o_partial, lse_partial = partials
+    splits = o_partial.shape[0]
+    bits = (lambda a: a.view(np.uint16)) if variant.dtype == "bf16" else (lambda a: a)
+    qs, os_ = bits(_bhsd(q, "bshd")), bits(_bhsd(out, "bshd"))
+    b, hq, sq, _ = qs.shape
+    hk = c.k_cache.shape[2]
+    kst, vst = ([int(s) for s in a.strides] for a in (c.k_cache, c.v_cache))
+    flags = (1 if c.cache_seqlens is not None else 0) | (2 if c.cache_leftpad is not None else 0) | \
+        (4 if c.cache_batch_idx is not None else 0) | (8 if c.paged else 0)
+    bt = c.block_table
+
+    def idx(name):
+        a = getattr(c, name)
+        return PointerArg.of(name, a if a is not None else call.empty_index)
+
+    args = (TensorMapArg.of("map_q", qs, (1, 1, BLOCK_M, PANEL), swizzle=128),
+            TensorMapArg.of("map_o", os_, (1, 1, 64, PANEL), swizzle=128, writable=True),
+            PointerArg.of("lse", lse.reshape(b, hq, sq), writable=True), ScalarArg("Sq", np.int32(sq)),
+            ScalarArg("Sk", np.int32(c.capacity)), ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
+            ScalarArg("scale_log2", np.float32(p.softmax_scale * math.log2(math.e))),
+            ScalarArg("window_left", np.int32(p.window_left)), ScalarArg("window_right", np.int32(p.window_right)),
+            PointerArg.of("k_cache", c.k_cache), PointerArg.of("v_cache", c.v_cache),
+            *(la.i64(f"k_{n}_stride", s) for n, s in zip(("page", "row", "head"), kst[:3])),
+            *(la.i64(f"v_{n}_stride", s) for n, s in zip(("page", "row", "head"), vst[:3])),
+            idx("cache_seqlens"), idx("cache_leftpad"), idx("cache_batch_idx"), idx("block_table"),
+            la.i64("block_table_stride", la.element_strides(bt)[0] if bt is not None else 0),
+            la.i32("page_size", c.page_size), la.i32("num_pages", c.num_pages), la.i32("cache_seqlen", c.cache_seqlen),
+            la.i32("seqlen_new", c.seqlen_new), la.i32("cache_capacity", c.capacity), la.i32("cache_flags", flags),
+            la.i32("num_splits", splits), la.i64("partial_rows", lse_partial.shape[1]),
+            la.i32("head_dim", p.head_dim), la.i32("head_dim_v", p.head_dim_v),
+            PointerArg.of("o_partial", o_partial, writable=True), PointerArg.of("lse_partial", lse_partial, writable=True))
+    return LaunchPlan(variant, variant.entry, (kvcache_query_tiles(p) * splits, hq, b), (384, 1, 1),
+                      variant.smem_bytes, args)

@@ -291,13 +291,23 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
     for name, mod in TIERS:   # the tiers faster than the one KV-cache kernel's, and why each passes
         if mod is attention_fwd_mma:
             break
-        why = target_reason(mod, arch) or mod.unsupported_reason(p, arch, arrays)
+        why = (kvcache_run.hopper_reason(p, arch, arrays) if mod is attention_fwd_sm90
+               else target_reason(mod, arch) or mod.unsupported_reason(p, arch, arrays))
         reasons.append(f"{name} tier not used: {why}")
     if c.num_splits == 0 and p.varlen is None and sm_count is None:
         raise ValueError(f"{p.func}: num_splits=0 chooses the split count from the device's SM count, which is "
                          f"not known here for sm_{arch}; pass num_splits=n, or an arch the simulator emulates")
     v, splits = kvcache_run.choose(p, arch, arrays, sm_count)
     batch = p.varlen.batch if p.varlen is not None else p.batch_shape[0]
+    split = f"{splits} key splits merged by the combine kernel" if splits > 1 else "unsplit"
+    if isinstance(v, attention_fwd_sm90.Sm90ForwardVariant):   # the Hopper KV-cache form (the fastest tier)
+        blocks = attention_fwd_sm90.kvcache_query_tiles(p) * splits * p.num_heads_q * batch
+        where = (f"a paged cache ({c.num_pages} pages of {c.page_size} rows)" if c.paged
+                 else f"a contiguous cache ({c.num_pages} x {c.capacity} rows)")
+        line = (f"sm_{arch}: Hopper wgmma tier, KV-cache form over {where}, {p.seqlen_q} query rows per 128-row "
+                f"tile, {split}: {v.describe()}")
+        return {"tier": attention_fwd_sm90.__name__.rsplit(".", 1)[-1], **_tiles(v), "blocks": blocks,
+                "splits": splits, "choice": line}
     tiles = attention_fwd_mma.kvcache_query_tiles(p, v)
     pack = attention_fwd_mma.kvcache_pack(p)
     blocks = tiles * splits * (p.num_heads_q // pack) * batch
@@ -305,7 +315,6 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
     where = (f"a paged cache ({c.num_pages} pages of {c.page_size} rows)" if c.paged
              else f"a contiguous cache ({c.num_pages} x {c.capacity} rows)")
     form = f"chunked prefill: packed queries over {where}" if p.varlen is not None else f"KV-cache form over {where}"
-    split = f"{splits} key splits merged by the combine kernel" if splits > 1 else "unsplit"
     line = (f"sm_{arch}: tensor-core mma.sync tier, {form}, {pack} query head{'s' * (pack != 1)} per block "
             f"(pack-GQA), {split}: {v.describe()}")
     if reasons:

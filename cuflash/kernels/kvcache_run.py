@@ -2,8 +2,10 @@
 combine, in that order on the call's stream.
 
 The append (:mod:`~cuflash.kernels.kvcache_append`) writes the new keys and values into the
-cache (rotated) and the rotated queries into a workspace; the tensor-core KV-cache forward
-(:mod:`~cuflash.kernels.attention_fwd_mma`, its ``kvcache`` form) reads the cache where it lies;
+cache (rotated) and the rotated queries into a workspace; the KV-cache forward reads the cache
+where it lies: on compute capability 9.0 the Hopper form (:mod:`~cuflash.kernels.attention_fwd_sm90`,
+its ``kvcache`` form) when the query rows fill its 128-row tiles, else the tensor-core one
+(:mod:`~cuflash.kernels.attention_fwd_mma`, its ``kvcache`` form);
 the combine (:mod:`~cuflash.kernels.attention_combine`) merges the split partials by their
 log-sum-exp. Workspaces (rotated q, split partials) come from the call (the caller's allocator on
 a GPU); nothing synchronizes the host, and every plan is made before the first launch, so a plan
@@ -16,10 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuflash.kernels import attention_combine, attention_fwd_mma, kvcache_append
+from cuflash.kernels import attention_combine, attention_fwd_mma, attention_fwd_sm90, kvcache_append
 from cuflash.runtime import validation_kvcache
 
-__all__ = ["choose", "run_kvcache", "run_append", "fp8_cache_refusal"]
+__all__ = ["choose", "hopper_reason", "run_kvcache", "run_append", "fp8_cache_refusal"]
 
 
 def fp8_cache_refusal(problem, arch: int) -> str:
@@ -30,15 +32,26 @@ def fp8_cache_refusal(problem, arch: int) -> str:
             f"backend='numpy') takes fp8 caches. Nothing was appended")
 
 
-def choose(problem, arch: int, arrays=None, sm_count=None) -> tuple:
-    """``(variant, splits)``: the tensor-core KV-cache variant that runs the KV-cache call
-    ``problem`` on ``sm_<arch>`` and its key splits (:func:`attention_fwd_mma.kvcache_splits`;
-    ``sm_count``, the device's SM count, is read only by its heuristic: ``num_splits=0`` and not a
-    packed batch). :func:`run_kvcache` launches with them; ``explain_kvcache`` reports them.
+def hopper_reason(problem, arch: int, arrays=None) -> str:
+    """Why the KV-cache call ``problem`` does not run on the Hopper KV-cache form on ``sm_<arch>``
+    (None if it does)."""
+    if arch != 90:
+        return f"sm_{arch} is not compute capability 9.0 (the Hopper kernel is compiled for sm_90a)"
+    return attention_fwd_sm90.kvcache_reason(problem, arch, arrays)
 
-    ``arrays`` is ``(q, k_cache, v_cache, out)`` (alignment of views; None: shapes only). Only the
-    tensor-core tier has the KV-cache form: a call it cannot take is refused, never sent to a
-    slower tier.
+
+def choose(problem, arch: int, arrays=None, sm_count=None) -> tuple:
+    """``(variant, splits)``: the KV-cache variant that runs the KV-cache call ``problem`` on
+    ``sm_<arch>`` and its key splits. On compute capability 9.0 the Hopper form
+    (:func:`attention_fwd_sm90.kvcache_variant`, :func:`attention_fwd_sm90.kvcache_splits`) when
+    :func:`hopper_reason` finds nothing against it; else the tensor-core form
+    (:func:`attention_fwd_mma.kvcache_splits`). ``sm_count``, the device's SM count, is read only
+    by the split heuristics (``num_splits=0``, not a packed batch); neither reads the sequence
+    lengths, so a CUDA-graph replay with new ``cache_seqlens`` keeps its plan.
+    :func:`run_kvcache` launches with them; ``explain_kvcache`` reports them.
+
+    ``arrays`` is ``(q, k_cache, v_cache, out)`` (alignment of views; None: shapes only). A call
+    neither KV-cache form can take is refused, never sent to a slower tier.
 
     Raises
     ------
@@ -49,6 +62,9 @@ def choose(problem, arch: int, arrays=None, sm_count=None) -> tuple:
     p = problem
     if p.fp8 is not None:
         raise NotImplementedError(fp8_cache_refusal(p, arch))
+    if hopper_reason(p, arch, arrays) is None:
+        variant = attention_fwd_sm90.kvcache_variant(p)
+        return variant, attention_fwd_sm90.kvcache_splits(p, variant, sm_count)
     why = attention_fwd_mma.unsupported_reason(p, arch, arrays)
     if why is not None:
         raise NotImplementedError(f"{p.func}: the KV-cache kernel runs on the tensor-core tier only, which cannot "
@@ -62,8 +78,8 @@ def run_kvcache(problem, q, out, call):
     """``(out, lse)`` of the KV-cache call ``problem`` (its ``kvcache`` arrays and ``q`` device
     arrays of ``call``; ``out`` None allocates).
 
-    Only the tensor-core tier has the KV-cache form: a call it cannot take raises
-    ``NotImplementedError`` saying why (never a silent fallback).
+    The form is :func:`choose`'s; a call no KV-cache form can take raises ``NotImplementedError``
+    saying why (never a silent fallback).
     """
     p, c = problem, problem.kvcache
     variant, splits = choose(p, call.arch, (q, c.k_cache, c.v_cache, out), call.sm_count)
@@ -76,8 +92,8 @@ def run_kvcache(problem, q, out, call):
         rows = p.batch_shape[0] * p.num_heads_q * p.seqlen_q if splits > 1 else 0
         o_part = call.empty((splits, rows, p.head_dim_v), np.float32)
         lse_part = call.empty((splits, rows), np.float32)
-        plans.append(attention_fwd_mma.plan_kvcache(p, q if q_rot is None else q_rot, out, lse, variant,
-                                                    (o_part, lse_part), call))
+        tier = attention_fwd_sm90 if isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) else attention_fwd_mma
+        plans.append(tier.plan_kvcache(p, q if q_rot is None else q_rot, out, lse, variant, (o_part, lse_part), call))
         if splits > 1:
             plans.append(attention_combine.plan_combine(o_part, lse_part, out, lse, num_heads_q=p.num_heads_q,
                                                         seqlen_q=p.seqlen_q))

@@ -109,7 +109,7 @@ def test_numpy_path_and_chunked_prefill(launches):
     info = cuflash.explain_varlen(q, cache, cache, cq, cu_k, mq, 200, block_table=table, causal=True, arch=90)
     assert info["tier"] == "attention_fwd_mma" and info["variant"].endswith("_varlen_kvcache") and info["splits"] == 1
     assert "chunked prefill: packed queries over a paged cache (40 pages of 16 rows)" in info["choice"]
-    assert "Hopper wgmma tier not used: KV caches" in info["choice"]
+    assert "Hopper wgmma tier not used: chunked prefill (packed queries over a paged cache) is not in" in info["choice"]
     # pack-GQA: the group's 2 query heads in one tile of block_m rows; 3 sequences, 2 kv heads
     assert info["blocks"] == math.ceil(137 * 2 / info["block_m"]) * 2 * 3
     with sim.options(arch=90):
@@ -138,10 +138,11 @@ def test_kvcache_names_the_form_the_tiles_and_the_splits(paged, launches):
     assert info["tier"] == "attention_fwd_mma" and info["variant"].endswith("_kvcache")
     form = "a paged cache (64 pages of 16 rows)" if paged else "a contiguous cache (2 x 512 rows)"
     assert f"KV-cache form over {form}, 8 query heads per block (pack-GQA)" in info["choice"], info["choice"]
-    assert info["choice"].endswith("Hopper wgmma tier not used: KV caches (and chunked prefill over one) need a "
-                                   "non-TMA load path the Hopper kernel lacks yet")
+    assert info["choice"].endswith("Hopper wgmma tier not used: Sq=1 query rows would fill under half of the 128-row "
+                                   "Hopper tile (from 64 on it runs here); the tensor-core decode kernel packs the 8 "
+                                   "query heads of a GQA group into its tiles"), info["choice"]
     # 4 blocks unsplit (one tile of 8 packed rows per kv head and sequence) cannot fill 132 SMs:
-    # split up to half the longest sequence's key tiles (501 keys: 8 tiles of 64 -> 4)
+    # split up to half the capacity's key tiles (512 rows: 8 tiles of 64 -> 4)
     assert (info["block_n"], info["splits"]) == (64, 4) and f"{info['splits']} key splits" in info["choice"]
     assert info["blocks"] == 1 * 2 * 2 * info["splits"]
     assert not kc.any() and not vc.any()      # nothing appended
@@ -152,12 +153,15 @@ def test_kvcache_names_the_form_the_tiles_and_the_splits(paged, launches):
     assert sum("combine" in p.entry for p in launches) == 1
 
 
-def test_kvcache_split_count_follows_the_host_lengths_and_num_splits():
+def test_kvcache_split_count_follows_the_capacity_and_num_splits_never_the_lengths():
+    """A CUDA-graph replay keeps the captured plan while cache_seqlens change: the split count
+    comes from the capacity (512 rows: 8 tiles of 64) and the shapes, whatever the host lengths."""
     q, kc, vc, kw = _decode()
-    short = cuflash.explain_kvcache(q, kc, vc, np.array([100, 30], np.int32), arch=90, **kw)
-    assert short["splits"] == 1 and "unsplit" in short["choice"]   # 100 keys: 2 tiles, fewer than 2 per split
-    assert cuflash.explain_kvcache(q, kc, vc, np.array([100, 30], np.int32), num_splits=3, arch=90, **kw)["splits"] == 2
-    assert cuflash.explain_kvcache(q, kc, vc, 500, num_splits=3, arch=90, **kw)["splits"] == 3
+    for lengths in (np.array([100, 30], np.int32), np.array([500, 300], np.int32), 0):
+        info = cuflash.explain_kvcache(q, kc, vc, lengths, arch=90, **kw)
+        assert info["splits"] == 4 and "4 key splits" in info["choice"]
+        assert cuflash.explain_kvcache(q, kc, vc, lengths, num_splits=3, arch=90, **kw)["splits"] == 3
+    assert cuflash.explain_kvcache(q, kc, vc, 5, num_splits=100, arch=90, **kw)["splits"] == 8
     # device lengths: the capacity's 8 tiles decide, as in the real call
     fq, fc = FakeCudaTensor((2, 1, 16, 128)), FakeCudaTensor((64, 16, 2, 128))
     table, lengths = FakeCudaTensor((2, 32), "int32"), FakeCudaTensor((2,), "int32")

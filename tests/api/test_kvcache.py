@@ -13,8 +13,10 @@ both 16-bit dtypes; a share of it in checked mode.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -27,7 +29,7 @@ from support.tolerance import check_close
 
 import cuflash
 from cuflash import reference as ref
-from cuflash.kernels import dispatch
+from cuflash.kernels import attention_fwd_sm90, dispatch
 from cuflash.reference import kvcache as ref_kvcache
 from cuflash.runtime import dtypes
 
@@ -102,7 +104,16 @@ def make_case(rng, lengths, sq, snew, page, heads, d, dtype, rotary, extra):
     return q, kc, vc, lengths, kw
 
 
-def run_case(rng, batch, sq, snew, page, heads, mask, d, splits, rotary, extra, dtype_key, *, checked=False, seed=0):
+def tensor_core_only():
+    """The KV-cache path on the tensor-core form whatever Sq (the Hopper form's threshold out of
+    reach): the grid above holds that form; tests/kernels/test_hopper_kvcache.py the Hopper one."""
+    return mock.patch.object(attention_fwd_sm90, "KVCACHE_MIN_ROWS", 2**31)
+
+
+def run_case(rng, batch, sq, snew, page, heads, mask, d, splits, rotary, extra, dtype_key, *, checked=False, seed=0,
+             hopper=False):
+    """One case on both backends (``hopper``: the simulator runs the Hopper KV-cache form, which the
+    dispatcher must choose; else the tensor-core one)."""
     if extra == "batch_idx" and page is not None:
         extra = "plain"
     dt = DTYPES[dtype_key]
@@ -111,9 +122,15 @@ def run_case(rng, batch, sq, snew, page, heads, mask, d, splits, rotary, extra, 
     causal, window = MASKS[mask]
     want_k, want_v = expected_cache(kc, vc, lengths, kw, page)
     caches = {}
+    if hopper:
+        problem = check_attention_with_kvcache(q, kc, vc, lengths, causal=causal, window_size=window, num_splits=splits,
+                                               **kw)
+        info = dispatch.explain_forward(problem, 90, (q, kc, vc), sm_count=cuflash.sim.sm_count(90))
+        assert info["tier"] == "attention_fwd_sm90", info["choice"]
     for backend in ("numpy", "sim"):
         k1, v1 = kc.copy(), vc.copy()
-        with cuflash.sim.options(checked=checked, seed=seed):
+        with cuflash.sim.options(checked=checked, seed=seed), \
+                (contextlib.nullcontext() if hopper else tensor_core_only()):
             out, lse = cuflash.attention_with_kvcache(q, k1, v1, lengths, causal=causal, window_size=window,
                                                       num_splits=splits, return_lse=True, backend=backend, **kw)
         assert out.shape == q.shape and out.dtype == dt and lse.shape == (q.shape[0], q.shape[2], sq)
@@ -156,6 +173,70 @@ def test_apply_rotary_matches_float64_rotation(rng):
         np.testing.assert_allclose(got[..., i1], z.real, atol=2e-6)
         np.testing.assert_allclose(got[..., i2], z.imag, atol=2e-6)
         assert np.array_equal(got[..., 16:], x[..., 16:])
+
+
+#: the grid again on the Hopper KV-cache form (compute capability 9.0, Sq from 64 on): the same axes
+#: but query lengths that fill its tiles; a contiguous and a paged case of one variant (f16, head-dim
+#: bucket 64) in the default run, the rest under slow (each dtype and head-dim bucket is a variant)
+SQ_HOPPER = [64, 70, 130]
+HOPPER = [tuple(c) for c in AllPairs([list(BATCHES), SQ_HOPPER, SNEW, PAGES, HEADS, list(MASKS), HEAD_DIMS, SPLITS,
+                                      ROTARY, EXTRAS, list(DTYPES)])]
+HOPPER_DEFAULT = [("three", 64, 1, 3, (2, 1), "causal_win", 64, 3, "none", "leftpad", "f16"),
+                  ("five", 70, 0, None, (8, 1), "window", 40, 0, "none", "batch_idx", "f16")]
+
+
+@pytest.mark.parametrize("case", [pytest.param(HOPPER_DEFAULT[0], id="-".join(map(str, HOPPER_DEFAULT[0])))]
+                         + [pytest.param(c, id="-".join(map(str, c)), marks=pytest.mark.slow) for c in HOPPER_DEFAULT[1:]]
+                         + [pytest.param(c, id="-".join(map(str, c)), marks=pytest.mark.slow) for c in HOPPER])
+def test_kvcache_hopper_pairwise(case, rng):
+    run_case(rng, *case, hopper=True)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("case", HOPPER_DEFAULT + HOPPER[::6], ids=["-".join(map(str, c)) for c in HOPPER_DEFAULT + HOPPER[::6]])
+def test_kvcache_hopper_checked(case, rng):
+    run_case(rng, *case, checked=True, seed=5, hopper=True)
+
+
+def test_hopper_replay_with_new_lengths_keeps_its_plan(rng):
+    """A CUDA-graph replay on the Hopper KV-cache form: the launches are planned once (num_splits=0:
+    the split count from the capacity and the shapes) and run again, as a captured graph is, after
+    new lengths are written into the device cache_seqlens the plan points at: the lengths at
+    capture, longer ones (up to the capacity) and shorter ones (1 and 0). Every run holds to the
+    float64 oracle over the keys its lengths give; rows past them hold NaN, which must never be read."""
+    from cuflash.kernels import attention_combine, kvcache_run
+
+    sq, hq, hk, d, cap = 64, 2, 1, 64, 520
+    q = rng.standard_normal((2, sq, hq, d)).astype(dtypes.float16)
+    kc = rng.standard_normal((2, cap, hk, d)).astype(dtypes.float16)
+    vc = rng.standard_normal((2, cap, hk, d)).astype(dtypes.float16)
+    seqlens = np.array([300, 40], np.int32)
+    plans_for = {}
+    for lengths in ([300, 40], [520, 500], [1, 0]):   # the plan never depends on the lengths
+        p = check_attention_with_kvcache(q, kc, vc, np.array(lengths, np.int32), causal=True)
+        plans_for[tuple(lengths)] = kvcache_run.choose(p, 90, (q, kc, vc), cuflash.sim.sm_count(90))
+    assert len(set(plans_for.values())) == 1, plans_for
+    variant, splits = plans_for[(300, 40)]
+    assert isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) and splits == 2   # 5 tiles of capacity
+    problem = check_attention_with_kvcache(q, kc, vc, seqlens, causal=True)
+    with cuflash.sim.options(arch="sm_90"), sim_call(q) as call:
+        p, qd = on_device(call, problem, q)
+        out, lse = call.empty(p.out_shape, p.dtype), call.empty(p.lse_shape, np.float32)
+        o_part = call.empty((splits, 2 * hq * sq, d), np.float32)
+        lse_part = call.empty((splits, 2 * hq * sq), np.float32)
+        plans = [attention_fwd_sm90.plan_kvcache(p, qd, out, lse, variant, (o_part, lse_part), call),
+                 attention_combine.plan_combine(o_part, lse_part, out, lse, num_heads_q=hq, seqlen_q=sq)]
+        for lengths in ([300, 40], [520, 500], [1, 0]):
+            seqlens[...] = lengths   # (the device array is a view of it, as a graph's input buffer)
+            k_run, v_run = kc.copy(), vc.copy()
+            for b, n in enumerate(lengths):
+                kc[b, n:], vc[b, n:] = np.nan, np.nan   # (the device views see them)
+            for launch_plan in plans:
+                call.launch(launch_plan)
+            got, got_lse = np.asarray(out.view(np.ndarray)), np.asarray(lse.view(np.ndarray))
+            check_result(got, got_lse, q, k_run, v_run, np.array(lengths, np.int32), {}, None, True, (-1, -1))
+            kc[...], vc[...] = k_run, v_run
 
 
 @pytest.mark.parametrize("backend", ["numpy", "sim"])

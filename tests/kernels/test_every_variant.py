@@ -188,6 +188,27 @@ def _chunked_prefill(rng, v, d):
         check_close(out[None, rq], q[None, rq], kb, vb, layout="bshd", causal=True, **kw)
 
 
+def _hopper_kvcache(rng, v):
+    """The Hopper KV-cache form: 70 query rows, GQA 2, two sequences (200 and 17 keys) in a paged
+    cache of 16-row pages, two key splits, causal; NaN in every cache row not to be read."""
+    dt = DTYPES[v.dtype]
+    page, lengths = 16, np.array([200, 17], np.int32)
+    bt = np.array([np.arange(13), np.r_[13, np.full(12, -1)]], np.int32)
+    kc = np.full((14, page, 1, v.head_dim), np.nan, dt)
+    vc = np.full((14, page, 1, v.head_dim_v), np.nan, dt)
+    for b, n in enumerate(lengths):
+        i0, i1 = ref_kvcache.cache_rows(b, 0, int(n), page_size=page, block_table=bt)
+        kc[i0, i1] = rng.standard_normal((len(i0), 1, v.head_dim))
+        vc[i0, i1] = rng.standard_normal((len(i0), 1, v.head_dim_v))
+    q = rng.standard_normal((2, 70, 2, v.head_dim)).astype(dt)
+    out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, block_table=bt,
+                                              return_lse=True, backend="sim")
+    for b, n in enumerate(lengths):
+        kb = ref_kvcache.gather(kc, b, 0, int(n), page_size=page, block_table=bt)[None]
+        vb = ref_kvcache.gather(vc, b, 0, int(n), page_size=page, block_table=bt)[None]
+        check_close(out[b:b + 1], q[b:b + 1], kb, vb, layout="bshd", causal=True)
+
+
 def _without_hopper(monkeypatch):
     monkeypatch.setattr(dispatch, "TIERS", tuple(t for t in dispatch.TIERS if t[1] is not attention_fwd_sm90))
     monkeypatch.setattr(dispatch, "BACKWARD_TIERS",
@@ -213,6 +234,8 @@ def _run(v, rng, monkeypatch):
         return _packed(rng, v, v.head_dim_max, True) if v.varlen else _fixed(rng, v, v.head_dim_max, True)
     if isinstance(v, attention_fwd_sm90.Sm90ForwardVariant):
         dt = DTYPES[v.dtype]
+        if v.kvcache:   # 70 query rows over a paged cache of 16-row pages (gathered), two splits
+            return _hopper_kvcache(rng, v)
         if v.varlen:   # two sequences, the second over two query tiles and two key tiles
             lq, lk = (21, 150), (30, 170)
             cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)

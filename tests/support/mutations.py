@@ -47,7 +47,7 @@ FILES = {
     "attention_combine.cu": ("kvcache_split_checked", "kvcache_split_seeds"),
     "hopper_probe.cu": ("hopper_checked", "hopper_seeds"),
     "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked",
-                              "fwd_sm90_varlen_checked"),
+                              "fwd_sm90_varlen_checked", "fwd_sm90_kvcache_checked"),
     "attention_bwd_sm90.cu": ("bwd_sm90_checked", "bwd_sm90_seeds"),
 }
 #: mutants no probe kills, each with why removing that line is harmless (or what gap it shows)
@@ -302,6 +302,46 @@ def _sm90_bwd_case(checked, seeds):
         with sim.options(arch="sm_90", checked=checked, seed=seed):
             grads = sim_backward(attention_bwd_sm90, dout, q, k, v, out, lse, causal=True)
         check_grads_close(grads, dout, q, k, v, out, lse, causal=True)
+def _sm90_kvcache_case(checked, seeds):
+    """The Hopper KV-cache form (f16, head dim 64, causal, GQA 2) through the dispatcher (its form
+    asserted): a paged cache of 16-row pages (gathered by cp.async), sequences of 600, 0 and 37
+    keys in 2 splits (split 0 of the first reuses both ring slots), NaN in every row not to be read."""
+    import cuflash
+    from cuflash import sim
+    from cuflash.kernels import attention_fwd_sm90, kvcache_run
+    from cuflash.reference import kvcache as ref_kvcache
+    from cuflash.reference import tolerance
+    from support.options import check_kvcache
+
+    rng = np.random.default_rng(12)
+    lengths, page = np.array([600, 0, 37], np.int32), 16
+    pages = [-(-int(n) // page) for n in lengths]
+    bt = np.full((3, max(pages) + 1), -1, np.int32)
+    ids = rng.permutation(sum(pages) + 1).astype(np.int32)
+    at = 0
+    for b, n in enumerate(pages):
+        bt[b, :n] = ids[at:at + n]
+        at += n
+    kc = np.full((sum(pages) + 1, page, 1, 64), np.nan, F16)
+    vc = np.full_like(kc, np.nan)
+    for b, n in enumerate(lengths):
+        i0, i1 = ref_kvcache.cache_rows(b, 0, int(n), page_size=page, block_table=bt)
+        kc[i0, i1] = rng.standard_normal((len(i0), 1, 64))
+        vc[i0, i1] = rng.standard_normal((len(i0), 1, 64))
+    q = rng.standard_normal((3, 70, 2, 64)).astype(F16)
+    problem = check_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, block_table=bt)
+    variant, splits = kvcache_run.choose(problem, 90, (q, kc, vc), sim.sm_count(90))
+    assert isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) and splits == 2
+    for seed in seeds:
+        with sim.options(arch="sm_90", checked=checked, seed=seed):
+            out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, block_table=bt,
+                                                      return_lse=True, backend="sim")
+        for b, n in enumerate(lengths):
+            kb = ref_kvcache.gather(kc, b, 0, int(n), page_size=page, block_table=bt)[None]
+            vb = ref_kvcache.gather(vc, b, 0, int(n), page_size=page, block_table=bt)[None]
+            ok, msg, _ = tolerance.compare(out[b:b + 1], q[b:b + 1], kb, vb, lse=np.ascontiguousarray(lse[b:b + 1]),
+                                           causal=True, layout="bshd")
+            assert ok, f"Hopper KV-cache form, sequence {b}, seed {seed}: {msg}"
 
 
 F16, F32 = np.float16, np.float32
@@ -336,6 +376,7 @@ PROBES = {
     "fwd_sm90_seeds": lambda: _sm90_case(F16, 64, 200, 300, False, False, SEEDS),
     "fwd_sm90_local_checked": lambda: _sm90_case(F16, 128, 190, 260, True, True, (0,)),
     "fwd_sm90_varlen_checked": lambda: _sm90_varlen_case(True, (0,)),
+    "fwd_sm90_kvcache_checked": lambda: _sm90_kvcache_case(True, (0,)),
     "hopper_seeds": lambda: _hopper_case(False, SEEDS),
     "bwd_sm90_checked": lambda: _sm90_bwd_case(True, (0,)),
     "bwd_sm90_seeds": lambda: _sm90_bwd_case(False, SEEDS),
