@@ -206,7 +206,7 @@ def _bhsd(a, layout: str):
     return a.transpose(0, 2, 1, 3) if layout == "bshd" else a
 
 
-def _tma_reason(a, name: str) -> str | None:
+def _tma_reason(a, name: str, needs: str = "a TMA tensor map needs it") -> str | None:
     if a is None or a.size == 0:
         return None
     item = a.dtype.itemsize
@@ -216,13 +216,26 @@ def _tma_reason(a, name: str) -> str | None:
         return f"{name} is a broadcast (stride-0) view, which a TMA tensor map cannot describe"
     bad = [int(s) for s, n in zip(a.strides[:-1], a.shape[:-1]) if n > 1 and int(s) % TMA_ALIGN]
     if bad:
-        return f"{name} has a stride of {bad[0]} bytes, not a multiple of {TMA_ALIGN} (a TMA tensor map needs it)"
+        return f"{name} has a stride of {bad[0]} bytes, not a multiple of {TMA_ALIGN} ({needs})"
     try:
         addr = plan.array_address(a)
     except TypeError:
         return None
     if addr % TMA_ALIGN:
-        return f"{name} starts at an address that is not {TMA_ALIGN}-byte aligned (a TMA tensor map needs it)"
+        return f"{name} starts at an address that is not {TMA_ALIGN}-byte aligned ({needs})"
+    return None
+
+
+def _dims_reason(p) -> str | None:
+    """Why the head dims ``(D, Dv)`` of ``p`` have no Hopper variant (None if they have one)."""
+    for name, d in (("D", p.head_dim), ("Dv", p.head_dim_v)):
+        if d % 8:
+            return f"{name}={d} is not a multiple of 8 (TMA rows are 16-byte multiples)"
+    if max(p.head_dim, p.head_dim_v) > HEAD_DIM_BUCKETS[-1]:
+        return f"head dim {max(p.head_dim, p.head_dim_v)} > {HEAD_DIM_BUCKETS[-1]}"
+    if bucket(p.head_dim_v) > bucket(p.head_dim) or (bucket(p.head_dim_v) != bucket(p.head_dim)
+                                                     and (bucket(p.head_dim), bucket(p.head_dim_v)) != (192, 128)):
+        return f"(D, Dv) = ({p.head_dim}, {p.head_dim_v}) has no Hopper variant (Dv's bucket must equal D's, or be 128 for 192)"
     return None
 
 
@@ -245,14 +258,9 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         return kvcache_reason(p, arch, arrays)
     if p.varlen is not None and p.modifiers is not None:
         return "score modifiers on packed variable-length batches are not in the Hopper kernel yet"
-    for name, d in (("D", p.head_dim), ("Dv", p.head_dim_v)):
-        if d % 8:
-            return f"{name}={d} is not a multiple of 8 (TMA rows are 16-byte multiples)"
-    if max(p.head_dim, p.head_dim_v) > HEAD_DIM_BUCKETS[-1]:
-        return f"head dim {max(p.head_dim, p.head_dim_v)} > {HEAD_DIM_BUCKETS[-1]}"
-    if bucket(p.head_dim_v) > bucket(p.head_dim) or (bucket(p.head_dim_v) != bucket(p.head_dim)
-                                                     and (bucket(p.head_dim), bucket(p.head_dim_v)) != (192, 128)):
-        return f"(D, Dv) = ({p.head_dim}, {p.head_dim_v}) has no Hopper variant (Dv's bucket must equal D's, or be 128 for 192)"
+    why = _dims_reason(p)
+    if why is not None:
+        return why
     if p.varlen is not None:
         if p.varlen.total_k == 0:
             return "no key in the whole packed batch (a tensor map has no empty dimension)"
@@ -441,7 +449,7 @@ def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
     ``arrays`` is ``(q, k_cache, v_cache)`` or ``(q, k_cache, v_cache, out)`` (alignment of views;
     None: shapes only). The arch rule (compute capability 9.0) is the caller's.
     """
-    p, c = problem, problem.kvcache
+    p = problem
     if p.fp8 is not None:
         return "an fp8 cache has no Hopper form"
     if p.modifiers is not None:
@@ -454,14 +462,9 @@ def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
         key = str(np.dtype(p.dtype))
     if key not in DTYPES:
         return f"dtype {np.dtype(p.dtype)} (wgmma here takes float16/bfloat16)"
-    for name, d in (("D", p.head_dim), ("Dv", p.head_dim_v)):
-        if d % 8:
-            return f"{name}={d} is not a multiple of 8 (TMA and cp.async rows are 16-byte multiples)"
-    if max(p.head_dim, p.head_dim_v) > HEAD_DIM_BUCKETS[-1]:
-        return f"head dim {max(p.head_dim, p.head_dim_v)} > {HEAD_DIM_BUCKETS[-1]}"
-    if bucket(p.head_dim_v) > bucket(p.head_dim) or (bucket(p.head_dim_v) != bucket(p.head_dim)
-                                                     and (bucket(p.head_dim), bucket(p.head_dim_v)) != (192, 128)):
-        return f"(D, Dv) = ({p.head_dim}, {p.head_dim_v}) has no Hopper variant (Dv's bucket must equal D's, or be 128 for 192)"
+    why = _dims_reason(p)
+    if why is not None:
+        return why
     if p.seqlen_q < KVCACHE_MIN_ROWS:
         return (f"Sq={p.seqlen_q} query rows would fill under half of the 128-row Hopper tile (from "
                 f"{KVCACHE_MIN_ROWS} on it runs here); the tensor-core decode kernel packs the "
@@ -475,21 +478,9 @@ def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
             if why:
                 return why
     for a, name in zip(arrays[1:3], ("k_cache", "v_cache")):
-        if a is None or a.size == 0:
-            continue
-        item = a.dtype.itemsize
-        if a.strides[-1] != item and a.shape[-1] > 1:
-            return f"{name}'s head dim is not contiguous"
-        bad = [int(s) for s, n in zip(a.strides[:-1], a.shape[:-1]) if n > 1 and int(s) % TMA_ALIGN]
-        if bad:
-            return f"{name} has a stride of {bad[0]} bytes, not a multiple of {TMA_ALIGN} (cp.async copies 16-byte chunks)"
-        try:
-            addr = plan.array_address(a)
-        except TypeError:
-            continue
-        if addr % TMA_ALIGN:
-            return f"{name} starts at an address that is not {TMA_ALIGN}-byte aligned (cp.async copies 16-byte chunks)"
-    del c
+        why = _tma_reason(a, name, "cp.async copies 16-byte chunks")
+        if why:
+            return why
     return None
 
 

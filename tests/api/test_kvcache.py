@@ -196,7 +196,8 @@ def test_kvcache_hopper_pairwise(case, rng):
 
 @pytest.mark.slow
 @pytest.mark.checked
-@pytest.mark.parametrize("case", HOPPER_DEFAULT + HOPPER[::6], ids=["-".join(map(str, c)) for c in HOPPER_DEFAULT + HOPPER[::6]])
+@pytest.mark.parametrize("case", HOPPER_DEFAULT[1:] + HOPPER[::6],
+                         ids=["-".join(map(str, c)) for c in HOPPER_DEFAULT[1:] + HOPPER[::6]])
 def test_kvcache_hopper_checked(case, rng):
     run_case(rng, *case, checked=True, seed=5, hopper=True)
 
@@ -209,18 +210,18 @@ def test_hopper_replay_with_new_lengths_keeps_its_plan(rng):
     float64 oracle over the keys its lengths give; rows past them hold NaN, which must never be read."""
     from cuflash.kernels import attention_combine, kvcache_run
 
-    sq, hq, hk, d, cap = 64, 2, 1, 64, 520
+    sq, hq, hk, d, cap = 64, 1, 1, 64, 512
     q = rng.standard_normal((2, sq, hq, d)).astype(dtypes.float16)
     kc = rng.standard_normal((2, cap, hk, d)).astype(dtypes.float16)
     vc = rng.standard_normal((2, cap, hk, d)).astype(dtypes.float16)
     seqlens = np.array([300, 40], np.int32)
     plans_for = {}
-    for lengths in ([300, 40], [520, 500], [1, 0]):   # the plan never depends on the lengths
+    for lengths in ([300, 40], [512, 500], [1, 0]):   # the plan never depends on the lengths
         p = check_attention_with_kvcache(q, kc, vc, np.array(lengths, np.int32), causal=True)
         plans_for[tuple(lengths)] = kvcache_run.choose(p, 90, (q, kc, vc), cuflash.sim.sm_count(90))
     assert len(set(plans_for.values())) == 1, plans_for
     variant, splits = plans_for[(300, 40)]
-    assert isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) and splits == 2   # 5 tiles of capacity
+    assert isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) and splits == 2   # 4 tiles of capacity
     problem = check_attention_with_kvcache(q, kc, vc, seqlens, causal=True)
     with cuflash.sim.options(arch="sm_90", checked=True), sim_call(q) as call:
         p, qd = on_device(call, problem, q)
@@ -229,7 +230,7 @@ def test_hopper_replay_with_new_lengths_keeps_its_plan(rng):
         lse_part = call.empty((splits, 2 * hq * sq), np.float32)
         plans = [attention_fwd_sm90.plan_kvcache(p, qd, out, lse, variant, (o_part, lse_part), call),
                  attention_combine.plan_combine(o_part, lse_part, out, lse, num_heads_q=hq, seqlen_q=sq)]
-        for lengths in ([300, 40], [520, 500], [1, 0]):
+        for lengths in ([300, 40], [512, 500], [1, 0]):
             seqlens[...] = lengths   # (the device array is a view of it, as a graph's input buffer)
             k_run, v_run = kc.copy(), vc.copy()
             for b, n in enumerate(lengths):
