@@ -193,9 +193,9 @@ def _hopper_kvcache(rng, v):
     cache of 16-row pages, two key splits, causal; NaN in every cache row not to be read."""
     dt = DTYPES[v.dtype]
     page, lengths = 16, np.array([200, 17], np.int32)
-    bt = np.array([np.arange(13), np.r_[13, np.full(12, -1)]], np.int32)
-    kc = np.full((14, page, 1, v.head_dim), np.nan, dt)
-    vc = np.full((14, page, 1, v.head_dim_v), np.nan, dt)
+    bt = np.array([np.arange(13), np.r_[13, 14, np.full(11, -1)]], np.int32)   # 13 and 2 pages
+    kc = np.full((15, page, 1, v.head_dim), np.nan, dt)
+    vc = np.full((15, page, 1, v.head_dim_v), np.nan, dt)
     for b, n in enumerate(lengths):
         i0, i1 = ref_kvcache.cache_rows(b, 0, int(n), page_size=page, block_table=bt)
         kc[i0, i1] = rng.standard_normal((len(i0), 1, v.head_dim))
