@@ -281,13 +281,17 @@ def test_scalar_cache_seqlens_and_contiguous_decode(rng):
         check_close(out, q, kc[:, :33], vc[:, :33], layout="bshd")
 
 
-def test_hostile_device_indices_give_nan_rows_and_stay_inside(rng):
+@pytest.mark.parametrize("sq", [2, pytest.param(64, marks=pytest.mark.slow)], ids=["tensor_core", "hopper"])
+def test_hostile_device_indices_give_nan_rows_and_stay_inside(rng, sq):
     """Device-resident indices are not read by the host: whatever they hold, the kernels clamp
     every index into the cache (checked mode reports any access outside an array) and a sequence
     whose index was out of range comes out NaN, while the others are exact; appends that would
-    land outside the cache or on a bad page are not written."""
-    q, kc, vc, lengths, kw = make_case(rng, [5, 20, 9], 2, 1, 4, (4, 2), 64, dtypes.float16, "none", "plain")
+    land outside the cache or on a bad page are not written. (Sq=2: the tensor-core KV-cache form;
+    64: the Hopper one, whose producer finds the bad page.)"""
+    q, kc, vc, lengths, kw = make_case(rng, [5, 20, 9], sq, 1, 4, (4, 2), 64, dtypes.float16, "none", "plain")
     problem = check_attention_with_kvcache(q, kc, vc, lengths, **kw)
+    want_tier = "attention_fwd_sm90" if sq >= attention_fwd_sm90.KVCACHE_MIN_ROWS else "attention_fwd_mma"
+    assert dispatch.explain_forward(problem, 90, (q, kc, vc), sm_count=132)["tier"] == want_tier
     bt = kw["block_table"].copy()
     bt[1, 1] = 10**6            # sequence 1's second page: out of range
     seqlens = lengths.copy()
