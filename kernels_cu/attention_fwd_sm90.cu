@@ -182,6 +182,7 @@ struct CacheSeq {
     long long k_page, k_row, v_page, v_row;   // byte strides
     const int* bt_row;            // paged: the sequence's block-table row; else nullptr
     int page_size, num_pages, start, seqlen_k, cache_b, bad;
+    int step_pages, step_rows;    // paged: 16 keys are step_pages pages and step_rows rows further on
 };
 __device__ __forceinline__ CacheSeq cache_seq(int b, int hk, const unsigned char* k_cache, const unsigned char* v_cache,
                                               const long long (&st)[6], const int* __restrict__ cache_seqlens,
@@ -205,6 +206,7 @@ __device__ __forceinline__ CacheSeq cache_seq(int b, int hk, const unsigned char
     c.v = v_cache + hk * st[5];
     c.k_page = st[0], c.k_row = st[1], c.v_page = st[3], c.v_row = st[4];
     c.page_size = page_size, c.num_pages = num_pages;
+    c.step_pages = 16 / page_size, c.step_rows = 16 % page_size;
     return c;
 }
 
@@ -217,16 +219,28 @@ __device__ __forceinline__ void gather_tile(unsigned char* dst, const unsigned c
                                             long long row_stride, const CacheSeq& c, int kv0, int Sk, int dbytes,
                                             int ptid, int& bad) {
     const int chunk = ptid % 8;
+    // a paged cache: this thread's first key's page slot and row, then 16 keys further per row
+    // (one division per tile, not one per row)
+    int slot = 0, in_page = 0;
+    if (c.bt_row != nullptr) {
+        const int p0 = c.start + kv0 + ptid / 8;
+        slot = p0 / c.page_size;
+        in_page = p0 - slot * c.page_size;
+    }
     for (int r = ptid / 8; r < BC; r += 16) {
         const int key = kv0 + r, p = c.start + key;
         const bool live = key < Sk;
         long long page = c.cache_b;
         int row = p;
-        if (c.bt_row != nullptr && live) {
-            const int slot = p / c.page_size, pg = c.bt_row[slot];
-            bad |= pg < 0 || pg >= c.num_pages;
-            page = clamp_index(pg, 0, c.num_pages - 1);
-            row = p - slot * c.page_size;
+        if (c.bt_row != nullptr) {
+            if (live) {
+                const int pg = c.bt_row[slot];
+                bad |= pg < 0 || pg >= c.num_pages;
+                page = clamp_index(pg, 0, c.num_pages - 1);
+                row = in_page;
+            }
+            slot += c.step_pages, in_page += c.step_rows;
+            if (in_page >= c.page_size) in_page -= c.page_size, ++slot;
         }
         const unsigned char* src = base + page * page_stride + row * row_stride;
         unsigned char* d = dst + r * 128 + ((chunk ^ (r & 7)) << 4);
