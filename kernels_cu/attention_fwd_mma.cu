@@ -70,6 +70,18 @@
 // Indices are clamped into the cache; a sequence whose index was out of range (device-resident
 // indices the host could not check) gets NaN in every row it writes.
 //
+// An fp8 KV cache (the CUFLASH_CACHE_FP8 1 variants of the KV-cache form; float8_e4m3fn caches with
+// FA3's per-(batch, kv head) k_descale / v_descale): each thread cp.asyncs its 8-byte chunks of
+// fp8 K and V (the 16-byte chunks' rows and columns, 8 elements each) into a staging area, and
+// after its own wait converts them to the element type in the K/V tile (cvt.rn.f16x2.e4m3x2,
+// ptx.cuh: exact, every e4m3 value is a binary16 and a bfloat16 value), which the mma read as
+// before. A thread converts only the chunks it copied itself, so one staging buffer is enough:
+// it refills it with tile j + 1 at once, and the copy overlaps tile j's math; two barriers per
+// tile (the K/V tile is free; the converted tile is visible). The descales are one per block (one
+// sequence, one kv head): k_descale[b, h] multiplies scale_log2 (the scores are q . (k * kd)
+// scaled), v_descale[b, h] the output rows at the epilogue (O = (P V) vd), in float32, the same
+// products as dequantizing each element, summed in another order.
+//
 // Dropout (the CUFLASH_DROPOUT 1 variants): after the online softmax of a tile, each P element
 // whose Philox draw fails the threshold is zeroed and the others scaled by 1 / (1 - p)
 // (dropout.cuh); the row sums, and so the LSE, are the undropped softmax's.
@@ -83,10 +95,19 @@
 //   CUFLASH_ENTRY, CUFLASH_T (__half, __nv_bfloat16), CUFLASH_BF16 (0/1), CUFLASH_HEAD_DIM_MAX,
 //   CUFLASH_BLOCK_M (Br = 16 * MT * warps), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS, CUFLASH_M_FRAGS
 //   (MT), CUFLASH_STAGES, CUFLASH_MIN_BLOCKS (__launch_bounds__), CUFLASH_SMEM_BYTES (checked below),
-//   CUFLASH_VARLEN, CUFLASH_KVCACHE, CUFLASH_DROPOUT, CUFLASH_MODS (0/1).
+//   CUFLASH_VARLEN, CUFLASH_KVCACHE, CUFLASH_DROPOUT, CUFLASH_MODS (0/1), CUFLASH_CACHE_FP8 (1 in the
+//   fp8-cache forms only).
 #include "ptx.cuh"
 
 typedef CUFLASH_T elem_t;
+#ifndef CUFLASH_CACHE_FP8
+#define CUFLASH_CACHE_FP8 0
+#endif
+#if CUFLASH_CACHE_FP8
+typedef unsigned char kv_t;   // float8_e4m3fn bytes
+#else
+typedef elem_t kv_t;
+#endif
 
 #define BR CUFLASH_BLOCK_M
 #define BC CUFLASH_BLOCK_N
@@ -111,8 +132,16 @@ static_assert(CHUNKS % 2 == 0, "the row pitch must be an odd number of 16-byte c
 #ifndef CUFLASH_KVCACHE
 #define CUFLASH_KVCACHE 0
 #endif
+#if CUFLASH_CACHE_FP8
+static_assert(CUFLASH_KVCACHE, "an fp8 cache is read by the KV-cache form only");
+#define KV8_PITCH (DMAX + 16)   // fp8 staging row pitch, bytes
+// Q, one K/V tile of the element type, and the fp8 staging of one K and one V tile
+static_assert(2 * (BR * PITCH + STAGE_ELEMS) + 2 * BC * KV8_PITCH == CUFLASH_SMEM_BYTES,
+              "the variant's shared-memory size (cuflash/kernels/attention_fwd_mma.py) disagrees with this layout");
+#else
 static_assert(2 * (BR * PITCH + STAGES * STAGE_ELEMS) == CUFLASH_SMEM_BYTES,
               "the variant's shared-memory size (cuflash/kernels/attention_fwd_mma.py) disagrees with this layout");
+#endif
 
 #include "mma_tile.cuh"
 #ifndef CUFLASH_DROPOUT
@@ -221,9 +250,24 @@ __device__ __forceinline__ PageRow page_row(const int* __restrict__ bt_row, int 
     return r;
 }
 #endif
+#if CUFLASH_CACHE_FP8
+// Eight e4m3 bytes (one 8-byte staging chunk, element 0 in the low byte) as eight elements.
+__device__ __forceinline__ unsigned dequant2(unsigned b) {
+    const unsigned h = ptx_cvt_f16x2_e4m3x2((unsigned short)b);
+#if CUFLASH_BF16
+    return pack2(__half2float(__ushort_as_half((unsigned short)(h & 0xffffu))),
+                 __half2float(__ushort_as_half((unsigned short)(h >> 16))));   // exact
+#else
+    return h;
+#endif
+}
+__device__ __forceinline__ uint4 dequant8(uint2 w) {
+    return make_uint4(dequant2(w.x & 0xffffu), dequant2(w.x >> 16), dequant2(w.y & 0xffffu), dequant2(w.y >> 16));
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NT, CUFLASH_MIN_BLOCKS)
-CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv_t* __restrict__ v,
               elem_t* __restrict__ out, float* __restrict__ lse,
               long long q_batch_stride, long long q_head_stride, long long q_row_stride,
               long long k_batch_stride, long long k_head_stride, long long k_row_stride,
@@ -241,6 +285,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
               int cache_capacity, int cache_flags, int pack, int num_splits, long long partial_rows,
               float* __restrict__ o_partial,
               float* __restrict__ lse_partial
+#endif
+#if CUFLASH_CACHE_FP8
+              , const float* __restrict__ k_descale, const float* __restrict__ v_descale,
+              long long kd_batch_stride, long long kd_head_stride, long long vd_batch_stride, long long vd_head_stride
 #endif
 #if CUFLASH_DROPOUT
               , unsigned dropout_seed, unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale,
@@ -302,8 +350,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const elem_t* q_tile = q + batch * q_batch_stride + head0 * q_head_stride + row0 * q_row_stride;
 #if CUFLASH_KVCACHE
     const long long kv_batch = paged ? 0 : cs.cache_b;
-    const elem_t* k_head = k + kv_batch * k_batch_stride + head_k * k_head_stride + (paged ? 0 : cs.start * k_row_stride);
-    const elem_t* v_head = v + kv_batch * v_batch_stride + head_k * v_head_stride + (paged ? 0 : cs.start * v_row_stride);
+    const kv_t* k_head = k + kv_batch * k_batch_stride + head_k * k_head_stride + (paged ? 0 : cs.start * k_row_stride);
+    const kv_t* v_head = v + kv_batch * v_batch_stride + head_k * v_head_stride + (paged ? 0 : cs.start * v_row_stride);
 #else
     const elem_t* k_head = k + batch * k_batch_stride + head_k * k_head_stride + k_first * k_row_stride;
     const elem_t* v_head = v + batch * v_batch_stride + head_k * v_head_stride + k_first * v_row_stride;
@@ -324,8 +372,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     // no row-stride product is redone in the loop.
     const int cp_r0 = tid / CHUNKS, cp_c = tid % CHUNKS;
     const int s_thread = cp_r0 * PITCH + cp_c * 8;
-    const elem_t* k_src = k_head + (kv_lo + cp_r0) * k_row_stride + cp_c * 8;
-    const elem_t* v_src = v_head + (kv_lo + cp_r0) * v_row_stride + cp_c * 8;
+    const kv_t* k_src = k_head + (kv_lo + cp_r0) * k_row_stride + cp_c * 8;
+    const kv_t* v_src = v_head + (kv_lo + cp_r0) * v_row_stride + cp_c * 8;
     // Tiles j < full_tiles hold no key past Sk; this thread copies them unpredicated when its K and
     // V column chunk is inside D and Dv (per thread: a head dim below its bucket leaves the last
     // chunks zero-filled).
@@ -333,6 +381,65 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     // An edge tile's copy tests rows only: rows_left of copy_rows is n - k_row_lim (n - v_row_lim),
     // k_row_lim being this thread's first row cp_r0, or BC (no row) when its chunk lies past D (Dv).
     const int k_row_lim = cp_c * 8 < head_dim ? cp_r0 : BC, v_row_lim = cp_c * 8 < head_dim_v ? cp_r0 : BC;
+#if CUFLASH_CACHE_FP8
+    // fp8: this thread's 8-byte chunks (column chunk cp_c of rows cp_r0 + i kRowsPerPass, as the
+    // 16-bit copies') of the K/V tile from key kv into the staging area, rows n and on (and chunks
+    // past D / Dv) zero-filled; a paged cache's rows through the block table (one look-up when the
+    // tile lies in one page). convert_kv8 then turns the same chunks into the element type.
+    unsigned char* kv8_s = reinterpret_cast<unsigned char*>(kv_s + STAGE_ELEMS);   // [K, V][BC][KV8_PITCH]
+    const int s8_thread = cp_r0 * KV8_PITCH + cp_c * 8;
+    const bool k8_col = cp_c * 8 < head_dim, v8_col = cp_c * 8 < head_dim_v;
+    auto load_kv8 = [&](int kv) {
+        if (kCopyThreads != NT && tid >= kCopyThreads) return;
+        const int n = min(BC, seqlen_k - kv);
+        const kv_t* ks = k_src;
+        const kv_t* vs = v_src;
+        bool per_row = false;
+        if (paged) {
+            const int p0 = cs.start + kv;
+            per_row = p0 % page_size + BC > page_size;
+            if (!per_row) {
+                const PageRow pr = page_row(bt_row, p0, page_size, num_pages, bad);
+                ks = k_head + pr.page * k_batch_stride + (pr.row + cp_r0) * k_row_stride + cp_c * 8;
+                vs = v_head + pr.page * v_batch_stride + (pr.row + cp_r0) * v_row_stride + cp_c * 8;
+            }
+        }
+#pragma unroll 1
+        for (int i = 0; i < BC / kRowsPerPass; ++i) {
+            const int r = cp_r0 + i * kRowsPerPass;
+            const bool ok = r < n;
+            const kv_t* kr = ks + i * kRowsPerPass * k_row_stride;
+            const kv_t* vr = vs + i * kRowsPerPass * v_row_stride;
+            if (per_row) {
+                PageRow pr = {0, 0};
+                if (ok) pr = page_row(bt_row, cs.start + kv + r, page_size, num_pages, bad);
+                kr = k_head + pr.page * k_batch_stride + pr.row * k_row_stride + cp_c * 8;
+                vr = v_head + pr.page * v_batch_stride + pr.row * v_row_stride + cp_c * 8;
+            }
+            const bool k_ok = ok && k8_col, v_ok = ok && v8_col;
+            ptx_cp_async_8_zfill(kv8_s + s8_thread + i * kRowsPerPass * KV8_PITCH, k_ok ? kr : k, k_ok ? 8 : 0);
+            ptx_cp_async_8_zfill(kv8_s + BC * KV8_PITCH + s8_thread + i * kRowsPerPass * KV8_PITCH, v_ok ? vr : v,
+                                 v_ok ? 8 : 0);
+        }
+        if (!paged) {
+            k_src += BC * k_row_stride;
+            v_src += BC * v_row_stride;
+        }
+    };
+    auto convert_kv8 = [&]() {
+        if (kCopyThreads != NT && tid >= kCopyThreads) return;
+#pragma unroll
+        for (int i = 0; i < BC / kRowsPerPass; ++i) {
+            const unsigned char* s8 = kv8_s + s8_thread + i * kRowsPerPass * KV8_PITCH;
+            elem_t* d = kv_s + s_thread + i * kRowsPerPass * PITCH;
+            *reinterpret_cast<uint4*>(d) = dequant8(*reinterpret_cast<const uint2*>(s8));
+            *reinterpret_cast<uint4*>(d + BC * PITCH) = dequant8(*reinterpret_cast<const uint2*>(s8 + BC * KV8_PITCH));
+        }
+    };
+    // The descales of this block's (sequence, kv head): flags 16 and 32 say they were given (else 1)
+    const float k_ds = (cache_flags & 16) ? k_descale[batch * kd_batch_stride + head_k * kd_head_stride] : 1.0f;
+    scale_log2 *= k_ds;   // the scores of q . (k * kd)
+#else
     // This thread's rows of a K/V tile from ks / vs (its chunk of the tile's first rows) into stage
     // `st`: unpredicated for an interior tile, else rows n and on (and chunks past D / Dv) zero-filled.
     auto copy_kv = [&](elem_t* st, const elem_t* ks, const elem_t* vs, bool interior, int n) {
@@ -382,6 +489,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         k_src += BC * k_row_stride;
         v_src += BC * v_row_stride;
     };
+#endif
 
 
     // Prologue: Q and the first K/V tile, one group. A tile that sees no key (causal with
@@ -405,7 +513,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             copy_rows<BR>(q_s + s_thread, q_tile + cp_r0 * q_row_stride + cp_c * 8, q_tile, kRowsPerPass * q_row_stride,
                           rows - cp_r0, cp_c * 8 < head_dim);
         }
+#if CUFLASH_CACHE_FP8
+        load_kv8(kv_lo);
+#else
         load_kv(kv_s, kv_lo, 0 < full_tiles);
+#endif
     }
     ptx_cp_async_commit();
 
@@ -443,6 +555,18 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
     for (int j = 0; j < n_tiles; ++j) {
         const int kv0 = kv_lo + j * BC;
+#if CUFLASH_CACHE_FP8
+        const elem_t* k_s = kv_s;
+        const elem_t* v_s = k_s + BC * PITCH;
+        ptx_cp_async_wait<0>();   // this thread's fp8 chunks of tile j (and its Q copies) have landed
+        __syncthreads();          // every thread's Q; and every thread is done with tile j - 1's K/V
+        convert_kv8();            // its own chunks: no other thread's copies are read
+        if (j + 1 < n_tiles) {    // the staging is this thread's again: tile j + 1 overlaps the math
+            load_kv8(kv0 + BC);
+            ptx_cp_async_commit();
+        }
+        __syncthreads();          // tile j's converted K/V, every thread's
+#else
         const elem_t* k_s = kv_s + (STAGES == 2 ? j % 2 : 0) * STAGE_ELEMS;
         const elem_t* v_s = k_s + BC * PITCH;
         ptx_cp_async_wait<0>();   // this thread's copies of tile j (and of Q) have landed
@@ -451,6 +575,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             load_kv(kv_s + ((j + 1) % 2) * STAGE_ELEMS, kv0 + BC, j + 1 < full_tiles);   // the stage tile j - 1 used
             ptx_cp_async_commit();
         }
+#endif
 
         bool warp_live = !CUFLASH_KVCACHE || warp_active;   // (a warp whose rows are all past the sequence only copies)
 #if CUFLASH_MODS
@@ -634,11 +759,13 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 }
             }
         }
+#if !CUFLASH_CACHE_FP8
         if (STAGES == 1 && j + 1 < n_tiles) {
             __syncthreads();   // every thread is done with the one stage
             load_kv(kv_s, kv0 + BC, j + 1 < full_tiles);
             ptx_cp_async_commit();
         }
+#endif
     }
     // No cp.async is in flight here: the last iteration issued nothing and waited for everything
     // before it, and a tile without keys issued nothing at all.
@@ -666,6 +793,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const bool nan_rows = false;
 #endif
     float inv_l[MT][2];
+#if CUFLASH_CACHE_FP8
+    const float v_ds = (cache_flags & 32) ? v_descale[batch * vd_batch_stride + head_k * vd_head_stride] : 1.0f;
+#endif
 #pragma unroll
     for (int f = 0; f < MT; ++f)
 #pragma unroll
@@ -680,6 +810,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             if (nan_rows) l = __int_as_float(0x7fffffff);
             l_row[f][h] = l;
             inv_l[f][h] = l != 0.0f ? c / l : 0.0f;   // l == 0: no key (O = 0); NaN l stays NaN
+#if CUFLASH_CACHE_FP8
+            inv_l[f][h] *= v_ds;   // O = (P V) vd
+#endif
         }
 #if CUFLASH_KVCACHE
     if (nsplit > 1) {   // split-KV: this split's normalized float32 O and LSE, for attention_combine.cu

@@ -241,6 +241,10 @@ __device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gm
 __device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
     cuflash_ptx_sim::cp_async(smem, gmem, 4, uint32_t(src_bytes));
 }
+// cp.async.ca with cp-size 8 (8-byte-aligned addresses): src_bytes 0 zero-fills.
+__device__ __forceinline__ void ptx_cp_async_8_zfill(void* smem, const void* gmem, int src_bytes) {
+    cuflash_ptx_sim::cp_async(smem, gmem, 8, uint32_t(src_bytes));
+}
 // `x` itself (see the GPU branch: an optimization barrier there, nothing here).
 __device__ __forceinline__ int ptx_opaque(int x) { return x; }
 __device__ __forceinline__ long long ptx_opaque(long long x) { return x; }
@@ -447,6 +451,9 @@ __device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gm
 __device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(ptx_smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
 }
+__device__ __forceinline__ void ptx_cp_async_8_zfill(void* smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(ptx_smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
+}
 __device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
@@ -500,6 +507,9 @@ __device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gm
 }
 __device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
     *static_cast<float*>(smem) = src_bytes ? *static_cast<const float*>(gmem) : 0.0f;
+}
+__device__ __forceinline__ void ptx_cp_async_8_zfill(void* smem, const void* gmem, int src_bytes) {
+    *static_cast<uint2*>(smem) = src_bytes ? *static_cast<const uint2*>(gmem) : make_uint2(0u, 0u);
 }
 __device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
     atomicAdd(p, a);
@@ -689,5 +699,28 @@ __device__ __forceinline__ unsigned short ptx_cvt_pack_e4m3x2(float lo, float hi
 #include <cuda_fp8.h>
 __device__ __forceinline__ unsigned short ptx_cvt_pack_e4m3x2(float lo, float hi) {
     return (unsigned short)__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+#endif
+
+// cvt.rn.f16x2.e4m3x2 (PTX ISA "cvt", sm_89+): two float8_e4m3fn bytes to two binary16 values, the
+// low byte of `b` to the low half (as the f16x2 -> e4m3x2 direction packs upper to upper). Exact:
+// every e4m3 value (subnormals m * 2^-9 included, largest 448) is a binary16 value; the NaN bytes
+// 0x7f / 0xff give NaN. Below sm_89 and on the simulator, the same values decoded in software
+// (cuflash_e4m3_to_f32: exact, no float subnormal involved) and packed by cvt.rn.f16x2.f32.
+__device__ __forceinline__ float cuflash_e4m3_to_f32(unsigned b) {
+    const unsigned em = b & 0x7fu;   // exponent and mantissa bits
+    float mag = em >= 8u ? __uint_as_float((em + (120u << 3)) << 20) : float(em) * 0.001953125f;   // bias 7 -> 127; m * 2^-9
+    if (em == 0x7fu) mag = __uint_as_float(0x7fc00000u);
+    return (b & 0x80u) ? -mag : mag;
+}
+#if defined(CUFLASH_SIM) || __CUDA_ARCH__ < 890
+__device__ __forceinline__ unsigned ptx_cvt_f16x2_e4m3x2(unsigned short b) {
+    return ptx_cvt_pack_f16x2(cuflash_e4m3_to_f32(b & 0xffu), cuflash_e4m3_to_f32(unsigned(b) >> 8));
+}
+#else
+__device__ __forceinline__ unsigned ptx_cvt_f16x2_e4m3x2(unsigned short b) {
+    unsigned r;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(b));
+    return r;
 }
 #endif

@@ -105,9 +105,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         saturating as the GPU's ``cvt.rn.satfinite.e4m3x2.f32`` does (a magnitude past 448, inf
         included, becomes +-448: 480 is stored as 448; NaN stays NaN, the canonical 0x7f).
         ``ml_dtypes``' own cast turns an overflow into NaN, so the NumPy path clips first; the
-        kernel's append writes the same bytes. The NumPy path takes an fp8 cache; the kernel
-        backends do not yet (``NotImplementedError``: the KV-cache kernel reads float16/bfloat16
-        caches). Host descales must be finite and > 0.
+        kernel's append writes the same bytes. The kernel backends read an fp8 cache with the
+        tensor-core KV-cache kernel's fp8-cache form (sm_80 and newer; q float16/bfloat16; no
+        score modifiers: ``NotImplementedError``): each e4m3 value is converted exactly to q's
+        dtype, ``k_descale`` scales the scores and ``v_descale`` the output, in float32 (the
+        products of dequantizing each element, summed in another order). Host descales must be
+        finite and > 0.
 
     Returns
     -------
@@ -357,12 +360,14 @@ def _kvcache_numpy(problem, operands):
 
 
 def _kvcache_device(problem, operands, call):
-    """:func:`pipeline.forward_on` (the forward's device steps), after refusing an fp8 cache, which
-    no KV-cache kernel reads yet, before any array is imported or any row appended."""
+    """:func:`pipeline.forward_on` (the forward's device steps), after refusing an fp8 cache that
+    no KV-cache kernel form reads, before any array is imported or any row appended."""
     if problem.fp8 is not None:
         from cuflash.kernels.kvcache_run import fp8_cache_refusal
 
-        raise NotImplementedError(fp8_cache_refusal(problem, call.arch))
+        why = fp8_cache_refusal(problem, call.arch)
+        if why is not None:
+            raise NotImplementedError(why)
     return pipeline.forward_on(problem, operands, call)
 
 

@@ -73,6 +73,10 @@ MODIFIERS = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks")
 USER_MODIFIERS = ("score_mod", "mask_mod")
 #: bytes every row (and base address) must be aligned to (fresh outputs are allocated so)
 ALIGN_BYTES = 16
+#: the KV-cache form reads float8_e4m3fn caches (its ``cache_fp8`` variants: q and the new rows
+#: float16/bfloat16, the cache dequantized as it is read); :attr:`FP8_FORM` of the fixed-shape
+#: forward is False: fp8 q, k, v have no tensor-core form
+FP8_KVCACHE_FORM = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +94,13 @@ class AttentionFwdMma(variants.TileVariant):
     kvcache : bool
         The KV-cache form (``CUFLASH_KVCACHE`` 1, entry suffix ``_kvcache``): keys from a
         contiguous or paged cache, pack-GQA and split-KV (see the kernel's header comment).
+    cache_fp8 : bool
+        Its fp8-cache form (``CUFLASH_CACHE_FP8`` 1, entry suffix ``_e4m3``; KV-cache form only):
+        float8_e4m3fn caches, converted to ``dtype`` in shared memory, and the descales.
     """
 
     kvcache: bool = dataclasses.field(default=False, kw_only=True)
+    cache_fp8: bool = dataclasses.field(default=False, kw_only=True)
 
     family: ClassVar[str] = "attn_fwd_mma"
     source: ClassVar[str] = "attention_fwd_mma.cu"
@@ -101,6 +109,8 @@ class AttentionFwdMma(variants.TileVariant):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.cache_fp8 and not self.kvcache:
+            raise ValueError("AttentionFwdMma: cache_fp8 is a form of the KV-cache kernel (kvcache=True)")
         rows = self.rows_per_warp
         if self.block_m % rows or not 1 <= self.block_m // rows <= 16 or self.block_n % 16 or self.block_n <= 0:
             raise ValueError(f"AttentionFwdMma: tile ({self.block_m}, {self.block_n}) must be a multiple of {rows} rows "
@@ -133,12 +143,16 @@ class AttentionFwdMma(variants.TileVariant):
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: Q (Br rows) and :attr:`stages` stages of K and V (Bc rows each),
-        16-bit elements, row pitch :attr:`pitch`. The kernel ``static_assert``s the same figure."""
+        16-bit elements, row pitch :attr:`pitch`; the fp8-cache form one stage and the fp8 staging
+        of a K and a V tile (row pitch ``head_dim_max + 16`` bytes). The kernel ``static_assert``s
+        the same figure."""
+        if self.cache_fp8:
+            return 2 * self.pitch * (self.block_m + 2 * self.block_n) + 2 * self.block_n * (self.head_dim_max + 16)
         return 2 * self.pitch * (self.block_m + 2 * self.stages * self.block_n)
 
     @property
     def name(self) -> str:
-        return super().name + ("_kvcache" if self.kvcache else "")
+        return super().name + ("_kvcache" if self.kvcache else "") + ("_e4m3" if self.cache_fp8 else "")
 
     def defines(self) -> tuple[tuple[str, str], ...]:
         return super().defines() + (
@@ -147,9 +161,14 @@ class AttentionFwdMma(variants.TileVariant):
             ("CUFLASH_M_FRAGS", str(self.rows_per_warp // 16)),
             ("CUFLASH_STAGES", str(self.stages)),
             ("CUFLASH_MIN_BLOCKS", str(MIN_BLOCKS)),
-        )
+        ) + ((("CUFLASH_CACHE_FP8", "1"),) if self.cache_fp8 else ())   # (the other forms' sources unchanged)
 
     def describe(self) -> str:
+        if self.cache_fp8:
+            return (f"{self.entry}: {self.warps} warps of {self.rows_per_warp} query rows, Br={self.block_m} x "
+                    f"Bc={self.block_n} tiles, head-dim bucket {self.head_dim_max}, {self.smem_bytes} B shared memory "
+                    f"(Q + K/V + fp8 staging, cp.async), fp8 (float8_e4m3fn) cache converted to {self.dtype} in "
+                    f"shared memory, k_descale/v_descale per block, mma.sync m16n8k16 {self.dtype}")
         return (f"{self.entry}: {self.warps} warps of {self.rows_per_warp} query rows, Br={self.block_m} x "
                 f"Bc={self.block_n} tiles, head-dim bucket {self.head_dim_max}, {self.smem_bytes} B shared memory "
                 f"(Q + {self.stages}-stage K/V, cp.async), mma.sync m16n8k16 {self.dtype}")
@@ -157,10 +176,11 @@ class AttentionFwdMma(variants.TileVariant):
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: bool = False,
                    kvcache: bool = False, dropout: bool = False, mods: bool = False,
-                   user: tuple = ("", "", "")) -> AttentionFwdMma:
+                   user: tuple = ("", "", ""), cache_fp8: bool = False) -> AttentionFwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``varlen``: of
     the packed variable-length form; ``kvcache``: of the KV-cache form; ``mods``: with the score
-    modifiers; ``user``: the traced score_mod's and mask_mod's CUDA C, :func:`user_c`)."""
+    modifiers; ``user``: the traced score_mod's and mask_mod's CUDA C, :func:`user_c`;
+    ``cache_fp8``: the KV-cache form over an fp8 cache)."""
     key = variants.dtype_key(dtype)
     if key not in MMA_DTYPES:
         raise NotImplementedError(f"cuflash: the tensor-core kernel computes float16 and bfloat16, not {np.dtype(dtype)}")
@@ -174,7 +194,7 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
     else:
         tiles = TILE_CANDIDATES[bucket]
     candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, kvcache=kvcache, dropout=dropout, mods=mods,
-                                  score_c=user[0], mask_c=user[1], grad_c=user[2])
+                                  score_c=user[0], mask_c=user[1], grad_c=user[2], cache_fp8=cache_fp8)
                   for bm, bn in tiles)
     v = AttentionFwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
     if v is None:
@@ -183,16 +203,17 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
 
 
 def all_variants(arch: int, *, varlen: bool = False, kvcache: bool = False,
-                 dropout: bool = False, mods: bool = False) -> tuple[AttentionFwdMma, ...]:
+                 dropout: bool = False, mods: bool = False, cache_fp8: bool = False) -> tuple[AttentionFwdMma, ...]:
     """Every variant the dispatcher can choose on ``sm_<arch>`` (for the compile gate); with
-    ``varlen``, their packed variable-length forms; with ``kvcache``, their KV-cache forms."""
+    ``varlen``, their packed variable-length forms; with ``kvcache``, their KV-cache forms (with
+    ``cache_fp8``, over an fp8 cache)."""
     if arch < MIN_ARCH:
         return ()
     out = []
     for key in MMA_DTYPES:
         for bucket in HEAD_DIM_BUCKETS:
             out.append(choose_variant(variants.DTYPES[key][1], bucket, bucket, arch, varlen=varlen, kvcache=kvcache,
-                                      dropout=dropout, mods=mods))
+                                      dropout=dropout, mods=mods, cache_fp8=cache_fp8))
     return tuple(dict.fromkeys(out))
 
 
@@ -351,6 +372,8 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> plan.LaunchPl
         raise NotImplementedError(f"{p.func}: {grid} thread blocks exceed the grid limit {plan.MAX_GRID_DIMS[0]}")
     flags = (1 if c.cache_seqlens is not None else 0) | (2 if c.cache_leftpad is not None else 0) | \
         (4 if c.cache_batch_idx is not None else 0) | (8 if c.paged else 0)
+    if variant.cache_fp8:   # the descales given (else 1), as the append's flags
+        flags |= (16 if p.fp8.k_descale is not None else 0) | (32 if p.fp8.v_descale is not None else 0)
     bt = c.block_table
 
     def idx(name):
@@ -368,6 +391,22 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> plan.LaunchPl
         la.i32("pack", pack), la.i32("num_splits", splits), la.i64("partial_rows", lse_partial.shape[1]),
         plan.PointerArg.of("o_partial", o_partial, writable=True),
         plan.PointerArg.of("lse_partial", lse_partial, writable=True),
+        *(_descale_args(p, call) if variant.cache_fp8 else ()),
         *la.mods_args(p, la.modifier_views(p, call), call, variant.mods),
     )
     return plan.LaunchPlan(variant, variant.entry, (grid, 1, 1), variant.block, variant.smem_bytes, args)
+
+
+def _descale_args(problem, call) -> tuple:
+    """The fp8-cache form's trailing arguments: ``k_descale``, ``v_descale`` (float32 ``(B, Hk)``
+    device arrays, any non-negative strides; absent: an empty array, never read) and their
+    (batch, head) element strides."""
+    f = problem.fp8
+    none = call.empty((0, 0), np.float32)
+    out, strides = [], []
+    for name in ("k_descale", "v_descale"):
+        d = getattr(f, name)
+        out.append(plan.PointerArg.of(name, d if d is not None else none))
+        s = la.element_strides(d) if d is not None else (0, 0)
+        strides += [la.i64(f"{name[0]}d_batch_stride", s[0]), la.i64(f"{name[0]}d_head_stride", s[1])]
+    return (*out, *strides)

@@ -46,6 +46,7 @@ def variants_for_arch(arch: int) -> tuple:
     if arch >= attention_fwd_mma.MIN_ARCH:   # the KV-cache forms (fixed q, and packed q for chunked prefill)
         for varlen in (False, True):
             out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen, kvcache=True))
+        out.extend(attention_fwd_mma.all_variants(arch, kvcache=True, cache_fp8=True))   # over an fp8 cache
     if arch >= attention_fwd_mma.MIN_ARCH:   # the score-modifier forms: fixed, packed, KV-cache (fixed and
         for varlen in (False, True):         # packed q), and the backward's (fixed, packed)
             for kvcache in (False, True):
@@ -65,6 +66,8 @@ def variants_for_arch(arch: int) -> tuple:
     if arch >= 75:
         out.extend(kvcache_append.KVCacheAppend.all())
         out.extend(attention_combine.AttentionCombine.all())
+    if arch >= attention_fwd_mma.MIN_ARCH:   # the append into an fp8 cache (read by the form above)
+        out.extend(kvcache_append.KVCacheAppend.fp8_forms())
     return tuple(dict.fromkeys(out))
 
 

@@ -15,7 +15,9 @@ fallback, why; the ``cuflash.dispatch`` logger logs the same line at DEBUG level
 
 fp8 (``float8_e4m3fn``) input goes only to a tier module that declares ``FP8_FORM = True``; today
 none does, so every tier says it has no fp8 form (:func:`fp8_reason`) and the call is a
-``NotImplementedError`` naming the tiers and the arch (the NumPy path computes fp8 input).
+``NotImplementedError`` naming the tiers and the arch (the NumPy path computes fp8 input). An fp8
+KV cache (q float16/bfloat16) is read by the tensor-core KV-cache kernel's fp8-cache form
+(``attention_fwd_mma.FP8_KVCACHE_FORM``; :func:`cuflash.kernels.kvcache_run.fp8_cache_refusal`).
 
 A tier module may declare ``TARGET_ARCH`` (``"90a"``: its kernels are compiled for ``sm_90a``,
 as the Hopper tier's are) and ``MIN_NVRTC_MAJOR`` (13: CUDA-13-only). Before asking the
@@ -314,6 +316,8 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
     _check_grid(p, blocks)
     where = (f"a paged cache ({c.num_pages} pages of {c.page_size} rows)" if c.paged
              else f"a contiguous cache ({c.num_pages} x {c.capacity} rows)")
+    if p.fp8 is not None:
+        where = "an fp8 (float8_e4m3fn)" + where[1:] + ", dequantized as read"
     form = f"chunked prefill: packed queries over {where}" if p.varlen is not None else f"KV-cache form over {where}"
     line = (f"sm_{arch}: tensor-core mma.sync tier, {form}, {pack} query head{'s' * (pack != 1)} per block "
             f"(pack-GQA), {split}: {v.describe()}")

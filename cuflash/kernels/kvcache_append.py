@@ -74,9 +74,9 @@ class KVCacheAppend(variants.Variant):
     @classmethod
     def all(cls) -> tuple["KVCacheAppend", ...]:
         """Every variant a call can run (for the compile gate and precompilation): the KV-cache
-        forward's element types with same-dtype and float32 tables. (The fp8-cache forms,
-        :meth:`fp8_forms`, join them when a KV-cache kernel reads an fp8 cache: until then no call
-        launches them.)"""
+        forward's element types with same-dtype and float32 tables (the fp8-cache forms,
+        :meth:`fp8_forms`, are listed beside them for sm_80 and newer, where the KV-cache kernel
+        reads an fp8 cache)."""
         return tuple(dict.fromkeys(cls(d, r) for d in KVCACHE_DTYPES for r in (d, "f32")))
 
     @classmethod

@@ -24,12 +24,26 @@ from cuflash.runtime import validation_kvcache
 __all__ = ["choose", "hopper_reason", "run_kvcache", "run_append", "fp8_cache_refusal"]
 
 
-def fp8_cache_refusal(problem, arch: int) -> str:
-    """Why a KV-cache call on an fp8 cache runs on no kernel of ``sm_<arch>`` (for its
-    ``NotImplementedError``)."""
-    return (f"{problem.func}: an fp8 (float8_e4m3fn) KV cache has no kernel on sm_{arch} yet: the tensor-core "
-            f"KV-cache kernel (mma.sync) reads float16/bfloat16 caches only; the NumPy path (NumPy arrays, "
-            f"backend='numpy') takes fp8 caches. Nothing was appended")
+def fp8_cache_refusal(problem, arch: int) -> str | None:
+    """Why the KV-cache call ``problem`` on an fp8 cache runs on no kernel of ``sm_<arch>`` (for
+    its ``NotImplementedError``), or None when it can (or the cache is not fp8): the tensor-core
+    KV-cache kernel's fp8-cache form (:data:`attention_fwd_mma.FP8_KVCACHE_FORM`) takes fixed
+    query batches without score modifiers."""
+    p = problem
+    if p.fp8 is None:
+        return None
+    why = None
+    if not getattr(attention_fwd_mma, "FP8_KVCACHE_FORM", False):
+        why = "the tensor-core KV-cache kernel (mma.sync) reads float16/bfloat16 caches only"
+    elif p.modifiers is not None:
+        why = (f"the tensor-core KV-cache kernel's fp8-cache form takes no score modifiers "
+               f"({p.modifiers.present[0]} given)")
+    elif p.varlen is not None:
+        why = "the tensor-core KV-cache kernel's fp8-cache form takes fixed query batches, not packed ones"
+    if why is None:
+        return None
+    return (f"{p.func}: an fp8 (float8_e4m3fn) KV cache has no kernel for this call on sm_{arch}: {why}; the NumPy "
+            f"path (NumPy arrays, backend='numpy') takes it. Nothing was appended")
 
 
 def hopper_reason(problem, arch: int, arrays=None) -> str:
@@ -37,6 +51,9 @@ def hopper_reason(problem, arch: int, arrays=None) -> str:
     (None if it does)."""
     if arch != 90:
         return f"sm_{arch} is not compute capability 9.0 (the Hopper kernel is compiled for sm_90a)"
+    if problem.fp8 is not None:
+        return ("an fp8 (float8_e4m3fn) cache: the Hopper KV-cache form reads float16/bfloat16 caches only (the "
+                "tensor-core form dequantizes fp8 as it reads)")
     return attention_fwd_sm90.kvcache_reason(problem, arch, arrays)
 
 
@@ -56,12 +73,13 @@ def choose(problem, arch: int, arrays=None, sm_count=None) -> tuple:
     Raises
     ------
     NotImplementedError
-        An fp8 cache (:func:`fp8_cache_refusal`), or a call the tensor-core tier cannot take
-        (saying why).
+        An fp8 cache the fp8-cache form cannot take (:func:`fp8_cache_refusal`), or a call the
+        tensor-core tier cannot take (saying why).
     """
     p = problem
-    if p.fp8 is not None:
-        raise NotImplementedError(fp8_cache_refusal(p, arch))
+    why = fp8_cache_refusal(p, arch)
+    if why is not None:
+        raise NotImplementedError(why)
     if hopper_reason(p, arch, arrays) is None:
         variant = attention_fwd_sm90.kvcache_variant(p)
         return variant, attention_fwd_sm90.kvcache_splits(p, variant, sm_count)
@@ -70,7 +88,7 @@ def choose(problem, arch: int, arrays=None, sm_count=None) -> tuple:
         raise NotImplementedError(f"{p.func}: the KV-cache kernel runs on the tensor-core tier only, which cannot "
                                   f"take this call: {why}")
     variant = attention_fwd_mma.choose_variant(p.dtype, p.head_dim, p.head_dim_v, arch, varlen=p.varlen is not None,
-                                               kvcache=True, mods=p.modifiers is not None)
+                                               kvcache=True, mods=p.modifiers is not None, cache_fp8=p.fp8 is not None)
     return variant, attention_fwd_mma.kvcache_splits(p, variant, arch, sm_count)
 
 
@@ -107,8 +125,8 @@ def run_append(problem, q, call):
     """Only the append of the KV-cache call ``problem`` (device arrays of ``call``): the new rows
     written into the caches (rotated; quantized into an fp8 cache), and the rotated queries into
     a fresh workspace, which is returned (None without rotary tables). :func:`run_kvcache` runs
-    the same launch first; this one serves the fp8 cache, whose attention no kernel reads yet, and
-    the tests that compare a kernel's cache with the NumPy path's byte for byte."""
+    the same launch first; this one serves the tests that compare a kernel's cache with the NumPy
+    path's byte for byte."""
     c = problem.kvcache
     q_rot = None if c.rotary_cos is None else call.empty(q.shape, problem.dtype)
     launch_plan = kvcache_append.plan_append(problem, q, q_rot, validation_kvcache.rotates_per_row(problem), call)

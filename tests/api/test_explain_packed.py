@@ -246,7 +246,7 @@ KVCACHE_REFUSALS = {
     "a page outside the cache": ({}, {"block_table": np.full((2, 32), 64, np.int32)}),
     "sinks of the wrong shape": ({}, {"sinks": np.zeros(3, np.float32)}),
     "float32 has no KV-cache kernel": ({"dtype": np.float32}, {}),
-    "an fp8 cache has no kernel": ({"fp8": True}, {}),
+    "an fp8 cache with a score modifier has no kernel": ({"fp8": True}, {"softcap": 3.0}),
     "the new rows overlap the cache": ({"overlap": True}, {}),
 }
 

@@ -285,8 +285,9 @@ def test_fp8_kv_cache_refusals():
     bt = kw["block_table"]
     before = kc.view(np.uint8).copy()
     with pytest.raises(NotImplementedError, match=r"cuflash.attention_with_kvcache: an fp8 \(float8_e4m3fn\) KV cache has "
-                                                  r"no kernel on sm_90 yet: .*Nothing was appended"):
-        cuflash.attention_with_kvcache(q, kc, vc, seqlens, backend="sim", **kw)
+                                                  r"no kernel for this call on sm_90: .*takes no score modifiers "
+                                                  r"\(alibi_slopes given\).*Nothing was appended"):
+        cuflash.attention_with_kvcache(q, kc, vc, seqlens, backend="sim", alibi_slopes=np.ones(4, np.float32), **kw)
     np.testing.assert_array_equal(kc.view(np.uint8), before)
     with pytest.raises(TypeError, match=r"v_cache.dtype=bfloat16 must equal k_cache.dtype=float8_e4m3fn"):
         cuflash.attention_with_kvcache(q, kc, vc.astype(BF16), seqlens, block_table=bt)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from support.grads import check_grads_close
-from support.kvcache import check_result, expected_cache
+from support.kvcache import check_fp8_result, check_result, expected_cache, quantize
 from support.tolerance import check_close, check_lse, check_packed_backward, check_packed_forward
 
 import cuflash
@@ -134,17 +134,22 @@ def _packed(rng, v, d, backward):
         check_packed_backward(grads, dout, q, k, vv, out, lse, cq, ck, None, causal=True, **kw)
 
 
-def _kvcache(rng, dtype_key, d, *, mods=False, append=None, num_splits=1):
+def _kvcache(rng, dtype_key, d, *, mods=False, append=None, num_splits=1, fp8=False):
     """A decode-and-append step on a contiguous cache of two sequences (``append``: the rotary
-    tables' dtype, for an append of two new keys with rotary)."""
+    tables' dtype, for an append of two new keys with rotary; ``fp8``: float8_e4m3fn caches with
+    per-head descales)."""
     dt = DTYPES[dtype_key]
     lengths = np.array([200, 17], np.int32)   # the first: several key tiles, for the splits
     q = rng.standard_normal((2, 3, 2, d)).astype(dt)
-    kc = np.full((2, 224, 1, d), np.nan, dt)
-    vc = np.full((2, 224, 1, d), np.nan, dt)
+    cache_dt = dtypes.float8_e4m3fn if fp8 else dt
+    kc = np.full((2, 224, 1, d), np.nan, cache_dt)
+    vc = np.full((2, 224, 1, d), np.nan, cache_dt)
+    descales = dict(k_descale=rng.uniform(0.25, 4, (2, 1)).astype(np.float32),
+                    v_descale=rng.uniform(0.25, 4, (2, 1)).astype(np.float32)) if fp8 else {}
     for b, n in enumerate(lengths):
-        kc[b, :n], vc[b, :n] = rng.standard_normal((2, n, 1, d))
-    kw = dict(SOFTCAP) if mods else {}
+        rows = rng.standard_normal((2, n, 1, d))
+        kc[b, :n], vc[b, :n] = (quantize(rows, 0.5) if fp8 else rows)
+    kw = dict(SOFTCAP) if mods else dict(descales)
     page_kw = {}
     if append is not None:
         rot = DTYPES[append]
@@ -152,13 +157,15 @@ def _kvcache(rng, dtype_key, d, *, mods=False, append=None, num_splits=1):
         page_kw = dict(k=rng.standard_normal((2, 2, 1, d)).astype(dt), v=rng.standard_normal((2, 2, 1, d)).astype(dt),
                        rotary_cos=np.cos(angle).astype(rot), rotary_sin=np.sin(angle).astype(rot),
                        rotary_interleaved=False)
-    want_k, want_v = expected_cache(kc, vc, lengths, page_kw, None)
+    want_k, want_v = expected_cache(kc, vc, lengths, {**page_kw, **descales}, None)
     out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, return_lse=True, backend="sim",
                                               num_splits=num_splits, **page_kw, **kw)
     if append is not None:
-        np.testing.assert_array_equal(kc, want_k)
-        np.testing.assert_array_equal(vc, want_v)
-    if mods:   # check_result holds plain attention; with softcap, each sequence against the rule
+        np.testing.assert_array_equal(kc.view(np.uint8), want_k.view(np.uint8))
+        np.testing.assert_array_equal(vc.view(np.uint8), want_v.view(np.uint8))
+    if fp8:
+        check_fp8_result(out, lse, q, kc, vc, lengths, {**page_kw, **descales}, None, True, (-1, -1))
+    elif mods:   # check_result holds plain attention; with softcap, each sequence against the rule
         for b, n in enumerate(lengths):
             check_close(out[b:b + 1], q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], layout="bshd", causal=True, **kw)
     else:
@@ -227,7 +234,7 @@ def _run(v, rng, monkeypatch):
         _without_hopper(monkeypatch)
         if v.kvcache:
             return _chunked_prefill(rng, v, v.head_dim_max) if v.varlen else _kvcache(rng, v.dtype, v.head_dim_max,
-                                                                                    mods=v.mods)
+                                                                                    mods=v.mods, fp8=v.cache_fp8)
         return _packed(rng, v, v.head_dim_max, False) if v.varlen else _fixed(rng, v, v.head_dim_max, False)
     if isinstance(v, attention_bwd_mma.AttentionBwdMma):
         _without_hopper(monkeypatch)
@@ -269,7 +276,7 @@ def _run(v, rng, monkeypatch):
         tol = {"f32": 1e-6, "f16": 2e-3, "bf16": 1.6e-2}[v.dtype]
         return np.testing.assert_allclose(y.astype(np.float64), want, rtol=tol, atol=tol * want.max())
     if isinstance(v, kvcache_append.KVCacheAppend):
-        return _kvcache(rng, v.dtype, 64, append=v.rot_dtype)
+        return _kvcache(rng, v.dtype, 64, append=v.rot_dtype, fp8=v.cache == "e4m3")
     if isinstance(v, attention_combine.AttentionCombine):
         return _kvcache(rng, v.dtype, 64, num_splits=3)
     if isinstance(v, dropout_mask.DropoutMaskVariant):   # the mask export's kernels (python -m cuflash check)

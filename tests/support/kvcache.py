@@ -1,9 +1,13 @@
 """The KV-cache checks shared by the KV-cache tests and the sweep of every variant: the caches
 after an append, computed independently of the code under test, and each sequence's output and
-LSE against the float64 oracle over the keys that cache holds."""
+LSE against the float64 oracle over the keys that cache holds (for an fp8 cache, over its
+dequantized keys and values: :func:`check_fp8_result`)."""
 
 from __future__ import annotations
 
+import math
+
+import ml_dtypes
 import numpy as np
 from support.tolerance import check_close
 
@@ -11,9 +15,23 @@ from cuflash import reference as ref
 from cuflash.reference import kvcache as ref_kvcache
 
 
+def quantize(x, descale):
+    """float8_e4m3fn bytes of ``x / descale`` (in float32), saturating at +-448 as the GPU's
+    ``cvt.rn.satfinite`` does; NaN the canonical byte 0x7f."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        y = np.asarray(x, np.float32) / np.asarray(descale, np.float32)
+    out = np.clip(y, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    out.view(np.uint8)[np.isnan(y)] = 0x7F
+    return out
+
+
 def expected_cache(kc, vc, lengths, kw, page):
     """The caches after the append, computed independently of the code under test (but for the
-    rotation, :func:`cuflash.reference.kvcache.apply_rotary`, itself checked in float64 below)."""
+    rotation, :func:`cuflash.reference.kvcache.apply_rotary`, itself checked in float64 below);
+    into an fp8 cache each new row (rotated and rounded to its dtype) is quantized (:func:`quantize`) with
+    its sequence's ``k_descale`` / ``v_descale`` from ``kw``."""
+    if kc.dtype == ml_dtypes.float8_e4m3fn:
+        return _expected_fp8_cache(kc, vc, lengths, kw, page)
     kc, vc = kc.copy(), vc.copy()
     if "k" not in kw:
         return kc, vc
@@ -32,6 +50,67 @@ def expected_cache(kc, vc, lengths, kw, page):
                 pg = kw["block_table"][b, p // page]
                 kc[pg, p % page], vc[pg, p % page] = k_new[b, t], kw["v"][b, t]
     return kc, vc
+
+
+def _expected_fp8_cache(kc, vc, lengths, kw, page):
+    plain = {n: x for n, x in kw.items() if n not in ("k_descale", "v_descale")}
+    kf, vf = expected_cache(kc.astype(np.float64), vc.astype(np.float64), lengths, plain, page)   # (rows placed)
+    kc, vc = kc.copy(), vc.copy()
+    if "k" not in kw:
+        return kc, vc
+    b_count, snew = kw["k"].shape[:2]
+    for name, cache, full in (("k_descale", kc, kf), ("v_descale", vc, vf)):
+        d = kw.get(name)
+        for b in range(b_count):
+            for t in range(snew):
+                p = int(lengths[b]) + t
+                where = (kw.get("cache_batch_idx", np.arange(b_count))[b], p) if page is None else \
+                    (kw["block_table"][b, p // page], p % page)
+                row = full[where].astype(kw["k"].dtype)   # the new row, rotated and rounded to its dtype
+                cache[where] = quantize(row, 1.0 if d is None else np.asarray(d)[b][:, None])
+    return kc, vc
+
+
+def check_fp8_result(out, lse, q, kc, vc, lengths, kw, page, causal, window):
+    """Each (sequence, kv head) of a call over an fp8 cache against the float64 oracle of its
+    dequantized keys and values (``float64(x) * descale``), and the LSE.
+
+    The bound: attention over ``k * kd`` and ``v * vd`` is exactly ``vd * attention(q, k, v,
+    softmax_scale * kd)``, and every e4m3 value is a float16 and a bfloat16 value, so ``out / vd``
+    is held to the rule of that problem in q's dtype (:func:`check_close`: twice the naive
+    implementation's error plus the floor)."""
+    b_count, sq, hq, d = q.shape
+    hk = kc.shape[2]
+    g = hq // hk
+    snew = kw["k"].shape[1] if "k" in kw else 0
+    leftpad = kw.get("cache_leftpad", np.zeros(b_count, np.int32))
+    ones = np.ones((b_count, hk))
+    kd, vd = (np.asarray(kw[n], np.float64) if kw.get(n) is not None else ones for n in ("k_descale", "v_descale"))
+    scale = 1.0 / math.sqrt(d)
+    if "rotary_cos" in kw:   # the queries the kernel attends with (as check_result rotates them)
+        per_row = causal or tuple(window) != (-1, -1)
+        pos = lengths[:, None] + (np.arange(sq)[None] if per_row else 0)
+        q = ref_kvcache.apply_rotary(q, kw["rotary_cos"], kw["rotary_sin"], pos, interleaved=kw["rotary_interleaved"])
+    for b in range(b_count):
+        lo, hi = int(leftpad[b]), int(lengths[b]) + snew
+        where = dict(page_size=page, block_table=kw.get("block_table"), cache_batch_idx=kw.get("cache_batch_idx"))
+        kb8 = ref_kvcache.gather(kc, b, lo, hi, **where)   # (S, Hk, D) e4m3
+        vb8 = ref_kvcache.gather(vc, b, lo, hi, **where)
+        for h in range(hk):
+            heads = slice(h * g, (h + 1) * g)
+            qb = q[b:b + 1, :, heads]
+            kb = kb8[None, :, h:h + 1].astype(np.float32).astype(q.dtype)   # exact
+            vb = vb8[None, :, h:h + 1].astype(np.float32).astype(q.dtype)
+            got = out[b:b + 1, :, heads].astype(np.float64) / vd[b, h]
+            check_close(got, qb, kb, vb, layout="bshd", causal=causal, window_size=window,
+                        softmax_scale=scale * kd[b, h])
+            _, lse64 = ref.naive_attention(qb.astype(np.float64), kb8[None, :, h:h + 1].astype(np.float64) * kd[b, h],
+                                           vb8[None, :, h:h + 1].astype(np.float64) * vd[b, h], layout="bshd",
+                                           return_lse=True, causal=causal, window_size=window)
+            got_lse = lse[b, heads]
+            assert np.array_equal(np.isneginf(got_lse), np.isneginf(lse64[0])), "rows without keys differ"
+            fin = np.isfinite(lse64[0])
+            np.testing.assert_allclose(got_lse[fin], lse64[0][fin], rtol=2e-3, atol=2e-3)
 
 
 def check_result(out, lse, q, kc, vc, lengths, kw, page, causal, window):
