@@ -52,10 +52,21 @@ def test_the_pipeline_mutations_of_the_tensor_core_forward_are_killed():
     after every reader of tile j - 1, the roles of the old kernel's two barriers), the wait before
     it deleted or relaxed (wait_group 0 -> 1: tile j read before it lands), and the one-stage
     kernels' barrier before their refill."""
-    for mid in ("attention_fwd_mma.cu|__syncthreads();|#0|delete", "attention_fwd_mma.cu|__syncthreads();|#1|delete",
+    for mid in ("attention_fwd_mma.cu|__syncthreads();|#0|delete", "attention_fwd_mma.cu|__syncthreads();|#3|delete",
                 "attention_fwd_mma.cu|ptx_cp_async_wait<0>();|#0|delete",
                 "attention_fwd_mma.cu|ptx_cp_async_wait<0>();|#0|relax"):
         assert KILL_MAP.get(mid), mid
+
+
+def test_the_fp8_cache_pipeline_of_the_tensor_core_forward_is_killed():
+    """The fp8-cache form's own wait (deleted, or relaxed to wait_group 1: a thread converts its
+    chunks of tile j before they land) and its two barriers (before the conversion: every reader of
+    tile j - 1's K/V done; after it: tile j's converted K/V published), each killed by the
+    tensor-core probe in checked mode, whose second call decodes over fp8 caches."""
+    for mid in ("attention_fwd_mma.cu|ptx_cp_async_wait<0>();|#1|delete",
+                "attention_fwd_mma.cu|ptx_cp_async_wait<0>();|#1|relax",
+                "attention_fwd_mma.cu|__syncthreads();|#1|delete", "attention_fwd_mma.cu|__syncthreads();|#2|delete"):
+        assert KILL_MAP.get(mid) == "fwd_mma_checked", mid
 
 
 def test_the_pipeline_mutations_of_the_tensor_core_backward_are_killed():

@@ -223,6 +223,33 @@ def _kvcache_case(checked, seeds):
             assert ok, f"kv cache, seed {seed}, sequence {b}: {msg}"
 
 
+def _fp8_kvcache_case(checked, seeds):
+    """A decode step over fp8 caches (the KV-cache kernel's fp8-cache form): paged sequences of 5
+    key tiles and of 1 (pages of 16 rows: each tile gathered row by row), GQA 4:1, two query rows,
+    per-head descales; each (sequence, kv head) against the float64 oracle of the dequantized
+    cache (:func:`support.kvcache.check_fp8_result`)."""
+    import ml_dtypes
+
+    import cuflash
+    from cuflash import sim
+    from support.kvcache import check_fp8_result
+
+    rng = np.random.default_rng(12)
+    e4m3 = ml_dtypes.float8_e4m3fn
+    page, lengths = 16, np.array([300, 40], np.int32)
+    kc = (rng.standard_normal((44, page, 2, 64)) * 4).astype(e4m3)
+    vc = (rng.standard_normal((44, page, 2, 64)) * 4).astype(e4m3)
+    bt = rng.permutation(44)[:42].reshape(2, 21).astype(np.int32)
+    kw = dict(block_table=bt, k_descale=rng.uniform(0.25, 2, (2, 2)).astype(np.float32),
+              v_descale=rng.uniform(0.25, 2, (2, 2)).astype(np.float32))
+    q = rng.standard_normal((2, 2, 8, 64)).astype(np.float16)
+    for seed in seeds:
+        with sim.options(checked=checked, seed=seed):
+            out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, num_splits=1, return_lse=True,
+                                                      backend="sim", **kw)
+        check_fp8_result(out, lse, q, kc, vc, lengths, kw, page, False, (-1, -1))
+
+
 def _hopper_case(checked, seeds):
     """The sm_90a probes (kernels_cu/hopper_probe.cu): a TMA-fed wgmma GEMM from shared memory and
     one from registers, the warp-specialized pipeline, stmatrix."""
@@ -360,7 +387,10 @@ def _sm90_kvcache_case(checked, seeds):
 
 F16, F32 = np.float16, np.float32
 PROBES = {
-    "fwd_mma_checked": lambda: _attention_case(F16, 64, 200, 300, True, "sm_80", True, (0,), False),
+    # (and the fp8-cache form's pipeline: its own wait, the barrier before the conversion, every
+    # reader of tile j - 1 done, and the one after it, tile j's conversion published)
+    "fwd_mma_checked": lambda: (_attention_case(F16, 64, 200, 300, True, "sm_80", True, (0,), False),
+                                _fp8_kvcache_case(True, (0,))),
     "fwd_mma_seeds": lambda: _attention_case(F16, 64, 200, 300, True, "sm_80", False, SEEDS, False),
     "fwd_mma_d256_checked": lambda: _attention_case(F16, 256, 70, 90, False, "sm_80", True, (0,), False),
     "fwd_mma_empty_checked": lambda: _attention_case(F16, 64, 146, 1, True, "sm_80", True, (0,), False),
