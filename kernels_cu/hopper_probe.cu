@@ -13,6 +13,9 @@
 //       warpgroups 1 and 2 are consumers (setmaxnreg.inc) of 64 rows each; the epilogue stages C
 //       in shared memory (fence.proxy.async, a named barrier) and one thread stores it by TMA.
 //   stmatrix_probe, elect_probe: stmatrix x1/x2/x4 (+ .trans), elect.sync.
+//   hopper_gemm_e4m3_<ss|rs>: C (M x 64, f32) = A (M x K) B^T, A and B float8_e4m3fn, B stored
+//       64 x K: wgmma m64n64k32 .e4m3.e4m3, both operands K-major (the only layout the PTX ISA
+//       gives fp8 operands), A from a descriptor or from registers (four e4m3 per register).
 //
 // Shapes: K a multiple of 64 up to 256; M any (the tensor maps zero-fill rows past M on load and
 // drop them on store); a block per 64 (gemm) or 128 (pipeline) rows.
@@ -184,6 +187,60 @@ __device__ void pipeline(const cuflash_tensor_map& map_a, const cuflash_tensor_m
     }
 }
 
+// The e4m3 probes: TMA puts each operand in shared memory in the no-swizzle K-major canonical
+// layout of 1-byte elements (PTX ISA "Shared Memory Matrix Layout": core matrices of 8 rows x 16
+// bytes; one box of `rows` x 16 bytes per 16 K-elements, so element (r, k) lies at (k / 16) rows
+// 16 + r 16 + k % 16: SBO = 128 between 8-row groups, LBO = rows * 16 to the next 16 K-bytes), one
+// mbarrier, and one warpgroup chains K / 32 wgmma on one accumulator. A from registers:
+// mma.m16n8k32's 8-bit A fragment for rows 16j.., the lowest column in the low byte: a0 (g,
+// 4t..4t+3), a1 (g + 8, 4t..), a2 (g, 4t + 16..), a3 (g + 8, 4t + 16..).
+__device__ __forceinline__ unsigned long long desc_e4m3(const unsigned char* base, int rows, int kk) {
+    return ptx_wgmma_desc(base + 2 * kk * rows * 16, rows * 16, 128, 0);
+}
+
+template <bool A_REGS>
+__device__ void gemm_e4m3(const cuflash_tensor_map& map_a, const cuflash_tensor_map& map_b, const unsigned char* A,
+                          float* C, int M, int K) {
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ __align__(8) unsigned long long bar;
+    unsigned char* a_s = ptx_align_smem_1024(smem_raw);
+    unsigned char* b_s = a_s + 64 * MAX_K;
+    const int m0 = blockIdx.x * 64;
+    if (threadIdx.x == 0) {
+        ptx_mbarrier_init(&bar, 1);
+        ptx_fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ptx_mbarrier_arrive_expect_tx(&bar, (A_REGS ? 0 : 64 * K) + BN * K);
+        for (int p = 0; p < K / 16; ++p) {
+            if (!A_REGS) ptx_tma_load_2d(a_s + p * 64 * 16, &map_a, p * 16, m0, &bar);
+            ptx_tma_load_2d(b_s + p * BN * 16, &map_b, p * 16, 0, &bar);
+        }
+    }
+    float acc[BN / 2];
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+    const int tid = threadIdx.x, j = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    unsigned a[A_REGS ? MAX_K / 32 : 1][4];
+    if (A_REGS)
+        for (int kk = 0; kk < K / 32; ++kk)
+            for (int r = 0; r < 4; ++r) {
+                const int row = m0 + 16 * j + g + 8 * (r % 2), col = kk * 32 + 4 * t + 16 * (r / 2);
+                unsigned w = 0;
+                for (int e = 0; e < 4; ++e) w |= unsigned(row < M ? A[(long long)row * K + col + e] : 0) << (8 * e);
+                a[kk][r] = w;
+            }
+    ptx_mbarrier_wait(&bar, 0);
+    ptx_wgmma_fence();
+    for (int kk = 0; kk < K / 32; ++kk) {
+        if (A_REGS) ptx_wgmma_rs_e4m3<BN>(acc, a[A_REGS ? kk : 0], desc_e4m3(b_s, BN, kk), 1);
+        else ptx_wgmma_ss_e4m3<BN>(acc, desc_e4m3(a_s, 64, kk), desc_e4m3(b_s, BN, kk), 1);
+    }
+    ptx_wgmma_commit();
+    ptx_wgmma_wait<0>();
+    store_fragment(acc, C, M, m0);
+}
+
 }  // namespace hopper_probe
 
 // (one line per entry: the launcher and NVRTC find entries by their extern "C" declarations)
@@ -240,5 +297,9 @@ extern "C" __global__ void __launch_bounds__(128) elect_probe(int* leader, int* 
     const unsigned votes = __ballot_sync(0xffffffffu, me);
     winners[threadIdx.x] = __popc(votes);
 }
+
+#define HOPPER_GEMM_E4M3_ARGS const __grid_constant__ cuflash_tensor_map map_a, const __grid_constant__ cuflash_tensor_map map_b, const unsigned char* A, float* C, int M, int K
+extern "C" __global__ void __launch_bounds__(128) hopper_gemm_e4m3_ss(HOPPER_GEMM_E4M3_ARGS) { hopper_probe::gemm_e4m3<false>(map_a, map_b, A, C, M, K); }
+extern "C" __global__ void __launch_bounds__(128) hopper_gemm_e4m3_rs(HOPPER_GEMM_E4M3_ARGS) { hopper_probe::gemm_e4m3<true>(map_a, map_b, A, C, M, K); }
 
 #endif  // sm_90a

@@ -104,6 +104,44 @@ def plan_gemm(a, b, c, *, swizzle: int, nmajor: bool, a_regs: bool = False) -> L
     return LaunchPlan(VARIANT, entry, (-(-m // 64), 1, 1), (128, 1, 1), smem, args)
 
 
+def plan_gemm_e4m3(a, b, c, *, a_regs: bool = False) -> LaunchPlan:
+    """C = A B^T with float8_e4m3fn A (M, K) and B (64, K) (both K-major, as fp8 wgmma requires),
+    loaded by TMA in 16-byte boxes (no swizzle), wgmma m64n64k32 with A from a descriptor or
+    (``a_regs``) from registers; one block per 64 rows of C (float32 (M, 64), written). K is a multiple of 32 up to :data:`MAX_K`; a and b may be
+    ``ml_dtypes.float8_e4m3fn`` or their bytes as uint8."""
+    m, k = a.shape
+    if a.dtype.name not in ("float8_e4m3fn", "uint8") or b.dtype != a.dtype or c.dtype != np.float32:
+        raise TypeError(f"hopper_probe: a and b must be float8_e4m3fn (or its bytes as uint8) and c float32, got "
+                        f"{a.dtype}, {b.dtype}, {c.dtype}")
+    if k % 32 or not 32 <= k <= MAX_K or tuple(b.shape) != (BN, k) or tuple(c.shape) != (m, BN):
+        raise ValueError(f"hopper_probe: a (M, K) with K a multiple of 32 in 32..{MAX_K}, b ({BN}, K), c (M, {BN}); "
+                         f"got {tuple(a.shape)}, {tuple(b.shape)}, {tuple(c.shape)}")
+    a8, b8 = a.view(np.uint8), b.view(np.uint8)   # (TMA moves bytes: a uint8 tensor map)
+    args = (TensorMapArg.of("map_a", a8, (64, 16)), TensorMapArg.of("map_b", b8, (BN, 16)), PointerArg.of("A", a8),
+            PointerArg.of("C", c, writable=True), ScalarArg("M", np.int32(m)), ScalarArg("K", np.int32(k)))
+    smem = 1024 + 64 * MAX_K + BN * MAX_K
+    return LaunchPlan(VARIANT, f"hopper_gemm_e4m3_{'rs' if a_regs else 'ss'}", (-(-m // 64), 1, 1), (128, 1, 1), smem,
+                      args)
+
+
+def gemm_e4m3_inputs(m: int, k: int, seed: int = 0):
+    """e4m3 operands whose products and sums are exact in float32, C filled with NaN, as ``(a, b,
+    c, expected)`` (expected: NumPy's product): integers in [-16, 16] (all e4m3 values), and row 0
+    of A holding e4m3's extremes, 448, -448 and the subnormals 2^-9 and -3 * 2^-9, then zeros
+    (its sums need 23 bits)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    a32 = rng.integers(-16, 17, (m, k)).astype(np.float32)
+    b32 = rng.integers(-16, 17, (BN, k)).astype(np.float32)
+    a32[0] = 0
+    a32[0, :4] = [448, -448, 2.0**-9, -3 * 2.0**-9]
+    a, b = a32.astype(ml_dtypes.float8_e4m3fn), b32.astype(ml_dtypes.float8_e4m3fn)
+    assert (a.astype(np.float32) == a32).all() and (b.astype(np.float32) == b32).all()
+    expected = a32 @ b32.T
+    return a, b, np.full((m, BN), np.nan, np.float32), expected
+
+
 def plan_pipeline(a, b, c) -> LaunchPlan:
     """C = A B^T by the warp-specialized probe (B stored 64 x K), one block of three warpgroups per
     128 rows of C."""

@@ -84,6 +84,15 @@ inline uint8_t f32_to_e4m3_satfinite_bits(float f) {
     return uint8_t(sign | m);
 }
 
+// OCP E4M3 (float8_e4m3fn) -> float, exactly (every e4m3 value is a float): bias 7, subnormals
+// m * 2^-9, no infinities, 0x7f / 0xff NaN.
+inline float e4m3_bits_to_f32(uint8_t b) {
+    const uint32_t em = b & 0x7fu;
+    float mag = em >= 8 ? bits_f32(((em >> 3) + 120u) << 23 | (em & 7u) << 20) : float(em) * 0.001953125f;
+    if (em == 0x7fu) mag = bits_f32(0x7fc00000u);
+    return (b & 0x80u) ? -mag : mag;
+}
+
 }  // namespace cusim
 
 struct __align__(2) __half {

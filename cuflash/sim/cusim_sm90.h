@@ -589,6 +589,7 @@ struct Operand {
     Desc d;
     bool mn_major, bf16;
     const char* name;
+    bool e4m3 = false;   // float8_e4m3fn elements (1 byte; K-major only, as the PTX ISA allows for fp8)
 };
 
 CUSIM_NOSAN inline void check_desc(Worker* w, const Operand& op) {
@@ -608,7 +609,18 @@ CUSIM_NOSAN inline void check_desc(Worker* w, const Operand& op) {
 }
 
 CUSIM_NOSAN inline float operand_at(Worker* w, const Operand& op, unsigned mn, unsigned k, std::vector<uint32_t>* gr) {
-    const uint64_t off = operand_offset(op.d, op.mn_major, mn, k, 2);
+    const unsigned eb = op.e4m3 ? 1 : 2;
+    const uint64_t off = operand_offset(op.d, op.mn_major, mn, k, eb);
+    if (op.e4m3) {
+        if (off + 1 > w->arena_cap)
+            fail("wgmma: %s descriptor reaches shared offset %llu, beyond the block's %llu bytes of shared memory "
+                 "(element (%u, %u))", op.name, (unsigned long long)off, (unsigned long long)w->arena_cap, mn, k);
+        if (w->chk) {
+            check_async_read(w, off, 1, "wgmma");
+            if (gr) gr->push_back(uint32_t(off / 16));
+        }
+        return e4m3_bits_to_f32(w->arena[off]);
+    }
     if (off + 2 > w->arena_cap)
         fail("wgmma: %s descriptor reaches shared offset %llu, beyond the block's %llu bytes of shared memory "
              "(element (%u, %u))", op.name, (unsigned long long)off, (unsigned long long)w->arena_cap, mn, k);
@@ -624,7 +636,8 @@ CUSIM_NOSAN inline float operand_at(Worker* w, const Operand& op, unsigned mn, u
 // Slot layout of one thread's wgmma deposit.
 //   in[0]: accumulator registers (float*), in[1]: A descriptor or 0, in[2]: B descriptor,
 //   in[3]: A registers a0 a1 (A from registers), in[4]: a2 a3, in[5]: A registers' address,
-//   in[6]: N | bf16 << 16 | transA << 17 | transB << 18 | scale_d << 19 | a_regs << 20
+//   in[6]: N | bf16 << 16 | transA << 17 | transB << 18 | scale_d << 19 | a_regs << 20 | e4m3 << 21
+//   (e4m3: .m64nNk32.f32.e4m3.e4m3, both operands K-major; the A registers hold four e4m3 each)
 CUSIM_NOSAN inline bool lands_early(Worker* w) {
 #ifdef CUSIM_CHECKED
     (void)w;
@@ -650,7 +663,8 @@ CUSIM_NOSAN inline void wgmma_compute(Worker* w, WgSlot* slots, unsigned wg) {
     const uint64_t flags = slots[0].in[6];
     const unsigned N = unsigned(flags & 0xffffu);
     const bool bf16 = (flags >> 16) & 1u, trans_a = (flags >> 17) & 1u, trans_b = (flags >> 18) & 1u;
-    const bool a_regs = (flags >> 20) & 1u;
+    const bool a_regs = (flags >> 20) & 1u, e4m3 = (flags >> 21) & 1u;
+    const unsigned K = e4m3 ? 32 : 16;   // k per instruction
     for (unsigned i = 1; i < kWarpgroup; ++i) {
         const uint64_t fi = slots[i].in[6];
         if ((fi & ~(uint64_t(1) << 19)) != (flags & ~(uint64_t(1) << 19)) || slots[i].in[2] != slots[0].in[2] ||
@@ -661,9 +675,21 @@ CUSIM_NOSAN inline void wgmma_compute(Worker* w, WgSlot* slots, unsigned wg) {
     Sm90State& s = *w->sm90;
     std::vector<uint32_t> granules;
     std::vector<uint32_t>* gr = w->chk ? &granules : nullptr;
-    // A: 64 x 16, B: N x 16 (B[n][k]), both as float
-    static thread_local float A[64][16], B[256][16];
-    if (a_regs) {
+    // A: 64 x K, B: N x K (B[n][k]), both as float
+    static thread_local float A[64][32], B[256][32];
+    if (a_regs && e4m3) {
+        // PTX ISA "Register Fragments and Shared Memory Matrix Layouts", wgmma .m64nNk32 A for .e4m3:
+        // warp j holds rows 16j..16j+15 as mma.m16n8k32's 8-bit A fragment, four elements per register,
+        // the lowest column in the low byte: a0 (g, 4t..4t+3), a1 (g+8, 4t..), a2 (g, 4t+16..), a3 (g+8, 4t+16..).
+        for (unsigned i = 0; i < kWarpgroup; ++i) {
+            const unsigned j = i / 32, l = i % 32, g = l / 4, c = 4 * (l % 4);
+            const uint32_t reg[4] = {uint32_t(slots[i].in[3]), uint32_t(slots[i].in[3] >> 32), uint32_t(slots[i].in[4]),
+                                     uint32_t(slots[i].in[4] >> 32)};
+            for (unsigned r = 0; r < 4; ++r)
+                for (unsigned e = 0; e < 4; ++e)
+                    A[16 * j + g + 8 * (r % 2)][c + 16 * (r / 2) + e] = e4m3_bits_to_f32(uint8_t(reg[r] >> (8 * e)));
+        }
+    } else if (a_regs) {
         // PTX ISA "Register Fragments and Shared Memory Matrix Layouts", wgmma .m64nNk16 A: warp j of the
         // warpgroup holds rows 16j..16j+15 as mma.m16n8k16's A fragment: a0 (g, 2t..2t+1), a1 (g+8, 2t..),
         // a2 (g, 2t+8..), a3 (g+8, 2t+8..).
@@ -683,15 +709,15 @@ CUSIM_NOSAN inline void wgmma_compute(Worker* w, WgSlot* slots, unsigned wg) {
             }
         }
     } else {
-        Operand oa{decode_desc(slots[0].in[1]), trans_a, bf16, "A"};
+        Operand oa{decode_desc(slots[0].in[1]), trans_a, bf16, "A", e4m3};
         check_desc(w, oa);
         for (unsigned m = 0; m < 64; ++m)
-            for (unsigned k = 0; k < 16; ++k) A[m][k] = operand_at(w, oa, m, k, gr);
+            for (unsigned k = 0; k < K; ++k) A[m][k] = operand_at(w, oa, m, k, gr);
     }
-    Operand ob{decode_desc(slots[0].in[2]), trans_b, bf16, "B"};
+    Operand ob{decode_desc(slots[0].in[2]), trans_b, bf16, "B", e4m3};
     check_desc(w, ob);
     for (unsigned n = 0; n < N; ++n)
-        for (unsigned k = 0; k < 16; ++k) B[n][k] = operand_at(w, ob, n, k, gr);
+        for (unsigned k = 0; k < K; ++k) B[n][k] = operand_at(w, ob, n, k, gr);
     uint32_t op_id = 0;
     if (w->chk) {   // the operation's shared reads stay "read" until every thread has landed it
         std::sort(granules.begin(), granules.end());
@@ -723,12 +749,12 @@ CUSIM_NOSAN inline void wgmma_compute(Worker* w, WgSlot* slots, unsigned wg) {
         for (unsigned r = 0; r < N / 2; ++r) {
             const unsigned row = 16 * j + g + 8 * ((r % 4) / 2), col = 8 * (r / 4) + c + (r % 2);
 #ifdef CUSIM_GPU_NUMERICS
-            double prod[16];
-            for (unsigned k = 0; k < 16; ++k) prod[k] = double(A[row][k]) * double(B[col][k]);
-            acc->vals[r] = tensor_core_dot(scale_d ? double(din[r]) : 0.0, prod, 16);
+            double prod[32];
+            for (unsigned k = 0; k < K; ++k) prod[k] = double(A[row][k]) * double(B[col][k]);
+            acc->vals[r] = tensor_core_dot(scale_d ? double(din[r]) : 0.0, prod, int(K));
 #else
             double sum = scale_d ? double(din[r]) : 0.0;
-            for (unsigned k = 0; k < 16; ++k) sum += double(A[row][k]) * double(B[col][k]);
+            for (unsigned k = 0; k < K; ++k) sum += double(A[row][k]) * double(B[col][k]);
             acc->vals[r] = float(sum);
 #endif
         }
@@ -787,6 +813,26 @@ CUSIM_NOSAN inline void wgmma(float* d, uint64_t desc_a, const uint32_t* a, uint
     in.in[6] = N | (uint64_t(BF16) << 16) | (uint64_t(trans_a) << 17) | (uint64_t(trans_b) << 18) |
                (uint64_t(scale_d) << 19) | (uint64_t(a != nullptr) << 20);
     wg_rendezvous(&in, sizeof in, &wgmma_compute, BF16 ? "wgmma.mma_async.bf16" : "wgmma.mma_async.f16");
+}
+
+// wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3: A (from `desc_a`, or four registers `a` per
+// thread) and B from shared memory, both K-major (the only layout the PTX ISA gives fp8 operands).
+template <unsigned N>
+CUSIM_NOSAN inline void wgmma_e4m3(float* d, uint64_t desc_a, const uint32_t* a, uint64_t desc_b, bool scale_d) {
+    static_assert(N >= 8 && N <= 256 && N % 8 == 0, "wgmma m64nNk32: N is a multiple of 8 in 8..256");
+    Worker* w = t_worker;
+    wgmma_issue_checks(w, d, N / 2, reinterpret_cast<uintptr_t>(a));
+    WgSlot in{};
+    in.in[0] = reinterpret_cast<uintptr_t>(d);
+    in.in[1] = desc_a;
+    in.in[2] = desc_b;
+    if (a) {
+        in.in[3] = uint64_t(a[0]) | (uint64_t(a[1]) << 32);
+        in.in[4] = uint64_t(a[2]) | (uint64_t(a[3]) << 32);
+        in.in[5] = reinterpret_cast<uintptr_t>(a);
+    }
+    in.in[6] = N | (uint64_t(scale_d) << 19) | (uint64_t(a != nullptr) << 20) | (uint64_t(1) << 21);
+    wg_rendezvous(&in, sizeof in, &wgmma_compute, "wgmma.mma_async.e4m3");
 }
 
 CUSIM_NOSAN inline void wg_noop(Worker*, WgSlot*, unsigned) {}

@@ -258,3 +258,25 @@ def test_descriptor_beyond_the_shared_memory_is_an_error_in_normal_mode(hazards)
     small = LaunchPlan(None, p.entry, 1, 128, 9 * 1024, p.args)
     with pytest.raises(launcher.SimError, match="cvta.to.shared: .* is not in the block's shared memory"):
         hazards[0].launch(small)
+
+
+# ------------------------------------------------------------------ fp8 (e4m3) wgmma
+
+
+@pytest.mark.parametrize("a_regs", [False, True])
+def test_wgmma_e4m3_gemm_matches_numpy(probes, probes_checked, a_regs):
+    """wgmma m64n64k32 .e4m3.e4m3 (K-major operands; A from a descriptor or from registers, four
+    e4m3 per register) against NumPy's product, exact: 100 rows (two blocks, the second partly
+    past M), K = 96 (three k32 steps), e4m3's extremes and subnormals; checked mode too."""
+    for mod, seed in ((probes, 0), (probes_checked, 3)):
+        a, b, c, expected = hp.gemm_e4m3_inputs(100, 96, seed=seed)
+        _run(mod, hp.plan_gemm_e4m3(a, b, c, a_regs=a_regs), seed)
+        np.testing.assert_array_equal(c, expected)
+
+
+def test_wgmma_e4m3_gemm_refuses_other_operands():
+    a, b, c, _ = hp.gemm_e4m3_inputs(64, 64)
+    with pytest.raises(ValueError, match=r"K a multiple of 32"):
+        hp.plan_gemm_e4m3(a[:, :48], b[:, :48], c)
+    with pytest.raises(TypeError, match=r"must be float8_e4m3fn"):
+        hp.plan_gemm_e4m3(a.astype(np.float32), b, c)

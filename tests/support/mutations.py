@@ -252,7 +252,7 @@ def _fp8_kvcache_case(checked, seeds):
 
 def _hopper_case(checked, seeds):
     """The sm_90a probes (kernels_cu/hopper_probe.cu): a TMA-fed wgmma GEMM from shared memory and
-    one from registers, the warp-specialized pipeline, stmatrix."""
+    one from registers, the warp-specialized pipeline, stmatrix, the e4m3 wgmma GEMMs."""
     from cuflash import sim
     from cuflash.kernels import hopper_probe as hp
     from cuflash.runtime import source
@@ -271,6 +271,10 @@ def _hopper_case(checked, seeds):
             out = np.zeros((6, 16, 16), np.uint16)
             mod.launch(hp.plan_stmatrix(out), o)
             np.testing.assert_array_equal(out, hp.expected_stmatrix(), err_msg=f"stmatrix, seed {seed}")
+            for regs in (False, True):   # the e4m3 wgmma (k32), its operands stored by the generic proxy
+                a, b, c, want = hp.gemm_e4m3_inputs(100, 96, seed=seed)
+                mod.launch(hp.plan_gemm_e4m3(a, b, c, a_regs=regs), o)
+                np.testing.assert_array_equal(c, want, err_msg=f"gemm e4m3 regs={regs}, seed {seed}")
 
 
 def _sm90_case(dtype, d, sq, sk, causal, checked, seeds):
