@@ -19,6 +19,9 @@ names the tiers the device runs and the roofline preset that models it
 result is also checked against a float32 CuPy attention on a slice (max error column); a result
 outside the tolerance makes the command exit 1.
 
+``--fp8`` adds the fp8 measurements of :mod:`cuflash.tools.bench_fp8` (the fp8 KV-cache decode
+beside an fp8 GEMM measured in the same run).
+
 Without a CUDA GPU the command says so and exits 2: the simulator is not benchmarked and no
 number is ever made up. Two modes need no GPU: ``--cpu`` times the CPU path
 (:mod:`cuflash.tools.cpu_bench`), ``--compare BASE.json NEW.json`` checks two saved
@@ -451,6 +454,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="also time the backward (the kernel cuflash's dispatcher picks, and SDPA flash's with torch)")
     p.add_argument("--decode", action="store_true",
                    help="also time a paged decode step (attention_with_kvcache) against the copy bandwidth")
+    p.add_argument("--fp8", action="store_true",
+                   help="also time the fp8 KV-cache decode (and the fp8 forward when a kernel has it) beside an fp8 "
+                        "GEMM (torch._scaled_mm) and cuDNN's fp8 attention where a framework exposes it")
     p.add_argument("--warmup", type=cli.int_at_least(0), default=None,
                    help=f"warm-up calls per measurement (default {GPU_WARMUP}; {CPU_WARMUP} with --cpu)")
     p.add_argument("--iters", type=positive, default=None,
@@ -497,7 +503,7 @@ def _check_mode(parser: argparse.ArgumentParser, args) -> None:
     if "--tolerance" in given:
         parser.error("--tolerance applies to --compare only")
     if args.cpu:
-        for flag in ("--quick", "--backward", "--decode"):
+        for flag in ("--quick", "--backward", "--decode", "--fp8"):
             if flag in given:
                 parser.error(f"{flag} with --cpu: the CPU mode times the forward of B={cpu_bench.B} H={cpu_bench.H} "
                              f"D={cpu_bench.D} float32 (it takes --seqlen, --causal, --no-baselines, --warmup, --iters, "
@@ -594,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
         from cuflash.tools import bench_decode
 
         print(bench_decode.format_table(bench_decode.run(timer), device), file=out)
+    if args.fp8:
+        from cuflash.tools import bench_fp8
+
+        print(bench_fp8.format_table(bench_fp8.run(timer), device), file=out)
     print(plan_line, file=out)
     print(table, file=out)
     print(summary, file=out)
