@@ -20,6 +20,9 @@ an overrun fails that section only, the others still run); ``--sections`` picks 
 ``kvcache``      ``attention_with_kvcache`` (paged decode with append and rotary, split-KV,
                  device indices) against the NumPy path, caches byte-identical; a decode step
                  replayed from a CUDA graph
+``fp8``          ``attention_with_kvcache`` over fp8 (float8_e4m3fn) caches with per-head descales
+                 (paged decode with append, values near 448, split-KV) against the NumPy path,
+                 caches byte-identical after the append
 ``dropout``      the mask kernel's bits equal to the NumPy generator's; forward and backward
                  with dropout against the NumPy path on the same mask
 ``modifiers``    softcap, ALiBi, a broadcast bias, a boolean mask with fully masked rows and
@@ -67,11 +70,11 @@ PROG = "python -m cuflash check"
 #: seconds the whole check may take by default (under 3 minutes)
 DEFAULT_BUDGET_S = 170.0
 
-SECTIONS = ("device", "compile", "grid", "large", "softmax", "backward", "kvcache", "dropout", "modifiers", "sim",
+SECTIONS = ("device", "compile", "grid", "large", "softmax", "backward", "kvcache", "fp8", "dropout", "modifiers", "sim",
             "hopper", "torch", "distributed", "jax", "graph", "demo")
 
 #: share of the budget each section may use at most (soft: sections stop between cases)
-_SHARE = {"device": 0.05, "compile": 0.45, "grid": 0.35, "large": 0.25, "softmax": 0.1, "backward": 0.15, "kvcache": 0.1, "dropout": 0.1, "modifiers": 0.15, "sim": 0.3, "hopper": 0.15,
+_SHARE = {"device": 0.05, "compile": 0.45, "grid": 0.35, "large": 0.25, "softmax": 0.1, "backward": 0.15, "kvcache": 0.1, "fp8": 0.1, "dropout": 0.1, "modifiers": 0.15, "sim": 0.3, "hopper": 0.15,
           "torch": 0.1, "distributed": 0.1, "jax": 0.15, "graph": 0.1, "demo": 0.1}
 
 
@@ -659,6 +662,73 @@ def section_kvcache(clock, log) -> str:
     if not bool(cupy.array_equal(got, want)) or not bool(cupy.array_equal(kc_d, k2)):
         raise AssertionError("a captured decode step replays differently from a direct call")
     return f"3 paged decode/prefill cases within the rule (worst {worst:.2f} of the bound); CUDA-graph replay identical"
+
+
+#: the fp8 section's cases: (cache lengths, page size, Hq, Hk, head dim, new rows, key splits)
+FP8_CASES = (([1, 300, 0, 77], 16, 32, 8, 128, 1, 0), ([5, 1000], 3, 8, 1, 64, 2, 3))
+
+
+def fp8_kvcache_case(rng, case, device_call) -> tuple[str, float]:
+    """One fp8 KV-cache case: bf16 q and new rows over e4m3 caches (values up to +-448, NaN in every
+    row the call must not read, per-(sequence, kv head) descales), run by ``device_call(q, kc, vc,
+    seqlens, kw)`` (returns the output and both caches after the append, on the host) and by the
+    NumPy path. The caches must be byte-identical; the output is held to twice the NumPy path's
+    error against the float64 attention of the dequantized cache, plus the floor. Returns a label
+    and the error as a fraction of the bound."""
+    import ml_dtypes
+
+    import cuflash
+
+    lengths, page, hq, hk, d, snew, splits = case
+    q, kc, vc, seqlens, kw = _kvcache_inputs(rng, lengths, page, hq, hk, d, snew)
+    kw.pop("rotary_cos"), kw.pop("rotary_sin")
+    kc8, vc8 = (np.clip(c.astype(np.float32) * 60, -448, 448).astype(ml_dtypes.float8_e4m3fn) for c in (kc, vc))
+    kd = rng.uniform(1 / 90, 1 / 30, (len(lengths), hk)).astype(np.float32)
+    vd = rng.uniform(1 / 90, 1 / 30, (len(lengths), hk)).astype(np.float32)
+    kw.update(k_descale=kd, v_descale=vd, num_splits=splits)
+    what = f"fp8 cache {lengths}, page {page}, Hq/Hk {hq}/{hk} d{d}"
+    kc_np, vc_np = kc8.copy(), vc8.copy()
+    o_np = cuflash.attention_with_kvcache(q, kc_np, vc_np, seqlens, causal=True, **kw)
+    # the float64 oracle over the cache the append left, dequantized page by page (a page belongs to
+    # one sequence), the new rows now part of it
+    bt = kw["block_table"]
+    k64, v64 = kc_np.astype(np.float64), vc_np.astype(np.float64)
+    for b, n in enumerate(seqlens + snew):
+        pages = bt[b, :-(-int(n) // page)]
+        k64[pages] *= kd[b][None, None, :, None]
+        v64[pages] *= vd[b][None, None, :, None]
+    o64 = cuflash.attention_with_kvcache(q.astype(np.float64), k64, v64, seqlens + snew, causal=True, block_table=bt)
+    got, kc_dev, vc_dev = device_call(q, kc8, vc8, seqlens, kw)
+    if kc_dev.view(np.uint8).tobytes() != kc_np.view(np.uint8).tobytes() or \
+            vc_dev.view(np.uint8).tobytes() != vc_np.view(np.uint8).tobytes():
+        raise AssertionError(f"{what}: the device's fp8 cache differs from the NumPy path's after the append")
+    return what, _held_to_rule(what, got, o_np, o64, q.dtype)
+
+
+def section_fp8(clock, log) -> str:
+    """attention_with_kvcache over fp8 caches on the GPU (the tensor-core KV-cache kernel's
+    fp8-cache form) against the NumPy path (:func:`fp8_kvcache_case`)."""
+    import cupy
+
+    import cuflash
+    from cuflash.runtime.interop import fp8_view
+
+    def on_gpu(q, kc8, vc8, seqlens, kw):
+        kb, vb = cupy.asarray(kc8.view(np.uint8)), cupy.asarray(vc8.view(np.uint8))
+        dev = {n: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+        o = cuflash.attention_with_kvcache(cupy.asarray(q), fp8_view(kb), fp8_view(vb), cupy.asarray(seqlens),
+                                           causal=True, **dev)
+        return cupy.asnumpy(o), cupy.asnumpy(kb), cupy.asnumpy(vb)
+
+    rng = np.random.default_rng(31)
+    worst, done = 0.0, 0
+    for case in FP8_CASES:
+        if clock.out():
+            break
+        what, ratio = fp8_kvcache_case(rng, case, on_gpu)
+        worst, done = max(worst, ratio), done + 1
+        log(f"  {what} splits {case[-1]}: {ratio:.2f} of the bound, caches identical")
+    return f"{done} fp8 paged decode cases within the rule (worst {worst:.2f} of the bound), caches identical"
 
 
 def section_dropout(clock, log) -> str:

@@ -1,0 +1,46 @@
+"""``python -m cuflash check``'s fp8 section without a GPU: its case logic run with the simulator
+as the device (the same comparison the GPU run makes), and shown to fail on a wrong output or a
+wrong cache byte."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.tools import check
+
+#: small enough for the simulator; bf16, head dim 64 (the fp8 form the KV-cache tests compile)
+CASE = ([3, 150], 16, 8, 2, 64, 1, 2)
+
+
+def _on_sim(q, kc8, vc8, seqlens, kw):
+    kc, vc = kc8.copy(), vc8.copy()
+    out = cuflash.attention_with_kvcache(q, kc, vc, seqlens, causal=True, backend="sim", **kw)
+    return out, kc, vc
+
+
+def test_the_fp8_case_passes_with_the_simulator_as_the_device():
+    what, ratio = check.fp8_kvcache_case(np.random.default_rng(1), CASE, _on_sim)
+    assert what == "fp8 cache [3, 150], page 16, Hq/Hk 8/2 d64" and 0 <= ratio <= 1
+
+
+def test_the_fp8_case_fails_on_a_wrong_output_or_cache_byte():
+    def off_output(*args):
+        out, kc, vc = _on_sim(*args)
+        return out.astype(np.float32) + 0.05, kc, vc
+
+    def off_byte(*args):
+        out, kc, vc = _on_sim(*args)
+        kc.view(np.uint8)[np.unravel_index(np.argmax(np.isfinite(kc.astype(np.float32))), kc.shape)] ^= 1
+        return out, kc, vc
+
+    with pytest.raises(AssertionError, match=r"fp8 cache \[3, 150\].*: error .* > "):
+        check.fp8_kvcache_case(np.random.default_rng(1), CASE, off_output)
+    with pytest.raises(AssertionError, match=r"the device's fp8 cache differs from the NumPy path's"):
+        check.fp8_kvcache_case(np.random.default_rng(1), CASE, off_byte)
+
+
+def test_check_lists_the_fp8_section_after_the_kv_cache():
+    assert check.SECTIONS.index("fp8") == check.SECTIONS.index("kvcache") + 1
+    assert check.build_parser().parse_args(["--sections", "fp8"]).sections == "fp8"
