@@ -496,3 +496,32 @@ def test_stmatrix_fragments_are_cutes(co, probes, form):
     t, e = np.meshgrid(np.arange(8 * x), np.arange(8), indexing="ij")   # the lanes whose rows are written
     want[rows[t] // 2 + e] = table[dst.index(t, e)]
     np.testing.assert_array_equal(img, want)
+
+
+# ------------------------------------------------------------------ fp8 (wgmma m64nNk32 .e4m3)
+
+
+def test_e4m3_register_a_and_accumulator_fragments_are_cutes(co):
+    """The fragments the simulator's e4m3 wgmma reads and writes (cuflash/sim/cusim_sm90.h,
+    wgmma_compute; the layouts kernels_cu/ptx.cuh states): A from registers, 64 x 32, four e4m3 per
+    register, the lowest value in the low byte, register r of thread 4g + t of warp j holding row
+    16j + g + 8 (r % 2), columns 4t + 16 (r // 2) .. + 3; the accumulator as for k16. CuTe's
+    thread/value layouts of its fp8 tiled MMA (K-major operands) give the same elements, value v
+    being byte v % 4 of register v // 4 (tests/sim/test_sim_hopper.py runs the probe GEMMs that load
+    A by this formula, exactly against NumPy)."""
+    a = co.tv_layout_e4m3(64, "A")
+    t, v = np.meshgrid(np.arange(128), np.arange(16), indexing="ij")
+    idx = a.index(t, v)
+    assert np.unique(idx).size == 64 * 32
+    j, g, tt, r = t // 32, (t % 32) // 4, t % 4, v // 4
+    np.testing.assert_array_equal(idx % 64, 16 * j + g + 8 * (r % 2))
+    np.testing.assert_array_equal(idx // 64, 4 * tt + 16 * (r // 2) + v % 4)
+    for n in (64, 256):
+        c = co.tv_layout_e4m3(n, "C")
+        t, v = np.meshgrid(np.arange(128), np.arange(n // 2), indexing="ij")
+        idx = c.index(t, v)
+        j, g, tt = t // 32, (t % 32) // 4, t % 4
+        np.testing.assert_array_equal(idx % 64, 16 * j + g + 8 * ((v % 4) // 2))
+        np.testing.assert_array_equal(idx // 64, 8 * (v // 4) + 2 * tt + v % 2)
+    # (this module's layout arithmetic, held to CuTe's own evaluation of these layouts)
+    assert co.check_evaluator([("tv8", 64, True), ("tv8", 256, False)]) > 50

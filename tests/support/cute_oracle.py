@@ -160,9 +160,10 @@ def _trace(requests: cutlass.Constexpr):
                                  samples=[(p, int(lay(p))) for p in pts])
             _ORACLE[req] = res
         else:
-            _, n, a_regs = req
+            kind, n, a_regs = req
+            el = cutlass.Float8E4M3FN if kind == "tv8" else cutlass.BFloat16   # ("tv8": wgmma k32 .e4m3)
             tm = sm90_helpers.make_trivial_tiled_mma(
-                cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32,
+                el, el, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32,
                 (1, 1, 1), (64, n), a_source=warpgroup.OperandSource.RMEM if a_regs else warpgroup.OperandSource.SMEM)
             res = {}
             for name, lay in (("C", tm.tv_layout_C), ("A", tm.tv_layout_A)):
@@ -200,6 +201,14 @@ def tv_layout(n: int, operand: str) -> TvLayout:
     return TvLayout(r["shape"], r["stride"], 64)
 
 
+def tv_layout_e4m3(n: int, operand: str) -> TvLayout:
+    """CuTe's thread/value layout of wgmma m64nNk32 .e4m3's accumulator (``"C"``, 64 x n) or of A
+    from registers (``"A"``, 64 x 32, K-major: the only fp8 layout)."""
+    key = ("tv8", n, operand == "A")
+    r = evaluate([key])[key][operand]
+    return TvLayout(r["shape"], r["stride"], 64)
+
+
 def requests_so_far() -> list:
     """The requests evaluated so far in this process."""
     return list(_ORACLE)
@@ -222,7 +231,8 @@ def check_evaluator(requests) -> int:
     offsets there are byte offsets, swizzle included): CuTe's swizzle acts on bytes."""
     count = 0
     for req, r in evaluate(requests).items():
-        parts = {"smem": lambda: [r], "copy": lambda: [r["src"], r["dst"]], "tv": lambda: [r["C"], r["A"]]}[req[0]]()
+        parts = {"smem": lambda: [r], "copy": lambda: [r["src"], r["dst"]], "tv": lambda: [r["C"], r["A"]],
+                 "tv8": lambda: [r["C"], r["A"]]}[req[0]]()
         for part in parts:
             for coord, want in part["samples"]:
                 got = int(layout_offsets(part["shape"], part["stride"], np.array([coord]))[0])
