@@ -280,3 +280,31 @@ def test_wgmma_e4m3_gemm_refuses_other_operands():
         hp.plan_gemm_e4m3(a[:, :48], b[:, :48], c)
     with pytest.raises(TypeError, match=r"must be float8_e4m3fn"):
         hp.plan_gemm_e4m3(a.astype(np.float32), b, c)
+
+
+@pytest.mark.slow
+def test_a_planted_fault_in_the_e4m3_emulation_is_caught(tmp_path, monkeypatch):
+    """The e4m3 probe GEMMs see a fault planted in the simulator's e4m3 wgmma (ptx.cuh's simulator
+    branch, copied and edited): A's registers 1 and 2 swapped (rows g + 8 and columns 16.. mixed up)
+    and, from shared memory, the A and B descriptors exchanged; each GEMM then differs from NumPy."""
+    import shutil
+
+    from cuflash.runtime import paths
+
+    tree = tmp_path / "kernels"
+    shutil.copytree(paths.kernels_dir(), tree)
+    text = (tree / "ptx.cuh").read_text()
+    planted = text.replace("cusim::wgmma_e4m3<N>(d, 0, a, desc_b, scale_d != 0);",
+                           "const unsigned swapped[4] = {a[0], a[2], a[1], a[3]};\n"
+                           "    cusim::wgmma_e4m3<N>(d, 0, swapped, desc_b, scale_d != 0);")
+    planted = planted.replace("cusim::wgmma_e4m3<N>(d, desc_a, nullptr, desc_b, scale_d != 0);",
+                              "cusim::wgmma_e4m3<N>(d, desc_b, nullptr, desc_a, scale_d != 0);")
+    assert planted.count("swapped") == 2 and "d, desc_b, nullptr, desc_a" in planted
+    (tree / "ptx.cuh").write_text(planted)
+    monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
+    monkeypatch.setenv("CUFLASH_SIM_CACHE_DIR", str(tmp_path / "sim-cache"))
+    mod = _module()
+    for a_regs in (False, True):
+        a, b, c, expected = hp.gemm_e4m3_inputs(100, 96)
+        _run(mod, hp.plan_gemm_e4m3(a, b, c, a_regs=a_regs))
+        assert not np.array_equal(c, expected), f"the planted fault went unseen (a_regs={a_regs})"
