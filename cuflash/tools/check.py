@@ -30,8 +30,8 @@ an overrun fails that section only, the others still run); ``--sections`` picks 
 ``sim``          GPU output against the CUDA simulator's on the same small inputs
 ``hopper``       (compute capability 9.0) the sm_90a probes of kernels_cu/hopper_probe.cu:
                  TMA-fed wgmma GEMMs for every swizzle and both B layouts, A from registers, the
-                 warp-specialized pipeline, stmatrix, elect.sync; each exact, and equal to the
-                 simulator's result
+                 e4m3 (fp8) wgmma, the warp-specialized pipeline, stmatrix, elect.sync; each exact,
+                 and equal to the simulator's result
 ``torch``        torch CUDA round-trip (types, devices, torch-allocated outputs, side streams)
 ``distributed``  ring and Ulysses attention over NCCL with a world of one, equal to plain
                  attention, forward and gradients
@@ -898,6 +898,19 @@ def section_hopper(clock, log) -> str:
         name = hp.gemm_entry(sw, nm, regs)
         bad = int(np.sum(got != want))
         log(f"  {name}: {bad} of {got.size} elements differ from A B (exact); the simulator "
+            f"{'agrees' if np.array_equal(emu, got) else 'DIFFERS'}")
+        if bad or not np.array_equal(emu, got):
+            raise AssertionError(f"{name}: the GPU result differs from the exact product in {bad} elements, or from "
+                                 "the simulator's")
+        done.append(name)
+    for regs in (False, True):   # wgmma m64n64k32 .e4m3 (fp8), A from shared memory, then from registers
+        a, b, c, want = hp.gemm_e4m3_inputs(100, 96, seed=len(done))
+        a8, b8 = a.view(np.uint8), b.view(np.uint8)   # (CuPy holds the fp8 bytes as uint8)
+        got, _ = gpu(hp.plan_gemm_e4m3, a8, b8, c, a_regs=regs)
+        emu = on_sim(hp.plan_gemm_e4m3, a8, b8, c, a_regs=regs)
+        name = f"hopper_gemm_e4m3_{'rs' if regs else 'ss'}"
+        bad = int(np.sum(got != want))
+        log(f"  {name}: {bad} of {got.size} elements differ from A B^T (exact); the simulator "
             f"{'agrees' if np.array_equal(emu, got) else 'DIFFERS'}")
         if bad or not np.array_equal(emu, got):
             raise AssertionError(f"{name}: the GPU result differs from the exact product in {bad} elements, or from "
