@@ -38,6 +38,14 @@
 //   diagonal, a window's edges, and every tile of a key tile that reaches past Sk).
 //   dK (times softmax_scale) and dV are stored once from registers (rows past Sk dropped); dQ
 //   is left unscaled (the convert stage scales it).
+//   Deterministic mode (`deterministic` != 0, a run-time flag read by the dQ warp only): the key
+//   tiles that add to one (head, query tile) add in key-tile order. dq_sem holds a zeroed int32
+//   counter per (batch, query head, query tile); the dQ warp's lane 0 waits (ld.acquire) until it
+//   equals this block's rank among those key tiles, orders its reduce-add after that
+//   (fence.proxy.async.global), and after the reduce-add has completed (wait_group 0, not .read;
+//   fence.proxy.async.global) increments it (red.release). The awaited blocks have lower indices,
+//   so they were scheduled first. The counters end at the number of key tiles that add; the host
+//   zeroes a fresh array per call.
 //
 // Layout: q, dout (B, Hq, Sq, D), k, v (B, Hk, Sk, D) through 4-d tensor maps (rows past Sq / Sk
 // read as zeros); lse, dd (B, Hq, Sq) float32 contiguous (lse: the forward's, natural log);
@@ -155,7 +163,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
                          float* dq_accum, elem_t* dk, elem_t* dv, long long dk_batch_stride, long long dk_head_stride,
                          long long dk_row_stride, long long dv_batch_stride, long long dv_head_stride,
                          long long dv_row_stride, int Sq, int Sk, int Hq, int group, float softmax_scale,
-                         int window_left, int window_right) {
+                         int window_left, int window_right, int* dq_sem, int deterministic) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long kv_full;
     __shared__ __align__(8) unsigned long long full[STAGES];
@@ -237,9 +245,26 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
                 ptx_bar_sync(DQ_FULL, 288);
                 if (lane == 0) {
                     const int rows = min(BR, Sq - m0);
+                    int* sem = nullptr;
+                    if (deterministic) {
+                        // this block's turn among the key tiles that add to (h, query tile): those that see
+                        // it are a run [first, ..] of key tiles (a band), so it is blockIdx.x - first; the
+                        // first is the lowest whose last row bound n0 + BC - diag + left passes m0
+                        sem = dq_sem + (size_t(b) * Hq + h) * ((Sq + BR - 1) / BR) + m0 / BR;
+                        const i64 v = m0 + diag - window_left - BC;
+                        const int first = (window_left < 0 || v < 0) ? 0 : int(v / BC + 1);
+                        ptx_wait_eq_acquire(sem, int(blockIdx.x) - first);
+                        ptx_fence_proxy_async_global();
+                    }
                     ptx_bulk_reduce_add_f32(dq_accum + ((size_t(b) * Hq + h) * Sq + m0) * D, dq_s, unsigned(rows * D * 4));
                     ptx_bulk_commit();
-                    ptx_bulk_wait_read<0>();
+                    if (deterministic) {   // the add complete (not only read), then the next key tile's turn
+                        ptx_bulk_wait<0>();
+                        ptx_fence_proxy_async_global();
+                        ptx_red_release_add(sem, 1);
+                    } else {
+                        ptx_bulk_wait_read<0>();
+                    }
                 }
                 if (it + 1 < nwalk) ptx_bar_arrive(DQ_EMPTY, 288);   // (lane 0's arrival follows its wait)
             }
@@ -401,10 +426,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(
     const __grid_constant__ cuflash_tensor_map map_lse, const __grid_constant__ cuflash_tensor_map map_dd, float* dq_accum, bwd_sm90::elem_t* dk,
     bwd_sm90::elem_t* dv, long long dk_batch_stride, long long dk_head_stride, long long dk_row_stride,
     long long dv_batch_stride, long long dv_head_stride, long long dv_row_stride, int Sq, int Sk, int Hq, int group,
-    float softmax_scale, int window_left, int window_right) {
+    float softmax_scale, int window_left, int window_right, int* dq_sem, int deterministic) {
     bwd_sm90::backward(map_q, map_k, map_v, map_do, map_lse, map_dd, dq_accum, dk, dv, dk_batch_stride, dk_head_stride,
                        dk_row_stride, dv_batch_stride, dv_head_stride, dv_row_stride, Sq, Sk, Hq, group, softmax_scale,
-                       window_left, window_right);
+                       window_left, window_right, dq_sem, deterministic);
 }
 
 #endif  // sm_90a

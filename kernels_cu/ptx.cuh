@@ -348,9 +348,12 @@ __device__ __forceinline__ void ptx_bulk_reduce_add_f32(float* gmem, const void*
     cusim::bulk_reduce_add_f32(gmem, smem, bytes);
 }
 __device__ __forceinline__ void ptx_bulk_commit() { cusim::bulk_commit(); }
-template <int N> __device__ __forceinline__ void ptx_bulk_wait() { cusim::bulk_wait(uint32_t(N)); }
+template <int N> __device__ __forceinline__ void ptx_bulk_wait() { cusim::bulk_wait(uint32_t(N), true); }
 template <int N> __device__ __forceinline__ void ptx_bulk_wait_read() { cusim::bulk_wait(uint32_t(N)); }
 __device__ __forceinline__ void ptx_fence_proxy_async() { cusim::fence_proxy_async(); }
+__device__ __forceinline__ void ptx_fence_proxy_async_global() { cusim::fence_proxy_async_global(); }
+__device__ __forceinline__ void ptx_wait_eq_acquire(const int* p, int value) { cusim::wait_eq_acquire(p, value); }
+__device__ __forceinline__ void ptx_red_release_add(int* p, int v) { cusim::red_release_add(p, v); }
 __device__ __forceinline__ void ptx_bar_sync(int id, int count) { cusim::bar_sync(unsigned(id), unsigned(count)); }
 __device__ __forceinline__ void ptx_bar_arrive(int id, int count) { cusim::bar_arrive(unsigned(id), unsigned(count)); }
 template <int R> __device__ __forceinline__ void ptx_setmaxnreg_inc() { cusim::setmaxnreg(unsigned(R), true); }
@@ -616,6 +619,21 @@ __device__ __forceinline__ void ptx_bulk_commit() { asm volatile("cp.async.bulk.
 template <int N> __device__ __forceinline__ void ptx_bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
 template <int N> __device__ __forceinline__ void ptx_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void ptx_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// fence.proxy.async.global: orders this thread's generic and async-proxy accesses of global memory
+// (the deterministic backward: after the ld.acquire wait, before its cp.reduce.async.bulk; after the
+// full cp.async.bulk.wait_group, before the red.release).
+__device__ __forceinline__ void ptx_fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+// Spin until [p] == value, each read an ld.acquire.gpu.global (another block's counter).
+__device__ __forceinline__ void ptx_wait_eq_acquire(const int* p, int value) {
+    int v;
+    do {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    } while (v != value);
+}
+// red.release.gpu.global.add.s32 [p], v: publishes this thread's earlier writes with the count.
+__device__ __forceinline__ void ptx_red_release_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ void ptx_bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void ptx_bar_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ bool ptx_elect_one() {

@@ -10,10 +10,17 @@ by one warp's bulk reduce-add (``cp.reduce.async.bulk .add.f32``), no atomics. T
 
 The kernel is compiled for ``sm_90a`` and runs on compute capability 9.0 only. Calls it takes:
 float16/bfloat16, D = Dv = 64 or 128 exactly, causal and windows (bottom-right), GQA, rows without
-keys, one batch dim, and any strides a tensor map can describe (the head dim contiguous, every
-other stride and each base 16-byte aligned). The rest goes to the tensor-core backward, and
-``explain`` says why: other head dims, Dv != D, deterministic mode (the semaphore that orders
-the adds per query tile is not built), dropout, score modifiers, packed batches.
+keys, one batch dim, any strides a tensor map can describe (the head dim contiguous, every
+other stride and each base 16-byte aligned), and deterministic mode. The rest goes to the
+tensor-core backward, and ``explain`` says why: other head dims, Dv != D, dropout, score
+modifiers, packed batches.
+
+Deterministic mode (``deterministic=True``): the key tiles that add to one (query head, query
+tile) of the dQ workspace add in key-tile order, ordered by an int32 counter per (batch, query
+head, query tile) in a zeroed array the call allocates (a wait with acquire loads, then the bulk
+reduce-add, its completion and a release increment; FA3's scheme). The sums are then the same
+bits on every run; dK and dV have one writer per element anyway. It is a run-time flag of the dQ
+warp, not a variant: the consumers' code is the same in both modes.
 
 Tiles: Br = 64 query rows, Bc = 128 keys; shared memory = K, V, two stages of Q and dO, two dS^T
 buffers, the dQ buffer and the stages' lse and Dd, plus 1 KB of alignment.
@@ -134,10 +141,14 @@ class Sm90BackwardVariant(variants.Variant):
     def plan_main(self, problem, views, lse, dd, acc, call) -> LaunchPlan:
         """The main stage's launch for :func:`cuflash.kernels.backward_run.backward`: ``views`` are
         its ``(q, k, v, out, dout, dq, dk, dv)`` in (B, H, S, D) order, ``lse`` and ``dd`` (B, Hq,
-        Sq) float32 contiguous, ``acc`` the float32 dQ workspace ``(1, B, Hq, Sq, D)``."""
+        Sq) float32 contiguous, ``acc`` the float32 dQ workspace ``(splits, B, Hq, Sq, D)`` (this
+        kernel adds into split 0)."""
         q, k, v, _, dout, _, dk, dv = views
-        return plan_main((q, k, v, dout, dk, dv), lse, dd, acc, call, softmax_scale=problem.softmax_scale,
-                         window_left=problem.window_left, window_right=problem.window_right, dtype=self.dtype)
+        # deterministic mode: the shared driver allocates one partial buffer per split of the
+        # tensor-core tier's scheme; this kernel adds in order into the first, the rest stay zero
+        return plan_main((q, k, v, dout, dk, dv), lse, dd, acc[:1], call, softmax_scale=problem.softmax_scale,
+                         window_left=problem.window_left, window_right=problem.window_right, dtype=self.dtype,
+                         deterministic=problem.options.deterministic)
 
 
 def all_variants(arch: int = 90) -> tuple[Sm90BackwardVariant, ...]:
@@ -148,7 +159,7 @@ def all_variants(arch: int = 90) -> tuple[Sm90BackwardVariant, ...]:
 
 
 def plan_main(arrays, lse, dd, acc, call, *, softmax_scale: float, window_left: int = -1, window_right: int = -1,
-              dtype: str) -> LaunchPlan:
+              dtype: str, deterministic: bool = False) -> LaunchPlan:
     """The main stage's launch for arrays in (B, H, S, D) order.
 
     Parameters
@@ -164,6 +175,9 @@ def plan_main(arrays, lse, dd, acc, call, *, softmax_scale: float, window_left: 
     call : DeviceCall
     softmax_scale, window_left, window_right : as the forward's (-1 unbounded; causal: right 0)
     dtype : {"f16", "bf16"}
+    deterministic : bool
+        Add dQ in key-tile order per (query head, query tile): the same bits on every run (a zeroed
+        int32 counter array of ``B * Hq * ceil(Sq / 64)`` is allocated on ``call``).
 
     Raises
     ------
@@ -198,7 +212,10 @@ def plan_main(arrays, lse, dd, acc, call, *, softmax_scale: float, window_left: 
             la.i64("dv_batch_stride", dvs[0]), la.i64("dv_head_stride", dvs[1]), la.i64("dv_row_stride", dvs[2]),
             la.i32("Sq", sq), la.i32("Sk", sk), la.i32("Hq", hq), la.i32("group", hq // hk),
             ScalarArg("softmax_scale", np.float32(softmax_scale)),
-            la.i32("window_left", window_left), la.i32("window_right", window_right))
+            la.i32("window_left", window_left), la.i32("window_right", window_right),
+            call.pointer("dq_sem", call.xp.zeros((b, hq, -(-sq // BLOCK_M)), dtype=np.int32) if deterministic
+                         else call.empty_index, writable=True),
+            la.i32("deterministic", int(bool(deterministic))))
     return LaunchPlan(variant, variant.entry, (-(-sk // BLOCK_N), hk, b), (384, 1, 1), variant.smem_bytes, args)
 
 
@@ -219,8 +236,6 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         return "dropout is not in the Hopper backward yet"
     if p.varlen is not None:
         return "packed variable-length batches are not in the Hopper backward yet"
-    if p.options.deterministic:
-        return "deterministic mode is not in the Hopper backward yet (the per-query-tile semaphore is not built)"
     if p.head_dim != p.head_dim_v or p.head_dim not in HEAD_DIMS:
         return (f"(D, Dv) = ({p.head_dim}, {p.head_dim_v}): the Hopper backward takes D = Dv in {HEAD_DIMS} "
                 "exactly so far")

@@ -158,7 +158,7 @@ def forward_tier(problem, arch: int, arrays=None):
 def backward_tier(problem, arch: int, arrays=None):
     """The kernel module that runs the backward of ``problem`` on ``sm_<arch>``: the Hopper
     backward (``sm_90a``: compute capability 9.0; float16/bfloat16 with D = Dv = 64 or 128, views
-    a TMA tensor map can describe, not deterministic, no dropout, modifiers or packed batches),
+    a TMA tensor map can describe, no dropout, modifiers or packed batches; deterministic mode too),
     the tensor-core backward (float16/bfloat16, sm_80+, a tile of the head dims' bucket fitting
     the shared memory, rows 16-byte aligned) or the portable SIMT one; why each faster tier was
     passed over is :func:`describe_backward_choice`'s line. A tier module provides
@@ -175,7 +175,7 @@ def describe_backward_choice(problem, arch: int, arrays=None) -> str:
     """One line naming the backward tier and main-stage variant that run ``problem`` on
     ``sm_<arch>`` and why each faster tier was passed over (``arrays``: ``(q, k, v, out, dout)``),
     e.g. ``sm_90: tensor-core mma.sync tier, cuflash_attn_bwd_mma_main_...; Hopper wgmma tier not
-    used: deterministic mode is not in the Hopper backward yet (...)``."""
+    used: dropout is not in the Hopper backward yet``."""
     mod, reasons = _choose(problem, arch, arrays, BACKWARD_TIERS)
     v = mod.main_variant(problem, arch)
     name = dict((m, n) for n, m in BACKWARD_TIERS)[mod]

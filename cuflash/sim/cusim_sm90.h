@@ -90,6 +90,10 @@ struct WgThread {
     RegRange watch[kMaxWatched];            // checked: registers of landed operations
     bool fenced = false;                    // a wgmma.fence was executed
     uint32_t bulk_committed = 0;            // cp.async.bulk.commit_group count
+    uint32_t bulk_done = 0;                 // groups below this are complete (wait_group, not .read)
+    uint32_t reduce_groups = 0;             // the newest cp.reduce.async.bulk's group + 1
+    uint32_t global_fenced = 0;             // bulk_done at the last fence.proxy.async.global
+    bool acquired = false;                  // an ld.acquire wait not yet followed by fence.proxy.async.global
     const char* wait_what = nullptr;        // what the thread spins on (deadlock reports)
     uint64_t wait_obj = 0, wait_arg = 0;
 };
@@ -1229,6 +1233,14 @@ CUSIM_NOSAN inline void bulk_reduce_add_f32(float* dst, const void* smem, uint32
                               (unsigned long long)st.src_off);
     st.bytes = bytes;
     st.reduce_dst = d;
+    WgThread& me = sm90(w).threads[st.issuer];
+    me.reduce_groups = st.group + 1;
+    if (w->chk && me.acquired) {
+        CheckReport r{};
+        r.kind = kProxyFence;
+        check_fail(w, r, "checked: %s issued after an ld.acquire wait with no fence.proxy.async.global in between: "
+                   "the async proxy's read of global memory is not ordered after the acquire", what);
+    }
     check_async_read(w, st.src_off, st.bytes, what);
     add_readers(w, st.src_off, st.bytes, +1);
     progress();
@@ -1264,13 +1276,14 @@ CUSIM_NOSAN inline void bulk_commit() {
 
 // cp.async.bulk.wait_group{.read} N: this thread's stores of all but the newest N groups are done
 // (with .read: done reading shared memory; here both complete together).
-CUSIM_NOSAN inline void bulk_wait(uint32_t pending) {
+CUSIM_NOSAN inline void bulk_wait(uint32_t pending, bool full = false) {
     Worker* w = t_worker;
     Sm90State& s = sm90(w);
     const unsigned me = w->cur->linear;
     const uint32_t c = s.threads[me].bulk_committed;
     progress();
     if (c < pending) return;
+    if (full) s.threads[me].bulk_done = std::max(s.threads[me].bulk_done, c - pending);
     for (size_t i = 0; i < s.stores.size();) {
         if (s.stores[i].issuer == me && s.stores[i].group < c - pending) {
             TmaStore st = s.stores[i];
@@ -1280,6 +1293,76 @@ CUSIM_NOSAN inline void bulk_wait(uint32_t pending) {
             ++i;
         }
     }
+}
+
+// ------------------------------------------------------------------ ordering between blocks
+// The deterministic Hopper backward orders its dQ bulk reduce-adds per query tile with a counter in
+// global memory (PTX ISA 8.6 "Memory Consistency Model": release / acquire at .gpu scope, and
+// "proxies": the async proxy's cp.reduce.async.bulk is ordered with generic accesses only through
+// fence.proxy.async).
+
+// fence.proxy.async.global: this thread's generic accesses of global memory before it are ordered
+// with its async-proxy ones after it, and the reduce-adds a full wait_group has completed with its
+// generic accesses after it.
+CUSIM_NOSAN inline void fence_proxy_async_global() {
+    Worker* w = t_worker;
+    WgThread& t = sm90(w).threads[w->cur->linear];
+    t.acquired = false;
+    t.global_fenced = t.bulk_done;
+    progress();
+}
+
+// `while (ld.acquire.gpu.global.s32 [p] != value) ;` The value is another block's to change: the
+// thread yields to its block, and the worker sleeps between rounds (blocks run on other workers;
+// a lower block index is always taken first, so the awaited block is running or done). The block's
+// own watchdog is held off while it waits; a value unchanged for kCrossBlockWaitSeconds of wall time
+// is a deadlock.
+constexpr double kCrossBlockWaitSeconds = 120.0;
+CUSIM_NOSAN inline void wait_eq_acquire(const int* p, int value) {
+    Worker* w = t_worker;
+    auto start = std::chrono::steady_clock::now();
+    int last = 0;
+    bool first = true;
+    for (;;) {
+        int v;
+        {
+            AtomicScope scope_(const_cast<int*>(p));
+            v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+        }
+        if (v == value) break;
+        if (first || v != last) start = std::chrono::steady_clock::now(), last = v, first = false;
+        if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > kCrossBlockWaitSeconds)
+            fail("deadlock: ld.acquire wait for the value %d at global address %p, which has stayed %d for %.0f s "
+                 "(no block adds to it)", value, (const void*)p, v, kCrossBlockWaitSeconds);
+        w->idle_polls = 0;
+        WgThread& t = sm90(w).threads[w->cur->linear];
+        t.wait_what = "ld.acquire (another block's counter)";
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+        yield_current();
+        t.wait_what = nullptr;
+    }
+    sm90(w).threads[w->cur->linear].acquired = true;
+    progress();
+}
+
+// red.release.gpu.global.add.s32 [p], v. Checked: every cp.reduce.async.bulk of the thread must be
+// complete (a full cp.async.bulk.wait_group, not .read) and followed by fence.proxy.async.global,
+// else the release publishes the counter before the reduce-add's writes.
+CUSIM_NOSAN inline void red_release_add(int* p, int v) {
+    Worker* w = t_worker;
+    WgThread& t = sm90(w).threads[w->cur->linear];
+    if (w->chk && t.reduce_groups > t.global_fenced) {
+        CheckReport r{};
+        r.kind = kAsyncOverlap;
+        check_fail(w, r, "checked: red.release after a cp.reduce.async.bulk that no cp.async.bulk.wait_group (not "
+                   ".read) followed by fence.proxy.async.global has completed: the counter is published before the "
+                   "reduce-add's writes");
+    }
+    {
+        AtomicScope scope_(p);
+        __atomic_fetch_add(p, v, __ATOMIC_RELEASE);
+    }
+    progress();
 }
 
 // A thread that exits with stores in flight: they complete (the grid's end waits for them).

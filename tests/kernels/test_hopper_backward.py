@@ -28,7 +28,7 @@ MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False
 DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
 
 
-def run_case(sq, sk, d, heads, mask, dtype_key="f16", *, seed=0, checked=False):
+def run_case(sq, sk, d, heads, mask, dtype_key="f16", *, seed=0, checked=False, deterministic=False):
     """One case on the simulator, held to the gradient rule; returns the gradients."""
     rng = np.random.default_rng(sq * 31 + sk + d)
     hq, hk = heads
@@ -39,7 +39,7 @@ def run_case(sq, sk, d, heads, mask, dtype_key="f16", *, seed=0, checked=False):
     out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)  # the NumPy forward
     dout = rng.standard_normal(out.shape).astype(dtype)
     with cuflash.sim.options(arch="sm_90", seed=seed, checked=checked):
-        grads = sim_backward(attention_bwd_sm90, dout, q, k, v, out, lse, **kw)
+        grads = sim_backward(attention_bwd_sm90, dout, q, k, v, out, lse, deterministic=deterministic, **kw)
     for g, x in zip(grads, (q, k, v)):
         assert g.dtype == dtype and g.shape == x.shape
     check_grads_close(grads, dout, q, k, v, out, lse, **kw)
@@ -86,6 +86,53 @@ def test_seeds_agree_bitwise_in_dk_dv():
         np.testing.assert_array_equal(x, y)
 
 
+def _with_workspace(monkeypatch, *case, workers, **kw):
+    """``(the float32 dQ workspace's bits after the main stage, the gradients)`` of one case run on
+    ``workers`` simulator threads (the workspace read through a spy on the launcher)."""
+    from cuflash.sim import launcher
+
+    got, real = [], launcher.run
+
+    def spy(plan, options=None):
+        stats = real(plan, options)
+        if isinstance(plan.variant, attention_bwd_sm90.Sm90BackwardVariant):
+            arg = next(a for a in plan.args if getattr(a, "name", "") == "dq_accum")
+            got.append(np.array(arg.base, copy=True).view(np.uint32))
+        return stats
+
+    monkeypatch.setattr(launcher, "run", spy)
+    try:
+        with cuflash.sim.options(workers=workers):
+            grads = run_case(*case, **kw)
+    finally:
+        monkeypatch.setattr(launcher, "run", real)
+    assert len(got) == 1
+    return got[0], grads
+
+
+# 3 and 4 key tiles add to a query tile (two contributions would commute: no order to see); the
+# causal case staggers the blocks' walks (key tile n starts at query tile 2n), so without the
+# counters key tile 2 adds to query tile 4 before key tiles 0 and 1 on three workers
+DET_CASES = [(300, 300, 64, (2, 1), "causal", "f16"), (130, 400, 128, (4, 2), "none", "bf16")]
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("case", DET_CASES, ids=[f"{c[4]}-{c[5]}-d{c[2]}" for c in DET_CASES])
+def test_deterministic_adds_in_key_tile_order(monkeypatch, case):
+    """Deterministic mode: on three worker threads (blocks in parallel) and three thread orders
+    (seeds; checked mode on one), the float32 dQ workspace has the bits of one worker running the
+    blocks one after another (the adds in key-tile order), and dq, dk, dv the same bits on every
+    run, each within the gradient rule of the float64 oracle (run_case)."""
+    ref, _ = _with_workspace(monkeypatch, *case, workers=1)
+    runs = [_with_workspace(monkeypatch, *case, workers=3, seed=s, checked=(s == 0), deterministic=True)
+            for s in (0, 1, 7)]
+    for ws, grads in runs:
+        assert (ws == ref).all(), f"{int((ws != ref).sum())} of {ws.size} workspace words differ"
+        for x, y in zip(runs[0][1], grads):
+            np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
+
+
 def _problem(d=128, dv=128, dtype=dtypes.float16, **opts):
     rng = np.random.default_rng(0)
     q, k, v = make_qkv(rng, 1, 2, 1, 9, 5, d, dv, dtype=dtype)
@@ -95,7 +142,6 @@ def _problem(d=128, dv=128, dtype=dtypes.float16, **opts):
 
 
 @pytest.mark.parametrize("kw,words", [
-    (dict(opts=dict(deterministic=True)), "deterministic mode"),
     (dict(d=96, dv=96), "D = Dv in (64, 128)"),
     (dict(d=128, dv=64), "(D, Dv) = (128, 64)"),
     (dict(dtype=np.float32), "float16/bfloat16"),
@@ -122,8 +168,9 @@ def test_dispatcher_picks_the_hopper_backward_on_cc90_and_says_why_not_elsewhere
     assert dispatch.describe_backward_choice(p, 90).startswith("sm_90: Hopper wgmma tier, cuflash_attn_bwd_sm90_main_f16_d64")
     assert dispatch.backward_tier(p, 80) is attention_bwd_mma
     assert "Hopper wgmma tier not used" in dispatch.describe_backward_choice(p, 100)
-    line = dispatch.describe_backward_choice(_problem(128, 128, deterministic=True), 90)
-    assert line.startswith("sm_90: tensor-core mma.sync tier") and "deterministic mode is not in the Hopper" in line
+    assert dispatch.backward_tier(_problem(128, 128, deterministic=True), 90) is attention_bwd_sm90
+    line = dispatch.describe_backward_choice(_problem(96, 96), 90)
+    assert line.startswith("sm_90: tensor-core mma.sync tier") and "Hopper wgmma tier not used: (D, Dv) = (96, 96)" in line
 
 
 @pytest.mark.slow
