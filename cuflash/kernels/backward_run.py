@@ -86,8 +86,9 @@ class _Workspace:
         # the batch split of the launches depends on the arrays' strides only, not on the workspace
         every = self.views + [self.lse, self.dd] + [self.mods[n] for n in self.batched]
         _, kv_inner = ([()], p.varlen.batch) if packed else la.batch_slices(self.batch_shape, every)
+        # (a main stage with a plan of its own, the Hopper tier's, orders its adds into one buffer)
         self.splits = (deterministic_splits(self.num_k_tiles, kv_inner * p.num_heads_k)
-                       if p.options.deterministic else 1)
+                       if p.options.deterministic and getattr(main, "plan_main", None) is None else 1)
         self.dq_accum = call.xp.zeros((self.splits,) + stat_shape + (p.head_dim,), dtype=np.float32)
         self.split_stride = int(np.prod(stat_shape, dtype=np.int64)) * p.head_dim
         self.batches, self.inner = la.batch_slices(self.batch_shape, every + [self.dq_accum[0]])
