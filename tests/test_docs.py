@@ -337,6 +337,11 @@ def _call_mix_row(*flags) -> str:
 QUOTED = [
     ("README.md", "{} TFLOP/s for the Hopper-tier forward at head dim 128 on an H200 (bf16)",
      lambda: round(_ceiling("forward", 128).ceiling_tflops)),
+    # the datasheet rates of the T4 and V100 presets, as the model holds them
+    ("docs/roofline.md", "NVIDIA T4 datasheet: {} TFLOP/s fp16 tensor", lambda: _rate("T4", "fp16_tensor_tflops")),
+    ("docs/roofline.md", "fp16 tensor, {} TFLOP/s fp32, 320 GB/s, 40 SMs", lambda: _rate("T4", "fp32_tflops")),
+    ("docs/roofline.md", "SXM2: {} TFLOP/s fp16 tensor", lambda: _rate("V100", "fp16_tensor_tflops")),
+    ("docs/roofline.md", "fp16 tensor, {} TFLOP/s fp32, 900 GB/s, 80 SMs", lambda: _rate("V100", "fp32_tflops")),
 ]
 #: the figures of docs/roofline.md, recomputed under ``slow`` (one NVRTC compile each)
 QUOTED_SLOW = [
@@ -351,6 +356,13 @@ QUOTED_SLOW = [
     ("docs/roofline.md", "| cuflash sm90, causal | {} |", lambda: _call_mix_row("--causal")),
     ("docs/roofline.md", "| cuflash sm90, no mask | {} |", lambda: _call_mix_row()),
 ]
+
+
+def _rate(device: str, field: str) -> str:
+    """A device preset's rate as the pages print it (65.0 -> '65')."""
+    from cuflash.analysis import intensity
+
+    return f"{getattr(getattr(intensity, device), field):g}"
 
 
 def _check_quoted(quoted):
