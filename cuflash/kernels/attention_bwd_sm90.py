@@ -53,7 +53,8 @@ ROOFLINE_MODEL = False
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm90BackwardVariant(variants.Variant):
+class Sm90BackwardVariant(attention_fwd_sm90.ThreeWarpgroups, variants.Variant):
+    # (three warpgroups: the producer's, a TMA warp and the dQ warp, and two consumers)
     """The Hopper main stage of the backward for one dtype and head dim.
 
     Parameters
@@ -97,24 +98,6 @@ class Sm90BackwardVariant(variants.Variant):
     @property
     def block_n(self) -> int:
         return BLOCK_N
-
-    @property
-    def block(self) -> tuple[int, int, int]:
-        """Three warpgroups: the producer's (a TMA warp and the dQ warp) and two consumers."""
-        return (384, 1, 1)
-
-    @property
-    def threads(self) -> int:
-        return 384
-
-    @property
-    def math_threads(self) -> int:
-        """The consumer warpgroups' threads, which run the main loop (the roofline's pipes)."""
-        return 256
-
-    @property
-    def head_dim_max(self) -> int:
-        return self.head_dim
 
     @property
     def head_dim_v_max(self) -> int:

@@ -57,8 +57,30 @@ TMA_ALIGN = 16
 MODIFIERS = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks")
 
 
+class ThreeWarpgroups:
+    """The launch shape the Hopper kernels share: three warpgroups, a producer's and two
+    consumers' (the consumers run the main loop: the roofline's pipes)."""
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (384, 1, 1)
+
+    @property
+    def threads(self) -> int:
+        return 384
+
+    @property
+    def math_threads(self) -> int:
+        """The consumer warpgroups' threads, which run the main loop (the roofline's pipes)."""
+        return 256
+
+    @property
+    def head_dim_max(self) -> int:
+        return self.head_dim
+
+
 @dataclasses.dataclass(frozen=True)
-class Sm90ForwardVariant(variants.Variant):
+class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     """One compiled form of the Hopper forward.
 
     Parameters
@@ -116,24 +138,6 @@ class Sm90ForwardVariant(variants.Variant):
         if self.mods:
             return BLOCK_N_MODS.get((self.head_dim, self.head_dim_v), BLOCK_N[self.head_dim])
         return BLOCK_N[self.head_dim]
-
-    @property
-    def block(self) -> tuple[int, int, int]:
-        """Three warpgroups: the producer and two consumers."""
-        return (384, 1, 1)
-
-    @property
-    def threads(self) -> int:
-        return 384
-
-    @property
-    def math_threads(self) -> int:
-        """The consumer warpgroups' threads, which run the main loop (the roofline's pipes)."""
-        return 256
-
-    @property
-    def head_dim_max(self) -> int:
-        return self.head_dim
 
     @property
     def head_dim_v_max(self) -> int:
