@@ -207,12 +207,9 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     ``(q, k, v, out, dout)``; each must be a view a TMA tensor map can describe. The arch rule
     (``sm_90a``: compute capability 9.0 only) is the dispatcher's (:data:`TARGET_ARCH`)."""
     p = problem
-    try:
-        key = variants.dtype_key(p.dtype)
-    except KeyError:
-        key = str(np.dtype(p.dtype))
-    if key not in DTYPES:
-        return f"dtype {np.dtype(p.dtype)} (wgmma here takes float16/bfloat16)"
+    why = attention_fwd_sm90.dtype_reason(p)
+    if why is not None:
+        return why
     if p.modifiers is not None:
         return "score modifiers are not in the Hopper backward yet"
     if p.dropout is not None:

@@ -243,6 +243,17 @@ def _dims_reason(p) -> str | None:
     return None
 
 
+def dtype_reason(problem) -> str | None:
+    """Why ``problem``'s dtype is not one the Hopper kernels (forward and backward) take, or None."""
+    try:
+        key = variants.dtype_key(problem.dtype)
+    except KeyError:
+        key = str(np.dtype(problem.dtype))
+    if key not in DTYPES:
+        return f"dtype {np.dtype(problem.dtype)} (wgmma here takes float16/bfloat16)"
+    return None
+
+
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     """Why ``problem`` cannot run on this tier on ``sm_<arch>`` (None if it can). The arch rule
     (``sm_90a``: compute capability 9.0 only) is the dispatcher's (:data:`TARGET_ARCH`)."""
@@ -250,12 +261,9 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     why = refuse_modifiers(p, "the Hopper kernel", MODIFIERS)
     if why is not None:
         return why
-    try:
-        key = variants.dtype_key(p.dtype)
-    except KeyError:
-        key = str(np.dtype(p.dtype))
-    if key not in DTYPES:
-        return f"dtype {np.dtype(p.dtype)} (wgmma here takes float16/bfloat16)"
+    why = dtype_reason(p)
+    if why is not None:
+        return why
     if p.dropout is not None:
         return "dropout is not in the Hopper kernel yet"
     if p.kvcache is not None:
@@ -455,17 +463,15 @@ def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
     """
     p = problem
     if p.fp8 is not None:
-        return "an fp8 cache has no Hopper form"
+        return ("an fp8 (float8_e4m3fn) cache: the Hopper KV-cache form reads float16/bfloat16 caches only (the "
+                "tensor-core form dequantizes fp8 as it reads)")
     if p.modifiers is not None:
         return f"score modifiers ({p.modifiers.present[0]}) on a KV cache are not in the Hopper kernel yet"
     if p.varlen is not None:
         return "chunked prefill (packed queries over a paged cache) is not in the Hopper kernel yet"
-    try:
-        key = variants.dtype_key(p.dtype)
-    except KeyError:
-        key = str(np.dtype(p.dtype))
-    if key not in DTYPES:
-        return f"dtype {np.dtype(p.dtype)} (wgmma here takes float16/bfloat16)"
+    why = dtype_reason(p)
+    if why is not None:
+        return why
     why = _dims_reason(p)
     if why is not None:
         return why

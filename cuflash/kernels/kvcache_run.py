@@ -51,9 +51,6 @@ def hopper_reason(problem, arch: int, arrays=None) -> str:
     (None if it does)."""
     if arch != 90:
         return f"sm_{arch} is not compute capability 9.0 (the Hopper kernel is compiled for sm_90a)"
-    if problem.fp8 is not None:
-        return ("an fp8 (float8_e4m3fn) cache: the Hopper KV-cache form reads float16/bfloat16 caches only (the "
-                "tensor-core form dequantizes fp8 as it reads)")
     return attention_fwd_sm90.kvcache_reason(problem, arch, arrays)
 
 
