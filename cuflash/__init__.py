@@ -24,8 +24,10 @@ from cuflash.autodiff import (
     softmax,
 )
 from cuflash.kernels.precompile import precompile
+from cuflash.reference.block_mask import create_block_mask
+from cuflash.runtime.block_mask import BlockMask
 from cuflash.runtime.interop import fp8_view
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
-           "merge_attention", "softmax", "explain", "explain_varlen", "explain_kvcache", "precompile", "fp8_view", "mods",
+           "merge_attention", "softmax", "create_block_mask", "BlockMask", "explain", "explain_varlen", "explain_kvcache", "precompile", "fp8_view", "mods",
            "reference", "intensity", "sim", "__version__"]

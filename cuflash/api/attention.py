@@ -17,7 +17,7 @@ __all__ = ["attention", "explain"]
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
               out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
               alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None, q_descale=None, k_descale=None,
-              v_descale=None, out_dtype=None):
+              v_descale=None, out_dtype=None, block_mask=None):
     """Exact scaled-dot-product attention, ``softmax(softmax_scale * q k^T + mask) v``, fused.
 
     The ``(Sq, Sk)`` score matrix is never materialised: keys and values are streamed in tiles
@@ -109,6 +109,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     mask_mod : callable, optional
         ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = attend; joins the causal/window mask
         and ``attn_mask`` (a row left with no key gets 0 and ``lse = -inf``). Traced likewise.
+    block_mask : BlockMask, optional
+        ``mask_mod``'s block-sparse summary (:func:`cuflash.create_block_mask`, built for
+        ``(Sq, Sk)``, ``B`` 1 or the flattened batch, ``H`` 1 or ``Hq``; NumPy for NumPy and
+        simulator calls, device arrays for device calls): blocks it lists as empty are skipped,
+        full ones run without evaluating ``mask_mod``, partial ones evaluate it per pair. The
+        result is the dense ``mask_mod``'s. ``mask_mod`` may be left out (the block mask's is
+        used) or must be the function it was built from (``ValueError`` otherwise). Runs on
+        the NumPy path and in the tensor-core forward; other tiers raise ``NotImplementedError``.
     q_descale, k_descale, v_descale : float32 arrays ``(B, Hk)``, optional
         fp8 input only (FA3's names and shapes; ``(*batch, Hk)`` with several batch dims): the
         fp8 arrays stand for ``q * q_descale``, ``k * k_descale``, ``v * v_descale``, one factor
@@ -213,7 +221,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       return_lse=return_lse, backend=backend,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod),
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod,
+                                                block_mask),
                       fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     return pipeline.run(FORWARD, (q, k, v, out), options)
 
@@ -247,7 +256,7 @@ FORWARD = pipeline.Entry("cuflash.attention", ("q", "k", "v", "out"), _validate,
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd", backend="auto",
             arch=None, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None, q_descale=None,
-            k_descale=None, v_descale=None, out_dtype=None) -> dict:
+            k_descale=None, v_descale=None, out_dtype=None, block_mask=None) -> dict:
     """What :func:`attention` would run for these arguments, without running it.
 
     Validates exactly as :func:`attention` does (from metadata only, so fake or CPU-side
@@ -258,7 +267,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     ----------
     q, k, v, causal, softmax_scale, window_size, layout, backend
         As for :func:`attention`.
-    softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod
+    softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod, block_mask
         As for :func:`attention` (validated the same way; a kernel tier that does not take a
         modifier says so, and with none left ``NotImplementedError`` names it).
     q_descale, k_descale, v_descale, out_dtype
@@ -293,7 +302,8 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
 
     func = "cuflash.explain"
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
-                      backend=backend, modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod),
+                      backend=backend, modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod,
+                                                                 block_mask),
                       fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     host = interop.HostImport(func, FORWARD.names, (q, k, v, None), options)
     q, k, v, _ = host.operands

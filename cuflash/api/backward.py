@@ -13,7 +13,7 @@ __all__ = ["attention_backward"]
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        layout="bhsd", backend="auto", deterministic=False, dropout_p=0.0, dropout_seed=None,
                        dropout_offset=0, softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
-                       return_dbias=False, return_dsinks=False, return_dscore_mod=False):
+                       return_dbias=False, return_dsinks=False, return_dscore_mod=False, block_mask=None):
     """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` from its output and log-sum-exp.
 
     The FlashAttention-2 backward (Dao 2023, Algorithm 2): ``P = exp(S - lse)`` is recomputed
@@ -72,6 +72,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         tensor-core backward (float16/bfloat16; the derivative compiled beside the function),
         which does not take them together with ``return_dbias`` or ``return_dscore_mod``
         (``NotImplementedError``).
+    block_mask : BlockMask, optional
+        The forward's block mask (see :func:`cuflash.attention`): the backward visits, per key
+        block, only the query blocks that see it (the block mask's transposed index), and
+        evaluates ``mask_mod`` only on partial blocks.
     return_dbias : bool
         Also return ``d attn_bias``: ``dS`` summed over the axes the bias broadcasts over, in
         the bias's own shape and dtype (accumulated in float32, float64 for float64 input, and
@@ -137,7 +141,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                       backend=backend, deterministic=deterministic, return_dbias=return_dbias,
                       return_dsinks=return_dsinks, return_dscore_mod=return_dscore_mod,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod))
+                      modifiers=ModifierOptions(softcap, alibi_slopes, attn_bias, attn_mask, sinks, score_mod, mask_mod,
+                                                block_mask))
     return pipeline.run(BACKWARD, (dout, q, k, v, out, lse), options)
 
 

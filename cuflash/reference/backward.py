@@ -432,6 +432,8 @@ def run_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m=None, blo
     acc_t = dtypes.accumulator(p.dtype)
     heads_n = 0 if p.is_empty or not p.num_heads_k else math.prod(canonical(k, p.layout).shape[:-2])
     block_m, block_n = cpu_tiles(p, block_m, block_n)
+    if p.modifiers is not None and p.modifiers.block_mask is not None:   # the block mask's blocks are the tiles
+        block_m, block_n = p.modifiers.block_mask.BLOCK_SIZE
     n_tiles = -(-p.seqlen_k // block_n)
     chunks = max(1, min(n_tiles, -(-_BWD_CHUNKS // max(1, heads_n))))
     check_memory(p.func, backward_memory(p, (q.shape, k.shape, v.shape), heads_n, heads_n * chunks, block_m, block_n))
@@ -536,15 +538,18 @@ def _backward_chunk(p: AttentionProblem, head, t0, t1, block_m, block_n, acc_t, 
             cols = np.arange(c0, c1)
             if dq_acc is None:
                 dq_acc = np.zeros(qf.shape, dtype=acc_t)
-            for r0 in range(lo, hi, block_m):
-                r1 = min(r0 + block_m, hi)
+            if terms is not None and terms.blocks is not None:   # the block mask's transposed index: key block t's query blocks
+                row_tiles = terms.query_blocks(t, lo, hi)
+            else:
+                row_tiles = [(r0, min(r0 + block_m, hi), False) for r0 in range(lo, hi, block_m)]
+            for r0, r1, full in row_tiles:
                 rows = (r1 - r0) * g
                 q_t = qf[r0:r1].reshape(rows, p.head_dim)
                 do_t = dof[r0:r1].reshape(rows, p.head_dim_v)
                 mask = problem_mask(p, np.arange(r0, r1), cols)
                 if mask is not None:
                     mask = None if mask.all() else np.repeat(mask, g, axis=0)
-                user = None if terms is None else terms.keep(np.arange(r0, r1), cols, stacked=True)
+                user = None if terms is None else terms.keep(np.arange(r0, r1), cols, stacked=True, user=not full)
                 if user is not None:   # attn_mask joins the window mask; a tile it hides is skipped
                     mask = user if mask is None else mask & user
                     if not mask.any():

@@ -337,6 +337,8 @@ def run_forward(p: AttentionProblem, q, k, v, out=None, block_m=None, block_n=No
     """
     acc_t = dtypes.accumulator(p.dtype)
     block_m, block_n = cpu_tiles(p, block_m, block_n)
+    if p.modifiers is not None and p.modifiers.block_mask is not None:   # the block mask's blocks are the tiles
+        block_m, block_n = p.modifiers.block_mask.BLOCK_SIZE
     kv = canonical(k, p.layout)
     vv = canonical(v, p.layout)
     n_heads = 0 if p.is_empty else math.prod(kv.shape[:-2])
@@ -410,9 +412,12 @@ def _forward_tile(p: AttentionProblem, q_head, kf, vf, v_finite: bool, r0: int, 
     query_rows = np.arange(r0, r1)
     lo, hi = key_range(p, r0, r1)
     terms = None if p.modifiers is None else HeadTerms(p, head_index, acc_t)
+    if terms is not None and terms.blocks is not None:   # a block mask: its listed key blocks only (r0 starts a block)
+        tiles = terms.key_blocks(r0 // terms.block_size[0], lo, hi)
+    else:
+        tiles = [(c0, min(c0 + block_n, hi), False) for c0 in range(lo, hi, block_n)]
     with np.errstate(invalid="ignore", over="ignore"):  # non-finite input: inf - inf, 0 * inf stay NaN
-        for c0 in range(lo, hi, block_n):
-            c1 = min(c0 + block_n, hi)
+        for c0, c1, full in tiles:
             n = c1 - c0
             cols = np.arange(c0, c1)
             mask = problem_mask(p, query_rows, cols)
@@ -420,7 +425,7 @@ def _forward_tile(p: AttentionProblem, q_head, kf, vf, v_finite: bool, r0: int, 
                 mask = None
             if mask is not None:
                 mask = np.repeat(mask, g, axis=0)  # (R, n) -> the stacked (R * G, n)
-            keep = None if terms is None else terms.keep(query_rows, cols, stacked=True)
+            keep = None if terms is None else terms.keep(query_rows, cols, stacked=True, user=not full)
             if keep is not None:   # attn_mask joins the causal/window mask; a tile it hides is skipped
                 mask = keep if mask is None else mask & keep
                 if not mask.any():

@@ -75,6 +75,35 @@ class HeadTerms:
         if m.sinks is not None:
             s = broadcast_view(m.sinks).astype(self.acc_t).reshape(hk, g)
             self.sinks = s[h[-1]] if h is not None else np.broadcast_to(s, p.batch_shape + (hk, g))
+        self.blocks = None   # the block mask's codes (0 empty, 1 partial, 2 full) of this kv head's G query heads
+        if m.block_mask is not None and h is not None:
+            dense = m.block_mask.to_dense()
+            *bidx, hk_i = h
+            b = int(np.ravel_multi_index(tuple(bidx), p.batch_shape)) if bidx and dense.shape[0] > 1 else 0
+            heads = slice(hk_i * g, hk_i * g + g) if dense.shape[1] > 1 else slice(0, 1)
+            self.blocks = dense[b, heads]
+            self.block_size = tuple(m.block_mask.BLOCK_SIZE)
+
+    def key_blocks(self, qb: int, lo: int, hi: int) -> list:
+        """The block mask's key blocks of query block ``qb`` for the G heads, clipped to keys
+        ``[lo, hi)``: ``(c0, c1, full)`` in key order, a block every head finds empty left out;
+        ``full`` when every head keeps all of it (mask_mod is then not evaluated)."""
+        return self._listed(self.blocks[:, qb, :], self.block_size[1], lo, hi)
+
+    def query_blocks(self, kb: int, lo: int, hi: int) -> list:
+        """The transposed index: the query blocks that see key block ``kb``, clipped to rows
+        ``[lo, hi)``, as :meth:`key_blocks` lists them."""
+        return self._listed(self.blocks[:, :, kb], self.block_size[0], lo, hi)
+
+    @staticmethod
+    def _listed(codes, size: int, lo: int, hi: int) -> list:
+        seen, full = (codes > 0).any(axis=0), (codes == 2).all(axis=0)
+        out = []
+        for i in np.flatnonzero(seen):
+            c0, c1 = max(int(i) * size, lo), min((int(i) + 1) * size, hi)
+            if c0 < c1:
+                out.append((c0, c1, bool(full[i])))
+        return out
 
     def _block(self, x, rows, cols):
         r, c = _index(rows), _index(cols)
@@ -135,13 +164,14 @@ class HeadTerms:
             add = b if add is None else add + b
         return add
 
-    def keep(self, rows, cols, stacked: bool = False):
-        """attn_mask's block and mask_mod's (True = attend), or None without either."""
+    def keep(self, rows, cols, stacked: bool = False, user: bool = True):
+        """attn_mask's block and mask_mod's (True = attend), or None without either; ``user``
+        False leaves mask_mod out (a block the block mask lists as full)."""
         k = None
         if self.mask is not None:
             k = self._block(self.mask, rows, cols)
             k = stack_rows(k) if stacked else k
-        if self.mods is not None and self.mods.mask_mod is not None:
+        if user and self.mods is not None and self.mods.mask_mod is not None:
             shape = self._shape(len(rows), len(cols), stacked)
             user = self.mods.keep(self.mod_index(rows, cols, stacked), shape)
             k = user if k is None else k & user

@@ -24,13 +24,16 @@ _NP = {
 }
 
 
-def evaluate(expr: Expr, env: dict, arrays: tuple, memo: dict | None = None):
+def evaluate(expr: Expr, env: dict, arrays: tuple, memo: dict | None = None, xp=np):
     """The value of ``expr`` with ``env`` giving each argument (``"score"``, ``"b"``, ``"h"``,
     ``"q_idx"``, ``"kv_idx"``: arrays broadcastable to each other) and ``arrays`` the captured
     arrays (NumPy). ``memo`` (by canonical text) may be shared between expressions over the
     same ``env`` (the function and its derivative). Returns an array (or a scalar for a
-    constant expression); invalid-value and overflow warnings are the caller's to silence."""
+    constant expression); invalid-value and overflow warnings are the caller's to silence.
+    ``xp``: the array module of ``env`` and ``arrays`` (CuPy evaluates on the device with the
+    same ufuncs)."""
     memo = {} if memo is None else memo
+    ops = _NP if xp is np else {k: getattr(xp, f.__name__) for k, f in _NP.items()}
 
     def ev(e: Expr):
         k = e.key
@@ -42,11 +45,11 @@ def evaluate(expr: Expr, env: dict, arrays: tuple, memo: dict | None = None):
         elif op == "const":
             r = e.value
         elif op == "read":
-            r = np.asarray(arrays[e.value])[tuple(ev(a) for a in e.args)]
+            r = xp.asarray(arrays[e.value])[tuple(ev(a) for a in e.args)]
         elif op == "where":
-            r = np.where(ev(e.args[0]), ev(e.args[1]), ev(e.args[2]))
+            r = xp.where(ev(e.args[0]), ev(e.args[1]), ev(e.args[2]))
         else:
-            r = _NP[op](*(ev(a) for a in e.args))
+            r = ops[op](*(ev(a) for a in e.args))
         memo[k] = r
         return r
 

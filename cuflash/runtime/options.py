@@ -70,8 +70,8 @@ class DropoutOptions(_MapsArrays):
 @dataclasses.dataclass(frozen=True)
 class ModifierOptions(_MapsArrays):
     """The score modifiers as given: ``softcap``, the arrays ``alibi_slopes``, ``attn_bias``,
-    ``attn_mask``, ``sinks``, and the functions ``score_mod`` and ``mask_mod`` (see
-    :func:`cuflash.attention`)."""
+    ``attn_mask``, ``sinks``, the functions ``score_mod`` and ``mask_mod``, and a ``block_mask``
+    (see :func:`cuflash.attention`)."""
 
     softcap: Any = 0.0
     alibi_slopes: Any = _array(SAME_KIND)
@@ -80,6 +80,7 @@ class ModifierOptions(_MapsArrays):
     sinks: Any = _array(SAME_KIND)
     score_mod: Any = None
     mask_mod: Any = None
+    block_mask: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,12 +32,13 @@ import numpy as np
 
 from cuflash.runtime import dtypes, interop
 from cuflash.runtime import score_mod as tracing
+from cuflash.runtime.block_mask import BlockMask, check_block_mask
 from cuflash.runtime.interop import ArrayInfo, describe
 
 __all__ = ["BroadcastArray", "Modifiers", "check_modifiers", "MODIFIER_NAMES", "first_modifier", "refuse_modifiers"]
 
 #: the modifier arguments, in the order of the convention
-MODIFIER_NAMES = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks", "score_mod", "mask_mod")
+MODIFIER_NAMES = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks", "score_mod", "mask_mod", "block_mask")
 #: those that are arrays
 ARRAY_MODIFIERS = ("alibi_slopes", "attn_bias", "attn_mask", "sinks")
 
@@ -107,6 +108,9 @@ class Modifiers:
     score_mod, mask_mod : TracedMod or None
         The traced functions (:mod:`cuflash.runtime.score_mod`); their captured arrays are of
         q's kind and device, and every read stays inside its array.
+    block_mask : BlockMask or None
+        The block-sparse summary of ``mask_mod`` (:mod:`cuflash.runtime.block_mask`), built for
+        this call's lengths; ``mask_mod`` is then the one it was built from.
     """
 
     softcap: float = 0.0
@@ -116,6 +120,7 @@ class Modifiers:
     sinks: BroadcastArray | None = None
     score_mod: tracing.TracedMod | None = None
     mask_mod: tracing.TracedMod | None = None
+    block_mask: BlockMask | None = None
 
     @property
     def present(self) -> tuple:
@@ -130,6 +135,8 @@ class Modifiers:
                    for n in ARRAY_MODIFIERS if (b := getattr(self, n)) is not None}
         changes.update({n: dataclasses.replace(t, arrays=tuple(convert(a) for a in t.arrays))
                         for n in ("score_mod", "mask_mod") if (t := getattr(self, n)) is not None})
+        if self.block_mask is not None:
+            changes["block_mask"] = self.block_mask.with_arrays(convert)
         return dataclasses.replace(self, **changes)
 
 
@@ -231,7 +238,7 @@ def check_modifiers(func: str, q: ArrayInfo, batch_shape: tuple, num_heads_q: in
     softcap, alibi_slopes, attn_bias, attn_mask, sinks = m.softcap, m.alibi_slopes, m.attn_bias, m.attn_mask, m.sinks
     cap = _check_real(softcap, "softcap", func)
     if (cap == 0 and alibi_slopes is None and attn_bias is None and attn_mask is None and sinks is None
-            and m.score_mod is None and m.mask_mod is None):
+            and m.score_mod is None and m.mask_mod is None and m.block_mask is None):
         return None
     batch = tuple(batch_shape)
     hq = num_heads_q
@@ -261,9 +268,12 @@ def check_modifiers(func: str, q: ArrayInfo, batch_shape: tuple, num_heads_q: in
         mask = BroadcastArray("attn_mask", attn_mask, info, bias_target,
                               _broadcast(info, "attn_mask", bias_target, bias_name, func))
     extents = {"b": math.prod(batch), "h": hq, "q_idx": seqlen_q, "kv_idx": seqlen_k}
+    mask_mod = m.mask_mod
+    if m.block_mask is not None:
+        mask_mod = check_block_mask(m.block_mask, mask_mod, func, math.prod(batch), hq, seqlen_q, seqlen_k, q.kind)
     traced = [None if fn is None else _check_traced(tracing.trace(fn, role, func), func, q, extents)
-              for fn, role in ((m.score_mod, "score_mod"), (m.mask_mod, "mask_mod"))]
-    return Modifiers(cap, slopes, bias, mask, sink, *traced)
+              for fn, role in ((m.score_mod, "score_mod"), (mask_mod, "mask_mod"))]
+    return Modifiers(cap, slopes, bias, mask, sink, *traced, m.block_mask)
 
 
 def _check_traced(traced: tracing.TracedMod, func: str, q: ArrayInfo, extents: dict) -> tracing.TracedMod:

@@ -253,7 +253,7 @@ def _attention_out_fake(q, k, v, out, causal, softmax_scale, window_left, window
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
               out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
               alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
-              deterministic=False, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+              deterministic=False, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, block_mask=None):
     """Differentiable exact attention, ``softmax(softmax_scale * q k^T + mask) v``, for torch tensors.
 
     Every parameter of :func:`cuflash.attention` with its name, default and meaning, plus
@@ -322,6 +322,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         require grad raise ``TypeError``). These calls run through a ``torch.autograd.Function``
         (eager autograd; not a registered operator, so ``torch.compile`` breaks the graph
         there). ``out=`` with them is refused (``TypeError``) when a gradient is needed.
+    block_mask : BlockMask, optional
+        Not taken here yet (``NotImplementedError``): :func:`cuflash.attention` takes it for
+        tensors that do not require grad.
     deterministic : bool
         The backward's: bit-identical gradients run to run on the kernel backends (no atomics in
         the dQ sum; a float32 workspace of up to 16 copies of dq and a slower backward, see
@@ -353,6 +356,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         kernel backend, a call without a kernel); a captured tensor that requires grad with a
         kernel backend (its gradient is computed on the NumPy path only).
     """
+    if block_mask is not None:
+        raise NotImplementedError(f"{_FUNC}: block_mask is not in the differentiable torch attention yet; "
+                                  "cuflash.attention takes it for tensors that do not require grad")
     mods = {"alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "attn_mask": attn_mask, "sinks": sinks}
     fp8 = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "out_dtype": out_dtype}
     if (score_mod is not None or mask_mod is not None) and not _is_fp8(q, fp8):
