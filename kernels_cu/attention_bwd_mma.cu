@@ -128,11 +128,16 @@ static_assert(2 * (2 * BC * PITCH + 2 * STAGES * BR * PITCH + 2 * BR * PP) + 4 *
 #include "dropout.cuh"
 #endif
 #include "score_mods.cuh"
+static_assert(!CUFLASH_BLOCK_SPARSE || !CUFLASH_VARLEN, "a block mask is read by the fixed-shape modifier forms only");
 
 // One (query head, query tile) step of the block's flat loop.
 struct QueryTile {
     int hq;     // query head
     int row0;   // first query row
+#if CUFLASH_BLOCK_SPARSE
+    int pos;       // its place in the head's list of the block mask's query tiles
+    int partial;   // 1: a partial block (mask_mod evaluated), 0: a full one
+#endif
 };
 
 // This thread's shared-memory byte offsets of the loop's ldmatrix operands: every ldmatrix reads
@@ -268,7 +273,38 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int first_row0 = rows_seen.lo - rows_seen.lo % BR;
     const int row_hi = rows_seen.hi;
     const int q_tiles = (!CUFLASH_VARLEN || cols > 0) && rows_seen.hi > rows_seen.lo ? (row_hi - first_row0 + BR - 1) / BR : 0;
+#if CUFLASH_BLOCK_SPARSE
+    // The block mask's transposed index (score_mods.cuh): per query head of the group, the query blocks
+    // that see this key tile's key block, partial ones then full ones, each as bs_sub tiles of BR rows.
+    const long long bs_b = user_batch0 + batch;
+    const long long bs_at = (long long)col0 / bs_outer;
+    const int bs_sub = bs_inner / BR;
+    const int hq_end = (head_k + 1) * group_size;
+    auto bs_len = [&](int hq) {   // query tiles of head hq
+        const long long o = bs_b * bs_num_bs + hq * bs_num_hs + bs_at;
+        return (bs_num[o] + bs_full_num[o]) * bs_sub;
+    };
+    auto bs_place = [&](QueryTile at) {   // row0 and partial of at.hq's tile at.pos
+        const long long o = bs_b * bs_num_bs + at.hq * bs_num_hs + bs_at;
+        const long long io = bs_b * bs_idx_bs + at.hq * bs_idx_hs + bs_at * bs_idx_rs;
+        const int e = at.pos / bs_sub, np = bs_num[o];
+        at.partial = e < np;
+        at.row0 = (at.partial ? bs_idx[io + e] : bs_full_idx[io + e - np]) * bs_inner + (at.pos - e * bs_sub) * BR;
+        return at;
+    };
+    auto bs_settle = [&](QueryTile at) {   // on to the next head with a tile left (none: at.hq = hq_end)
+        while (at.hq < hq_end && at.pos >= bs_len(at.hq)) {
+            ++at.hq;
+            at.pos = 0;
+        }
+        return at.hq < hq_end ? bs_place(at) : at;
+    };
+    int n_iter = 0;
+    if (!CUFLASH_VARLEN || cols > 0)
+        for (int hq = head_k * group_size; hq < hq_end; ++hq) n_iter += bs_len(hq);
+#else
     const int n_iter = q_tiles * group_size;
+#endif
 
     // Q, dO, lse, Dd of query tile `at` into stage `st` (one cp.async group with what precedes it).
     // An interior tile (every row and column in view) copies without predicates.
@@ -292,6 +328,13 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             ptx_cp_async_4_zfill(dst, valid ? src + at.row0 + r : src, valid ? 4 : 0);
         }
     };
+#if CUFLASH_BLOCK_SPARSE
+    auto next_tile = [&](QueryTile at) {
+        ++at.pos;
+        return bs_settle(at);
+    };
+    QueryTile cur = bs_settle(QueryTile{head_k * group_size, first_row0, 0, 1});
+#else
     auto next_tile = [&](QueryTile at) {
         at.row0 += BR;
         if (at.row0 >= row_hi) {
@@ -302,6 +345,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     };
 
     QueryTile cur = {head_k * group_size, first_row0};
+#endif
     if (n_iter > 0) {   // prologue: K, V and the first query tile, one group
         load_tile_async<BC>(k_s, k + batch * k_batch_stride + head_k * k_head_stride + col0 * k_row_stride,
                             k_row_stride, cols, head_dim);
@@ -321,7 +365,13 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
     const SmemOffsets so_loop = smem_offsets(tid);   // (held across the loop only where HOIST_OFFSETS)
 
+#if CUFLASH_BLOCK_SPARSE && defined(CUFLASH_SIM)
+    int bs_entered[2] = {0, 0};   // tiles entered: partial, full (the simulator's count)
+#endif
     for (int it = 0; it < n_iter; ++it) {
+#if CUFLASH_BLOCK_SPARSE && defined(CUFLASH_SIM)
+        ++bs_entered[cur.partial ? 0 : 1];
+#endif
         const int st = STAGES == 2 ? it % 2 : 0;
         const elem_t* qs = q_s + st * BR * PITCH;
         const elem_t* dos = do_s + st * BR * PITCH;
@@ -461,7 +511,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                             // the modified score; dS is d/dz, and d/d(scaled score) is dS * dcap
                             float dcap = 1.0f;
                             visible = visible && mask_keeps(mods, hm, qi, kj);
+#if CUFLASH_BLOCK_SPARSE
+                            if (visible) z = mod_score<elem_t>(mods, hm, z, qi, kj, seqlen_q, seqlen_k, &dcap, cur.partial);
+#else
                             if (visible) z = mod_score<elem_t>(mods, hm, z, qi, kj, seqlen_q, seqlen_k, &dcap);
+#endif
 #endif
                             const float p = visible ? exp2f(z - lse2[f][h]) : 0.0f;
 #if CUFLASH_DROPOUT
@@ -628,6 +682,12 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         }
         cur = next_tile(cur);
     }
+#if CUFLASH_BLOCK_SPARSE && defined(CUFLASH_SIM)
+    if (bs_count && tid == 0) {   // (the simulator's count of the tiles this block entered)
+        bs_counts[2 * (long long)blockIdx.x] = bs_entered[0];
+        bs_counts[2 * (long long)blockIdx.x + 1] = bs_entered[1];
+    }
+#endif
 
     // dK, dV of this warp's keys le.kv_row0 + 16 f + le.g + 8 h, columns le.kv_col0 + 8 n + 2 t, +1.
     const LaneOffsets le = lane_offsets(tid);

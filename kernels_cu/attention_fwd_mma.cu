@@ -151,6 +151,8 @@ static_assert(2 * (BR * PITCH + STAGES * STAGE_ELEMS) == CUFLASH_SMEM_BYTES,
 #include "dropout.cuh"
 #endif
 #include "score_mods.cuh"
+static_assert(!CUFLASH_BLOCK_SPARSE || (!CUFLASH_KVCACHE && !CUFLASH_VARLEN && MT == 1),
+              "a block mask is read by the fixed-shape modifier forms only");
 
 // The copies' thread layout: kRowsPerPass rows of CHUNKS 16-byte chunks per pass, the largest
 // power of two with kRowsPerPass * CHUNKS <= NT rows; thread tid < kCopyThreads moves chunk
@@ -361,6 +363,22 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
     const int pos0 = row0 / pk, pos_n = (row0 + rows - 1) / pk - pos0 + 1;
     const IndexRange keys = window_key_range(pos0, pos_n, seqlen_q, seqlen_k, window_left, window_right);
     int kv_lo = keys.lo, n_tiles = (keys.hi - keys.lo + BC - 1) / BC;
+#if CUFLASH_BLOCK_SPARSE
+    // The block mask's key blocks of this tile's query block (score_mods.cuh): its partial ones, then its
+    // full ones, each as bs_sub tiles of BC keys; tile jj starts at key bs_kv0(jj).
+    const long long bs_b = user_batch0 + batch;
+    const long long bs_at = (long long)row0 / bs_outer;
+    const int bs_np = bs_num[bs_b * bs_num_bs + head0 * bs_num_hs + bs_at];
+    const int bs_nf = bs_full_num[bs_b * bs_num_bs + head0 * bs_num_hs + bs_at];
+    const int* bs_pidx = bs_idx + bs_b * bs_idx_bs + head0 * bs_idx_hs + bs_at * bs_idx_rs;
+    const int* bs_fidx = bs_full_idx + bs_b * bs_idx_bs + head0 * bs_idx_hs + bs_at * bs_idx_rs;
+    const int bs_sub = bs_inner / BC;
+    n_tiles = (bs_np + bs_nf) * bs_sub;
+    auto bs_kv0 = [&](int jj) {
+        const int e = jj / bs_sub;
+        return (e < bs_np ? bs_pidx[e] : bs_fidx[e - bs_np]) * bs_inner + (jj - e * bs_sub) * BC;
+    };
+#endif
     if (nsplit > 1) {   // split-KV: this block's run of the tiles
         const int per = (n_tiles + nsplit - 1) / nsplit;
         const int first = split * per;
@@ -381,6 +399,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
     // An edge tile's copy tests rows only: rows_left of copy_rows is n - k_row_lim (n - v_row_lim),
     // k_row_lim being this thread's first row cp_r0, or BC (no row) when its chunk lies past D (Dv).
     const int k_row_lim = cp_c * 8 < head_dim ? cp_r0 : BC, v_row_lim = cp_c * 8 < head_dim_v ? cp_r0 : BC;
+#if CUFLASH_BLOCK_SPARSE
+    // a block-sparse tile at key kv copies unpredicated when it lies below Sk (and this thread's columns in view)
+    const bool bs_cols_in = cp_c * 8 < head_dim && cp_c * 8 < head_dim_v;
+    auto bs_interior = [&](int kv) { return bs_cols_in && kv + BC <= seqlen_k; };
+#endif
 #if CUFLASH_CACHE_FP8
     // fp8: this thread's 8-byte chunks (column chunk cp_c of rows cp_r0 + i kRowsPerPass, as the
     // 16-bit copies') of the K/V tile from key kv into the staging area, rows n and on (and chunks
@@ -485,6 +508,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
             return;
         }
 #endif
+#if CUFLASH_BLOCK_SPARSE   // the listed tiles are not consecutive: the sources from kv
+        k_src = k_head + (long long)(kv + cp_r0) * k_row_stride + cp_c * 8;
+        v_src = v_head + (long long)(kv + cp_r0) * v_row_stride + cp_c * 8;
+#endif
         copy_kv(st, k_src, v_src, interior, n);
         k_src += BC * k_row_stride;
         v_src += BC * v_row_stride;
@@ -515,6 +542,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
         }
 #if CUFLASH_CACHE_FP8
         load_kv8(kv_lo);
+#elif CUFLASH_BLOCK_SPARSE
+        load_kv(kv_s, bs_kv0(0), bs_interior(bs_kv0(0)));
 #else
         load_kv(kv_s, kv_lo, 0 < full_tiles);
 #endif
@@ -553,15 +582,31 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
     const ScoreMods mods = CUFLASH_MODS_INIT;
 #endif
 
+#if CUFLASH_BLOCK_SPARSE && defined(CUFLASH_SIM)
+    int bs_entered[2] = {0, 0};   // tiles entered: partial, full (the simulator's count)
+#endif
     for (int j = 0; j < n_tiles; ++j) {
+#if CUFLASH_BLOCK_SPARSE
+        const int kv0 = bs_kv0(j);
+        const bool bs_partial = j / bs_sub < bs_np;   // (a full tile runs without mask_mod)
+#if defined(CUFLASH_SIM)
+        ++bs_entered[bs_partial ? 0 : 1];
+#endif
+#else
         const int kv0 = kv_lo + j * BC;
+#endif
 #if !CUFLASH_CACHE_FP8   // (the 16-bit cache first: the mutation suite numbers its syncs in text order)
         const elem_t* k_s = kv_s + (STAGES == 2 ? j % 2 : 0) * STAGE_ELEMS;
         const elem_t* v_s = k_s + BC * PITCH;
         ptx_cp_async_wait<0>();   // this thread's copies of tile j (and of Q) have landed
         __syncthreads();          // every thread's; and every thread is done with tile j - 1
         if (STAGES == 2 && j + 1 < n_tiles) {
+#if CUFLASH_BLOCK_SPARSE
+            const int kv_next = bs_kv0(j + 1);
+            load_kv(kv_s + ((j + 1) % 2) * STAGE_ELEMS, kv_next, bs_interior(kv_next));   // the stage tile j - 1 used
+#else
             load_kv(kv_s + ((j + 1) % 2) * STAGE_ELEMS, kv0 + BC, j + 1 < full_tiles);   // the stage tile j - 1 used
+#endif
             ptx_cp_async_commit();
         }
 #else
@@ -652,15 +697,25 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
                         for (int e = 0; e < 2; ++e) {
                             const int kj = kv0 + 8 * n + 2 * t + e;
                             if (kj < seqlen_k)
+#if CUFLASH_BLOCK_SPARSE
+                                s[f][n][2 * h + e] = mod_score<elem_t>(mods, hm, s[f][n][2 * h + e], pr / pk, kj,
+                                                                       seqlen_q, seqlen_k, nullptr, bs_partial);
+#else
                                 s[f][n][2 * h + e] = mod_score<elem_t>(mods, hm, s[f][n][2 * h + e], pr / pk, kj,
                                                                        seqlen_q, seqlen_k);
+#endif
                         }
                 }
 #endif
 
             // Mask: a tile needs it only if it reaches past Sk or some row of the block has a window
             // edge inside it. Each row's visible keys are computed once per tile.
+#if CUFLASH_BLOCK_SPARSE
+            const IndexRange one = steady_tiles(kv0, 1, pos0, pos_span, seqlen_q, seqlen_k, window_left, window_right);
+            const bool need_mask = one.lo != 0 || one.hi != 1;   // (this tile alone: inside Sk and every window)
+#else
             const bool need_mask = j < steady.lo || j >= steady.hi;
+#endif
             if (need_mask) {
 #pragma unroll
                 for (int f = 0; f < MT; ++f)
@@ -762,11 +817,22 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
 #if !CUFLASH_CACHE_FP8
         if (STAGES == 1 && j + 1 < n_tiles) {
             __syncthreads();   // every thread is done with the one stage
+#if CUFLASH_BLOCK_SPARSE
+            const int kv_next = bs_kv0(j + 1);
+            load_kv(kv_s, kv_next, bs_interior(kv_next));
+#else
             load_kv(kv_s, kv0 + BC, j + 1 < full_tiles);
+#endif
             ptx_cp_async_commit();
         }
 #endif
     }
+#if CUFLASH_BLOCK_SPARSE && defined(CUFLASH_SIM)
+    if (bs_count && tid == 0) {   // (the simulator's count of the tiles this block entered)
+        bs_counts[2 * (long long)blockIdx.x] = bs_entered[0];
+        bs_counts[2 * (long long)blockIdx.x + 1] = bs_entered[1];
+    }
+#endif
     // No cp.async is in flight here: the last iteration issued nothing and waited for everything
     // before it, and a tile without keys issued nothing at all.
 

@@ -68,6 +68,28 @@ __device__ __forceinline__ float cuflash_max_f(float a, float b) { return (a != 
 #define CUFLASH_USER_INIT
 #endif
 
+// A block-sparse mask (cuflash.create_block_mask; the CUFLASH_BLOCK_SPARSE 1 variants, which have a
+// traced mask_mod): per (batch, head, outer block) the inner blocks a tile loop visits, partial ones
+// (bs_num / bs_idx: mask_mod evaluated per pair) and full ones (bs_full_num / bs_full_idx: run without
+// it); empty blocks are not listed, so never visited. The forward's outer blocks are query blocks of
+// bs_outer rows and its inner ones key blocks of bs_inner keys (the block mask's kv_* index); the
+// backward's are the transposed index (q_*: key blocks, and the query blocks that see each). Counts
+// are (B, H, outer) and indices (B, H, outer, entries) int32, strides in elements (0 on a broadcast
+// batch or head axis); the batch index is user_batch0 + the launch's batch. bs_counts (the simulator
+// only, when bs_count is 1) gets each block's tiles entered: [2 blockIdx.x] partial, [2 blockIdx.x + 1] full.
+#ifndef CUFLASH_BLOCK_SPARSE
+#define CUFLASH_BLOCK_SPARSE 0
+#endif
+#if CUFLASH_BLOCK_SPARSE
+static_assert(CUFLASH_USER_MOD & 2, "a block-sparse variant has a traced mask_mod");
+#define CUFLASH_BSPARSE_PARAMS                                                                                    \
+    , const int* __restrict__ bs_num, const int* __restrict__ bs_idx, const int* __restrict__ bs_full_num,        \
+        const int* __restrict__ bs_full_idx, long long bs_num_bs, long long bs_num_hs, long long bs_idx_bs,       \
+        long long bs_idx_hs, long long bs_idx_rs, int bs_outer, int bs_inner, int* __restrict__ bs_counts, int bs_count
+#else
+#define CUFLASH_BSPARSE_PARAMS
+#endif
+
 // The kernel parameters of the modifiers (appended to an entry's signature in CUFLASH_MODS
 // variants). mod_flags says which are on: 1 ALiBi, 2 bias, 4 mask, 8 sinks (the pointers of the
 // others point at an empty array and are never read); softcap 0 is off.
@@ -78,7 +100,7 @@ __device__ __forceinline__ float cuflash_max_f(float a, float b) { return (a != 
         long long bias_head_stride, long long bias_row_stride, long long bias_col_stride,                   \
         const unsigned char* __restrict__ attn_mask, long long mask_batch_stride, long long mask_head_stride, \
         long long mask_row_stride, long long mask_col_stride, const float* __restrict__ sinks,                    \
-        long long sinks_stride CUFLASH_USER_PARAMS
+        long long sinks_stride CUFLASH_USER_PARAMS CUFLASH_BSPARSE_PARAMS
 
 #define CUFLASH_MODS_INIT                                                                                  \
     ScoreMods{softcap * CUFLASH_LOG2E, (mod_flags & 1) ? alibi_slopes : nullptr, alibi_batch_stride,      \
@@ -140,9 +162,10 @@ __device__ __forceinline__ bool mask_keeps(const ScoreMods& m, const HeadMods& h
 
 // The modified log2-domain score of query i, key j from x = s * scale * log2 e (before the
 // causal / window mask). `dcap` (if not null) gets d(softcapped)/d(x): 1 - tanh^2 (1 without softcap).
+// `user_mask` false skips the traced mask_mod (a tile a block mask lists as full).
 template <class T>
 __device__ __forceinline__ float mod_score(const ScoreMods& m, const HeadMods& hm, float x, int i, int j,
-                                           int seqlen_q, int seqlen_k, float* dcap = nullptr) {
+                                           int seqlen_q, int seqlen_k, float* dcap = nullptr, bool user_mask = true) {
     if (hm.cap != 0.0f) {
         const float th = tanhf(x / hm.cap);
         x = hm.cap * th;
@@ -169,7 +192,7 @@ __device__ __forceinline__ float mod_score(const ScoreMods& m, const HeadMods& h
     }
 #endif
 #if CUFLASH_USER_MOD & 2
-    if (!CUFLASH_MASK_MOD(hm.b, hm.h, i, j, m.user)) x = CUFLASH_NEG_INF;
+    if (user_mask && !CUFLASH_MASK_MOD(hm.b, hm.h, i, j, m.user)) x = CUFLASH_NEG_INF;
 #endif
     if (!mask_keeps(m, hm, i, j)) x = CUFLASH_NEG_INF;
 #if CUFLASH_USER_MOD

@@ -173,7 +173,7 @@ def _fitting(key: str, bucket: int, arch: int, dropout: bool = False, mods: bool
 
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout: bool = False,
-                   mods: bool = False, user: tuple = ("", "", "")) -> AttentionBwdMma:
+                   mods: bool = False, user: tuple = ("", "", ""), block_sparse: bool = False) -> AttentionBwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``user``: the
     traced functions' CUDA C, :func:`cuflash.kernels.attention_fwd_mma.user_c` with the derivative).
 
@@ -185,6 +185,8 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout:
     key = variants.dtype_key(dtype)
     bucket = AttentionBwdMma.bucket(head_dim, head_dim_v)
     v = _fitting(key, bucket, arch, dropout, mods, user)
+    if v is not None and block_sparse:   # (the form that walks a block mask's transposed index)
+        v = dataclasses.replace(v, block_sparse=True)
     if v is None:
         raise NotImplementedError(f"cuflash: no tensor-core backward tile fits sm_{arch}'s shared memory "
                                   f"({plan.max_dynamic_smem(arch)} B) for head dim {bucket}")
@@ -267,4 +269,5 @@ def main_variant(problem, arch: int) -> AttentionBwdMma:
     between the portable dot and convert stages)."""
     return choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
                           dropout=problem.dropout is not None, mods=problem.modifiers is not None,
-                          user=attention_fwd_mma.user_c(problem, grad=True))
+                          user=attention_fwd_mma.user_c(problem, grad=True),
+                          block_sparse=problem.modifiers is not None and problem.modifiers.block_mask is not None)

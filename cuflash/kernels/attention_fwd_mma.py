@@ -70,7 +70,7 @@ MIN_BLOCKS = 2
 #: the score modifiers the kernel takes (its ``mods`` forms; kernels_cu/score_mods.cuh)
 MODIFIERS = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks")
 #: and the traced functions (the ``mods`` forms with ``score_c``/``mask_c``: CUFLASH_USER_MOD)
-USER_MODIFIERS = ("score_mod", "mask_mod")
+USER_MODIFIERS = ("score_mod", "mask_mod", "block_mask")
 #: bytes every row (and base address) must be aligned to (fresh outputs are allocated so)
 ALIGN_BYTES = 16
 #: the KV-cache form reads float8_e4m3fn caches (its ``cache_fp8`` variants: q and the new rows
@@ -176,11 +176,12 @@ class AttentionFwdMma(variants.TileVariant):
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: bool = False,
                    kvcache: bool = False, dropout: bool = False, mods: bool = False,
-                   user: tuple = ("", "", ""), cache_fp8: bool = False) -> AttentionFwdMma:
+                   user: tuple = ("", "", ""), cache_fp8: bool = False, block_sparse: bool = False) -> AttentionFwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``varlen``: of
     the packed variable-length form; ``kvcache``: of the KV-cache form; ``mods``: with the score
     modifiers; ``user``: the traced score_mod's and mask_mod's CUDA C, :func:`user_c`;
-    ``cache_fp8``: the KV-cache form over an fp8 cache)."""
+    ``cache_fp8``: the KV-cache form over an fp8 cache; ``block_sparse``: the form that walks a
+    block mask's key blocks)."""
     key = variants.dtype_key(dtype)
     if key not in MMA_DTYPES:
         raise NotImplementedError(f"cuflash: the tensor-core kernel computes float16 and bfloat16, not {np.dtype(dtype)}")
@@ -194,7 +195,8 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
     else:
         tiles = TILE_CANDIDATES[bucket]
     candidates = (AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, kvcache=kvcache, dropout=dropout, mods=mods,
-                                  score_c=user[0], mask_c=user[1], grad_c=user[2], cache_fp8=cache_fp8)
+                                  score_c=user[0], mask_c=user[1], grad_c=user[2], cache_fp8=cache_fp8,
+                                  block_sparse=block_sparse)
                   for bm, bn in tiles)
     v = AttentionFwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
     if v is None:
@@ -235,6 +237,8 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         why = score_mod.kernel_refusal(traced)
         if why is not None:
             return why + " in the tensor-core kernel"
+    if p.modifiers is not None and p.modifiers.block_mask is not None and p.varlen is not None:
+        return "block_mask on a packed batch (attention_varlen) is not in the tensor-core kernel"
     if p.modifiers is not None and p.dropout is not None:   # (their forms spill 8-40 bytes at head dims 192, 256)
         return f"dropout with {p.modifiers.present[0]} is not in the tensor-core kernel yet (each alone is)"
     if arch < MIN_ARCH:
@@ -290,7 +294,8 @@ def variant_for(problem, arch: int) -> AttentionFwdMma:
     as the call needs (the KV-cache form: :func:`cuflash.kernels.kvcache_run.run_kvcache`)."""
     return choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
                           varlen=problem.varlen is not None, dropout=problem.dropout is not None,
-                          mods=problem.modifiers is not None, user=user_c(problem))
+                          mods=problem.modifiers is not None, user=user_c(problem),
+                          block_sparse=problem.modifiers is not None and problem.modifiers.block_mask is not None)
 
 
 def forward(problem, q, k, v, out, call):

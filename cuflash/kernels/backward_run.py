@@ -152,7 +152,9 @@ def _main_args(p, ws, launch, call, seqlen_q) -> tuple:
         la.i32("tile0", tile0), la.i32("tile_end", min(tile0 + blocks_per_head, ws.num_k_tiles)),
         *la.varlen_args(p, call),
         *la.dropout_args(p, la.flat_batch(idx, ws.batch_shape), ws.main.dropout),
-        *la.dbias_args(p, mods, call, ws.main.mods, bool(ws.main.user_mod), la.flat_batch(idx, ws.batch_shape)),
+        *la.dbias_args(p, mods, call, ws.main.mods, bool(ws.main.user_mod), la.flat_batch(idx, ws.batch_shape),
+                       la.block_sparse_args(p, call, True, blocks_per_head * p.num_heads_k * ws.main_inner)
+                       if getattr(ws.main, "block_sparse", False) else ()),
     )
 
 

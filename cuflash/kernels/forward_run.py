@@ -61,7 +61,8 @@ def plan_forward(problem, q, k, v, out, lse, variant, call) -> list[plan.LaunchP
             *la.varlen_args(p, call),
             *la.dropout_args(p, la.flat_batch(idx, batch_shape), getattr(variant, "dropout", False)),
             *la.mods_args(p, launch_mods, call, mods_on, bool(getattr(variant, "user_mod", 0)),
-                          la.flat_batch(idx, batch_shape)),
+                          la.flat_batch(idx, batch_shape),
+                          la.block_sparse_args(p, call, False, grid) if getattr(variant, "block_sparse", False) else ()),
         )
         plans.append(plan.LaunchPlan(variant, variant.entry, (grid, 1, 1), variant.block, variant.smem_bytes, args))
     return plans

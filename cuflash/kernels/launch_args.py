@@ -14,6 +14,8 @@ Imports: :mod:`cuflash.runtime` only.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import numpy as np
@@ -21,7 +23,8 @@ import numpy as np
 from cuflash.runtime import plan
 
 __all__ = ["canonical", "batch_slices", "select_batches", "forward_args", "varlen_args", "dropout_args",
-           "modifier_views", "mods_args", "dbias_args", "element_strides", "i32", "i64", "MOD_BATCHED"]
+           "modifier_views", "mods_args", "dbias_args", "element_strides", "i32", "i64", "MOD_BATCHED",
+           "block_sparse_args", "counting_tiles"]
 
 #: the modifier arrays the kernels index with batch dims first (they are sliced with q's batches);
 #: ``dbias`` is the backward's workspace, indexed likewise
@@ -173,15 +176,60 @@ def user_args(problem, call, batch0: int) -> tuple:
     return (*ptrs, *strides, i64("user_batch0", batch0))
 
 
-def mods_args(problem, views: dict, call, enabled: bool, user: bool = False, batch0: int = 0) -> tuple:
+#: the tiles block-sparse launches entered, while :func:`counting_tiles` collects them
+_TILE_COUNTS: contextvars.ContextVar = contextvars.ContextVar("cuflash_tile_counts", default=None)
+
+
+@contextlib.contextmanager
+def counting_tiles():
+    """Collect the simulator's count of the tiles each block-sparse launch entered: yields a list
+    that gets one int32 array ``(grid, 2)`` per launch (per thread block: the partial tiles and the
+    full tiles its loop ran). The kernels count only when compiled for the simulator
+    (``CUFLASH_SIM``); device launches add nothing to the list."""
+    found: list = []
+    token = _TILE_COUNTS.set(found)
+    try:
+        yield found
+    finally:
+        _TILE_COUNTS.reset(token)
+
+
+def block_sparse_args(problem, call, transposed: bool, grid: int) -> tuple:
+    """The block mask's arguments (``kernels_cu/score_mods.cuh``: ``CUFLASH_BSPARSE_PARAMS``): the
+    forward's key-block lists (``kv_*``), or with ``transposed`` the backward's query-block lists
+    (``q_*``), their strides, the outer and inner block sizes, and the simulator's tile counter
+    (:func:`counting_tiles`; a launch of ``grid`` blocks)."""
+    bm = problem.modifiers.block_mask
+    pre = "q" if transposed else "kv"
+    num, idx = getattr(bm, f"{pre}_num_blocks"), getattr(bm, f"{pre}_indices")
+    full_num, full_idx = getattr(bm, f"full_{pre}_num_blocks"), getattr(bm, f"full_{pre}_indices")
+    ns, js = element_strides(num), element_strides(idx)
+    bcast = [n > 1 for n in num.shape[:2]]   # a broadcast batch or head axis: stride 0
+    outer, inner = bm.BLOCK_SIZE[::-1] if transposed else bm.BLOCK_SIZE
+    found = _TILE_COUNTS.get()
+    counting = found is not None and getattr(call.device, "backend", "") == "sim"
+    counts = call.xp.zeros((grid, 2), np.int32) if counting else call.empty_index
+    if counting:
+        found.append(call.device.to_host_kind(counts))   # (a host view of the simulator's memory)
+    return (plan.PointerArg.of("bs_num", num), plan.PointerArg.of("bs_idx", idx),
+            plan.PointerArg.of("bs_full_num", full_num), plan.PointerArg.of("bs_full_idx", full_idx),
+            i64("bs_num_bs", ns[0] * bcast[0]), i64("bs_num_hs", ns[1] * bcast[1]),
+            i64("bs_idx_bs", js[0] * bcast[0]), i64("bs_idx_hs", js[1] * bcast[1]), i64("bs_idx_rs", js[2]),
+            i32("bs_outer", outer), i32("bs_inner", inner),
+            call.pointer("bs_counts", counts, writable=True), i32("bs_count", int(counting)))
+
+
+def mods_args(problem, views: dict, call, enabled: bool, user: bool = False, batch0: int = 0,
+              sparse: tuple = ()) -> tuple:
     """The score-modifier variants' trailing arguments (``kernels_cu/score_mods.cuh``:
     ``CUFLASH_MODS_PARAMS``) from :func:`modifier_views` sliced to the launch (batch axis first,
     then head, row, key), or none for the other variants; with ``user`` (a variant with a traced
-    score_mod / mask_mod) followed by :func:`user_args`. A call without modifiers that a modifier
+    score_mod / mask_mod) followed by :func:`user_args`, and by ``sparse`` (a block-sparse
+    variant's :func:`block_sparse_args`). A call without modifiers that a modifier
     form runs (the portable packed forward at head dim 256) passes every modifier off."""
     if not enabled:
         return ()
-    tail = user_args(problem, call, batch0) if user else ()
+    tail = (user_args(problem, call, batch0) + tuple(sparse)) if user else ()
     m = problem.modifiers
     flags = sum(f for n, f in MOD_FLAGS.items() if n in views and n != "dbias")
 
@@ -203,14 +251,15 @@ def mods_args(problem, views: dict, call, enabled: bool, user: bool = False, bat
             ptr("sinks"), i64("sinks_stride", st("sinks", 1)[0]), *tail)
 
 
-def dbias_args(problem, views: dict, call, enabled: bool, user: bool = False, batch0: int = 0) -> tuple:
+def dbias_args(problem, views: dict, call, enabled: bool, user: bool = False, batch0: int = 0,
+               sparse: tuple = ()) -> tuple:
     """The backward's modifier arguments: :func:`mods_args` (``mod_flags`` bit 16 when ``views``
-    holds the ``"dbias"`` workspace; ``user`` and ``batch0`` as there), then the workspace pointer
+    holds the ``"dbias"`` workspace; ``user``, ``batch0`` and ``sparse`` as there), then the workspace pointer
     (the empty index, never written, without it) and its strides."""
     if not enabled:
         return ()
     ws = views.get("dbias")
-    args = mods_args(problem, views, call, True, user, batch0)
+    args = mods_args(problem, views, call, True, user, batch0, sparse)
     if ws is not None:
         args = (i32("mod_flags", int(args[0].value) | MOD_FLAGS["dbias"]),) + args[1:]
     st = (0, 0, 0) if ws is None else tuple(int(x) // 4 for x in ws.strides[:3])

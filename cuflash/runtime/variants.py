@@ -135,6 +135,9 @@ class AttentionVariant(Variant):
     score_c: str = dataclasses.field(default="", kw_only=True)
     mask_c: str = dataclasses.field(default="", kw_only=True)
     grad_c: str = dataclasses.field(default="", kw_only=True)
+    #: the block-sparse form of a traced mask_mod's variant (``CUFLASH_BLOCK_SPARSE`` 1, suffix
+    #: ``_bs``: the tile loop walks a block mask's lists, kernels_cu/score_mods.cuh)
+    block_sparse: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
         name = type(self).__name__
@@ -150,7 +153,7 @@ class AttentionVariant(Variant):
     @property
     def name(self) -> str:
         return ("_".join(self.axes()) + ("_varlen" if self.varlen else "") + ("_dropout" if self.dropout else "")
-                + ("_mods" if self.mods else "") + self._user_suffix())
+                + ("_mods" if self.mods else "") + self._user_suffix() + ("_bs" if self.block_sparse else ""))
 
     @property
     def user_mod(self) -> int:
@@ -176,7 +179,7 @@ class AttentionVariant(Variant):
                             ("CUFLASH_MASK_MOD(b, h, q_idx, kv_idx, A)", self.mask_c)):
             if text:
                 out += ((macro, text),)
-        return out
+        return out + ((("CUFLASH_BLOCK_SPARSE", "1"),) if self.block_sparse else ())
 
     @property
     def block(self) -> tuple[int, int, int]:
