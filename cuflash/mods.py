@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from cuflash.reference.block_mask import create_block_mask
 from cuflash.runtime.score_mod import absolute, clamp, exp, log, maximum, minimum, tanh, where
 
 __all__ = ["where", "exp", "log", "tanh", "absolute", "minimum", "maximum", "clamp", "alibi", "softcap",
-           "relative_position_bias", "document_mask", "prefix_lm", "sliding_window"]
+           "relative_position_bias", "document_mask", "document_block_mask", "prefix_lm", "sliding_window"]
 
 
 def _offset(seqlen_q, seqlen_k) -> int:
@@ -118,6 +119,42 @@ def document_mask(doc_ids, causal: bool = False):
         def mask_mod(b, h, q_idx, kv_idx):
             return doc_ids[q_idx] == doc_ids[kv_idx]
     return mask_mod
+
+
+def document_block_mask(doc_ids, causal: bool = False, BLOCK_SIZE=128, device=None):
+    """:func:`document_mask` as a block-sparse mask (:func:`cuflash.create_block_mask` over
+    ``(S, S)``, one for every batch entry and head): blocks between two documents are never
+    visited, blocks inside one document (below the diagonal, with ``causal``) run without
+    evaluating the mask.
+
+    Parameters
+    ----------
+    doc_ids : int32 array ``(S,)``
+        As :func:`document_mask` (sorted ids: packed documents).
+    causal : bool
+    BLOCK_SIZE, device
+        As :func:`cuflash.create_block_mask`.
+
+    Returns
+    -------
+    BlockMask
+        Pass it as ``block_mask=`` (its ``mask_mod`` is the document mask).
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> from cuflash import mods
+    >>> doc = np.repeat(np.arange(8, dtype=np.int32), 64)            # 8 documents of 64 tokens
+    >>> bm = mods.document_block_mask(doc, causal=True, BLOCK_SIZE=64)
+    >>> q = k = v = np.random.default_rng(0).standard_normal((1, 2, 512, 32))
+    >>> out = cuflash.attention(q, k, v, block_mask=bm)
+    >>> bool(np.allclose(out, cuflash.attention(q, k, v, mask_mod=bm.mask_mod)))
+    True
+    >>> round(bm.sparsity(), 1)                                      # 8 of 64 blocks visited
+    87.5
+    """
+    s = int(doc_ids.shape[0])
+    return create_block_mask(document_mask(doc_ids, causal), None, None, s, s, device=device, BLOCK_SIZE=BLOCK_SIZE)
 
 
 def prefix_lm(prefix_length):

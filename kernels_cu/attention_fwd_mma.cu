@@ -366,17 +366,16 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
 #if CUFLASH_BLOCK_SPARSE
     // The block mask's key blocks of this tile's query block (score_mods.cuh): its partial ones, then its
     // full ones, each as bs_sub tiles of BC keys; tile jj starts at key bs_kv0(jj).
-    const long long bs_b = user_batch0 + batch;
-    const long long bs_at = (long long)row0 / bs_outer;
-    const int bs_np = bs_num[bs_b * bs_num_bs + head0 * bs_num_hs + bs_at];
-    const int bs_nf = bs_full_num[bs_b * bs_num_bs + head0 * bs_num_hs + bs_at];
-    const int* bs_pidx = bs_idx + bs_b * bs_idx_bs + head0 * bs_idx_hs + bs_at * bs_idx_rs;
-    const int* bs_fidx = bs_full_idx + bs_b * bs_idx_bs + head0 * bs_idx_hs + bs_at * bs_idx_rs;
-    const int bs_sub = bs_inner / BC;
-    n_tiles = (bs_np + bs_nf) * bs_sub;
+    // (Only its partial count stays in registers: the row's offset is recomputed per tile from the
+    // block's coordinates and the lists' bases and the block size re-read from the parameters, so the
+    // d192 forms do not spill.)
+    const int bs_np = bs_num[(user_batch0 + batch) * bs_num_bs + head0 * bs_num_hs + row0 / bs_outer];
+    n_tiles = (bs_np + bs_full_num[(user_batch0 + batch) * bs_num_bs + head0 * bs_num_hs + row0 / bs_outer]) *
+              (bs_inner / BC);
     auto bs_kv0 = [&](int jj) {
-        const int e = jj / bs_sub;
-        return (e < bs_np ? bs_pidx[e] : bs_fidx[e - bs_np]) * bs_inner + (jj - e * bs_sub) * BC;
+        const long long at = (user_batch0 + batch) * bs_idx_bs + head0 * bs_idx_hs + (row0 / bs_outer) * bs_idx_rs;
+        const int sub = bs_inner / BC, e = jj / sub;
+        return (e < bs_np ? bs_idx[at + e] : bs_full_idx[at + e - bs_np]) * bs_inner + (jj - e * sub) * BC;
     };
 #endif
     if (nsplit > 1) {   // split-KV: this block's run of the tiles
@@ -588,9 +587,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
     for (int j = 0; j < n_tiles; ++j) {
 #if CUFLASH_BLOCK_SPARSE
         const int kv0 = bs_kv0(j);
-        const bool bs_partial = j / bs_sub < bs_np;   // (a full tile runs without mask_mod)
 #if defined(CUFLASH_SIM)
-        ++bs_entered[bs_partial ? 0 : 1];
+        ++bs_entered[j / (bs_inner / BC) < bs_np ? 0 : 1];
 #endif
 #else
         const int kv0 = kv_lo + j * BC;
@@ -699,7 +697,8 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
                             if (kj < seqlen_k)
 #if CUFLASH_BLOCK_SPARSE
                                 s[f][n][2 * h + e] = mod_score<elem_t>(mods, hm, s[f][n][2 * h + e], pr / pk, kj,
-                                                                       seqlen_q, seqlen_k, nullptr, bs_partial);
+                                                                       seqlen_q, seqlen_k, nullptr,
+                                                                       j / (bs_inner / BC) < bs_np);   // partial: mask_mod
 #else
                                 s[f][n][2 * h + e] = mod_score<elem_t>(mods, hm, s[f][n][2 * h + e], pr / pk, kj,
                                                                        seqlen_q, seqlen_k);

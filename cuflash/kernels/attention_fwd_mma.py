@@ -60,6 +60,9 @@ TILE_CANDIDATES_DROPOUT = ((64, 64), (64, 32))
 #: registers a second fragment would need (with 32 rows a warp ptxas spills 4-440 bytes), so 4
 #: warps of 16 rows, as the dropout forms; bucket 256 by 32 keys (64 keys spill 60-88 bytes)
 TILE_CANDIDATES_MODS = {256: ((64, 32),)}
+#: the block-sparse forms (``block_sparse``, a traced mask_mod's block mask): at bucket 192 the list
+#: walk beside the 64 x 64 tile spills 16 bytes under NVRTC 12.9 (sm_80), so 64 x 32 there
+TILE_CANDIDATES_BLOCK_SPARSE = {192: ((64, 32),), 256: ((64, 32),)}
 #: the largest bucket whose warps own 32 query rows (two m16 fragments); above, 16
 TWO_FRAGMENT_MAX_BUCKET = 128
 #: CTAs per SM the kernel declares in __launch_bounds__: a register cap of 65536 / (2 x threads).
@@ -190,6 +193,8 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
         tiles = TILE_CANDIDATES_KVCACHE
     elif dropout:
         tiles = TILE_CANDIDATES_DROPOUT
+    elif mods and block_sparse and bucket in TILE_CANDIDATES_BLOCK_SPARSE:
+        tiles = TILE_CANDIDATES_BLOCK_SPARSE[bucket]
     elif mods:
         tiles = TILE_CANDIDATES_MODS.get(bucket, TILE_CANDIDATES_DROPOUT)
     else:
