@@ -70,6 +70,11 @@
 // 16: each (b, h, i, j) by one thread of one block, so it is deterministic) and multiplied by the
 // softcap's 1 - tanh^2 before it meets Q and K.
 //
+// Block-sparse masks (the CUFLASH_BLOCK_SPARSE 1 variants of a traced mask_mod; score_mods.cuh): the
+// flat loop walks, per query head of the kv head, the query blocks the block mask's transposed index
+// lists for this key tile's block (partial ones, then full ones: mask_mod evaluated on the partial
+// tiles only), instead of every query tile that the causal / window mask lets see the keys.
+//
 // Variant prelude (cuflash/kernels/attention_bwd_mma.py): CUFLASH_ENTRY, CUFLASH_T, CUFLASH_BF16,
 // CUFLASH_HEAD_DIM_MAX, CUFLASH_BLOCK_M (Br), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS,
 // CUFLASH_STAGES, CUFLASH_SDP_WARPS_M, CUFLASH_DKV_WARPS_N, CUFLASH_DQ_WARPS_M, CUFLASH_DQ_PASSES,

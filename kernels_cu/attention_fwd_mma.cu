@@ -91,6 +91,11 @@
 // warp whose rows the mask hides from a whole tile skips that tile's math; the sink joins each
 // row's denominator at the epilogue (split 0's, under split-KV: the combine keeps it once).
 //
+// Block-sparse masks (the CUFLASH_BLOCK_SPARSE 1 variants of a traced mask_mod; score_mods.cuh): the
+// loop runs over the block mask's partial then full key blocks of the tile's query block instead of a
+// contiguous run (tile j's key from the lists, so each refill computes its source from the key), and
+// mod_score evaluates mask_mod on the partial tiles only; empty blocks are never entered.
+//
 // Variant prelude (cuflash/kernels/attention_fwd_mma.py: AttentionFwdMma.defines()):
 //   CUFLASH_ENTRY, CUFLASH_T (__half, __nv_bfloat16), CUFLASH_BF16 (0/1), CUFLASH_HEAD_DIM_MAX,
 //   CUFLASH_BLOCK_M (Br = 16 * MT * warps), CUFLASH_BLOCK_N (Bc), CUFLASH_THREADS, CUFLASH_M_FRAGS
