@@ -70,6 +70,12 @@ SPILLING_FORMS = {
     (90, 192, True, False, True): {13: "12 bytes"},
     (90, 256, False, False, True): {12: "60 bytes"},
     (90, 256, True, False, True): {12: "12 bytes"},
+    # the block-sparse forms of a traced mask_mod (keys end in "bs"; measured with the causal document
+    # mask of cuflash.mods): the list walk's state beside the 64 x 64 tile at buckets 192 and 256
+    (80, 192, False, False, True, "bs"): {13: "52 bytes"},
+    (90, 192, False, False, True, "bs"): {13: "32 bytes"},
+    (80, 256, False, False, True, "bs"): {12: "36 bytes"},
+    (90, 256, False, False, True, "bs"): {12: "4 bytes"},
 }
 
 
@@ -206,7 +212,8 @@ def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
 
 
 def _spill_key(arch: int, variant) -> tuple:
-    return (90 if arch >= 90 else 80, variant.head_dim_max, variant.varlen, variant.dropout, variant.mods)
+    return ((90 if arch >= 90 else 80, variant.head_dim_max, variant.varlen, variant.dropout, variant.mods)
+            + (("bs",) if getattr(variant, "block_sparse", False) else ()))
 
 
 def spill_note(arch: int, variant: AttentionBwdMma, majors: tuple[int, ...] | None = None) -> str | None:
