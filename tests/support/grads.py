@@ -200,3 +200,22 @@ def check_grads_close(actual, dout, q, k, v, out, lse, **kw):
         )
         errs.append(np.max(np.abs(a - x), initial=0.0))
     return errs
+
+
+def assert_grads_within_twice_the_numpy_path(grads, q, k, v, dout, dtype, **kw):
+    """dq, dk, dv of a kernel (``grads``) within twice the error of the same-dtype NumPy path plus
+    :func:`grad_floor`, against the float64 path (``kw``: the call's options, e.g. a traced
+    ``score_mod``/``mask_mod``, which the same-dtype path takes where the naive one does not)."""
+    import cuflash
+
+    f64 = [x.astype(np.float64) for x in (q, k, v, dout)]
+    o64, l64 = cuflash.attention(*f64[:3], return_lse=True, **kw)
+    exact = cuflash.attention_backward(f64[3], *f64[:3], o64, l64, **kw)
+    o16, l16 = cuflash.attention(q, k, v, return_lse=True, **kw)
+    same = cuflash.attention_backward(dout, q, k, v, o16, l16, **kw)
+    for name, a, x, base in zip(("dq", "dk", "dv"), grads, exact, same):
+        a = np.asarray(a, np.float64)
+        assert not np.isnan(a).any(), name
+        base_err = float(np.max(np.abs(np.asarray(base, np.float64) - x)))
+        excess = np.abs(a - x) - (2 * base_err + grad_floor(x, dtype) + 1e-6)
+        assert (excess <= 0).all(), f"{name}: error exceeds the rule by {excess.max():.3g}"
