@@ -158,7 +158,8 @@ def check_block_mask(block_mask, mask_mod, func: str, batch: int, num_heads_q: i
     ValueError
         Built for other lengths (``seq_lengths`` != ``(Sq, Sk)``), another batch or head count
         (``B`` not 1 or the call's flattened batch, ``H`` not 1 or ``Hq``), or from another
-        ``mask_mod``.
+        ``mask_mod``; index arrays not int32 of the block counts' shapes with a unit last-axis
+        stride.
     """
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"{func}: block_mask must be a BlockMask (cuflash.create_block_mask), got "
@@ -171,6 +172,13 @@ def check_block_mask(block_mask, mask_mod, func: str, batch: int, num_heads_q: i
     if b not in (1, batch) or h not in (1, num_heads_q):
         raise ValueError(f"{func}: block_mask was built for (B, H) = {(b, h)}; the call needs B of 1 or {batch} and H "
                          f"of 1 or Hq = {num_heads_q}")
+    nq, nk = -(-seqlen_q // bm.BLOCK_SIZE[0]), -(-seqlen_k // bm.BLOCK_SIZE[1])
+    shapes = ((b, h, nq), (b, h, nq, nk), (b, h, nq), (b, h, nq, nk), (b, h, nk), (b, h, nk, nq), (b, h, nk), (b, h, nk, nq))
+    for f, a, shape in zip(dataclasses.fields(bm), bm.arrays(), shapes):
+        if str(getattr(a, "dtype", "")) != "int32" or tuple(a.shape) != shape or a.strides[-1] != 4:
+            raise ValueError(f"{func}: block_mask.{f.name} must be int32 of shape {shape} with unit last-axis stride "
+                             f"(as create_block_mask builds it), got {getattr(a, 'dtype', type(a).__name__)} "
+                             f"{tuple(getattr(a, 'shape', ()))}")
     numpy_mask = isinstance(bm.kv_num_blocks, np.ndarray)
     if numpy_mask != (q_kind == "numpy"):
         where = "NumPy" if numpy_mask else "device"

@@ -5,6 +5,8 @@ path evaluates the function on, and the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -65,21 +67,21 @@ def _qkv(rng, b=2, hq=4, hk=2, s=500, d=16):
 
 
 def test_numpy_path_equals_the_dense_mask_mod_forward_and_backward(rng):
-    doc = _docs([70, 30, 130, 17, 90, 64, 40, 59])
+    doc = _docs([45, 20, 83, 11, 57, 40, 25, 39])   # S = 320
 
     def fn(b, h, q_idx, kv_idx):   # per head: even heads causal
         return (doc[q_idx] == doc[kv_idx]) & ((kv_idx <= q_idx) | (h % 2 == 1))
 
-    q, k, v = _qkv(rng)
-    for bm in (cuflash.create_block_mask(fn, None, 4, 500, 500, BLOCK_SIZE=64),
-               cuflash.create_block_mask(fn, 2, 4, 500, 500, BLOCK_SIZE=(128, 64))):
+    q, k, v = _qkv(rng, s=320)
+    o0, l0 = cuflash.reference.naive_attention(q, k, v, mask_mod=fn, return_lse=True)
+    dout = rng.standard_normal(o0.shape)
+    want = cuflash.reference.attention_backward(dout, q, k, v, o0, l0, mask_mod=fn)
+    for bm in (cuflash.create_block_mask(fn, None, 4, 320, 320, BLOCK_SIZE=64),
+               cuflash.create_block_mask(fn, 2, 4, 320, 320, BLOCK_SIZE=(128, 64))):
         out, lse = cuflash.attention(q, k, v, block_mask=bm, return_lse=True)
-        o0, l0 = cuflash.reference.naive_attention(q, k, v, mask_mod=fn, return_lse=True)
         np.testing.assert_allclose(out, o0, rtol=0, atol=1e-12)
         np.testing.assert_allclose(lse, l0, rtol=0, atol=1e-12)
-        dout = rng.standard_normal(out.shape)
         got = cuflash.attention_backward(dout, q, k, v, out, lse, block_mask=bm, mask_mod=bm.mask_mod)
-        want = cuflash.reference.attention_backward(dout, q, k, v, o0, l0, mask_mod=fn)
         for name, a, w in zip(("dq", "dk", "dv"), got, want):
             np.testing.assert_allclose(a, w, rtol=0, atol=1e-11, err_msg=name)
 
@@ -120,6 +122,8 @@ def test_refusals_name_the_argument(rng):
         cuflash.attention(q, k, v, block_mask=bm, mask_mod=mods.document_mask(doc, causal=True))
     with pytest.raises(ValueError, match="mask_mod must be the function"):   # the same code over another array
         cuflash.attention(q, k, v, block_mask=bm, mask_mod=mods.document_mask(doc.copy()))
+    with pytest.raises(ValueError, match=r"block_mask.kv_indices must be int32 of shape \(1, 1, 4, 4\)"):
+        cuflash.attention(q, k, v, block_mask=dataclasses.replace(bm, kv_indices=bm.kv_indices.astype(np.int64)))
     with pytest.raises(TypeError, match="block_mask must be a BlockMask"):
         cuflash.attention(q, k, v, block_mask=bm.to_dense())
     with pytest.raises(ValueError, match=r"BLOCK_SIZE must be positive multiples of 64.*\(96, 64\)"):
