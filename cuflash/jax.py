@@ -440,7 +440,7 @@ def _fixed(q, k, v, mods: dict, captured: tuple = (), *, call: _Call, layout: st
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
               out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
               alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
-              deterministic=False):
+              deterministic=False, block_mask=None):
     """Differentiable exact attention for JAX arrays: ``softmax(softmax_scale * q k^T + mask) v``.
 
     Every parameter, convention and return value of :func:`cuflash.attention` (GQA/MQA,
@@ -508,6 +508,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         per mapped element.
     deterministic : bool
         The backward's, on the kernel backends (see :func:`cuflash.attention_backward`).
+    block_mask : BlockMask, optional
+        Not taken here yet (``NotImplementedError``): :func:`cuflash.attention` takes it for
+        arrays outside JAX's tracing.
 
     The modifier arrays are traced like q, k and v. Under ``jax.vmap`` they may carry the mapped
     axis or not: ALiBi slopes, bias and mask batch with the call (one kernel call); with
@@ -526,6 +529,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         ``TypeError`` for ``out`` or for a scalar option given as a ``jax.Array``.
     """
     _check_out(_FUNC, out)
+    if block_mask is not None:
+        raise NotImplementedError(f"{_FUNC}: block_mask is not in the JAX attention yet; cuflash.attention takes it "
+                                  "for arrays outside jax.jit / jax.grad / jax.vmap")
     causal = validation.check_flag(causal, "causal", _FUNC)
     return_lse = validation.check_flag(return_lse, "return_lse", _FUNC)
     deterministic = validation.check_flag(deterministic, "deterministic", _FUNC)

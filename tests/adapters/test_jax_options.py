@@ -21,6 +21,7 @@ from support.inputs import sequences  # noqa: E402
 from support.tolerance import check_close  # noqa: E402
 
 import cuflash.jax as cj  # noqa: E402
+from cuflash import mods  # noqa: E402
 from cuflash import reference as ref  # noqa: E402
 from cuflash.reference.backward import attention_backward as ref_backward  # noqa: E402
 
@@ -406,3 +407,11 @@ def test_a_large_lse_cotangent_in_float16(rng):
     e = oracle_grads_with_lse(np.zeros((1, 2, 3, 8)), u, q, k, v, **kw)
     for name, a, x in zip(("dq", "dk"), g, e):
         close(a, x, rel=2e-3, name=name)   # float16 rounding of the gradients (about 1e4)
+
+
+def test_block_mask_is_refused_under_jax_by_name():
+    doc = np.repeat(np.arange(2, dtype=np.int32), 64)
+    bm = mods.document_block_mask(doc, BLOCK_SIZE=64)
+    q = jnp.zeros((1, 2, 128, 8), jnp.float32)
+    with pytest.raises(NotImplementedError, match="block_mask is not in the JAX attention yet"):
+        cj.attention(q, q, q, block_mask=bm)

@@ -507,3 +507,14 @@ def test_opcheck_the_new_operators(gen):
                           (q.transpose(1, 2).contiguous(), kc, vc, None, 3, None, None, None, None, None, None, None,
                            True, True, 0.3, -1, 0, 0, torch.empty(1, 4, 2, 8), 2.0, None, sinks, "numpy"),
                           test_utils=utils)
+
+
+def test_block_mask_is_refused_by_the_differentiable_form_and_taken_without_grad():
+    doc = np.repeat(np.arange(2, dtype=np.int32), 64)
+    bm = cuflash.mods.document_block_mask(doc, BLOCK_SIZE=64)
+    q, k, v = (torch.randn(1, 2, 128, 8, dtype=torch.float64) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="block_mask is not in the differentiable torch attention"):
+        ct.attention(q, k, v, block_mask=bm)
+    out = cuflash.attention(q, k, v, block_mask=bm)   # no grad: the NumPy path, CPU tensors in and out
+    want = ref.naive_attention(q.numpy(), k.numpy(), v.numpy(), mask_mod=bm.mask_mod)
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-12)
