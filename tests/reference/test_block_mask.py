@@ -139,3 +139,26 @@ def test_refusals_name_the_argument(rng):
     # the mask_mod it was built from is accepted (the same function object, or None)
     np.testing.assert_array_equal(cuflash.attention(q, k, v, block_mask=bm, mask_mod=mm),
                                   cuflash.attention(q, k, v, block_mask=bm))
+
+
+def test_the_device_build_keeps_to_device_arrays(monkeypatch):
+    """``device="cuda"`` builds with the device's array module (CuPy's ufuncs and functions); here a
+    stand-in module whose arrays refuse to meet a host NumPy array in a ufunc, as CuPy's do (the
+    simulator's device arrays): the build never mixes the two, keeps its tables on the device, and
+    gives the NumPy build's blocks."""
+    from cuflash.sim import memory
+
+    class DeviceModule:
+        def __getattr__(self, name):
+            f = getattr(np, name)
+            return lambda *a, **k: memory.to_device(f(*a, **k))
+
+    doc = _docs([45, 20, 83, 11, 57, 40, 25, 39])
+    host = cuflash.create_block_mask(mods.document_mask(doc, causal=True), None, 2, 320, 320, BLOCK_SIZE=64)
+    monkeypatch.setattr(ref_block_mask, "_module", lambda traced, device: DeviceModule())
+    with pytest.raises(TypeError, match="mixes a simulated device array with a host"):   # the stand-in refuses mixing
+        memory.to_device(np.arange(3)) + np.arange(3)
+    dev = cuflash.create_block_mask(mods.document_mask(memory.to_device(doc), causal=True), None, 2, 320, 320,
+                                    device="cuda", BLOCK_SIZE=64)
+    assert all(memory.is_sim_array(a) for a in dev.arrays())
+    np.testing.assert_array_equal(dev.to_dense(), host.to_dense())
