@@ -431,9 +431,7 @@ def run_backward(p: AttentionProblem, dout, q, k, v, out, lse, block_m=None, blo
 
     acc_t = dtypes.accumulator(p.dtype)
     heads_n = 0 if p.is_empty or not p.num_heads_k else math.prod(canonical(k, p.layout).shape[:-2])
-    block_m, block_n = cpu_tiles(p, block_m, block_n)
-    if p.modifiers is not None and p.modifiers.block_mask is not None:   # the block mask's blocks are the tiles
-        block_m, block_n = p.modifiers.block_mask.BLOCK_SIZE
+    block_m, block_n = cpu_tiles(p, block_m, block_n)   # (with a block mask: its blocks)
     n_tiles = -(-p.seqlen_k // block_n)
     chunks = max(1, min(n_tiles, -(-_BWD_CHUNKS // max(1, heads_n))))
     check_memory(p.func, backward_memory(p, (q.shape, k.shape, v.shape), heads_n, heads_n * chunks, block_m, block_n))

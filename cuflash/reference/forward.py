@@ -280,7 +280,10 @@ def cpu_tiles(p: AttentionProblem, block_m=None, block_n=None) -> tuple[int, int
     tile holds about :data:`_SCORE_TILE_ELEMS` elements (at least 16 rows); neither more than
     the problem has. When all the query rows of a head stack to fewer rows than that (decoding:
     Sq = 1), Bc grows until the score tile holds :data:`_SCORE_TILE_ELEMS` elements or a K tile
-    holds as many, so a long key sequence takes few iterations."""
+    holds as many, so a long key sequence takes few iterations. With a block mask, its block
+    sizes (each block is one tile)."""
+    if p.modifiers is not None and p.modifiers.block_mask is not None:
+        return tuple(p.modifiers.block_mask.BLOCK_SIZE)
     g = max(1, p.group_size)
     if block_n is None:
         block_n = 512 if max(p.head_dim, p.head_dim_v) <= 128 else 256
@@ -336,9 +339,7 @@ def run_forward(p: AttentionProblem, q, k, v, out=None, block_m=None, block_n=No
         ``p.func`` and names the arrays and bytes (:func:`cuflash.reference.memory.check_memory`).
     """
     acc_t = dtypes.accumulator(p.dtype)
-    block_m, block_n = cpu_tiles(p, block_m, block_n)
-    if p.modifiers is not None and p.modifiers.block_mask is not None:   # the block mask's blocks are the tiles
-        block_m, block_n = p.modifiers.block_mask.BLOCK_SIZE
+    block_m, block_n = cpu_tiles(p, block_m, block_n)   # (with a block mask: its blocks)
     kv = canonical(k, p.layout)
     vv = canonical(v, p.layout)
     n_heads = 0 if p.is_empty else math.prod(kv.shape[:-2])

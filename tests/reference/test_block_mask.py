@@ -101,6 +101,8 @@ def test_numpy_path_skips_empty_blocks_and_runs_full_ones_without_mask_mod(rng, 
 
     monkeypatch.setattr(score_mods.ModTerms, "keep", recording)
     q, k, v = _qkv(rng, 1, 2, 1, 768)
+    plan = cuflash.explain(q, k, v, block_mask=bm)
+    assert (plan["backend"], plan["block_m"], plan["block_n"]) == ("numpy", 64, 64)   # a block is a tile
     out, lse = cuflash.attention(q, k, v, block_mask=bm, return_lse=True)
     cuflash.attention_backward(rng.standard_normal(out.shape), q, k, v, out, lse, block_mask=bm)
     assert set(seen) == {tuple(ij) for ij in np.argwhere(codes == 1)}   # partial blocks only, each of them
