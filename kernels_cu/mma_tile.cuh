@@ -29,10 +29,32 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 // zero-filled (src-size 0, nothing is read; the address passed is the aligned tile base). When NT
 // divides the tile's chunks and is a multiple of CHUNKS (the regular case), a thread copies the
 // same chunk of rows r0, r0 + NT / CHUNKS, ...: its offsets cost one multiply per row pass.
+//
+// In the sm_75 form (CUFLASH_SM75_FORM, ptx.cuh: no cp.async) the regular case stages the tile
+// through registers instead: every 16-byte load of the thread first (TOTAL / NT uint4, 4 registers
+// each), then every store, so the loads are in flight together and the thread waits for one
+// global-memory latency per tile rather than one per chunk; the copy is complete on return.
 template <int MAX_ROWS>
 __device__ __forceinline__ void load_tile_async(elem_t* dst, const elem_t* __restrict__ src, long long row_stride,
                                                 int n_rows, int n_cols) {
     constexpr int TOTAL = MAX_ROWS * CHUNKS;
+#if CUFLASH_SM75_FORM
+    if constexpr (NT % CHUNKS == 0 && TOTAL % NT == 0) {
+        constexpr int RPP = NT / CHUNKS;   // rows per pass
+        const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
+        const bool col_ok = c * 8 < n_cols;
+        const elem_t* s = src + r0 * row_stride + c * 8;
+        uint4 staged[TOTAL / NT];
+#pragma unroll
+        for (int i = 0; i < TOTAL / NT; ++i) {
+            staged[i] = uint4{0u, 0u, 0u, 0u};
+            if (col_ok && r0 + i * RPP < n_rows) staged[i] = *reinterpret_cast<const uint4*>(s + i * RPP * row_stride);
+        }
+#pragma unroll
+        for (int i = 0; i < TOTAL / NT; ++i) *reinterpret_cast<uint4*>(dst + (r0 + i * RPP) * PITCH + c * 8) = staged[i];
+        return;
+    }
+#endif
     if constexpr (NT % CHUNKS == 0 && TOTAL % NT == 0) {
         constexpr int RPP = NT / CHUNKS;   // rows per pass
         const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
@@ -66,6 +88,20 @@ __device__ __forceinline__ void load_tile_async(elem_t* dst, const elem_t* __res
 template <int MAX_ROWS>
 __device__ __forceinline__ void load_tile_async_full(elem_t* dst, const elem_t* __restrict__ src, long long row_stride) {
     constexpr int TOTAL = MAX_ROWS * CHUNKS;
+#if CUFLASH_SM75_FORM
+    if constexpr (NT % CHUNKS == 0 && TOTAL % NT == 0) {   // (staged through registers, as above)
+        constexpr int RPP = NT / CHUNKS;
+        const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
+        const elem_t* s = src + r0 * row_stride + c * 8;
+        elem_t* d = dst + r0 * PITCH + c * 8;
+        uint4 staged[TOTAL / NT];
+#pragma unroll
+        for (int i = 0; i < TOTAL / NT; ++i) staged[i] = *reinterpret_cast<const uint4*>(s + i * RPP * row_stride);
+#pragma unroll
+        for (int i = 0; i < TOTAL / NT; ++i) *reinterpret_cast<uint4*>(d + i * RPP * PITCH) = staged[i];
+        return;
+    }
+#endif
     if constexpr (NT % CHUNKS == 0 && TOTAL % NT == 0) {
         constexpr int RPP = NT / CHUNKS;   // rows per pass
         const int r0 = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;

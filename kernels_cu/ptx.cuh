@@ -31,6 +31,18 @@
 
 #include "common.cuh"
 
+// CUFLASH_SM75_FORM: the tensor-core wrappers in their sm_75 (Turing) form: m16n8k16 .f16 as two
+// m16n8k8, the cp.async wrappers as register-staged synchronous copies (the section "sm_75 form"
+// below). On by itself below sm_80; a build for a newer arch may define it to 1 to run the Turing
+// form where its instructions also exist (m16n8k8, ldmatrix: sm_75+).
+#if !defined(CUFLASH_SM75_FORM)
+#if __CUDA_ARCH__ < 800
+#define CUFLASH_SM75_FORM 1
+#else
+#define CUFLASH_SM75_FORM 0
+#endif
+#endif
+
 // ---------------------------------------------------------------- sm_90a (Hopper) instructions
 // Beside the Ampere set: wgmma (PTX ISA 9.7.15 "Asynchronous Warpgroup Level Matrix Multiply-
 // Accumulate"), mbarrier (9.7.13.15), TMA (9.7.9.25 "cp.async.bulk.tensor"), bulk groups
@@ -69,6 +81,17 @@ namespace cuflash_ptx_sim {
 CUSIM_NOSAN inline void check_shared16(const void* p, const char* what) {
     if (reinterpret_cast<uintptr_t>(p) & 15u) cusim::fail("%s: shared address %p is not 16-byte aligned", what, p);
     if (!cusim::is_shared(p, 16)) cusim::fail("%s: address %p is not in the block's shared memory", what, p);
+}
+
+// An instruction of sm_80 and newer issued by a kernel built for an older arch (the simulator's
+// arch option): an error, as ptxas would refuse it for that target.
+CUSIM_NOSAN inline void require_sm80(const char* what) {
+#if __CUDA_ARCH__ < 800
+    cusim::fail("%s does not exist on sm_%d (it needs sm_80): this kernel was built for sm_%d", what,
+                __CUDA_ARCH__ / 10, __CUDA_ARCH__ / 10);
+#else
+    (void)what;
+#endif
 }
 
 template <int X, bool TRANS>
@@ -165,6 +188,7 @@ CUSIM_NOSAN inline void mma_m16n8k16_compute(cusim::Slot* slots, unsigned lanes)
 
 template <bool BF16>
 CUSIM_NOSAN inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+    require_sm80(BF16 ? "mma.m16n8k16.bf16" : "mma.m16n8k16.f16");
     uint32_t reg[10] = {a[0], a[1], a[2], a[3], b[0], b[1],
                         cusim::f32_bits(c[0]), cusim::f32_bits(c[1]), cusim::f32_bits(c[2]), cusim::f32_bits(c[3])};
     cusim::Slot& s = cusim::collective(0xffffffffu, reg, sizeof reg, &mma_m16n8k16_compute<BF16>,
@@ -172,8 +196,61 @@ CUSIM_NOSAN inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], cons
     for (int i = 0; i < 4; ++i) d[i] = cusim::bits_f32(s.out[i]);
 }
 
+// D = A * B + C for m16n8k8 .f16 (sm_75+; PTX ISA 9.7.14.5.7 "Matrix Fragments for mma.m16n8k8",
+// .f16/.bf16 A: a0, a1 at row g, a2, a3 at row g + 8, column 2t + (i & 1): register 0 holds
+// A[g][2t..2t+1], register 1 A[g+8][2t..2t+1]; B (8 x 8): b0, b1 at rows 2t, 2t + 1 of column g,
+// one register; C/D as for m16n8k16). The 8 products are exact in double and their sum with C is
+// rounded once (with gpu_numerics, cusim::tensor_core_dot over 8 products). The .bf16 form needs
+// sm_80 and is not emulated: on sm_75 only .f16 exists.
+CUSIM_NOSAN inline void mma_m16n8k8_compute(cusim::Slot* slots, unsigned lanes) {
+    if (lanes != 0xffffffffu) cusim::fail("mma.sync: all 32 lanes must execute it (live lanes 0x%08x)", lanes);
+    float A[16][8], B[8][8], C[16][8];
+    for (unsigned l = 0; l < 32; ++l) {
+        uint32_t reg[7];
+        std::memcpy(reg, slots[l].in, sizeof reg);
+        const unsigned g = l / 4, c = 2 * (l % 4);
+        for (int h = 0; h < 2; ++h) {
+            A[g][c + h] = unpack<false>(reg[0], h);
+            A[g + 8][c + h] = unpack<false>(reg[1], h);
+            B[c + h][g] = unpack<false>(reg[2], h);
+        }
+        C[g][c] = cusim::bits_f32(reg[3]);
+        C[g][c + 1] = cusim::bits_f32(reg[4]);
+        C[g + 8][c] = cusim::bits_f32(reg[5]);
+        C[g + 8][c + 1] = cusim::bits_f32(reg[6]);
+    }
+    float D[16][8];
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 8; ++j) {
+#ifdef CUSIM_GPU_NUMERICS
+            double prod[8];
+            for (int k = 0; k < 8; ++k) prod[k] = double(A[i][k]) * double(B[k][j]);
+            D[i][j] = cusim::tensor_core_dot(C[i][j], prod, 8);
+#else
+            double acc = C[i][j];
+            for (int k = 0; k < 8; ++k) acc += double(A[i][k]) * double(B[k][j]);
+            D[i][j] = float(acc);
+#endif
+        }
+    for (unsigned l = 0; l < 32; ++l) {
+        const unsigned g = l / 4, c = 2 * (l % 4);
+        slots[l].out[0] = cusim::f32_bits(D[g][c]);
+        slots[l].out[1] = cusim::f32_bits(D[g][c + 1]);
+        slots[l].out[2] = cusim::f32_bits(D[g + 8][c]);
+        slots[l].out[3] = cusim::f32_bits(D[g + 8][c + 1]);
+    }
+}
+
+CUSIM_NOSAN inline void mma_m16n8k8(float (&d)[4], const uint32_t (&a)[2], uint32_t b, const float (&c)[4]) {
+    uint32_t reg[7] = {a[0], a[1], b, cusim::f32_bits(c[0]), cusim::f32_bits(c[1]), cusim::f32_bits(c[2]),
+                       cusim::f32_bits(c[3])};
+    cusim::Slot& s = cusim::collective(0xffffffffu, reg, sizeof reg, &mma_m16n8k8_compute, "mma.m16n8k8.f16");
+    for (int i = 0; i < 4; ++i) d[i] = cusim::bits_f32(s.out[i]);
+}
+
 // cp.async of `size` bytes (4, 8 or 16), the first `src_bytes` of them read, the rest zero-filled.
 CUSIM_NOSAN inline void cp_async(void* dst, const void* src, uint32_t size, uint32_t src_bytes) {
+    require_sm80("cp.async");
     const uintptr_t align = size - 1;
     if (reinterpret_cast<uintptr_t>(dst) & align || reinterpret_cast<uintptr_t>(src) & align)
         cusim::fail("cp.async: addresses %p (shared) and %p (global) must be %u-byte aligned", dst, src, size);
@@ -238,11 +315,17 @@ __device__ __forceinline__ void ptx_ldmatrix_x4_at(unsigned (&r)[4], const void*
 __device__ __forceinline__ void ptx_ldmatrix_x4_trans_at(unsigned (&r)[4], const void* base, unsigned byte_off) {
     cuflash_ptx_sim::ldmatrix<4, true>(r, static_cast<const unsigned char*>(base) + byte_off);
 }
-__device__ __forceinline__ void ptx_mma_m16n8k16_f16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
-    cuflash_ptx_sim::mma_m16n8k16<false>(d, a, b, c);
+// mma.m16n8k8.row.col.f32.f16.f16.f32 (sm_75+): the sm_75 form of m16n8k16 (section "sm_75 form").
+__device__ __forceinline__ void ptx_mma_m16n8k8_f16_f32(float (&d)[4], const unsigned (&a)[2], unsigned b, const float (&c)[4]) {
+    cuflash_ptx_sim::mma_m16n8k8(d, a, b, c);
 }
+// (bf16 has no sm_75 form: built for sm_75, the emulation fails, as the GPU build traps)
 __device__ __forceinline__ void ptx_mma_m16n8k16_bf16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
     cuflash_ptx_sim::mma_m16n8k16<true>(d, a, b, c);
+}
+#if !CUFLASH_SM75_FORM
+__device__ __forceinline__ void ptx_mma_m16n8k16_f16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+    cuflash_ptx_sim::mma_m16n8k16<false>(d, a, b, c);
 }
 __device__ __forceinline__ void ptx_cp_async_16(void* smem, const void* gmem) { cuflash_ptx_sim::cp_async_16(smem, gmem, 16); }
 __device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gmem, int src_bytes) {
@@ -256,6 +339,7 @@ __device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gme
 __device__ __forceinline__ void ptx_cp_async_8_zfill(void* smem, const void* gmem, int src_bytes) {
     cuflash_ptx_sim::cp_async(smem, gmem, 8, uint32_t(src_bytes));
 }
+#endif  // !CUFLASH_SM75_FORM
 // `x` itself (see the GPU branch: an optimization barrier there, nothing here).
 __device__ __forceinline__ int ptx_opaque(int x) { return x; }
 __device__ __forceinline__ long long ptx_opaque(long long x) { return x; }
@@ -269,9 +353,11 @@ __device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
 __device__ __forceinline__ void ptx_red_add_f32x2_if(bool pred, float* p, float a, float b) {
     if (pred) ptx_red_add_f32x2(p, a, b);
 }
+#if !CUFLASH_SM75_FORM
 __device__ __forceinline__ void ptx_cp_async_commit() { cuflash_ptx_sim::cp_async_commit(); }
 template <int N> __device__ __forceinline__ void ptx_cp_async_wait() { cuflash_ptx_sim::cp_async_wait(uint32_t(N)); }
 __device__ __forceinline__ void ptx_cp_async_wait_all() { cuflash_ptx_sim::cp_async_commit(); cuflash_ptx_sim::cp_async_wait(0); }
+#endif
 // cvt.rn.f16x2.f32 / cvt.rn.bf16x2.f32: `lo` goes to the low 16 bits, `hi` to the high 16 bits.
 __device__ __forceinline__ unsigned ptx_cvt_pack_f16x2(float lo, float hi) {
     return unsigned(cusim::f32_to_f16_bits(lo)) | (unsigned(cusim::f32_to_f16_bits(hi)) << 16);
@@ -455,17 +541,25 @@ __device__ __forceinline__ void ptx_ldmatrix_x4_trans_at(unsigned (&r)[4], const
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(ptx_smem_addr(base) + byte_off));
 }
 
+__device__ __forceinline__ void ptx_mma_m16n8k8_f16_f32(float (&d)[4], const unsigned (&a)[2], unsigned b, const float (&c)[4]) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
 #if __CUDA_ARCH__ >= 800
+#if !CUFLASH_SM75_FORM
 __device__ __forceinline__ void ptx_mma_m16n8k16_f16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
                  : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
+#endif
 __device__ __forceinline__ void ptx_mma_m16n8k16_bf16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
                  : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
+#if !CUFLASH_SM75_FORM
 __device__ __forceinline__ void ptx_cp_async_16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(ptx_smem_addr(smem)), "l"(gmem) : "memory");
 }
@@ -478,6 +572,7 @@ __device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gme
 __device__ __forceinline__ void ptx_cp_async_8_zfill(void* smem, const void* gmem, int src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(ptx_smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
 }
+#endif
 __device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
@@ -495,9 +590,11 @@ __device__ __forceinline__ void ptx_red_add_f32x2_if(bool pred, float* p, float 
                  ::"l"(p), "f"(a), "f"(b), "r"(int(pred)) : "memory");
 #endif
 }
+#if !CUFLASH_SM75_FORM
 __device__ __forceinline__ void ptx_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void ptx_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void ptx_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+#endif
 __device__ __forceinline__ unsigned ptx_cvt_pack_f16x2(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));   // first source -> upper half
@@ -508,32 +605,10 @@ __device__ __forceinline__ unsigned ptx_cvt_pack_bf16x2(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-#else  // sm_75: no m16n8k16, cp.async or packed cvt
-__device__ __forceinline__ void ptx_mma_m16n8k16_f16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
-    // Two m16n8k8 steps: k 0..7 uses a[0], a[1], b[0]; k 8..15 uses a[2], a[3], b[1].
-    float t[4];
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};\n"
-                 : "=f"(t[0]), "=f"(t[1]), "=f"(t[2]), "=f"(t[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(b[0]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};\n"
-                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                 : "r"(a[2]), "r"(a[3]), "r"(b[1]), "f"(t[0]), "f"(t[1]), "f"(t[2]), "f"(t[3]));
-}
+#else  // sm_75: no bf16 mma or packed cvt (m16n8k16 .f16 and the copies: section "sm_75 form")
 __device__ __forceinline__ void ptx_mma_m16n8k16_bf16_f32(float (&d)[4], const unsigned (&)[4], const unsigned (&)[2], const float (&)[4]) {
     d[0] = d[1] = d[2] = d[3] = 0.0f;
     __trap();   // bf16 tensor-core mma needs sm_80
-}
-__device__ __forceinline__ void ptx_cp_async_16(void* smem, const void* gmem) { *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem); }
-__device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gmem, int src_bytes) {
-    unsigned char* d = static_cast<unsigned char*>(smem);
-    const unsigned char* s = static_cast<const unsigned char*>(gmem);
-    for (int i = 0; i < 16; ++i) d[i] = i < src_bytes ? s[i] : 0;
-}
-__device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
-    *static_cast<float*>(smem) = src_bytes ? *static_cast<const float*>(gmem) : 0.0f;
-}
-__device__ __forceinline__ void ptx_cp_async_8_zfill(void* smem, const void* gmem, int src_bytes) {
-    *static_cast<uint2*>(smem) = src_bytes ? *static_cast<const uint2*>(gmem) : make_uint2(0u, 0u);
 }
 __device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
     atomicAdd(p, a);
@@ -542,9 +617,6 @@ __device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
 __device__ __forceinline__ void ptx_red_add_f32x2_if(bool pred, float* p, float a, float b) {
     if (pred) ptx_red_add_f32x2(p, a, b);
 }
-__device__ __forceinline__ void ptx_cp_async_commit() {}
-template <int N> __device__ __forceinline__ void ptx_cp_async_wait() {}
-__device__ __forceinline__ void ptx_cp_async_wait_all() {}
 __device__ __forceinline__ unsigned ptx_cvt_pack_f16x2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&h);
@@ -674,6 +746,67 @@ template <int R> __device__ __forceinline__ void ptx_setmaxnreg_dec() { asm vola
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 #endif  // __CUDA_ARCH__ >= 900
 #endif
+
+// ---------------------------------------------------------------- sm_75 form (Turing)
+// Compiled by the GPU build and the simulator alike (plain C++ over the wrappers above), so the
+// simulator runs exactly what a T4 runs.
+//
+// mma m16n8k16 .f16 as two mma.m16n8k8 (sm_75+): by the fragment tables of PTX ISA 9.7.14.5.7
+// ("Matrix Fragments for mma.m16n8k8": A a0..a3 at rows g, g, g + 8, g + 8, column 2t + (i & 1);
+// B b0, b1 at rows 2t, 2t + 1 of column g) and 9.7.14.5.8 ("... mma.m16n8k16 with floating point
+// type": A registers 0, 1 hold columns 2t..2t+1 of rows g, g + 8, registers 2, 3 columns 2t+8..2t+9;
+// B register 0 rows 2t..2t+1, register 1 rows 2t+8..2t+9), k 0..7 is m16n8k8 with A {a[0], a[1]}
+// and B b[0], and k 8..15 is m16n8k8 with A {a[2], a[3]} and B b[1], accumulating into the first's
+// D; C/D have the same layout in both shapes. The f32 sum is rounded after each k8 step.
+//
+// cp.async (sm_80+) does not exist: each copy wrapper is a register-staged synchronous copy (one
+// ld.global of the chunk into registers, then one st.shared), complete when the wrapper returns, so
+// commit and wait have nothing left to order and are empty. A kernel's copy of tile j + 1 issued
+// before the math of tile j therefore stalls its warp on the load's latency (the other resident
+// warps run meanwhile); load_tile_async (mma_tile.cuh) issues all of a tile's loads of a thread
+// before its first store, so a tile waits one latency, not one per chunk. Zero-fill takes src_bytes
+// 0 (nothing read) or the full size: partial sizes are not used by the kernels and are refused by
+// the simulator.
+#if CUFLASH_SM75_FORM
+__device__ __forceinline__ void ptx_mma_m16n8k16_f16_f32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+    const unsigned lo[2] = {a[0], a[1]}, hi[2] = {a[2], a[3]};
+    float t[4];
+    ptx_mma_m16n8k8_f16_f32(t, lo, b[0], c);
+    ptx_mma_m16n8k8_f16_f32(d, hi, b[1], t);
+}
+__device__ __forceinline__ void cuflash_sm75_zfill_check(int src_bytes, int size) {
+#if defined(CUFLASH_SIM)
+    if (src_bytes != 0 && src_bytes != size)
+        cusim::fail("sm_75 copy: src_bytes %d must be 0 or the copy size %d (register-staged copies read all or nothing)",
+                    src_bytes, size);
+#else
+    (void)src_bytes, (void)size;
+#endif
+}
+template <typename V>
+__device__ __forceinline__ void cuflash_sm75_copy(void* smem, const void* gmem, int src_bytes, int size) {
+    cuflash_sm75_zfill_check(src_bytes, size);
+    V v = {};
+    if (src_bytes) v = *static_cast<const V*>(gmem);   // ld.global into registers
+    *static_cast<V*>(smem) = v;                         // st.shared
+}
+__device__ __forceinline__ void ptx_cp_async_16(void* smem, const void* gmem) {
+    const uint4 v = *static_cast<const uint4*>(gmem);
+    *static_cast<uint4*>(smem) = v;
+}
+__device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gmem, int src_bytes) {
+    cuflash_sm75_copy<uint4>(smem, gmem, src_bytes, 16);
+}
+__device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
+    cuflash_sm75_copy<unsigned>(smem, gmem, src_bytes, 4);
+}
+__device__ __forceinline__ void ptx_cp_async_8_zfill(void* smem, const void* gmem, int src_bytes) {
+    cuflash_sm75_copy<uint2>(smem, gmem, src_bytes, 8);
+}
+__device__ __forceinline__ void ptx_cp_async_commit() {}
+template <int N> __device__ __forceinline__ void ptx_cp_async_wait() {}
+__device__ __forceinline__ void ptx_cp_async_wait_all() {}
+#endif  // CUFLASH_SM75_FORM
 
 #if __CUDA_ARCH__ >= 900
 // The 64-bit wgmma matrix descriptor (PTX ISA 9.7.15.5.1.2 "Matrix Descriptor Format"): bits 0-13

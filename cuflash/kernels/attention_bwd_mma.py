@@ -45,6 +45,11 @@ TILE_CANDIDATES = {
 #: before sm_90, ptxas spills the 64 x 128 tile of bucket 128 (72 bytes at one stage; the compile
 #: gate refuses spills): there it takes 64 x 64
 TILE_CANDIDATES_BEFORE_SM90 = {128: ((64, 64, 2), (64, 64, 1))}
+#: the sm_75 form (:data:`cuflash.kernels.attention_fwd_mma.SM75_ARCH`: float16, two m16n8k8 per
+#: m16n8k16, register-staged copies): in Turing's 64 KB only bucket 64 has a tile, 64 x 64 with one
+#: Q/dO stage (55808 B, one CTA of 8 warps per SM); bucket 128's smallest (64 x 64, one stage)
+#: needs 88576 B, so larger head dims take the portable backward
+TILE_CANDIDATES_SM75 = {64: ((64, 64, 1),)}
 #: the score-modifier forms (``mods``): the per-pair modifier code beside S and dP spills at 64 x
 #: 128 (12 bytes for bucket 64, 84-96 for 128, sm_90), so 64 x 64 there
 TILE_CANDIDATES_MODS = {64: ((64, 64, 2), (64, 64, 1)), 128: ((64, 64, 2), (64, 64, 1))}
@@ -156,13 +161,19 @@ class AttentionBwdMma(variants.TileVariant):
             ("CUFLASH_DQ_PASSES", str(self.dq_passes)),
         )
 
-    def describe(self) -> str:
+    def describe(self, arch: int | None = None) -> str:
+        if arch is not None and arch < MIN_ARCH:   # the sm_75 form (kernels_cu/ptx.cuh: CUFLASH_SM75_FORM)
+            return (f"{self.entry}: {WARPS} warps, Bc={self.block_n} keys x Br={self.block_m} query tiles, head-dim "
+                    f"bucket {self.head_dim_max}, {self.smem_bytes} B shared memory ({self.stages}-stage Q/dO, "
+                    f"register-staged copies), mma.sync m16n8k8 x 2 per m16n8k16 {self.dtype}")
         return (f"{self.entry}: {WARPS} warps, Bc={self.block_n} keys x Br={self.block_m} query tiles, head-dim bucket "
                 f"{self.head_dim_max}, {self.smem_bytes} B shared memory ({self.stages}-stage Q/dO, cp.async), "
                 f"mma.sync m16n8k16 {self.dtype}")
 
 
 def _candidates(bucket: int, arch: int, mods: bool = False, dropout: bool = False) -> tuple[tuple[int, int, int], ...]:
+    if arch < MIN_ARCH and bucket in TILE_CANDIDATES_SM75:
+        return TILE_CANDIDATES_SM75[bucket]
     if mods and bucket in TILE_CANDIDATES_MODS:
         return TILE_CANDIDATES_MODS[bucket]
     if dropout and bucket in TILE_CANDIDATES_DROPOUT:
@@ -205,8 +216,11 @@ def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
     with ``varlen``, their packed variable-length forms; with ``dropout``, their dropout forms.
     (A :data:`SPILLING_FORMS` variant is among them: it is chosen where an NVRTC major that does not
     spill it is installed.)"""
-    if arch < MIN_ARCH:
-        return ()
+    if arch < MIN_ARCH:   # the sm_75 form: float16, without dropout and modifiers
+        if arch < attention_fwd_mma.SM75_ARCH or dropout or mods:
+            return ()
+        found = (_fitting(key, b, arch) for key in attention_fwd_mma.SM75_DTYPES for b in HEAD_DIM_BUCKETS)
+        return tuple(dataclasses.replace(v, varlen=True) if varlen else v for v in found if v is not None)
     found = (_fitting(key, b, arch, dropout, mods) for key in MMA_DTYPES for b in HEAD_DIM_BUCKETS)
     return tuple(dataclasses.replace(v, varlen=True) if varlen else v for v in found if v is not None)
 

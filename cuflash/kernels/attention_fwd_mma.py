@@ -33,6 +33,21 @@ MMA_DTYPES = ("f16", "bf16")
 ARCHES = (80, 90)
 #: oldest arch with m16n8k16 for bf16 and cp.async
 MIN_ARCH = 80
+#: Turing (sm_75, the T4): the kernel's sm_75 form (kernels_cu/ptx.cuh, CUFLASH_SM75_FORM): float16
+#: only (mma.sync takes bf16 from sm_80), m16n8k16 as two m16n8k8, ldmatrix, and register-staged
+#: synchronous copies instead of cp.async; the fixed-shape and packed (varlen) forms
+SM75_ARCH = 75
+#: dtypes of the sm_75 form
+SM75_DTYPES = ("f16",)
+#: its tiles by bucket (one K/V stage: with synchronous copies a second stage hides no latency and
+#: costs shared memory). Turing has 64 KB of shared memory per SM: 128 x 32 at bucket 64 takes
+#: 27 KB, so two CTAs (8 warps) share an SM; at 96 and 128 the 128 x 32 tile (39 and 51 KB) leaves
+#: room for one, as 64 x 32 does at 192 (50 KB); at 256 only 64 x 16 fits (50 KB). A T4 without
+#: the opt-in has 48 KB per block: plan.max_dynamic_smem(75) is the opt-in's 64 KB.
+TILE_CANDIDATES_SM75 = {64: ((128, 32),), 96: ((128, 32),), 128: ((128, 32),), 192: ((64, 32),), 256: ((64, 16),)}
+#: the packed (varlen) form's, where they differ: at bucket 128, 128 x 32 spills 96 bytes under
+#: NVRTC 12.9 on sm_75 (255 registers; 13.x: 248, none), 64 x 32 136; 128 x 16 takes 237, no spill
+TILE_CANDIDATES_SM75_VARLEN = {128: ((128, 16),)}
 #: tile shapes (Br, Bc) by bucket, in order of preference; the first that fits the device's shared
 #: memory is used. Br = rows per warp x warps: 4 warps of 32 rows (two 16-row mma fragments) up
 #: to bucket 128, 4 warps of 16 rows above. FA2 (Dao 2023; the flash-attention repository) uses
@@ -100,10 +115,15 @@ class AttentionFwdMma(variants.TileVariant):
     cache_fp8 : bool
         Its fp8-cache form (``CUFLASH_CACHE_FP8`` 1, entry suffix ``_e4m3``; KV-cache form only):
         float8_e4m3fn caches, converted to ``dtype`` in shared memory, and the descales.
+    single_stage : bool
+        One K/V stage whatever the bucket (entry suffix ``_s1``): the sm_75 tiles
+        (:data:`TILE_CANDIDATES_SM75`).
     """
 
     kvcache: bool = dataclasses.field(default=False, kw_only=True)
     cache_fp8: bool = dataclasses.field(default=False, kw_only=True)
+    #: one K/V stage at every bucket (entry suffix ``_s1``): the sm_75 form's tiles
+    single_stage: bool = dataclasses.field(default=False, kw_only=True)
 
     family: ClassVar[str] = "attn_fwd_mma"
     source: ClassVar[str] = "attention_fwd_mma.cu"
@@ -128,7 +148,7 @@ class AttentionFwdMma(variants.TileVariant):
     @property
     def stages(self) -> int:
         """K/V pipeline stages: 2 up to bucket 128; 1 above, so that two CTAs fit one SM."""
-        return 2 if self.head_dim_max <= TWO_FRAGMENT_MAX_BUCKET else 1
+        return 2 if self.head_dim_max <= TWO_FRAGMENT_MAX_BUCKET and not self.single_stage else 1
 
     @property
     def warps(self) -> int:
@@ -155,7 +175,8 @@ class AttentionFwdMma(variants.TileVariant):
 
     @property
     def name(self) -> str:
-        return super().name + ("_kvcache" if self.kvcache else "") + ("_e4m3" if self.cache_fp8 else "")
+        return (super().name + ("_kvcache" if self.kvcache else "") + ("_e4m3" if self.cache_fp8 else "")
+                + ("_s1" if self.single_stage else ""))
 
     def defines(self) -> tuple[tuple[str, str], ...]:
         return super().defines() + (
@@ -172,6 +193,10 @@ class AttentionFwdMma(variants.TileVariant):
                     f"Bc={self.block_n} tiles, head-dim bucket {self.head_dim_max}, {self.smem_bytes} B shared memory "
                     f"(Q + K/V + fp8 staging, cp.async), fp8 (float8_e4m3fn) cache converted to {self.dtype} in "
                     f"shared memory, k_descale/v_descale per block, mma.sync m16n8k16 {self.dtype}")
+        if self.single_stage:   # (the sm_75 form's tiles; ptx.cuh's CUFLASH_SM75_FORM below sm_80)
+            return (f"{self.entry}: {self.warps} warps of {self.rows_per_warp} query rows, Br={self.block_m} x "
+                    f"Bc={self.block_n} tiles, head-dim bucket {self.head_dim_max}, {self.smem_bytes} B shared "
+                    f"memory (Q + 1-stage K/V), mma.sync {self.dtype}")
         return (f"{self.entry}: {self.warps} warps of {self.rows_per_warp} query rows, Br={self.block_m} x "
                 f"Bc={self.block_n} tiles, head-dim bucket {self.head_dim_max}, {self.smem_bytes} B shared memory "
                 f"(Q + {self.stages}-stage K/V, cp.async), mma.sync m16n8k16 {self.dtype}")
@@ -189,6 +214,17 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
     if key not in MMA_DTYPES:
         raise NotImplementedError(f"cuflash: the tensor-core kernel computes float16 and bfloat16, not {np.dtype(dtype)}")
     bucket = AttentionFwdMma.bucket(head_dim, head_dim_v)
+    if arch < MIN_ARCH:
+        why = sm75_reason(key, arch, kvcache=kvcache, dropout=dropout, mods=mods)
+        if why is not None:
+            raise NotImplementedError(f"cuflash: the tensor-core kernel on sm_{arch}: {why}")
+        tiles = (TILE_CANDIDATES_SM75_VARLEN if varlen else {}).get(bucket, TILE_CANDIDATES_SM75[bucket])
+        v = AttentionFwdMma.first_fitting((AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, single_stage=True)
+                                           for bm, bn in tiles), plan.max_dynamic_smem(arch))
+        if v is None:
+            raise NotImplementedError(f"cuflash: no tensor-core attention tile fits sm_{arch}'s shared memory for head "
+                                      f"dim {bucket}")
+        return v
     if kvcache:
         tiles = TILE_CANDIDATES_KVCACHE
     elif dropout:
@@ -214,8 +250,11 @@ def all_variants(arch: int, *, varlen: bool = False, kvcache: bool = False,
     """Every variant the dispatcher can choose on ``sm_<arch>`` (for the compile gate); with
     ``varlen``, their packed variable-length forms; with ``kvcache``, their KV-cache forms (with
     ``cache_fp8``, over an fp8 cache)."""
-    if arch < MIN_ARCH:
-        return ()
+    if arch < MIN_ARCH:   # the sm_75 form: float16, fixed and packed
+        if arch < SM75_ARCH or kvcache or dropout or mods or cache_fp8:
+            return ()
+        return tuple(dict.fromkeys(choose_variant(variants.DTYPES[key][1], b, b, arch, varlen=varlen)
+                                   for key in SM75_DTYPES for b in HEAD_DIM_BUCKETS))
     out = []
     for key in MMA_DTYPES:
         for bucket in HEAD_DIM_BUCKETS:
@@ -226,6 +265,23 @@ def all_variants(arch: int, *, varlen: bool = False, kvcache: bool = False,
 
 # --------------------------------------------------------------------------------------------
 # eligibility
+
+
+def sm75_reason(key: str, arch: int, *, kvcache: bool = False, dropout: bool = False,
+                mods: bool = False) -> str | None:
+    """Why the sm_75 form (:data:`SM75_ARCH`) cannot run a call of dtype key ``key`` (``"f16"``,
+    ``"bf16"``, ...) in the given forms on ``sm_<arch>`` (None if it can; ``arch`` below sm_80)."""
+    if arch < SM75_ARCH:
+        return f"sm_{arch} has no mma.sync m16n8k8 or ldmatrix (the tensor-core kernel needs sm_{SM75_ARCH}+)"
+    if key == "bf16":
+        return (f"sm_{arch} (Turing) has no bfloat16 tensor-core mma (mma.sync takes bf16 from sm_80); its "
+                "tensor-core form computes float16")
+    if key not in SM75_DTYPES:
+        return f"dtype {key} (tensor cores on sm_{arch} take float16)"
+    for form, on in (("the KV cache", kvcache), ("dropout", dropout), ("score modifiers", mods)):
+        if on:
+            return f"its sm_{arch} (Turing) form takes no {form} yet (float16 fixed-shape and packed batches only)"
+    return None
 
 
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
@@ -246,13 +302,16 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         return "block_mask on a packed batch (attention_varlen) is not in the tensor-core kernel"
     if p.modifiers is not None and p.dropout is not None:   # (their forms spill 8-40 bytes at head dims 192, 256)
         return f"dropout with {p.modifiers.present[0]} is not in the tensor-core kernel yet (each alone is)"
-    if arch < MIN_ARCH:
-        name = str(np.dtype(p.dtype)).replace("bfloat16", "bf16").replace("float16", "f16")
-        return f"sm_{arch} has no m16n8k16 {name} mma with cp.async (needs sm_{MIN_ARCH}+)"
     try:
         key = variants.dtype_key(p.dtype)
     except KeyError:
         key = str(np.dtype(p.dtype))
+    if arch < MIN_ARCH:
+        why = sm75_reason(key if key in MMA_DTYPES else str(np.dtype(p.dtype)), arch,
+                          kvcache=getattr(p, "kvcache", None) is not None, dropout=p.dropout is not None,
+                          mods=p.modifiers is not None)
+        if why is not None:
+            return why
     if key not in MMA_DTYPES:
         return f"dtype {np.dtype(p.dtype)} (tensor cores here take float16/bfloat16)"
     for name, d in (("D", p.head_dim), ("Dv", p.head_dim_v)):
@@ -260,6 +319,12 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
             return f"{name}={d} is not a multiple of 8 (rows must be 16-byte aligned)"
     if max(p.head_dim, p.head_dim_v) > HEAD_DIM_BUCKETS[-1]:
         return f"head dim {max(p.head_dim, p.head_dim_v)} > {HEAD_DIM_BUCKETS[-1]}"
+    if arch < MIN_ARCH:
+        bucket = AttentionFwdMma.bucket(p.head_dim, p.head_dim_v)
+        smallest = AttentionFwdMma(key, bucket, *TILE_CANDIDATES_SM75[bucket][-1], single_stage=True).smem_bytes
+        if smallest > plan.max_dynamic_smem(arch):
+            return (f"head dim {max(p.head_dim, p.head_dim_v)}: the smallest tile needs {smallest} B of shared memory, "
+                    f"sm_{arch} has {plan.max_dynamic_smem(arch)} B")
     for a, name in zip(arrays or (), ("q", "k", "v", "out")):
         if a is None or a.size == 0:
             continue
@@ -301,6 +366,15 @@ def variant_for(problem, arch: int) -> AttentionFwdMma:
                           varlen=problem.varlen is not None, dropout=problem.dropout is not None,
                           mods=problem.modifiers is not None, user=user_c(problem),
                           block_sparse=problem.modifiers is not None and problem.modifiers.block_mask is not None)
+
+
+def form_note(problem, arch: int) -> str | None:
+    """The note :func:`cuflash.kernels.dispatch.describe_choice` adds on sm_75: the Turing form
+    and what it gives up (None on sm_80 and newer)."""
+    if arch >= MIN_ARCH:
+        return None
+    return (f"the sm_{arch} (Turing) form: mma.sync m16n8k8, two per m16n8k16; no cp.async on sm_{arch}: "
+            "register-staged synchronous copies")
 
 
 def forward(problem, q, k, v, out, call):

@@ -39,9 +39,9 @@ def variants_for_arch(arch: int) -> tuple:
             for dropout, mods in ((False, False), (False, True), (True, False), (True, True)):
                 out.extend(attention_fwd_simt.all_variants(arch, varlen=varlen, dropout=dropout, mods=mods))
                 out.extend(attention_bwd_simt.all_variants(arch, varlen=varlen, dropout=dropout, mods=mods))
-        if arch >= attention_fwd_mma.MIN_ARCH:
+        if arch >= attention_fwd_mma.SM75_ARCH:   # (sm_75: the float16 Turing form)
             out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen))
-        if arch >= attention_bwd_mma.MIN_ARCH:
+        if arch >= attention_fwd_mma.SM75_ARCH:
             out.extend(attention_bwd_mma.all_variants(arch, varlen=varlen))
     if arch >= attention_fwd_mma.MIN_ARCH:   # the KV-cache forms (fixed q, and packed q for chunked prefill)
         for varlen in (False, True):

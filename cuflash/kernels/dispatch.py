@@ -179,7 +179,8 @@ def describe_backward_choice(problem, arch: int, arrays=None) -> str:
     mod, reasons = _choose(problem, arch, arrays, BACKWARD_TIERS)
     v = mod.main_variant(problem, arch)
     name = dict((m, n) for n, m in BACKWARD_TIERS)[mod]
-    line = f"sm_{arch}: {name} tier, " + (v.describe() if hasattr(v, "describe") else v.entry)
+    what = v.describe(arch) if mod is attention_bwd_mma else v.describe() if hasattr(v, "describe") else v.entry
+    line = f"sm_{arch}: {name} tier, " + what
     return line + ("; " + "; ".join(reasons) if reasons else "")
 
 

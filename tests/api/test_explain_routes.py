@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.tiers import without_tensor_cores
 
 import cuflash
 from cuflash import sim
@@ -125,7 +126,10 @@ def test_a_packed_backward_whose_only_tile_spills_runs_the_portable_tier(launche
      "the plain packed 32 x 64 tile spills registers to local memory on sm_75 under NVRTC 13.x (float16); 32 x 32 "
      "runs it without spills"),
 ], ids=["sm90-f32-d256", "sm75-f16-d64"])
-def test_a_plain_packed_portable_forward_that_spills_runs_another_form(arch, d, dtype, entry, note, launches):
+def test_a_plain_packed_portable_forward_that_spills_runs_another_form(arch, d, dtype, entry, note, launches,
+                                                                         monkeypatch):
+    if arch == 75:   # (float16 on sm_75 goes to the tensor-core tier's sm_75 form first)
+        without_tensor_cores(monkeypatch)
     cu = np.array([0, 5, 40], np.int32)
     q = np.zeros((40, 2, d), dtype)
     info = cuflash.explain_varlen(q, q, q, cu, cu, 35, 35, arch=arch)

@@ -220,5 +220,5 @@ def test_explain_kvcache_names_the_fp8_form(rng):
         assert f"sm_{arch}: tensor-core mma.sync tier, KV-cache form over an fp8 (float8_e4m3fn) paged cache" \
             in info["choice"]
         assert "fp8 (float8_e4m3fn) cache converted to bf16 in shared memory" in info["choice"]
-    with pytest.raises(NotImplementedError, match=r"sm_75 has no m16n8k16 bf16 mma"):
+    with pytest.raises(NotImplementedError, match=r"sm_75 \(Turing\) has no bfloat16 tensor-core mma"):
         cuflash.explain_kvcache(q, kc, vc, lengths, arch=75, num_splits=1, **kw)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from allpairspy import AllPairs
 from support.grids import default_share
+from support.tiers import without_tensor_cores
 from support.device import on_device, sim_call
 from support.inputs import make_batch
 from support.options import check_varlen
@@ -46,7 +47,7 @@ USED = ["all", "some"]
 DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
 TIERS = ["mma_sm90", "mma_sm80", "simt_sm75"]
 MODES = ["atomic", "deterministic"]
-ARCH = {"mma_sm90": "sm_90", "mma_sm80": "sm_80", "simt_sm75": "sm_75"}
+ARCH = {"mma_sm90": "sm_90", "mma_sm80": "sm_80", "simt_sm75": "sm_75", "mma_sm75": "sm_75"}
 
 AXES = [list(BATCHES), HEADS, HEAD_DIMS, DV, list(MASKS), USED, list(DTYPES), TIERS, MODES]
 PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
@@ -56,6 +57,11 @@ def run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, *
     if tier == "mma_sm90":   # the tensor-core tier on sm_90: without the Hopper tier, which takes aligned packed calls
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(dispatch, "TIERS", tuple(t for t in dispatch.TIERS if t[1] is not attention_fwd_sm90))
+            return _run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, checked=checked,
+                             seed=seed)
+    if tier == "simt_sm75":   # the portable tier on sm_75: without the tensor-core tier's sm_75 form (float16)
+        with pytest.MonkeyPatch.context() as mp:
+            without_tensor_cores(mp)
             return _run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, checked=checked,
                              seed=seed)
     return _run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, checked=checked, seed=seed)
@@ -92,6 +98,23 @@ def _run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, 
 def test_pairwise_grid(case, rng):
     # the simulator's thread-order seed varies over the grid (0..3): copies land early or late
     run_case(rng, *PAIRWISE[case], seed=case % 4)
+
+
+#: the tensor-core tier's sm_75 (Turing) form: the design's cases in float16 (slow: a build per variant)
+SM75_CASES = sorted({c[:6] + ("f16", "mma_sm75") + c[8:] for c in PAIRWISE})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SM75_CASES, ids=["-".join(map(str, c)) for c in SM75_CASES])
+def test_sm75_tensor_core_form(case, rng):
+    run_case(rng, *case)
+
+
+@pytest.mark.checked
+@pytest.mark.slow
+def test_sm75_checked(rng):
+    for mode in MODES:
+        run_case(rng, "mixed5", (4, 2), 64, "other", "causal", "some", "f16", "mma_sm75", mode, checked=True)
 
 
 @pytest.mark.checked

@@ -62,6 +62,10 @@ TIERS = {
 }
 _PAIRWISE = {name: [tuple(c) for c in AllPairs(t.axes())] for name, t in TIERS.items()}
 GRID = [(name, c) for name, cases in _PAIRWISE.items() for c in cases]
+#: the tensor-core backward's sm_75 (Turing) form: float16, head dims up to its one bucket (64; Dv
+#: "other" is 40 or 56), slow (a simulator build per variant)
+SM75 = Tier(75, attention_bwd_mma, (1, 17, 97, 128, 300), (40, 64, 56), ("f16",), MODES)
+SM75_GRID = [tuple(c) for c in AllPairs(SM75.axes())]
 
 
 def _problem(dout, q, k, v, out, lse, **kw):
@@ -89,6 +93,8 @@ def run_case(rng, t: Tier, case, *, seed=0, arch=None, dv=None, scale=1.0):
     # the tensor-core tier itself, also where the Hopper backward would take the call
     # (tests/kernels/test_hopper_backward.py runs that one)
     tiers = tuple(x for x in dispatch.BACKWARD_TIERS if x[1] is not attention_bwd_sm90)
+    if t.module is attention_bwd_simt:   # (its float16 calls on sm_75: the tensor-core tier's sm_75 form, SM75)
+        tiers = tuple(x for x in tiers if x[1] is not attention_bwd_mma)
     with mock.patch.object(dispatch, "BACKWARD_TIERS", tiers):
         assert dispatch.backward_tier(_problem(dout, q, k, v, out, lse, **kw), arch, (q, k, v, out, dout)) is t.module
         with cuflash.sim.options(seed=seed, arch=f"sm_{arch}"):
@@ -104,6 +110,20 @@ def run_case(rng, t: Tier, case, *, seed=0, arch=None, dv=None, scale=1.0):
                                                    args=lambda g: g, key=lambda g: (g[0], *g[1])))
 def test_grid(tier, case, rng):
     run_case(rng, TIERS[tier], case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SM75_GRID, ids=["-".join(map(str, c)).replace(" ", "") for c in SM75_GRID])
+def test_sm75_grid(case, rng):
+    run_case(rng, SM75, case)
+
+
+@pytest.mark.checked
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SM75_GRID[:4])
+def test_sm75_grid_checked(case, rng):
+    with cuflash.sim.options(checked=True):
+        run_case(rng, SM75, case)
 
 
 @pytest.mark.checked
@@ -195,12 +215,14 @@ def test_fallbacks_to_simt(rng):
     assert tier(192, 192, arch=86) is attention_bwd_simt  # no 192 tile fits 99 KB
     assert tier(60, 64) is attention_bwd_simt  # D not a multiple of 8
     assert tier(64, 64, dtype=dtypes.float32) is attention_bwd_simt
-    assert tier(64, 64, arch=75) is attention_bwd_simt
+    assert tier(64, 64, arch=75) is attention_bwd_mma   # the sm_75 form's one bucket
+    assert tier(128, 128, arch=75) is attention_bwd_simt and tier(64, 64, dtype=dtypes.bfloat16, arch=75) is attention_bwd_simt
     assert tier(64, 64, offset=True) is attention_bwd_simt
 
 
 def test_simt_backward_serves_fp16_where_the_mma_cannot(rng):
-    # sm_75 has no tensor-core backward: the portable kernel's fp16/bf16 main stage runs
+    # the portable kernel's fp16/bf16 main stage on sm_75 (bf16 there, and fp16 past the tensor-core
+    # form's bucket 64 or misaligned; run_case takes the tensor-core tier out for the simt tier)
     for dt in ("f16", "bf16"):
         run_case(rng, TIERS["simt"], (19, 37, 64, "same", (2, 1), "causal", "bhsd", dt, "atomic"))
 
@@ -210,8 +232,9 @@ def test_variants():
         for v in attention_bwd_simt.all_variants(arch):
             assert v.smem_bytes <= 64 * 1024  # sm_75's opt-in limit, the smallest
     q = np.zeros((1, 2, 16, 64), np.float16)
-    assert dispatch.backward_tier(check_attention(q, q, q), 75) is attention_bwd_simt
-    assert attention_bwd_mma.all_variants(75) == ()
+    assert dispatch.backward_tier(check_attention(q, q, q), 75) is attention_bwd_mma
+    assert [v.name for v in attention_bwd_mma.all_variants(75)] == ["main_f16_d64_m64_n64_s1"]   # Turing's 64 KB
+    assert attention_bwd_mma.all_variants(75, dropout=True) == () and attention_bwd_mma.all_variants(70) == ()
     buckets = {arch: sorted({v.head_dim_max for v in attention_bwd_mma.all_variants(arch)}) for arch in (80, 86, 90)}
     assert buckets == {80: [64, 128, 192, 256], 86: [64, 128], 90: [64, 128, 192, 256]}
     for arch in (80, 86, 89, 90):

@@ -33,6 +33,7 @@ from support.grids import default_share
 from support.grads import check_grads_close
 from support.inputs import MASKS, MISALIGNED_FORMS, aligned, make_inputs
 from support.options import check_attention
+from support.tiers import without_tensor_cores
 from support.tolerance import check_close, check_lse
 
 import cuflash
@@ -95,14 +96,18 @@ TIERS = {
                 _expects_mma),
 }
 TIERS["sm90"] = dataclasses.replace(TIERS["mma"], module=attention_fwd_sm90, hopper=True, expects=_expects_sm90)
+#: the tensor-core tier's sm_75 (Turing) form: float16 only, the tensor-core grid's other axes
+TIERS["sm75"] = dataclasses.replace(TIERS["mma"], arch=75, hopper=True, dtypes=("f16",))
 
-_PAIRWISE = {name: [tuple(c) for c in AllPairs(t.axes())] for name, t in TIERS.items() if name != "sm90"}
+_PAIRWISE = {name: [tuple(c) for c in AllPairs(t.axes())] for name, t in TIERS.items() if name not in ("sm90", "sm75")}
 #: the Hopper tier's part of the tensor-core axes: the cases it takes, and a few it refuses
 _PAIRWISE["sm90"] = ([c for c in _PAIRWISE["mma"] if _expects_sm90(c[2], _MMA_DV[c[2]] if c[3] == "other" else c[2],
                                                                      c[6], None)]
                      + [c for c in _PAIRWISE["mma"] if not _expects_sm90(
                          c[2], _MMA_DV[c[2]] if c[3] == "other" else c[2], c[6], None)][:6])
 GRID = [(name, c) for name, cases in _PAIRWISE.items() for c in cases]
+#: the sm_75 grid (slow: a simulator build per variant): the tensor-core design's cases, in float16
+SM75_GRID = sorted({c[:7] + ("f16",) + c[8:] for c in _PAIRWISE["mma"]})
 
 
 @pytest.fixture
@@ -112,6 +117,8 @@ def tier_list(monkeypatch):
     def use(t: Tier):
         if not t.hopper:
             monkeypatch.setattr(dispatch, "TIERS", tuple(x for x in dispatch.TIERS if x[1] is not attention_fwd_sm90))
+        if t.module is attention_fwd_simt:   # (its float16 calls: the tensor-core tier's sm_75 form, TIERS["sm75"])
+            without_tensor_cores(monkeypatch)
     return use
 
 
@@ -154,6 +161,19 @@ def run_case(rng, t: Tier, case, *, arch=None, batch=None):
 def test_grid(tier, case, rng, tier_list):
     tier_list(TIERS[tier])
     run_case(rng, TIERS[tier], case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SM75_GRID, ids=["-".join(map(str, c)).replace(" ", "") for c in SM75_GRID])
+def test_sm75_grid(case, rng):
+    run_case(rng, TIERS["sm75"], case)
+
+
+def test_sm75_grid_covers_every_sm75_variant():
+    t = TIERS["sm75"]
+    seen = {attention_fwd_mma.choose_variant(DTYPES["f16"], c[2], _dv(t, c[2], c[3]), 75)
+            for c in SM75_GRID if _expects_mma(c[2], _dv(t, c[2], c[3]), c[6], None)}
+    assert seen == set(attention_fwd_mma.all_variants(75))
 
 
 def test_covering_designs_cover_every_value_and_pair():
@@ -306,12 +326,17 @@ def test_describe_choice_names_tier_variant_and_reason(tier_list):
                            "query rows, Br=128 x Bc=64")
     assert "portable SIMT" in dispatch.describe_choice(prob(dtypes.float32, 64), 90)
     assert "float32" in dispatch.describe_choice(prob(dtypes.float32, 64), 90)
-    assert "needs sm_80+" in dispatch.describe_choice(prob(dtypes.float16, 64), 75)
+    line = dispatch.describe_choice(prob(dtypes.float16, 64), 75)   # the sm_75 (Turing) form
+    assert line.startswith("sm_75: tensor-core mma.sync tier, cuflash_attn_fwd_mma_f16_d64_m128_n32_s1") and "Turing" in line
+    assert "has no bfloat16 tensor-core mma" in dispatch.describe_choice(prob(dtypes.bfloat16, 64), 75)
+    assert "tensor cores on sm_75 take float16" in dispatch.describe_choice(prob(dtypes.float32, 64), 75)
+    assert "needs sm_75+" in dispatch.describe_choice(prob(dtypes.float16, 64), 70)
     assert "D=72" not in dispatch.describe_choice(prob(dtypes.float16, 72), 90)  # 72 runs in bucket 96
     assert "D=59 is not a multiple of 8" in dispatch.describe_choice(prob(dtypes.float16, 59), 90)
     assert "Dv=20 is not a multiple of 8" in dispatch.describe_choice(prob(dtypes.float16, 64, 20), 90)
     assert dispatch.forward_tier(prob(dtypes.float16, 256), 90) is attention_fwd_mma
-    assert dispatch.forward_tier(prob(dtypes.float16, 64), 75) is attention_fwd_simt
+    assert dispatch.forward_tier(prob(dtypes.float16, 64), 75) is attention_fwd_mma
+    assert dispatch.forward_tier(prob(dtypes.bfloat16, 64), 75) is attention_fwd_simt
     # a stride that is not a multiple of 8 elements (a slice of a packed buffer)
     big = np.zeros((1, 1, 16, 68), np.float16)
     p = check_attention(big[..., :64], big[..., :64], big[..., :64])
@@ -335,7 +360,11 @@ def test_variants_fit_and_are_named():
             assert v.smem_bytes <= plan.max_dynamic_smem(arch)
     for arch in (86, 89):  # 99 KB parts still get a tile for every bucket
         assert {v.head_dim_max for v in attention_fwd_mma.all_variants(arch)} == set(attention_fwd_mma.HEAD_DIM_BUCKETS)
-    assert attention_fwd_mma.all_variants(75) == ()
+    vs = attention_fwd_mma.all_variants(75)   # the sm_75 form: float16, one stage, in Turing's 64 KB
+    assert {v.head_dim_max for v in vs} == set(attention_fwd_mma.HEAD_DIM_BUCKETS)
+    assert all(v.dtype == "f16" and v.stages == 1 and v.smem_bytes <= plan.max_dynamic_smem(75) for v in vs)
+    assert 2 * attention_fwd_mma.choose_variant(dtypes.float16, 64, 64, 75).smem_bytes <= 64 * 1024   # 2 CTAs per SM
+    assert attention_fwd_mma.all_variants(75, dropout=True) == () and attention_fwd_mma.all_variants(70) == ()
     v = attention_fwd_mma.choose_variant(dtypes.float16, 80, 40, 90)
     assert v.head_dim_max == 96 and v.entry.startswith("cuflash_attn_fwd_mma_f16_d96_")
     with pytest.raises(NotImplementedError, match="float32"):
@@ -344,11 +373,14 @@ def test_variants_fit_and_are_named():
         attention_fwd_mma.AttentionFwdMma("f16", 72, 64, 64)
 
 
-def test_catalog_lists_the_tensor_core_variants_on_sm80_and_sm90_only():
+def test_catalog_lists_the_tensor_core_variants_on_sm75_and_newer():
     targets = catalog.compile_targets()
-    for arch in attention_fwd_mma.ARCHES:
+    for arch in attention_fwd_mma.ARCHES + (attention_fwd_mma.SM75_ARCH,):
         assert set(attention_fwd_mma.all_variants(arch)) <= {v for a, v in targets if a == arch}
-    assert not any(v.family == "attn_fwd_mma" for a, v in targets if a < attention_fwd_mma.MIN_ARCH)
+    assert not any(v.family == "attn_fwd_mma" for a, v in targets if a < attention_fwd_mma.SM75_ARCH)
+    # sm_75: the float16 fixed and packed forms only (no KV-cache, dropout or modifier forms there)
+    sm75 = {v for a, v in targets if a == 75 and v.family == "attn_fwd_mma"}
+    assert sm75 == set(attention_fwd_mma.all_variants(75) + attention_fwd_mma.all_variants(75, varlen=True))
 
 
 # --------------------------------------------------------------------------------------------

@@ -378,6 +378,8 @@ def test_explain_names_itself_in_arch_errors():
 
 def test_explain_reason_names_the_dtype_of_the_call():
     q = np.zeros((1, 1, 4, 64), np.float16)
-    assert "no m16n8k16 f16 mma" in cuflash.explain(q, q, q, arch=75)["choice"]
+    assert "sm_75: tensor-core mma.sync tier" in cuflash.explain(q, q, q, arch=75)["choice"]   # the Turing form
     b = q.astype(dtypes.bfloat16)
-    assert "no m16n8k16 bf16 mma" in cuflash.explain(b, b, b, arch=75)["choice"]
+    assert "sm_75 (Turing) has no bfloat16 tensor-core mma" in cuflash.explain(b, b, b, arch=75)["choice"]
+    f = q.astype(np.float32)
+    assert "dtype float32 (tensor cores on sm_75 take float16)" in cuflash.explain(f, f, f, arch=75)["choice"]
