@@ -169,6 +169,19 @@ def test_sm75_grid(case, rng):
     run_case(rng, TIERS["sm75"], case)
 
 
+#: a checked-mode subset of the sm_75 grid: one case per head-dim bucket, masked and unmasked
+SM75_CHECKED = [next(c for c in SM75_GRID if c[2] == d and c[5] == m)
+                for d, m in ((64, "causal"), (96, "none"), (128, "win_lr"), (192, "none"), (256, "causal"))]
+
+
+@pytest.mark.checked
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SM75_CHECKED, ids=["-".join(map(str, c)).replace(" ", "") for c in SM75_CHECKED])
+def test_sm75_checked(case, rng):
+    with sim.options(checked=True):
+        run_case(rng, TIERS["sm75"], case)
+
+
 def test_sm75_grid_covers_every_sm75_variant():
     t = TIERS["sm75"]
     seen = {attention_fwd_mma.choose_variant(DTYPES["f16"], c[2], _dv(t, c[2], c[3]), 75)
