@@ -105,6 +105,9 @@ class AttentionBwdMma(variants.TileVariant):
     head_dim_buckets: ClassVar[tuple[int, ...]] = HEAD_DIM_BUCKETS
 
     stages: int = 2
+    #: the sm_75 form built for a newer arch (``CUFLASH_SM75_FORM`` 1, entry suffix ``_sm75form``;
+    #: :func:`cuflash.kernels.attention_fwd_mma.sm75_form`)
+    sm75_form: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
@@ -113,7 +116,7 @@ class AttentionBwdMma(variants.TileVariant):
                              "a multiple of 32 rows by a multiple of 64 keys with 1 or 2 stages")
 
     def axes(self) -> tuple[str, ...]:
-        return ("main",) + super().axes() + (f"s{self.stages}",)
+        return ("main",) + super().axes() + (f"s{self.stages}",) + (("sm75form",) if self.sm75_form else ())
 
     def spilling_nvrtc_majors(self, arch: int) -> tuple[int, ...]:
         """The NVRTC majors that spill this variant on ``sm_<arch>`` (:data:`SPILLING_FORMS`)."""
@@ -159,10 +162,10 @@ class AttentionBwdMma(variants.TileVariant):
             ("CUFLASH_DKV_WARPS_N", str(kvn)),
             ("CUFLASH_DQ_WARPS_M", str(qm)),
             ("CUFLASH_DQ_PASSES", str(self.dq_passes)),
-        )
+        ) + ((("CUFLASH_SM75_FORM", "1"),) if self.sm75_form else ())
 
     def describe(self, arch: int | None = None) -> str:
-        if arch is not None and arch < MIN_ARCH:   # the sm_75 form (kernels_cu/ptx.cuh: CUFLASH_SM75_FORM)
+        if self.sm75_form or (arch is not None and arch < MIN_ARCH):   # the sm_75 form (kernels_cu/ptx.cuh: CUFLASH_SM75_FORM)
             return (f"{self.entry}: {WARPS} warps, Bc={self.block_n} keys x Br={self.block_m} query tiles, head-dim "
                     f"bucket {self.head_dim_max}, {self.smem_bytes} B shared memory ({self.stages}-stage Q/dO, "
                     f"register-staged copies), mma.sync m16n8k8 x 2 per m16n8k16 {self.dtype}")
@@ -172,8 +175,10 @@ class AttentionBwdMma(variants.TileVariant):
 
 
 def _candidates(bucket: int, arch: int, mods: bool = False, dropout: bool = False) -> tuple[tuple[int, int, int], ...]:
-    if arch < MIN_ARCH and bucket in TILE_CANDIDATES_SM75:
+    if (arch < MIN_ARCH or attention_fwd_mma.sm75_form_forced()) and bucket in TILE_CANDIDATES_SM75:
         return TILE_CANDIDATES_SM75[bucket]
+    if attention_fwd_mma.sm75_form_forced():   # (no sm_75 tile: the smallest of sm_80's, which fits no 64 KB)
+        return TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket])
     if mods and bucket in TILE_CANDIDATES_MODS:
         return TILE_CANDIDATES_MODS[bucket]
     if dropout and bucket in TILE_CANDIDATES_DROPOUT:
@@ -183,10 +188,12 @@ def _candidates(bucket: int, arch: int, mods: bool = False, dropout: bool = Fals
 
 def _fitting(key: str, bucket: int, arch: int, dropout: bool = False, mods: bool = False,
              user: tuple = ("", "", "")) -> AttentionBwdMma | None:
+    forced = attention_fwd_mma.sm75_form_forced()
     candidates = (AttentionBwdMma(key, bucket, bm, bn, st, dropout=dropout, mods=mods, score_c=user[0],
-                                  mask_c=user[1], grad_c=user[2])
+                                  mask_c=user[1], grad_c=user[2], sm75_form=forced and arch >= MIN_ARCH)
                   for bm, bn, st in _candidates(bucket, arch, mods, dropout))
-    return AttentionBwdMma.first_fitting(candidates, plan.max_dynamic_smem(arch))
+    limit = plan.max_dynamic_smem(min(arch, attention_fwd_mma.SM75_ARCH) if forced else arch)
+    return AttentionBwdMma.first_fitting(candidates, limit)
 
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout: bool = False,
@@ -270,8 +277,9 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         bucket = AttentionBwdMma.bucket(p.head_dim, p.head_dim_v)
         if _fitting(variants.dtype_key(p.dtype), bucket, arch) is None:
             smallest = AttentionBwdMma("f16", bucket, *_candidates(bucket, arch)[-1]).smem_bytes
+            where = (min(arch, attention_fwd_mma.SM75_ARCH) if attention_fwd_mma.sm75_form_forced() else arch)
             why = (f"head dim {max(p.head_dim, p.head_dim_v)}: the smallest backward tile needs {smallest} B of shared "
-                   f"memory, sm_{arch} has {plan.max_dynamic_smem(arch)} B")
+                   f"memory, sm_{where} has {plan.max_dynamic_smem(where)} B")
     m = p.modifiers
     traced = m is not None and (m.score_mod is not None or m.mask_mod is not None)
     if why is None and (p.dropout is not None or m is not None) and not traced:

@@ -15,6 +15,8 @@ the SIMT kernel and says so (:func:`cuflash.kernels.dispatch.describe_choice`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import ClassVar
 
@@ -45,6 +47,8 @@ SM75_DTYPES = ("f16",)
 #: room for one, as 64 x 32 does at 192 (50 KB); at 256 only 64 x 16 fits (50 KB). A T4 without
 #: the opt-in has 48 KB per block: plan.max_dynamic_smem(75) is the opt-in's 64 KB.
 TILE_CANDIDATES_SM75 = {64: ((128, 32),), 96: ((128, 32),), 128: ((128, 32),), 192: ((64, 32),), 256: ((64, 16),)}
+#: whether :func:`sm75_form` is in force (this context)
+_SM75_FORM = contextvars.ContextVar("cuflash_sm75_form", default=False)
 #: the packed (varlen) form's, where they differ: at bucket 128, 128 x 32 spills 96 bytes under
 #: NVRTC 12.9 on sm_75 (255 registers; 13.x: 248, none), 64 x 32 136; 128 x 16 takes 237, no spill
 TILE_CANDIDATES_SM75_VARLEN = {128: ((128, 16),)}
@@ -118,12 +122,18 @@ class AttentionFwdMma(variants.TileVariant):
     single_stage : bool
         One K/V stage whatever the bucket (entry suffix ``_s1``): the sm_75 tiles
         (:data:`TILE_CANDIDATES_SM75`).
+    sm75_form : bool
+        The sm_75 form's instructions on a newer arch (``CUFLASH_SM75_FORM`` 1, entry suffix
+        ``_sm75form``): a correctness check of the Turing kernel on a newer GPU (:func:`sm75_form`).
     """
 
     kvcache: bool = dataclasses.field(default=False, kw_only=True)
     cache_fp8: bool = dataclasses.field(default=False, kw_only=True)
     #: one K/V stage at every bucket (entry suffix ``_s1``): the sm_75 form's tiles
     single_stage: bool = dataclasses.field(default=False, kw_only=True)
+    #: the sm_75 form built for a newer arch (``CUFLASH_SM75_FORM`` 1, entry suffix ``_sm75form``;
+    #: :func:`sm75_form`); below sm_80 every build is in that form
+    sm75_form: bool = dataclasses.field(default=False, kw_only=True)
 
     family: ClassVar[str] = "attn_fwd_mma"
     source: ClassVar[str] = "attention_fwd_mma.cu"
@@ -176,7 +186,7 @@ class AttentionFwdMma(variants.TileVariant):
     @property
     def name(self) -> str:
         return (super().name + ("_kvcache" if self.kvcache else "") + ("_e4m3" if self.cache_fp8 else "")
-                + ("_s1" if self.single_stage else ""))
+                + ("_s1" if self.single_stage else "") + ("_sm75form" if self.sm75_form else ""))
 
     def defines(self) -> tuple[tuple[str, str], ...]:
         return super().defines() + (
@@ -185,7 +195,8 @@ class AttentionFwdMma(variants.TileVariant):
             ("CUFLASH_M_FRAGS", str(self.rows_per_warp // 16)),
             ("CUFLASH_STAGES", str(self.stages)),
             ("CUFLASH_MIN_BLOCKS", str(MIN_BLOCKS)),
-        ) + ((("CUFLASH_CACHE_FP8", "1"),) if self.cache_fp8 else ())   # (the other forms' sources unchanged)
+        ) + ((("CUFLASH_CACHE_FP8", "1"),) if self.cache_fp8 else ()) + (   # (the other forms' sources unchanged)
+            (("CUFLASH_SM75_FORM", "1"),) if self.sm75_form else ())
 
     def describe(self) -> str:
         if self.cache_fp8:
@@ -214,13 +225,14 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
     if key not in MMA_DTYPES:
         raise NotImplementedError(f"cuflash: the tensor-core kernel computes float16 and bfloat16, not {np.dtype(dtype)}")
     bucket = AttentionFwdMma.bucket(head_dim, head_dim_v)
-    if arch < MIN_ARCH:
-        why = sm75_reason(key, arch, kvcache=kvcache, dropout=dropout, mods=mods)
+    if arch < MIN_ARCH or sm75_form_forced():
+        why = sm75_reason(key, min(arch, SM75_ARCH), kvcache=kvcache, dropout=dropout, mods=mods)
         if why is not None:
             raise NotImplementedError(f"cuflash: the tensor-core kernel on sm_{arch}: {why}")
         tiles = (TILE_CANDIDATES_SM75_VARLEN if varlen else {}).get(bucket, TILE_CANDIDATES_SM75[bucket])
-        v = AttentionFwdMma.first_fitting((AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, single_stage=True)
-                                           for bm, bn in tiles), plan.max_dynamic_smem(arch))
+        v = AttentionFwdMma.first_fitting((AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, single_stage=True,
+                                                           sm75_form=arch >= MIN_ARCH)
+                                           for bm, bn in tiles), plan.max_dynamic_smem(min(arch, SM75_ARCH)))
         if v is None:
             raise NotImplementedError(f"cuflash: no tensor-core attention tile fits sm_{arch}'s shared memory for head "
                                       f"dim {bucket}")
@@ -267,6 +279,27 @@ def all_variants(arch: int, *, varlen: bool = False, kvcache: bool = False,
 # eligibility
 
 
+@contextlib.contextmanager
+def sm75_form():
+    """In this context the tensor-core tiers run their sm_75 (Turing) form on every arch: the
+    sm_75 tiles, built with ``CUFLASH_SM75_FORM`` (two m16n8k8 per m16n8k16, register-staged
+    copies; both exist on newer GPUs), and the Hopper tiers step aside
+    (:func:`cuflash.kernels.dispatch.target_reason`). ``python -m cuflash check`` runs it on a
+    newer GPU to check the Turing kernel's results there; its speed there says nothing about a
+    T4's. Calls the form does not take (bf16, float32, KV cache, dropout, modifiers) take the
+    portable tier, as on sm_75."""
+    token = _SM75_FORM.set(True)
+    try:
+        yield
+    finally:
+        _SM75_FORM.reset(token)
+
+
+def sm75_form_forced() -> bool:
+    """Whether :func:`sm75_form` is in force."""
+    return _SM75_FORM.get()
+
+
 def sm75_reason(key: str, arch: int, *, kvcache: bool = False, dropout: bool = False,
                 mods: bool = False) -> str | None:
     """Why the sm_75 form (:data:`SM75_ARCH`) cannot run a call of dtype key ``key`` (``"f16"``,
@@ -306,8 +339,8 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         key = variants.dtype_key(p.dtype)
     except KeyError:
         key = str(np.dtype(p.dtype))
-    if arch < MIN_ARCH:
-        why = sm75_reason(key if key in MMA_DTYPES else str(np.dtype(p.dtype)), arch,
+    if arch < MIN_ARCH or sm75_form_forced():
+        why = sm75_reason(key if key in MMA_DTYPES else str(np.dtype(p.dtype)), min(arch, SM75_ARCH),
                           kvcache=getattr(p, "kvcache", None) is not None, dropout=p.dropout is not None,
                           mods=p.modifiers is not None)
         if why is not None:
@@ -319,7 +352,7 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
             return f"{name}={d} is not a multiple of 8 (rows must be 16-byte aligned)"
     if max(p.head_dim, p.head_dim_v) > HEAD_DIM_BUCKETS[-1]:
         return f"head dim {max(p.head_dim, p.head_dim_v)} > {HEAD_DIM_BUCKETS[-1]}"
-    if arch < MIN_ARCH:
+    if arch < MIN_ARCH or sm75_form_forced():
         bucket = AttentionFwdMma.bucket(p.head_dim, p.head_dim_v)
         smallest = AttentionFwdMma(key, bucket, *TILE_CANDIDATES_SM75[bucket][-1], single_stage=True).smem_bytes
         if smallest > plan.max_dynamic_smem(arch):
@@ -371,6 +404,9 @@ def variant_for(problem, arch: int) -> AttentionFwdMma:
 def form_note(problem, arch: int) -> str | None:
     """The note :func:`cuflash.kernels.dispatch.describe_choice` adds on sm_75: the Turing form
     and what it gives up (None on sm_80 and newer)."""
+    if sm75_form_forced() and arch >= MIN_ARCH:
+        return (f"the sm_75 (Turing) form, built for sm_{arch} to check its results: its speed here says nothing "
+                "about a T4's")
     if arch >= MIN_ARCH:
         return None
     return (f"the sm_{arch} (Turing) form: mma.sync m16n8k8, two per m16n8k16; no cp.async on sm_{arch}: "

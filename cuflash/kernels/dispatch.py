@@ -73,6 +73,8 @@ def target_reason(mod, arch: int, nvrtc_majors=None) -> str | None:
     simulator-only install) the compiler condition is not applied.
     """
     target = getattr(mod, "TARGET_ARCH", None)
+    if target is not None and attention_fwd_mma.sm75_form_forced():
+        return "the tensor-core tier's sm_75 (Turing) form is in force (attention_fwd_mma.sm75_form)"
     if target is not None:
         why = cubin.arch_reason(target, arch)
         if why is not None:

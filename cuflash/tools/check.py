@@ -28,6 +28,10 @@ an overrun fails that section only, the others still run); ``--sections`` picks 
 ``modifiers``    softcap, ALiBi, a broadcast bias, a boolean mask with fully masked rows and
                  tiles, sinks: forward and backward (with d attn_bias and d sinks)
 ``sim``          GPU output against the CUDA simulator's on the same small inputs
+``turing``       (compute capability 8.0 and newer) the tensor-core tier's sm_75 (Turing) form
+                 (two m16n8k8 per m16n8k16, register-staged copies) built for this GPU, whose
+                 instructions it has: fp16 forward and backward against the float64 oracle. A
+                 check of the T4 kernel's results only: its speed here says nothing about a T4's
 ``hopper``       (compute capability 9.0) the sm_90a probes of kernels_cu/hopper_probe.cu:
                  TMA-fed wgmma GEMMs for every swizzle and both B layouts, A from registers, the
                  e4m3 (fp8) wgmma, the warp-specialized pipeline, stmatrix, elect.sync; each exact,
@@ -71,10 +75,10 @@ PROG = "python -m cuflash check"
 DEFAULT_BUDGET_S = 170.0
 
 SECTIONS = ("device", "compile", "grid", "large", "softmax", "backward", "kvcache", "fp8", "dropout", "modifiers", "sim",
-            "hopper", "torch", "distributed", "jax", "graph", "demo")
+            "turing", "hopper", "torch", "distributed", "jax", "graph", "demo")
 
 #: share of the budget each section may use at most (soft: sections stop between cases)
-_SHARE = {"device": 0.05, "compile": 0.45, "grid": 0.35, "large": 0.25, "softmax": 0.1, "backward": 0.15, "kvcache": 0.1, "fp8": 0.1, "dropout": 0.1, "modifiers": 0.15, "sim": 0.3, "hopper": 0.15,
+_SHARE = {"device": 0.05, "compile": 0.45, "grid": 0.35, "large": 0.25, "softmax": 0.1, "backward": 0.15, "kvcache": 0.1, "fp8": 0.1, "dropout": 0.1, "modifiers": 0.15, "sim": 0.3, "turing": 0.1, "hopper": 0.15,
           "torch": 0.1, "distributed": 0.1, "jax": 0.15, "graph": 0.1, "demo": 0.1}
 
 
@@ -859,6 +863,71 @@ def section_sim(clock, log) -> str:
     if sdiff > 2.0**-10:
         raise AssertionError(f"softmax GPU vs simulator differ by {sdiff:.3g}")
     return f"{len(cases)} attention cases + softmax agree with sim_{sim_arch} (max|diff| {max(lines):.1e})"
+
+
+#: the sm_75 form's cases (fp16; every tile shape of its forward, and its backward's bucket 64)
+TURING_CASES = [dict(dtype="f16", B=1, Hq=4, Hk=2, Sq=150, Sk=130, D=64, Dv=64, causal=True, window=(-1, -1)),
+                dict(dtype="f16", B=2, Hq=2, Hk=2, Sq=97, Sk=200, D=128, Dv=128, causal=False, window=(20, 10)),
+                dict(dtype="f16", B=1, Hq=2, Hk=1, Sq=70, Sk=90, D=192, Dv=160, causal=True, window=(-1, -1)),
+                dict(dtype="f16", B=1, Hq=2, Hk=2, Sq=33, Sk=129, D=256, Dv=256, causal=False, window=(-1, -1))]
+
+
+def turing_case(rng, c: dict, arch: int, device_call) -> tuple[str, float]:
+    """One case of the sm_75 form built for ``sm_<arch>`` (8.0 or newer): ``device_call(fn, arrays,
+    kw)`` runs the cuflash function ``fn`` on the device with host ``arrays`` and returns host
+    arrays. The forward (and, at head dim 64, the backward) in
+    :func:`cuflash.kernels.attention_fwd_mma.sm75_form` are held to the rule against the float64
+    oracle; the entry chosen must be an ``_sm75form`` build. Returns the entry and the worst error
+    as a fraction of the bound."""
+    import cuflash
+    from cuflash.kernels import attention_fwd_mma
+
+    c = dict(c, layout="bhsd", view="contiguous", logits=1.0)
+    q, k, v = _host_inputs(c, rng)
+    kw = dict(causal=c["causal"], window_size=c["window"])
+    with attention_fwd_mma.sm75_form():
+        entry = cuflash.explain(q, k, v, arch=arch, **kw)["entry"]
+        if not entry.endswith("_sm75form"):
+            raise AssertionError(f"{_case_name(c)}: the sm_75 form was not chosen ({entry})")
+        out, lse = device_call(cuflash.attention, (q, k, v), dict(kw, return_lse=True))
+    x64 = [x.astype(np.float64) for x in (q, k, v)]
+    o64, l64 = reference.naive_attention(*x64, return_lse=True, **kw)
+    worst = _held_to_rule(f"{_case_name(c)} out", out, cuflash.attention(q, k, v, **kw), o64, q.dtype)
+    if c["D"] <= 64:   # the backward's sm_75 form (bucket 64)
+        dout = rng.standard_normal(out.shape).astype(q.dtype)
+        with attention_fwd_mma.sm75_form():
+            grads = device_call(cuflash.attention_backward, (dout, q, k, v, out, lse), kw)
+        cpu = cuflash.attention_backward(dout, q, k, v, out, lse, backend="numpy", **kw)
+        exact = reference.attention_backward(dout.astype(np.float64), *x64, o64, l64, **kw)
+        for name, g, gc, ge in zip(("dq", "dk", "dv"), grads, cpu, exact):
+            worst = max(worst, _held_to_rule(f"{_case_name(c)} {name}", g, gc, ge, q.dtype))
+    return entry, worst
+
+
+def section_turing(clock, log) -> str:
+    """The tensor-core tier's sm_75 (Turing) form on a newer GPU (:func:`turing_case` over
+    :data:`TURING_CASES`). Its speed here says nothing about a T4's, so none is reported."""
+    import cupy
+
+    from cuflash.kernels import attention_fwd_mma
+
+    arch = int(cupy.cuda.Device().compute_capability)
+    if arch < attention_fwd_mma.MIN_ARCH:
+        raise Skip(f"compute capability {arch // 10}.{arch % 10}: the other sections run this device's own form")
+
+    def on_gpu(fn, arrays, kw):
+        return tuple(cupy.asnumpy(x) for x in fn(*(cupy.asarray(a) for a in arrays), **kw))
+
+    rng = np.random.default_rng(75)
+    worst, done = 0.0, 0
+    for c in TURING_CASES:
+        if clock.out():
+            raise AssertionError(f"out of time after {done} cases")
+        entry, ratio = turing_case(rng, c, arch, on_gpu)
+        log(f"  {_case_name(dict(c, layout='bhsd', view='contiguous', logits=1.0))}: {entry}, {ratio:.2f} of the bound")
+        worst, done = max(worst, ratio), done + 1
+    return (f"{done} fp16 cases of the T4 kernels built for sm_{arch} (forward, and backward at head dim 64) "
+            f"within the rule (worst {worst:.2f} of the bound); a check of their results, not of a T4's speed")
 
 
 def section_hopper(clock, log) -> str:

@@ -182,6 +182,24 @@ def test_sm75_checked(case, rng):
         run_case(rng, TIERS["sm75"], case)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 256])
+def test_sm75_form_forced_on_sm90(d, rng, caplog):
+    # what `python -m cuflash check` runs on a newer GPU: the Turing form's instructions built for
+    # sm_90 (attention_fwd_mma.sm75_form), forward and (head dim 64) backward against the oracle
+    q = rng.standard_normal((1, 2, 70, d)).astype(np.float16)
+    k = rng.standard_normal((1, 1, 45, d)).astype(np.float16)
+    v = rng.standard_normal((1, 1, 45, d)).astype(np.float16)
+    with attention_fwd_mma.sm75_form(), sim.options(arch="sm_90"), \
+            caplog.at_level(logging.DEBUG, logger="cuflash.dispatch"):
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, backend="sim")
+        dout = rng.standard_normal(out.shape).astype(np.float16)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, backend="sim")
+    assert f"cuflash_attn_fwd_mma_f16_d{d}_m" in caplog.text and "_s1_sm75form" in caplog.text
+    check_close(out, q, k, v, causal=True)
+    check_grads_close(grads, dout, q, k, v, out, lse, causal=True)
+
+
 def test_sm75_grid_covers_every_sm75_variant():
     t = TIERS["sm75"]
     seen = {attention_fwd_mma.choose_variant(DTYPES["f16"], c[2], _dv(t, c[2], c[3]), 75)
