@@ -223,10 +223,10 @@ def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
     with ``varlen``, their packed variable-length forms; with ``dropout``, their dropout forms.
     (A :data:`SPILLING_FORMS` variant is among them: it is chosen where an NVRTC major that does not
     spill it is installed.)"""
-    if arch < MIN_ARCH:   # the sm_75 form: float16, without dropout and modifiers
-        if arch < attention_fwd_mma.SM75_ARCH or dropout or mods:
+    if arch < MIN_ARCH:   # the sm_75 form: float16
+        if arch < attention_fwd_mma.SM75_ARCH:
             return ()
-        found = (_fitting(key, b, arch) for key in attention_fwd_mma.SM75_DTYPES for b in HEAD_DIM_BUCKETS)
+        found = (_fitting(key, b, arch, dropout, mods) for key in attention_fwd_mma.SM75_DTYPES for b in HEAD_DIM_BUCKETS)
         return tuple(dataclasses.replace(v, varlen=True) if varlen else v for v in found if v is not None)
     found = (_fitting(key, b, arch, dropout, mods) for key in MMA_DTYPES for b in HEAD_DIM_BUCKETS)
     return tuple(dataclasses.replace(v, varlen=True) if varlen else v for v in found if v is not None)

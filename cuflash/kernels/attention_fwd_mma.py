@@ -37,7 +37,7 @@ ARCHES = (80, 90)
 MIN_ARCH = 80
 #: Turing (sm_75, the T4): the kernel's sm_75 form (kernels_cu/ptx.cuh, CUFLASH_SM75_FORM): float16
 #: only (mma.sync takes bf16 from sm_80), m16n8k16 as two m16n8k8, ldmatrix, and register-staged
-#: synchronous copies instead of cp.async; the fixed-shape and packed (varlen) forms
+#: synchronous copies instead of cp.async; every form (fixed, packed, KV cache, dropout, modifiers)
 SM75_ARCH = 75
 #: dtypes of the sm_75 form
 SM75_DTYPES = ("f16",)
@@ -47,6 +47,14 @@ SM75_DTYPES = ("f16",)
 #: room for one, as 64 x 32 does at 192 (50 KB); at 256 only 64 x 16 fits (50 KB). A T4 without
 #: the opt-in has 48 KB per block: plan.max_dynamic_smem(75) is the opt-in's 64 KB.
 TILE_CANDIDATES_SM75 = {64: ((128, 32),), 96: ((128, 32),), 128: ((128, 32),), 192: ((64, 32),), 256: ((64, 16),)}
+#: the sm_75 tiles of the KV-cache, dropout and score-modifier forms (16 rows per warp, one stage), in
+#: order of preference; the fp8-cache form's staging takes 64 x 32 at 96 and 128
+TILE_CANDIDATES_SM75_FORMS = {64: ((64, 64), (64, 32)), 96: ((64, 64), (64, 32)), 128: ((64, 64), (64, 32)),
+                              192: ((64, 32), (64, 16)), 256: ((64, 16),)}
+#: buckets whose score-modifier forms have no sm_75 tile: at 256 the 64 x 16 tile (the only one in
+#: 64 KB) spills 8 to 56 bytes under NVRTC 12.9 and 13.x (the fixed, packed and KV-cache forms
+#: alike; 255 registers), so those calls run on the portable tier, which takes every built-in modifier
+SM75_MODS_SPILL_BUCKETS = (256,)
 #: whether :func:`sm75_form` is in force (this context)
 _SM75_FORM = contextvars.ContextVar("cuflash_sm75_form", default=False)
 #: the packed (varlen) form's, where they differ: at bucket 128, 128 x 32 spills 96 bytes under
@@ -229,8 +237,15 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, varlen: 
         why = sm75_reason(key, min(arch, SM75_ARCH), kvcache=kvcache, dropout=dropout, mods=mods)
         if why is not None:
             raise NotImplementedError(f"cuflash: the tensor-core kernel on sm_{arch}: {why}")
-        tiles = (TILE_CANDIDATES_SM75_VARLEN if varlen else {}).get(bucket, TILE_CANDIDATES_SM75[bucket])
-        v = AttentionFwdMma.first_fitting((AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, single_stage=True,
+        if mods and bucket in SM75_MODS_SPILL_BUCKETS:
+            tiles = ()
+        elif kvcache or dropout or mods:
+            tiles = TILE_CANDIDATES_SM75_FORMS[bucket]
+        else:
+            tiles = (TILE_CANDIDATES_SM75_VARLEN if varlen else {}).get(bucket, TILE_CANDIDATES_SM75[bucket])
+        v = AttentionFwdMma.first_fitting((AttentionFwdMma(key, bucket, bm, bn, varlen=varlen, kvcache=kvcache,
+                                                           dropout=dropout, mods=mods, score_c=user[0], mask_c=user[1],
+                                                           grad_c=user[2], cache_fp8=cache_fp8, single_stage=True,
                                                            sm75_form=arch >= MIN_ARCH)
                                            for bm, bn in tiles), plan.max_dynamic_smem(min(arch, SM75_ARCH)))
         if v is None:
@@ -262,11 +277,13 @@ def all_variants(arch: int, *, varlen: bool = False, kvcache: bool = False,
     """Every variant the dispatcher can choose on ``sm_<arch>`` (for the compile gate); with
     ``varlen``, their packed variable-length forms; with ``kvcache``, their KV-cache forms (with
     ``cache_fp8``, over an fp8 cache)."""
-    if arch < MIN_ARCH:   # the sm_75 form: float16, fixed and packed
-        if arch < SM75_ARCH or kvcache or dropout or mods or cache_fp8:
+    if arch < MIN_ARCH:   # the sm_75 form: float16
+        if arch < SM75_ARCH:
             return ()
-        return tuple(dict.fromkeys(choose_variant(variants.DTYPES[key][1], b, b, arch, varlen=varlen)
-                                   for key in SM75_DTYPES for b in HEAD_DIM_BUCKETS))
+        return tuple(dict.fromkeys(choose_variant(variants.DTYPES[key][1], b, b, arch, varlen=varlen, kvcache=kvcache,
+                                                  dropout=dropout, mods=mods, cache_fp8=cache_fp8)
+                                   for key in SM75_DTYPES for b in HEAD_DIM_BUCKETS
+                                   if not (mods and b in SM75_MODS_SPILL_BUCKETS)))
     out = []
     for key in MMA_DTYPES:
         for bucket in HEAD_DIM_BUCKETS:
@@ -303,7 +320,8 @@ def sm75_form_forced() -> bool:
 def sm75_reason(key: str, arch: int, *, kvcache: bool = False, dropout: bool = False,
                 mods: bool = False) -> str | None:
     """Why the sm_75 form (:data:`SM75_ARCH`) cannot run a call of dtype key ``key`` (``"f16"``,
-    ``"bf16"``, ...) in the given forms on ``sm_<arch>`` (None if it can; ``arch`` below sm_80)."""
+    ``"bf16"``, ...) on ``sm_<arch>`` (None if it can; ``arch`` below sm_80). It has every form
+    (``kvcache``, ``dropout``, ``mods``: kept for callers that name them)."""
     if arch < SM75_ARCH:
         return f"sm_{arch} has no mma.sync m16n8k8 or ldmatrix (the tensor-core kernel needs sm_{SM75_ARCH}+)"
     if key == "bf16":
@@ -311,9 +329,6 @@ def sm75_reason(key: str, arch: int, *, kvcache: bool = False, dropout: bool = F
                 "tensor-core form computes float16")
     if key not in SM75_DTYPES:
         return f"dtype {key} (tensor cores on sm_{arch} take float16)"
-    for form, on in (("the KV cache", kvcache), ("dropout", dropout), ("score modifiers", mods)):
-        if on:
-            return f"its sm_{arch} (Turing) form takes no {form} yet (float16 fixed-shape and packed batches only)"
     return None
 
 
@@ -354,6 +369,10 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         return f"head dim {max(p.head_dim, p.head_dim_v)} > {HEAD_DIM_BUCKETS[-1]}"
     if arch < MIN_ARCH or sm75_form_forced():
         bucket = AttentionFwdMma.bucket(p.head_dim, p.head_dim_v)
+        if p.modifiers is not None and bucket in SM75_MODS_SPILL_BUCKETS:
+            return (f"with score modifiers at head dim {max(p.head_dim, p.head_dim_v)}, its only sm_75 tile (64 x 16) "
+                    "spills registers to local memory (8 to 56 bytes under NVRTC 12.9 and 13.x); the portable tier "
+                    "runs it without spills")
         smallest = AttentionFwdMma(key, bucket, *TILE_CANDIDATES_SM75[bucket][-1], single_stage=True).smem_bytes
         if smallest > plan.max_dynamic_smem(arch):
             return (f"head dim {max(p.head_dim, p.head_dim_v)}: the smallest tile needs {smallest} B of shared memory, "

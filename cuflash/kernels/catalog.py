@@ -43,16 +43,16 @@ def variants_for_arch(arch: int) -> tuple:
             out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen))
         if arch >= attention_fwd_mma.SM75_ARCH:
             out.extend(attention_bwd_mma.all_variants(arch, varlen=varlen))
-    if arch >= attention_fwd_mma.MIN_ARCH:   # the KV-cache forms (fixed q, and packed q for chunked prefill)
+    if arch >= attention_fwd_mma.SM75_ARCH:   # the KV-cache forms (fixed q, and packed q for chunked prefill)
         for varlen in (False, True):
             out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen, kvcache=True))
         out.extend(attention_fwd_mma.all_variants(arch, kvcache=True, cache_fp8=True))   # over an fp8 cache
-    if arch >= attention_fwd_mma.MIN_ARCH:   # the score-modifier forms: fixed, packed, KV-cache (fixed and
+    if arch >= attention_fwd_mma.SM75_ARCH:   # the score-modifier forms: fixed, packed, KV-cache (fixed and
         for varlen in (False, True):         # packed q), and the backward's (fixed, packed)
             for kvcache in (False, True):
                 out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen, kvcache=kvcache, mods=True))
             out.extend(attention_bwd_mma.all_variants(arch, varlen=varlen, mods=True))
-    if arch >= attention_fwd_mma.MIN_ARCH:   # the dropout forms (fixed and packed), forward and backward
+    if arch >= attention_fwd_mma.SM75_ARCH:   # the dropout forms (fixed and packed), forward and backward
         for varlen in (False, True):
             out.extend(dataclasses.replace(v, varlen=varlen) for v in attention_fwd_mma.all_variants(arch, dropout=True))
             out.extend(attention_bwd_mma.all_variants(arch, varlen=varlen, dropout=True))
@@ -66,7 +66,7 @@ def variants_for_arch(arch: int) -> tuple:
     if arch >= 75:
         out.extend(kvcache_append.KVCacheAppend.all())
         out.extend(attention_combine.AttentionCombine.all())
-    if arch >= attention_fwd_mma.MIN_ARCH:   # the append into an fp8 cache (read by the form above)
+    if arch >= attention_fwd_mma.SM75_ARCH:   # the append into an fp8 cache (read by the form above)
         out.extend(kvcache_append.KVCacheAppend.fp8_forms())
     return tuple(dict.fromkeys(out))
 

@@ -222,3 +222,12 @@ def test_explain_kvcache_names_the_fp8_form(rng):
         assert "fp8 (float8_e4m3fn) cache converted to bf16 in shared memory" in info["choice"]
     with pytest.raises(NotImplementedError, match=r"sm_75 \(Turing\) has no bfloat16 tensor-core mma"):
         cuflash.explain_kvcache(q, kc, vc, lengths, arch=75, num_splits=1, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in PAIRWISE[::5] if c[-1] == "f16"][:4],
+                         ids=[_id(c) for c in [c for c in PAIRWISE[::5] if c[-1] == "f16"][:4]])
+def test_fp8_kvcache_sm75(case, rng):
+    # the fp8-cache form of the tensor-core tier's sm_75 (Turing) form (float16 q)
+    with cuflash.sim.options(arch="sm_75"):
+        run_case(rng, *case)

@@ -666,3 +666,15 @@ def test_docstring_and_readme_examples_run():
     exec(block.split("```")[0], scope)   # noqa: S102 - the README's own example
     assert scope["out"].shape == (2, 1, 8, 64) and np.isfinite(scope["out"]).all()
     assert (scope["k_cache"][scope["block_table"][1, 40 // 16], 40 % 16] == scope["k"][1, 0]).all()
+
+
+#: the tensor-core tier's sm_75 (Turing) form of the KV-cache kernel: a share of the design in
+#: float16 (slow: a simulator build per variant)
+SM75_CASES = sorted({c[:-1] + ("f16",) for c in PAIRWISE[::4]})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SM75_CASES, ids=["-".join(map(str, c)) for c in SM75_CASES])
+def test_kvcache_sm75(case, rng):
+    with cuflash.sim.options(arch="sm_75"):
+        run_case(rng, *case)

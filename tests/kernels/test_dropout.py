@@ -291,3 +291,18 @@ def test_readme_example_runs():
     exec(head + text.split("```python\n" + head)[1].split("```")[0], scope)   # noqa: S102 - the README's example
     keep = scope["keep"]
     assert keep.shape == (2, 4, 100, 100) and abs(keep.mean() - 0.9) < 0.01 and scope["dq"].shape == (2, 4, 100, 64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_on_the_sm75_tensor_core_form(d, rng):
+    """The tensor-core tier's sm_75 (Turing) form with dropout, float16: the forward at head dims
+    64 and 128, the backward at 64 (its one bucket; 128 runs the portable backward), the same
+    Philox mask as the other tiers (the oracle applies it)."""
+    from cuflash.kernels import attention_fwd_mma, dispatch
+    from support.options import check_attention
+
+    q = np.zeros((1, 1, 2, d), np.float16)
+    problem = check_attention(q, q, q, dropout_p=0.3, dropout_seed=1)
+    assert dispatch.forward_tier(problem, 75, (q, q, q)) is attention_fwd_mma
+    run_dropout_case(rng, (70, 150), (4, 2), d, "causal", 0.3, "f16", "sm_75")

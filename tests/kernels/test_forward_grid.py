@@ -395,7 +395,11 @@ def test_variants_fit_and_are_named():
     assert {v.head_dim_max for v in vs} == set(attention_fwd_mma.HEAD_DIM_BUCKETS)
     assert all(v.dtype == "f16" and v.stages == 1 and v.smem_bytes <= plan.max_dynamic_smem(75) for v in vs)
     assert 2 * attention_fwd_mma.choose_variant(dtypes.float16, 64, 64, 75).smem_bytes <= 64 * 1024   # 2 CTAs per SM
-    assert attention_fwd_mma.all_variants(75, dropout=True) == () and attention_fwd_mma.all_variants(70) == ()
+    assert attention_fwd_mma.all_variants(70) == ()
+    for form in ("kvcache", "dropout", "mods"):   # 16 rows per warp, one stage; no mods tile at 256 (it spills)
+        fvs = attention_fwd_mma.all_variants(75, **{form: True})
+        assert all(v.dtype == "f16" and v.stages == 1 and v.rows_per_warp == 16 for v in fvs)
+        assert {v.head_dim_max for v in fvs} == set(attention_fwd_mma.HEAD_DIM_BUCKETS) - ({256} if form == "mods" else set())
     v = attention_fwd_mma.choose_variant(dtypes.float16, 80, 40, 90)
     assert v.head_dim_max == 96 and v.entry.startswith("cuflash_attn_fwd_mma_f16_d96_")
     with pytest.raises(NotImplementedError, match="float32"):
@@ -409,9 +413,13 @@ def test_catalog_lists_the_tensor_core_variants_on_sm75_and_newer():
     for arch in attention_fwd_mma.ARCHES + (attention_fwd_mma.SM75_ARCH,):
         assert set(attention_fwd_mma.all_variants(arch)) <= {v for a, v in targets if a == arch}
     assert not any(v.family == "attn_fwd_mma" for a, v in targets if a < attention_fwd_mma.SM75_ARCH)
-    # sm_75: the float16 fixed and packed forms only (no KV-cache, dropout or modifier forms there)
+    # sm_75: float16 only, every form (fixed, packed, KV cache over 16-bit and fp8 caches, dropout, modifiers)
     sm75 = {v for a, v in targets if a == 75 and v.family == "attn_fwd_mma"}
-    assert sm75 == set(attention_fwd_mma.all_variants(75) + attention_fwd_mma.all_variants(75, varlen=True))
+    assert {v.dtype for v in sm75} == {"f16"} and all(v.single_stage for v in sm75)
+    assert {(v.varlen, v.kvcache, v.cache_fp8, v.dropout, v.mods) for v in sm75} >= {
+        (False, False, False, False, False), (True, False, False, False, False), (False, True, False, False, False),
+        (True, True, False, False, False), (False, True, True, False, False), (False, False, False, True, False),
+        (False, False, False, False, True), (False, True, False, False, True)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -281,3 +281,20 @@ def test_dispatch_picks_the_modifier_forms():
         assert info["tier"] == "attention_fwd_simt" and info["variant"].endswith("_mods"), info
         assert arch < 80 or "dtype float32 (tensor cores here take float16/bfloat16)" in info["choice"]
     assert attention_fwd_mma.choose_variant(dtypes.float16, 64, 64, 90, mods=True).name.endswith("_mods")
+
+
+#: the tensor-core tier's sm_75 (Turing) form with the modifiers, float16 (not at head dim 256,
+#: whose sm_75 tile spills: the portable tier runs it there)
+SM75_GRID = [c[:5] + ("f16",) + c[6:] for c in GRID[::4] if c[2] != 256]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("names,lengths,d,heads,mask,dtype,form", SM75_GRID)
+def test_sm75_modifiers(names, lengths, d, heads, mask, dtype, form, rng):
+    run_case(rng, names, lengths, d, heads, mask, dtype, form, arch=75)
+
+
+def test_sm75_modifiers_at_256_take_the_portable_tier():
+    q = np.zeros((1, 2, 8, 256), np.float16)
+    info = cuflash.explain(q, q, q, softcap=5.0, backend="sim", arch=75)
+    assert info["tier"] == "attention_fwd_simt" and "its only sm_75 tile (64 x 16) spills" in info["choice"]
