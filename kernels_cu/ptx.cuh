@@ -139,6 +139,33 @@ CUSIM_NOSAN inline float unpack(uint32_t reg, int hi) {
     return BF16 ? cusim::bf16_bits_to_f32(b) : cusim::f16_bits_to_f32(b);
 }
 
+// D = A * B + C of an m16n8kK mma (K = 16, or 8 for sm_75's m16n8k8) into every lane's out[0..3] by
+// the C/D fragment (c[0..1] = D[g][2t..2t+1], c[2..3] = D[g+8][2t..2t+1]); each element as below.
+template <int K>
+CUSIM_NOSAN inline void mma_d_out(cusim::Slot* slots, const float (&A)[16][K], const float (&B)[K][8],
+                                  const float (&C)[16][8]) {
+    float D[16][8];
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 8; ++j) {
+#ifdef CUSIM_GPU_NUMERICS
+            double prod[K];
+            for (int k = 0; k < K; ++k) prod[k] = double(A[i][k]) * double(B[k][j]);
+            D[i][j] = cusim::tensor_core_dot(C[i][j], prod, K);
+#else
+            double acc = C[i][j];
+            for (int k = 0; k < K; ++k) acc += double(A[i][k]) * double(B[k][j]);
+            D[i][j] = float(acc);
+#endif
+        }
+    for (unsigned l = 0; l < 32; ++l) {
+        const unsigned g = l / 4, c = 2 * (l % 4);
+        slots[l].out[0] = cusim::f32_bits(D[g][c]);
+        slots[l].out[1] = cusim::f32_bits(D[g][c + 1]);
+        slots[l].out[2] = cusim::f32_bits(D[g + 8][c]);
+        slots[l].out[3] = cusim::f32_bits(D[g + 8][c + 1]);
+    }
+}
+
 // One element of D = A * B + C: the 16 products of 16-bit values are exact in double; the sum is
 // rounded once to float by default, or as measured on tensor cores with gpu_numerics
 // (cusim::tensor_core_dot, cuflash/sim/cusim_sm90.h, shared with wgmma).
@@ -164,26 +191,7 @@ CUSIM_NOSAN inline void mma_m16n8k16_compute(cusim::Slot* slots, unsigned lanes)
         C[g + 8][c] = cusim::bits_f32(reg[8]);
         C[g + 8][c + 1] = cusim::bits_f32(reg[9]);
     }
-    float D[16][8];
-    for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 8; ++j) {
-#ifdef CUSIM_GPU_NUMERICS
-            double prod[16];
-            for (int k = 0; k < 16; ++k) prod[k] = double(A[i][k]) * double(B[k][j]);
-            D[i][j] = cusim::tensor_core_dot(C[i][j], prod, 16);
-#else
-            double acc = C[i][j];
-            for (int k = 0; k < 16; ++k) acc += double(A[i][k]) * double(B[k][j]);
-            D[i][j] = float(acc);
-#endif
-        }
-    for (unsigned l = 0; l < 32; ++l) {
-        const unsigned g = l / 4, c = 2 * (l % 4);
-        slots[l].out[0] = cusim::f32_bits(D[g][c]);
-        slots[l].out[1] = cusim::f32_bits(D[g][c + 1]);
-        slots[l].out[2] = cusim::f32_bits(D[g + 8][c]);
-        slots[l].out[3] = cusim::f32_bits(D[g + 8][c + 1]);
-    }
+    mma_d_out<16>(slots, A, B, C);
 }
 
 template <bool BF16>
@@ -219,26 +227,7 @@ CUSIM_NOSAN inline void mma_m16n8k8_compute(cusim::Slot* slots, unsigned lanes) 
         C[g + 8][c] = cusim::bits_f32(reg[5]);
         C[g + 8][c + 1] = cusim::bits_f32(reg[6]);
     }
-    float D[16][8];
-    for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 8; ++j) {
-#ifdef CUSIM_GPU_NUMERICS
-            double prod[8];
-            for (int k = 0; k < 8; ++k) prod[k] = double(A[i][k]) * double(B[k][j]);
-            D[i][j] = cusim::tensor_core_dot(C[i][j], prod, 8);
-#else
-            double acc = C[i][j];
-            for (int k = 0; k < 8; ++k) acc += double(A[i][k]) * double(B[k][j]);
-            D[i][j] = float(acc);
-#endif
-        }
-    for (unsigned l = 0; l < 32; ++l) {
-        const unsigned g = l / 4, c = 2 * (l % 4);
-        slots[l].out[0] = cusim::f32_bits(D[g][c]);
-        slots[l].out[1] = cusim::f32_bits(D[g][c + 1]);
-        slots[l].out[2] = cusim::f32_bits(D[g + 8][c]);
-        slots[l].out[3] = cusim::f32_bits(D[g + 8][c + 1]);
-    }
+    mma_d_out<8>(slots, A, B, C);
 }
 
 CUSIM_NOSAN inline void mma_m16n8k8(float (&d)[4], const uint32_t (&a)[2], uint32_t b, const float (&c)[4]) {

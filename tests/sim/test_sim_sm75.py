@@ -47,13 +47,13 @@ def test_m16n8k16_is_two_m16n8k8_and_bf16_has_no_sm75_form(sm75):
     C = rng.standard_normal((16, 8)).astype(np.float32)
     D = np.full((16, 8), np.nan, np.float32)
     args = (P(A.view(np.uint16)), P(B.view(np.uint16)), P(C), P(D))
-    sm75.launch(plan("mma_k16_direct", 1, 32, *args, i32(0)))
+    sm75.launch(plan("mma_direct", 1, 32, *args, i32(0)))
     # two k8 steps, each rounded to float32 once: k 0..7 onto C, then k 8..15 onto that
     a, b = A.astype(np.float64), B.astype(np.float64)
     t = (a[:, :8] @ b[:8] + C).astype(np.float32)
     np.testing.assert_array_equal(D, (a[:, 8:] @ b[8:] + t).astype(np.float32))
     with pytest.raises(launcher.SimError, match=r"mma\.m16n8k16\.bf16 does not exist on sm_75"):
-        sm75.launch(plan("mma_k16_direct", 1, 32, *args, i32(1)))
+        sm75.launch(plan("mma_direct", 1, 32, *args, i32(1)))
 
 
 def test_copies_are_synchronous_and_cp_async_does_not_exist(sm75):

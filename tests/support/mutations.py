@@ -39,10 +39,11 @@ SYNC = re.compile(r"\b(__syncthreads\(\)|__syncwarp\([^()]*\)|__threadfence(?:_b
                   r"ptx_wait_eq_acquire\([^;]*\)|ptx_red_release_add\([^;]*\))\s*;")
 #: kernel files and the probes of the tiers built from them
 FILES = {
-    "attention_fwd_mma.cu": ("fwd_mma_checked", "fwd_mma_seeds", "fwd_mma_d256_checked", "fwd_mma_empty_checked"),
+    "attention_fwd_mma.cu": ("fwd_mma_checked", "fwd_mma_seeds", "fwd_mma_d256_checked", "fwd_mma_empty_checked",
+                             "fwd_mma_sm75_checked"),
     "attention_fwd_simt.cu": ("fwd_simt_checked", "fwd_simt_seeds"),
     "attention_bwd_mma.cu": ("bwd_mma_checked", "bwd_mma_seeds", "bwd_mma_s1_checked", "bwd_mma_det_checked",
-                             "bwd_mma_det_window_checked"),
+                             "bwd_mma_det_window_checked", "bwd_mma_sm75_checked"),
     "attention_bwd_simt.cu": ("bwd_simt_checked", "bwd_simt_seeds"),
     "softmax.cu": ("softmax_checked", "softmax_seeds"),
     "attention_combine.cu": ("kvcache_split_checked", "kvcache_split_seeds"),
@@ -410,6 +411,9 @@ PROBES = {
     "fwd_mma_seeds": lambda: _attention_case(F16, 64, 200, 300, True, "sm_80", False, SEEDS, False),
     "fwd_mma_d256_checked": lambda: _attention_case(F16, 256, 70, 90, False, "sm_80", True, (0,), False),
     "fwd_mma_empty_checked": lambda: _attention_case(F16, 64, 146, 1, True, "sm_80", True, (0,), False),
+    # the sm_75 (Turing) form: synchronous copies (its cp.async waits are empty), one stage, m16n8k8
+    "fwd_mma_sm75_checked": lambda: _attention_case(F16, 64, 200, 300, True, "sm_75", True, (0,), False),
+    "bwd_mma_sm75_checked": lambda: _attention_case(F16, 64, 250, 150, True, "sm_75", True, (0,), True),
     "fwd_simt_checked": lambda: _attention_case(F32, 32, 70, 130, True, "sm_75", True, (0,), False),
     "fwd_simt_seeds": lambda: _attention_case(F32, 32, 70, 130, True, "sm_75", False, SEEDS, False),
     # four query tiles per key tile (both Q/dO stages refilled while other warps may still read)

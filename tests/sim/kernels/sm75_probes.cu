@@ -1,8 +1,7 @@
 // Test kernels for the sm_75 (Turing) form of kernels_cu/ptx.cuh, compiled by the simulator for
-// sm_75 (tests/sim/test_sim_sm75.py). One warp per block.
-#include "ptx.cuh"
-
-__device__ __forceinline__ unsigned pack2(unsigned short lo, unsigned short hi) { return unsigned(lo) | (unsigned(hi) << 16); }
+// sm_75 (tests/sim/test_sim_sm75.py), beside every probe of ptx_probes.cu (its mma_direct: the
+// m16n8k16 wrapper, two m16n8k8 on sm_75). One warp per block.
+#include "ptx_probes.cu"
 
 // mma.m16n8k8 .f16 with fragments loaded by the PTX ISA formulas (9.7.14.5.7) from global memory:
 // A (16x8 row-major), B (8x8 row-major, K x N), C (16x8 f32); D = A B + C written row-major.
@@ -26,23 +25,6 @@ extern "C" __global__ void mma_k8_direct(const unsigned short* __restrict__ A, c
     const float cc[4] = {C[g * 8 + c], C[g * 8 + c + 1], C[(g + 8) * 8 + c], C[(g + 8) * 8 + c + 1]};
     float d[4];
     ptx_mma_m16n8k8_f16_f32(d, a, b, cc);
-    D[g * 8 + c] = d[0]; D[g * 8 + c + 1] = d[1]; D[(g + 8) * 8 + c] = d[2]; D[(g + 8) * 8 + c + 1] = d[3];
-}
-
-// m16n8k16 through the wrapper the tensor-core kernels call (on sm_75: two m16n8k8), fragments as
-// in ptx_probes.cu's mma_direct; bf16 selects the bf16 wrapper (no sm_75 form: an error).
-extern "C" __global__ void mma_k16_direct(const unsigned short* __restrict__ A, const unsigned short* __restrict__ B,
-                                          const float* __restrict__ C, float* __restrict__ D, int bf16) {
-    const int l = threadIdx.x, g = l / 4, c = 2 * (l % 4);
-    const unsigned a[4] = {pack2(A[g * 16 + c], A[g * 16 + c + 1]), pack2(A[(g + 8) * 16 + c], A[(g + 8) * 16 + c + 1]),
-                           pack2(A[g * 16 + c + 8], A[g * 16 + c + 9]), pack2(A[(g + 8) * 16 + c + 8], A[(g + 8) * 16 + c + 9])};
-    const unsigned b[2] = {pack2(B[c * 8 + g], B[(c + 1) * 8 + g]), pack2(B[(c + 8) * 8 + g], B[(c + 9) * 8 + g])};
-    const float cc[4] = {C[g * 8 + c], C[g * 8 + c + 1], C[(g + 8) * 8 + c], C[(g + 8) * 8 + c + 1]};
-    float d[4];
-    if (bf16)
-        ptx_mma_m16n8k16_bf16_f32(d, a, b, cc);
-    else
-        ptx_mma_m16n8k16_f16_f32(d, a, b, cc);
     D[g * 8 + c] = d[0]; D[g * 8 + c + 1] = d[1]; D[(g + 8) * 8 + c] = d[2]; D[(g + 8) * 8 + c + 1] = d[3];
 }
 
