@@ -912,9 +912,12 @@ def _refuse_meaningless(parser: argparse.ArgumentParser, args, rates: SmRates) -
             missing = [f"--{f.replace('_', '-')}" for f in ("block_m", "block_n", "walk") if getattr(args, f) is None]
             if missing:
                 parser.error(f"--call-mix with --sass-of needs the kernel's walk: {', '.join(missing)}")
-    if args.decode and rates.arch < 80:
-        parser.error(f"--decode models the KV-cache kernel, which runs on sm_80 and newer; --device {args.device} "
+    if args.decode and rates.arch < 75:
+        parser.error(f"--decode models the KV-cache kernel, which runs on sm_75 and newer; --device {args.device} "
                      f"is sm_{rates.arch}")
+    if args.decode and rates.arch < 80 and cli.canonical_dtype(args.dtype or "bf16") != "float16":
+        parser.error(f"--decode on --device {args.device} (sm_{rates.arch}): its KV-cache kernel computes float16 "
+                     "(no bfloat16 tensor cores); add --dtype fp16")
     if args.decode:
         for flag, given in (("--backward", args.backward), ("--forward-and-backward", args.forward_and_backward),
                             ("--varlen", args.varlen), ("--seqlen", args.seqlen is not None)):

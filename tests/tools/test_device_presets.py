@@ -44,8 +44,9 @@ def test_a_device_is_recognised_by_name_and_compute_capability(name, arch, want)
 
 def test_check_names_the_tiers_and_the_preset_of_a_t4():
     line = check.device_plan("Tesla T4", 75)
-    assert line.startswith("Tesla T4 (sm_75): float16: forward on the portable SIMT tier, backward on the portable "
-                           "SIMT tier; bfloat16: forward on the portable SIMT tier"), line
+    # float16 forward on the tensor cores' sm_75 form; its backward has no head-dim-128 tile in 64 KB
+    assert line.startswith("Tesla T4 (sm_75): float16: forward on the tensor-core mma.sync tier, backward on the "
+                           "portable SIMT tier; bfloat16: forward on the portable SIMT tier"), line
     assert "roofline: python -m cuflash roofline --device t4 (T4: 65 TFLOP/s fp16 tensor, 8.1 fp32, 320 GB/s" in line
 
 
@@ -78,17 +79,22 @@ def test_bench_measures_the_peak_and_the_quick_bar_in_fp16_before_sm80():
 
 
 def test_roofline_prints_the_t4_ceiling_and_its_binding_pipe(capsys):
-    """The portable tier (what a T4 runs) from its sm_75 SASS with the T4's rates: a prediction."""
+    """The tensor-core tier's sm_75 form (what a T4 runs in float16) from its sm_75 SASS with the
+    T4's rates: a prediction, at most the fp16 tensor peak."""
     assert roofline.main(["--device", "t4", "--head-dim", "64", "--dtype", "fp16", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "MODEL, not a measurement: per-SM rates of the T4 (sm_75, 40 SMs at 1.59 GHz)" in " ".join(out.split())
-    (row,) = [ln for ln in out.splitlines() if ln.startswith("fwd_simt_f16_d64_")]
+    (row,) = [ln for ln in out.splitlines() if ln.startswith("fwd_mma_f16_d64_")]
+    assert row.startswith("fwd_mma_f16_d64_m128_n32_s1") and row.split()[2] == "2"   # two CTAs per SM
     bound, ceiling = row.split()[-2:]
-    assert bound in ("fp32", "issue", "smem", "mufu", "hbm") and 0 < float(ceiling) <= 8.1
+    assert bound in ("tensor", "issue", "smem", "mufu", "fp32", "hbm") and 0 < float(ceiling) <= 65
 
 
 def test_roofline_decode_refuses_a_device_without_the_kvcache_kernel(capsys):
     with pytest.raises(SystemExit):
-        roofline.main(["--device", "t4", "--decode"])
-    assert "--decode models the KV-cache kernel, which runs on sm_80 and newer; --device t4 is sm_75" in \
+        roofline.main(["--device", "v100", "--decode"])
+    assert "--decode models the KV-cache kernel, which runs on sm_75 and newer; --device v100 is sm_70" in \
         capsys.readouterr().err
+    with pytest.raises(SystemExit):   # the T4's is the sm_75 form: float16 only
+        roofline.main(["--device", "t4", "--decode"])
+    assert "its KV-cache kernel computes float16 (no bfloat16 tensor cores); add --dtype fp16" in capsys.readouterr().err
