@@ -106,7 +106,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         included, becomes +-448: 480 is stored as 448; NaN stays NaN, the canonical 0x7f).
         ``ml_dtypes``' own cast turns an overflow into NaN, so the NumPy path clips first; the
         kernel's append writes the same bytes. The kernel backends read an fp8 cache with the
-        tensor-core KV-cache kernel's fp8-cache form (sm_80 and newer; q float16/bfloat16; no
+        tensor-core KV-cache kernel's fp8-cache form (sm_80 and newer, q float16/bfloat16; sm_75, q float16; no
         score modifiers: ``NotImplementedError``): each e4m3 value is converted exactly to q's
         dtype, ``k_descale`` scales the scores and ``v_descale`` the output, in float32 (the
         products of dequantizing each element, summed in another order). Host descales must be

@@ -1,6 +1,7 @@
 """The tensor-core attention backward (``kernels_cu/attention_bwd_mma.cu``): variants and chooser.
 
-float16 and bfloat16 on sm_80+ (``mma.sync`` m16n8k16, ``ldmatrix``, ``cp.async``), head-dim
+float16 and bfloat16 on sm_80+ (``mma.sync`` m16n8k16, ``ldmatrix``, ``cp.async``), and float16 on
+sm_75 at bucket 64 in the sm_75 form (:data:`TILE_CANDIDATES_SM75`), head-dim
 buckets 64, 128, 192 and 256 (other multiples of 8 run in the next bucket, zero-filled). Only the
 main stage is this kernel's: the ``dot`` and ``convert`` stages, the float32 dQ workspace and the
 deterministic mode's per-split partials are :mod:`cuflash.kernels.backward_run`'s, whose

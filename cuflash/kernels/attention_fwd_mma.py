@@ -1,6 +1,8 @@
 """The tensor-core attention forward (``kernels_cu/attention_fwd_mma.cu``): variant and planner.
 
-float16 and bfloat16 on sm_80 and newer (``mma.sync`` m16n8k16, ``ldmatrix``, ``cp.async``).
+float16 and bfloat16 on sm_80 and newer (``mma.sync`` m16n8k16, ``ldmatrix``, ``cp.async``); float16
+on sm_75 in the sm_75 (Turing) form (:data:`SM75_ARCH`: two m16n8k8 per m16n8k16, register-staged
+copies; ``kernels_cu/ptx.cuh``).
 Compile-time axes: the dtype, the head-dim bucket (64, 96, 128, 192, 256: the smallest holding
 ``max(D, Dv)``; other multiples of 8 run in the next bucket, the extra columns zero-filled) and
 the tile (Br query rows: 32 per warp up to bucket 128, 16 above; Bc key rows). Causal, windows, lengths, strides and the

@@ -75,8 +75,8 @@ class KVCacheAppend(variants.Variant):
     def all(cls) -> tuple["KVCacheAppend", ...]:
         """Every variant a call can run (for the compile gate and precompilation): the KV-cache
         forward's element types with same-dtype and float32 tables (the fp8-cache forms,
-        :meth:`fp8_forms`, are listed beside them for sm_80 and newer, where the KV-cache kernel
-        reads an fp8 cache)."""
+        :meth:`fp8_forms`, are listed beside them for sm_75 and newer, where the KV-cache kernel
+        reads an fp8 cache; on sm_75 with float16 q only)."""
         return tuple(dict.fromkeys(cls(d, r) for d in KVCACHE_DTYPES for r in (d, "f32")))
 
     @classmethod
