@@ -360,6 +360,8 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         why = sm75_reason(key if key in MMA_DTYPES else str(np.dtype(p.dtype)), min(arch, SM75_ARCH),
                           kvcache=getattr(p, "kvcache", None) is not None, dropout=p.dropout is not None,
                           mods=p.modifiers is not None)
+        if why is None and getattr(p.modifiers, "block_mask", None) is not None:
+            why = "a block_mask's block-sparse form is not in the tensor-core kernel's sm_75 form yet"
         if why is not None:
             return why
     if key not in MMA_DTYPES:
