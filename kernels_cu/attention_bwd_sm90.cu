@@ -50,13 +50,16 @@
 // Layout: q, dout (B, Hq, Sq, D), k, v (B, Hk, Sk, D) through 4-d tensor maps (rows past Sq / Sk
 // read as zeros); lse, dd (B, Hq, Sq) float32 contiguous (lse: the forward's, natural log);
 // dq_accum (B, Hq, Sq, D) float32 contiguous; dk, dv (B, Hk, Sk, D) with element strides. The
-// head dim is the bucket (D = Dv = CUFLASH_D, 64 or 128; the host refuses other head dims).
+// head dim is D = Dv = CUFLASH_D exactly (64, 96 or 128; the host refuses other head dims). The tiles
+// hold whole 64-column panels: at D = 96 the second panel's last 32 columns of Q, dO, K and V are the
+// tensor maps' zero fill; S^T and dP^T step over D columns only, dV and dK are wgmmas of N = D, and the
+// second consumer's dQ wgmma (N = 64) computes 32 zero columns that it does not store.
 // Windows are bottom-right: key j is visible to row i iff i + Sk - Sq - left <= j <= i + Sk - Sq +
 // right (-1: unbounded; causal is right = 0). A masked pair's P and dS are 0 (never 0 * NaN); rows
 // past Sq read another head's lse and Dd (or zeros) and are masked, so the tile reaching past Sq
 // is always in a masked loop, as is every tile of a key tile reaching past Sk.
 //
-// Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D (64 or 128).
+// Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D (64, 96 or 128).
 #include "ptx.cuh"
 
 #if __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -72,15 +75,19 @@ typedef __half elem_t;
 #endif
 constexpr int BR = 64, BC = 128, STAGES = 2;
 constexpr int PANEL = 64;                                 // head-dim elements per 128-byte swizzle row
-constexpr int NPANEL = D / PANEL;
+constexpr int NPANEL = (D + PANEL - 1) / PANEL;           // (D = 96: the second panel's last 32 columns
+constexpr int DP = NPANEL * PANEL;                        //  are the tensor maps' zero fill)
 constexpr int PANEL_Q = BR * 128, PANEL_K = BC * 128;     // bytes of one 64-column panel
 constexpr int Q_BYTES = NPANEL * PANEL_Q, K_BYTES = NPANEL * PANEL_K;
 constexpr int DS_BYTES = BC * BR * 2;                      // dS^T [BC keys][BR queries], 16-bit
-constexpr int DQ_BYTES = BR * D * 4;                       // dQ [BR][D], float32
-constexpr int DQN = D / 2;                                 // dQ columns per consumer
+constexpr int DQ_BYTES = BR * D * 4;                       // dQ [BR][D], float32 (rows of D: the workspace's)
+constexpr int DQN = DP / 2;                                // dQ columns per consumer (D = 96: 64 + 64, the
+                                                           // last 32 zero and not stored)
 // named barriers: DS_BAR the consumers (256), DQ_FULL and DQ_EMPTY the consumers and the dQ warp (288)
 constexpr int DS_BAR = 1, DQ_FULL = 2, DQ_EMPTY = 3;
-static_assert(D % 64 == 0 && BR == 64, "head-dim panels and the 128-byte rows of dS^T");
+static_assert(D % 32 == 0 && BR == 64, "head-dim panels and the 128-byte rows of dS^T");
+// consumer c's dQ columns c * DQN.. as one MN-major B operand: inside one 64-column panel, or whole panels
+static_assert(DQN <= PANEL ? PANEL % DQN == 0 : DQN % PANEL == 0, "dQ column halves and the panels");
 // dynamic shared memory after 1 KB alignment: K, V, Q[2], dO[2], dS^T[2], dQ, then lse and Dd [2][BR]
 // (2 K_BYTES + 4 Q_BYTES + 2 DS_BYTES + DQ_BYTES + 4 BR * 4; the host's smem_bytes adds the 1 KB)
 
@@ -399,7 +406,9 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
 #pragma unroll
         for (int i = 0; i < DQN / 2; i += 2) {
             const int row = 16 * warp + g + 8 * ((i % 4) / 2), col = c * DQN + 8 * (i / 4) + 2 * t;
-            *reinterpret_cast<float2*>(dq_s + row * D + col) = make_float2(dq[i], dq[i + 1]);
+            // (D < DP: the second consumer's columns from D on are the zero fill's, not stored)
+            if (DP == D || c == 0 || 8 * (i / 4) < D - DQN)
+                *reinterpret_cast<float2*>(dq_s + row * D + col) = make_float2(dq[i], dq[i + 1]);
         }
         ptx_fence_proxy_async();
         ptx_bar_arrive(DQ_FULL, 288);

@@ -41,8 +41,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     backend : {"auto", "numpy", "sim", "cuda"}
         Resolved as in :func:`cuflash.attention` ("auto" never moves data; ``CUFLASH_BACKEND``
         overrides "auto" only). "sim" and "cuda" run the Hopper backward on compute capability 9.0
-        (``kernels_cu/attention_bwd_sm90.cu``: float16/bfloat16, D = Dv = 64 or 128, not
-        deterministic), else the tensor-core backward
+        (``kernels_cu/attention_bwd_sm90.cu``: float16/bfloat16, D = Dv = 64, 96 or 128), else the tensor-core backward
         (``kernels_cu/attention_bwd_mma.cu``: float16/bfloat16 on sm_80+, head dims up to 256
         where a tile fits the shared memory, 16-byte-aligned rows) or else the portable one (``kernels_cu/attention_bwd_simt.cu``);
         :func:`cuflash.kernels.dispatch.backward_tier` chooses.

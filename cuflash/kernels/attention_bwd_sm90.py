@@ -9,7 +9,7 @@ by one warp's bulk reduce-add (``cp.reduce.async.bulk .add.f32``), no atomics. T
 :mod:`cuflash.kernels.backward_run`'s, shared with the other tiers.
 
 The kernel is compiled for ``sm_90a`` and runs on compute capability 9.0 only. Calls it takes:
-float16/bfloat16, D = Dv = 64 or 128 exactly, causal and windows (bottom-right), GQA, rows without
+float16/bfloat16, D = Dv = 64, 96 or 128 exactly, causal and windows (bottom-right), GQA, rows without
 keys, one batch dim, any strides a tensor map can describe (the head dim contiguous, every
 other stride and each base 16-byte aligned), and deterministic mode. The rest goes to the
 tensor-core backward, and ``explain`` says why: other head dims, Dv != D, dropout, score
@@ -40,7 +40,7 @@ from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg, TensorMapArg
 
 #: this module's tier, in the dispatcher's words
 TARGET_ARCH = attention_fwd_sm90.TARGET_ARCH
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128)
 DTYPES = attention_fwd_sm90.DTYPES
 BLOCK_M = 64
 BLOCK_N = 128
@@ -60,8 +60,8 @@ class Sm90BackwardVariant(attention_fwd_sm90.ThreeWarpgroups, variants.Variant):
     Parameters
     ----------
     dtype : {"f16", "bf16"}
-    head_dim : {64, 128}
-        D = Dv, exactly.
+    head_dim : {64, 96, 128}
+        D = Dv, exactly (96: the tiles hold two 64-column panels, the last 32 columns zero).
     """
 
     family: ClassVar[str] = "attn_bwd_sm90"
@@ -105,12 +105,10 @@ class Sm90BackwardVariant(attention_fwd_sm90.ThreeWarpgroups, variants.Variant):
 
     @property
     def smem_bytes(self) -> int:
-        """K, V, 2 stages of Q and dO (64-column panels), 2 dS^T buffers (Bc x Br 16-bit), the dQ
-        buffer (Br x D float32), 2 stages of lse and Dd, 1 KB for alignment (the kernel's layout
-        comment)."""
-        d = self.head_dim
-        return (1024 + 2 * BLOCK_N * d * 2 + 2 * STAGES * BLOCK_M * d * 2 + 2 * BLOCK_N * BLOCK_M * 2
-                + BLOCK_M * d * 4 + 2 * STAGES * BLOCK_M * 4)
+        """K, V, 2 stages of Q and dO (whole 64-column panels), 2 dS^T buffers (Bc x Br 16-bit), the
+        dQ buffer (Br x D float32), 2 stages of lse and Dd, 1 KB for alignment (the kernel's layout
+        comment; :func:`head_dim_budget`)."""
+        return head_dim_budget(self.head_dim, self.head_dim)[1]
 
     def defines(self) -> tuple[tuple[str, str], ...]:
         return super().defines() + (("CUFLASH_BF16", "1" if self.dtype == "bf16" else "0"),
@@ -217,8 +215,7 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     if p.varlen is not None:
         return "packed variable-length batches are not in the Hopper backward yet"
     if p.head_dim != p.head_dim_v or p.head_dim not in HEAD_DIMS:
-        return (f"(D, Dv) = ({p.head_dim}, {p.head_dim_v}): the Hopper backward takes D = Dv in {HEAD_DIMS} "
-                "exactly so far")
+        return head_dim_reason(p.head_dim, p.head_dim_v)
     if p.seqlen_k == 0 or p.seqlen_q == 0:
         return "an empty sequence (a tensor map has no empty dimension)"
     if len(p.batch_shape) != 1 or (p.layout == "bhsd" and len(p.q.shape) != 4):
@@ -230,6 +227,38 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         if why:
             return why
     return None
+
+
+#: the registers a consumer thread may hold (``setmaxnreg``) and the shared memory of one block (H100, H200)
+CONSUMER_REGISTERS = 240
+SMEM_LIMIT = 227 * 1024
+
+
+def head_dim_budget(d: int, dv: int) -> tuple[int, int]:
+    """``(float32 registers a consumer thread, bytes of shared memory)`` that this kernel's design
+    would take at head dims (D, Dv): dK and dV of its 64 keys ((D + Dv) / 2), S^T and dP^T of a
+    64-row query tile (64) and its half of the dQ tile (a quarter of the panel-rounded D); K, V, two
+    stages of Q and dO in 64-column panels, two dS^T buffers, the dQ buffer (64 x D float32), the
+    stages' lse and Dd and 1 KB of alignment. Addresses, descriptors and loop state come on top."""
+    dp, dvp = -(-d // PANEL) * PANEL, -(-dv // PANEL) * PANEL
+    regs = (d + dv) // 2 + BLOCK_M + dp // 4
+    smem = (1024 + BLOCK_N * (dp + dvp) * 2 + STAGES * BLOCK_M * (dp + dvp) * 2 + 2 * BLOCK_N * BLOCK_M * 2
+            + BLOCK_M * d * 4 + 2 * STAGES * BLOCK_M * 4)
+    return regs, smem
+
+
+def head_dim_reason(d: int, dv: int) -> str:
+    """Why head dims (D, Dv) are not on this tier: its registers or shared memory where they would
+    not fit (:func:`head_dim_budget`), else the head dims it was built for."""
+    regs, smem = head_dim_budget(d, dv)
+    why = f"(D, Dv) = ({d}, {dv}): the Hopper backward takes D = Dv in {HEAD_DIMS} exactly"
+    over = []
+    if regs > CONSUMER_REGISTERS:
+        over.append(f"a consumer thread would hold {regs} float32 accumulator registers (dK, dV of its 64 keys, "
+                    f"S^T, dP^T, its dQ half; setmaxnreg gives {CONSUMER_REGISTERS})")
+    if smem > SMEM_LIMIT:
+        over.append(f"the tiles would take {smem} B of shared memory ({SMEM_LIMIT} B per block)")
+    return why + ("; at these head dims " + " and ".join(over) if over else " so far")
 
 
 def main_variant(problem, arch: int = 90) -> Sm90BackwardVariant:

@@ -209,7 +209,7 @@ def test_fallbacks_to_simt(rng):
         return dispatch.backward_tier(_problem(out, q, k, v, out, lse), arch, (q, k, v, out, out))
 
     assert tier(64, 64) is attention_bwd_sm90 and tier(128, 40) is attention_bwd_mma
-    assert tier(64, 64, dtype=dtypes.bfloat16) is attention_bwd_sm90 and tier(96, 96) is attention_bwd_mma
+    assert tier(64, 64, dtype=dtypes.bfloat16) is attention_bwd_sm90 and tier(96, 96) is attention_bwd_sm90
     assert tier(192, 192) is attention_bwd_mma and tier(256, 64) is attention_bwd_mma
     assert tier(128, 128, arch=86) is attention_bwd_mma  # 64 x 64, one stage, in 99 KB
     assert tier(192, 192, arch=86) is attention_bwd_simt  # no 192 tile fits 99 KB

@@ -56,7 +56,7 @@ def test_default_cases(sq, sk, heads, mask):
         assert (grads[0][:, :, : sq - sk] == 0).all()
 
 
-GRID = [tuple(c) for c in AllPairs([[1, 70, 130, 300], [1, 97, 150, 260], [64, 128], [(1, 1), (4, 2)], list(MASKS),
+GRID = [tuple(c) for c in AllPairs([[1, 70, 130, 300], [1, 97, 150, 260], [64, 96, 128], [(1, 1), (4, 2)], list(MASKS),
                                      list(DTYPES)])]
 
 
@@ -71,7 +71,9 @@ def test_grid(case):
 @pytest.mark.checked
 @pytest.mark.parametrize("sq,sk,d,heads,mask,dt", [(70, 150, 128, (2, 1), "causal", "f16"),
                                                    (200, 77, 64, (4, 2), "none", "bf16"),
-                                                   (260, 129, 128, (1, 1), "causal_win", "f16")])
+                                                   (260, 129, 128, (1, 1), "causal_win", "f16"),
+                                                   (70, 150, 96, (2, 1), "none", "f16"),
+                                                   (200, 77, 96, (1, 1), "causal", "bf16")])
 def test_checked(sq, sk, d, heads, mask, dt):
     run_case(sq, sk, d, heads, mask, dt, checked=True)
 
@@ -142,7 +144,9 @@ def _problem(d=128, dv=128, dtype=dtypes.float16, **opts):
 
 
 @pytest.mark.parametrize("kw,words", [
-    (dict(d=96, dv=96), "D = Dv in (64, 128)"),
+    (dict(d=80, dv=80), "(D, Dv) = (80, 80): the Hopper backward takes D = Dv in (64, 96, 128) exactly so far"),
+    (dict(d=192, dv=128), "a consumer thread would hold 272 float32 accumulator registers"),
+    (dict(d=256, dv=256), "setmaxnreg gives 240) and the tiles would take 362496 B of shared memory"),
     (dict(d=128, dv=64), "(D, Dv) = (128, 64)"),
     (dict(dtype=np.float32), "float16/bfloat16"),
 ])
@@ -169,8 +173,10 @@ def test_dispatcher_picks_the_hopper_backward_on_cc90_and_says_why_not_elsewhere
     assert dispatch.backward_tier(p, 80) is attention_bwd_mma
     assert "Hopper wgmma tier not used" in dispatch.describe_backward_choice(p, 100)
     assert dispatch.backward_tier(_problem(128, 128, deterministic=True), 90) is attention_bwd_sm90
-    line = dispatch.describe_backward_choice(_problem(96, 96), 90)
-    assert line.startswith("sm_90: tensor-core mma.sync tier") and "Hopper wgmma tier not used: (D, Dv) = (96, 96)" in line
+    assert dispatch.describe_backward_choice(_problem(96, 96), 90).startswith(
+        "sm_90: Hopper wgmma tier, cuflash_attn_bwd_sm90_main_f16_d96")
+    line = dispatch.describe_backward_choice(_problem(192, 128), 90)
+    assert line.startswith("sm_90: tensor-core mma.sync tier") and "Hopper wgmma tier not used: (D, Dv) = (192, 128)" in line
 
 
 @pytest.mark.slow
