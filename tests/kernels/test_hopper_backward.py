@@ -199,3 +199,31 @@ def test_public_backward_in_both_layouts(layout, form, dt, d):
     with cuflash.sim.options(arch="sm_90"):
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim", **kw)
     check_grads_close(grads, dout, q, k, v, out, lse, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+def test_d96_reads_only_the_views_in_nan_filled_buffers():
+    """Head dim 96 through the public backward: q, k, v, dout are views into NaN-filled buffers (a
+    head sliced off, 24 extra columns past the 96, a 16-byte offset). The tiles' columns 96..127
+    must be the tensor maps' zero fill: a NaN anywhere in the gradients, or a checked-mode report,
+    means the kernel read outside the views."""
+    from cuflash.kernels import dispatch
+
+    rng = np.random.default_rng(11)
+    dt = dtypes.bfloat16
+
+    def view(b, h, s, c):
+        buf = np.full((b, h + 1, s, c + 24), np.nan, dt)
+        x = buf[:, 1:, :, 8:8 + c]
+        x[...] = rng.standard_normal(x.shape).astype(dt)
+        return x
+
+    q, k, v, dout = view(2, 4, 150, 96), view(2, 2, 130, 96), view(2, 2, 130, 96), view(2, 4, 150, 96)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    p = ref_backward.check_backward(dout, q, k, v, out, lse, Options(), func="test", max_head_dim=256)
+    assert dispatch.backward_tier(p, 90, (q, k, v, out, dout)) is attention_bwd_sm90
+    with cuflash.sim.options(arch="sm_90", checked=True):
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim")
+    assert not any(np.isnan(g.astype(np.float32)).any() for g in grads)
+    check_grads_close(grads, dout, q, k, v, out, lse)
