@@ -59,6 +59,14 @@
 // past Sq read another head's lse and Dd (or zeros) and are masked, so the tile reaching past Sq
 // is always in a masked loop, as is every tile of a key tile reaching past Sk.
 //
+// A packed batch (varlen != 0, a run-time form of the same code): grid.z is the sequence; each block
+// reads its sequence's first rows and lengths from cu_seqlens_q/k and seqused_k (clamped into the
+// arrays: common.cuh, varlen_seq), exits if its key tile starts past the sequence's key rows, and
+// then walks the sequence as a fixed shape of Sq = its query rows, Sk = its keys used. Q, dO, K and
+// V come through ragged maps (tile_box), so rows past the sequence's end (or past seqused_k) are
+// zeros, never another sequence's; lse, Dd and the workspace are (1, Hq, total_q) with the
+// sequence's rows from q0 on; dK and dV rows of keys in [seqused_k, key rows) are written 0.
+//
 // Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D (64, 96 or 128).
 #include "ptx.cuh"
 
@@ -156,13 +164,31 @@ __device__ __forceinline__ void visible_rows(int key, int Sq, int Sk, int window
     hi = int(max(z, -1ll));
 }
 
-__device__ __forceinline__ void store_rows(elem_t* base, long long row_stride, int row0, int Sk, const float (&acc)[D / 2],
-                                           float mul) {
+// rows [0, Sk) from the accumulator, rows [Sk, keys) zero (a packed sequence's keys past seqused_k)
+__device__ __forceinline__ void store_rows(elem_t* base, long long row_stride, int row0, int Sk, int keys,
+                                           const float (&acc)[D / 2], float mul) {
 #pragma unroll
     for (int i = 0; i < D / 2; i += 2) {
         const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (threadIdx.x % 4);
-        if (row < Sk) *reinterpret_cast<unsigned*>(base + row * row_stride + col) = pack(acc[i] * mul, acc[i + 1] * mul);
+        if (row < keys)
+            *reinterpret_cast<unsigned*>(base + row * row_stride + col) = row < Sk ? pack(acc[i] * mul, acc[i + 1] * mul) : 0u;
     }
+}
+
+// Where a tile's TMA box lies: the coordinates after the head-dim column. Fixed shapes: (row, head,
+// batch) of a (B, H, S, D) map, rows past S read as zeros. A packed batch (varlen): a ragged map
+// (cuflash/runtime/tensor_map.py, TensorMap.ragged) of dims (D, H, E, total + 1), E the box's rows,
+// element (c, h, r, e) the packed row r + e - E, in bounds iff 0 <= r < E: the box at packed row
+// `row` of a sequence ending at `end` takes e = min(end, row + E), r = row - e + E and holds rows
+// [row, end) and zeros after, never a row of another sequence or a key past seqused_k.
+struct Box {
+    int c1, c2, c3;
+};
+template <int E>
+__device__ __forceinline__ Box tile_box(int varlen, int row0, int end, int row, int head, int b) {
+    if (!varlen) return Box{row, head, b};
+    const int e = min(end, row0 + row + E);
+    return Box{head, row0 + row - e + E, e};
 }
 
 __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_map& map_k, const cuflash_tensor_map& map_v,
@@ -170,7 +196,8 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
                          float* dq_accum, elem_t* dk, elem_t* dv, long long dk_batch_stride, long long dk_head_stride,
                          long long dk_row_stride, long long dv_batch_stride, long long dv_head_stride,
                          long long dv_row_stride, int Sq, int Sk, int Hq, int group, float softmax_scale,
-                         int window_left, int window_right, int* dq_sem, int deterministic) {
+                         int window_left, int window_right, int* dq_sem, int deterministic, int q_tiles,
+                         const int* cu_seqlens_q, const int* cu_seqlens_k, const int* seqused_k, int varlen) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long kv_full;
     __shared__ __align__(8) unsigned long long full[STAGES];
@@ -185,6 +212,18 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     float* dd_s = lse_s + STAGES * BR;                      // [STAGES][BR]
     const int n0 = blockIdx.x * BC, hk = blockIdx.y, b = blockIdx.z;
     const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
+    // a packed batch (varlen != 0): sequence b's rows from the index (Sq, Sk the arguments' totals
+    // until then: the lse / Dd / workspace rows per head, rows_q), its lengths as Sq and Sk, and the
+    // (B, Hq, ...) layouts' batch index 0 (bl); fixed shapes: q0 = k0 = 0, keys = Sk, bl = b
+    const int rows_q = Sq;
+    int q0 = 0, k0 = 0, keys = Sk, bl = b;
+    if (varlen) {
+        const VarlenSeq sv = varlen_seq_uniform(b, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, Sq, Sk);
+        // (query rows past the longest sequence's tiles, from an index that disagrees with
+        // max_seqlen_q, are not walked: the counters of deterministic mode stop there)
+        q0 = sv.q0, k0 = sv.k0, keys = sv.keys, Sq = min(sv.seqlen_q, q_tiles * BR), Sk = sv.seqlen_k, bl = 0;
+        if (n0 >= keys) return;   // a sequence shorter than the grid's key tiles: no row of its own
+    }
     // the query rows that see a key of this tile, as query tiles [t_lo, t_hi), and the tiles
     // [s_lo, s_hi) among them that need no mask (all 64 x 128 pairs visible, no key past Sk)
     // (in 64 bits: window bounds reach 2^31 - 1)
@@ -193,7 +232,9 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     i64 row_lo = 0, row_hi = Sq;   // [row_lo, row_hi)
     if (window_right >= 0) row_lo = max(i64(0), n0 - diag - window_right);
     if (window_left >= 0) row_hi = min(i64(Sq), n0 + BC - 1 - diag + window_left + 1);
-    const int t_lo = int(min(row_lo, i64(Sq)) / BR), t_hi = row_hi > row_lo ? int((row_hi + BR - 1) / BR) : t_lo;
+    // (no walk for a key tile past Sk: a packed sequence's keys past seqused_k, stored as zeros)
+    const int t_lo = int(min(row_lo, i64(Sq)) / BR),
+              t_hi = row_hi > row_lo && n0 < Sk ? int((row_hi + BR - 1) / BR) : t_lo;
     int s_lo = t_lo, s_hi = t_hi;
     if (n0 + BC > Sk) {
         s_hi = s_lo;   // a key tile reaching past Sk: every tile masked
@@ -225,22 +266,24 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         if (warp == 0 && ptx_elect_one()) {
             if (nwalk > 0) {
                 ptx_mbarrier_arrive_expect_tx(&kv_full, 2 * K_BYTES);
+                const Box kb = tile_box<BC>(varlen, k0, k0 + Sk, n0, hk, b);
                 for (int p = 0; p < NPANEL; ++p) {
-                    ptx_tma_load_4d(k_s + p * PANEL_K, &map_k, p * PANEL, n0, hk, b, &kv_full);
-                    ptx_tma_load_4d(v_s + p * PANEL_K, &map_v, p * PANEL, n0, hk, b, &kv_full);
+                    ptx_tma_load_4d(k_s + p * PANEL_K, &map_k, p * PANEL, kb.c1, kb.c2, kb.c3, &kv_full);
+                    ptx_tma_load_4d(v_s + p * PANEL_K, &map_v, p * PANEL, kb.c1, kb.c2, kb.c3, &kv_full);
                 }
             }
             for (int it = 0; it < nwalk; ++it) {
                 const int s = it % STAGES, h = hk * group + it / ntiles, m0 = (t_lo + it % ntiles) * BR;
                 if (it >= STAGES) ptx_mbarrier_wait(&empty[s], ((it / STAGES) - 1) & 1);
                 ptx_mbarrier_arrive_expect_tx(&full[s], 2 * Q_BYTES + 2 * BR * 4);
+                const Box qb = tile_box<BR>(varlen, q0, q0 + Sq, m0, h, b);
                 for (int p = 0; p < NPANEL; ++p) {
-                    ptx_tma_load_4d(q_s + s * Q_BYTES + p * PANEL_Q, &map_q, p * PANEL, m0, h, b, &full[s]);
-                    ptx_tma_load_4d(do_s + s * Q_BYTES + p * PANEL_Q, &map_do, p * PANEL, m0, h, b, &full[s]);
+                    ptx_tma_load_4d(q_s + s * Q_BYTES + p * PANEL_Q, &map_q, p * PANEL, qb.c1, qb.c2, qb.c3, &full[s]);
+                    ptx_tma_load_4d(do_s + s * Q_BYTES + p * PANEL_Q, &map_do, p * PANEL, qb.c1, qb.c2, qb.c3, &full[s]);
                 }
-                // lse and Dd of the tile's rows: boxes of the flat (B * Hq * Sq) arrays (rows past Sq
-                // read the next head's values or zeros; the consumer masks them)
-                const int flat = (b * Hq + h) * Sq + m0;
+                // lse and Dd of the tile's rows: boxes of the flat (B * Hq * rows_q) arrays (rows past
+                // Sq read the next sequence's or head's values, or zeros; the consumer masks them)
+                const int flat = (bl * Hq + h) * rows_q + q0 + m0;
                 ptx_tma_load_2d(lse_s + s * BR, &map_lse, flat, 0, &full[s]);
                 ptx_tma_load_2d(dd_s + s * BR, &map_dd, flat, 0, &full[s]);
             }
@@ -257,13 +300,14 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
                         // this block's turn among the key tiles that add to (h, query tile): those that see
                         // it are a run [first, ..] of key tiles (a band), so it is blockIdx.x - first; the
                         // first is the lowest whose last row bound n0 + BC - diag + left passes m0
-                        sem = dq_sem + (size_t(b) * Hq + h) * ((Sq + BR - 1) / BR) + m0 / BR;
+                        sem = dq_sem + (size_t(b) * Hq + h) * q_tiles + m0 / BR;
                         const i64 v = m0 + diag - window_left - BC;
                         const int first = (window_left < 0 || v < 0) ? 0 : int(v / BC + 1);
                         ptx_wait_eq_acquire(sem, int(blockIdx.x) - first);
                         ptx_fence_proxy_async_global();
                     }
-                    ptx_bulk_reduce_add_f32(dq_accum + ((size_t(b) * Hq + h) * Sq + m0) * D, dq_s, unsigned(rows * D * 4));
+                    ptx_bulk_reduce_add_f32(dq_accum + ((size_t(bl) * Hq + h) * rows_q + q0 + m0) * D, dq_s,
+                                            unsigned(rows * D * 4));
                     ptx_bulk_commit();
                     if (deterministic) {   // the add complete (not only read), then the next key tile's turn
                         ptx_bulk_wait<0>();
@@ -422,9 +466,11 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         for (; m < hi; ++m, ++it) tile(it, m * BR, MaskOf<MASK_NONE>{});
         for (; m < t_hi; ++m, ++it) tile(it, m * BR, MaskOf<MASK_ON>{});
     }
-    // (rows past Sk are dropped by store_rows)
-    store_rows(dk + b * dk_batch_stride + hk * dk_head_stride, dk_row_stride, w.key0, Sk, dk_acc, softmax_scale);
-    store_rows(dv + b * dv_batch_stride + hk * dv_head_stride, dv_row_stride, w.key0, Sk, dv_acc, 1.0f);
+    // (rows past the sequence's key rows are dropped by store_rows, those in [Sk, keys) zero)
+    store_rows(dk + bl * dk_batch_stride + hk * dk_head_stride + k0 * dk_row_stride, dk_row_stride, w.key0, Sk, keys,
+               dk_acc, softmax_scale);
+    store_rows(dv + bl * dv_batch_stride + hk * dv_head_stride + k0 * dv_row_stride, dv_row_stride, w.key0, Sk, keys,
+               dv_acc, 1.0f);
 }
 
 }  // namespace bwd_sm90
@@ -435,10 +481,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(
     const __grid_constant__ cuflash_tensor_map map_lse, const __grid_constant__ cuflash_tensor_map map_dd, float* dq_accum, bwd_sm90::elem_t* dk,
     bwd_sm90::elem_t* dv, long long dk_batch_stride, long long dk_head_stride, long long dk_row_stride,
     long long dv_batch_stride, long long dv_head_stride, long long dv_row_stride, int Sq, int Sk, int Hq, int group,
-    float softmax_scale, int window_left, int window_right, int* dq_sem, int deterministic) {
+    float softmax_scale, int window_left, int window_right, int* dq_sem, int deterministic, int q_tiles,
+    const int* cu_seqlens_q, const int* cu_seqlens_k, const int* seqused_k, int varlen) {
     bwd_sm90::backward(map_q, map_k, map_v, map_do, map_lse, map_dd, dq_accum, dk, dv, dk_batch_stride, dk_head_stride,
                        dk_row_stride, dv_batch_stride, dv_head_stride, dv_row_stride, Sq, Sk, Hq, group, softmax_scale,
-                       window_left, window_right, dq_sem, deterministic);
+                       window_left, window_right, dq_sem, deterministic, q_tiles, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                       varlen);
 }
 
 #endif  // sm_90a

@@ -10,10 +10,11 @@ by one warp's bulk reduce-add (``cp.reduce.async.bulk .add.f32``), no atomics. T
 
 The kernel is compiled for ``sm_90a`` and runs on compute capability 9.0 only. Calls it takes:
 float16/bfloat16, D = Dv = 64, 96 or 128 exactly, causal and windows (bottom-right), GQA, rows without
-keys, one batch dim, any strides a tensor map can describe (the head dim contiguous, every
-other stride and each base 16-byte aligned), and deterministic mode. The rest goes to the
-tensor-core backward, and ``explain`` says why: other head dims, Dv != D, dropout, score
-modifiers, packed batches.
+keys, one batch dim or a packed batch (``cu_seqlens_q/k`` and ``seqused_k`` read on the device; Q,
+dO, K and V through ragged tensor maps, as the Hopper forward's, so no tile reads another
+sequence's rows), any strides a tensor map can describe (the head dim contiguous, every other
+stride and each base 16-byte aligned), and deterministic mode. The rest goes to the tensor-core
+backward, and ``explain`` says why: other head dims, Dv != D, dropout, score modifiers.
 
 Deterministic mode (``deterministic=True``): the key tiles that add to one (query head, query
 tile) of the dQ workspace add in key-tile order, ordered by an int32 counter per (batch, query
@@ -35,8 +36,9 @@ import numpy as np
 
 from cuflash.kernels import attention_fwd_sm90
 from cuflash.kernels import launch_args as la
-from cuflash.runtime import variants
+from cuflash.runtime import plan, variants
 from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg, TensorMapArg
+from cuflash.runtime.tensor_map import TensorMap
 
 #: this module's tier, in the dispatcher's words
 TARGET_ARCH = attention_fwd_sm90.TARGET_ARCH
@@ -71,7 +73,8 @@ class Sm90BackwardVariant(attention_fwd_sm90.ThreeWarpgroups, variants.Variant):
     dtype: str
     head_dim: int
     # the forms the shared backward driver asks about (:func:`cuflash.kernels.backward_run.backward`);
-    # this kernel has none of them
+    # a packed batch is a run-time form of the same code (the index arrays and ragged tensor maps),
+    # dropout and score modifiers are not in this kernel
     varlen: bool = dataclasses.field(default=False, kw_only=True)
     dropout: bool = dataclasses.field(default=False, kw_only=True)
     mods: bool = dataclasses.field(default=False, kw_only=True)
@@ -81,8 +84,8 @@ class Sm90BackwardVariant(attention_fwd_sm90.ThreeWarpgroups, variants.Variant):
             raise ValueError(f"Sm90BackwardVariant: dtype={self.dtype!r} must be one of {DTYPES}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"Sm90BackwardVariant: head_dim={self.head_dim} must be one of {HEAD_DIMS}")
-        if self.varlen or self.dropout or self.mods:
-            raise ValueError("Sm90BackwardVariant: no packed, dropout or score-modifier form exists")
+        if self.dropout or self.mods:
+            raise ValueError("Sm90BackwardVariant: no dropout or score-modifier form exists")
 
     def axes(self) -> tuple[str, ...]:
         return ("main", self.dtype, f"d{self.head_dim}")
@@ -125,11 +128,13 @@ class Sm90BackwardVariant(attention_fwd_sm90.ThreeWarpgroups, variants.Variant):
         Sq) float32 contiguous, ``acc`` the float32 dQ workspace ``(splits, B, Hq, Sq, D)`` (this
         kernel adds into split 0)."""
         q, k, v, _, dout, _, dk, dv = views
+        vl = problem.varlen
+        packed = None if vl is None else (la.varlen_args(problem, call), vl.batch, vl.max_seqlen_q, vl.max_seqlen_k)
         # deterministic mode: the shared driver allocates one partial buffer per split of the
         # tensor-core tier's scheme; this kernel adds in order into the first, the rest stay zero
         return plan_main((q, k, v, dout, dk, dv), lse, dd, acc[:1], call, softmax_scale=problem.softmax_scale,
                          window_left=problem.window_left, window_right=problem.window_right, dtype=self.dtype,
-                         deterministic=problem.options.deterministic)
+                         deterministic=problem.options.deterministic, packed=packed)
 
 
 def all_variants(arch: int = 90) -> tuple[Sm90BackwardVariant, ...]:
@@ -140,7 +145,7 @@ def all_variants(arch: int = 90) -> tuple[Sm90BackwardVariant, ...]:
 
 
 def plan_main(arrays, lse, dd, acc, call, *, softmax_scale: float, window_left: int = -1, window_right: int = -1,
-              dtype: str, deterministic: bool = False) -> LaunchPlan:
+              dtype: str, deterministic: bool = False, packed: tuple | None = None) -> LaunchPlan:
     """The main stage's launch for arrays in (B, H, S, D) order.
 
     Parameters
@@ -158,7 +163,15 @@ def plan_main(arrays, lse, dd, acc, call, *, softmax_scale: float, window_left: 
     dtype : {"f16", "bf16"}
     deterministic : bool
         Add dQ in key-tile order per (query head, query tile): the same bits on every run (a zeroed
-        int32 counter array of ``B * Hq * ceil(Sq / 64)`` is allocated on ``call``).
+        int32 counter array of ``B * Hq * ceil(Sq / 64)`` is allocated on ``call``; a packed batch:
+        ``batch * Hq * ceil(max_seqlen_q / 64)``).
+    packed : tuple ``(index_args, batch, max_seqlen_q, max_seqlen_k)``, optional
+        A packed batch: ``arrays`` are then ``(1, H, total, D)`` views of the packed rows (B = 1, S
+        the total), ``lse``, ``dd`` ``(1, Hq, total_q)`` and ``acc`` ``(1, 1, Hq, total_q, D)``;
+        ``index_args`` the plan arguments ``cu_seqlens_q, cu_seqlens_k, seqused_k, varlen``
+        (:func:`cuflash.kernels.launch_args.varlen_args`), then the sequences and the longest's
+        query and key rows (the grid's extents). Q, dO, K and V go through ragged tensor maps, so a
+        tile never reads another sequence's rows; dK and dV rows of keys past ``seqused_k`` are 0.
 
     Raises
     ------
@@ -179,13 +192,26 @@ def plan_main(arrays, lse, dd, acc, call, *, softmax_scale: float, window_left: 
                              f"{tuple(a.shape)} {a.dtype}")
     if sq < 1 or sk < 1:
         raise ValueError(f"attention_bwd_sm90: Sq={sq} and Sk={sk} must be at least 1")
-    variant = Sm90BackwardVariant(dtype, d)
+    if packed is not None and b != 1:
+        raise ValueError(f"attention_bwd_sm90: a packed batch's arrays must be (1, H, total, D) views, got q {tuple(q.shape)}")
+    variant = Sm90BackwardVariant(dtype, d, varlen=packed is not None)
     bits = (lambda a: a.view(np.uint16)) if dtype == "bf16" else (lambda a: a)
-    box_q, box_k = (1, 1, BLOCK_M, PANEL), (1, 1, BLOCK_N, PANEL)
+    if packed is None:
+        index_args = tuple(PointerArg.of(n, call.empty_index) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k"))
+        index_args, batch, q_tiles, k_tiles = index_args + (la.i32("varlen", 0),), b, -(-sq // BLOCK_M), -(-sk // BLOCK_N)
+
+        def tile_map(name, a, rows):
+            return TensorMapArg.of(name, bits(a), (1, 1, rows, PANEL), swizzle=128)
+    else:
+        index_args, batch, max_q, max_k = packed
+        q_tiles, k_tiles = -(-max_q // BLOCK_M), -(-max_k // BLOCK_N)
+
+        def tile_map(name, a, rows):   # the (total, H, D) rows, ragged: a box never leaves its sequence
+            rows_hd = bits(a)[0].transpose(1, 0, 2)
+            return TensorMapArg(name, PointerArg.of(name, rows_hd), TensorMap.ragged(rows_hd, rows, PANEL, swizzle=128))
     dks, dvs = la.element_strides(dk)[:3], la.element_strides(dv)[:3]
-    args = (TensorMapArg.of("map_q", bits(q), box_q, swizzle=128), TensorMapArg.of("map_k", bits(k), box_k, swizzle=128),
-            TensorMapArg.of("map_v", bits(v), box_k, swizzle=128),
-            TensorMapArg.of("map_do", bits(dout), box_q, swizzle=128),
+    args = (tile_map("map_q", q, BLOCK_M), tile_map("map_k", k, BLOCK_N), tile_map("map_v", v, BLOCK_N),
+            tile_map("map_do", dout, BLOCK_M),
             TensorMapArg.of("map_lse", lse.reshape(1, -1), (1, BLOCK_M)), TensorMapArg.of("map_dd", dd.reshape(1, -1), (1, BLOCK_M)),
             call.pointer("dq_accum", acc, writable=True),
             call.pointer("dk", dk, writable=True), call.pointer("dv", dv, writable=True),
@@ -194,10 +220,10 @@ def plan_main(arrays, lse, dd, acc, call, *, softmax_scale: float, window_left: 
             la.i32("Sq", sq), la.i32("Sk", sk), la.i32("Hq", hq), la.i32("group", hq // hk),
             ScalarArg("softmax_scale", np.float32(softmax_scale)),
             la.i32("window_left", window_left), la.i32("window_right", window_right),
-            call.pointer("dq_sem", call.xp.zeros((b, hq, -(-sq // BLOCK_M)), dtype=np.int32) if deterministic
+            call.pointer("dq_sem", call.xp.zeros((batch, hq, q_tiles), dtype=np.int32) if deterministic
                          else call.empty_index, writable=True),
-            la.i32("deterministic", int(bool(deterministic))))
-    return LaunchPlan(variant, variant.entry, (-(-sk // BLOCK_N), hk, b), (384, 1, 1), variant.smem_bytes, args)
+            la.i32("deterministic", int(bool(deterministic))), la.i32("q_tiles", q_tiles), *index_args)
+    return LaunchPlan(variant, variant.entry, (k_tiles, hk, batch), (384, 1, 1), variant.smem_bytes, args)
 
 
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
@@ -212,18 +238,22 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         return "score modifiers are not in the Hopper backward yet"
     if p.dropout is not None:
         return "dropout is not in the Hopper backward yet"
-    if p.varlen is not None:
-        return "packed variable-length batches are not in the Hopper backward yet"
     if p.head_dim != p.head_dim_v or p.head_dim not in HEAD_DIMS:
         return head_dim_reason(p.head_dim, p.head_dim_v)
-    if p.seqlen_k == 0 or p.seqlen_q == 0:
+    vl = p.varlen
+    if vl is not None:
+        if vl.total_k == 0 or vl.total_q == 0:
+            return "no key or no query row in the whole packed batch (a tensor map has no empty dimension)"
+        if vl.batch > plan.MAX_GRID_DIMS[2]:
+            return f"{vl.batch} packed sequences exceed the grid's {plan.MAX_GRID_DIMS[2]} (gridDim.z)"
+    elif p.seqlen_k == 0 or p.seqlen_q == 0:
         return "an empty sequence (a tensor map has no empty dimension)"
-    if len(p.batch_shape) != 1 or (p.layout == "bhsd" and len(p.q.shape) != 4):
+    elif len(p.batch_shape) != 1 or (p.layout == "bhsd" and len(p.q.shape) != 4):
         return f"batch dims {p.batch_shape}: the Hopper backward's tensor maps take one batch dim"
     for a, name in zip(arrays or (), ("q", "k", "v", "out", "dout")):
         if a is None or name == "out":
             continue
-        why = attention_fwd_sm90._tma_reason(attention_fwd_sm90._bhsd(a, p.layout), name)
+        why = attention_fwd_sm90._tma_reason(a if vl is not None else attention_fwd_sm90._bhsd(a, p.layout), name)
         if why:
             return why
     return None

@@ -27,7 +27,7 @@ from support.tolerance import check_packed_backward as check_backward
 from support.tolerance import check_packed_forward as check_forward
 
 import cuflash
-from cuflash.kernels import attention_fwd_sm90, backward_run, dispatch
+from cuflash.kernels import attention_bwd_sm90, attention_fwd_sm90, backward_run, dispatch
 from cuflash.runtime import dtypes
 
 #: (query length, key length) of each sequence of a batch
@@ -54,9 +54,10 @@ PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
 
 
 def run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, *, checked=False, seed=0):
-    if tier == "mma_sm90":   # the tensor-core tier on sm_90: without the Hopper tier, which takes aligned packed calls
-        with pytest.MonkeyPatch.context() as mp:
+    if tier == "mma_sm90":   # the tensor-core tier on sm_90: without the Hopper tiers, which take aligned packed calls
+        with pytest.MonkeyPatch.context() as mp:   # (tests/kernels/test_hopper_backward.py runs the Hopper backward's)
             mp.setattr(dispatch, "TIERS", tuple(t for t in dispatch.TIERS if t[1] is not attention_fwd_sm90))
+            mp.setattr(dispatch, "BACKWARD_TIERS", tuple(t for t in dispatch.BACKWARD_TIERS if t[1] is not attention_bwd_sm90))
             return _run_case(rng, batch, heads, d, dv_kind, mask, used, dtype_key, tier, mode, checked=checked,
                              seed=seed)
     if tier == "simt_sm75":   # the portable tier on sm_75: without the tensor-core tier's sm_75 form (float16)
@@ -158,6 +159,8 @@ def test_hostile_indices_stay_inside_the_arrays(tier, rng, monkeypatch):
     lse), and rows no tile covers come out NaN (the fresh output is NaN-filled), never stale
     data. The problem is built from valid indices, then handed garbage as if unchecked."""
     monkeypatch.setattr(dispatch, "TIERS", tuple(t for t in dispatch.TIERS if t[1] is not attention_fwd_sm90))
+    monkeypatch.setattr(dispatch, "BACKWARD_TIERS",
+                        tuple(t for t in dispatch.BACKWARD_TIERS if t[1] is not attention_bwd_sm90))
     q, k, v, cq, ck, mq, mk, _ = make_batch(rng, BATCHES["mixed3"], 2, 1, 64, 64, dtypes.float16)
     problem = check_varlen(q, k, v, cq, ck, mq, mk)
     # decreasing, negative, past the end; clamped, the sequences do not overlap (overlapping

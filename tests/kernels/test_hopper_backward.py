@@ -11,6 +11,8 @@ bulk reduce-adds) on the masked and steady loops.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from allpairspy import AllPairs
@@ -88,9 +90,10 @@ def test_seeds_agree_bitwise_in_dk_dv():
         np.testing.assert_array_equal(x, y)
 
 
-def _with_workspace(monkeypatch, *case, workers, **kw):
+def _with_workspace(monkeypatch, *case, workers, runner=None, **kw):
     """``(the float32 dQ workspace's bits after the main stage, the gradients)`` of one case run on
-    ``workers`` simulator threads (the workspace read through a spy on the launcher)."""
+    ``workers`` simulator threads (the workspace read through a spy on the launcher) by ``runner``
+    (:func:`run_case`, or :func:`run_packed`)."""
     from cuflash.sim import launcher
 
     got, real = [], launcher.run
@@ -105,7 +108,7 @@ def _with_workspace(monkeypatch, *case, workers, **kw):
     monkeypatch.setattr(launcher, "run", spy)
     try:
         with cuflash.sim.options(workers=workers):
-            grads = run_case(*case, **kw)
+            grads = (runner or run_case)(*case, **kw)
     finally:
         monkeypatch.setattr(launcher, "run", real)
     assert len(got) == 1
@@ -133,6 +136,117 @@ def test_deterministic_adds_in_key_tile_order(monkeypatch, case):
         assert (ws == ref).all(), f"{int((ws != ref).sum())} of {ws.size} workspace words differ"
         for x, y in zip(runs[0][1], grads):
             np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
+
+
+#: (query length, key length) of each sequence of a packed batch: lengths 0 and 1, shorter than a
+#: tile, several tiles, keys past the longest query run
+EDGES = [(5, 7), (0, 9), (1, 1), (130, 140), (0, 20), (40, 0), (17, 200)]
+
+
+def run_packed(lengths, heads, d, mask, used, dtype_key="f16", *, checked=False, seed=0, deterministic=False):
+    """A packed batch through ``cuflash.attention_varlen_backward`` on the simulator (the Hopper
+    backward, as explain says), each sequence held to the gradient rule against its own float64
+    oracle; keys past ``seqused_k`` (``used="some"``: every other sequence uses half its keys) are
+    NaN in k and v (never to be read) and get dk = dv = 0. Returns the gradients."""
+    from support.inputs import make_batch
+    from support.tolerance import check_packed_backward
+
+    rng = np.random.default_rng(len(lengths) * 7 + d + heads[0])
+    hq, hk = heads
+    dt = DTYPES[dtype_key]
+    q, k, v, cq, ck, mq, mk, used_k = make_batch(rng, lengths, hq, hk, d, d, dt, used)
+    if used_k is not None:
+        for b in range(len(lengths)):
+            k[ck[b] + used_k[b]:ck[b + 1]] = np.nan
+            v[ck[b] + used_k[b]:ck[b + 1]] = np.nan
+    causal, window = MASKS[mask]
+    kw = dict(causal=causal, window_size=window)
+    out, lse = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, seqused_k=used_k, return_lse=True, **kw)  # NumPy
+    dout = rng.standard_normal(out.shape).astype(dt)
+    info = cuflash.explain_varlen(q, k, v, cq, ck, mq, mk, seqused_k=used_k, arch=90, **kw)
+    assert info["backward"] == f"sm_90: backward on the Hopper wgmma tier, cuflash_attn_bwd_sm90_main_{dtype_key}_d{d}", info
+    with cuflash.sim.options(arch="sm_90", seed=seed, checked=checked):
+        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, mq, mk, seqused_k=used_k,
+                                                  deterministic=deterministic, backend="sim", **kw)
+    check_packed_backward(grads, dout, q, k, v, out, lse, cq, ck, used_k, **kw)
+    return grads
+
+
+PACKED = [(EDGES, (4, 2), 64, "causal", "some", "f16"), ([(300, 280)], (2, 1), 128, "window", "all", "bf16"),
+          ([(17, 1), (1, 17), (64, 64), (0, 0), (129, 200)], (8, 2), 96, "causal_win", "some", "bf16"),
+          ([(200, 77), (3, 130)], (1, 1), 128, "none", "some", "f16"), (EDGES, (2, 2), 96, "narrow", "all", "f16")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PACKED, ids=[f"{len(c[0])}seq-{c[2]}-{c[3]}-{c[4]}-{c[5]}" for c in PACKED])
+def test_packed_batches(case):
+    run_packed(*case)
+
+
+@pytest.mark.checked
+def test_packed_default_case():
+    # in checked mode, on the build test_default_cases compiles (f16, head dim 128): sequences
+    # without keys, without queries, shorter than a tile, and one of 150 keys using 75 (seqused_k:
+    # its second key tile only writes zero rows, its first and its query tile straddle the ends;
+    # the unused keys are NaN), causal, GQA
+    run_packed([(5, 7), (0, 9), (40, 150), (30, 0)], (2, 1), 128, "causal", "some", checked=True)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+def test_packed_checked():
+    run_packed([(17, 1), (1, 17), (64, 64), (0, 0), (129, 200)], (2, 1), 64, "causal", "some", "bf16", checked=True)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+def test_packed_deterministic_adds_in_key_tile_order(monkeypatch):
+    """Deterministic mode on a packed batch: on three worker threads and three thread orders (one
+    checked), the float32 dQ workspace has the bits of one worker running the blocks in order, and
+    the gradients the same bits on every run (the 300-row causal sequence has three key tiles
+    adding to its last query tiles; the counters are per sequence)."""
+    case = ([(40, 30), (300, 300), (0, 5), (70, 200)], (2, 1), 64, "causal", "all", "f16")
+    ref, _ = _with_workspace(monkeypatch, *case, workers=1, runner=run_packed)
+    runs = [_with_workspace(monkeypatch, *case, workers=3, runner=run_packed, seed=s, checked=(s == 0),
+                            deterministic=True) for s in (0, 1, 7)]
+    for ws, grads in runs:
+        assert (ws == ref).all(), f"{int((ws != ref).sum())} of {ws.size} workspace words differ"
+        for x, y in zip(runs[0][1], grads):
+            np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_packed_hostile_indices_stay_inside_the_arrays(deterministic):
+    """Device-resident indices are not read by the host: whatever they hold, the Hopper backward
+    clamps every index into the arrays (checked mode reports any access outside q, k, v, dout,
+    lse, the workspace, dk, dv or the deterministic counters), as the other tiers do
+    (tests/api/test_varlen.py). The problem is built from valid indices, then handed garbage as if
+    unchecked: sequence 1 claims 38 query rows, more than max_seqlen_q = 33 allows for."""
+    from support.device import on_device, sim_call
+    from support.inputs import make_batch
+    from support.options import check_varlen
+
+    from cuflash.kernels import dispatch
+
+    rng = np.random.default_rng(2)
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, [(5, 7), (0, 3), (33, 40)], 2, 1, 64, 64, dtypes.float16)
+    problem = check_varlen(q, k, v, cq, ck, mq, mk, deterministic=deterministic)
+    bad_q = np.array([5, -7, 10**6, 2], np.int32)   # -> [5, 5), [0, 38), [38, 38)
+    bad_k = np.array([0, 80, 90, 2**31 - 1], np.int32)   # -> [0, 50), [50, 50), [50, 50)
+    used = np.array([10**6, -3, 1], np.int32)
+    vl = dataclasses.replace(problem.varlen, cu_seqlens_q=bad_q, cu_seqlens_k=bad_k, seqused_k=used, checked=False)
+    hostile = dataclasses.replace(problem, varlen=vl)
+    with cuflash.sim.options(arch="sm_90", checked=True), sim_call(q) as call:
+        p, qd, kd, vd = on_device(call, hostile, q, k, v)
+        out = call.import_array(np.ones(q.shape, q.dtype))
+        lse = call.import_array(np.zeros((2, q.shape[0]), np.float32))
+        assert dispatch.backward_tier(p, 90, (qd, kd, vd, out, out)) is attention_bwd_sm90
+        grads = dispatch.run_backward(p, out, qd, kd, vd, out, lse, call)
+    # sequence 0 owns keys [0, 50) and no query: dk = dv = 0 there; rows no tile covers stay NaN
+    assert (grads[1][:50] == 0).all() and (grads[2][:50] == 0).all()
+    assert (grads[0] == 0).all()
 
 
 def _problem(d=128, dv=128, dtype=dtypes.float16, **opts):
