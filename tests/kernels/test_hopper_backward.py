@@ -4,9 +4,11 @@ dq, dk, dv against the float64 gradients under the gradient rule of every tier
 (:func:`support.grads.check_grads_close`), the tier run directly between the shared dot and
 convert stages (:func:`support.device.sim_backward`). The default run takes two small cases of
 one variant in checked mode (f16, head dim 128: Sq != Sk, neither a multiple of the tiles, GQA,
-non-causal and causal, several query tiles per key tile so the 2-stage ring wraps); ``slow`` runs a pairwise grid
-over dtype, head dim, mask and lengths, and checked mode (races, bounds, proxies, in-flight TMA and
-bulk reduce-adds) on the masked and steady loops.
+non-causal and causal, several query tiles per key tile so the 2-stage ring wraps) and one packed
+batch on the same build; ``slow`` runs a pairwise grid over dtype, head dim (64, 96, 128), mask and
+lengths, packed batches (``attention_varlen_backward``, ``seqused_k``, hostile device indices),
+deterministic mode, and checked mode (races, bounds, proxies, in-flight TMA and bulk reduce-adds)
+on the masked and steady loops.
 """
 
 from __future__ import annotations
