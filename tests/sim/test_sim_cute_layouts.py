@@ -252,6 +252,85 @@ def test_forward_descriptors_are_cutes_and_the_simulator_reads_cutes_layout(co, 
     _check_reads(co, probes, tiles, names, ops)
 
 
+# ------------------------------------------------------------------------------------ the backward
+def _backward_cases(co, d: int):
+    """CuTe's version of the Hopper backward's operands (kernels_cu/attention_bwd_sm90.cu) at head
+    dim d, in three groups, each a set of tiles that do not overlap (the kernel reads Q, dO and K
+    both K-major and MN-major): (1) S^T = K Q^T and dP^T = V dO^T of each consumer's 64 keys,
+    K-major, over d columns of 64-column panels; (2) dV += P^T dO and dK += dS^T Q, A from
+    registers, dO and Q MN-major B of N = d; (3) dQ = dS K, dS an M-major A (the [key][query]
+    dS^T buffer), K an MN-major B, each consumer's DQN columns. Returns a list of (gemms, names,
+    ops, tiles, want) with ``want`` the kernel's descriptors (its desc_k_major / desc_mn_major /
+    k_step_offset). Consumer 1's dQ window at d = 64 starts 64 bytes into a swizzle row, which
+    CuTe's tile algebra cannot cut; only consumer 0's is checked there."""
+    from cuflash.kernels import attention_bwd_sm90 as bwd
+
+    G = co.Gemm
+    bm, bc, dp = bwd.BLOCK_M, bwd.BLOCK_N, -(-d // PANEL) * PANEL
+    q0 = 0
+    do0 = q0 + bm * dp * 2
+    k0 = do0 + bm * dp * 2
+    v0 = k0 + bc * dp * 2
+
+    def k_step_offset(kk, rows):
+        return (kk * 16) // PANEL * rows * 128 + (kk * 16) % PANEL * 2
+
+    cases = []
+    # (1) S^T, dP^T
+    gemms, names, want = [], [], []
+    for a_name, a0, b_name, b0 in (("K", k0, "Q", q0), ("V", v0, "dO", do0)):
+        for c in (0, 1):
+            gemms.append(G(bm, dp, "K", 128, (bc, dp), (0, 1), 64 * c, a0, "K", 128, (bm, dp), (0, 1), b0,
+                           k_steps=d // 16))
+            names.append((f"{a_name} {b_name}^T, consumer {c}", (a_name, b_name, 64 * c, d)))
+            want += [(_desc(a0 + 64 * c * 128 + k_step_offset(kk, bc), 16, 1024, 128),
+                      _desc(b0 + k_step_offset(kk, bm), 16, 1024, 128), 0, 0) for kk in range(d // 16)]
+    tiles = {"Q": (q0, co.smem_layout("K", 128, (bm, dp), (0, 1))), "dO": (do0, co.smem_layout("K", 128, (bm, dp), (0, 1))),
+             "K": (k0, co.smem_layout("K", 128, (bc, dp), (0, 1))), "V": (v0, co.smem_layout("K", 128, (bc, dp), (0, 1)))}
+    cases.append((gemms, names, [bm] * len(want), tiles, want))
+    # (2) dV, dK: N = d (CuTe builds N = dp; the simulator runs N = d, which bounds how far it reads)
+    gemms, names, want = [], [], []
+    for b_name, b0 in (("dO", do0), ("Q", q0)):
+        gemms.append(G(dp, bm, "K", 128, (64, bm), (0, 1), 0, 0, "MN", 128, (dp, bm), (1, 0), b0, a_regs=True))
+        names.append((f"{'dV' if b_name == 'dO' else 'dK'} += A {b_name}", (None, b_name, 0, bm)))
+        want += [(None, _desc(b0 + kb * 16 * 128, bm * 128, 1024, 128), 0, 1) for kb in range(bm // 16)]
+    tiles = {"Q": (q0, co.smem_layout("MN", 128, (dp, bm), (1, 0))), "dO": (do0, co.smem_layout("MN", 128, (dp, bm), (1, 0)))}
+    cases.append((gemms, names, [d] * len(want), tiles, want))
+    # (3) dQ = dS K: dS^T buffer after K (its own offset), K's column windows as tiles of their own
+    dqn = dp // 2
+    ds0 = v0 + bc * dp * 2
+    gemms, names, want, tiles = [], [], [], {"dS": (ds0, co.smem_layout("MN", 128, (bm, bc), (1, 0)))}
+    for c in (0, 1) if dqn % PANEL == 0 else (0,):
+        w0 = k0 + (c * dqn) // PANEL * bc * 128
+        tiles[f"K{c}"] = (w0, co.smem_layout("MN", 128, (max(dqn, PANEL), bc), (1, 0)))
+        gemms.append(G(dqn, bc, "MN", 128, (bm, bc), (1, 0), 0, ds0, "MN", 128, (max(dqn, PANEL), bc), (1, 0), w0))
+        names.append((f"dQ = dS K, consumer {c}", ("dS", f"K{c}", 0, bc)))
+        want += [(_desc(ds0 + kb * 16 * 128, bc * bm * 2, 1024, 128), _desc(w0 + kb * 16 * 128, bc * 128, 1024, 128),
+                  1, 1) for kb in range(bc // 16)]
+    cases.append((gemms, names, [dqn] * len(want), tiles, want))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_backward_descriptors_are_cutes_and_the_simulator_reads_cutes_layout(co, probes, d):
+    for gemms, names, n_run, tiles, want in _backward_cases(co, d):
+        ops = co.wgmma_descriptors(tuple(gemms))
+        of_op = [g for g in gemms for _ in range(g.steps)]
+        assert len(ops) == len(want) == len(of_op)
+        for i, (op, w) in enumerate(zip(ops, want)):
+            ga, gb = of_op[i].a_major, of_op[i].b_major
+            panels_b = -(-op.n // PANEL)
+            g = (op.desc_a if op.desc_a is None else _unused_lbo(op.desc_a, ga == "K", 128, 1),
+                 _unused_lbo(op.desc_b, gb == "K", 128, panels_b), op.trans_a, op.trans_b)
+            w = (w[0] if w[0] is None else _unused_lbo(w[0], ga == "K", 128, 1),
+                 _unused_lbo(w[1], gb == "K", 128, panels_b), *w[2:])
+            assert g == w, (f"{names[0][0]}.., wgmma {i}: CuTe emits A {g[0] and co.decode(g[0])}, B {co.decode(g[1])}, "
+                            f"trans {g[2:]}; the backward builds A {w[0] and co.decode(w[0])}, B {co.decode(w[1])}, "
+                            f"trans {w[2:]}")
+        _check_reads(co, probes, tiles, names, [dataclasses.replace(op, n=n) for op, n in zip(ops, n_run)])
+
+
 # ------------------------------------------------------------------ every swizzle, both majors
 SWIZZLES = (0, 32, 64, 128)
 PROBE_K = 64   # hopper_probe's K (a multiple of 64), its N (BN) = 64

@@ -116,6 +116,7 @@ __device__ void wgmma_each_impl(const unsigned char* img, int bytes, const unsig
 #define WGMMA_EACH_ARGS const unsigned char* img, int bytes, const unsigned long long* desc_a, const unsigned long long* desc_b, const unsigned* a_regs, const int* flags, int nops, float* out
 #define WGMMA_EACH_BODY(N) wgmma_each_impl<N>(img, bytes, desc_a, desc_b, a_regs, flags, nops, out);
 extern "C" __global__ void __launch_bounds__(128) wgmma_each_n16(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(16) }
+extern "C" __global__ void __launch_bounds__(128) wgmma_each_n32(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(32) }   // (the Hopper backward's dQ half at d64)
 extern "C" __global__ void __launch_bounds__(128) wgmma_each_n64(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(64) }
 extern "C" __global__ void __launch_bounds__(128) wgmma_each_n80(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(80) }
 extern "C" __global__ void __launch_bounds__(128) wgmma_each_n96(WGMMA_EACH_ARGS) { WGMMA_EACH_BODY(96) }
