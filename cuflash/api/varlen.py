@@ -228,6 +228,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         name, as :func:`cuflash.attention_backward` (each sequence's, added in sequence order;
         the NumPy path).
     backend : {"auto", "numpy", "sim", "cuda"}
+        As :func:`cuflash.attention_backward`; on compute capability 9.0 the kernel backends run
+        float16/bfloat16 packed batches with D = Dv = 64, 96 or 128 on the Hopper backward
+        (Q, dO, K and V through ragged tensor maps), the rest on the tensor-core or portable one.
 
     Returns
     -------
