@@ -70,6 +70,11 @@
 // 16: each (b, h, i, j) by one thread of one block, so it is deterministic) and multiplied by the
 // softcap's 1 - tanh^2 before it meets Q and K.
 //
+// Captured-array gradients (CUFLASH_USER_MOD bit 4, a traced score_mod's float arrays; score_mods.cuh):
+// each visible pair with dS != 0 adds dS * d score_mod / d read into the float32 workspace of the array
+// it reads, at the read's index, with atomicAdd (no reduction across the warp first; the order of the
+// adds varies, so deterministic mode does not use these forms).
+//
 // Block-sparse masks (the CUFLASH_BLOCK_SPARSE 1 variants of a traced mask_mod; score_mods.cuh): the
 // flat loop walks, per query head of the kv head, the query blocks the block mask's transposed index
 // lists for this key tile's block (partial ones, then full ones: mask_mod evaluated on the partial
@@ -516,7 +521,14 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                             // the modified score; dS is d/dz, and d/d(scaled score) is dS * dcap
                             float dcap = 1.0f;
                             visible = visible && mask_keeps(mods, hm, qi, kj);
+#if CUFLASH_USER_MOD & 4
+                            float s_user = 0.0f;   // the score the traced score_mod received
 #if CUFLASH_BLOCK_SPARSE
+                            if (visible) z = mod_score<elem_t>(mods, hm, z, qi, kj, seqlen_q, seqlen_k, &dcap, cur.partial, &s_user);
+#else
+                            if (visible) z = mod_score<elem_t>(mods, hm, z, qi, kj, seqlen_q, seqlen_k, &dcap, true, &s_user);
+#endif
+#elif CUFLASH_BLOCK_SPARSE
                             if (visible) z = mod_score<elem_t>(mods, hm, z, qi, kj, seqlen_q, seqlen_k, &dcap, cur.partial);
 #else
                             if (visible) z = mod_score<elem_t>(mods, hm, z, qi, kj, seqlen_q, seqlen_k, &dcap);
@@ -534,6 +546,12 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #if CUFLASH_MODS
                             if ((mod_flags & 16) && visible)   // d bias = dS: each (b, h, i, j) by one thread of one block
                                 dbias_row[kj] = dv_;
+#if CUFLASH_USER_MOD & 4
+                            if (visible && z != CUFLASH_NEG_INF && dv_ != 0.0f) {   // the captured arrays' gradients (a hidden pair adds nothing)
+                                const UserGrads ug = CUFLASH_AGRAD_INIT;
+                                CUFLASH_SCORE_MOD_ARRAY_GRAD(s_user, hm.b, hm.h, qi, kj, mods.user, ug, dv_);
+                            }
+#endif
                             dv_ *= dcap;
 #endif
                         }

@@ -67,6 +67,30 @@ __device__ __forceinline__ float cuflash_max_f(float a, float b) { return (a != 
 #define CUFLASH_USER_PARAMS
 #define CUFLASH_USER_INIT
 #endif
+// The backward's gradients of a traced score_mod's captured float arrays (CUFLASH_USER_MOD bit 4):
+// CUFLASH_SCORE_MOD_ARRAY_GRAD(score, b, h, q_idx, kv_idx, A, G, ds) adds, per float read of a captured
+// array, ds * d score_mod / d read (at the pair's score) into that array's float32 workspace G.p[n]
+// (element strides G.s[n][axis]) with atomicAdd, ds being the gradient of score_mod's result for the
+// pair (the kernel's dS before the score_mod's and softcap's derivatives). The adds' order varies from
+// run to run, so these variants are not used with deterministic=True
+// (cuflash/kernels/attention_bwd_mma.py: unsupported_reason).
+#if CUFLASH_USER_MOD & 4
+struct UserGrads {
+    float* p[4];
+    long long s[4][3];
+};
+#define CUFLASH_AGRAD_PARAMS                                                                                      \
+    , float* __restrict__ user_g0, float* __restrict__ user_g1, float* __restrict__ user_g2,                      \
+        float* __restrict__ user_g3, long long user_gs00, long long user_gs01, long long user_gs02,               \
+        long long user_gs10, long long user_gs11, long long user_gs12, long long user_gs20, long long user_gs21,  \
+        long long user_gs22, long long user_gs30, long long user_gs31, long long user_gs32
+#define CUFLASH_AGRAD_INIT                                                                                        \
+    UserGrads{{user_g0, user_g1, user_g2, user_g3},                                                               \
+              {{user_gs00, user_gs01, user_gs02}, {user_gs10, user_gs11, user_gs12}, {user_gs20, user_gs21, user_gs22}, \
+               {user_gs30, user_gs31, user_gs32}}}
+#else
+#define CUFLASH_AGRAD_PARAMS
+#endif
 
 // A block-sparse mask (cuflash.create_block_mask; the CUFLASH_BLOCK_SPARSE 1 variants, which have a
 // traced mask_mod): per (batch, head, outer block) the inner blocks a tile loop visits, partial ones
@@ -100,7 +124,7 @@ static_assert(CUFLASH_USER_MOD & 2, "a block-sparse variant has a traced mask_mo
         long long bias_head_stride, long long bias_row_stride, long long bias_col_stride,                   \
         const unsigned char* __restrict__ attn_mask, long long mask_batch_stride, long long mask_head_stride, \
         long long mask_row_stride, long long mask_col_stride, const float* __restrict__ sinks,                    \
-        long long sinks_stride CUFLASH_USER_PARAMS CUFLASH_BSPARSE_PARAMS
+        long long sinks_stride CUFLASH_USER_PARAMS CUFLASH_BSPARSE_PARAMS CUFLASH_AGRAD_PARAMS
 
 #define CUFLASH_MODS_INIT                                                                                  \
     ScoreMods{softcap * CUFLASH_LOG2E, (mod_flags & 1) ? alibi_slopes : nullptr, alibi_batch_stride,      \
@@ -162,10 +186,15 @@ __device__ __forceinline__ bool mask_keeps(const ScoreMods& m, const HeadMods& h
 
 // The modified log2-domain score of query i, key j from x = s * scale * log2 e (before the
 // causal / window mask). `dcap` (if not null) gets d(softcapped)/d(x): 1 - tanh^2 (1 without softcap).
-// `user_mask` false skips the traced mask_mod (a tile a block mask lists as full).
+// `user_mask` false skips the traced mask_mod (a tile a block mask lists as full). `s_user` (CUFLASH_USER_MOD
+// bit 4) gets the score the traced score_mod received, in natural units.
 template <class T>
 __device__ __forceinline__ float mod_score(const ScoreMods& m, const HeadMods& hm, float x, int i, int j,
-                                           int seqlen_q, int seqlen_k, float* dcap = nullptr, bool user_mask = true) {
+                                           int seqlen_q, int seqlen_k, float* dcap = nullptr, bool user_mask = true
+#if CUFLASH_USER_MOD & 4
+                                           , float* s_user = nullptr
+#endif
+                                           ) {
     if (hm.cap != 0.0f) {
         const float th = tanhf(x / hm.cap);
         x = hm.cap * th;
@@ -185,6 +214,9 @@ __device__ __forceinline__ float mod_score(const ScoreMods& m, const HeadMods& h
 #if CUFLASH_USER_MOD & 1
     {   // score_mod in natural units; its derivative (the backward's) is the same in both
         const float s_in = x * CUFLASH_LN2;
+#if CUFLASH_USER_MOD & 4
+        if (s_user) *s_user = s_in;
+#endif
         x = CUFLASH_SCORE_MOD(s_in, hm.b, hm.h, i, j, m.user) * CUFLASH_LOG2E;
 #ifdef CUFLASH_SCORE_MOD_GRAD
         if (dcap) *dcap *= CUFLASH_SCORE_MOD_GRAD(s_in, hm.b, hm.h, i, j, m.user);

@@ -69,8 +69,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         ``maximum``: a tie goes to the first argument), and a pair whose ``dS`` is 0 (a hidden
         pair) stays 0 even where the derivative is not finite. On the NumPy path and in the
         tensor-core backward (float16/bfloat16; the derivative compiled beside the function),
-        which does not take them together with ``return_dbias`` or ``return_dscore_mod``
-        (``NotImplementedError``).
+        which does not take them together with ``return_dbias``, nor with
+        ``return_dscore_mod`` and ``deterministic=True`` (``NotImplementedError``).
     block_mask : BlockMask, optional
         The forward's block mask (see :func:`cuflash.attention`): the backward visits, per key
         block, only the query blocks that see it (the block mask's transposed index), and
@@ -89,10 +89,15 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         dtype, the arrays' kind): for each read ``a[i(b, h, q_idx, kv_idx), ...]``,
         ``d a[i] += dS * d score_mod / d read`` summed over every visible pair (the derivative
         is symbolic, :func:`cuflash.runtime.score_mod.array_derivatives`; a hidden pair adds
-        nothing), accumulated in float64 sums per block and float32 (float64 for float64
-        input) across blocks, added in a fixed order: the same bits run to run. Integer and
-        bool arrays, and a mask_mod's arrays, get none. Needs ``score_mod``. The NumPy path
-        only (``NotImplementedError`` on the kernel backends).
+        nothing). Integer and bool arrays, and a mask_mod's arrays, get none. Needs
+        ``score_mod``. On the NumPy path: float64 sums per block and float32 (float64 for
+        float64 input) across blocks, added in a fixed order, so the same bits run to run. In
+        the tensor-core backward (a variant compiled with the derivatives, float32 arrays):
+        each visible pair adds its terms into a float32 workspace per array with ``atomicAdd``,
+        whose order varies from run to run, so the last bits may differ between runs; with
+        ``deterministic=True`` it is refused (``NotImplementedError``: a fixed order would need a
+        workspace of every pair's terms, Sq x Sk per head and read), and the NumPy path gives
+        bit-identical results.
 
     Returns
     -------

@@ -238,7 +238,7 @@ def backward_on(problem, operands, call) -> tuple:
     device: every array imported, the dispatcher's backward launched, the gradients exported."""
     arrays = [call.import_array(x) for x in operands]
     grads = dispatch.run_backward(problem.on_device(call.import_array), *arrays, call)
-    return tuple(call.export(g) for g in grads)
+    return tuple({n: call.export(x) for n, x in g.items()} if isinstance(g, dict) else call.export(g) for g in grads)
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import dataclasses
 from typing import ClassVar
 
 from cuflash.kernels import attention_fwd_mma
-from cuflash.runtime import cuda_runner, nvrtc, plan, variants
+from cuflash.runtime import cuda_runner, nvrtc, plan, score_mod, variants
 from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 HEAD_DIM_BUCKETS = (64, 128, 192, 256)
@@ -191,7 +191,8 @@ def _fitting(key: str, bucket: int, arch: int, dropout: bool = False, mods: bool
              user: tuple = ("", "", "")) -> AttentionBwdMma | None:
     forced = attention_fwd_mma.sm75_form_forced()
     candidates = (AttentionBwdMma(key, bucket, bm, bn, st, dropout=dropout, mods=mods, score_c=user[0],
-                                  mask_c=user[1], grad_c=user[2], sm75_form=forced and arch >= MIN_ARCH)
+                                  mask_c=user[1], grad_c=user[2], agrad_c=user[3] if len(user) > 3 else "",
+                                  sm75_form=forced and arch >= MIN_ARCH)
                   for bm, bn, st in _candidates(bucket, arch, mods, dropout))
     limit = plan.max_dynamic_smem(min(arch, attention_fwd_mma.SM75_ARCH) if forced else arch)
     return AttentionBwdMma.first_fitting(candidates, limit)
@@ -200,7 +201,8 @@ def _fitting(key: str, bucket: int, arch: int, dropout: bool = False, mods: bool
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout: bool = False,
                    mods: bool = False, user: tuple = ("", "", ""), block_sparse: bool = False) -> AttentionBwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``user``: the
-    traced functions' CUDA C, :func:`cuflash.kernels.attention_fwd_mma.user_c` with the derivative).
+    traced functions' CUDA C, :func:`cuflash.kernels.attention_fwd_mma.user_c` with the derivative,
+    and optionally a fourth text, the captured-array gradients' :func:`cuflash.runtime.score_mod.array_grad_c`).
 
     Raises
     ------
@@ -265,9 +267,11 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     if p.modifiers is not None and p.modifiers.score_mod is not None and p.options.return_dbias:
         # (the kernel writes d attn_bias before the score_mod's derivative is applied)
         return "return_dbias with score_mod is not in the tensor-core backward yet"
-    if p.options.return_dscore_mod:
-        return ("return_dscore_mod (the gradients of a score_mod's captured arrays) is not in the tensor-core "
-                "backward yet; the NumPy path computes them")
+    if p.options.return_dscore_mod and p.options.deterministic:
+        # (each pair adds its share with a float32 atomicAdd, in an order that varies from run to run)
+        return ("return_dscore_mod with deterministic=True is not in the tensor-core backward: it adds the "
+                "captured arrays' gradients with atomics, in an order that varies from run to run; the NumPy path "
+                "computes them in a fixed order")
     arrays = tuple(arrays or ())
     why = attention_fwd_mma.unsupported_reason(p, arch, arrays[:4])
     if why is None and len(arrays) > 4:
@@ -299,5 +303,14 @@ def main_variant(problem, arch: int) -> AttentionBwdMma:
     between the portable dot and convert stages)."""
     return choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
                           dropout=problem.dropout is not None, mods=problem.modifiers is not None,
-                          user=attention_fwd_mma.user_c(problem, grad=True),
+                          user=attention_fwd_mma.user_c(problem, grad=True) + _array_grad_c(problem),
                           block_sparse=problem.modifiers is not None and problem.modifiers.block_mask is not None)
+
+
+def _array_grad_c(problem) -> tuple:
+    """``(text,)``: the captured-array gradients' CUDA C when the call asks for them
+    (``return_dscore_mod``), else ``()``."""
+    m = problem.modifiers
+    if not problem.options.return_dscore_mod or m is None or m.score_mod is None:
+        return ()
+    return (score_mod.array_grad_c(m.score_mod),)

@@ -24,7 +24,7 @@ import numpy as np
 
 from cuflash.kernels import launch_args as la
 from cuflash.kernels.attention_bwd_simt import THREADS, AttentionBwdSimt
-from cuflash.runtime import plan, variants
+from cuflash.runtime import plan, score_mod, variants
 
 __all__ = ["backward", "deterministic_splits", "MAX_DETERMINISTIC_SPLITS", "DETERMINISTIC_TARGET_BLOCKS"]
 
@@ -80,6 +80,12 @@ class _Workspace:
         if p.options.return_dbias:   # (*batch, Hq, Sq, Sk): dS of every pair, zero where no block writes
             self.dbias = call.xp.zeros(p.modifiers.attn_bias.shape, dtype=np.float32)
             self.mods["dbias"] = self.dbias
+        #: the captured arrays' gradients (``return_dscore_mod``): a zeroed float32 workspace per float
+        #: array of the score_mod, by slot; the main stage adds into them when it has the form
+        self.darrays = {}
+        if p.options.return_dscore_mod:
+            t = p.modifiers.score_mod
+            self.darrays = {n: call.xp.zeros(t.arrays[n].shape, dtype=np.float32) for n in score_mod.float_slots(t)}
         self.batched = [n for n in la.MOD_BATCHED if n in self.mods] if not packed else []
         self.dd = call.empty(stat_shape, np.float32)
         self.num_k_tiles = -(-p.seqlen_k // main.block_n)
@@ -153,8 +159,9 @@ def _main_args(p, ws, launch, call, seqlen_q) -> tuple:
         *la.varlen_args(p, call),
         *la.dropout_args(p, la.flat_batch(idx, ws.batch_shape), ws.main.dropout),
         *la.dbias_args(p, mods, call, ws.main.mods, bool(ws.main.user_mod), la.flat_batch(idx, ws.batch_shape),
-                       la.block_sparse_args(p, call, True, blocks_per_head * p.num_heads_k * ws.main_inner)
-                       if getattr(ws.main, "block_sparse", False) else ()),
+                       (la.block_sparse_args(p, call, True, blocks_per_head * p.num_heads_k * ws.main_inner)
+                        if getattr(ws.main, "block_sparse", False) else ())
+                       + (la.array_grad_args(ws.darrays, call) if getattr(ws.main, "agrad_c", "") else ())),
     )
 
 
@@ -209,4 +216,7 @@ def backward(problem, dout, q, k, v, out, lse, main, call) -> tuple:
         head_axis = dd.ndim - 2
         w = call.xp.exp(sinks.reshape((-1, 1)) - ws.lse.reshape(dd.shape)) * dd
         grads += ((-w.sum(axis=tuple(a for a in range(dd.ndim) if a != head_axis))).astype(np.float32),)
+    if p.options.return_dscore_mod:   # {variable name: gradient} in each array's shape and dtype
+        t = p.modifiers.score_mod
+        grads += ({t.names[n]: w.astype(t.arrays[n].dtype) for n, w in ws.darrays.items()},)
     return grads

@@ -176,6 +176,20 @@ def user_args(problem, call, batch0: int) -> tuple:
     return (*ptrs, *strides, i64("user_batch0", batch0))
 
 
+def array_grad_args(workspaces: dict, call) -> tuple:
+    """The backward's captured-array gradient workspaces (``kernels_cu/score_mods.cuh``:
+    ``CUFLASH_AGRAD_PARAMS``): ``workspaces`` maps a score_mod array's slot to its float32
+    workspace (a device array of ``call`` in the array's shape); the device's empty index (never
+    written) for the other slots; then their element strides (0 past an array's rank)."""
+    ptrs, strides = [], []
+    for n in range(4):
+        w = workspaces.get(n)
+        ptrs.append(call.pointer(f"user_g{n}", w if w is not None else call.empty_index, writable=True))
+        st = () if w is None else element_strides(w)
+        strides += [i64(f"user_gs{n}{axis}", st[axis] if axis < len(st) else 0) for axis in range(3)]
+    return (*ptrs, *strides)
+
+
 #: the tiles block-sparse launches entered, while :func:`counting_tiles` collects them
 _TILE_COUNTS: contextvars.ContextVar = contextvars.ContextVar("cuflash_tile_counts", default=None)
 

@@ -68,7 +68,7 @@ import numpy as np
 
 __all__ = ["Expr", "TracedMod", "TraceRefused", "trace", "bind", "derivative", "array_derivatives", "float_slots", "where", "exp", "log", "tanh", "absolute",
            "minimum", "maximum", "clamp", "check_reads", "index_bounds", "emit_c", "kernel_refusal",
-           "kernel_texts", "SCORE_ARGS",
+           "kernel_texts", "array_grad_c", "SCORE_ARGS",
            "MASK_ARGS"]
 
 #: the arguments of a score_mod and of a mask_mod, in order
@@ -909,6 +909,13 @@ def emit_c(traced: TracedMod, first_slot: int = 0) -> str:
     captured array ``N`` read as ``A.p[first_slot + N]`` with element strides ``A.s[...]``.
     A score_mod's value is float, a mask_mod's bool."""
 
+    text = _c_expr(traced, traced.expr, first_slot)
+    return f"((float){text})" if traced.role == "score_mod" else f"((bool){text})"
+
+
+def _c_expr(traced: TracedMod, expr: Expr, first_slot: int = 0) -> str:
+    """The CUDA C of ``expr``, a tree over ``traced``'s arguments and arrays (:func:`emit_c`)."""
+
     def c(e: Expr) -> str:
         op, a = e.op, e.args
         if op == "score":
@@ -957,8 +964,7 @@ def emit_c(traced: TracedMod, first_slot: int = 0) -> str:
             return f"((float){c(a[0])} {_C_BINARY[op]} (float){c(a[1])})"
         return f"({c(a[0])} {_C_BINARY[op]} {c(a[1])})"
 
-    text = c(traced.expr)
-    return f"((float){text})" if traced.role == "score_mod" else f"((bool){text})"
+    return c(expr)
 
 
 def kernel_texts(score: TracedMod | None, mask: TracedMod | None, grad: bool = False) -> tuple[str, str, str]:
@@ -974,3 +980,21 @@ def kernel_texts(score: TracedMod | None, mask: TracedMod | None, grad: bool = F
         if not (d.op == "const" and d.value == 1.0):
             grad_c = emit_c(dataclasses.replace(score, expr=d))
     return score_c, mask_c, grad_c
+
+
+def array_grad_c(score: TracedMod | None) -> str:
+    """The CUDA C statement that adds one pair's share of the captured float arrays' gradients
+    (the body of ``CUFLASH_SCORE_MOD_ARRAY_GRAD(score, b, h, q_idx, kv_idx, A, G, ds)``,
+    kernels_cu/score_mods.cuh): for each term of :func:`array_derivatives`, ``ds * d`` (``ds``
+    the gradient of score_mod's result for the pair, ``d`` evaluated at the pair's ``score``)
+    added with ``atomicAdd`` into the float32 workspace ``G.p[N]`` of array ``N`` at the read's
+    index (element strides ``G.s[N][axis]``). ``""`` when no term has a derivative (or no
+    score_mod)."""
+    if score is None:
+        return ""
+    parts = []
+    for read, d in array_derivatives(score):
+        slot = read.value
+        off = " + ".join(f"{_c_expr(score, i)} * G.s[{slot}][{axis}]" for axis, i in enumerate(read.args))
+        parts.append(f"atomicAdd(G.p[{slot}] + ({off}), (ds) * (float){_c_expr(score, d)});")
+    return " ".join(parts)

@@ -135,6 +135,9 @@ class AttentionVariant(Variant):
     score_c: str = dataclasses.field(default="", kw_only=True)
     mask_c: str = dataclasses.field(default="", kw_only=True)
     grad_c: str = dataclasses.field(default="", kw_only=True)
+    #: the backward's captured-array gradients of the traced score_mod
+    #: (:func:`cuflash.runtime.score_mod.array_grad_c`; "" for none): ``CUFLASH_USER_MOD`` bit 4
+    agrad_c: str = dataclasses.field(default="", kw_only=True)
     #: the block-sparse form of a traced mask_mod's variant (``CUFLASH_BLOCK_SPARSE`` 1, suffix
     #: ``_bs``: the tile loop walks a block mask's lists, kernels_cu/score_mods.cuh)
     block_sparse: bool = dataclasses.field(default=False, kw_only=True)
@@ -157,8 +160,9 @@ class AttentionVariant(Variant):
 
     @property
     def user_mod(self) -> int:
-        """``CUFLASH_USER_MOD``: bit 1 a traced score_mod, bit 2 a traced mask_mod."""
-        return (1 if self.score_c else 0) | (2 if self.mask_c else 0)
+        """``CUFLASH_USER_MOD``: bit 1 a traced score_mod, bit 2 a traced mask_mod, bit 4 the
+        score_mod's captured-array gradients (the backward's)."""
+        return (1 if self.score_c else 0) | (2 if self.mask_c else 0) | (4 if self.agrad_c else 0)
 
     def _user_suffix(self) -> str:
         """``_um`` and 16 hex digits of a hash of the traced functions' C (none without them)."""
@@ -166,7 +170,7 @@ class AttentionVariant(Variant):
             return ""
         import hashlib
 
-        text = "\n".join((self.score_c, self.mask_c, self.grad_c))
+        text = "\n".join((self.score_c, self.mask_c, self.grad_c) + ((self.agrad_c,) if self.agrad_c else ()))
         return "_um" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def user_defines(self) -> tuple[tuple[str, str], ...]:
@@ -176,7 +180,8 @@ class AttentionVariant(Variant):
         out = (("CUFLASH_USER_MOD", str(self.user_mod)),)
         for macro, text in (("CUFLASH_SCORE_MOD(score, b, h, q_idx, kv_idx, A)", self.score_c),
                             ("CUFLASH_SCORE_MOD_GRAD(score, b, h, q_idx, kv_idx, A)", self.grad_c),
-                            ("CUFLASH_MASK_MOD(b, h, q_idx, kv_idx, A)", self.mask_c)):
+                            ("CUFLASH_MASK_MOD(b, h, q_idx, kv_idx, A)", self.mask_c),
+                            ("CUFLASH_SCORE_MOD_ARRAY_GRAD(score, b, h, q_idx, kv_idx, A, G, ds)", self.agrad_c)):
             if text:
                 out += ((macro, text),)
         return out + ((("CUFLASH_BLOCK_SPARSE", "1"),) if self.block_sparse else ())

@@ -316,8 +316,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         As :func:`cuflash.attention` takes them, differentiable: the backward multiplies ``dS``
         by the symbolic ``d score_mod / d score``, and a captured float tensor that requires
         grad (a learned relative-position table, trainable ALiBi slopes) gets its gradient
-        (:func:`cuflash.attention_backward`'s ``return_dscore_mod``: the NumPy path, CPU
-        tensors). The function is traced once per call; its captured tensors (of q's device)
+        (:func:`cuflash.attention_backward`'s ``return_dscore_mod``: the NumPy path, or the
+        tensor-core backward's float32 atomics, which ``deterministic=True`` does not take). The function is traced once per call; its captured tensors (of q's device)
         are read, never copied. A mask_mod's captured tensors get no gradient (float ones that
         require grad raise ``TypeError``). These calls run through a ``torch.autograd.Function``
         (eager autograd; not a registered operator, so ``torch.compile`` breaks the graph
@@ -353,8 +353,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         A meta tensor; an unknown backend or one that would move data; as :func:`cuflash.attention`.
     NotImplementedError
         Tensors on devices other than CPU and CUDA; as :func:`cuflash.attention` (float64 on a
-        kernel backend, a call without a kernel); a captured tensor that requires grad with a
-        kernel backend (its gradient is computed on the NumPy path only).
+        kernel backend, a call without a kernel); a captured tensor that requires grad with
+        ``deterministic=True`` on a kernel backend (its gradient is then computed on the NumPy path only).
     """
     if block_mask is not None:
         raise NotImplementedError(f"{_FUNC}: block_mask is not in the differentiable torch attention yet; "
@@ -464,13 +464,15 @@ def _traced_attention(q, k, v, fns, mods, kw):
         traced[role] = dataclasses.replace(t, arrays=tuple(a.detach() if isinstance(a, torch.Tensor) else a
                                                            for a in t.arrays))
     _refuse_gradients(q, k, v, out, mods)
-    if learned:   # refused before the forward runs, not when the backward finds no kernel for them
+    if learned and kw["deterministic"]:   # refused before the forward runs, not when the backward finds no kernel
         chosen = backend if backend != "auto" else (pipeline.env_backend(_FUNC) or tensors.backend_for(q, _FUNC))
         if chosen != "numpy":
             names = ", ".join(repr(traced["score_mod"].names[i]) for i, _ in learned)
-            raise NotImplementedError(f"{_FUNC}: the score_mod's captured tensors {names} require grad, and their "
-                                      f"gradients are computed on the NumPy path only (CPU tensors, backend 'auto' "
-                                      f"or 'numpy'); this call runs on backend {chosen!r}: detach them, or run on CPU")
+            raise NotImplementedError(f"{_FUNC}: the score_mod's captured tensors {names} require grad, and with "
+                                      f"deterministic=True their gradients are computed on the NumPy path only (CPU "
+                                      f"tensors, backend 'auto' or 'numpy'; the kernels add them with atomics); this "
+                                      f"call runs on backend {chosen!r}: pass deterministic=False, detach them, or "
+                                      f"run on CPU")
     if out is not None:
         needing = tensors.requiring_grad({name: a for (_, a), name in
                                           zip(learned, (traced["score_mod"].names[i] for i, _ in learned))})

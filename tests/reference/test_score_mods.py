@@ -349,10 +349,11 @@ def test_captured_array_gradient_refusals(rng):
         cuflash.attention_backward(out, q, k, v, out, lse, return_dscore_mod=True)
     t = np.ones(HQ, np.float32)
     h16 = tuple(x.astype(np.float16) for x in (q, k, v, out))
-    with pytest.raises(NotImplementedError, match=r"return_dscore_mod \(the gradients of a score_mod's captured "
-                                                  r"arrays\) is not in the tensor-core backward yet"):
+    with pytest.raises(NotImplementedError, match=r"return_dscore_mod with deterministic=True is not in the "
+                                                  r"tensor-core backward: it adds the captured arrays' gradients "
+                                                  r"with atomics"):
         cuflash.attention_backward(h16[3], *h16, lse.astype(np.float32), score_mod=lambda s, b, h, i, j: s * t[h],
-                                   return_dscore_mod=True, backend="sim")
+                                   return_dscore_mod=True, deterministic=True, backend="sim")
 
 
 # ------------------------------------------------------------------------------------------ packed batches

@@ -205,15 +205,24 @@ def check_grads_close(actual, dout, q, k, v, out, lse, **kw):
 def assert_grads_within_twice_the_numpy_path(grads, q, k, v, dout, dtype, **kw):
     """dq, dk, dv of a kernel (``grads``) within twice the error of the same-dtype NumPy path plus
     :func:`grad_floor`, against the float64 path (``kw``: the call's options, e.g. a traced
-    ``score_mod``/``mask_mod``, which the same-dtype path takes where the naive one does not)."""
+    ``score_mod``/``mask_mod``, which the same-dtype path takes where the naive one does not).
+    When ``grads`` ends with a dict (``return_dscore_mod``), each captured array's gradient is
+    held to the same rule (the same arrays named)."""
     import cuflash
 
+    arrays = isinstance(grads[-1], dict)
+    kw = dict(kw, return_dscore_mod=True) if arrays else kw
+    fwd = {n: x for n, x in kw.items() if n != "return_dscore_mod"}
     f64 = [x.astype(np.float64) for x in (q, k, v, dout)]
-    o64, l64 = cuflash.attention(*f64[:3], return_lse=True, **kw)
+    o64, l64 = cuflash.attention(*f64[:3], return_lse=True, **fwd)
     exact = cuflash.attention_backward(f64[3], *f64[:3], o64, l64, **kw)
-    o16, l16 = cuflash.attention(q, k, v, return_lse=True, **kw)
+    o16, l16 = cuflash.attention(q, k, v, return_lse=True, **fwd)
     same = cuflash.attention_backward(dout, q, k, v, o16, l16, **kw)
-    for name, a, x, base in zip(("dq", "dk", "dv"), grads, exact, same):
+    named = list(zip(("dq", "dk", "dv"), grads, exact, same))
+    if arrays:
+        assert sorted(grads[-1]) == sorted(exact[-1]), (sorted(grads[-1]), sorted(exact[-1]))
+        named += [(f"d {n}", grads[-1][n], exact[-1][n], same[-1][n]) for n in sorted(exact[-1])]
+    for name, a, x, base in named:
         a = np.asarray(a, np.float64)
         assert not np.isnan(a).any(), name
         base_err = float(np.max(np.abs(np.asarray(base, np.float64) - x)))
