@@ -102,9 +102,9 @@ def test_torch_learned_table_grad_on_the_simulator(rng):
     slopes0 = torch.rand(HQ, dtype=torch.float64, generator=gen) * 0.4 + 0.05
 
     def run(dtype, backend):
-        q, k, v = (x.to(dtype).requires_grad_() for x in f64)
-        table = table0.to(torch.float32 if dtype != torch.float64 else dtype).requires_grad_()
-        slopes = slopes0.to(table.dtype).requires_grad_()
+        q, k, v = (x.to(dtype).clone().requires_grad_() for x in f64)   # (fresh leaves each run)
+        table = table0.to(torch.float32 if dtype != torch.float64 else dtype).clone().requires_grad_()
+        slopes = slopes0.to(table.dtype).clone().requires_grad_()
         score_fn = _slopes_and_table(slopes, table)
         with sim.options(arch=80):
             out = ct.attention(q, k, v, causal=True, score_mod=score_fn, backend=backend)
