@@ -125,3 +125,19 @@ def test_torch_learned_table_grad_on_the_simulator(rng):
         base_err = float(np.abs(same[name].numpy() - x).max())
         err = np.abs(got[name].numpy() - x)
         assert (err <= 2 * base_err + grad_floor(x, np.float16) + 1e-6).all(), (name, err.max(), base_err)
+
+
+@pytest.mark.slow
+def test_block_sparse_form_with_array_gradients(rng):
+    """The block-sparse backward (_bs) with the captured-array gradients: a causal document mask
+    over 3 documents as a 64-block mask; the gradients held to the rule against the dense
+    mask_mod's oracle."""
+    s, dtype = 150, dtypes.float16
+    q, k, v = _qkv(rng, dtype, sq=s, sk=s)
+    slopes = rng.uniform(0.05, 0.5, HQ).astype(np.float32)
+    table = rng.standard_normal((HQ, 2 * RADIUS + 1)).astype(np.float32)
+    score_fn = _slopes_and_table(slopes, table)
+    mask_fn = mods.document_mask(np.repeat(np.arange(3), 50).astype(np.int32), causal=True)
+    block_mask = cuflash.create_block_mask(mask_fn, None, None, s, s, BLOCK_SIZE=64)
+    grads, dout = _backward_on_the_simulator(rng, dtype, q, k, v, score_fn, mask_mod=mask_fn, block_mask=block_mask)
+    assert_grads_within_twice_the_numpy_path(grads, q, k, v, dout, dtype, score_mod=score_fn, mask_mod=mask_fn)
