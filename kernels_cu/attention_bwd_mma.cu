@@ -72,8 +72,9 @@
 //
 // Captured-array gradients (CUFLASH_USER_MOD bit 4, a traced score_mod's float arrays; score_mods.cuh):
 // each visible pair with dS != 0 adds dS * d score_mod / d read into the float32 workspace of the array
-// it reads, at the read's index, with atomicAdd (no reduction across the warp first; the order of the
-// adds varies, so deterministic mode does not use these forms).
+// it reads, at the read's index, with atomicAdd; a read whose index depends on b and h only (a per-head
+// slope) is summed in a register over the tile, then across the warp, and added once per warp and tile.
+// The order of the adds varies, so deterministic mode does not use these forms.
 //
 // Block-sparse masks (the CUFLASH_BLOCK_SPARSE 1 variants of a traced mask_mod; score_mods.cuh): the
 // flat loop walks, per query head of the kv head, the query blocks the block mask's transposed index
@@ -495,6 +496,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         } else
 #endif
         if (need_mask) {
+#if CUFLASH_USER_MOD & 4
+            float ug_acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // this thread's sums of the tile-uniform gradient terms
+#endif
 #pragma unroll
             for (int f = 0; f < MF_S; ++f)
 #pragma unroll
@@ -549,13 +553,21 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #if CUFLASH_USER_MOD & 4
                             if (visible && z != CUFLASH_NEG_INF && dv_ != 0.0f) {   // the captured arrays' gradients (a hidden pair adds nothing)
                                 const UserGrads ug = CUFLASH_AGRAD_INIT;
-                                CUFLASH_SCORE_MOD_ARRAY_GRAD(s_user, hm.b, hm.h, qi, kj, mods.user, ug, dv_);
+                                CUFLASH_SCORE_MOD_ARRAY_GRAD(s_user, hm.b, hm.h, qi, kj, mods.user, ug, dv_, ug_acc);
                             }
 #endif
                             dv_ *= dcap;
 #endif
                         }
                 }
+#if (CUFLASH_USER_MOD & 4) && defined(CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP)
+            {   // the tile-uniform terms: one add per warp (every lane is here: the branch is the block's)
+                const ScoreMods mods = CUFLASH_MODS_INIT;
+                const HeadMods hm = head_mods<elem_t>(mods, batch, cur.hq);
+                const UserGrads ug = CUFLASH_AGRAD_INIT;
+                CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP(hm.b, hm.h, mods.user, ug, ug_acc);
+            }
+#endif
         } else {
 #pragma unroll
             for (int f = 0; f < MF_S; ++f)

@@ -68,17 +68,26 @@ __device__ __forceinline__ float cuflash_max_f(float a, float b) { return (a != 
 #define CUFLASH_USER_INIT
 #endif
 // The backward's gradients of a traced score_mod's captured float arrays (CUFLASH_USER_MOD bit 4):
-// CUFLASH_SCORE_MOD_ARRAY_GRAD(score, b, h, q_idx, kv_idx, A, G, ds) adds, per float read of a captured
-// array, ds * d score_mod / d read (at the pair's score) into that array's float32 workspace G.p[n]
-// (element strides G.s[n][axis]) with atomicAdd, ds being the gradient of score_mod's result for the
-// pair (the kernel's dS before the score_mod's and softcap's derivatives). The adds' order varies from
-// run to run, so these variants are not used with deterministic=True
+// CUFLASH_SCORE_MOD_ARRAY_GRAD(score, b, h, q_idx, kv_idx, A, G, ds, U) takes, per float read of a
+// captured array, ds * d score_mod / d read (at the pair's score), ds being the gradient of score_mod's
+// result for the pair (the kernel's dS before the score_mod's and softcap's derivatives), and adds it
+// into that array's float32 workspace G.p[n] (element strides G.s[n][axis]) with atomicAdd; a read
+// whose index depends on b and h only (the same for the whole tile) sums it into the register U[u]
+// instead, and CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP(b, h, A, G, U) adds each U[u], summed across the
+// warp, once per warp and tile (cuflash/runtime/score_mod.py: array_grad_c). The adds' order varies
+// from run to run, so these variants are not used with deterministic=True
 // (cuflash/kernels/attention_bwd_mma.py: unsupported_reason).
 #if CUFLASH_USER_MOD & 4
 struct UserGrads {
     float* p[4];
     long long s[4][3];
 };
+// v summed over the warp's 32 lanes (all of them call it), added to *p by lane 0 (nothing for 0).
+__device__ __forceinline__ void cuflash_warp_atomic_add(float* p, float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(CUFLASH_FULL_MASK, v, o);
+    if ((threadIdx.x & 31) == 0 && v != 0.0f) atomicAdd(p, v);
+}
 #define CUFLASH_AGRAD_PARAMS                                                                                      \
     , float* __restrict__ user_g0, float* __restrict__ user_g1, float* __restrict__ user_g2,                      \
         float* __restrict__ user_g3, long long user_gs00, long long user_gs01, long long user_gs02,               \

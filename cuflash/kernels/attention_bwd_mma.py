@@ -192,7 +192,7 @@ def _fitting(key: str, bucket: int, arch: int, dropout: bool = False, mods: bool
     forced = attention_fwd_mma.sm75_form_forced()
     candidates = (AttentionBwdMma(key, bucket, bm, bn, st, dropout=dropout, mods=mods, score_c=user[0],
                                   mask_c=user[1], grad_c=user[2], agrad_c=user[3] if len(user) > 3 else "",
-                                  sm75_form=forced and arch >= MIN_ARCH)
+                                  agrad_warp_c=user[4] if len(user) > 4 else "", sm75_form=forced and arch >= MIN_ARCH)
                   for bm, bn, st in _candidates(bucket, arch, mods, dropout))
     limit = plan.max_dynamic_smem(min(arch, attention_fwd_mma.SM75_ARCH) if forced else arch)
     return AttentionBwdMma.first_fitting(candidates, limit)
@@ -202,7 +202,8 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout:
                    mods: bool = False, user: tuple = ("", "", ""), block_sparse: bool = False) -> AttentionBwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``user``: the
     traced functions' CUDA C, :func:`cuflash.kernels.attention_fwd_mma.user_c` with the derivative,
-    and optionally a fourth text, the captured-array gradients' :func:`cuflash.runtime.score_mod.array_grad_c`).
+    and optionally a fourth and fifth text, the captured-array gradients'
+    :func:`cuflash.runtime.score_mod.array_grad_c`).
 
     Raises
     ------
@@ -308,9 +309,9 @@ def main_variant(problem, arch: int) -> AttentionBwdMma:
 
 
 def _array_grad_c(problem) -> tuple:
-    """``(text,)``: the captured-array gradients' CUDA C when the call asks for them
+    """``(pair_c, warp_c)``: the captured-array gradients' CUDA C when the call asks for them
     (``return_dscore_mod``), else ``()``."""
     m = problem.modifiers
     if not problem.options.return_dscore_mod or m is None or m.score_mod is None:
         return ()
-    return (score_mod.array_grad_c(m.score_mod),)
+    return score_mod.array_grad_c(m.score_mod)

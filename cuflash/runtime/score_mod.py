@@ -982,19 +982,40 @@ def kernel_texts(score: TracedMod | None, mask: TracedMod | None, grad: bool = F
     return score_c, mask_c, grad_c
 
 
-def array_grad_c(score: TracedMod | None) -> str:
-    """The CUDA C statement that adds one pair's share of the captured float arrays' gradients
-    (the body of ``CUFLASH_SCORE_MOD_ARRAY_GRAD(score, b, h, q_idx, kv_idx, A, G, ds)``,
-    kernels_cu/score_mods.cuh): for each term of :func:`array_derivatives`, ``ds * d`` (``ds``
-    the gradient of score_mod's result for the pair, ``d`` evaluated at the pair's ``score``)
-    added with ``atomicAdd`` into the float32 workspace ``G.p[N]`` of array ``N`` at the read's
-    index (element strides ``G.s[N][axis]``). ``""`` when no term has a derivative (or no
-    score_mod)."""
+#: at most this many gradient terms whose index is the same for a whole thread block (a function of
+#: ``b`` and ``h`` only) are summed in registers and across the warp before one atomic add
+#: (kernels_cu/score_mods.cuh: ``CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP``); the others add per pair
+MAX_UNIFORM_TERMS = 4
+
+
+def _block_uniform(e: Expr) -> bool:
+    """Whether the integer expression ``e`` depends on ``b``, ``h`` and constants only (the same
+    value for every pair a thread block's tile iteration visits)."""
+    return not _collect(e, lambda x: x.op in ("score", "q_idx", "kv_idx", "read"))
+
+
+def array_grad_c(score: TracedMod | None) -> tuple[str, str]:
+    """``(pair_c, warp_c)``: the CUDA C statements of the captured float arrays' gradients
+    (kernels_cu/score_mods.cuh). ``pair_c`` is the body of ``CUFLASH_SCORE_MOD_ARRAY_GRAD(score,
+    b, h, q_idx, kv_idx, A, G, ds, U)``, one pair's share: for each term of
+    :func:`array_derivatives`, ``ds * d`` (``ds`` the gradient of score_mod's result for the
+    pair, ``d`` evaluated at the pair's ``score``), added with ``atomicAdd`` into the float32
+    workspace ``G.p[N]`` of array ``N`` at the read's index (element strides ``G.s[N][axis]``),
+    or, for the first :data:`MAX_UNIFORM_TERMS` terms whose index depends on ``b`` and ``h``
+    only (a per-head slope), summed into the register ``U[u]``. ``warp_c`` is the body of
+    ``CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP(b, h, A, G, U)``: each ``U[u]`` summed across the warp
+    and added once (``cuflash_warp_atomic_add``). ``""`` for a part without terms (and both
+    without a score_mod)."""
     if score is None:
-        return ""
-    parts = []
+        return ("", "")
+    pair, warp = [], []
     for read, d in array_derivatives(score):
         slot = read.value
         off = " + ".join(f"{_c_expr(score, i)} * G.s[{slot}][{axis}]" for axis, i in enumerate(read.args))
-        parts.append(f"atomicAdd(G.p[{slot}] + ({off}), (ds) * (float){_c_expr(score, d)});")
-    return " ".join(parts)
+        term = f"(ds) * (float){_c_expr(score, d)}"
+        if len(warp) < MAX_UNIFORM_TERMS and all(_block_uniform(i) for i in read.args):
+            pair.append(f"U[{len(warp)}] += {term};")
+            warp.append(f"cuflash_warp_atomic_add(G.p[{slot}] + ({off}), U[{len(warp)}]);")
+        else:
+            pair.append(f"atomicAdd(G.p[{slot}] + ({off}), {term});")
+    return " ".join(pair), " ".join(warp)

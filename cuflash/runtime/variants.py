@@ -135,9 +135,10 @@ class AttentionVariant(Variant):
     score_c: str = dataclasses.field(default="", kw_only=True)
     mask_c: str = dataclasses.field(default="", kw_only=True)
     grad_c: str = dataclasses.field(default="", kw_only=True)
-    #: the backward's captured-array gradients of the traced score_mod
+    #: the backward's captured-array gradients of the traced score_mod, per pair and per warp
     #: (:func:`cuflash.runtime.score_mod.array_grad_c`; "" for none): ``CUFLASH_USER_MOD`` bit 4
     agrad_c: str = dataclasses.field(default="", kw_only=True)
+    agrad_warp_c: str = dataclasses.field(default="", kw_only=True)
     #: the block-sparse form of a traced mask_mod's variant (``CUFLASH_BLOCK_SPARSE`` 1, suffix
     #: ``_bs``: the tile loop walks a block mask's lists, kernels_cu/score_mods.cuh)
     block_sparse: bool = dataclasses.field(default=False, kw_only=True)
@@ -170,7 +171,8 @@ class AttentionVariant(Variant):
             return ""
         import hashlib
 
-        text = "\n".join((self.score_c, self.mask_c, self.grad_c) + ((self.agrad_c,) if self.agrad_c else ()))
+        text = "\n".join((self.score_c, self.mask_c, self.grad_c)
+                         + ((self.agrad_c, self.agrad_warp_c) if self.agrad_c else ()))
         return "_um" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def user_defines(self) -> tuple[tuple[str, str], ...]:
@@ -181,7 +183,8 @@ class AttentionVariant(Variant):
         for macro, text in (("CUFLASH_SCORE_MOD(score, b, h, q_idx, kv_idx, A)", self.score_c),
                             ("CUFLASH_SCORE_MOD_GRAD(score, b, h, q_idx, kv_idx, A)", self.grad_c),
                             ("CUFLASH_MASK_MOD(b, h, q_idx, kv_idx, A)", self.mask_c),
-                            ("CUFLASH_SCORE_MOD_ARRAY_GRAD(score, b, h, q_idx, kv_idx, A, G, ds)", self.agrad_c)):
+                            ("CUFLASH_SCORE_MOD_ARRAY_GRAD(score, b, h, q_idx, kv_idx, A, G, ds, U)", self.agrad_c),
+                            ("CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP(b, h, A, G, U)", self.agrad_warp_c)):
             if text:
                 out += ((macro, text),)
         return out + ((("CUFLASH_BLOCK_SPARSE", "1"),) if self.block_sparse else ())
