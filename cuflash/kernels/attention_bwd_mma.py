@@ -82,6 +82,11 @@ SPILLING_FORMS = {
     (90, 192, False, False, True, "bs"): {13: "32 bytes"},
     (80, 256, False, False, True, "bs"): {12: "36 bytes"},
     (90, 256, False, False, True, "bs"): {12: "4 bytes"},
+    # the captured-array gradient forms of a traced score_mod (return_dscore_mod; keys end in "ag";
+    # measured with a softcapped per-head-slope ALiBi plus a relative-position table, f16)
+    (80, 256, False, False, True, "ag"): {12: "20 bytes"},
+    (90, 192, False, False, True, "ag"): {13: "8 bytes"},
+    (90, 256, False, False, True, "ag"): {12: "16 bytes", 13: "68 bytes"},
 }
 
 
@@ -238,7 +243,7 @@ def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
 
 def _spill_key(arch: int, variant) -> tuple:
     return ((90 if arch >= 90 else 80, variant.head_dim_max, variant.varlen, variant.dropout, variant.mods)
-            + (("bs",) if getattr(variant, "block_sparse", False) else ()))
+            + (("bs",) if getattr(variant, "block_sparse", False) else ("ag",) if getattr(variant, "agrad_c", "") else ()))
 
 
 def spill_note(arch: int, variant: AttentionBwdMma, majors: tuple[int, ...] | None = None) -> str | None:
