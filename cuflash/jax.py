@@ -48,6 +48,7 @@ from cuflash.api import pipeline
 from cuflash.api import softmax as api_softmax
 from cuflash.api import varlen as api_varlen
 from cuflash.runtime import dtypes, score_mod, validation, validation_kvcache
+from cuflash.runtime.block_mask import BlockMask, own_mask_mod
 from cuflash.runtime.score_mod import trace as score_mod_trace
 from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options, PackedOptions
 
@@ -90,7 +91,8 @@ class _Call:
         """Whether a mapped call runs the pipeline once per element of ``jax.vmap``'s axes."""
         o = self.options
         return (o.packed is not None or o.modifiers.sinks is not None or bool(o.dropout.p)
-                or o.modifiers.score_mod is not None or o.modifiers.mask_mod is not None)
+                or o.modifiers.score_mod is not None or o.modifiers.mask_mod is not None
+                or o.modifiers.block_mask is not None)
 
     @property
     def traced(self) -> tuple:
@@ -408,6 +410,40 @@ def _trace_mods(score_mod, mask_mod) -> tuple:
     return tuple(traced), tuple(captured)
 
 
+def _stand_in_block_mask(block_mask):
+    """``block_mask`` with NumPy stand-ins of its index arrays and of its mask_mod's captured
+    arrays (shapes and dtypes only), for the trace-time validation on stand-in operands (None
+    stays None; anything else is passed on, for the validation to refuse by name)."""
+    if not isinstance(block_mask, BlockMask):
+        return block_mask
+    mm = block_mask.mask_mod
+    return dataclasses.replace(block_mask.with_arrays(_stand_in),
+                               mask_mod=dataclasses.replace(mm, arrays=tuple(_stand_in(a) for a in mm.arrays)))
+
+
+def _check_block_mask_kind(block_mask, q) -> None:
+    """A block mask's arrays of the kind q's buffers will be: NumPy for CPU arrays, device
+    (CuPy) arrays for GPU ones. Checked for a concrete q (an eager call); under ``jax.jit`` the
+    device is known when the call runs, where the pipeline checks it.
+
+    Raises
+    ------
+    TypeError
+        The other kind, naming ``block_mask`` and the ``device=`` that builds the right one.
+    """
+    if block_mask is None or isinstance(q, jax.core.Tracer):
+        return
+    devices = q.devices() if isinstance(q, jax.Array) else [jax.devices()[0]]
+    host = all(d.platform == "cpu" for d in devices)
+    a = block_mask.kv_num_blocks
+    kind = "NumPy" if isinstance(a, np.ndarray) else ("CuPy" if type(a).__module__.split(".")[0] == "cupy" else
+                                                      f"{type(a).__module__}.{type(a).__qualname__}")
+    if kind != ("NumPy" if host else "CuPy"):
+        raise TypeError(f"{_FUNC}: block_mask holds {kind} arrays, q is a JAX array on {'the CPU' if host else 'a GPU'}"
+                        f", which takes {'NumPy' if host else 'CuPy'} ones; build it with create_block_mask(..., "
+                        f"device={'cpu' if host else 'cuda'!r})")
+
+
 # --------------------------------------------------------------------------------------------
 # fixed-shape attention
 
@@ -510,8 +546,18 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     deterministic : bool
         The backward's, on the kernel backends (see :func:`cuflash.attention_backward`).
     block_mask : BlockMask, optional
-        Not taken here yet (``NotImplementedError``): :func:`cuflash.attention` takes it for
-        arrays outside JAX's tracing.
+        A block-sparse mask (:func:`cuflash.create_block_mask`), as :func:`cuflash.attention`
+        takes it; the forward and the backward visit only its listed blocks. It is static, a
+        part of the compiled call hashed by identity: the same ``BlockMask`` object compiles
+        once, a new one (even an equal one) compiles again, so build it once, before the
+        function is traced (its index arrays are NumPy or device arrays, never JAX tracers;
+        reading them never syncs the device at trace time). ``mask_mod`` None means the block
+        mask's own; a ``mask_mod`` given too must be the function it was built from. Its
+        mask_mod's captured arrays stay those it was built with (static, no gradient). NumPy
+        index arrays serve CPU arrays (the NumPy path and ``backend="sim"``), device ones
+        (``device="cuda"``) GPU arrays; the other kind is a ``TypeError`` at trace time for a
+        concrete q, and under ``jax.jit`` when the call runs. Under ``jax.vmap`` such a call
+        runs the pipeline once per mapped element.
 
     The modifier arrays are traced like q, k and v. Under ``jax.vmap`` they may carry the mapped
     axis or not: ALiBi slopes, bias and mask batch with the call (one kernel call); with
@@ -527,12 +573,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     ------
     TypeError, ValueError, NotImplementedError
         As :func:`cuflash.attention`, at trace time (shapes, dtypes and static options only);
-        ``TypeError`` for ``out`` or for a scalar option given as a ``jax.Array``.
+        ``TypeError`` for ``out`` or for a scalar option given as a ``jax.Array``; for a
+        ``block_mask``, ``ValueError`` when built for other lengths, batch or heads or with
+        another ``mask_mod``, ``TypeError`` for one that is not a ``BlockMask`` or of the other
+        array kind.
     """
     _check_out(_FUNC, out)
-    if block_mask is not None:
-        raise NotImplementedError(f"{_FUNC}: block_mask is not in the JAX attention yet; cuflash.attention takes it "
-                                  "for arrays outside jax.jit / jax.grad / jax.vmap")
+    if block_mask is not None:   # static: its own mask_mod (checked here) and its arrays stay in the call
+        mask_mod = own_mask_mod(block_mask, mask_mod, _FUNC)
     causal = validation.check_flag(causal, "causal", _FUNC)
     return_lse = validation.check_flag(return_lse, "return_lse", _FUNC)
     deterministic = validation.check_flag(deterministic, "deterministic", _FUNC)
@@ -542,18 +590,21 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     mods = dict(alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask, sinks=sinks)
     _check_arrays(_FUNC, {"q": q, "k": k, "v": v}, mods)
     stand = {n: None if x is None else _stand_in(x) for n, x in mods.items()}
-    traced, captured = _trace_mods(score_mod, mask_mod)
+    traced, captured = _trace_mods(score_mod, None if block_mask is not None else mask_mod)
     problem = validation.check_attention(
         _stand_in(q), _stand_in(k), _stand_in(v),
         Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                 dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
-                modifiers=ModifierOptions(softcap, **stand, score_mod=traced[0], mask_mod=traced[1])), func=_FUNC)
+                modifiers=ModifierOptions(softcap, **stand, score_mod=traced[0], mask_mod=traced[1],
+                                          block_mask=_stand_in_block_mask(block_mask))), func=_FUNC)
     _check_backend(_FUNC, backend, q)
+    _check_block_mask_kind(block_mask, q)
     present = {n: x for n, x in mods.items() if x is not None}
     options = Options(causal=problem.causal, softmax_scale=float(problem.softmax_scale),
                       window_size=(problem.window_left, problem.window_right), return_lse=True, backend=backend,
                       deterministic=deterministic, dropout=_dropout(problem),
-                      modifiers=ModifierOptions(_softcap(problem), *(_given(x) for x in mods.values()), *traced))
+                      modifiers=ModifierOptions(_softcap(problem), *(_given(x) for x in mods.values()), *traced,
+                                                block_mask))
     call = _Call(_FUNC, *_ATTENTION, options, max(q.ndim, 3))
     o, lse = _fixed(q, k, v, present, captured, call=call, layout=layout)
     return (o, lse) if return_lse else o

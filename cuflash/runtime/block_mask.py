@@ -28,7 +28,7 @@ import numpy as np
 
 from cuflash.runtime import score_mod as tracing
 
-__all__ = ["BlockMask", "BLOCK_MULTIPLE", "DEFAULT_BLOCK_SIZE", "block_sizes", "check_block_mask"]
+__all__ = ["BlockMask", "BLOCK_MULTIPLE", "DEFAULT_BLOCK_SIZE", "block_sizes", "check_block_mask", "own_mask_mod"]
 
 #: a block size must be a multiple of this: the tensor-core forward's and backward's tiles of the
 #: score-modifier forms (64 query rows by 64 keys, 32 keys at head dim 256) divide it, so every
@@ -184,6 +184,26 @@ def check_block_mask(block_mask, mask_mod, func: str, batch: int, num_heads_q: i
         where = "NumPy" if numpy_mask else "device"
         raise TypeError(f"{func}: block_mask holds {where} arrays, q is {'NumPy' if q_kind == 'numpy' else 'a device array'}"
                         f"; build it with create_block_mask(..., device=) for q's kind")
+    return own_mask_mod(bm, mask_mod, func)
+
+
+def own_mask_mod(block_mask: BlockMask, mask_mod, func: str) -> tracing.TracedMod:
+    """The ``mask_mod`` a call with ``block_mask`` uses: ``block_mask.mask_mod`` when ``mask_mod``
+    is None, else ``mask_mod`` traced, which must be the function the block mask was built from
+    (the same traced expression over the same captured array objects). The framework adapters
+    call it before they detach or replace captured arrays.
+
+    Raises
+    ------
+    TypeError
+        ``block_mask`` not a :class:`BlockMask`; ``mask_mod`` not traceable.
+    ValueError
+        ``mask_mod`` another function, or the same code over other arrays.
+    """
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"{func}: block_mask must be a BlockMask (cuflash.create_block_mask), got "
+                        f"{type(block_mask).__name__}")
+    bm = block_mask
     if mask_mod is None:
         return bm.mask_mod
     traced = tracing.trace(mask_mod, "mask_mod", func)

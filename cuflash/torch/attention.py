@@ -32,6 +32,7 @@ from cuflash.api import backward as api_backward
 from cuflash.api import pipeline
 from cuflash.runtime import score_mod as tracing
 from cuflash.runtime import validation
+from cuflash.runtime.block_mask import own_mask_mod
 from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options
 from cuflash.torch import tensors
 from cuflash.torch.tensors import detached, lse_dtype, prepare
@@ -323,8 +324,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         (eager autograd; not a registered operator, so ``torch.compile`` breaks the graph
         there). ``out=`` with them is refused (``TypeError``) when a gradient is needed.
     block_mask : BlockMask, optional
-        Not taken here yet (``NotImplementedError``): :func:`cuflash.attention` takes it for
-        tensors that do not require grad.
+        A block-sparse mask (:func:`cuflash.create_block_mask`), as :func:`cuflash.attention`
+        takes it, differentiable: the forward and the backward (:func:`cuflash.attention_backward`
+        with the same ``block_mask``) visit only its listed blocks. ``mask_mod`` None means the
+        block mask's own (``block_mask.mask_mod``); a ``mask_mod`` given too must be the function
+        it was built from, checked before any captured tensor is detached. Its index arrays are
+        NumPy for CPU tensors (the NumPy path and ``backend="sim"``) and device arrays for CUDA
+        tensors (``create_block_mask(..., device=)``). The call runs through the same
+        ``torch.autograd.Function`` as ``score_mod``/``mask_mod`` (eager autograd, ``gradcheck``
+        in float64 on CPU tensors; ``torch.compile`` breaks the graph there); the block mask gets
+        no gradient.
     deterministic : bool
         The backward's: bit-identical gradients run to run on the kernel backends (no atomics in
         the dQ sum; a float32 workspace of up to 16 copies of dq and a slower backward, see
@@ -350,19 +359,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         A non-tensor argument; with grad mode on, ``out=`` with tensors that require grad, or
         ``alibi_slopes`` that requires grad; otherwise as :func:`cuflash.attention`.
     ValueError
-        A meta tensor; an unknown backend or one that would move data; as :func:`cuflash.attention`.
+        A meta tensor; an unknown backend or one that would move data; a ``block_mask`` built for
+        other lengths, batch or heads, or with another ``mask_mod``; as :func:`cuflash.attention`.
     NotImplementedError
         Tensors on devices other than CPU and CUDA; as :func:`cuflash.attention` (float64 on a
         kernel backend, a call without a kernel); a captured tensor that requires grad with
         ``deterministic=True`` on a kernel backend (its gradient is then computed on the NumPy path only).
     """
-    if block_mask is not None:
-        raise NotImplementedError(f"{_FUNC}: block_mask is not in the differentiable torch attention yet; "
-                                  "cuflash.attention takes it for tensors that do not require grad")
     mods = {"alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "attn_mask": attn_mask, "sinks": sinks}
     fp8 = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "out_dtype": out_dtype}
-    if (score_mod is not None or mask_mod is not None) and not _is_fp8(q, fp8):
-        return _traced_attention(q, k, v, (score_mod, mask_mod), mods, dict(
+    if (score_mod is not None or mask_mod is not None or block_mask is not None) and not _is_fp8(q, fp8):
+        return _traced_attention(q, k, v, (score_mod, mask_mod, block_mask), mods, dict(
             causal=causal, softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse,
             layout=layout, out=out, backend=backend, dropout=(dropout_p, dropout_seed, dropout_offset),
             softcap=softcap, deterministic=deterministic))
@@ -371,7 +378,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         return api_attention.attention(
             q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse,
             layout=layout, out=out, backend=backend, dropout_p=dropout_p, dropout_seed=dropout_seed,
-            dropout_offset=dropout_offset, softcap=softcap, **mods, **fp8)
+            dropout_offset=dropout_offset, softcap=softcap, **mods, score_mod=score_mod, mask_mod=mask_mod,
+            block_mask=block_mask, **fp8)
     tensors.check_tensors(_FUNC, {"q": q, "k": k, "v": v}, {"out": out, **mods})
     causal = validation.check_flag(causal, "causal", _FUNC)
     return_lse = validation.check_flag(return_lse, "return_lse", _FUNC)
@@ -442,10 +450,12 @@ def _traced_attention(q, k, v, fns, mods, kw):
     traced here once, its captured tensors detached for the pipeline, the float ones of the
     score_mod that require grad made inputs of :class:`_TracedAttention` (so their gradients
     reach them)."""
-    score_mod, mask_mod = fns
+    score_mod, mask_mod, block_mask = fns
     out, backend, softcap, return_lse = kw["out"], kw["backend"], kw["softcap"], kw["return_lse"]
 
     tensors.check_tensors(_FUNC, {"q": q, "k": k, "v": v}, {"out": out, **mods})
+    if block_mask is not None:   # its own traced mask_mod, checked before any captured array is detached
+        mask_mod = own_mask_mod(block_mask, mask_mod, _FUNC)
     traced = {role: None if fn is None else tracing.trace(fn, role, _FUNC)
               for role, fn in (("score_mod", score_mod), ("mask_mod", mask_mod))}
     learned = []   # (slot, tensor) of the score_mod's float captured tensors that require grad
@@ -483,7 +493,8 @@ def _traced_attention(q, k, v, fns, mods, kw):
     seed, offset = tensors.dropout_key(dropout_p, dropout_seed, dropout_offset, _FUNC)
     modifiers = ModifierOptions(softcap, *(detached(mods[n]) for n in ("alibi_slopes", "attn_bias", "attn_mask",
                                                                           "sinks")),
-                                traced["score_mod"], traced["mask_mod"])
+                                traced["score_mod"], None if block_mask is not None else traced["mask_mod"],
+                                block_mask)   # with a block mask the pipeline takes the mask's own mask_mod
     options = Options(causal=kw["causal"], softmax_scale=kw["softmax_scale"], window_size=kw["window_size"],
                       layout=kw["layout"], return_lse=True, backend=tensors.check_backend(backend, _FUNC),
                       deterministic=kw["deterministic"],

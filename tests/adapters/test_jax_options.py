@@ -409,9 +409,45 @@ def test_a_large_lse_cotangent_in_float16(rng):
         close(a, x, rel=2e-3, name=name)   # float16 rounding of the gradients (about 1e4)
 
 
-def test_block_mask_is_refused_under_jax_by_name():
+def test_block_mask_gradients_match_the_oracle_eager_and_under_jit(rng, monkeypatch):
+    """A block mask through jax.grad, eager and under jax.jit: q, k, v's gradients against the float64
+    oracle with the dense mask_mod. The BlockMask is a static part of the call, hashed by identity:
+    the same object traces the call once, an equal new one traces it again."""
+    doc = np.repeat(np.arange(2, dtype=np.int32), (140, 20))
+    bm = mods.document_block_mask(doc, causal=True, BLOCK_SIZE=64)
+    assert set(np.unique(bm.to_dense())) == {0, 1, 2}   # empty, partial and full blocks
+    q, k, v = qkv(rng, shapes(1, 2, 1, 160, 160, 8, 8, "bhsd"))
+    w = rng.standard_normal(q.shape).astype(np.float32)
+
+    def loss(q, k, v, bm=bm):
+        return jnp.sum(cj.attention(q, k, v, block_mask=bm) * w)
+
+    want = reference_grads(w, q, k, v, mask_mod=bm.mask_mod)
+    for g in (jax.grad(loss, argnums=(0, 1, 2))(q, k, v), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)):
+        for name, a, x in zip(("dq", "dk", "dv"), g, want):
+            close(a, x, rel=1e-4, name=name)
+    traces = []
+    core = cj._core
+    monkeypatch.setattr(cj, "_core", lambda *a: traces.append(a[-1]) or core(*a))   # runs once per trace of the call
+    jax.grad(loss)(q, k, v)
+    assert traces == []   # the same BlockMask: traced already
+    again = mods.document_block_mask(doc, causal=True, BLOCK_SIZE=64)
+    jax.grad(loss)(q, k, v, again)
+    jax.grad(loss)(q, k, v, again)
+    assert len(traces) == 1 and traces[0].options.modifiers.block_mask is again   # an equal new one: once
+
+
+def test_block_mask_refusals_at_trace_time():
     doc = np.repeat(np.arange(2, dtype=np.int32), 64)
     bm = mods.document_block_mask(doc, BLOCK_SIZE=64)
     q = jnp.zeros((1, 2, 128, 8), jnp.float32)
-    with pytest.raises(NotImplementedError, match="block_mask is not in the JAX attention yet"):
-        cj.attention(q, q, q, block_mask=bm)
+    with pytest.raises(ValueError, match=r"block_mask was built for \(Q_LEN, KV_LEN\) = \(128, 128\)"):
+        jax.jit(lambda q: cj.attention(q, q, q, block_mask=bm))(q[:, :, :64])
+    with pytest.raises(ValueError, match="mask_mod must be the function block_mask was built from"):
+        cj.attention(q, q, q, block_mask=bm, mask_mod=mods.document_mask(doc, causal=True))
+    with pytest.raises(TypeError, match="block_mask must be a BlockMask"):
+        cj.attention(q, q, q, block_mask=bm.to_dense())
+    with pytest.raises(TypeError, match="block_mask holds jax.*arrays, q is a JAX array on the CPU"):
+        cj.attention(q, q, q, block_mask=bm.with_arrays(jnp.asarray))
+    np.testing.assert_array_equal(cj.attention(q, q, q, block_mask=bm, mask_mod=bm.mask_mod),
+                                  cj.attention(q, q, q, block_mask=bm))   # its own mask_mod is taken

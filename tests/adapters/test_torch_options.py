@@ -509,12 +509,45 @@ def test_opcheck_the_new_operators(gen):
                           test_utils=utils)
 
 
-def test_block_mask_is_refused_by_the_differentiable_form_and_taken_without_grad():
-    doc = np.repeat(np.arange(2, dtype=np.int32), 64)
-    bm = cuflash.mods.document_block_mask(doc, BLOCK_SIZE=64)
-    q, k, v = (torch.randn(1, 2, 128, 8, dtype=torch.float64) for _ in range(3))
-    with pytest.raises(NotImplementedError, match="block_mask is not in the differentiable torch attention"):
-        ct.attention(q, k, v, block_mask=bm)
-    out = cuflash.attention(q, k, v, block_mask=bm)   # no grad: the NumPy path, CPU tensors in and out
-    want = ref.naive_attention(q.numpy(), k.numpy(), v.numpy(), mask_mod=bm.mask_mod)
-    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-12)
+def _doc_block_mask():
+    """A causal document mask over 2 documents (140 + 20 tokens) in 64-blocks: empty, partial and
+    full blocks."""
+    doc = np.repeat(np.arange(2, dtype=np.int32), (140, 20))
+    bm = cuflash.mods.document_block_mask(doc, causal=True, BLOCK_SIZE=64)
+    assert set(np.unique(bm.to_dense())) == {0, 1, 2}
+    return doc, bm
+
+
+def test_block_mask_gradcheck_and_forward_on_the_numpy_path():
+    doc, bm = _doc_block_mask()
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 160, 4, dtype=torch.float64, generator=gen, requires_grad=True)   # GQA 2:1
+    k, v = (torch.randn(1, 1, 160, 4, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda q, k, v: ct.attention(q, k, v, block_mask=bm), (q, k, v), fast_mode=True)
+    out = cuflash.attention(q, k, v, block_mask=bm)   # routed to cuflash.torch.attention (q requires grad)
+    assert out.requires_grad
+    want = ref.naive_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), mask_mod=bm.mask_mod)
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="mask_mod must be the function block_mask was built from"):
+        ct.attention(q, k, v, block_mask=bm, mask_mod=cuflash.mods.document_mask(doc))
+    with pytest.raises(ValueError, match=r"block_mask was built for \(Q_LEN, KV_LEN\) = \(160, 160\)"):
+        ct.attention(q[:, :, :100], k, v, block_mask=bm)
+    with pytest.raises(TypeError, match="block_mask must be a BlockMask"):
+        ct.attention(q, k, v, block_mask=bm.to_dense())
+
+
+@pytest.mark.slow
+def test_block_mask_grads_on_the_simulator_within_the_rule(rng):
+    """backend="sim" (the tensor-core kernels' _bs forms): the .grad of q, k, v within twice the
+    same-dtype NumPy path's error against float64, plus grad_floor."""
+    from support.grads import assert_grads_within_twice_the_numpy_path
+
+    _, bm = _doc_block_mask()
+    q0, k0, v0, dout = (rng.standard_normal(s).astype(np.float16) for s in ((1, 2, 160, 64), (1, 1, 160, 64),
+                                                                          (1, 1, 160, 64), (1, 2, 160, 64)))
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in (q0, k0, v0))
+    with sim.options(arch=80):
+        out = ct.attention(q, k, v, block_mask=bm, backend="sim")
+        out.backward(torch.from_numpy(dout))
+    grads = [t.grad.numpy() for t in (q, k, v)]
+    assert_grads_within_twice_the_numpy_path(grads, q0, k0, v0, dout, np.float16, mask_mod=bm.mask_mod)
