@@ -446,10 +446,11 @@ def _refuse_gradients(q, k, v, out, mods) -> None:
 
 
 def _traced_attention(q, k, v, fns, mods, kw):
-    """:func:`attention` with a ``score_mod``/``mask_mod`` (``fns``; ``kw`` the other options):
-    traced here once, its captured tensors detached for the pipeline, the float ones of the
-    score_mod that require grad made inputs of :class:`_TracedAttention` (so their gradients
-    reach them)."""
+    """:func:`attention` with a ``score_mod``/``mask_mod``/``block_mask`` (``fns``; ``kw`` the other
+    options): traced here once, its captured tensors detached for the pipeline, the float ones of
+    the score_mod that require grad made inputs of :class:`_TracedAttention` (so their gradients
+    reach them). With a block mask the pipeline gets ``mask_mod=None`` and uses the block mask's
+    own, whose captured arrays are not detached copies (its check compares them by identity)."""
     score_mod, mask_mod, block_mask = fns
     out, backend, softcap, return_lse = kw["out"], kw["backend"], kw["softcap"], kw["return_lse"]
 

@@ -551,3 +551,16 @@ def test_block_mask_grads_on_the_simulator_within_the_rule(rng):
         out.backward(torch.from_numpy(dout))
     grads = [t.grad.numpy() for t in (q, k, v)]
     assert_grads_within_twice_the_numpy_path(grads, q0, k0, v0, dout, np.float16, mask_mod=bm.mask_mod)
+
+
+def test_fp8_calls_pass_mask_mod_and_block_mask_on():
+    """fp8 input is forwarded to cuflash.attention with its mask_mod / block_mask (they were once
+    dropped there): the result is the masked one, against the float64 oracle of the fp8 values."""
+    doc = np.repeat(np.arange(2, dtype=np.int32), 64)
+    bm = cuflash.mods.document_block_mask(doc, BLOCK_SIZE=64)
+    q = torch.randn(1, 2, 128, 16, generator=torch.Generator().manual_seed(2)).to(torch.float8_e4m3fn)
+    q64 = q.float().numpy().astype(np.float64)
+    want = ref.naive_attention(q64, q64, q64, mask_mod=bm.mask_mod)
+    for kw in (dict(mask_mod=cuflash.mods.document_mask(doc)), dict(block_mask=bm)):
+        out = ct.attention(q, q, q, out_dtype=torch.float16, **kw)
+        np.testing.assert_allclose(out.float().numpy(), want, rtol=0, atol=4e-3, err_msg=str(kw))
