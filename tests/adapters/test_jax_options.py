@@ -410,31 +410,43 @@ def test_a_large_lse_cotangent_in_float16(rng):
 
 
 def test_block_mask_gradients_match_the_oracle_eager_and_under_jit(rng, monkeypatch):
-    """A block mask through jax.grad, eager and under jax.jit: q, k, v's gradients against the float64
-    oracle with the dense mask_mod. The BlockMask is a static part of the call, hashed by identity:
+    """A block mask through jax.grad, eager and under jax.jit: the gradients of q, k, v and of a
+    learned score_mod table against the float64 oracle with the dense mask_mod. The BlockMask is a static part of the call, hashed by identity:
     the same object traces the call once, an equal new one traces it again."""
     doc = np.repeat(np.arange(2, dtype=np.int32), (140, 20))
     bm = mods.document_block_mask(doc, causal=True, BLOCK_SIZE=64)
     assert set(np.unique(bm.to_dense())) == {0, 1, 2}   # empty, partial and full blocks
     q, k, v = qkv(rng, shapes(1, 2, 1, 160, 160, 8, 8, "bhsd"))
     w = rng.standard_normal(q.shape).astype(np.float32)
+    table = rng.standard_normal((2, 9)).astype(np.float32)
 
-    def loss(q, k, v, bm=bm):
+    def loss(q, k, v, table=table, bm=bm):
+        return jnp.sum(cj.attention(q, k, v, block_mask=bm, score_mod=mods.relative_position_bias(table, 4)) * w)
+
+    t64 = table.astype(F64)
+    kw = dict(mask_mod=bm.mask_mod, score_mod=mods.relative_position_bias(t64, 4))
+    out, lse = ref.naive_attention(f64(q), f64(k), f64(v), return_lse=True, **kw)
+    want = ref_backward(f64(w), f64(q), f64(k), f64(v), out, lse, return_dscore_mod=True, **kw)
+    want = [*want[:3], want[3]["table"]]
+    assert np.abs(want[3]).max() > 0.1
+    arg = (0, 1, 2, 3)
+    for g in (jax.grad(loss, argnums=arg)(q, k, v, table), jax.jit(jax.grad(loss, argnums=arg))(q, k, v, table)):
+        for name, a, x in zip(("dq", "dk", "dv", "d table"), g, want):
+            close(a, x, rel=1e-4, name=name)
+
+    def masked(q, bm):   # no score_mod (a traced score_mod is itself hashed by identity)
         return jnp.sum(cj.attention(q, k, v, block_mask=bm) * w)
 
-    want = reference_grads(w, q, k, v, mask_mod=bm.mask_mod)
-    for g in (jax.grad(loss, argnums=(0, 1, 2))(q, k, v), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)):
-        for name, a, x in zip(("dq", "dk", "dv"), g, want):
-            close(a, x, rel=1e-4, name=name)
     traces = []
     core = cj._core
     monkeypatch.setattr(cj, "_core", lambda *a: traces.append(a[-1]) or core(*a))   # runs once per trace of the call
-    jax.grad(loss)(q, k, v)
-    assert traces == []   # the same BlockMask: traced already
+    jax.grad(masked)(q, bm)
+    jax.grad(masked)(q, bm)
+    assert len(traces) == 1 and traces[0].options.modifiers.block_mask is bm   # the same BlockMask: traced once
     again = mods.document_block_mask(doc, causal=True, BLOCK_SIZE=64)
-    jax.grad(loss)(q, k, v, again)
-    jax.grad(loss)(q, k, v, again)
-    assert len(traces) == 1 and traces[0].options.modifiers.block_mask is again   # an equal new one: once
+    jax.grad(masked)(q, again)
+    jax.grad(masked)(q, again)
+    assert len(traces) == 2 and traces[1].options.modifiers.block_mask is again   # an equal new one: once more
 
 
 def test_block_mask_refusals_at_trace_time():

@@ -523,7 +523,12 @@ def test_block_mask_gradcheck_and_forward_on_the_numpy_path():
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 160, 4, dtype=torch.float64, generator=gen, requires_grad=True)   # GQA 2:1
     k, v = (torch.randn(1, 1, 160, 4, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
-    assert torch.autograd.gradcheck(lambda q, k, v: ct.attention(q, k, v, block_mask=bm), (q, k, v), fast_mode=True)
+    table = torch.randn(2, 9, dtype=torch.float64, generator=gen, requires_grad=True)   # a learned score_mod table
+
+    def f(q, k, v, table):
+        return ct.attention(q, k, v, block_mask=bm, score_mod=cuflash.mods.relative_position_bias(table, 4))
+
+    assert torch.autograd.gradcheck(f, (q, k, v, table), fast_mode=True)
     out = cuflash.attention(q, k, v, block_mask=bm)   # routed to cuflash.torch.attention (q requires grad)
     assert out.requires_grad
     want = ref.naive_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), mask_mod=bm.mask_mod)
