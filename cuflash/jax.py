@@ -395,6 +395,23 @@ def _given(x):
     return None if x is None else _GIVEN
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StaticMod(score_mod.TracedMod):
+    """A traced score_mod or mask_mod in the static part of a call: equal to another when the
+    call it compiles is the same (role, canonical text, variable names, and the stand-in
+    arrays' shapes and dtypes), so a new closure of the same function, or new values of its
+    captured arrays, reuse the traced call instead of tracing it again."""
+
+    def _what(self) -> tuple:
+        return (self.role, self.key, self.names, tuple((a.shape, str(a.dtype)) for a in self.arrays))
+
+    def __eq__(self, other):
+        return type(other) is _StaticMod and self._what() == other._what()
+
+    def __hash__(self):
+        return hash(self._what())
+
+
 def _trace_mods(score_mod, mask_mod) -> tuple:
     """``((score, mask), captured)``: the traced functions with NumPy stand-ins of their captured
     arrays' shapes and dtypes (nothing of JAX's traces is kept in the static call), and the
@@ -406,7 +423,7 @@ def _trace_mods(score_mod, mask_mod) -> tuple:
             continue
         t = score_mod_trace(fn, role, _FUNC)
         captured += [jnp.asarray(a) for a in t.arrays]
-        traced.append(dataclasses.replace(t, arrays=tuple(_stand_in(a) for a in t.arrays), fn=None))
+        traced.append(_StaticMod(t.role, t.expr, tuple(_stand_in(a) for a in t.arrays), t.names, t.key, None))
     return tuple(traced), tuple(captured)
 
 

@@ -434,7 +434,7 @@ def test_block_mask_gradients_match_the_oracle_eager_and_under_jit(rng, monkeypa
         for name, a, x in zip(("dq", "dk", "dv", "d table"), g, want):
             close(a, x, rel=1e-4, name=name)
 
-    def masked(q, bm):   # no score_mod (a traced score_mod is itself hashed by identity)
+    def masked(q, bm):   # no score_mod (its own trace count: the next test)
         return jnp.sum(cj.attention(q, k, v, block_mask=bm) * w)
 
     traces = []
@@ -447,6 +447,27 @@ def test_block_mask_gradients_match_the_oracle_eager_and_under_jit(rng, monkeypa
     jax.grad(masked)(q, again)
     jax.grad(masked)(q, again)
     assert len(traces) == 2 and traces[1].options.modifiers.block_mask is again   # an equal new one: once more
+
+
+def test_a_score_mod_traces_the_call_once_whatever_its_captured_values(rng, monkeypatch):
+    """An eager call with a score_mod traces its jitted computation once: a new closure of the
+    same function over new values of the same shape reuses it (the values are traced inputs),
+    and the result follows the new values. A table of another shape traces it again."""
+    q, k, v = qkv(rng, shapes(1, 2, 1, 40, 40, 8, 8, "bhsd"))
+    traces = []
+    core = cj._core
+    monkeypatch.setattr(cj, "_core", lambda *a: traces.append(a[-1]) or core(*a))   # runs once per trace of the call
+    outs = []
+    for seed in (1, 2):
+        table = np.random.default_rng(seed).standard_normal((2, 9)).astype(np.float32)
+        outs.append(np.asarray(cj.attention(q, k, v, score_mod=mods.relative_position_bias(table, 4))))
+        want = ref.naive_attention(f64(q), f64(k), f64(v), score_mod=mods.relative_position_bias(table.astype(F64), 4))
+        close(outs[-1], want, rel=1e-4, name=f"out, table {seed}")
+    assert len(traces) == 1
+    assert not np.array_equal(outs[0], outs[1])
+    wider = np.zeros((2, 11), np.float32)
+    cj.attention(q, k, v, score_mod=mods.relative_position_bias(wider, 5))
+    assert len(traces) == 2
 
 
 def test_block_mask_refusals_at_trace_time():
