@@ -14,6 +14,10 @@
 //   tensor map drops rows past Sq. LSE is written in the natural log.
 //   Intra-warpgroup overlap (section 3.2): tile j's S = Q K_j^T and tile j-1's O += P V are issued
 //   together; the consumer waits for S only (wait_group 1) and runs its softmax while P V runs.
+//   O is rescaled before the next P V is issued (FA3's order), so nothing but the conversion of P
+//   waits for the wait that retires P V, and the release of K_j's slot, which ptxas keeps before
+//   that wait, waits on the first row's softmax: ptxas issues at least that row's exponentials
+//   while P V runs (46-56 of 66 at d128).
 //   Ping-pong (section 3.1): the consumers take turns on the tensor cores through two named
 //   barriers; each waits for its turn before issuing a tile's wgmmas and hands the turn over
 //   right after, so one warpgroup's softmax runs while the other's GEMMs do.
@@ -93,6 +97,11 @@ constexpr int PANEL = 64;                               // head-dim elements per
 constexpr int NPANEL = (D + PANEL - 1) / PANEL, NPANEL_V = (DV + PANEL - 1) / PANEL;
 constexpr int PANEL_Q = BR * 128, PANEL_KV = BC * 128;  // bytes of one 64-column panel
 constexpr int Q_BYTES = NPANEL * PANEL_Q, K_BYTES = NPANEL * PANEL_KV, V_BYTES = NPANEL_V * PANEL_KV;
+// The rows' mask edges computed once, not per masked tile (Rows::first / last; 7 instructions
+// fewer per masked tile at d128), except in the d256 KV-cache form, whose consumers then spill
+// under NVRTC 13 (20 B stores), and the modifier forms: they hold the 4 registers no longer
+// than a tile
+constexpr bool EDGES_ONCE = !CUFLASH_MODS && !(CUFLASH_KVCACHE && D == 256);
 // named barriers: 1, 2 the consumers' epilogues (128 threads); 3, 4 their turns (256 threads)
 constexpr int EPILOGUE_BAR = 1, TURN_BAR = 3;
 static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && NPANEL_V <= NPANEL, "head-dim buckets and tiles");
@@ -300,11 +309,18 @@ __device__ __forceinline__ void issue_pv(float (&o)[DV / 2], const unsigned (&pa
 struct Rows {   // what the softmax needs to know of this thread's rows and the mask
     int row0, wrow_lo, wrow_hi, Sq, Sk, diag, window_left, window_right, t;
     float scale_log2;
-    // scale_log2 > 0 (the plain forms): the row max is taken over the raw scores and P = exp2(s *
-    // scale_log2 - m) is one FFMA per score; otherwise (a negative scale reverses the order, 0 makes
-    // -inf * 0 NaN; the modifier forms act on scaled scores) the scores are scaled first
+    // The plain forms: the row max is taken over the raw scores and P = exp2(s * scale_log2 - m) is
+    // one FFMA per score. They take positive scales only (the host sends a negative one, which
+    // reverses the order, elsewhere) and a zero scale as FLT_MIN (attention_fwd_sm90.scale_arg:
+    // every finite score's exponent rounds to 0, as with 0; a hidden score's stays -inf, not
+    // NaN): no branch or select on the scale is left in the loop. The modifier forms act on scaled
+    // scores: they scale the scores first.
     bool prescale;
     float eff_scale;   // 1 when prescaled, else scale_log2
+    // with EDGES_ONCE, the visible keys of rows row0 and row0 + 8, [first, last] (the window's edges
+    // and Sk), less this thread's first column 2t, set once: a tile's mask bounds are these less
+    // its first key
+    int first[2], last[2];
 #if CUFLASH_MODS
     ScoreMods mods;   // the score modifiers (score_mods.cuh) and this block's (batch, head) share
     HeadMods hm;
@@ -338,11 +354,14 @@ __device__ __forceinline__ SteadyTiles steady_tiles(const Rows& w) {
 
 // The online softmax of one tile in place (log2 domain): the mask (the edges MASK names; none on
 // the tiles of SteadyTiles, whose mask code is not compiled), row max, l rescaled, S -> P in fp32.
-// Returns in alpha the factor O must be rescaled by (done by the caller once O's wgmma is waited).
+// Returns in alpha the factor O must be rescaled by (done by the caller before the next P V is issued).
 template <int MASK>
 __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const Rows& w, float (&m_run)[2],
                                              float (&l_run)[2], float (&alpha)[2]) {
-    if (w.prescale) {
+    // The plain forms never prescale, nor branch on the scale: a branch between the waits for S
+    // and for P V splits the softmax into blocks, and ptxas then retires P V before most of the
+    // exponentials (it issues them in one block, after the reduction, as FA3's loop does).
+    if (w.prescale) {   // (the modifier forms: always, known at compile time)
 #pragma unroll
         for (int i = 0; i < BC / 2; ++i) sc[i] *= w.scale_log2;
     }
@@ -353,6 +372,11 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
     if (MASK != MASK_NONE) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+            if (EDGES_ONCE) {
+                lo[r] = w.first[r] - kv0;
+                hi[r] = w.last[r] - kv0;
+                continue;
+            }
             const int row = w.row0 + 8 * r, here = kv0 + 2 * w.t;
             int first = 0, last = w.Sk - 1;
             if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, row + w.diag - w.window_left);
@@ -361,15 +385,16 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
             hi[r] = last - here;
         }
     }
-    float mx[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF};   // over this tile's (unscaled unless prescaled) scores
+#if CUFLASH_MODS
+    // The modifier forms: both rows at once, one chain each (the row-by-row order below holds more
+    // registers beside the per-score modifier code, and these forms then spill)
+    float mx[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF};   // over this tile's scaled, modified scores
 #pragma unroll
     for (int i = 0; i < BC / 2; ++i) {
         const int r = (i % 4) / 2, offset = 8 * (i / 4) + i % 2;   // the score's column: kv0 + 2t + offset
-        float x = sc[i];
-#if CUFLASH_MODS
         const int col = kv0 + 2 * w.t + offset, row = w.row0 + 8 * r;
+        float x = sc[i];
         if (row < w.Sq && col < w.Sk) x = mod_score<elem_t>(w.mods, w.hm, x, row, col, w.Sq, w.Sk);
-#endif
         if (((MASK & MASK_LEFT) && offset < lo[r]) || ((MASK & MASK_RIGHT) && offset > hi[r])) x = CUFLASH_NEG_INF;
         sc[i] = x;
         mx[r] = fmaxf(mx[r], x);
@@ -377,7 +402,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
     float base[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(m_run[r], quad_max(mx[r]) * w.eff_scale);   // -inf * eff_scale > 0 stays -inf
+        mx[r] = fmaxf(m_run[r], quad_max(mx[r]) * w.eff_scale);
         base[r] = mx[r] == CUFLASH_NEG_INF ? 0.0f : mx[r];   // a row with no key yet: exp2(-inf) = 0, no NaN
         alpha[r] = exp2f(m_run[r] - base[r]);
         m_run[r] = mx[r];
@@ -388,6 +413,51 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
         sc[i] = exp2f(fmaf(sc[i], w.eff_scale, -base[(i % 4) / 2]));
         l_run[(i % 4) / 2] += sc[i];
     }
+#else
+    // Row by row (rows g and g + 8 of the thread): the mask, the row max over
+    // the tile's (unscaled unless prescaled) scores in NACC independent chains joined at the end
+    // (not one chain of BC / 4 dependent FMNMX), then the row's exponentials and sum, so that row
+    // g's sum is complete before row g + 8's starts (the caller's K release waits on it)
+    constexpr int NACC = 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mxa[NACC];
+#pragma unroll
+        for (int i = 2 * r; i < BC / 2; i += (i % 2 ? 3 : 1)) {   // the row's scores: i % 4 in {2r, 2r + 1}
+            const int offset = 8 * (i / 4) + i % 2;   // the score's column: kv0 + 2t + offset
+            const int a = (2 * (i / 4) + i % 2) % NACC;
+            float x = sc[i];
+            if (((MASK & MASK_LEFT) && offset < lo[r]) || ((MASK & MASK_RIGHT) && offset > hi[r])) x = CUFLASH_NEG_INF;
+            sc[i] = x;
+            if (2 * (i / 4) + i % 2 < NACC) mxa[a] = x;   // the chain's first score
+            else mxa[a] = fmaxf(mxa[a], x);
+        }
+        float mx = mxa[0];
+#pragma unroll
+        for (int a = 1; a < NACC; ++a) mx = fmaxf(mx, mxa[a]);
+        mx = fmaxf(m_run[r], quad_max(mx) * w.eff_scale);   // -inf * eff_scale > 0 stays -inf
+        // a row with no key yet (mx = -inf, every score -inf): exp2(-inf - base) = 0, not NaN, with a
+        // finite base; in the steady loop every score is a key's, so mx is finite there
+        const float base = MASK == MASK_NONE ? mx : fmaxf(mx, -3.40282347e38f);
+        alpha[r] = exp2f(m_run[r] - base);
+        m_run[r] = mx;
+        float l = l_run[r] * alpha[r];
+#pragma unroll
+        for (int i = 2 * r; i < BC / 2; i += (i % 2 ? 3 : 1)) {
+            sc[i] = exp2f(fmaf(sc[i], w.eff_scale, -base));
+            l += sc[i];
+        }
+        l_run[r] = l;
+    }
+#endif
+}
+
+// O *= the rescale factor of its rows (alpha: rows g and g + 8). Done before the next P V is issued
+// (FA3's order), not after the wait that retires the last one: nothing then hangs on that wait,
+// and ptxas leaves it after the exponentials instead of hoisting it above them.
+__device__ __forceinline__ void rescale_o(float (&o)[DV / 2], const float (&alpha)[2]) {
+#pragma unroll
+    for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i % 4) / 2];
 }
 
 // P (fp32, the S accumulator fragment) into 16-bit pairs: the A fragment of O += P V, 16 keys a k step
@@ -551,12 +621,21 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     const int c = wg - 1;                                     // rows 64c.. of the tile
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int row0 = m0 + 64 * c + 16 * warp + g;             // this thread's rows: row0 and row0 + 8
-    const Rows rows{row0, m0 + 64 * c, m0 + 64 * c + 63, Sq, Sk, diag, window_left, window_right, t, scale_log2,
-                    CUFLASH_MODS || !(scale_log2 > 0.0f), CUFLASH_MODS || !(scale_log2 > 0.0f) ? 1.0f : scale_log2
+    Rows rows{row0, m0 + 64 * c, m0 + 64 * c + 63, Sq, Sk, diag, window_left, window_right, t, scale_log2,
+              CUFLASH_MODS != 0, CUFLASH_MODS ? 1.0f : scale_log2, {0, 0}, {0, 0}
 #if CUFLASH_MODS
-                    , mods, head_mods<elem_t>(mods, b, h)
+              , mods, head_mods<elem_t>(mods, b, h)
 #endif
     };
+#pragma unroll
+    for (int r = 0; r < 2 && EDGES_ONCE; ++r) {
+        const int row = row0 + 8 * r;
+        int first = 0, last = Sk - 1;
+        if (CUFLASH_LOCAL && window_left >= 0) first = max(first, row + diag - window_left);
+        if (CUFLASH_LOCAL && window_right >= 0) last = min(last, row + diag + window_right);
+        rows.first[r] = first - 2 * t;
+        rows.last[r] = last - 2 * t;
+    }
     // the wgmma descriptors: this consumer's 64 rows of Q, and stage 0 of the K and V rings (the
     // stage s ones are K_BYTES / V_BYTES further on)
     // (each made opaque to the compiler: it otherwise folds the advances into 64-bit adds with
@@ -583,13 +662,14 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         ptx_bar_arrive(TURN_BAR + 1 - c, 256);
         ptx_wgmma_wait<0>();
         if (tid == 0) ptx_mbarrier_arrive(&empty_k[0]);
-        softmax_tile<CUFLASH_LOCAL ? MASK_BOTH : MASK_RIGHT>(sc, tile_lo * BC, rows, m_run, l_run, alpha);   // O is 0: alpha unused
+        softmax_tile<CUFLASH_LOCAL ? MASK_BOTH : MASK_RIGHT>(sc, tile_lo * BC, rows, m_run, l_run, alpha);   // O is 0: O * alpha stays 0
         to_a_fragment(sc, pa);
     }
     // tile j of the walk, with P V of tile j - 1; mask: a MaskOf<Mask>
     // (j >= 1: unsigned, the stage and phase arithmetic is shifts and masks)
     auto tile = [&](unsigned j, auto mask) {
         const unsigned s = j % STAGES, sv = (j - 1) % STAGES;
+        rescale_o(o, alpha);   // by tile j - 1's factor, before P_{j-1} V_{j-1} joins O
         ptx_mbarrier_wait(&full_k[s], (j / STAGES) & 1);
         ptx_mbarrier_wait(&full_v[sv], ((j - 1) / STAGES) & 1);
         ptx_bar_sync(TURN_BAR + c, 256);
@@ -597,12 +677,15 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         issue_pv(o, pa, ptx_wgmma_desc_advance(dv0, sv * V_BYTES));
         ptx_bar_arrive(TURN_BAR + 1 - c, 256);
         ptx_wgmma_wait<1>();                       // S_j is in; P_{j-1} V_{j-1} may still run
-        if (tid == 0) ptx_mbarrier_arrive(&empty_k[s]);
         softmax_tile<decltype(mask)::value>(sc, (tile_lo + j) * BC, rows, m_run, l_run, alpha);
+        // K_j's slot is free since S_j is in. Its release waits on row g's sum (fminf(l, 0) is +0 for
+        // every l >= 0, inf or NaN, so thread 0 always arrives): ptxas keeps the wait for P V after
+        // this arrival and issues the wait as early as it can, so the arrival decides how many
+        // exponentials run under P V (without the dependence: a dozen of 66; with it, row g's 32 at
+        // least: 46-56 at d128, 29-33 at d256, counted as docs/kernels.md says)
+        if ((tid | __float_as_int(fminf(l_run[0], 0.0f))) == 0) ptx_mbarrier_arrive(&empty_k[s]);
         ptx_wgmma_wait<0>();
         if (tid == 0) ptx_mbarrier_arrive(&empty_v[sv]);
-#pragma unroll
-        for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i % 4) / 2];
         to_a_fragment(sc, pa);
     };
     // tiles 1.. of the walk (tile 0 ran masked above): left of ta = st.lo - tile_lo a tile needs the
@@ -626,6 +709,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     }
     if (ntiles > 0) {
         const int sv = (ntiles - 1) % STAGES;
+        rescale_o(o, alpha);
         ptx_mbarrier_wait(&full_v[sv], ((ntiles - 1) / STAGES) & 1);
         ptx_bar_sync(TURN_BAR + c, 256);
         issue_pv(o, pa, ptx_wgmma_desc_advance(dv0, sv * V_BYTES));

@@ -57,6 +57,23 @@ TMA_ALIGN = 16
 MODIFIERS = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks")
 
 
+#: the smallest normal float32: the plain forms' stand-in for a zero scale (:func:`scale_arg`)
+FLT_MIN = float(np.finfo(np.float32).tiny)
+
+
+def scale_arg(softmax_scale: float, prescale: bool) -> ScalarArg:
+    """The kernel's ``scale_log2``: ``softmax_scale * log2(e)`` as float32. The plain forms (``prescale``
+    False; non-negative scales only, :func:`scale_reason`) take P = exp2(s * scale_log2 - m) on the
+    raw scores, so a scale that is zero (or below the smallest normal float32, which the device
+    flushes to zero) is passed as FLT_MIN: every finite score's exponent then rounds to 0 as with 0,
+    and a hidden score's stays -inf, not the NaN of -inf * 0. The modifier forms (``prescale``)
+    scale the scores first and take it as it is."""
+    s = np.float32(softmax_scale * math.log2(math.e))
+    if not prescale and 0 <= s < FLT_MIN:
+        s = np.float32(FLT_MIN)
+    return ScalarArg("scale_log2", s)
+
+
 class ThreeWarpgroups:
     """The launch shape the Hopper kernels share: three warpgroups, a producer's and two
     consumers' (the consumers run the main loop: the roofline's pipes)."""
@@ -254,6 +271,16 @@ def dtype_reason(problem) -> str | None:
     return None
 
 
+def scale_reason(problem) -> str | None:
+    """Why ``problem``'s softmax scale does not suit the plain Hopper forms (None if it does): they
+    take the row maximum on the unscaled scores, which a negative scale turns into the minimum. The
+    modifier forms scale the scores first and take any scale."""
+    if problem.modifiers is None and problem.softmax_scale < 0:
+        return (f"softmax_scale={problem.softmax_scale} is negative (the Hopper kernel takes the row maximum "
+                "on the unscaled scores; the tensor-core forward scales them first)")
+    return None
+
+
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     """Why ``problem`` cannot run on this tier on ``sm_<arch>`` (None if it can). The arch rule
     (``sm_90a``: compute capability 9.0 only) is the dispatcher's (:data:`TARGET_ARCH`)."""
@@ -268,6 +295,9 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         return "dropout is not in the Hopper kernel yet"
     if p.kvcache is not None:
         return kvcache_reason(p, arch, arrays)
+    why = scale_reason(p)
+    if why is not None:
+        return why
     if p.varlen is not None and p.modifiers is not None:
         return "score modifiers on packed variable-length batches are not in the Hopper kernel yet"
     why = _dims_reason(p)
@@ -339,7 +369,7 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
             TensorMapArg.of("map_o", out, (1, 1, 64, PANEL), swizzle=128, writable=True),
             PointerArg.of("lse", lse, writable=True), ScalarArg("Sq", np.int32(sq)), ScalarArg("Sk", np.int32(sk)),
             ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
-            ScalarArg("scale_log2", np.float32(softmax_scale * math.log2(math.e))),
+            scale_arg(softmax_scale, variant.mods),
             ScalarArg("window_left", np.int32(window_left)), ScalarArg("window_right", np.int32(window_right)),
             *mods_args)
     return LaunchPlan(variant, variant.entry, (-(-sq // BLOCK_M), hq, b), (384, 1, 1), variant.smem_bytes, args)
@@ -391,7 +421,7 @@ def plan_varlen(q, k, v, out, lse, index_args: tuple, *, batch: int, max_seqlen_
             ragged("map_o", out, 64, writable=True),
             PointerArg.of("lse", lse, writable=True), ScalarArg("Sq", np.int32(total_q)),
             ScalarArg("Sk", np.int32(total_k)), ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
-            ScalarArg("scale_log2", np.float32(softmax_scale * math.log2(math.e))),
+            scale_arg(softmax_scale, False),
             ScalarArg("window_left", np.int32(window_left)), ScalarArg("window_right", np.int32(window_right)),
             *index_args)
     return LaunchPlan(variant, variant.entry, (-(-max_seqlen_q // BLOCK_M), hq, batch), (384, 1, 1),
@@ -469,7 +499,7 @@ def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
         return f"score modifiers ({p.modifiers.present[0]}) on a KV cache are not in the Hopper kernel yet"
     if p.varlen is not None:
         return "chunked prefill (packed queries over a paged cache) is not in the Hopper kernel yet"
-    why = dtype_reason(p)
+    why = dtype_reason(p) or scale_reason(p)
     if why is not None:
         return why
     why = _dims_reason(p)
@@ -541,7 +571,7 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> LaunchPlan:
             TensorMapArg.of("map_o", os_, (1, 1, 64, PANEL), swizzle=128, writable=True),
             PointerArg.of("lse", lse.reshape(b, hq, sq), writable=True), ScalarArg("Sq", np.int32(sq)),
             ScalarArg("Sk", np.int32(c.capacity)), ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
-            ScalarArg("scale_log2", np.float32(p.softmax_scale * math.log2(math.e))),
+            scale_arg(p.softmax_scale, False),
             ScalarArg("window_left", np.int32(p.window_left)), ScalarArg("window_right", np.int32(p.window_right)),
             PointerArg.of("k_cache", c.k_cache), PointerArg.of("v_cache", c.v_cache),
             *(la.i64(f"k_{n}_stride", s) for n, s in zip(("page", "row", "head"), kst[:3])),

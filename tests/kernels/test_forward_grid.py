@@ -488,6 +488,27 @@ def test_hopper_cases_checked(case):
     _hopper_run(case, checked=True)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+def test_hopper_steady_loop_under_negative_and_zero_scale(scale, causal):
+    # the plain Hopper forms keep the raw scores in every loop: a zero scale runs there (passed as
+    # FLT_MIN), a negative one (which would turn their row maximum into the minimum) on the
+    # tensor-core forward. Sk = 400: three whole key tiles of 128 before the edge, most of them
+    # steady for every row. The keys after the first tile are 4x larger: a maximum taken the wrong
+    # way round keeps the first tile's, and P overflows fp16
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, 2, s, 64)) for s in (130, 400, 400))
+    k[:, :, 128:] *= 4
+    q, k, v = (x.astype(np.float16) for x in (q, k, v))
+    with sim.options(arch="sm_90"):
+        tier = cuflash.explain(q, k, v, backend="sim", causal=causal, softmax_scale=scale)["tier"]
+        out, lse = cuflash.attention(q, k, v, backend="sim", return_lse=True, causal=causal, softmax_scale=scale)
+    assert tier == ("attention_fwd_sm90" if scale >= 0 else "attention_fwd_mma"), tier
+    ok, msg, _ = tolerance.compare(out, q, k, v, lse=lse, causal=causal, softmax_scale=scale)
+    assert ok, msg
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_hopper_under_seeds(seed):
     _hopper_run(HOPPER_CASES[7], seed=seed)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.options import check_attention
+from support.options import check_attention, check_kvcache, check_varlen
 
 import cuflash
 from cuflash.kernels import (
@@ -83,6 +83,25 @@ def test_the_hopper_tier_says_why_it_passes_a_view_over():
     split = np.zeros((1, 1, 16, 128), np.float16)[..., ::2]
     assert "head dim is not contiguous" in attention_fwd_sm90.unsupported_reason(p, 90, (q, split, k))
     assert attention_fwd_sm90.unsupported_reason(p, 90, (q, None, k)) is None
+
+
+def test_the_plain_hopper_forms_pass_a_negative_scale_over_and_take_zero_as_flt_min():
+    # their row maximum is taken on the unscaled scores, which a negative scale would reverse
+    q = np.zeros((1, 2, 64, 64), np.float16)
+    cache = np.zeros((1, 128, 2, 64), np.float16)
+    seqlens = np.array([100], np.int32)
+    packed = np.zeros((64, 2, 64), np.float16)
+    cu = np.array([0, 64], np.int32)
+    for p in (check_attention(q, q, q, softmax_scale=-0.5), check_attention(q, q, q, softmax_scale=-0.5, causal=True),
+              check_varlen(packed, packed, packed, cu, cu, 64, 64, softmax_scale=-0.5),
+              check_kvcache(q.transpose(0, 2, 1, 3), cache, cache, seqlens, softmax_scale=-0.5)):
+        assert "softmax_scale=-0.5 is negative" in attention_fwd_sm90.unsupported_reason(p, 90), p
+    for p in (check_attention(q, q, q, softmax_scale=0.0), check_attention(q, q, q, softmax_scale=-0.5, softcap=5.0)):
+        assert attention_fwd_sm90.unsupported_reason(p, 90) is None   # (the modifier forms scale first)
+    tiny = float(np.finfo(np.float32).tiny)
+    for scale, prescale, want in ((0.0, False, tiny), (-0.0, False, tiny), (1e-40, False, tiny), (0.0, True, 0.0),
+                                  (0.125, False, np.float32(0.125 * np.log2(np.e)))):
+        assert attention_fwd_sm90.scale_arg(scale, prescale).value == want, (scale, prescale)
 
 
 def test_no_tier_for_a_call_names_every_reason(monkeypatch):
