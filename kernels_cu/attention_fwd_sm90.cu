@@ -729,16 +729,16 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #else
         const float keep = 1.0f;
 #endif
-        inv[r] = l > 0.0f ? keep / l : 0.0f;
+        inv[r] = l != 0.0f ? keep / l : 0.0f;   // (NaN l, a row that read a NaN: NaN out, NaN lse)
 #if CUFLASH_KVCACHE
         // a split's LSE into lse_partial (rows (batch, head, query row)); an index out of range: NaN
-        float row_lse = l > 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
+        float row_lse = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
         if (bad) inv[r] = row_lse = __int_as_float(0x7fc00000);
         if (t == 0 && row0 + 8 * r < Sq)
             (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(size_t(b) * Hq + h) * Sq + row0 + 8 * r] = row_lse;
 #else
         if (t == 0 && row0 + 8 * r < Sq)
-            lse[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = l > 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
+            lse[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
 #endif
     }
 #if CUFLASH_KVCACHE
