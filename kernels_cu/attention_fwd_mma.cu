@@ -91,6 +91,12 @@
 // warp whose rows the mask hides from a whole tile skips that tile's math; the sink joins each
 // row's denominator at the epilogue (split 0's, under split-KV: the combine keeps it once).
 //
+// The sm_75 form (CUFLASH_SM75_FORM, ptx.cuh: no cp.async; one stage): where the next tile's
+// chunks fit the registers (FWD_REG_STAGE below), each thread issues its global loads of K/V tile
+// j + 1 into registers before tile j's math and stores them to the stage after it (after the
+// barrier that says every warp is done with the stage), so the load latency hides behind the
+// math; elsewhere the refill after the math is a synchronous copy (a load, then its store).
+//
 // Block-sparse masks (the CUFLASH_BLOCK_SPARSE 1 variants of a traced mask_mod; score_mods.cuh): the
 // loop runs over the block mask's partial then full key blocks of the tile's query block instead of a
 // contiguous run (tile j's key from the lists, so each refill computes its source from the key), and
@@ -193,6 +199,19 @@ __device__ __forceinline__ void copy_rows_interior(elem_t* dst, const elem_t* sr
 #pragma unroll
     for (int i = 0; i < MAX_ROWS / kRowsPerPass; ++i) ptx_cp_async_16(dst + i * kRowsPerPass * PITCH, src + i * pass_stride);
 }
+
+// FWD_REG_STAGE: 1 in the sm_75 form's one-stage forms without a KV cache where the next tile's
+// chunks fit the registers; the next K/V tile then waits in registers across the math (fetch_kv,
+// put_kv below): 2 BC / kRowsPerPass uint4 per thread, 16 registers at bucket 64 (128 x 32) and 32
+// at 96. Under NVRTC 12.9 and 13.x (ptxas -v, sm_75) the fixed tile takes 184 registers at 64 and
+// 238 at 96, no spill; at 128, 192 and 256 the staged tile spills (140, 56 and 44 bytes under
+// 12.9), and the modifier forms at 96 reach 254 (a traced modifier's code would spill), so those
+// keep the synchronous refill after the math.
+#if CUFLASH_SM75_FORM && STAGES == 1 && !CUFLASH_CACHE_FP8 && !CUFLASH_KVCACHE && (DMAX <= 64 || (DMAX <= 96 && !CUFLASH_MODS))
+#define FWD_REG_STAGE 1
+#else
+#define FWD_REG_STAGE 0
+#endif
 
 // floor(x / BC) for any sign of x.
 __device__ __forceinline__ long long floor_div_bc(long long x) { return x >= 0 ? x / BC : -((BC - 1 - x) / BC); }
@@ -520,6 +539,44 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
         k_src += BC * k_row_stride;
         v_src += BC * v_row_stride;
     };
+#if FWD_REG_STAGE
+    // The refill in two halves: fetch_kv loads this thread's chunks of the K/V tile at key kv into
+    // registers (the chunks load_kv would copy; out of view: zeros, nothing read) and moves the
+    // sources on; put_kv stores them into the stage.
+    uint4 kv_reg[2][BC / kRowsPerPass];
+    auto fetch_kv = [&](int kv, bool interior) {
+        const int n = min(BC, seqlen_k - kv);
+#if CUFLASH_BLOCK_SPARSE
+        k_src = k_head + (long long)(kv + cp_r0) * k_row_stride + cp_c * 8;
+        v_src = v_head + (long long)(kv + cp_r0) * v_row_stride + cp_c * 8;
+#endif
+        if (interior && (kCopyThreads == NT || tid < kCopyThreads)) {   // every row and column in view
+#pragma unroll
+            for (int i = 0; i < BC / kRowsPerPass; ++i) {
+                kv_reg[0][i] = ptx_ld_global_16(k_src + i * kRowsPerPass * k_row_stride);
+                kv_reg[1][i] = ptx_ld_global_16(v_src + i * kRowsPerPass * v_row_stride);
+            }
+        } else if (kCopyThreads == NT || tid < kCopyThreads) {   // rows n and on (chunks past D / Dv): zeros
+#pragma unroll
+            for (int i = 0; i < BC / kRowsPerPass; ++i) {
+                kv_reg[0][i] = kv_reg[1][i] = uint4{0u, 0u, 0u, 0u};
+                if (i * kRowsPerPass < n - k_row_lim) kv_reg[0][i] = ptx_ld_global_16(k_src + i * kRowsPerPass * k_row_stride);
+                if (i * kRowsPerPass < n - v_row_lim) kv_reg[1][i] = ptx_ld_global_16(v_src + i * kRowsPerPass * v_row_stride);
+            }
+        }
+        k_src += BC * k_row_stride;
+        v_src += BC * v_row_stride;
+    };
+    auto put_kv = [&](elem_t* st) {
+        if (kCopyThreads == NT || tid < kCopyThreads) {
+#pragma unroll
+            for (int i = 0; i < BC / kRowsPerPass; ++i) {
+                *reinterpret_cast<uint4*>(st + s_thread + i * kRowsPerPass * PITCH) = kv_reg[0][i];
+                *reinterpret_cast<uint4*>(st + BC * PITCH + s_thread + i * kRowsPerPass * PITCH) = kv_reg[1][i];
+            }
+        }
+    };
+#endif
 #endif
 
 
@@ -601,6 +658,16 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
 #if !CUFLASH_CACHE_FP8   // (the 16-bit cache first: the mutation suite numbers its syncs in text order)
         const elem_t* k_s = kv_s + (STAGES == 2 ? j % 2 : 0) * STAGE_ELEMS;
         const elem_t* v_s = k_s + BC * PITCH;
+#if FWD_REG_STAGE   // tile j + 1's loads in flight across the barrier and tile j's math
+        if (j + 1 < n_tiles) {
+#if CUFLASH_BLOCK_SPARSE
+            const int kv_next = bs_kv0(j + 1);
+            fetch_kv(kv_next, bs_interior(kv_next));
+#else
+            fetch_kv(kv0 + BC, j + 1 < full_tiles);
+#endif
+        }
+#endif
         ptx_cp_async_wait<0>();   // this thread's copies of tile j (and of Q) have landed
         __syncthreads();          // every thread's; and every thread is done with tile j - 1
         if (STAGES == 2 && j + 1 < n_tiles) {
@@ -821,7 +888,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
 #if !CUFLASH_CACHE_FP8
         if (STAGES == 1 && j + 1 < n_tiles) {
             __syncthreads();   // every thread is done with the one stage
-#if CUFLASH_BLOCK_SPARSE
+#if FWD_REG_STAGE
+            put_kv(kv_s);      // tile j + 1, fetched before the math
+#elif CUFLASH_BLOCK_SPARSE
             const int kv_next = bs_kv0(j + 1);
             load_kv(kv_s, kv_next, bs_interior(kv_next));
 #else

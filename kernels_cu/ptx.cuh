@@ -795,6 +795,20 @@ __device__ __forceinline__ void ptx_cp_async_8_zfill(void* smem, const void* gme
 __device__ __forceinline__ void ptx_cp_async_commit() {}
 template <int N> __device__ __forceinline__ void ptx_cp_async_wait() {}
 __device__ __forceinline__ void ptx_cp_async_wait_all() {}
+// ld.global.nc.v4.u32 (16 bytes, 16-byte aligned; data the kernel never writes) into registers, in
+// an asm volatile: NVVM keeps it where it is written, before a barrier or a tile's math that
+// follows, where a plain load of const __restrict__ data is sunk to its first use (the forward's
+// staged K/V tile: its loads moved past the math, next to their stores). The simulator reads the
+// 16 bytes.
+__device__ __forceinline__ uint4 ptx_ld_global_16(const void* gmem) {
+#if defined(CUFLASH_SIM)
+    return *static_cast<const uint4*>(gmem);
+#else
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(gmem));
+    return v;
+#endif
+}
 #endif  // CUFLASH_SM75_FORM
 
 #if __CUDA_ARCH__ >= 900
