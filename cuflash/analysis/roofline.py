@@ -19,7 +19,7 @@ measure.
 Pipes, per K/V tile and CTA (``w`` warps; counts per warp):
 
 * ``tensor``: MACs / the SM's rate for the instruction kind (``mma.sync`` on sm_90 about 60% of
-  ``wgmma``'s);
+  ``wgmma``'s; fp8 ``wgmma``, SASS ``QGMMA``, twice the 16-bit ``wgmma``'s);
 * ``smem``: shared-memory bytes read (``LDSM``, ``LDS``) and written (``STS``, ``LDGSTS``), w x
   bytes / 128 B per cycle;
 * ``mufu``: w x 32 x MUFU instructions / 16 lanes per cycle;
@@ -92,6 +92,9 @@ class SmRates:
         CTA, threads and CTAs per SM.
     source : str
         Where the figures come from.
+    wgmma_fp8_macs : float
+        Dense fp8 (e4m3/e5m2) multiply-accumulates per cycle per SM of ``wgmma`` (SASS ``QGMMA``,
+        k = 32 per instruction); 0 where the arch has none.
     """
 
     device: intensity.Device
@@ -110,6 +113,7 @@ class SmRates:
     max_threads: int
     max_ctas: int
     source: str
+    wgmma_fp8_macs: float = 0.0
 
 
 _GUIDE = ("CUDA C++ Programming Guide: 'Arithmetic Instructions' throughput table (MUFU 16, FP32 "
@@ -125,9 +129,11 @@ def _hopper(device: intensity.Device) -> SmRates:
         device=device, arch=90, sms=sms, clock_ghz=device.fp16_tensor_tflops * 1e12 / (sms * 2 * wgmma) / 1e9,
         mma_sync_macs=0.6 * wgmma, wgmma_macs=wgmma, smem_bytes=128.0, mufu_lanes=16.0, fp32_lanes=128.0,
         issue=4.0, registers=65536, smem_per_sm=228 * 1024, smem_reserved=1024, max_threads=2048, max_ctas=32,
+        wgmma_fp8_macs=2 * wgmma,
         source=(f"{device.source}; 132 SMs and 2048 dense 16-bit MACs per cycle per SM for wgmma (the "
-                "datasheet's peak at 1.83 GHz); mma.sync about 60% of that on sm_90 ("
-                "FlashAttention-3, Shah et al. 2024, section 1: mma.sync reaches about two thirds of "
+                "datasheet's peak at 1.83 GHz); fp8 wgmma (QGMMA, k = 32) twice that (the datasheet's FP8 "
+                "1,979 TFLOP/s dense, half its 3,958 with sparsity); mma.sync about 60% of the 16-bit rate on "
+                "sm_90 (FlashAttention-3, Shah et al. 2024, section 1: mma.sync reaches about two thirds of "
                 "the H100's peak); " + _GUIDE))
 
 
@@ -193,6 +199,8 @@ class Counts:
     mufu: int
     fp32: int
     barriers: int
+    #: the MACs of fp8 tensor instructions (``QGMMA``), part of ``macs``
+    fp8_macs: int = 0
 
     @property
     def other(self) -> int:
@@ -230,6 +238,10 @@ def _width_bytes(mods: str, default: int = 4) -> int:
     return default
 
 
+#: the tensor instructions the model counts: mma.sync (HMMA), 16-bit wgmma (HGMMA), fp8 wgmma (QGMMA)
+TENSOR_OPS = ("HMMA", "HGMMA", "QGMMA")
+
+
 def insn_counts(insn: Insn) -> dict:
     """What one warp instruction counts for (per warp; bytes for all 32 lanes)."""
     c = dict.fromkeys(_COUNT_KEYS, 0)
@@ -237,11 +249,13 @@ def insn_counts(insn: Insn) -> dict:
         return c
     c["instructions"] = 1
     op, mods = insn.op, insn.mods
-    if op in ("HMMA", "HGMMA"):
+    if op in TENSOR_OPS:
         c["tensor"] = 1
         c["macs"] = sass_count.mma_macs(insn)
         if not c["macs"]:
             raise ValueError(f"cuflash.roofline: unknown {op} shape {op}{mods}")
+        if op == "QGMMA":   # fp8 operands (E4M3/E5M2): k = 32, at twice the 16-bit rate
+            c["fp8_macs"] = c["macs"]
     elif op == "LDSM":
         c["smem_read"] = 128 * (4 if mods.endswith(".4") else 2 if mods.endswith(".2") else 1)
     elif op == "LDS":   # "LDS RZ, [RZ]" (the compiler's dependency placeholders) moves no data
@@ -307,7 +321,7 @@ def _arithmetic_inner_loops(insns: list[Insn], blocks, loop) -> list:
     """The loops nested in ``loop`` that compute (tensor or FP32 instructions; not a spin-wait)."""
     starts, ends, _ = blocks
     return [g for g in sass_count.inner_loops(blocks, loop)
-            if any(x.op in ("HMMA", "HGMMA", "FFMA", "FADD", "FMUL") for b in g[1] for x in insns[starts[b]:ends[b]])]
+            if any(x.op in TENSOR_OPS + ("FFMA", "FADD", "FMUL") for b in g[1] for x in insns[starts[b]:ends[b]])]
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,8 +443,15 @@ def model(counts: Counts, masked: Counts, kernel: Kernel, *, rates: SmRates, seq
     mac_rate = rates.wgmma_macs if wgmma else rates.mma_sync_macs
     # Inner loops count one pass, so the compute pipes take at least the tile math's MACs.
     tile_macs = flops // 2
+    fp8_share = counts.fp8_macs / counts.macs if counts.macs else 0.0
+    if fp8_share and not rates.wgmma_fp8_macs:
+        raise ValueError(f"cuflash.roofline: {entry} has fp8 tensor instructions (QGMMA), which sm_{rates.arch} "
+                         "does not have")
     pipes = {
-        "tensor": max(warps * counts.macs, tile_macs) / mac_rate if counts.macs else 0.0,
+        # (fp8 MACs at the fp8 wgmma rate, the others at the 16-bit one)
+        "tensor": max(warps * counts.macs, tile_macs) * ((1 - fp8_share) / mac_rate
+                                                         + (fp8_share / rates.wgmma_fp8_macs if fp8_share else 0.0))
+                  if counts.macs else 0.0,
         "smem": warps * (counts.smem_read + counts.smem_write) / rates.smem_bytes,
         "mufu": warps * 32 * counts.mufu / rates.mufu_lanes,
         "fp32": (warps * 32 * counts.fp32 if counts.macs else max(warps * 32 * counts.fp32, tile_macs))
@@ -637,7 +658,7 @@ def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str 
     starts, ends, _ = blocks
     inner = max(len(_arithmetic_inner_loops(insns, blocks, loop)) for loop in loops)
     direction, bm, bn, d, dv = _shape_of(variant)
-    wgmma = any(x.op == "HGMMA" for _, body, _ in loops for b in body for x in insns[starts[b]:ends[b]])
+    wgmma = any(x.op in ("HGMMA", "QGMMA") for _, body, _ in loops for b in body for x in insns[starts[b]:ends[b]])
     kernel = Kernel(variant.entry, direction, bm, bn, d, dv, variant.threads, res["registers"],
                     res["spill_stores"] + res["spill_loads"], variant.smem_bytes + res["static_smem"],
                     2 if variant.dtype in ("f16", "bf16") else 4, inner_loops=inner, wgmma=wgmma,

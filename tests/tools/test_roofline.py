@@ -218,3 +218,32 @@ def test_decode_kernel_is_bandwidth_bound_and_reads_the_cache_once(tools, d):
     assert full.active_warps == 4 and full.pipes["tensor"] == pytest.approx(4 * r.pipes["tensor"], rel=0.01)
     with pytest.raises(ValueError, match="not a KV-cache variant"):
         roofline.analyze_decode(attention_fwd_mma.choose_variant(dtypes.bfloat16, d, d, 90), "h200")
+
+
+def test_fp8_wgmma_counts_as_tensor_work_at_twice_the_16bit_rate(tools):
+    """QGMMA (wgmma with e4m3 operands, k = 32) is a tensor instruction of 64 x N x 32 MACs per
+    warpgroup, run at twice the 16-bit wgmma rate (H100/H200 datasheet: FP8 1,979 dense, BF16 989.4
+    TFLOP/s): read from the real SASS of kernels_cu/hopper_probe.cu, whose e4m3 GEMM
+    (``hopper_gemm_e4m3_ss``) has the same loop as its bf16 twin (``hopper_gemm_ss_0_kmajor``, k = 16)
+    with twice the MACs per instruction."""
+    from cuflash.kernels import hopper_probe as hp
+    from cuflash.runtime import cuda_runner, source
+
+    image, _ = cuda_runner.nvrtc_compile(source.build_source(hp.VARIANT), "90a", name=hp.VARIANT.source)
+    text = roofline.disassemble(image)
+    fp8_insns, bf16_insns = roofline.parse_sass(text, "hopper_gemm_e4m3_ss"), roofline.parse_sass(text, "hopper_gemm_ss_0_kmajor")
+    qgmma = [x for x in fp8_insns if x.op == "QGMMA"]
+    assert qgmma and all(x.mods.startswith(".64x64x32.F32.E4M3.E4M3") for x in qgmma)
+    one = roofline.insn_counts(qgmma[0])
+    assert (one["tensor"], one["macs"], one["fp8_macs"]) == (1, 64 * 64 * 32 // 4, 64 * 64 * 32 // 4)
+    (fp8, _), = roofline.loop_passes(fp8_insns)[0]
+    (bf16, _), = roofline.loop_passes(bf16_insns)[0]
+    assert fp8.tensor == bf16.tensor > 0 and fp8.macs == fp8.fp8_macs == 2 * bf16.macs and bf16.fp8_macs == 0
+    kernel = roofline.Kernel("probe", "fwd", block_m=64, block_n=64, head_dim=16, head_dim_v=16, threads=128,
+                             registers=64, spills=0, smem=40_000, dtype_bytes=1, wgmma=True)
+    rates = roofline.RATES["h200"]
+    r8, r16 = (roofline.model(c, c, kernel, rates=rates) for c in (fp8, bf16))
+    assert r8.pipes["tensor"] == pytest.approx(4 * fp8.macs / (2 * rates.wgmma_macs), abs=0.1)
+    assert r8.pipes["tensor"] == pytest.approx(r16.pipes["tensor"], abs=0.1)   # twice the MACs, twice the rate
+    with pytest.raises(ValueError, match="QGMMA"):
+        roofline.model(fp8, fp8, kernel, rates=roofline.RATES["a100"])
