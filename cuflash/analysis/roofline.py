@@ -868,6 +868,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the KV-cache (decode) kernel: per key tile, paged and contiguous caches, for --rows packed "
                         "query rows (GQA group x Sq)")
     p.add_argument("--rows", type=positive, default=None, help="packed query rows per CTA, with --decode (default 4)")
+    p.add_argument("--what-if", choices=("tf32", "m8n8k4"), default=None,
+                   help="model a tensor-core forward that does not exist, from the float16 one's SASS: tf32 (float32 "
+                        "on mma.sync .tf32; --device a100, h100 or h200) or m8n8k4 (float16 on the V100's "
+                        "mma.sync.m8n8k4; --device v100), beside the portable tier those users run today")
     p.add_argument("--json", metavar="FILE", help="write the records (one per variant) as JSON to FILE ('-' for "
                                                   "stdout, the table then goes to stderr)")
     p.add_argument("--sass", metavar="DIR", help="keep the disassembly read, one file per variant")
@@ -913,6 +917,17 @@ def _refuse_meaningless(parser: argparse.ArgumentParser, args, rates: SmRates) -
         parser.error(f"--arch {args.arch} does not match --device {args.device} (sm_{rates.arch})")
     if args.backward and args.forward_and_backward:
         parser.error("--backward with --forward-and-backward: pick one")
+    if args.what_if:
+        from cuflash.analysis import whatif
+
+        devices = whatif.FORMS[args.what_if].devices
+        if args.device not in devices:
+            parser.error(f"--what-if {args.what_if} models --device {' or '.join(devices)}, not {args.device}")
+        for flag, given in (("--backward", args.backward), ("--forward-and-backward", args.forward_and_backward),
+                            ("--varlen", args.varlen), ("--decode", args.decode), ("--call-mix", args.call_mix),
+                            ("--sass-of", args.sass_of is not None), ("--head-dim-v", args.head_dim_v is not None)):
+            if given:
+                parser.error(f"{flag} with --what-if: the what-if models the fixed-shape forward; drop {flag}")
     defaults = {"causal": False, "batch": 1, "heads": 1}
     given_call = [f for f in CALL_FLAGS if getattr(args, f) != defaults.get(f)]
     if not args.call_mix and given_call:
@@ -992,6 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
     _refuse_meaningless(parser, args, rates)
     out = sys.stderr if args.json == "-" else sys.stdout
     try:
+        if args.what_if:
+            return _main_what_if(args, out)
         if args.call_mix:
             return _main_call_mix(args, rates, out)
         if args.sass_of is not None:
@@ -1135,6 +1152,28 @@ def _main_call_mix(args, rates: SmRates, out) -> int:
         _say(f"Walk assumed from the flags: {args.block_m} x {args.block_n} tiles, keys walked {args.walk}, the first "
              "tile outside the loops, every other tile the mask cuts in the longest loop, the rest in the shortest.", out)
     print(cm.format_mix(mix, sass_count.CLASSES), file=out)
+    return 0
+
+
+def _main_what_if(args, out) -> int:
+    from cuflash.analysis import whatif
+    from cuflash.kernels import attention_fwd_mma
+
+    form = whatif.FORMS[args.what_if]
+    dims = [args.head_dim] if args.head_dim else list(attention_fwd_mma.HEAD_DIM_BUCKETS)
+    seqlen = 8192 if args.seqlen is None else args.seqlen
+    rows = [whatif.what_if(args.what_if, args.device, d, seqlen=seqlen)
+            for d in cli.progress(dims, "roofline --what-if", enabled=not args.no_progress, label=str)]
+    if args.json:   # before the text, which a reader of stdout may cut short (| head)
+        _write_json(args.json, [w.as_dict() for w in rows])
+    rates = RATES[args.device]
+    _say(f"MODEL, not a measurement, of a kernel that does not exist: {form.title} on the {rates.device.name}. "
+         f"Counts of the float16 tensor-core forward (its sm_{rows[0].base_arch} SASS), each instruction replaced by "
+         "what the form would issue (python -c 'import cuflash.analysis.whatif as w; help(w)'); its tensor rate: "
+         f"{form.rate_source}. Pipe cycles per tile and CTA, unmasked path; 'issue*' the masked path's; 'st' the "
+         f"K/V stages that fit. 'today': the portable tier's forward in {form.users_dtype} on the same device "
+         "(counted from its SASS), the ratio of the two ceilings last.", out)
+    print(whatif.format_table(rows), file=out)
     return 0
 
 
