@@ -342,6 +342,10 @@ QUOTED = [
     ("docs/roofline.md", "fp16 tensor, {} TFLOP/s fp32, 320 GB/s, 40 SMs", lambda: _rate("T4", "fp32_tflops")),
     ("docs/roofline.md", "SXM2: {} TFLOP/s fp16 tensor", lambda: _rate("V100", "fp16_tensor_tflops")),
     ("docs/roofline.md", "fp16 tensor, {} TFLOP/s fp32, 900 GB/s, 80 SMs", lambda: _rate("V100", "fp32_tflops")),
+    # the datasheet rates of the --what-if forms, as the presets and the forms hold them
+    ("docs/roofline.md", "| A100 SXM 80GB | {} (`tf32`) |", lambda: _form_rate_row("A100", "a100", "tf32")),
+    ("docs/roofline.md", "| H100 SXM, H200 SXM | {} (`tf32`) |", lambda: _form_rate_row("H100", "h200", "tf32")),
+    ("docs/roofline.md", "| V100 SXM2 | {} (`m8n8k4`", lambda: _form_rate_row("V100", "v100", "m8n8k4")),
 ]
 #: the figures of docs/roofline.md, recomputed under ``slow`` (one NVRTC compile each)
 QUOTED_SLOW = [
@@ -355,7 +359,43 @@ QUOTED_SLOW = [
      lambda: _ceiling("backward", 128, nvrtc="13").spills),
     ("docs/roofline.md", "| cuflash sm90, causal | {} |", lambda: _call_mix_row("--causal")),
     ("docs/roofline.md", "| cuflash sm90, no mask | {} |", lambda: _call_mix_row()),
+    ("docs/roofline.md", "| TF32, A100 | 64 | {} |", lambda: _what_if_row("tf32", "a100", 64)),
+    ("docs/roofline.md", "| TF32, A100 | 128 | {} |", lambda: _what_if_row("tf32", "a100", 128)),
+    ("docs/roofline.md", "| TF32, A100 | 256 | {} |", lambda: _what_if_row("tf32", "a100", 256)),
+    ("docs/roofline.md", "| TF32, H200 | 64 | {} |", lambda: _what_if_row("tf32", "h200", 64)),
+    ("docs/roofline.md", "| TF32, H200 | 128 | {} |", lambda: _what_if_row("tf32", "h200", 128)),
+    ("docs/roofline.md", "| TF32, H200 | 256 | {} |", lambda: _what_if_row("tf32", "h200", 256)),
+    ("docs/roofline.md", "| m8n8k4, V100 | 64 | {} |", lambda: _what_if_row("m8n8k4", "v100", 64)),
+    ("docs/roofline.md", "| m8n8k4, V100 | 128 | {} |", lambda: _what_if_row("m8n8k4", "v100", 128)),
+    ("docs/roofline.md", "| m8n8k4, V100 | 256 | {} |", lambda: _what_if_row("m8n8k4", "v100", 256)),
 ]
+
+
+def _form_rate_row(device: str, preset: str, form: str) -> str:
+    """A row of docs/roofline.md's --what-if rate table: the preset's dense FP16 tensor, TF32
+    tensor and FP32 peaks, and the form's MACs per cycle per SM (the H100 row's wgmma figure)."""
+    from cuflash.analysis import intensity, roofline, whatif
+
+    dev, rates = getattr(intensity, device), roofline.RATES[preset]
+    macs = whatif.FORMS[form].macs_per_cycle(rates)
+    if rates.wgmma_macs:
+        macs = macs * rates.wgmma_macs / rates.mma_sync_macs
+    tf32 = f"{dev.tf32_tensor_tflops:g}" if dev.tf32_tensor_tflops else "none"
+    cells = [f"{dev.fp16_tensor_tflops:g}", tf32, f"{dev.fp32_tflops:g}", f"{macs:.0f}"]
+    if rates.wgmma_macs:
+        cells[-1] += (f" for `wgmma`; `mma.sync` at the same {rates.mma_sync_macs / rates.wgmma_macs:.0%} of it as in "
+                      f"the 16-bit form: {whatif.FORMS[form].macs_per_cycle(rates):.0f}")
+    return " | ".join(cells)
+
+
+def _what_if_row(form: str, device: str, head_dim: int) -> str:
+    """A row of docs/roofline.md's --what-if table, from the model (two NVRTC compiles)."""
+    from cuflash.analysis import whatif
+
+    w = whatif.what_if(form, device, head_dim)
+    m = w.model
+    return (f"{m.block_m} x {m.block_n} ({w.stages}) | {m.bound} | {m.ceiling_tflops:.0f} | {w.today.bound}, "
+            f"{w.today.ceiling_tflops:.0f} | {w.gain:.1f}")
 
 
 def _rate(device: str, field: str) -> str:

@@ -145,15 +145,17 @@ def test_dropout_with_modifiers_on_the_portable_tier_checked(arch, shape, mask, 
     run_dropout_case(rng, shape, (4, 2), 64, mask, 0.3, "f32", arch, checked=True, seed=3, mods=mods)
 
 
-def test_float32_keep_bits_are_the_numpy_paths(rng):
+@pytest.mark.parametrize("arch", ["sm_90", pytest.param("sm_75", marks=pytest.mark.slow)])
+def test_float32_keep_bits_are_the_numpy_paths(arch, rng):
     """The portable kernels' keep bits, read off exactly: with q = k = 0 every visible weight is
     1 / Sk, so with V the identity out[i, j] = Z[i, j] / ((1 - p) Sk), and with dO the identity
-    too, dV[j, i] = Z[i, j] / ((1 - p) Sk); Z must be the NumPy path's mask bit for bit."""
+    too, dV[j, i] = Z[i, j] / ((1 - p) Sk); Z must be the NumPy path's mask bit for bit, on the
+    emulated sm_90 and sm_75 alike."""
     b, h, s, p, seed, offset = 2, 3, 45, 0.4, 2024, 77
     q = np.zeros((b, h, s, 16), np.float32)
     eye = np.broadcast_to(np.eye(s, dtype=np.float32), (b, h, s, s)).copy()
     drop = dict(dropout_p=p, dropout_seed=seed, dropout_offset=offset)
-    with cuflash.sim.options(arch="sm_90"):
+    with cuflash.sim.options(arch=arch):
         out, lse = cuflash.attention(q, q, eye, return_lse=True, backend="sim", **drop)
         _, _, dv = cuflash.attention_backward(eye, q, q, eye, out, lse, backend="sim", **drop)
     want = rd.dropout_mask((b, h, s, s), p, seed, offset)
