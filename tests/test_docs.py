@@ -374,25 +374,25 @@ QUOTED_SLOW = [
 def _form_rate_row(device: str, preset: str, form: str) -> str:
     """A row of docs/roofline.md's --what-if rate table: the preset's dense FP16 tensor, TF32
     tensor and FP32 peaks, and the form's MACs per cycle per SM (the H100 row's wgmma figure)."""
-    from cuflash.analysis import intensity, roofline, whatif
+    from cuflash.analysis import intensity, roofline
 
     dev, rates = getattr(intensity, device), roofline.RATES[preset]
-    macs = whatif.FORMS[form].macs_per_cycle(rates)
+    macs = roofline.WHAT_IF_FORMS[form].macs_per_cycle(rates)
     if rates.wgmma_macs:
         macs = macs * rates.wgmma_macs / rates.mma_sync_macs
     tf32 = f"{dev.tf32_tensor_tflops:g}" if dev.tf32_tensor_tflops else "none"
     cells = [f"{dev.fp16_tensor_tflops:g}", tf32, f"{dev.fp32_tflops:g}", f"{macs:.0f}"]
     if rates.wgmma_macs:
         cells[-1] += (f" for `wgmma`; `mma.sync` at the same {rates.mma_sync_macs / rates.wgmma_macs:.0%} of it as in "
-                      f"the 16-bit form: {whatif.FORMS[form].macs_per_cycle(rates):.0f}")
+                      f"the 16-bit form: {roofline.WHAT_IF_FORMS[form].macs_per_cycle(rates):.0f}")
     return " | ".join(cells)
 
 
 def _what_if_row(form: str, device: str, head_dim: int) -> str:
     """A row of docs/roofline.md's --what-if table, from the model (two NVRTC compiles)."""
-    from cuflash.analysis import whatif
+    from cuflash.analysis import roofline
 
-    w = whatif.what_if(form, device, head_dim)
+    w = roofline.what_if(form, device, head_dim)
     m = w.model
     return (f"{m.block_m} x {m.block_n} ({w.stages}) | {m.bound} | {m.ceiling_tflops:.0f} | {w.today.bound}, "
             f"{w.today.ceiling_tflops:.0f} | {w.gain:.1f}")

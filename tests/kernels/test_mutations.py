@@ -81,6 +81,32 @@ def test_the_pipeline_mutations_of_the_tensor_core_backward_are_killed():
         assert KILL_MAP.get(mid), mid
 
 
+#: the barriers the sm_75 (Turing) form runs, each with the sm_75 probe that must see it go: every
+#: __syncthreads and __syncwarp of the two tensor-core kernels but the fp8-cache form's two (#1, #2
+#: of the forward: no fp8 cache on that probe's path). Its cp.async waits are empty on sm_75, so
+#: their mutants change nothing there (the sm_80 probes kill them).
+SM75_BARRIERS = [("attention_fwd_mma.cu|__syncthreads();|#0|delete", "fwd_mma_sm75_checked"),
+                 ("attention_fwd_mma.cu|__syncthreads();|#3|delete", "fwd_mma_sm75_checked"),
+                 ("attention_fwd_mma.cu|__syncwarp();|#0|delete", "fwd_mma_sm75_checked"),
+                 ("attention_fwd_mma.cu|__syncwarp();|#1|delete", "fwd_mma_sm75_checked"),
+                 ("attention_bwd_mma.cu|__syncthreads();|#0|delete", "bwd_mma_sm75_checked"),
+                 ("attention_bwd_mma.cu|__syncthreads();|#1|delete", "bwd_mma_sm75_checked"),
+                 ("attention_bwd_mma.cu|__syncthreads();|#2|delete", "bwd_mma_sm75_checked")]
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("mid,probe", SM75_BARRIERS, ids=[m for m, _ in SM75_BARRIERS])
+def test_the_sm75_form_barriers_are_killed_by_the_sm75_probes(mid, probe, tmp_path, monkeypatch):
+    """The sm_75 form is the same kernel text built with other ptx.cuh wrappers (m16n8k8, register-
+    staged copies): each barrier it runs, deleted, is seen by the sm_75 probe in checked mode, not
+    only by the sm_80 probe the kill map records."""
+    (mutant,) = [m for m in MUTANTS if m.id == mid]
+    tree = mutated_tree(paths.kernels_dir(), mutant, tmp_path / "kernels")
+    monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
+    assert killed_by(probe), f"{mid} (line {mutant.line}) survived the sm_75 probe {probe}"
+
+
 @pytest.mark.parametrize("probe", [p if p in KILL_MAP.values() else pytest.param(p, marks=pytest.mark.slow)
                                    for p in sorted(PROBES)])
 def test_probes_pass_on_the_real_kernels(probe):   # (the default run: the probes the kill map names)

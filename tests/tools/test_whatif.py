@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuflash.analysis import roofline, whatif
+from cuflash.analysis import roofline
 
 SASS = """
         Function : rules
@@ -32,35 +32,35 @@ def test_tf32_rules():
     bytes: Q/K by twice the ldmatrix, V by LDS.32 (512 B of f16 -> 1024 B, 8 x 128 B); a packed P
     pair is two cvt.rna.tf32.f32 of 3 instructions; a 16-byte cp.async of f16 is 32 B of f32
     rounded on the way (2 LDG.128 + 8 x 3 + 2 STS.128)."""
-    assert _rule(whatif.tf32_counts, 0) == {"instructions": 2, "tensor": 2, "macs": 2048}
-    assert _rule(whatif.tf32_counts, 2) == {"instructions": 2, "smem_read": 1024}
-    assert _rule(whatif.tf32_counts, 3) == {"instructions": 8, "smem_read": 1024}
-    assert _rule(whatif.tf32_counts, 4) == {"instructions": 6}
-    assert _rule(whatif.tf32_counts, 5) == {"instructions": 28, "global_read": 1024, "smem_write": 1024}
-    assert _rule(whatif.tf32_counts, 7) == {"instructions": 1, "fp32": 1}
+    assert _rule(roofline.tf32_counts, 0) == {"instructions": 2, "tensor": 2, "macs": 2048}
+    assert _rule(roofline.tf32_counts, 2) == {"instructions": 2, "smem_read": 1024}
+    assert _rule(roofline.tf32_counts, 3) == {"instructions": 8, "smem_read": 1024}
+    assert _rule(roofline.tf32_counts, 4) == {"instructions": 6}
+    assert _rule(roofline.tf32_counts, 5) == {"instructions": 28, "global_read": 1024, "smem_write": 1024}
+    assert _rule(roofline.tf32_counts, 7) == {"instructions": 1, "fp32": 1}
     with pytest.raises(ValueError, match="replaces HMMA.16816, not HMMA.1688"):
-        _rule(whatif.tf32_counts, 1)
+        _rule(roofline.tf32_counts, 1)
 
 
 def test_m8n8k4_rules():
     """m16n8k8 (1024 MACs per warp) is one m8n8k4 per warp, four HMMA.884 steps of 256 MACs; no
     ldmatrix on sm_70: LDS.64 (256 B per warp), every operand element loaded by two quad pairs; one
     more instruction per converted element of P (a shuffle and a select per packed pair)."""
-    assert _rule(whatif.m8n8k4_counts, 1) == {"instructions": 4, "tensor": 4, "macs": 1024}
-    assert _rule(whatif.m8n8k4_counts, 2) == {"instructions": 4, "smem_read": 1024}
-    assert _rule(whatif.m8n8k4_counts, 3) == {"instructions": 4, "smem_read": 1024}
-    assert _rule(whatif.m8n8k4_counts, 6) == {"instructions": 2}
+    assert _rule(roofline.m8n8k4_counts, 1) == {"instructions": 4, "tensor": 4, "macs": 1024}
+    assert _rule(roofline.m8n8k4_counts, 2) == {"instructions": 4, "smem_read": 1024}
+    assert _rule(roofline.m8n8k4_counts, 3) == {"instructions": 4, "smem_read": 1024}
+    assert _rule(roofline.m8n8k4_counts, 6) == {"instructions": 2}
     with pytest.raises(ValueError, match="replaces HMMA.1688, not HMMA.16816"):
-        _rule(whatif.m8n8k4_counts, 0)
+        _rule(roofline.m8n8k4_counts, 0)
 
 
 def test_form_rates_are_the_datasheets():
     """Dense TF32 is half of FP16 on the A100 (156 of 312 TFLOP/s: 512 MACs per cycle per SM) and on
     the H100/H200 (494.7 of 989.4: 1024 for wgmma, mma.sync at 60% of it); the V100's FP16 tensor
     peak is 125 TFLOP/s over 80 SMs (512)."""
-    rate = {d: whatif.FORMS["tf32"].macs_per_cycle(roofline.RATES[d]) for d in ("a100", "h100", "h200")}
+    rate = {d: roofline.WHAT_IF_FORMS["tf32"].macs_per_cycle(roofline.RATES[d]) for d in ("a100", "h100", "h200")}
     assert rate["a100"] == pytest.approx(512) and rate["h100"] == rate["h200"] == pytest.approx(0.6 * 1024)
-    assert whatif.FORMS["m8n8k4"].macs_per_cycle(roofline.RATES["v100"]) == pytest.approx(512)
+    assert roofline.WHAT_IF_FORMS["m8n8k4"].macs_per_cycle(roofline.RATES["v100"]) == pytest.approx(512)
 
 
 def test_command_line_refusals(capsys):
@@ -82,7 +82,7 @@ def test_tf32_on_the_a100_is_tensor_bound_at_its_tf32_peak(tools):
     """The float16 d64 forward (sm_80) as TF32: the same tile math, twice the tensor instructions and
     the operand bytes, so twice the tensor cycles; still tensor-bound in the model, at the datasheet's
     TF32 peak, 8x the portable float32 forward's ceiling (FP32-bound at the FP32 peak)."""
-    w = whatif.what_if("tf32", "a100", 64)
+    w = roofline.what_if("tf32", "a100", 64)
     m, b = w.model, w.base
     assert m.macs_per_tile == b.macs_per_tile == m.block_m * m.block_n * 2 * 64
     assert m.tensor_per_tile == 2 * b.tensor_per_tile and m.pipes["tensor"] == pytest.approx(2 * b.pipes["tensor"])
@@ -97,7 +97,7 @@ def test_m8n8k4_on_the_v100(tools, capsys):
     """The sm_75 form's d128 forward as m8n8k4: four times the tensor instructions at the same MACs
     and rate, twice the operand bytes; tensor-bound in the model at the V100's 125 TFLOP/s, 8x the
     portable tier's float16 ceiling. The command prints it as a model."""
-    w = whatif.what_if("m8n8k4", "v100", 128)
+    w = roofline.what_if("m8n8k4", "v100", 128)
     m, b = w.model, w.base
     assert m.macs_per_tile == b.macs_per_tile and m.tensor_per_tile == 4 * b.tensor_per_tile
     assert m.pipes["tensor"] == pytest.approx(b.pipes["tensor"])   # the same MACs at 512 per cycle per SM (T4, V100)
