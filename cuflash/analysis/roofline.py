@@ -703,6 +703,14 @@ def analyze(variant, device: str = "h200", *, seqlen: int = 8192, sass_dir: str 
 CVT_TF32 = 3
 
 
+def _tensor_as(c: dict, insn: Insn, form: str, shape: str, n: int) -> dict:
+    """The counts ``c`` of the ``HMMA<shape>`` ``insn`` as ``n`` instructions of the form's shape, the
+    same MACs (ValueError for another tensor instruction)."""
+    if insn.op != "HMMA" or not insn.mods.startswith(shape):
+        raise ValueError(f"cuflash.roofline: --what-if {form} replaces HMMA{shape}, not {insn.op}{insn.mods}")
+    return {**c, "instructions": n, "tensor": n}
+
+
 def tf32_counts(insn: Insn) -> dict:
     """What one instruction of the float16 tensor-core forward (sm_80/sm_90 SASS) becomes in a TF32
     form of the same tile, as :func:`cuflash.analysis.insn_counts` counts it.
@@ -729,9 +737,7 @@ def tf32_counts(insn: Insn) -> dict:
     c = insn_counts(insn)
     op, mods = insn.op, insn.mods
     if op in TENSOR_OPS:
-        if op != "HMMA" or not mods.startswith(".16816"):
-            raise ValueError(f"cuflash.roofline: --what-if tf32 replaces HMMA.16816, not {op}{mods}")
-        return {**c, "instructions": 2, "tensor": 2}
+        return _tensor_as(c, insn, "tf32", ".16816", 2)
     if op == "LDSM":
         nbytes = 2 * c["smem_read"]
         return {**c, "instructions": nbytes // 128 if ".MT88" in mods else 2, "smem_read": nbytes}
@@ -773,9 +779,7 @@ def m8n8k4_counts(insn: Insn) -> dict:
     c = insn_counts(insn)
     op, mods = insn.op, insn.mods
     if op in TENSOR_OPS:
-        if op != "HMMA" or not mods.startswith(".1688"):
-            raise ValueError(f"cuflash.roofline: --what-if m8n8k4 replaces HMMA.1688, not {op}{mods}")
-        return {**c, "instructions": 4, "tensor": 4}
+        return _tensor_as(c, insn, "m8n8k4", ".1688", 4)
     if op == "LDSM":
         nbytes = 2 * c["smem_read"]
         return {**c, "instructions": nbytes // 256, "smem_read": nbytes}
