@@ -67,8 +67,25 @@
 // zeros, never another sequence's; lse, Dd and the workspace are (1, Hq, total_q) with the
 // sequence's rows from q0 on; dK and dV rows of keys in [seqused_k, key rows) are written 0.
 //
-// Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D (64, 96 or 128).
+// A traced score_mod / mask_mod (the CUFLASH_USER_MOD forms; score_mods.cuh, cuflash/runtime/score_mod.py):
+// a fixed-shape form whose consumers wait for S^T and dP^T, then per pair recompute the modified score
+// as the forward does (score_mod of the scaled score in natural units, mask_mod on the pairs the causal
+// / window mask keeps; mask_mod in the steady loop too), P = exp(modified - lse), dS^T = P (dP^T - Dd)
+// times d score_mod / d score (0 for a hidden pair, never 0 * NaN). Bit 4: each pair with dS != 0 adds
+// its captured-array gradient terms by atomicAdd (tile-uniform ones summed per warp), so the host does
+// not run that form in deterministic mode. CUFLASH_BLOCK_SPARSE 1: the walk, in all three roles, is
+// the block mask's transposed index for this key tile's key block (per query head of the group, the
+// query blocks that see it, partial ones then full ones, as 64-row tiles; tiles from Sq on skipped),
+// mask_mod evaluated on the partial ones only; key blocks hold whole 128-key tiles (the host's rule).
+//
+// Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D (64, 96 or 128); the traced forms' as score_mods.cuh.
 #include "ptx.cuh"
+#if CUFLASH_USER_MOD
+#include "score_mods.cuh"
+#define BWD_SM90_USER_PARAMS CUFLASH_USER_PARAMS CUFLASH_BSPARSE_PARAMS CUFLASH_AGRAD_PARAMS
+#else
+#define BWD_SM90_USER_PARAMS
+#endif
 
 #if __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -149,6 +166,10 @@ struct Walk {   // what a consumer knows of its block
     int key0;                 // this thread's first key row (the other: key0 + 8)
     int vis_lo[2], vis_hi[2];   // the queries its two key rows see (bottom-right window, Sq, Sk)
     float scale_log2;
+#if CUFLASH_USER_MOD
+    float scale;              // softmax_scale: the traced score_mod takes the scaled score in natural units
+    long long hb;             // the flattened batch index the traced functions see
+#endif
 };
 
 // The queries [lo, hi] key `key` sees: row i sees it iff i + diag - left <= key <= i + diag +
@@ -191,13 +212,61 @@ __device__ __forceinline__ Box tile_box(int varlen, int row0, int end, int row, 
     return Box{head, row0 + row - e + E, e};
 }
 
+#if CUFLASH_USER_MOD
+// what the traced forms read besides the plain form's arguments
+struct UserCall {
+    UserArrays a;   // the captured arrays (a.batch0: the launch's first batch in the flattened index)
+#if CUFLASH_USER_MOD & 4
+    UserGrads g;    // their gradients' float32 workspaces
+#endif
+#if CUFLASH_BLOCK_SPARSE
+    const int *num, *idx, *full_num, *full_idx;   // the transposed index (per key block: query blocks)
+    long long num_bs, num_hs, idx_bs, idx_hs, idx_rs;
+    int outer, inner;                             // key block, query block sizes
+    int* counts;                                  // the simulator's tiles-entered counter (count != 0)
+    int count;
+#endif
+};
+#define BWD_SM90_USER_ARG , const UserCall& u_in
+#else
+#define BWD_SM90_USER_ARG
+#endif
+
+#if CUFLASH_BLOCK_SPARSE
+// A place in the block-sparse walk: query head h, its tile pos among the listed blocks' 64-row tiles
+// (partial blocks first), that tile's first row m0 and whether its block is partial.
+struct BsPos {
+    int h, pos, m0;
+    bool partial;
+};
+// The walk of key tile n0 over heads [h0, h_end) of batch hb: the first place at or after `at`
+// whose tile starts before Sq (h = h_end: none left).
+__device__ __forceinline__ BsPos bs_settle(const UserCall& u, long long hb, int n0, int h_end, int Sq, BsPos at) {
+    const long long blk = n0 / u.outer;
+    const int sub = u.inner / BR;
+    for (; at.h < h_end; ++at.h, at.pos = 0) {
+        const long long o = hb * u.num_bs + at.h * u.num_hs + blk;
+        const long long io = hb * u.idx_bs + at.h * u.idx_hs + blk * u.idx_rs;
+        const int np = u.num[o], n = (np + u.full_num[o]) * sub;
+        for (; at.pos < n; ++at.pos) {
+            const int e = at.pos / sub;
+            at.partial = e < np;
+            at.m0 = (at.partial ? u.idx[io + e] : u.full_idx[io + e - np]) * u.inner + (at.pos - e * sub) * BR;
+            if (at.m0 < Sq) return at;
+        }
+    }
+    return at;
+}
+#endif
+
 __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_map& map_k, const cuflash_tensor_map& map_v,
                          const cuflash_tensor_map& map_do, const cuflash_tensor_map& map_lse, const cuflash_tensor_map& map_dd,
                          float* dq_accum, elem_t* dk, elem_t* dv, long long dk_batch_stride, long long dk_head_stride,
                          long long dk_row_stride, long long dv_batch_stride, long long dv_head_stride,
                          long long dv_row_stride, int Sq, int Sk, int Hq, int group, float softmax_scale,
                          int window_left, int window_right, int* dq_sem, int deterministic, int q_tiles,
-                         const int* cu_seqlens_q, const int* cu_seqlens_k, const int* seqused_k, int varlen) {
+                         const int* cu_seqlens_q, const int* cu_seqlens_k, const int* seqused_k, int varlen
+                         BWD_SM90_USER_ARG) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long kv_full;
     __shared__ __align__(8) unsigned long long full[STAGES];
@@ -249,7 +318,16 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         }
         s_hi = max(min(s_hi, Sq / BR), s_lo);   // (a tile reaching past Sq is masked: its lse and Dd boxes read on)
     }
-    const int ntiles = t_hi - t_lo, nwalk = group * ntiles;
+    const int ntiles = t_hi - t_lo;
+#if CUFLASH_BLOCK_SPARSE
+    // (the walk's first place; nwalk only says whether there is one)
+    const long long hb = u_in.a.batch0 + b;
+    const int h_end = (hk + 1) * group;
+    const BsPos bs0 = bs_settle(u_in, hb, n0, h_end, Sq, BsPos{hk * group, 0, 0, false});
+    const int nwalk = n0 < Sk && bs0.h < h_end ? 1 : 0;
+#else
+    const int nwalk = group * ntiles;
+#endif
     if (threadIdx.x == 0) {
         ptx_mbarrier_init(&kv_full, 1);
         for (int s = 0; s < STAGES; ++s) {
@@ -258,7 +336,16 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         }
         ptx_fence_mbarrier_init();
     }
+#if CUFLASH_USER_MOD
+    // the traced forms' arguments, read from shared memory in the loops (so the captured arrays'
+    // pointers and strides do not stay in the consumers' registers across the walk)
+    __shared__ UserCall u_s;
+    if (threadIdx.x == 0) u_s = u_in;
+#endif
     __syncthreads();
+#if CUFLASH_USER_MOD
+    const UserCall& u = u_s;
+#endif
 
     if (wg == 0) {   // ------------------------------------------------------- producer, dQ writer
         ptx_setmaxnreg_dec<24>();
@@ -272,8 +359,14 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
                     ptx_tma_load_4d(v_s + p * PANEL_K, &map_v, p * PANEL, kb.c1, kb.c2, kb.c3, &kv_full);
                 }
             }
+#if CUFLASH_BLOCK_SPARSE
+            int it = 0;
+            for (BsPos at = bs0; nwalk && at.h < h_end; ++it, ++at.pos, at = bs_settle(u, hb, n0, h_end, Sq, at)) {
+                const int s = it % STAGES, h = at.h, m0 = at.m0;
+#else
             for (int it = 0; it < nwalk; ++it) {
                 const int s = it % STAGES, h = hk * group + it / ntiles, m0 = (t_lo + it % ntiles) * BR;
+#endif
                 if (it >= STAGES) ptx_mbarrier_wait(&empty[s], ((it / STAGES) - 1) & 1);
                 ptx_mbarrier_arrive_expect_tx(&full[s], 2 * Q_BYTES + 2 * BR * 4);
                 const Box qb = tile_box<BR>(varlen, q0, q0 + Sq, m0, h, b);
@@ -290,8 +383,17 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         } else if (warp == 1) {
             // the dQ buffer starts empty: one arrival up front, then one per tile but the last
             if (nwalk > 0) ptx_bar_arrive(DQ_EMPTY, 288);
+#if CUFLASH_BLOCK_SPARSE
+            BsPos at = bs0;
+            for (int it = 0; nwalk && at.h < h_end; ++it) {
+                const int h = at.h, m0 = at.m0;
+                ++at.pos;
+                at = bs_settle(u, hb, n0, h_end, Sq, at);
+                const bool more = at.h < h_end;
+#else
             for (int it = 0; it < nwalk; ++it) {
                 const int h = hk * group + it / ntiles, m0 = (t_lo + it % ntiles) * BR;
+#endif
                 ptx_bar_sync(DQ_FULL, 288);
                 if (lane == 0) {
                     const int rows = min(BR, Sq - m0);
@@ -317,7 +419,11 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
                         ptx_bulk_wait_read<0>();
                     }
                 }
+#if CUFLASH_BLOCK_SPARSE
+                if (more) ptx_bar_arrive(DQ_EMPTY, 288);
+#else
                 if (it + 1 < nwalk) ptx_bar_arrive(DQ_EMPTY, 288);   // (lane 0's arrival follows its wait)
+#endif
             }
             if (lane == 0) ptx_bulk_wait<0>();
         }
@@ -331,6 +437,10 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     Walk w;
     w.key0 = n0 + 64 * c + 16 * warp + g;
     w.scale_log2 = softmax_scale * CUFLASH_LOG2E;
+#if CUFLASH_USER_MOD
+    w.scale = softmax_scale;
+    w.hb = u.a.batch0 + b;
+#endif
     for (int r = 0; r < 2; ++r) visible_rows(w.key0 + 8 * r, Sq, Sk, window_left, window_right, w.vis_lo[r], w.vis_hi[r]);
     // descriptors: this consumer's 64 rows of K and V (K-major), Q and dO of stage 0 (K-major for
     // S^T / dP^T, MN-major for dK / dV), K's columns c * D/2.. (MN-major, dQ), dS^T buffer 0
@@ -362,8 +472,9 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     }
     if (nwalk > 0) ptx_mbarrier_wait(&kv_full, 0);
 
-    // one query tile: `it` the walk index (stage, phase, dS^T buffer), m0 its first row, MASK a Mask
-    auto tile = [&](int it, int m0, auto mask) {
+    // one query tile: `it` the walk index (stage, phase, dS^T buffer), h its query head, m0 its first
+    // row, MASK a Mask (the causal / window mask), umask whether the traced mask_mod is evaluated
+    auto tile = [&](int it, int h, int m0, auto mask, bool umask) {
         constexpr int MASK = decltype(mask)::value;
         const int s = it % STAGES;
         ptx_mbarrier_wait(&full[s], (it / STAGES) & 1);
@@ -380,6 +491,61 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
             ptx_wgmma_ss<BR, BF16, 0, 0>(dpt, ptx_wgmma_desc_advance(dv_a, k_step_offset(kk, BC)),
                                          ptx_wgmma_desc_advance(ddo_b, s * Q_BYTES + k_step_offset(kk, BR)), kk > 0);
         ptx_wgmma_commit();
+#if CUFLASH_USER_MOD
+        // the traced forms: S^T and dP^T both in, then per pair the modified score, P and dS^T (lse and
+        // Dd read from shared memory per pair, not held: the traced functions need the registers)
+        ptx_wgmma_wait<0>();
+        fence_operands(st);
+        fence_operands(dpt);
+        const float* ls = lse_s + s * BR + 2 * t;
+        const float* ds = dd_s + s * BR + 2 * t;
+        int lo[2], hi[2];
+        if (MASK) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                lo[r] = w.vis_lo[r] - (m0 + 2 * t);
+                hi[r] = w.vis_hi[r] - (m0 + 2 * t);
+            }
+        }
+#if CUFLASH_USER_MOD & 4
+        float ug[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // this thread's sums of the tile-uniform gradient terms
+#endif
+#pragma unroll
+        for (int i = 0; i < BR / 2; ++i) {
+            const int r = (i % 4) / 2, offset = 8 * (i / 4) + i % 2;
+            const int qi = m0 + 2 * t + offset, kj = w.key0 + 8 * r;
+            // (the traced functions only see pairs the causal / window mask keeps: rows < Sq, keys < Sk)
+            bool keep = !MASK || (offset >= lo[r] && offset <= hi[r]);
+            float p = 0.0f, dsv = 0.0f;
+            if (keep) {
+                const float s_in = st[i] * w.scale;   // the scaled score, natural units
+                float z = s_in, grad = 1.0f;
+#if CUFLASH_USER_MOD & 1
+                z = CUFLASH_SCORE_MOD(s_in, w.hb, h, qi, kj, u.a);
+#ifdef CUFLASH_SCORE_MOD_GRAD
+                grad = CUFLASH_SCORE_MOD_GRAD(s_in, w.hb, h, qi, kj, u.a);
+#endif
+#endif
+#if CUFLASH_USER_MOD & 2
+                if (umask && !CUFLASH_MASK_MOD(w.hb, h, qi, kj, u.a)) keep = false;
+#endif
+                if (keep) p = exp2f(fmaf(z, CUFLASH_LOG2E, ls[offset] * -CUFLASH_LOG2E));
+                dsv = p * (dpt[i] - ds[offset]);
+                if (p == 0.0f) dsv = 0.0f;   // no probability, no gradient (never 0 * NaN or 0 * inf)
+#if CUFLASH_USER_MOD & 4
+                if (dsv != 0.0f) {   // the captured arrays' gradients (a hidden pair adds nothing)
+                    CUFLASH_SCORE_MOD_ARRAY_GRAD(s_in, w.hb, h, qi, kj, u.a, u.g, dsv, ug);
+                }
+#endif
+                if (p != 0.0f) dsv *= grad;
+            }
+            st[i] = p;
+            dpt[i] = dsv;
+        }
+#if (CUFLASH_USER_MOD & 4) && defined(CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP)
+        CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP(w.hb, h, u.a, u.g, ug);   // (every lane of the warp is here)
+#endif
+#else
         ptx_wgmma_wait<1>();   // S^T is in; dP^T may still run
         fence_operands(st);
         // P^T: this thread's keys key0, key0 + 8 (rows), queries m0 + 8 (i / 4) + 2t + i % 2 (columns)
@@ -421,6 +587,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
             dpt[i] = st[i] * (dpt[i] - dcol[2 * (i / 4) + i % 2]);
             if (MASK) dpt[i] = st[i] == 0.0f ? 0.0f : dpt[i];   // a masked pair: 0, never 0 * NaN
         }
+#endif
         to_a_fragment<BR>(st, pa);
         to_a_fragment<BR>(dpt, da);
         // dS^T into buffer it % 2 (rows: keys - n0), by stmatrix: the fragment of k step kb is four
@@ -459,13 +626,34 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     };
 
     const int lo = min(s_lo, t_hi), hi = min(max(s_hi, lo), t_hi);
+#if CUFLASH_BLOCK_SPARSE
+    // the block mask's tiles; the causal / window mask where a tile is not wholly visible, mask_mod on
+    // the partial blocks' tiles only
+    int it = 0, entered[2] = {0, 0};
+    for (BsPos at = bs0; nwalk && at.h < h_end; ++it, ++at.pos, at = bs_settle(u, hb, n0, h_end, Sq, at)) {
+        const int m = at.m0 / BR;
+        if (m >= lo && m < hi)
+            tile(it, at.h, at.m0, MaskOf<MASK_NONE>{}, at.partial);
+        else
+            tile(it, at.h, at.m0, MaskOf<MASK_ON>{}, at.partial);
+        ++entered[at.partial ? 0 : 1];
+    }
+#if defined(CUFLASH_SIM)
+    if (u.count && threadIdx.x == 128) {   // (the simulator's count of the tiles this block entered)
+        const long long blk = blockIdx.x + gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
+        u.counts[2 * blk] = entered[0];
+        u.counts[2 * blk + 1] = entered[1];
+    }
+#endif
+#else
     int it = 0;
     for (int gi = 0; gi < group; ++gi) {
         int m = t_lo;
-        for (; m < lo; ++m, ++it) tile(it, m * BR, MaskOf<MASK_ON>{});
-        for (; m < hi; ++m, ++it) tile(it, m * BR, MaskOf<MASK_NONE>{});
-        for (; m < t_hi; ++m, ++it) tile(it, m * BR, MaskOf<MASK_ON>{});
+        for (; m < lo; ++m, ++it) tile(it, hk * group + gi, m * BR, MaskOf<MASK_ON>{}, true);
+        for (; m < hi; ++m, ++it) tile(it, hk * group + gi, m * BR, MaskOf<MASK_NONE>{}, true);
+        for (; m < t_hi; ++m, ++it) tile(it, hk * group + gi, m * BR, MaskOf<MASK_ON>{}, true);
     }
+#endif
     // (rows past the sequence's key rows are dropped by store_rows, those in [Sk, keys) zero)
     store_rows(dk + bl * dk_batch_stride + hk * dk_head_stride + k0 * dk_row_stride, dk_row_stride, w.key0, Sk, keys,
                dk_acc, softmax_scale);
@@ -482,11 +670,29 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(
     bwd_sm90::elem_t* dv, long long dk_batch_stride, long long dk_head_stride, long long dk_row_stride,
     long long dv_batch_stride, long long dv_head_stride, long long dv_row_stride, int Sq, int Sk, int Hq, int group,
     float softmax_scale, int window_left, int window_right, int* dq_sem, int deterministic, int q_tiles,
-    const int* cu_seqlens_q, const int* cu_seqlens_k, const int* seqused_k, int varlen) {
+    const int* cu_seqlens_q, const int* cu_seqlens_k, const int* seqused_k, int varlen BWD_SM90_USER_PARAMS) {
+#if CUFLASH_USER_MOD
+    const bwd_sm90::UserCall user = {
+        {{user_a0, user_a1, user_a2, user_a3},
+         {{user_s00, user_s01, user_s02}, {user_s10, user_s11, user_s12}, {user_s20, user_s21, user_s22},
+          {user_s30, user_s31, user_s32}},
+         user_batch0},
+#if CUFLASH_USER_MOD & 4
+        CUFLASH_AGRAD_INIT,
+#endif
+#if CUFLASH_BLOCK_SPARSE
+        bs_num, bs_idx, bs_full_num, bs_full_idx, bs_num_bs, bs_num_hs, bs_idx_bs, bs_idx_hs, bs_idx_rs, bs_outer,
+        bs_inner, bs_counts, bs_count,
+#endif
+    };
+#define BWD_SM90_USER_PASS , user
+#else
+#define BWD_SM90_USER_PASS
+#endif
     bwd_sm90::backward(map_q, map_k, map_v, map_do, map_lse, map_dd, dq_accum, dk, dv, dk_batch_stride, dk_head_stride,
                        dk_row_stride, dv_batch_stride, dv_head_stride, dv_row_stride, Sq, Sk, Hq, group, softmax_scale,
                        window_left, window_right, dq_sem, deterministic, q_tiles, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                       varlen);
+                       varlen BWD_SM90_USER_PASS);
 }
 
 #endif  // sm_90a

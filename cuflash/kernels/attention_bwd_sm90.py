@@ -36,9 +36,10 @@ import numpy as np
 
 from cuflash.kernels import attention_fwd_sm90
 from cuflash.kernels import launch_args as la
-from cuflash.runtime import plan, variants
+from cuflash.runtime import plan, score_mod, variants
 from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg, TensorMapArg
 from cuflash.runtime.tensor_map import TensorMap
+from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 #: this module's tier, in the dispatcher's words
 TARGET_ARCH = attention_fwd_sm90.TARGET_ARCH
@@ -74,10 +75,24 @@ class Sm90BackwardVariant(attention_fwd_sm90.ThreeWarpgroups, variants.Variant):
     head_dim: int
     # the forms the shared backward driver asks about (:func:`cuflash.kernels.backward_run.backward`);
     # a packed batch is a run-time form of the same code (the index arrays and ragged tensor maps),
-    # dropout and score modifiers are not in this kernel
+    # dropout and the built-in score modifiers are not in this kernel
     varlen: bool = dataclasses.field(default=False, kw_only=True)
     dropout: bool = dataclasses.field(default=False, kw_only=True)
     mods: bool = dataclasses.field(default=False, kw_only=True)
+    #: a traced score_mod / mask_mod, the score_mod's derivative and its captured-array gradients as
+    #: CUDA C (:func:`cuflash.runtime.score_mod.kernel_texts`, :func:`~cuflash.runtime.score_mod.array_grad_c`;
+    #: "" for none): ``CUFLASH_USER_MOD``, entry suffix ``_um`` and a hash, as the tensor-core forms'
+    score_c: str = dataclasses.field(default="", kw_only=True)
+    mask_c: str = dataclasses.field(default="", kw_only=True)
+    grad_c: str = dataclasses.field(default="", kw_only=True)
+    agrad_c: str = dataclasses.field(default="", kw_only=True)
+    agrad_warp_c: str = dataclasses.field(default="", kw_only=True)
+    #: the form that walks a block mask's transposed index (``CUFLASH_BLOCK_SPARSE`` 1, suffix ``_bs``)
+    block_sparse: bool = dataclasses.field(default=False, kw_only=True)
+
+    user_mod = variants.AttentionVariant.user_mod
+    _user_suffix = variants.AttentionVariant._user_suffix
+    user_defines = variants.AttentionVariant.user_defines
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -85,10 +100,18 @@ class Sm90BackwardVariant(attention_fwd_sm90.ThreeWarpgroups, variants.Variant):
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"Sm90BackwardVariant: head_dim={self.head_dim} must be one of {HEAD_DIMS}")
         if self.dropout or self.mods:
-            raise ValueError("Sm90BackwardVariant: no dropout or score-modifier form exists")
+            raise ValueError("Sm90BackwardVariant: no dropout or built-in score-modifier form exists")
+        if self.user_mod and self.varlen:
+            raise ValueError("Sm90BackwardVariant: the traced score_mod / mask_mod forms take fixed shapes only")
+        if self.block_sparse and not self.mask_c:
+            raise ValueError("Sm90BackwardVariant: a block-sparse form has a traced mask_mod (mask_c)")
 
     def axes(self) -> tuple[str, ...]:
         return ("main", self.dtype, f"d{self.head_dim}")
+
+    @property
+    def name(self) -> str:
+        return "_".join(self.axes()) + self._user_suffix() + ("_bs" if self.block_sparse else "")
 
     @property
     def stage(self) -> str:
@@ -115,26 +138,37 @@ class Sm90BackwardVariant(attention_fwd_sm90.ThreeWarpgroups, variants.Variant):
 
     def defines(self) -> tuple[tuple[str, str], ...]:
         return super().defines() + (("CUFLASH_BF16", "1" if self.dtype == "bf16" else "0"),
-                                    ("CUFLASH_D", str(self.head_dim)))
+                                    ("CUFLASH_D", str(self.head_dim))) + self.user_defines()
 
     def describe(self) -> str:
+        traced = ("; traced " + " and ".join(n for n, c in (("score_mod", self.score_c), ("mask_mod", self.mask_c)) if c)
+                  + (" with captured-array gradients (atomics)" if self.agrad_c else "")
+                  + (", walking the block mask's transposed index" if self.block_sparse else "")) if self.user_mod else ""
         return (f"{self.entry}: a producer warp (TMA, 2-stage Q/dO ring) and a dQ warp (bulk reduce-add into the "
                 f"float32 workspace), 2 consumer warpgroups of 64 keys (wgmma; dK, dV in registers), Br={BLOCK_M}, "
-                f"Bc={BLOCK_N}, {self.smem_bytes} B of shared memory")
+                f"Bc={BLOCK_N}, {self.smem_bytes} B of shared memory{traced}")
 
-    def plan_main(self, problem, views, lse, dd, acc, call) -> LaunchPlan:
+    def plan_main(self, problem, views, lse, dd, acc, call, darrays=None) -> LaunchPlan:
         """The main stage's launch for :func:`cuflash.kernels.backward_run.backward`: ``views`` are
         its ``(q, k, v, out, dout, dq, dk, dv)`` in (B, H, S, D) order, ``lse`` and ``dd`` (B, Hq,
         Sq) float32 contiguous, ``acc`` the float32 dQ workspace ``(splits, B, Hq, Sq, D)`` (this
-        kernel adds into split 0)."""
+        kernel adds into split 0); ``darrays`` the captured arrays' gradient workspaces by slot
+        (``return_dscore_mod``; the form with ``agrad_c`` adds into them)."""
         q, k, v, _, dout, _, dk, dv = views
         vl = problem.varlen
         packed = None if vl is None else (la.varlen_args(problem, call), vl.batch, vl.max_seqlen_q, vl.max_seqlen_k)
+        traced = None
+        if self.user_mod:
+            grid = -(-k.shape[2] // BLOCK_N) * k.shape[1] * k.shape[0]   # (key tiles, Hk, B) blocks
+            traced = (la.user_args(problem, call, 0)
+                      + (la.block_sparse_args(problem, call, True, grid) if self.block_sparse else ())
+                      + (la.array_grad_args(darrays or {}, call) if self.agrad_c else ()))
         # deterministic mode: the shared driver allocates one partial buffer per split of the
         # tensor-core tier's scheme; this kernel adds in order into the first, the rest stay zero
         return plan_main((q, k, v, dout, dk, dv), lse, dd, acc[:1], call, softmax_scale=problem.softmax_scale,
                          window_left=problem.window_left, window_right=problem.window_right, dtype=self.dtype,
-                         deterministic=problem.options.deterministic, packed=packed)
+                         deterministic=problem.options.deterministic, packed=packed,
+                         traced=None if traced is None else (self, traced))
 
 
 def all_variants(arch: int = 90) -> tuple[Sm90BackwardVariant, ...]:
@@ -145,7 +179,8 @@ def all_variants(arch: int = 90) -> tuple[Sm90BackwardVariant, ...]:
 
 
 def plan_main(arrays, lse, dd, acc, call, *, softmax_scale: float, window_left: int = -1, window_right: int = -1,
-              dtype: str, deterministic: bool = False, packed: tuple | None = None) -> LaunchPlan:
+              dtype: str, deterministic: bool = False, packed: tuple | None = None,
+              traced: tuple | None = None) -> LaunchPlan:
     """The main stage's launch for arrays in (B, H, S, D) order.
 
     Parameters
@@ -172,6 +207,10 @@ def plan_main(arrays, lse, dd, acc, call, *, softmax_scale: float, window_left: 
         (:func:`cuflash.kernels.launch_args.varlen_args`), then the sequences and the longest's
         query and key rows (the grid's extents). Q, dO, K and V go through ragged tensor maps, so a
         tile never reads another sequence's rows; dK and dV rows of keys past ``seqused_k`` are 0.
+    traced : tuple ``(variant, args)``, optional
+        A traced score_mod / mask_mod form (fixed shapes): its :class:`Sm90BackwardVariant` and its
+        trailing arguments (:func:`cuflash.kernels.launch_args.user_args`, then the block mask's and
+        the captured-array gradients' where the form has them).
 
     Raises
     ------
@@ -194,7 +233,7 @@ def plan_main(arrays, lse, dd, acc, call, *, softmax_scale: float, window_left: 
         raise ValueError(f"attention_bwd_sm90: Sq={sq} and Sk={sk} must be at least 1")
     if packed is not None and b != 1:
         raise ValueError(f"attention_bwd_sm90: a packed batch's arrays must be (1, H, total, D) views, got q {tuple(q.shape)}")
-    variant = Sm90BackwardVariant(dtype, d, varlen=packed is not None)
+    variant = Sm90BackwardVariant(dtype, d, varlen=packed is not None) if traced is None else traced[0]
     bits = (lambda a: a.view(np.uint16)) if dtype == "bf16" else (lambda a: a)
     if packed is None:
         index_args = tuple(PointerArg.of(n, call.empty_index) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k"))
@@ -222,7 +261,8 @@ def plan_main(arrays, lse, dd, acc, call, *, softmax_scale: float, window_left: 
             la.i32("window_left", window_left), la.i32("window_right", window_right),
             call.pointer("dq_sem", call.xp.zeros((batch, hq, q_tiles), dtype=np.int32) if deterministic
                          else call.empty_index, writable=True),
-            la.i32("deterministic", int(bool(deterministic))), la.i32("q_tiles", q_tiles), *index_args)
+            la.i32("deterministic", int(bool(deterministic))), la.i32("q_tiles", q_tiles), *index_args,
+            *(traced[1] if traced is not None else ()))
     return LaunchPlan(variant, variant.entry, (k_tiles, hk, batch), (384, 1, 1), variant.smem_bytes, args)
 
 
@@ -234,8 +274,9 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     why = attention_fwd_sm90.dtype_reason(p)
     if why is not None:
         return why
-    if p.modifiers is not None:
-        return "score modifiers are not in the Hopper backward yet"
+    why = traced_reason(p)
+    if why is not None:
+        return why
     if p.dropout is not None:
         return "dropout is not in the Hopper backward yet"
     if p.head_dim != p.head_dim_v or p.head_dim not in HEAD_DIMS:
@@ -256,6 +297,44 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         why = attention_fwd_sm90._tma_reason(a if vl is not None else attention_fwd_sm90._bhsd(a, p.layout), name)
         if why:
             return why
+    return None
+
+
+#: the modifiers this tier's traced forms take (the built-in ones are the tensor-core backward's)
+USER_MODIFIERS = ("score_mod", "mask_mod", "block_mask")
+
+
+def traced_reason(problem) -> str | None:
+    """Why the traced score_mod / mask_mod / block_mask of ``problem`` cannot run on this tier's
+    traced forms (None if they can, or if the call has none)."""
+    p = problem
+    m = p.modifiers
+    if m is None:
+        return None
+    why = refuse_modifiers(p, "the Hopper backward", USER_MODIFIERS)
+    if why is not None:
+        return why
+    for traced in (m.score_mod, m.mask_mod):
+        why = score_mod.kernel_refusal(traced) if traced is not None else None
+        if why is not None:
+            return why + " in the Hopper backward"
+    if p.varlen is not None:
+        return "score_mod / mask_mod on a packed batch is not in the Hopper backward yet (fixed shapes only)"
+    if p.options.return_dbias:
+        return "return_dbias is not in the Hopper backward"
+    if p.options.return_dscore_mod and p.options.deterministic:
+        # (each pair adds its share with a float32 atomicAdd, in an order that varies from run to run)
+        return ("return_dscore_mod with deterministic=True is not in the Hopper backward: it adds the captured "
+                "arrays' gradients with atomics, in an order that varies from run to run")
+    bm = m.block_mask
+    if bm is not None:
+        q_block, kv_block = bm.BLOCK_SIZE
+        if kv_block % BLOCK_N:
+            return (f"block_mask with key blocks of {kv_block}: the Hopper backward's key tile is {BLOCK_N} keys, "
+                    f"so it takes key blocks of a multiple of {BLOCK_N}")
+        if p.options.deterministic:
+            return ("block_mask with deterministic=True is not in the Hopper backward: its ordered dQ adds count "
+                    "the key tiles of a causal / window band, which a block mask's key tiles need not be")
     return None
 
 
@@ -294,7 +373,14 @@ def head_dim_reason(d: int, dv: int) -> str:
 def main_variant(problem, arch: int = 90) -> Sm90BackwardVariant:
     """The main stage that runs the backward of ``problem`` (:func:`cuflash.kernels.backward_run.backward`
     runs it between the portable dot and convert stages)."""
-    return Sm90BackwardVariant(variants.dtype_key(problem.dtype), problem.head_dim)
+    m = problem.modifiers
+    if m is None:
+        return Sm90BackwardVariant(variants.dtype_key(problem.dtype), problem.head_dim)
+    sc, mc, gc = score_mod.kernel_texts(m.score_mod, m.mask_mod, True)
+    agrad = (score_mod.array_grad_c(m.score_mod)
+             if problem.options.return_dscore_mod and m.score_mod is not None else ("", ""))
+    return Sm90BackwardVariant(variants.dtype_key(problem.dtype), problem.head_dim, score_c=sc, mask_c=mc, grad_c=gc,
+                               agrad_c=agrad[0], agrad_warp_c=agrad[1], block_sparse=m.block_mask is not None)
 
 
 def variant_for(problem, arch: int = 90) -> Sm90BackwardVariant:

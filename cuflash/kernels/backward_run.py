@@ -193,7 +193,8 @@ def backward(problem, dout, q, k, v, out, lse, main, call) -> tuple:
             call.launch(dot)
         plan_main = getattr(main, "plan_main", None)   # a main stage with arguments of its own (the Hopper tier's)
         if plan_main is not None and grid:
-            call.launch(plan_main(p, views, ls, dds, acc, call))
+            # (the captured arrays' gradient workspaces, where the call asks for them)
+            call.launch(plan_main(p, views, ls, dds, acc, call, **({"darrays": ws.darrays} if ws.darrays else {})))
         for tile0 in range(0, ws.num_k_tiles if grid and plan_main is None else 0, max(blocks_per_head, 1)):
             call.launch(plan.LaunchPlan(main, main.entry, (grid, 1, 1), main.block, main.smem_bytes,
                                         _main_args(p, ws, (views, ls, dds, mods, acc, idx, tile0), call, seqlen_q)))
