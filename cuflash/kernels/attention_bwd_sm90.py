@@ -320,8 +320,6 @@ def traced_reason(problem) -> str | None:
             return why + " in the Hopper backward"
     if p.varlen is not None:
         return "score_mod / mask_mod on a packed batch is not in the Hopper backward yet (fixed shapes only)"
-    if p.options.return_dbias:
-        return "return_dbias is not in the Hopper backward"
     if p.options.return_dscore_mod and p.options.deterministic:
         # (each pair adds its share with a float32 atomicAdd, in an order that varies from run to run)
         return ("return_dscore_mod with deterministic=True is not in the Hopper backward: it adds the captured "

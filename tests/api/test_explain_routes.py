@@ -86,8 +86,8 @@ def test_the_tile_that_does_not_spill_stays_on_the_tensor_cores(launches):
     q = np.zeros((1, 2, 33, 128), np.float16)
     line = cuflash.explain(q, q, q, arch=90, softcap=20.0)["backward"]
     entry = "cuflash_attn_bwd_mma_main_f16_d128_m64_n64_s2_mods"
-    assert line == (f"sm_90: backward on the tensor-core mma.sync tier, {entry}; Hopper wgmma tier not used: score "
-                    "modifiers are not in the Hopper backward yet")
+    assert line == (f"sm_90: backward on the tensor-core mma.sync tier, {entry}; Hopper wgmma tier not used: softcap "
+                    "is not in the Hopper backward yet")
     with sim.options(arch=90):
         cuflash.attention_backward(q, q, q, q, q, np.zeros((1, 2, 33), np.float32), backend="sim", softcap=20.0)
     assert _backward_main(launches) == entry
