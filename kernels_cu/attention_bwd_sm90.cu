@@ -491,7 +491,49 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
             ptx_wgmma_ss<BR, BF16, 0, 0>(dpt, ptx_wgmma_desc_advance(dv_a, k_step_offset(kk, BC)),
                                          ptx_wgmma_desc_advance(ddo_b, s * Q_BYTES + k_step_offset(kk, BR)), kk > 0);
         ptx_wgmma_commit();
-#if CUFLASH_USER_MOD
+#if !CUFLASH_USER_MOD
+        ptx_wgmma_wait<1>();   // S^T is in; dP^T may still run
+        fence_operands(st);
+        // P^T: this thread's keys key0, key0 + 8 (rows), queries m0 + 8 (i / 4) + 2t + i % 2 (columns)
+        // (an lse of -inf, a row without keys, occurs only in masked tiles, whose select drops the inf)
+        const float* ls = lse_s + s * BR;
+        const float* ds = dd_s + s * BR;
+        float nl[BR / 4], dcol[BR / 4];   // -lse log2 e and Dd of this thread's columns (pairs: 8-byte loads)
+#pragma unroll
+        for (int j = 0; j < BR / 8; ++j) {
+            const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * j + 2 * t);
+            const float2 d2 = *reinterpret_cast<const float2*>(ds + 8 * j + 2 * t);
+            nl[2 * j] = l2.x * -CUFLASH_LOG2E;
+            nl[2 * j + 1] = l2.y * -CUFLASH_LOG2E;
+            dcol[2 * j] = d2.x;
+            dcol[2 * j + 1] = d2.y;
+        }
+#pragma unroll
+        // the mask: this thread's key rows see queries [vis_lo, vis_hi], here relative to its first
+        // column m0 + 2t, so a score's test is two compares with its constant column offset
+        int lo[2], hi[2];
+        if (MASK) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                lo[r] = w.vis_lo[r] - (m0 + 2 * t);
+                hi[r] = w.vis_hi[r] - (m0 + 2 * t);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < BR / 2; ++i) {
+            float p = exp2f(fmaf(st[i], w.scale_log2, nl[2 * (i / 4) + i % 2]));
+            const int r = (i % 4) / 2, offset = 8 * (i / 4) + i % 2;
+            if (MASK) p = offset >= lo[r] && offset <= hi[r] ? p : 0.0f;
+            st[i] = p;
+        }
+        ptx_wgmma_wait<0>();
+        fence_operands(dpt);
+#pragma unroll
+        for (int i = 0; i < BR / 2; ++i) {
+            dpt[i] = st[i] * (dpt[i] - dcol[2 * (i / 4) + i % 2]);
+            if (MASK) dpt[i] = st[i] == 0.0f ? 0.0f : dpt[i];   // a masked pair: 0, never 0 * NaN
+        }
+#else
         // the traced forms: S^T and dP^T both in, then per pair the modified score, P and dS^T (lse and
         // Dd read from shared memory per pair, not held: the traced functions need the registers)
         ptx_wgmma_wait<0>();
@@ -545,48 +587,6 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
 #if (CUFLASH_USER_MOD & 4) && defined(CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP)
         CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP(w.hb, h, u.a, u.g, ug);   // (every lane of the warp is here)
 #endif
-#else
-        ptx_wgmma_wait<1>();   // S^T is in; dP^T may still run
-        fence_operands(st);
-        // P^T: this thread's keys key0, key0 + 8 (rows), queries m0 + 8 (i / 4) + 2t + i % 2 (columns)
-        // (an lse of -inf, a row without keys, occurs only in masked tiles, whose select drops the inf)
-        const float* ls = lse_s + s * BR;
-        const float* ds = dd_s + s * BR;
-        float nl[BR / 4], dcol[BR / 4];   // -lse log2 e and Dd of this thread's columns (pairs: 8-byte loads)
-#pragma unroll
-        for (int j = 0; j < BR / 8; ++j) {
-            const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * j + 2 * t);
-            const float2 d2 = *reinterpret_cast<const float2*>(ds + 8 * j + 2 * t);
-            nl[2 * j] = l2.x * -CUFLASH_LOG2E;
-            nl[2 * j + 1] = l2.y * -CUFLASH_LOG2E;
-            dcol[2 * j] = d2.x;
-            dcol[2 * j + 1] = d2.y;
-        }
-#pragma unroll
-        // the mask: this thread's key rows see queries [vis_lo, vis_hi], here relative to its first
-        // column m0 + 2t, so a score's test is two compares with its constant column offset
-        int lo[2], hi[2];
-        if (MASK) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                lo[r] = w.vis_lo[r] - (m0 + 2 * t);
-                hi[r] = w.vis_hi[r] - (m0 + 2 * t);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < BR / 2; ++i) {
-            float p = exp2f(fmaf(st[i], w.scale_log2, nl[2 * (i / 4) + i % 2]));
-            const int r = (i % 4) / 2, offset = 8 * (i / 4) + i % 2;
-            if (MASK) p = offset >= lo[r] && offset <= hi[r] ? p : 0.0f;
-            st[i] = p;
-        }
-        ptx_wgmma_wait<0>();
-        fence_operands(dpt);
-#pragma unroll
-        for (int i = 0; i < BR / 2; ++i) {
-            dpt[i] = st[i] * (dpt[i] - dcol[2 * (i / 4) + i % 2]);
-            if (MASK) dpt[i] = st[i] == 0.0f ? 0.0f : dpt[i];   // a masked pair: 0, never 0 * NaN
-        }
 #endif
         to_a_fragment<BR>(st, pa);
         to_a_fragment<BR>(dpt, da);

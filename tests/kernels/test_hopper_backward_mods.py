@@ -233,10 +233,10 @@ def test_a_document_block_mask_walks_the_transposed_index_and_matches_the_dense_
 
 @pytest.mark.slow
 def test_full_blocks_skip_mask_mod_and_the_causal_mask_applies_on_top(rng):
-    """Blocks of 128 x 128 over documents of 128-256 rows, causal on top, GQA, bf16 d128: full tiles
-    (the steady loop) and partial ones both entered; a block mask that calls every block full but
-    carries the document mask as its mask_mod (the same variant) gives the unmasked gradients."""
-    doc = np.repeat(np.arange(3, dtype=np.int32), (256, 128, 200))
+    """Blocks of 128 x 128 over documents of 100-256 rows, causal on top, GQA, bf16 d128: full tiles
+    and partial ones both entered; a block mask that calls every block full but carries the
+    document mask as its mask_mod (the same variant) gives the unmasked gradients."""
+    doc = np.repeat(np.arange(3, dtype=np.int32), (256, 100, 228))
     s, hq, hk, d, dtype = len(doc), 4, 2, 128, dtypes.bfloat16
     bm = mods.document_block_mask(doc, BLOCK_SIZE=128)
     q, k, v = make_qkv(rng, 1, hq, hk, s, s, d, d, dtype=dtype)

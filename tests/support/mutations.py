@@ -50,7 +50,14 @@ FILES = {
     "hopper_probe.cu": ("hopper_checked", "hopper_seeds"),
     "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked",
                               "fwd_sm90_varlen_checked", "fwd_sm90_kvcache_checked"),
-    "attention_bwd_sm90.cu": ("bwd_sm90_checked", "bwd_sm90_seeds"),
+    "attention_bwd_sm90.cu": ("bwd_sm90_checked", "bwd_sm90_seeds", "bwd_sm90_um_checked"),
+}
+#: probes whose simulator build alone takes about a minute of the default run's 2 cores: they and
+#: the mutants they kill run under ``slow`` only (tests/kernels/test_mutations.py), each with why
+SLOW_PROBES = {
+    "bwd_sm90_um_checked": "the Hopper backward's traced form is a build of its own (a checked g++ build of the "
+                           "whole warp-specialized kernel: 60 s at load 13 on the 2 cores) that no default test "
+                           "compiles",
 }
 #: mutants no probe kills, each with why removing that line is harmless (or what gap it shows)
 SURVIVORS: dict[str, str] = {
@@ -360,6 +367,36 @@ def _sm90_bwd_case(checked, seeds):
             with sim.options(arch="sm_90", checked=checked, seed=seed):
                 grads = sim_backward(attention_bwd_sm90, *args, causal=True, deterministic=det)
             check_grads_close(grads, *args, causal=True)
+def _sm90_bwd_traced_case(checked, seeds):
+    """The Hopper backward's traced form (score_mod and mask_mod; f16, head dim 64, GQA 2:1) through
+    the dispatcher (its form asserted): 2 query tiles of each of 2 heads per key tile, the first in
+    the masked loop, a softcapped per-head ALiBi and a document mask, rows that see no key; the
+    gradients under the rule of every tier against the float64 oracle with the same functions."""
+    import cuflash
+    from cuflash import mods, sim
+    from support.grads import assert_grads_within_twice_the_numpy_path
+
+    rng = np.random.default_rng(43)
+    q = rng.standard_normal((1, 2, 128, 64)).astype(F16)
+    k = rng.standard_normal((1, 1, 150, 64)).astype(F16)
+    v = rng.standard_normal((1, 1, 150, 64)).astype(F16)
+    slopes = np.array([0.1, 0.3], F32)
+    doc = np.repeat(np.arange(3, dtype=np.int32), (40, 60, 50))
+    doc_q = np.concatenate([np.full(10, 9, np.int32), doc[32:]])   # 10 rows in no key's document
+
+    def score_fn(score, b, h, q_idx, kv_idx):
+        return 10.0 * mods.tanh(score / 10.0) - slopes[h] * abs(q_idx + 22 - kv_idx)
+
+    kw = dict(score_mod=score_fn, mask_mod=lambda b, h, i, j: doc_q[i] == doc[j], causal=True)
+    assert "bwd_sm90_main_f16_d64_um" in cuflash.explain(q, k, v, arch=90, **kw)["backward"]
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)   # the NumPy forward
+    dout = rng.standard_normal(out.shape).astype(F16)
+    for seed in seeds:
+        with sim.options(arch="sm_90", checked=checked, seed=seed):
+            grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim", **kw)
+        assert_grads_within_twice_the_numpy_path(grads, q, k, v, dout, F16, **kw)
+
+
 def _sm90_kvcache_case(checked, seeds):
     """The Hopper KV-cache form (f16, head dim 64, causal, GQA 2) through the dispatcher (its form
     asserted): a paged cache of 16-row pages (gathered by cp.async), sequences of 600, 0 and 37
@@ -444,6 +481,8 @@ PROBES = {
     "hopper_seeds": lambda: _hopper_case(False, SEEDS),
     "bwd_sm90_checked": lambda: _sm90_bwd_case(True, (0,)),
     "bwd_sm90_seeds": lambda: _sm90_bwd_case(False, SEEDS),
+    # the traced form's wait for S^T and dP^T before its per-pair code (score_mod, mask_mod)
+    "bwd_sm90_um_checked": lambda: _sm90_bwd_traced_case(True, (0,)),
 }
 
 
