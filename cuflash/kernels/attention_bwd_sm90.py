@@ -13,8 +13,11 @@ float16/bfloat16, D = Dv = 64, 96 or 128 exactly, causal and windows (bottom-rig
 keys, one batch dim or a packed batch (``cu_seqlens_q/k`` and ``seqused_k`` read on the device; Q,
 dO, K and V through ragged tensor maps, as the Hopper forward's, so no tile reads another
 sequence's rows), any strides a tensor map can describe (the head dim contiguous, every other
-stride and each base 16-byte aligned), and deterministic mode. The rest goes to the tensor-core
-backward, and ``explain`` says why: other head dims, Dv != D, dropout, score modifiers.
+stride and each base 16-byte aligned), and deterministic mode. At fixed shapes it also takes a traced
+``score_mod`` / ``mask_mod`` and a block mask (the ``_um`` / ``_bs`` forms, :func:`traced_reason`;
+``return_dscore_mod`` by atomics, so not with ``deterministic=True``). The rest goes to the
+tensor-core backward, and ``explain`` says why: other head dims, Dv != D, dropout, the built-in score
+modifiers, traced functions on a packed batch, a block mask of 64-key blocks or with deterministic mode.
 
 Deterministic mode (``deterministic=True``): the key tiles that add to one (query head, query
 tile) of the dQ workspace add in key-tile order, ordered by an int32 counter per (batch, query

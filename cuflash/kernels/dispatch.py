@@ -160,7 +160,8 @@ def forward_tier(problem, arch: int, arrays=None):
 def backward_tier(problem, arch: int, arrays=None):
     """The kernel module that runs the backward of ``problem`` on ``sm_<arch>``: the Hopper
     backward (``sm_90a``: compute capability 9.0; float16/bfloat16 with D = Dv = 64, 96 or 128, views
-    a TMA tensor map can describe, fixed or packed, no dropout or modifiers; deterministic mode too),
+    a TMA tensor map can describe, fixed or packed, no dropout or built-in modifiers, a traced
+    score_mod / mask_mod / block mask at fixed shapes; deterministic mode too),
     the tensor-core backward (float16/bfloat16, sm_80+, a tile of the head dims' bucket fitting
     the shared memory, rows 16-byte aligned) or the portable SIMT one; why each faster tier was
     passed over is :func:`describe_backward_choice`'s line. A tier module provides

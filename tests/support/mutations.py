@@ -56,7 +56,7 @@ FILES = {
 #: the mutants they kill run under ``slow`` only (tests/kernels/test_mutations.py), each with why
 SLOW_PROBES = {
     "bwd_sm90_um_checked": "the Hopper backward's traced form is a build of its own (a checked g++ build of the "
-                           "whole warp-specialized kernel: 60 s at load 13 on the 2 cores) that no default test "
+                           "whole warp-specialized kernel: 40-73 s at load 10-13 on the 2 cores) that no default test "
                            "compiles",
 }
 #: mutants no probe kills, each with why removing that line is harmless (or what gap it shows)
