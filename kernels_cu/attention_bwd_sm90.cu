@@ -108,6 +108,13 @@ constexpr int DS_BYTES = BC * BR * 2;                      // dS^T [BC keys][BR 
 constexpr int DQ_BYTES = BR * D * 4;                       // dQ [BR][D], float32 (rows of D: the workspace's)
 constexpr int DQN = DP / 2;                                // dQ columns per consumer (D = 96: 64 + 64, the
                                                            // last 32 zero and not stored)
+// registers a thread after setmaxnreg: the producer's warpgroup, the consumers' (128 (P + 2 C) <= 65536);
+// the block-sparse form's walk of the block mask's lists needs more than 24 in the producer and dQ warp
+#if CUFLASH_BLOCK_SPARSE
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+#else
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+#endif
 // named barriers: DS_BAR the consumers (256), DQ_FULL and DQ_EMPTY the consumers and the dQ warp (288)
 constexpr int DS_BAR = 1, DQ_FULL = 2, DQ_EMPTY = 3;
 static_assert(D % 32 == 0 && BR == 64, "head-dim panels and the 128-byte rows of dS^T");
@@ -221,7 +228,7 @@ struct UserCall {
 #endif
 #if CUFLASH_BLOCK_SPARSE
     const int *num, *idx, *full_num, *full_idx;   // the transposed index (per key block: query blocks)
-    long long num_bs, num_hs, idx_bs, idx_hs, idx_rs;
+    int num_bs, num_hs, idx_bs, idx_hs, idx_rs;   // (32-bit: the host keeps every list under 2^31 entries)
     int outer, inner;                             // key block, query block sizes
     int* counts;                                  // the simulator's tiles-entered counter (count != 0)
     int count;
@@ -240,13 +247,14 @@ struct BsPos {
     bool partial;
 };
 // The walk of key tile n0 over heads [h0, h_end) of batch hb: the first place at or after `at`
-// whose tile starts before Sq (h = h_end: none left).
-__device__ __forceinline__ BsPos bs_settle(const UserCall& u, long long hb, int n0, int h_end, int Sq, BsPos at) {
-    const long long blk = n0 / u.outer;
+// whose tile starts before Sq (h = h_end: none left). (In 32-bit arithmetic: the producer and the
+// dQ warp run it with 24 registers.)
+__device__ __forceinline__ BsPos bs_settle(const UserCall& u, int hb, int n0, int h_end, int Sq, BsPos at) {
+    const int blk = n0 / u.outer;
     const int sub = u.inner / BR;
     for (; at.h < h_end; ++at.h, at.pos = 0) {
-        const long long o = hb * u.num_bs + at.h * u.num_hs + blk;
-        const long long io = hb * u.idx_bs + at.h * u.idx_hs + blk * u.idx_rs;
+        const int o = hb * u.num_bs + at.h * u.num_hs + blk;
+        const int io = hb * u.idx_bs + at.h * u.idx_hs + blk * u.idx_rs;
         const int np = u.num[o], n = (np + u.full_num[o]) * sub;
         for (; at.pos < n; ++at.pos) {
             const int e = at.pos / sub;
@@ -321,7 +329,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     const int ntiles = t_hi - t_lo;
 #if CUFLASH_BLOCK_SPARSE
     // (the walk's first place; nwalk only says whether there is one)
-    const long long hb = u_in.a.batch0 + b;
+    const int hb = int(u_in.a.batch0) + b;
     const int h_end = (hk + 1) * group;
     const BsPos bs0 = bs_settle(u_in, hb, n0, h_end, Sq, BsPos{hk * group, 0, 0, false});
     const int nwalk = n0 < Sk && bs0.h < h_end ? 1 : 0;
@@ -348,7 +356,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
 #endif
 
     if (wg == 0) {   // ------------------------------------------------------- producer, dQ writer
-        ptx_setmaxnreg_dec<24>();
+        ptx_setmaxnreg_dec<PRODUCER_REGS>();
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         if (warp == 0 && ptx_elect_one()) {
             if (nwalk > 0) {
@@ -431,7 +439,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     }
 
     // ------------------------------------------------------------------------------- consumers
-    ptx_setmaxnreg_inc<240>();
+    ptx_setmaxnreg_inc<CONSUMER_REGS>();
     const int c = wg - 1;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     Walk w;
@@ -629,20 +637,26 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
 #if CUFLASH_BLOCK_SPARSE
     // the block mask's tiles; the causal / window mask where a tile is not wholly visible, mask_mod on
     // the partial blocks' tiles only
-    int it = 0, entered[2] = {0, 0};
+    int it = 0;
+#if defined(CUFLASH_SIM)
+    int entered_partial = 0, entered_full = 0;
+#endif
     for (BsPos at = bs0; nwalk && at.h < h_end; ++it, ++at.pos, at = bs_settle(u, hb, n0, h_end, Sq, at)) {
         const int m = at.m0 / BR;
         if (m >= lo && m < hi)
             tile(it, at.h, at.m0, MaskOf<MASK_NONE>{}, at.partial);
         else
             tile(it, at.h, at.m0, MaskOf<MASK_ON>{}, at.partial);
-        ++entered[at.partial ? 0 : 1];
+#if defined(CUFLASH_SIM)
+        entered_partial += at.partial ? 1 : 0;
+        entered_full += at.partial ? 0 : 1;
+#endif
     }
 #if defined(CUFLASH_SIM)
     if (u.count && threadIdx.x == 128) {   // (the simulator's count of the tiles this block entered)
         const long long blk = blockIdx.x + gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
-        u.counts[2 * blk] = entered[0];
-        u.counts[2 * blk + 1] = entered[1];
+        u.counts[2 * blk] = entered_partial;
+        u.counts[2 * blk + 1] = entered_full;
     }
 #endif
 #else
@@ -681,8 +695,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(
         CUFLASH_AGRAD_INIT,
 #endif
 #if CUFLASH_BLOCK_SPARSE
-        bs_num, bs_idx, bs_full_num, bs_full_idx, bs_num_bs, bs_num_hs, bs_idx_bs, bs_idx_hs, bs_idx_rs, bs_outer,
-        bs_inner, bs_counts, bs_count,
+        bs_num, bs_idx, bs_full_num, bs_full_idx, int(bs_num_bs), int(bs_num_hs), int(bs_idx_bs), int(bs_idx_hs),
+        int(bs_idx_rs), bs_outer, bs_inner, bs_counts, bs_count,
 #endif
     };
 #define BWD_SM90_USER_PASS , user
