@@ -110,10 +110,13 @@ constexpr int DQN = DP / 2;                                // dQ columns per con
                                                            // last 32 zero and not stored)
 // registers a thread after setmaxnreg: the producer's warpgroup, the consumers' (128 (P + 2 C) <= 65536);
 // the block-sparse form's walk of the block mask's lists needs more than 24 in the producer and dQ warp
+// (macros, not constants: a namespace-scope constant is one more global in the cubin)
 #if CUFLASH_BLOCK_SPARSE
-constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+#define PRODUCER_REGS 40
+#define CONSUMER_REGS 232
 #else
-constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+#define PRODUCER_REGS 24
+#define CONSUMER_REGS 240
 #endif
 // named barriers: DS_BAR the consumers (256), DQ_FULL and DQ_EMPTY the consumers and the dQ warp (288)
 constexpr int DS_BAR = 1, DQ_FULL = 2, DQ_EMPTY = 3;
