@@ -452,7 +452,13 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     w.scale = softmax_scale;
     w.hb = u.a.batch0 + b;
 #endif
+#if CUFLASH_USER_MOD
+    // (unrolled by hand: in the traced forms NVVM may keep the loop and put vis_lo / vis_hi in local memory)
+    visible_rows(w.key0, Sq, Sk, window_left, window_right, w.vis_lo[0], w.vis_hi[0]);
+    visible_rows(w.key0 + 8, Sq, Sk, window_left, window_right, w.vis_lo[1], w.vis_hi[1]);
+#else
     for (int r = 0; r < 2; ++r) visible_rows(w.key0 + 8 * r, Sq, Sk, window_left, window_right, w.vis_lo[r], w.vis_hi[r]);
+#endif
     // descriptors: this consumer's 64 rows of K and V (K-major), Q and dO of stage 0 (K-major for
     // S^T / dP^T, MN-major for dK / dV), K's columns c * D/2.. (MN-major, dQ), dS^T buffer 0
     const unsigned long long dk_a = ptx_opaque(desc_k_major(k_s + 64 * c * 128));
@@ -662,6 +668,17 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         u.counts[2 * blk + 1] = entered_full;
     }
 #endif
+#elif CUFLASH_USER_MOD
+    // (the traced forms: one loop whose tile is masked or steady, two copies of the tile's code rather
+    // than three, fewer registers held across the walk)
+    int it = 0;
+    for (int gi = 0; gi < group; ++gi)
+        for (int m = t_lo; m < t_hi; ++m, ++it) {
+            if (m >= lo && m < hi)
+                tile(it, hk * group + gi, m * BR, MaskOf<MASK_NONE>{}, true);
+            else
+                tile(it, hk * group + gi, m * BR, MaskOf<MASK_ON>{}, true);
+        }
 #else
     int it = 0;
     for (int gi = 0; gi < group; ++gi) {
