@@ -133,13 +133,14 @@ def _backward(rng, q, k, v, dtype, arch=90, checked=False, seed=0, workers=None,
 
 
 def _invented(table, keep):
-    """Integer division and modulo, where, log, maximum, a (B, Hq) table and a bool array."""
+    """Integer division and modulo, where, log, maximum, a (B, Hq) table read by b and h, a bool
+    array read by kv_idx."""
     def score_fn(score, b, h, q_idx, kv_idx):
-        near = mods.maximum(score, -2.0) + 0.25 * mods.log(1.0 + abs(q_idx - kv_idx))
-        return mods.where((kv_idx // 8) % 3 == 1, score * table[b, h], near)
+        far = score - table[b, h] * mods.log(1.0 + abs(kv_idx - q_idx))
+        return mods.where(q_idx % 3 == 0, far, mods.maximum(score, -1.5))
 
     def mask_fn(b, h, q_idx, kv_idx):
-        return keep[kv_idx] | (kv_idx % 5 == 0)
+        return keep[kv_idx] | (q_idx // 16 == kv_idx // 16)
 
     return score_fn, mask_fn
 
