@@ -306,9 +306,9 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
 #: the modifiers this tier's traced forms take (the built-in ones are the tensor-core backward's)
 USER_MODIFIERS = ("score_mod", "mask_mod", "block_mask")
 #: the head dims of the traced forms: at 128 the consumers' accumulators (dK, dV, S^T, dP^T, the dQ
-#: half) take 224 of their 240 registers, and ptxas spills the traced forms (148-208 bytes measured
-#: under NVRTC 12 with a softcapped ALiBi plus a table and a document mask), so those run on the
-#: tensor-core backward
+#: half) take 224 of their 240 registers, and ptxas spills some traced functions there (36 bytes
+#: for a softcapped ALiBi plus a clamped table and a document mask, 164-172 bytes in its
+#: block-sparse form, NVRTC 12.9 and 13.x), so those calls run on the tensor-core backward
 TRACED_HEAD_DIMS = (64, 96)
 
 
