@@ -71,9 +71,20 @@
 // writes 0 and -inf. Indices are clamped into the cache; a sequence whose index was out of range
 // gets NaN in every row it writes (as the tensor-core KV-cache form).
 //
+// Traced score_mod / mask_mod (the CUFLASH_USER_MOD variants of the modifier forms; score_mods.cuh):
+// mod_score applies the traced functions after the built-in modifiers, at (q_idx, kv_idx) = (the
+// accumulator element's query row, its key), in the same per-tile code; their captured arrays are
+// run-time arguments. Block-sparse masks (CUFLASH_BLOCK_SPARSE 1, a traced mask_mod's block mask):
+// a block's 128 query rows lie in one query block of the mask (bs_outer a multiple of 128), and its
+// walk is that block's partial key blocks, then its full ones, each as bs_inner / BC tiles: the
+// producer loads and the consumers compute the same tile j (bs_tile_kv0), so the rings, barriers and
+// turns are those of the contiguous walk; empty blocks are never loaded, full tiles run without
+// mask_mod (Rows::user_mask), and the causal / window / Sk mask still applies to every tile.
+//
 // Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D and CUFLASH_DV (head-dim buckets: 64, 96,
 // 128, 192, 256; Dv <= D), CUFLASH_BC (keys per tile), CUFLASH_LOCAL (0/1), CUFLASH_MODS (0/1),
-// CUFLASH_VARLEN (0/1), CUFLASH_KVCACHE (0/1).
+// CUFLASH_VARLEN (0/1), CUFLASH_KVCACHE (0/1); with a traced function CUFLASH_USER_MOD and its macros,
+// CUFLASH_BLOCK_SPARSE (0/1).
 #include "ptx.cuh"
 #include "score_mods.cuh"
 
@@ -325,6 +336,9 @@ struct Rows {   // what the softmax needs to know of this thread's rows and the 
     ScoreMods mods;   // the score modifiers (score_mods.cuh) and this block's (batch, head) share
     HeadMods hm;
 #endif
+#if CUFLASH_BLOCK_SPARSE
+    bool user_mask;   // the tile is a partial block's: mask_mod evaluated (a full block's: not)
+#endif
 };
 
 // Floor and ceiling of x / BC for any sign of x.
@@ -394,7 +408,11 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
         const int r = (i % 4) / 2, offset = 8 * (i / 4) + i % 2;   // the score's column: kv0 + 2t + offset
         const int col = kv0 + 2 * w.t + offset, row = w.row0 + 8 * r;
         float x = sc[i];
+#if CUFLASH_BLOCK_SPARSE
+        if (row < w.Sq && col < w.Sk) x = mod_score<elem_t>(w.mods, w.hm, x, row, col, w.Sq, w.Sk, nullptr, w.user_mask);
+#else
         if (row < w.Sq && col < w.Sk) x = mod_score<elem_t>(w.mods, w.hm, x, row, col, w.Sq, w.Sk);
+#endif
         if (((MASK & MASK_LEFT) && offset < lo[r]) || ((MASK & MASK_RIGHT) && offset > hi[r])) x = CUFLASH_NEG_INF;
         sc[i] = x;
         mx[r] = fmaxf(mx[r], x);
@@ -470,6 +488,17 @@ __device__ __forceinline__ void to_a_fragment(const float (&sc)[BC / 2], unsigne
     }
 }
 
+#if CUFLASH_BLOCK_SPARSE
+static_assert(!CUFLASH_KVCACHE && !CUFLASH_VARLEN, "the block-sparse form is a fixed-shape form");
+struct BsArgs {   // the block mask's lists (score_mods.cuh: CUFLASH_BSPARSE_PARAMS; the entry's, below)
+    const int *num, *idx, *full_num, *full_idx;
+    long long num_bs, num_hs, idx_bs, idx_hs, idx_rs;
+    int outer, inner;
+    int* counts;   // the simulator's tile count (bs_count 1): [2 block] partial, [2 block + 1] full
+    int count;
+};
+#endif
+
 #if CUFLASH_KVCACHE
 struct KvArgs {   // the KV-cache form's arguments (the entry's, below)
     const unsigned char *k_cache, *v_cache;
@@ -487,6 +516,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
                         const int* __restrict__ cu_seqlens_k, const int* __restrict__ seqused_k, int varlen
 #if CUFLASH_KVCACHE
                         , const KvArgs& kv
+#endif
+#if CUFLASH_BLOCK_SPARSE
+                        , const BsArgs& bs
 #endif
                         ) {
     extern __shared__ unsigned char smem_raw[];
@@ -549,6 +581,20 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         ntiles = max(0, min(per, ntiles - split * per));
     }
 #endif
+#if CUFLASH_BLOCK_SPARSE
+    // the walk (the header comment): query block m0 / outer's partial key blocks, then its full ones,
+    // each as bs_sub tiles of BC keys; tile j starts at key bs_tile_kv0(j) (the window's bounds above
+    // do not shorten it: its tiles are masked as they come)
+    const long long bs_b = mods.user.batch0 + b;
+    const int bs_q = m0 / bs.outer, bs_sub = bs.inner / BC;
+    const int bs_np = bs.num[bs_b * bs.num_bs + h * bs.num_hs + bs_q];
+    ntiles = (bs_np + bs.full_num[bs_b * bs.num_bs + h * bs.num_hs + bs_q]) * bs_sub;
+    const long long bs_at = bs_b * bs.idx_bs + h * bs.idx_hs + bs_q * bs.idx_rs;
+    auto bs_tile_kv0 = [&](int j) {
+        const int e = j / bs_sub;
+        return (e < bs_np ? bs.idx[bs_at + e] : bs.full_idx[bs_at + e - bs_np]) * bs.inner + (j - e * bs_sub) * BC;
+    };
+#endif
     if (threadIdx.x == 0) {
         ptx_mbarrier_init(&q_full, 1);
         for (int s = 0; s < STAGES; ++s) {
@@ -570,7 +616,11 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         if (threadIdx.x / 32 == 0 && ptx_elect_one()) {
             load_q(tiles, q_s, m0, &q_full);
             for (int j = 0; j < ntiles; ++j) {
+#if CUFLASH_BLOCK_SPARSE
+                const int s = j % STAGES, kv0 = bs_tile_kv0(j);
+#else
                 const int s = j % STAGES, kv0 = (tile_lo + j) * BC;
+#endif
                 if (j >= STAGES) ptx_mbarrier_wait(&empty_k[s], ((j / STAGES) - 1) & 1);
                 load_k(tiles, k_s + s * K_BYTES, kv0, &full_k[s]);
                 if (j >= STAGES) ptx_mbarrier_wait(&empty_v[s], ((j / STAGES) - 1) & 1);
@@ -626,6 +676,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #if CUFLASH_MODS
               , mods, head_mods<elem_t>(mods, b, h)
 #endif
+#if CUFLASH_BLOCK_SPARSE
+              , true
+#endif
     };
 #pragma unroll
     for (int r = 0; r < 2 && EDGES_ONCE; ++r) {
@@ -655,6 +708,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     // turns: ntiles + 1 per consumer (S_0; S_j with P V_{j-1}; the last P V); each barrier gets
     // as many arrivals as syncs, so consumer 1 arrives once up front and skips its last hand-over
     if (c == 1 && ntiles > 0) ptx_bar_arrive(TURN_BAR + 0, 256);
+#if CUFLASH_BLOCK_SPARSE && defined(CUFLASH_SIM)
+    int bs_entered[2] = {0, 0};   // tiles entered: partial, full (the simulator's count)
+#endif
     if (ntiles > 0) {
         ptx_mbarrier_wait(&full_k[0], 0);
         ptx_bar_sync(TURN_BAR + c, 256);
@@ -662,7 +718,15 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         ptx_bar_arrive(TURN_BAR + 1 - c, 256);
         ptx_wgmma_wait<0>();
         if (tid == 0) ptx_mbarrier_arrive(&empty_k[0]);
+#if CUFLASH_BLOCK_SPARSE
+        rows.user_mask = 0 < bs_np;
+#if defined(CUFLASH_SIM)
+        ++bs_entered[rows.user_mask ? 0 : 1];
+#endif
+        softmax_tile<CUFLASH_LOCAL ? MASK_BOTH : MASK_RIGHT>(sc, bs_tile_kv0(0), rows, m_run, l_run, alpha);
+#else
         softmax_tile<CUFLASH_LOCAL ? MASK_BOTH : MASK_RIGHT>(sc, tile_lo * BC, rows, m_run, l_run, alpha);   // O is 0: O * alpha stays 0
+#endif
         to_a_fragment(sc, pa);
     }
     // tile j of the walk, with P V of tile j - 1; mask: a MaskOf<Mask>
@@ -677,7 +741,15 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         issue_pv(o, pa, ptx_wgmma_desc_advance(dv0, sv * V_BYTES));
         ptx_bar_arrive(TURN_BAR + 1 - c, 256);
         ptx_wgmma_wait<1>();                       // S_j is in; P_{j-1} V_{j-1} may still run
+#if CUFLASH_BLOCK_SPARSE
+        rows.user_mask = int(j) / bs_sub < bs_np;
+#if defined(CUFLASH_SIM)
+        ++bs_entered[rows.user_mask ? 0 : 1];
+#endif
+        softmax_tile<decltype(mask)::value>(sc, bs_tile_kv0(j), rows, m_run, l_run, alpha);
+#else
         softmax_tile<decltype(mask)::value>(sc, (tile_lo + j) * BC, rows, m_run, l_run, alpha);
+#endif
         // K_j's slot is free since S_j is in. Its release waits on row g's sum (fminf(l, 0) is +0 for
         // every l >= 0, inf or NaN, so thread 0 always arrives): ptxas keeps the wait for P V after
         // this arrival and issues the wait as early as it can, so the arrival decides how many
@@ -716,6 +788,13 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         if (c == 0) ptx_bar_arrive(TURN_BAR + 1, 256);
         ptx_wgmma_wait<0>();   // (the last V slot is not released: no load waits for it)
     }
+#if CUFLASH_BLOCK_SPARSE && defined(CUFLASH_SIM)
+    if (bs.count && c == 0 && tid == 0) {   // (the simulator's count of the tiles this block entered)
+        const long long blk = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
+        bs.counts[2 * blk] = bs_entered[0];
+        bs.counts[2 * blk + 1] = bs_entered[1];
+    }
+#endif
 #if CUFLASH_KVCACHE
     const bool bad = cs.bad || (ntiles > 0 && page_bad);   // (page_bad: set before the last V's arrival)
 #endif
@@ -818,6 +897,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(const __grid_
                               cache_capacity, cache_flags, num_splits, head_dim, head_dim_v, o_partial, lse_partial};
     fwd_sm90::forward(map_q, map_q, map_q, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods,
                       cu_seqlens_q, cu_seqlens_k, seqused_k, varlen, kv);
+#elif CUFLASH_BLOCK_SPARSE
+    const fwd_sm90::BsArgs bs{bs_num, bs_idx, bs_full_num, bs_full_idx, bs_num_bs, bs_num_hs, bs_idx_bs, bs_idx_hs,
+                              bs_idx_rs, bs_outer, bs_inner, bs_counts, bs_count};
+    fwd_sm90::forward(map_q, map_k, map_v, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods,
+                      cu_seqlens_q, cu_seqlens_k, seqused_k, varlen, bs);
 #else
     fwd_sm90::forward(map_q, map_k, map_v, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods,
                       cu_seqlens_q, cu_seqlens_k, seqused_k, varlen);

@@ -17,9 +17,13 @@ sequence starts come from ``cu_seqlens`` on the device, and ragged tensor maps
 end. KV caches (``cuflash.attention_with_kvcache``, contiguous or paged, with ``Sq`` from
 :data:`KVCACHE_MIN_ROWS` on; the ``kvcache`` forms) run here too: the producer warpgroup gathers K
 and V from the cache with cp.async (:func:`plan_kvcache`), split-KV merges by the combine kernel.
+A traced ``score_mod`` / ``mask_mod`` (:mod:`cuflash.runtime.score_mod`) is one more axis of the
+``mods`` forms (the same emitted C as the tensor-core tier's, the same cache key: the functions'
+canonical text), and a block mask runs their ``bs`` form, which walks the mask's key-block lists
+(:data:`BLOCK_SPARSE_BLOCK_N`, :func:`block_mask_reason`).
 The rest (fp32, dropout, score modifiers on packed batches and caches, decode-like KV-cache calls,
-chunked prefill, Sk = 0, views TMA cannot describe) goes to the tensor-core mma.sync tier, and
-``explain`` says why.
+chunked prefill, Sk = 0, views TMA cannot describe, block masks whose blocks do not hold whole
+Hopper tiles) goes to the tensor-core mma.sync tier, and ``explain`` says why.
 
 Tiles (the roofline's per-head-dim choice; shared memory per block = Q + two stages of K and V +
 1 KB of alignment): Br = 128 always; Bc = 128 for head dims up to 128, 112 for 192, 80 for 256.
@@ -35,7 +39,7 @@ import numpy as np
 
 from cuflash.kernels import forward_run
 from cuflash.kernels import launch_args as la
-from cuflash.runtime import plan, variants
+from cuflash.runtime import plan, score_mod, variants
 from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg, TensorMapArg
 from cuflash.runtime.tensor_map import TensorMap
 from cuflash.runtime.validation_modifiers import refuse_modifiers
@@ -55,6 +59,20 @@ DTYPES = ("f16", "bf16")
 TMA_ALIGN = 16
 #: the score modifiers the kernel takes (its ``mods`` forms; kernels_cu/score_mods.cuh)
 MODIFIERS = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks")
+#: and the traced functions (the ``mods`` forms with ``score_c``/``mask_c``: CUFLASH_USER_MOD) and
+#: the block mask (their ``block_sparse`` form)
+USER_MODIFIERS = ("score_mod", "mask_mod", "block_mask")
+#: keys per tile of the block-sparse forms: a key block of the mask must be whole tiles, so 128 up to
+#: :data:`BLOCK_SPARSE_N128_MAX` where KV_BLOCK is a multiple of 128, else 64 (which divides every
+#: BLOCK_SIZE)
+BLOCK_SPARSE_BLOCK_N = (128, 64)
+#: the largest bucket whose block-sparse form takes 128 keys: at 128 the list walk beside the 64
+#: scores a thread holds spills 24 bytes (NVRTC 12.9, a softcapped ALiBi with a table and a
+#: document mask), 64 keys do not
+BLOCK_SPARSE_N128_MAX = 96
+#: keys per tile of the traced (dense) forms where they differ from the modifier forms': at 256 the
+#: traced score_mod beside 80 keys spills 56 bytes (NVRTC 12.9, the same function), 64 do not
+BLOCK_N_USER = {256: 64}
 
 
 #: the smallest normal float32: the plain forms' stand-in for a zero scale (:func:`scale_arg`)
@@ -126,6 +144,19 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     #: the KV-cache form (``CUFLASH_KVCACHE``: K and V gathered from a contiguous or paged cache by the
     #: producer warpgroup, split-KV); always ``local`` (an unbounded window runs the same steady loop)
     kvcache: bool = False
+    #: a traced score_mod's and mask_mod's CUDA C (:func:`cuflash.runtime.score_mod.kernel_texts`; ""
+    #: for none): an axis of the ``mods`` forms (``CUFLASH_USER_MOD``), named by a hash of the two
+    score_c: str = dataclasses.field(default="", kw_only=True)
+    mask_c: str = dataclasses.field(default="", kw_only=True)
+    #: the block-sparse form (``CUFLASH_BLOCK_SPARSE``, entry suffix ``_bs``): the walk over a block
+    #: mask's lists, with ``tile_n`` keys per tile (:data:`BLOCK_SPARSE_BLOCK_N`)
+    block_sparse: bool = dataclasses.field(default=False, kw_only=True)
+    #: keys per tile of a traced form where not the modifier forms' (entry suffix ``_n<Bc>``; 0: theirs)
+    tile_n: int = dataclasses.field(default=0, kw_only=True)
+    #: (the forward has no score_mod derivative nor array gradients: AttentionVariant's prelude reads these)
+    grad_c: ClassVar[str] = ""
+    agrad_c: ClassVar[str] = ""
+    agrad_warp_c: ClassVar[str] = ""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -140,11 +171,26 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
         if self.head_dim_v > self.head_dim:
             raise ValueError(f"Sm90ForwardVariant: head_dim_v={self.head_dim_v} must not exceed head_dim="
                              f"{self.head_dim} (the output is staged over the query tile)")
+        if (self.score_c or self.mask_c) and not self.mods:
+            raise ValueError("Sm90ForwardVariant: a traced score_mod/mask_mod is an axis of the modifier forms (mods=True)")
+        if self.block_sparse and (self.tile_n not in BLOCK_SPARSE_BLOCK_N or not self.mask_c):
+            raise ValueError(f"Sm90ForwardVariant: the block-sparse form has a traced mask_mod and tile_n in "
+                             f"{BLOCK_SPARSE_BLOCK_N}, got mask_c={self.mask_c!r}, tile_n={self.tile_n}")
+        if self.tile_n and (not self.user_mod or self.tile_n % 16):
+            raise ValueError(f"Sm90ForwardVariant: tile_n={self.tile_n} is an axis of the traced forms (a multiple of 16)")
 
     def axes(self) -> tuple[str, ...]:
         dims = f"d{self.head_dim}" if self.head_dim == self.head_dim_v else f"d{self.head_dim}_dv{self.head_dim_v}"
+        user = variants.AttentionVariant._user_suffix(self)[1:] if self.user_mod else ""
         return ((self.dtype, dims) + (("local",) if self.local else ()) + (("mods",) if self.mods else ())
-                + (("varlen",) if self.varlen else ()) + (("kvcache",) if self.kvcache else ()))
+                + (("varlen",) if self.varlen else ()) + (("kvcache",) if self.kvcache else ())
+                + ((user,) if user else ()) + ((f"n{self.tile_n}",) if self.tile_n else ())
+                + (("bs",) if self.block_sparse else ()))
+
+    @property
+    def user_mod(self) -> int:
+        """``CUFLASH_USER_MOD``: bit 1 a traced score_mod, bit 2 a traced mask_mod."""
+        return (1 if self.score_c else 0) | (2 if self.mask_c else 0)
 
     @property
     def block_m(self) -> int:
@@ -152,6 +198,8 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
 
     @property
     def block_n(self) -> int:
+        if self.tile_n:
+            return self.tile_n
         if self.mods:
             return BLOCK_N_MODS.get((self.head_dim, self.head_dim_v), BLOCK_N[self.head_dim])
         return BLOCK_N[self.head_dim]
@@ -172,13 +220,16 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
                                     ("CUFLASH_BC", str(self.block_n)), ("CUFLASH_LOCAL", "1" if self.local else "0"),
                                     ("CUFLASH_MODS", "1" if self.mods else "0"),
                                     ("CUFLASH_VARLEN", "1" if self.varlen else "0"),
-                                    ("CUFLASH_KVCACHE", "1" if self.kvcache else "0"))
+                                    ("CUFLASH_KVCACHE", "1" if self.kvcache else "0")) + (
+            variants.AttentionVariant.user_defines(self) if self.user_mod else ())   # (the other forms' text unchanged)
 
     def describe(self) -> str:
         packed = "packed sequences (ragged tensor maps clipped at each sequence's end): " if self.varlen else ""
         loads = "TMA, 2-stage K and V rings"
         if self.kvcache:
             loads = "Q by TMA, K and V gathered from the cache by cp.async into 2-stage rings"
+        if self.block_sparse:
+            loads += ", over the block mask's partial then full key blocks (empty ones never loaded)"
         return (f"{self.entry}: {packed}a producer warpgroup ({loads}) and 2 consumer warpgroups of 64 "
                 f"query rows (wgmma; ping-pong, softmax overlapped with P V), Br={BLOCK_M}, Bc={self.block_n}, {self.smem_bytes} B of shared memory")
 
@@ -207,17 +258,53 @@ def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
 
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int = 90, *, local: bool = False,
-                   mods: bool = False, varlen: bool = False) -> Sm90ForwardVariant:
+                   mods: bool = False, varlen: bool = False, user: tuple = ("", "", ""),
+                   kv_block: int = 0) -> Sm90ForwardVariant:
     """The variant of a call's dtype and head dims (``local``: causal or a window; ``mods``: score
-    modifiers; ``varlen``: a packed batch)."""
-    return Sm90ForwardVariant(variants.dtype_key(dtype), bucket(head_dim), bucket(head_dim_v), local, mods, varlen)
+    modifiers; ``varlen``: a packed batch; ``user``: the traced score_mod's and mask_mod's CUDA C,
+    :func:`cuflash.kernels.attention_fwd_mma.user_c`'s triple; ``kv_block``: a block mask's
+    KV_BLOCK, which selects the block-sparse form, 0 for none)."""
+    d, dv = bucket(head_dim), bucket(head_dim_v)
+    bn = BLOCK_N_USER.get(d, 0) if (user[0] or user[1]) else 0
+    if kv_block:
+        bn = 128 if d <= BLOCK_SPARSE_N128_MAX and kv_block % 128 == 0 else 64
+    return Sm90ForwardVariant(variants.dtype_key(dtype), d, dv, local, mods, varlen, score_c=user[0], mask_c=user[1],
+                              block_sparse=bool(kv_block), tile_n=bn)
+
+
+def _user_c(problem) -> tuple:
+    """The traced functions' CUDA C (the tensor-core forward's texts: the same cache key)."""
+    m = problem.modifiers
+    if m is None or (m.score_mod is None and m.mask_mod is None):
+        return ("", "", "")
+    return score_mod.kernel_texts(m.score_mod, m.mask_mod, False)
+
+
+def _block_mask(problem):
+    m = problem.modifiers
+    return None if m is None else getattr(m, "block_mask", None)
 
 
 def variant_for(problem, arch: int = 90) -> Sm90ForwardVariant:
     """The variant that runs ``problem`` (``arch``: the dispatcher's, for the signature every tier shares)."""
     p = problem
+    bm = _block_mask(p)
     return choose_variant(p.dtype, p.head_dim, p.head_dim_v, local=p.window_left >= 0 or p.window_right >= 0,
-                          mods=p.modifiers is not None, varlen=p.varlen is not None)
+                          mods=p.modifiers is not None, varlen=p.varlen is not None, user=_user_c(p),
+                          kv_block=bm.BLOCK_SIZE[1] if bm is not None else 0)
+
+
+def block_mask_reason(problem) -> str | None:
+    """Why ``problem``'s block mask cannot be walked by the Hopper block-sparse form (None if it
+    can, or without one): a block of the kernel (128 query rows) must lie in one query block of
+    the mask, so Q_BLOCK must be a multiple of 128; every KV_BLOCK (a multiple of 64) is whole
+    key tiles (:data:`BLOCK_SPARSE_BLOCK_N`)."""
+    bm = _block_mask(problem)
+    if bm is None or bm.BLOCK_SIZE[0] % BLOCK_M == 0:
+        return None
+    return (f"the block_mask's Q_BLOCK={bm.BLOCK_SIZE[0]} is not a multiple of the Hopper kernel's {BLOCK_M} query rows "
+            f"per block (its two consumers share one key-block walk); the tensor-core tier walks {bm.BLOCK_SIZE[0]}-row "
+            f"query blocks")
 
 
 def _bhsd(a, layout: str):
@@ -285,7 +372,15 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     """Why ``problem`` cannot run on this tier on ``sm_<arch>`` (None if it can). The arch rule
     (``sm_90a``: compute capability 9.0 only) is the dispatcher's (:data:`TARGET_ARCH`)."""
     p = problem
-    why = refuse_modifiers(p, "the Hopper kernel", MODIFIERS)
+    why = refuse_modifiers(p, "the Hopper kernel", MODIFIERS + USER_MODIFIERS)
+    if why is not None:
+        return why
+    m = p.modifiers
+    for traced in () if m is None else (m.score_mod, m.mask_mod):
+        why = None if traced is None else score_mod.kernel_refusal(traced)
+        if why is not None:
+            return why + " in the Hopper kernel"
+    why = block_mask_reason(p)
     if why is not None:
         return why
     why = dtype_reason(p)
@@ -322,7 +417,7 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
 
 
 def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = -1, window_right: int = -1,
-                 dtype: str | None = None, mods_args: tuple = ()) -> LaunchPlan:
+                 dtype: str | None = None, mods_args: tuple = (), variant: Sm90ForwardVariant | None = None) -> LaunchPlan:
     """The launch for arrays in (B, H, S, D) order (any strides a tensor map can describe).
 
     Parameters
@@ -337,6 +432,10 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
     mods_args : tuple of plan arguments
         The score modifiers' (:func:`cuflash.kernels.launch_args.mods_args`); non-empty
         selects the ``mods`` variant.
+    variant : Sm90ForwardVariant, optional
+        The variant to launch (a traced function's or block-sparse form, :func:`variant_for`, whose
+        ``mods_args`` carry the captured arrays and lists); None: the one of the dtype, head
+        dims, window and ``mods_args``.
 
     Raises
     ------
@@ -361,7 +460,8 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
                          f"{tuple(lse.shape)} {lse.dtype}")
     if sq < 1 or sk < 1:
         raise ValueError(f"attention_fwd_sm90: Sq={sq} and Sk={sk} must be at least 1")
-    variant = Sm90ForwardVariant(dtype, bucket(d), bucket(dv), window_left >= 0 or window_right >= 0, bool(mods_args))
+    if variant is None:
+        variant = Sm90ForwardVariant(dtype, bucket(d), bucket(dv), window_left >= 0 or window_right >= 0, bool(mods_args))
     bn = variant.block_n
     args = (TensorMapArg.of("map_q", q, (1, 1, BLOCK_M, PANEL), swizzle=128),
             TensorMapArg.of("map_k", k, (1, 1, bn, PANEL), swizzle=128),
@@ -458,10 +558,15 @@ def forward(problem, q, k, v, out, call):
         key = variants.dtype_key(p.dtype)
         bits = (lambda a: a.view(np.uint16)) if key == "bf16" else (lambda a: a)
         qs, ks, vs, os_ = (bits(_bhsd(a, p.layout)) for a in (q, k, v, out))
-        mods = () if p.modifiers is None else la.mods_args(p, la.modifier_views(p, call), call, True)
+        variant = variant_for(p)
+        mods = ()
+        if p.modifiers is not None:
+            grid = -(-p.seqlen_q // BLOCK_M) * p.num_heads_q * p.batch_shape[0]
+            sparse = la.block_sparse_args(p, call, False, grid) if variant.block_sparse else ()
+            mods = la.mods_args(p, la.modifier_views(p, call), call, True, bool(variant.user_mod), 0, sparse)
         call.launch(plan_forward(qs, ks, vs, os_, lse.reshape(p.batch_shape[0], p.num_heads_q, p.seqlen_q),
                                  softmax_scale=p.softmax_scale, window_left=p.window_left,
-                                 window_right=p.window_right, dtype=key, mods_args=mods))
+                                 window_right=p.window_right, dtype=key, mods_args=mods, variant=variant))
     return out, lse
 
 

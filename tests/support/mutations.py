@@ -49,7 +49,7 @@ FILES = {
     "attention_combine.cu": ("kvcache_split_checked", "kvcache_split_seeds"),
     "hopper_probe.cu": ("hopper_checked", "hopper_seeds"),
     "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked",
-                              "fwd_sm90_varlen_checked", "fwd_sm90_kvcache_checked"),
+                              "fwd_sm90_varlen_checked", "fwd_sm90_kvcache_checked", "fwd_sm90_bs_checked"),
     "attention_bwd_sm90.cu": ("bwd_sm90_checked", "bwd_sm90_seeds", "bwd_sm90_um_checked"),
 }
 #: probes whose simulator build alone takes about a minute of the default run's 2 cores: they and
@@ -311,6 +311,29 @@ def _sm90_case(dtype, d, sq, sk, causal, checked, seeds):
         assert ok, f"Hopper forward, seed {seed}: {msg}"
 
 
+def _sm90_block_sparse_case(checked, seeds):
+    """The Hopper forward's block-sparse form (a traced causal document mask's block mask, 128 x 64
+    blocks) through the dispatcher (its form asserted): query tiles that walk 1 to 5 listed key
+    tiles, partial and full, so the rings turn over with tiles taken from the lists; against the
+    oracle with the dense mask_mod."""
+    import cuflash
+    from cuflash import mods, sim
+    from cuflash.reference import tolerance
+
+    rng = np.random.default_rng(43)
+    doc = np.repeat(np.arange(2, dtype=np.int32), (300, 212))
+    bm = mods.document_block_mask(doc, causal=True, BLOCK_SIZE=(128, 64))
+    q = rng.standard_normal((1, 2, 512, 64)).astype(np.float16)
+    k = rng.standard_normal((1, 1, 512, 64)).astype(np.float16)
+    v = rng.standard_normal((1, 1, 512, 64)).astype(np.float16)
+    for seed in seeds:
+        with sim.options(arch="sm_90", checked=checked, seed=seed):
+            assert cuflash.explain(q, k, v, block_mask=bm, backend="sim")["variant"].endswith("_n64_bs")
+            out, lse = cuflash.attention(q, k, v, block_mask=bm, return_lse=True, backend="sim")
+        ok, msg, _ = tolerance.compare(out, q, k, v, lse=lse, mask_mod=bm.mask_mod)
+        assert ok, f"Hopper block-sparse forward, seed {seed}: {msg}"
+
+
 def _sm90_varlen_case(checked, seeds):
     """The Hopper forward's packed form (f16, head dim 64, causal, GQA) through the dispatcher (its
     tier asserted): a sequence of 4 key tiles, an empty one, one shorter than a tile; each
@@ -478,6 +501,8 @@ PROBES = {
     "fwd_sm90_local_checked": lambda: _sm90_case(F16, 128, 190, 260, True, True, (0,)),
     "fwd_sm90_varlen_checked": lambda: _sm90_varlen_case(True, (0,)),
     "fwd_sm90_kvcache_checked": lambda: _sm90_kvcache_case(True, (0,)),
+    # the block-sparse form: the same rings and turns over key tiles taken from a block mask's lists
+    "fwd_sm90_bs_checked": lambda: _sm90_block_sparse_case(True, (0,)),
     "hopper_seeds": lambda: _hopper_case(False, SEEDS),
     "bwd_sm90_checked": lambda: _sm90_bwd_case(True, (0,)),
     "bwd_sm90_seeds": lambda: _sm90_bwd_case(False, SEEDS),
