@@ -7,7 +7,8 @@ fallback, why; the ``cuflash.dispatch`` logger logs the same line at DEBUG level
 1. Hopper wgmma (:mod:`cuflash.kernels.attention_fwd_sm90`, ``sm_90a``): float16/bfloat16 on
    compute capability 9.0, head dims up to 256 (multiples of 8), views a TMA tensor map can
    describe (16-byte-aligned strides and base), no dropout or KV cache; packed batches without
-   score modifiers;
+   score modifiers; traced score_mod/mask_mod on fixed shapes, and block masks whose Q_BLOCK is a
+   multiple of its 128-row tile (:func:`cuflash.kernels.attention_fwd_sm90.block_mask_reason`);
 2. tensor cores (:mod:`cuflash.kernels.attention_fwd_mma`): float16/bfloat16 on sm_80+, rows 16-byte
    aligned (head dims, strides and view offsets multiples of 8 elements);
 3. portable SIMT (:mod:`cuflash.kernels.attention_fwd_simt`): every dtype, every score modifier

@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from support import score_mod_cases
 
 import cuflash
 from cuflash import mods, sim
@@ -115,41 +116,14 @@ def _hopper(q, k, v, checked=False, **kw):
         return cuflash.attention(q, k, v, return_lse=True, backend="sim", **kw)
 
 
-def _example(name, rng, s):
-    slopes = rng.uniform(0.05, 0.5, HQ).astype(np.float32)
-    return {
-        "alibi": (mods.alibi(slopes), None),
-        "alibi_per_batch": (mods.alibi(rng.uniform(0.05, 0.5, (B, HQ)).astype(np.float32)), None),
-        "softcap": (mods.softcap(5.0), None),
-        "relative_position_bias": (mods.relative_position_bias(rng.standard_normal((HQ, 9)).astype(np.float32), 4),
-                                   None),
-        "document_mask": (None, mods.document_mask(np.sort(rng.integers(0, 5, s)).astype(np.int32), causal=True)),
-        "prefix_lm": (None, mods.prefix_lm(np.array([3, 140], np.int32))),
-        "sliding_window": (None, mods.sliding_window(9, 2)),
-    }[name]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["alibi", "alibi_per_batch", "softcap", "relative_position_bias", "document_mask",
-                                  "prefix_lm", "sliding_window"])
+@pytest.mark.parametrize("name", score_mod_cases.READY_MADE)
 def test_ready_made_mods_on_the_hopper_forward(name, rng):
     q, k, v = _qkv(rng, dtypes.bfloat16, SK, SK)   # two query tiles, two key tiles
-    score_fn, mask_fn = _example(name, rng, SK)
+    score_fn, mask_fn = score_mod_cases.ready_made(name, rng, SK, B, HQ)
     out, lse = _hopper(q, k, v, score_mod=score_fn, mask_mod=mask_fn)
     ok, msg, _ = tolerance.compare(out, q, k, v, lse=lse, score_mod=score_fn, mask_mod=mask_fn)
     assert ok, msg
-
-
-def _invented(table, keep):
-    """Integer division and modulo, where, log, maximum, a (B, Hq) table and a bool array."""
-    def score_fn(score, b, h, q_idx, kv_idx):
-        near = mods.maximum(score, -2.0) + 0.25 * mods.log(1.0 + abs(q_idx - kv_idx))
-        return mods.where((kv_idx // 8) % 3 == 1, score * table[b, h], near)
-
-    def mask_fn(b, h, q_idx, kv_idx):
-        return keep[kv_idx] | (kv_idx % 5 == 0)
-
-    return score_fn, mask_fn
 
 
 def _invented_2(bias, lo):
@@ -171,8 +145,9 @@ def test_invented_mods_with_causal_and_windows_on_the_hopper_forward(rng, dtype_
     dtype = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}[dtype_key]
     q, k, v = _qkv(rng, dtype, 200, 145)
     kw = dict(window_size=window) if window != (-1, 0) else dict(causal=True)
-    for n, make in enumerate((_invented, _invented)):
-        score_fn, mask_fn = make(rng.uniform(-1.5, 1.5, (B, HQ)).astype(np.float32), rng.random(145) > 0.3)
+    for n in range(2):
+        table = rng.uniform(-1.5, 1.5, (B, HQ)).astype(np.float32)
+        score_fn, mask_fn = score_mod_cases.invented(table, rng.random(145) > 0.3)
         loaded = len(launcher._modules)
         out, lse = _hopper(q, k, v, score_mod=score_fn, mask_mod=mask_fn, **kw)
         assert n == 0 or len(launcher._modules) == loaded

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from support import score_mod_cases
 from support.grads import assert_grads_within_twice_the_numpy_path
 
 import cuflash
@@ -111,16 +112,7 @@ def test_emitted_c_reads_arrays_by_slot_and_keeps_python_semantics():
 # ------------------------------------------------------------------------------------------ slow
 
 
-def _invented(table, keep):
-    """Integer division and modulo, where, log, maximum, a (B, Hq) table and a bool array."""
-    def score_fn(score, b, h, q_idx, kv_idx):
-        near = mods.maximum(score, -2.0) + 0.25 * mods.log(1.0 + abs(q_idx - kv_idx))
-        return mods.where((kv_idx // 8) % 3 == 1, score * table[b, h], near)
-
-    def mask_fn(b, h, q_idx, kv_idx):
-        return keep[kv_idx] | (kv_idx % 5 == 0)
-
-    return score_fn, mask_fn
+_invented = score_mod_cases.invented
 
 
 @pytest.mark.slow
@@ -168,22 +160,11 @@ def test_backward_with_score_and_mask_mod_on_the_simulator(rng):
 
 def _example(name, rng):
     """The ready-made mods of cuflash.mods as (score_mod, mask_mod) for Sq = Sk = SK."""
-    slopes = rng.uniform(0.05, 0.5, HQ).astype(np.float32)
-    return {
-        "alibi": (mods.alibi(slopes), None),
-        "alibi_per_batch": (mods.alibi(rng.uniform(0.05, 0.5, (B, HQ)).astype(np.float32)), None),
-        "softcap": (mods.softcap(5.0), None),
-        "relative_position_bias": (mods.relative_position_bias(rng.standard_normal((HQ, 9)).astype(np.float32), 4),
-                                   None),
-        "document_mask": (None, mods.document_mask(np.sort(rng.integers(0, 5, SK)).astype(np.int32), causal=True)),
-        "prefix_lm": (None, mods.prefix_lm(np.array([3, 40], np.int32))),
-        "sliding_window": (None, mods.sliding_window(9, 2)),
-    }[name]
+    return score_mod_cases.ready_made(name, rng, SK, B, HQ)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["alibi", "alibi_per_batch", "softcap", "relative_position_bias", "document_mask",
-                                  "prefix_lm", "sliding_window"])
+@pytest.mark.parametrize("name", score_mod_cases.READY_MADE)
 def test_ready_made_mods_on_the_simulator(name, rng):
     q, k, v = _qkv(rng, dtypes.bfloat16, SK, SK)
     score_fn, mask_fn = _example(name, rng)
