@@ -77,7 +77,7 @@
 // run-time arguments. Block-sparse masks (CUFLASH_BLOCK_SPARSE 1, a traced mask_mod's block mask):
 // a block's 128 query rows lie in one query block of the mask (bs_outer a multiple of 128), and its
 // walk is that block's partial key blocks, then its full ones, each as bs_inner / BC tiles: the
-// producer loads and the consumers compute the same tile j (bs_tile_kv0), so the rings, barriers and
+// producer loads and the consumers compute the same tile j (BsWalk, in order), so the rings, barriers and
 // turns are those of the contiguous walk; empty blocks are never loaded, full tiles run without
 // mask_mod (Rows::user_mask), and the causal / window / Sk mask still applies to every tile.
 //
@@ -497,6 +497,18 @@ struct BsArgs {   // the block mask's lists (score_mods.cuh: CUFLASH_BSPARSE_PAR
     int* counts;   // the simulator's tile count (bs_count 1): [2 block] partial, [2 block + 1] full
     int count;
 };
+// One side's walk over a query block's lists, a tile at a time (the producer's and each consumer's
+// copies take the same steps): sub-tile s of listed block e, partial blocks (idx) then full ones
+// (full_idx); a step is a compare and an add, no division per tile
+struct BsWalk {
+    const int *idx, *full_idx;   // the query block's lists
+    int np, sub, inner, e, s;    // partial blocks, tiles per block, KV_BLOCK; where the walk is
+    __device__ __forceinline__ bool partial() const { return e < np; }
+    __device__ __forceinline__ int kv0() const { return (e < np ? idx[e] : full_idx[e - np]) * inner + s * BC; }
+    __device__ __forceinline__ void next() {
+        if (++s == sub) s = 0, ++e;
+    }
+};
 #endif
 
 #if CUFLASH_KVCACHE
@@ -583,17 +595,14 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #endif
 #if CUFLASH_BLOCK_SPARSE
     // the walk (the header comment): query block m0 / outer's partial key blocks, then its full ones,
-    // each as bs_sub tiles of BC keys; tile j starts at key bs_tile_kv0(j) (the window's bounds above
+    // each as bs_sub tiles of BC keys, taken in order by BsWalk (the window's bounds above
     // do not shorten it: its tiles are masked as they come)
     const long long bs_b = mods.user.batch0 + b;
     const int bs_q = m0 / bs.outer, bs_sub = bs.inner / BC;
     const int bs_np = bs.num[bs_b * bs.num_bs + h * bs.num_hs + bs_q];
     ntiles = (bs_np + bs.full_num[bs_b * bs.num_bs + h * bs.num_hs + bs_q]) * bs_sub;
     const long long bs_at = bs_b * bs.idx_bs + h * bs.idx_hs + bs_q * bs.idx_rs;
-    auto bs_tile_kv0 = [&](int j) {
-        const int e = j / bs_sub;
-        return (e < bs_np ? bs.idx[bs_at + e] : bs.full_idx[bs_at + e - bs_np]) * bs.inner + (j - e * bs_sub) * BC;
-    };
+    const BsWalk bs_walk0{bs.idx + bs_at, bs.full_idx + bs_at, bs_np, bs_sub, bs.inner, 0, 0};
 #endif
     if (threadIdx.x == 0) {
         ptx_mbarrier_init(&q_full, 1);
@@ -615,9 +624,13 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #if !CUFLASH_KVCACHE
         if (threadIdx.x / 32 == 0 && ptx_elect_one()) {
             load_q(tiles, q_s, m0, &q_full);
+#if CUFLASH_BLOCK_SPARSE
+            BsWalk walk = bs_walk0;
+#endif
             for (int j = 0; j < ntiles; ++j) {
 #if CUFLASH_BLOCK_SPARSE
-                const int s = j % STAGES, kv0 = bs_tile_kv0(j);
+                const int s = j % STAGES, kv0 = walk.kv0();
+                walk.next();
 #else
                 const int s = j % STAGES, kv0 = (tile_lo + j) * BC;
 #endif
@@ -708,8 +721,11 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     // turns: ntiles + 1 per consumer (S_0; S_j with P V_{j-1}; the last P V); each barrier gets
     // as many arrivals as syncs, so consumer 1 arrives once up front and skips its last hand-over
     if (c == 1 && ntiles > 0) ptx_bar_arrive(TURN_BAR + 0, 256);
-#if CUFLASH_BLOCK_SPARSE && defined(CUFLASH_SIM)
+#if CUFLASH_BLOCK_SPARSE
+    BsWalk walk = bs_walk0;
+#if defined(CUFLASH_SIM)
     int bs_entered[2] = {0, 0};   // tiles entered: partial, full (the simulator's count)
+#endif
 #endif
     if (ntiles > 0) {
         ptx_mbarrier_wait(&full_k[0], 0);
@@ -719,11 +735,12 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         ptx_wgmma_wait<0>();
         if (tid == 0) ptx_mbarrier_arrive(&empty_k[0]);
 #if CUFLASH_BLOCK_SPARSE
-        rows.user_mask = 0 < bs_np;
+        rows.user_mask = walk.partial();
 #if defined(CUFLASH_SIM)
         ++bs_entered[rows.user_mask ? 0 : 1];
 #endif
-        softmax_tile<CUFLASH_LOCAL ? MASK_BOTH : MASK_RIGHT>(sc, bs_tile_kv0(0), rows, m_run, l_run, alpha);
+        softmax_tile<CUFLASH_LOCAL ? MASK_BOTH : MASK_RIGHT>(sc, walk.kv0(), rows, m_run, l_run, alpha);
+        walk.next();
 #else
         softmax_tile<CUFLASH_LOCAL ? MASK_BOTH : MASK_RIGHT>(sc, tile_lo * BC, rows, m_run, l_run, alpha);   // O is 0: O * alpha stays 0
 #endif
@@ -742,11 +759,12 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         ptx_bar_arrive(TURN_BAR + 1 - c, 256);
         ptx_wgmma_wait<1>();                       // S_j is in; P_{j-1} V_{j-1} may still run
 #if CUFLASH_BLOCK_SPARSE
-        rows.user_mask = int(j) / bs_sub < bs_np;
+        rows.user_mask = walk.partial();   // (tile j: the lambda runs j = 1, 2, ... in order)
 #if defined(CUFLASH_SIM)
         ++bs_entered[rows.user_mask ? 0 : 1];
 #endif
-        softmax_tile<decltype(mask)::value>(sc, bs_tile_kv0(j), rows, m_run, l_run, alpha);
+        softmax_tile<decltype(mask)::value>(sc, walk.kv0(), rows, m_run, l_run, alpha);
+        walk.next();
 #else
         softmax_tile<decltype(mask)::value>(sc, (tile_lo + j) * BC, rows, m_run, l_run, alpha);
 #endif

@@ -66,10 +66,10 @@ USER_MODIFIERS = ("score_mod", "mask_mod", "block_mask")
 #: :data:`BLOCK_SPARSE_N128_MAX` where KV_BLOCK is a multiple of 128, else 64 (which divides every
 #: BLOCK_SIZE)
 BLOCK_SPARSE_BLOCK_N = (128, 64)
-#: the largest bucket whose block-sparse form takes 128 keys: at 128 the list walk beside the 64
-#: scores a thread holds spills 24 bytes (NVRTC 12.9, a softcapped ALiBi with a table and a
-#: document mask), 64 keys do not
-BLOCK_SPARSE_N128_MAX = 96
+#: the largest bucket whose block-sparse form takes 128 keys: above it the list walk beside the 64
+#: scores a thread holds spills (NVRTC 12.9, a softcapped ALiBi with a table and a document mask:
+#: 8 bytes at 96, 24 at 128), 64 keys do not
+BLOCK_SPARSE_N128_MAX = 64
 #: keys per tile of the traced (dense) forms where they differ from the modifier forms': at 256 the
 #: traced score_mod beside 80 keys spills 56 bytes (NVRTC 12.9, the same function), 64 do not
 BLOCK_N_USER = {256: 64}
