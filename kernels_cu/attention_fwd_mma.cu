@@ -202,12 +202,15 @@ __device__ __forceinline__ void copy_rows_interior(elem_t* dst, const elem_t* sr
 
 // FWD_REG_STAGE: 1 in the sm_75 form's one-stage forms without a KV cache where the next tile's
 // chunks fit the registers; the next K/V tile then waits in registers across the math (fetch_kv,
-// put_kv below): 2 BC / kRowsPerPass uint4 per thread, 16 registers at bucket 64 (128 x 32) and 32
-// at 96. Under NVRTC 12.9 and 13.x (ptxas -v, sm_75) the fixed tile takes 184 registers at 64 and
-// 238 at 96, no spill; at 128, 192 and 256 the staged tile spills (140, 56 and 44 bytes under
-// 12.9), and the modifier forms at 96 reach 254 (a traced modifier's code would spill), so those
-// keep the synchronous refill after the math.
-#if CUFLASH_SM75_FORM && STAGES == 1 && !CUFLASH_CACHE_FP8 && !CUFLASH_KVCACHE && (DMAX <= 64 || (DMAX <= 96 && !CUFLASH_MODS))
+// put_kv below): 2 BC / kRowsPerPass uint4 per thread, 16 registers at bucket 64 (128 x 32) and at
+// 128 x 16 (the packed form's bucket-128 tile), 32 at 96. Under NVRTC 12.9 and 13.x (ptxas -v,
+// sm_75) the fixed tile takes 184 registers at 64 and 238 at 96, the packed 128 x 16 tile 248 at
+// 128, no spill; the 128 x 32 tile at 128 spills 16 bytes under both (12 with the loads issued
+// before P V instead), the tiles at 192 and 256 spill (56 and 44 bytes under 12.9), and the
+// modifier forms at 96 reach 254 (a traced modifier's code would spill), so those keep the
+// synchronous refill after the math.
+#if CUFLASH_SM75_FORM && STAGES == 1 && !CUFLASH_CACHE_FP8 && !CUFLASH_KVCACHE && \
+    (DMAX <= 64 || (DMAX <= 96 && !CUFLASH_MODS) || (DMAX <= 128 && BC <= 16 && !CUFLASH_MODS))
 #define FWD_REG_STAGE 1
 #else
 #define FWD_REG_STAGE 0
@@ -721,7 +724,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
             const unsigned keep_word = dropout_tile_bits<MT, NFRAG_S>(dr, (unsigned)(dropout_batch0 + batch),
                                                                       (unsigned)head0, qi0, kv0 + 2 * t);
 #endif
-            // S = Q K^T (16 MT x BC per warp): each K fragment feeds all MT query fragments.
+            // S = Q K^T (16 MT x BC per warp): each K fragment feeds all MT query fragments. The
+            // ldmatrix addresses are a tile base plus a byte offset (ptx.cuh: *_at), one [R + immediate]
+            // operand each: from element pointers ptxas 12.9 rebuilt every address for sm_80 with an
+            // IMAD (62 per tile at bf16 d128).
             float s[MT][NFRAG_S][4];
 #pragma unroll
             for (int f = 0; f < MT; ++f)
@@ -731,11 +737,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
             for (int kk = 0; kk < KSTEPS_D; ++kk) {
                 unsigned a[MT][4];
 #pragma unroll
-                for (int f = 0; f < MT; ++f) ptx_ldmatrix_x4(a[f], q_s + a_off + f * 16 * PITCH + kk * 16);
+                for (int f = 0; f < MT; ++f) ptx_ldmatrix_x4_at(a[f], q_s, 2 * (a_off + f * 16 * PITCH + kk * 16));
 #pragma unroll
                 for (int np = 0; np < NFRAG_S / 2; ++np) {
                     unsigned b[4];
-                    ptx_ldmatrix_x4(b, k_s + k_off + np * 16 * PITCH + kk * 16);
+                    ptx_ldmatrix_x4_at(b, k_s, 2 * (k_off + np * 16 * PITCH + kk * 16));
                     const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
                     for (int f = 0; f < MT; ++f) {
@@ -875,7 +881,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
 #pragma unroll
                 for (int dp = 0; dp < NFRAG_O / 2; ++dp) {
                     unsigned b[4];
-                    ptx_ldmatrix_x4_trans(b, v_s + v_off + kk * 16 * PITCH + dp * 16);
+                    ptx_ldmatrix_x4_trans_at(b, v_s, 2 * (v_off + kk * 16 * PITCH + dp * 16));
                     const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
                     for (int f = 0; f < MT; ++f) {

@@ -59,8 +59,11 @@ TILE_CANDIDATES_SM75_FORMS = {64: ((64, 64), (64, 32)), 96: ((64, 64), (64, 32))
 SM75_MODS_SPILL_BUCKETS = (256,)
 #: whether :func:`sm75_form` is in force (this context)
 _SM75_FORM = contextvars.ContextVar("cuflash_sm75_form", default=False)
-#: the packed (varlen) form's, where they differ: at bucket 128, 128 x 32 spills 96 bytes under
-#: NVRTC 12.9 on sm_75 (255 registers; 13.x: 248, none), 64 x 32 136; 128 x 16 takes 237, no spill
+#: the packed (varlen) form's, where they differ: at bucket 128, 128 x 16, whose next K/V tile waits
+#: in registers across the math (kernels_cu/attention_fwd_mma.cu, FWD_REG_STAGE): 248 registers, no
+#: spill under NVRTC 12.9 and 13.x on sm_75. 128 x 32 also compiles without spills (248), but only
+#: with the synchronous refill after the math (the fixed 128 x 32 tile spills 16 bytes staged); with
+#: element-pointer ldmatrix addresses it took 255 registers and spilled 96 bytes under 12.9
 TILE_CANDIDATES_SM75_VARLEN = {128: ((128, 16),)}
 #: tile shapes (Br, Bc) by bucket, in order of preference; the first that fits the device's shared
 #: memory is used. Br = rows per warp x warps: 4 warps of 32 rows (two 16-row mma fragments) up

@@ -116,6 +116,8 @@ def test_sm75_tensor_core_form(case, rng):
 def test_sm75_checked(rng):
     for mode in MODES:
         run_case(rng, "mixed5", (4, 2), 64, "same", "causal", "some", "f16", "mma_sm75", mode, checked=True)
+    # bucket 128: the 128 x 16 tile, whose next K/V tile waits in registers across the math
+    run_case(rng, "mixed5", (4, 2), 128, "same", "causal", "some", "f16", "mma_sm75", MODES[0], checked=True)
 
 
 @pytest.mark.checked
