@@ -557,7 +557,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         of the call, so new values compile nothing and ``jax.grad`` reaches them: a score_mod's
         captured float arrays are differentiable (their cotangent is
         :func:`cuflash.attention_backward`'s ``return_dscore_mod``: the NumPy path, or the
-        tensor-core backward, which does not take it with ``deterministic=True``); a mask_mod's
+        tensor-core backward, bit-identical run to run with ``deterministic=True``); a mask_mod's
         get none. Under ``jax.vmap`` such a call runs the pipeline once
         per mapped element.
     deterministic : bool

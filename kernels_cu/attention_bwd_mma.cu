@@ -74,7 +74,9 @@
 // each visible pair with dS != 0 adds dS * d score_mod / d read into the float32 workspace of the array
 // it reads, at the read's index, with atomicAdd; a read whose index depends on b and h only (a per-head
 // slope) is summed in a register over the tile, then across the warp, and added once per warp and tile.
-// The order of the adds varies, so deterministic mode does not use these forms.
+// The order of the float adds varies, so deterministic mode takes the exact form (CUFLASH_AGRAD_EXACT 1):
+// each term is split into signed integer limbs and added with 64-bit integer atomics, which give the same
+// sums in any order (below: exact_grad_add).
 //
 // Block-sparse masks (the CUFLASH_BLOCK_SPARSE 1 variants of a traced mask_mod; score_mods.cuh): the
 // flat loop walks, per query head of the kv head, the query blocks the block mask's transposed index
@@ -140,6 +142,61 @@ static_assert(2 * (2 * BC * PITCH + 2 * STAGES * BR * PITCH + 2 * BR * PP) + 4 *
 #endif
 #include "score_mods.cuh"
 static_assert(!CUFLASH_BLOCK_SPARSE || !CUFLASH_VARLEN, "a block mask is read by the fixed-shape modifier forms only");
+
+#ifndef CUFLASH_AGRAD_EXACT
+#define CUFLASH_AGRAD_EXACT 0
+#endif
+#if (CUFLASH_USER_MOD & 4) && CUFLASH_AGRAD_EXACT
+// Deterministic captured-array gradients (deterministic=True): an element's gradient is AGX_LIMBS signed
+// 64-bit limbs of AGX_W bits each (limb i weighs 2^(AGX_W i - 149), 2^-149 being float32's least subnormal
+// step, so 12 x 24 bits reach past float32's largest finite value) and a flag word. A finite term m 2^e (m
+// the 24-bit significand) adds m << (e mod AGX_W), signed, split into its low AGX_W bits (limb k, >= 0) and
+// the rest (limb k + 1, |hi| <= 2^24): integer adds, exact and in any order the same sum (a limb holds 2^39
+// terms before it could overflow; cuflash/kernels/attention_bwd_mma.py refuses larger problems). A NaN or
+// infinite term ORs 1 (NaN), 2 (+inf) or 4 (-inf) into the flag word. cuflash/kernels/backward_run.py
+// turns the limbs into float32 after the launches. The layout of an element: AGX_LIMBS + 1 int64, the
+// array's element strides (G.s) counting int64 elements.
+#define AGX_W 24
+#define AGX_LIMBS 12
+struct ExactGradPtr {   // an element's limbs (what G.p[n] + offset gives in this form)
+    long long* p;
+};
+__device__ __forceinline__ ExactGradPtr operator+(ExactGradPtr a, long long off) { return ExactGradPtr{a.p + off}; }
+struct ExactGrads {
+    ExactGradPtr p[4];
+    long long s[4][3];
+};
+__device__ __forceinline__ void exact_grad_add(ExactGradPtr e, float x) {
+    const unsigned bits = __float_as_uint(x), ex = (bits >> 23) & 255u;
+    if (ex == 255u) {   // NaN or an infinity
+        atomicOr(reinterpret_cast<unsigned*>(e.p + AGX_LIMBS), (bits & 0x7fffffu) ? 1u : (bits >> 31) ? 4u : 2u);
+        return;
+    }
+    const unsigned m = (bits & 0x7fffffu) | (ex ? 0x800000u : 0u);
+    if (m == 0u) return;
+    const int pos = (ex ? (int)ex : 1) - 1;   // the step of m's last bit above 2^-149: 0 .. 253
+    const int limb = pos / AGX_W;
+    long long v = (long long)m << (pos - limb * AGX_W);
+    if (bits >> 31) v = -v;
+    const long long hi = v >> AGX_W;   // (arithmetic shift: v = hi 2^AGX_W + lo, 0 <= lo < 2^AGX_W)
+    atomicAdd(reinterpret_cast<unsigned long long*>(e.p + limb), (unsigned long long)(v & ((1ll << AGX_W) - 1)));
+    if (hi != 0) atomicAdd(reinterpret_cast<unsigned long long*>(e.p + limb + 1), (unsigned long long)hi);
+}
+// The emitted terms' adds (cuflash/runtime/score_mod.py: array_grad_c), in this form.
+__device__ __forceinline__ void atomicAdd(ExactGradPtr e, float x) { exact_grad_add(e, x); }
+__device__ __forceinline__ void cuflash_warp_atomic_add(ExactGradPtr e, float v) {   // (fixed shuffle order)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(CUFLASH_FULL_MASK, v, o);
+    if ((threadIdx.x & 31) == 0 && v != 0.0f) exact_grad_add(e, v);
+}
+#define AGRAD_G                                                                                                    \
+    ExactGrads{{{reinterpret_cast<long long*>(user_g0)}, {reinterpret_cast<long long*>(user_g1)},                  \
+                {reinterpret_cast<long long*>(user_g2)}, {reinterpret_cast<long long*>(user_g3)}},                 \
+               {{user_gs00, user_gs01, user_gs02}, {user_gs10, user_gs11, user_gs12}, {user_gs20, user_gs21, user_gs22}, \
+                {user_gs30, user_gs31, user_gs32}}}
+#elif CUFLASH_USER_MOD & 4
+#define AGRAD_G CUFLASH_AGRAD_INIT
+#endif
 
 // One (query head, query tile) step of the block's flat loop.
 struct QueryTile {
@@ -552,7 +609,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                                 dbias_row[kj] = dv_;
 #if CUFLASH_USER_MOD & 4
                             if (visible && z != CUFLASH_NEG_INF && dv_ != 0.0f) {   // the captured arrays' gradients (a hidden pair adds nothing)
-                                const UserGrads ug = CUFLASH_AGRAD_INIT;
+                                const auto ug = AGRAD_G;
                                 CUFLASH_SCORE_MOD_ARRAY_GRAD(s_user, hm.b, hm.h, qi, kj, mods.user, ug, dv_, ug_acc);
                             }
 #endif
@@ -564,7 +621,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             {   // the tile-uniform terms: one add per warp (every lane is here: the branch is the block's)
                 const ScoreMods mods = CUFLASH_MODS_INIT;
                 const HeadMods hm = head_mods<elem_t>(mods, batch, cur.hq);
-                const UserGrads ug = CUFLASH_AGRAD_INIT;
+                const auto ug = AGRAD_G;
                 CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP(hm.b, hm.h, mods.user, ug, ug_acc);
             }
 #endif

@@ -69,8 +69,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         ``maximum``: a tie goes to the first argument), and a pair whose ``dS`` is 0 (a hidden
         pair) stays 0 even where the derivative is not finite. On the NumPy path and in the
         tensor-core backward (float16/bfloat16; the derivative compiled beside the function),
-        which does not take them together with ``return_dbias``, nor with
-        ``return_dscore_mod`` and ``deterministic=True`` (``NotImplementedError``).
+        which does not take them together with ``return_dbias`` (``NotImplementedError``).
     block_mask : BlockMask, optional
         The forward's block mask (see :func:`cuflash.attention`): the backward visits, per key
         block, only the query blocks that see it (the block mask's transposed index), and
@@ -94,10 +93,14 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         float64 input) across blocks, added in a fixed order, so the same bits run to run. In
         the tensor-core backward (a variant compiled with the derivatives, float32 arrays):
         each visible pair adds its terms into a float32 workspace per array with ``atomicAdd``,
-        whose order varies from run to run, so the last bits may differ between runs; with
-        ``deterministic=True`` it is refused (``NotImplementedError``: a fixed order would need a
-        workspace of every pair's terms, Sq x Sk per head and read), and the NumPy path gives
-        bit-identical results.
+        whose order varies from run to run, so the last bits may differ between runs. With
+        ``deterministic=True`` each term is added exactly instead, as signed integer parts
+        (twelve 24-bit limbs from float32's least subnormal step, 64-bit integer atomics, 104
+        bytes of workspace per array element), whose sum is the same in any order; it is
+        rounded once to float32 after the kernel, so the result is bit-identical run to run,
+        for any split of the key tiles (``NotImplementedError`` where an element could take
+        2^39 terms or more, batch x query heads x Sq x Sk x reads; ``MemoryError`` naming the
+        bytes where the workspace does not fit).
 
     Returns
     -------

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import numpy as np
+
 from cuflash.kernels import attention_fwd_mma
 from cuflash.runtime import cuda_runner, nvrtc, plan, score_mod, variants
 from cuflash.runtime.validation_modifiers import refuse_modifiers
@@ -114,6 +116,9 @@ class AttentionBwdMma(variants.TileVariant):
     #: the sm_75 form built for a newer arch (``CUFLASH_SM75_FORM`` 1, entry suffix ``_sm75form``;
     #: :func:`cuflash.kernels.attention_fwd_mma.sm75_form`)
     sm75_form: bool = dataclasses.field(default=False, kw_only=True)
+    #: the captured-array gradients added exactly, in integer limbs (``CUFLASH_AGRAD_EXACT`` 1, entry
+    #: suffix ``_agx``; deterministic=True): the same bits in any order of the adds
+    agrad_exact: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
@@ -122,7 +127,8 @@ class AttentionBwdMma(variants.TileVariant):
                              "a multiple of 32 rows by a multiple of 64 keys with 1 or 2 stages")
 
     def axes(self) -> tuple[str, ...]:
-        return ("main",) + super().axes() + (f"s{self.stages}",) + (("sm75form",) if self.sm75_form else ())
+        return (("main",) + super().axes() + (f"s{self.stages}",) + (("sm75form",) if self.sm75_form else ())
+                + (("agx",) if self.agrad_exact else ()))
 
     def spilling_nvrtc_majors(self, arch: int) -> tuple[int, ...]:
         """The NVRTC majors that spill this variant on ``sm_<arch>`` (:data:`SPILLING_FORMS`)."""
@@ -168,7 +174,7 @@ class AttentionBwdMma(variants.TileVariant):
             ("CUFLASH_DKV_WARPS_N", str(kvn)),
             ("CUFLASH_DQ_WARPS_M", str(qm)),
             ("CUFLASH_DQ_PASSES", str(self.dq_passes)),
-        ) + ((("CUFLASH_SM75_FORM", "1"),) if self.sm75_form else ())
+        ) + ((("CUFLASH_SM75_FORM", "1"),) if self.sm75_form else ()) + ((("CUFLASH_AGRAD_EXACT", "1"),) if self.agrad_exact else ())
 
     def describe(self, arch: int | None = None) -> str:
         if self.sm75_form or (arch is not None and arch < MIN_ARCH):   # the sm_75 form (kernels_cu/ptx.cuh: CUFLASH_SM75_FORM)
@@ -274,10 +280,11 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
         # (the kernel writes d attn_bias before the score_mod's derivative is applied)
         return "return_dbias with score_mod is not in the tensor-core backward yet"
     if p.options.return_dscore_mod and p.options.deterministic:
-        # (each pair adds its share with a float32 atomicAdd, in an order that varies from run to run)
-        return ("return_dscore_mod with deterministic=True is not in the tensor-core backward: it adds the "
-                "captured arrays' gradients with atomics, in an order that varies from run to run; the NumPy path "
-                "computes them in a fixed order")
+        terms, pairs = exact_grad_terms(p)
+        if terms * pairs >= EXACT_GRAD_MAX_TERMS:
+            return (f"return_dscore_mod with deterministic=True: the exact sums of the captured arrays' gradients take "
+                    f"fewer than 2^39 terms per element (captured-array reads per pair x query-key pairs: {terms} x {pairs} "
+                    "here)")
     arrays = tuple(arrays or ())
     why = attention_fwd_mma.unsupported_reason(p, arch, arrays[:4])
     if why is None and len(arrays) > 4:
@@ -303,14 +310,88 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     return why
 
 
+#: the exact form's (``CUFLASH_AGRAD_EXACT``) bound on the terms added into one element: a limb takes
+#: ``2^39`` adds of at most ``2^24`` before it could overflow
+EXACT_GRAD_MAX_TERMS = 2 ** 39
+
+
+def exact_grad_terms(problem) -> tuple[int, int]:
+    """``(terms, pairs)``: the captured-array gradient terms per query-key pair of the traced
+    score_mod (each adds into one element) and an upper bound on the pairs (batch x query heads x
+    query rows x keys; a packed batch: query heads x total query rows x its longest key sequence)."""
+    p = problem
+    terms = len(score_mod.array_derivatives(p.modifiers.score_mod))
+    if p.varlen is not None:
+        return terms, p.num_heads_q * p.varlen.total_q * p.varlen.max_seqlen_k
+    return terms, int(np.prod(p.batch_shape, dtype=np.int64)) * p.num_heads_q * p.seqlen_q * p.seqlen_k
+
+
+#: the exact form's limbs per element (``AGX_LIMBS``), their width in bits (``AGX_W``) and the weight of
+#: limb 0's unit, ``2^EXACT_GRAD_LSB`` (float32's least subnormal step); one flag word follows the limbs
+EXACT_GRAD_LIMBS, EXACT_GRAD_BITS, EXACT_GRAD_LSB = 12, 24, -149
+
+
+def exact_grad_workspace(shape, call, name: str = "array"):
+    """A zeroed int64 workspace ``(*shape, EXACT_GRAD_LIMBS + 1)`` for the exact form's gradient of a
+    captured array of ``shape`` on ``call``'s device.
+
+    Raises
+    ------
+    MemoryError
+        If the device cannot hold it, naming the array, the shape and the bytes.
+    """
+    full = tuple(shape) + (EXACT_GRAD_LIMBS + 1,)
+    try:
+        return call.xp.zeros(full, dtype=np.int64)
+    except MemoryError as e:
+        n = 8 * int(np.prod(full, dtype=object))
+        raise MemoryError(f"attention_backward: deterministic=True sums the gradient of captured array {name!r} "
+                          f"(shape {tuple(shape)}) exactly in {EXACT_GRAD_LIMBS + 1} int64 words per element, "
+                          f"{n} bytes, which do not fit in the device's memory ({e}); pass deterministic=False "
+                          "or use a smaller array") from None
+
+
+def exact_grad_sum(acc, xp):
+    """The float32 values of the exact form's workspace ``acc`` (int64 ``(..., EXACT_GRAD_LIMBS + 1)``,
+    :func:`exact_grad_workspace`; ``xp``: NumPy or CuPy): the limbs' integer sum times
+    ``2^EXACT_GRAD_LSB``, rounded to float64 and then to float32 (the same for every order of the
+    kernel's adds), NaN where a term was NaN or where both infinities were added, else the infinity
+    added."""
+    w, n = EXACT_GRAD_BITS, EXACT_GRAD_LIMBS
+    limbs = [acc[..., i].copy() for i in range(n)]
+
+    def carry():   # limbs 0 .. n-2 into [0, 2^w), the rest carried up (exact integer arithmetic)
+        for i in range(n - 1):
+            c = limbs[i] >> w
+            limbs[i] -= c << w
+            limbs[i + 1] += c
+
+    carry()
+    negative = limbs[-1] < 0   # the sum's sign: the lower limbs are non-negative
+    limbs = [xp.where(negative, -x, x) for x in limbs]
+    carry()
+    total = xp.zeros(acc.shape[:-1], dtype=np.float64)
+    for i in reversed(range(n)):   # non-negative parts, largest first
+        total += limbs[i].astype(np.float64) * 2.0 ** (w * i + EXACT_GRAD_LSB)
+    total = xp.where(negative, -total, total)
+    with np.errstate(over="ignore"):   # (a sum past float32's largest value is an infinity)
+        out = total.astype(np.float32)
+    flags = acc[..., n] & 0xFFFFFFFF
+    out = xp.where(flags == 2, np.float32(np.inf), out)
+    out = xp.where(flags == 4, np.float32(-np.inf), out)
+    return xp.where(((flags & 1) != 0) | ((flags & 6) == 6), np.float32(np.nan), out)
+
+
 def main_variant(problem, arch: int) -> AttentionBwdMma:
     """The main stage that runs the backward of ``problem`` on ``sm_<arch>``, in its dropout and
     modifier forms as the call needs (:func:`cuflash.kernels.backward_run.backward` runs it
     between the portable dot and convert stages)."""
-    return choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
-                          dropout=problem.dropout is not None, mods=problem.modifiers is not None,
-                          user=attention_fwd_mma.user_c(problem, grad=True) + _array_grad_c(problem),
-                          block_sparse=problem.modifiers is not None and problem.modifiers.block_mask is not None)
+    agrad = _array_grad_c(problem)
+    v = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
+                       dropout=problem.dropout is not None, mods=problem.modifiers is not None,
+                       user=attention_fwd_mma.user_c(problem, grad=True) + agrad,
+                       block_sparse=problem.modifiers is not None and problem.modifiers.block_mask is not None)
+    return dataclasses.replace(v, agrad_exact=True) if agrad and agrad[0] and problem.options.deterministic else v
 
 
 def _array_grad_c(problem) -> tuple:

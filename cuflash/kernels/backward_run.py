@@ -22,6 +22,7 @@ import dataclasses
 
 import numpy as np
 
+from cuflash.kernels import attention_bwd_mma
 from cuflash.kernels import launch_args as la
 from cuflash.kernels.attention_bwd_simt import THREADS, AttentionBwdSimt
 from cuflash.runtime import plan, score_mod, variants
@@ -85,7 +86,11 @@ class _Workspace:
         self.darrays = {}
         if p.options.return_dscore_mod:
             t = p.modifiers.score_mod
-            self.darrays = {n: call.xp.zeros(t.arrays[n].shape, dtype=np.float32) for n in score_mod.float_slots(t)}
+            if getattr(main, "agrad_exact", False):   # deterministic: integer limbs per element, summed exactly
+                self.darrays = {n: attention_bwd_mma.exact_grad_workspace(t.arrays[n].shape, call, t.names[n])
+                                for n in score_mod.float_slots(t)}
+            else:
+                self.darrays = {n: call.xp.zeros(t.arrays[n].shape, dtype=np.float32) for n in score_mod.float_slots(t)}
         self.batched = [n for n in la.MOD_BATCHED if n in self.mods] if not packed else []
         self.dd = call.empty(stat_shape, np.float32)
         self.num_k_tiles = -(-p.seqlen_k // main.block_n)
@@ -219,5 +224,7 @@ def backward(problem, dout, q, k, v, out, lse, main, call) -> tuple:
         grads += ((-w.sum(axis=tuple(a for a in range(dd.ndim) if a != head_axis))).astype(np.float32),)
     if p.options.return_dscore_mod:   # {variable name: gradient} in each array's shape and dtype
         t = p.modifiers.score_mod
+        if getattr(main, "agrad_exact", False):
+            ws.darrays = {n: attention_bwd_mma.exact_grad_sum(w, call.xp) for n, w in ws.darrays.items()}
         grads += ({t.names[n]: w.astype(t.arrays[n].dtype) for n, w in ws.darrays.items()},)
     return grads

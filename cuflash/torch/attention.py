@@ -318,7 +318,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         by the symbolic ``d score_mod / d score``, and a captured float tensor that requires
         grad (a learned relative-position table, trainable ALiBi slopes) gets its gradient
         (:func:`cuflash.attention_backward`'s ``return_dscore_mod``: the NumPy path, or the
-        tensor-core backward's float32 atomics, which ``deterministic=True`` does not take). The function is traced once per call; its captured tensors (of q's device)
+        tensor-core backward's float32 atomics, or with ``deterministic=True`` its exact integer sums). The function is traced once per call; its captured tensors (of q's device)
         are read, never copied. A mask_mod's captured tensors get no gradient (float ones that
         require grad raise ``TypeError``). These calls run through a ``torch.autograd.Function``
         (eager autograd; not a registered operator, so ``torch.compile`` breaks the graph
@@ -363,8 +363,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         other lengths, batch or heads, or with another ``mask_mod``; as :func:`cuflash.attention`.
     NotImplementedError
         Tensors on devices other than CPU and CUDA; as :func:`cuflash.attention` (float64 on a
-        kernel backend, a call without a kernel); a captured tensor that requires grad with
-        ``deterministic=True`` on a kernel backend (its gradient is then computed on the NumPy path only).
+        kernel backend, a call without a kernel).
     """
     mods = {"alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "attn_mask": attn_mask, "sinks": sinks}
     fp8 = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "out_dtype": out_dtype}
@@ -475,15 +474,6 @@ def _traced_attention(q, k, v, fns, mods, kw):
         traced[role] = dataclasses.replace(t, arrays=tuple(a.detach() if isinstance(a, torch.Tensor) else a
                                                            for a in t.arrays))
     _refuse_gradients(q, k, v, out, mods)
-    if learned and kw["deterministic"]:   # refused before the forward runs, not when the backward finds no kernel
-        chosen = backend if backend != "auto" else (pipeline.env_backend(_FUNC) or tensors.backend_for(q, _FUNC))
-        if chosen != "numpy":
-            names = ", ".join(repr(traced["score_mod"].names[i]) for i, _ in learned)
-            raise NotImplementedError(f"{_FUNC}: the score_mod's captured tensors {names} require grad, and with "
-                                      f"deterministic=True their gradients are computed on the NumPy path only (CPU "
-                                      f"tensors, backend 'auto' or 'numpy'; the kernels add them with atomics); this "
-                                      f"call runs on backend {chosen!r}: pass deterministic=False, detach them, or "
-                                      f"run on CPU")
     if out is not None:
         needing = tensors.requiring_grad({name: a for (_, a), name in
                                           zip(learned, (traced["score_mod"].names[i] for i, _ in learned))})

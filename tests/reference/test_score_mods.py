@@ -342,16 +342,22 @@ def test_captured_array_gradients_are_bit_identical_for_any_thread_count(rng, mo
     np.testing.assert_allclose(runs[0], want, rtol=1e-4, atol=1e-5)
 
 
-def test_captured_array_gradient_refusals(rng):
+def test_captured_array_gradient_refusals(rng, monkeypatch):
     q, k, v = _qkv(rng)
     out, lse = ref.naive_attention(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match=r"return_dscore_mod=True needs score_mod"):
         cuflash.attention_backward(out, q, k, v, out, lse, return_dscore_mod=True)
     t = np.ones(HQ, np.float32)
     h16 = tuple(x.astype(np.float16) for x in (q, k, v, out))
-    with pytest.raises(NotImplementedError, match=r"return_dscore_mod with deterministic=True is not in the "
-                                                  r"tensor-core backward: it adds the captured arrays' gradients "
-                                                  r"with atomics"):
+    from cuflash.kernels import attention_bwd_mma
+
+    # deterministic=True sums exactly in int64 limbs: refused (before any device work) where one element could
+    # take too many terms to stay exact (the bound lowered here to this problem's size)
+    monkeypatch.setattr(attention_bwd_mma, "EXACT_GRAD_MAX_TERMS", B * HQ * SQ * SK)
+    with pytest.raises(NotImplementedError, match=rf"return_dscore_mod with deterministic=True: the exact sums of "
+                                                  rf"the captured arrays' gradients take fewer than 2\^39 terms per "
+                                                  rf"element \(captured-array reads per pair x query-key pairs: 1 x "
+                                                  rf"{B * HQ * SQ * SK} here\)"):
         cuflash.attention_backward(h16[3], *h16, lse.astype(np.float32), score_mod=lambda s, b, h, i, j: s * t[h],
                                    return_dscore_mod=True, deterministic=True, backend="sim")
 
