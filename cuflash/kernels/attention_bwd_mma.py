@@ -89,6 +89,10 @@ SPILLING_FORMS = {
     (80, 256, False, False, True, "ag"): {12: "20 bytes"},
     (90, 192, False, False, True, "ag"): {13: "8 bytes"},
     (90, 256, False, False, True, "ag"): {12: "16 bytes", 13: "68 bytes"},
+    # ... and their exact (deterministic) forms (keys end in "agx"; the same function, f16)
+    (80, 256, False, False, True, "agx"): {12: "20 bytes"},
+    (90, 192, False, False, True, "agx"): {12: "8 bytes", 13: "28 bytes"},
+    (90, 256, False, False, True, "agx"): {12: "76 bytes", 13: "12 bytes"},
 }
 
 
@@ -249,7 +253,8 @@ def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
 
 def _spill_key(arch: int, variant) -> tuple:
     return ((90 if arch >= 90 else 80, variant.head_dim_max, variant.varlen, variant.dropout, variant.mods)
-            + (("bs",) if getattr(variant, "block_sparse", False) else ("ag",) if getattr(variant, "agrad_c", "") else ()))
+            + (("bs",) if getattr(variant, "block_sparse", False) else
+               ("agx" if getattr(variant, "agrad_exact", False) else "ag",) if getattr(variant, "agrad_c", "") else ()))
 
 
 def spill_note(arch: int, variant: AttentionBwdMma, majors: tuple[int, ...] | None = None) -> str | None:
