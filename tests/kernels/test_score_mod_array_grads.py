@@ -41,6 +41,16 @@ def _slopes_and_table(slopes, table, cap=8.0):
     return score_fn
 
 
+def _torch_inputs(torch, seed):
+    """float64 q, k, v (a list), dout, a table and slopes from torch's generator seeded ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    f64 = [torch.randn(s, dtype=torch.float64, generator=gen) for s in ((B, HQ, SQ, D), (B, HK, SK, D),
+                                                                      (B, HK, SK, D))]
+    dout = torch.randn(B, HQ, SQ, D, dtype=torch.float64, generator=gen)
+    table0 = torch.randn(HQ, 2 * RADIUS + 1, dtype=torch.float64, generator=gen)
+    return f64, dout, table0, torch.rand(HQ, dtype=torch.float64, generator=gen) * 0.4 + 0.05
+
+
 def _backward_on_the_simulator(rng, dtype, q, k, v, score_fn, arch=80, checked=False, **kw):
     out, lse = cuflash.attention(q, k, v, return_lse=True, score_mod=score_fn, **kw)   # the NumPy path's forward
     dout = rng.standard_normal(out.shape).astype(dtype)
@@ -104,12 +114,7 @@ def test_torch_learned_table_grad_on_the_simulator(rng):
     torch = pytest.importorskip("torch")
     import cuflash.torch as ct
 
-    gen = torch.Generator().manual_seed(3)
-    f64 = [torch.randn(s, dtype=torch.float64, generator=gen) for s in ((B, HQ, SQ, D), (B, HK, SK, D),
-                                                                      (B, HK, SK, D))]
-    dout = torch.randn(B, HQ, SQ, D, dtype=torch.float64, generator=gen)
-    table0 = torch.randn(HQ, 2 * RADIUS + 1, dtype=torch.float64, generator=gen)
-    slopes0 = torch.rand(HQ, dtype=torch.float64, generator=gen) * 0.4 + 0.05
+    f64, dout, table0, slopes0 = _torch_inputs(torch, 3)
 
     def run(dtype, backend):
         q, k, v = (x.to(dtype).clone().requires_grad_() for x in f64)   # (fresh leaves each run)
@@ -248,11 +253,7 @@ def test_torch_learned_table_deterministic_on_the_simulator():
     torch = pytest.importorskip("torch")
     import cuflash.torch as ct
 
-    gen = torch.Generator().manual_seed(5)
-    f64 = [torch.randn(s, dtype=torch.float64, generator=gen) for s in ((B, HQ, SQ, D), (B, HK, SK, D),
-                                                                      (B, HK, SK, D))]
-    dout = torch.randn(B, HQ, SQ, D, dtype=torch.float64, generator=gen)
-    table0 = torch.randn(HQ, 2 * RADIUS + 1, dtype=torch.float64, generator=gen)
+    f64, dout, table0, _ = _torch_inputs(torch, 5)
     slopes = np.full(HQ, 0.25, np.float32)
 
     def run(dtype, backend, seed=0):
