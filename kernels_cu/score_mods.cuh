@@ -74,9 +74,9 @@ __device__ __forceinline__ float cuflash_max_f(float a, float b) { return (a != 
 // into that array's float32 workspace G.p[n] (element strides G.s[n][axis]) with atomicAdd; a read
 // whose index depends on b and h only (the same for the whole tile) sums it into the register U[u]
 // instead, and CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP(b, h, A, G, U) adds each U[u], summed across the
-// warp, once per warp and tile (cuflash/runtime/score_mod.py: array_grad_c). The adds' order varies
-// from run to run, so these variants are not used with deterministic=True
-// (cuflash/kernels/attention_bwd_mma.py: unsupported_reason).
+// warp, once per warp and tile (cuflash/runtime/score_mod.py: array_grad_c). The float adds' order
+// varies from run to run; with deterministic=True the tensor-core backward builds the exact form
+// (CUFLASH_AGRAD_EXACT in attention_bwd_mma.cu), whose overloads of these adds sum integers exactly.
 #if CUFLASH_USER_MOD & 4
 struct UserGrads {
     float* p[4];
