@@ -166,7 +166,10 @@ struct ExactGrads {
     ExactGradPtr p[4];
     long long s[4][3];
 };
-__device__ __forceinline__ void exact_grad_add(ExactGradPtr e, float x) {
+// Out of line: the traced function's terms call it from every pair's code, and inlined copies made the
+// head-dim-256 sm_90 form take 2.0-2.2 s of NVRTC 13's CPU to compile, 1.75-1.85 s out of line (idle
+// machine; the spill figures of both are in SPILLING_FORMS, cuflash/kernels/attention_bwd_mma.py).
+__device__ __noinline__ void exact_grad_add(ExactGradPtr e, float x) {
     const unsigned bits = __float_as_uint(x), ex = (bits >> 23) & 255u;
     if (ex == 255u) {   // NaN or an infinity
         atomicOr(reinterpret_cast<unsigned*>(e.p + AGX_LIMBS), (bits & 0x7fffffu) ? 1u : (bits >> 31) ? 4u : 2u);
