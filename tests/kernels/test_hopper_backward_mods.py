@@ -102,13 +102,17 @@ def test_the_calls_it_does_not_take_run_on_the_tensor_cores_and_say_why(case, wo
     assert line.startswith("sm_90: tensor-core mma.sync tier") and "Hopper wgmma tier not used: " + words in line
 
 
-def test_array_gradients_with_deterministic_mode_are_refused_by_name():
+def test_array_gradients_with_deterministic_mode_go_to_the_tensor_core_exact_form():
+    """The Hopper form adds captured-array gradients with float atomics, so deterministic mode passes
+    the call, by name, to the tensor-core backward, whose exact-sum form gives the same bits."""
     p = _problem(64, mod_kw=dict(score_mod=_capped(np.ones(2, np.float32))), return_dscore_mod=True,
                  deterministic=True)
     why = attention_bwd_sm90.unsupported_reason(p, 90)
     assert why.startswith("return_dscore_mod with deterministic=True is not in the Hopper backward"), why
-    with pytest.raises(NotImplementedError, match="return_dscore_mod with deterministic=True"):
-        dispatch.backward_tier(p, 90)
+    assert dispatch.backward_tier(p, 90) is attention_bwd_mma
+    assert attention_bwd_mma.main_variant(p, 90).agrad_exact
+    line = dispatch.describe_backward_choice(p, 90)
+    assert "tensor-core" in line and "return_dscore_mod with deterministic=True" in line, line
 
 
 def test_a_traced_form_is_fixed_shape_only():
