@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from support.grads import assert_grads_within_twice_the_numpy_path, grad_floor, make_qkv
+from support.score_mod_cases import ready_made
 
 import cuflash
 from cuflash import mods, sim
@@ -163,19 +164,11 @@ def _invented_2(rng):
 
 
 def _example(name, rng, b, hq, s):
-    slopes = rng.uniform(0.05, 0.5, hq).astype(np.float32)
-    return {
-        "alibi": (mods.alibi(slopes), None),
-        "alibi_per_batch": (mods.alibi(rng.uniform(0.05, 0.5, (b, hq)).astype(np.float32)), None),
-        "softcap": (mods.softcap(5.0), None),
-        "relative_position_bias": (mods.relative_position_bias(rng.standard_normal((hq, 9)).astype(np.float32), 4),
-                                   None),
-        "document_mask": (None, mods.document_mask(np.sort(rng.integers(0, 5, s)).astype(np.int32), causal=True)),
-        "prefix_lm": (None, mods.prefix_lm(np.array([3, 40], np.int32)[:b])),
-        "sliding_window": (None, mods.sliding_window(9, 2)),
-        "invented": _invented(rng.uniform(-1.5, 1.5, (b, hq)).astype(np.float32), rng.random(s) > 0.3),
-        "invented_2": _invented_2(rng),
-    }[name]
+    if name == "invented":
+        return _invented(rng.uniform(-1.5, 1.5, (b, hq)).astype(np.float32), rng.random(s) > 0.3)
+    if name == "invented_2":
+        return _invented_2(rng)
+    return ready_made(name, rng, s, b, hq)
 
 
 #: (function, dtype, head dim, Sq = Sk, Hq/Hk, causal, window): each function once (a variant each)
