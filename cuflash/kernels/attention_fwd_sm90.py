@@ -37,7 +37,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from cuflash.kernels import forward_run
+from cuflash.kernels import attention_fwd_mma, forward_run
 from cuflash.kernels import launch_args as la
 from cuflash.runtime import plan, score_mod, variants
 from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg, TensorMapArg
@@ -272,14 +272,6 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int = 90, *, loc
                               block_sparse=bool(kv_block), tile_n=bn)
 
 
-def _user_c(problem) -> tuple:
-    """The traced functions' CUDA C (the tensor-core forward's texts: the same cache key)."""
-    m = problem.modifiers
-    if m is None or (m.score_mod is None and m.mask_mod is None):
-        return ("", "", "")
-    return score_mod.kernel_texts(m.score_mod, m.mask_mod, False)
-
-
 def _block_mask(problem):
     m = problem.modifiers
     return None if m is None else getattr(m, "block_mask", None)
@@ -290,7 +282,7 @@ def variant_for(problem, arch: int = 90) -> Sm90ForwardVariant:
     p = problem
     bm = _block_mask(p)
     return choose_variant(p.dtype, p.head_dim, p.head_dim_v, local=p.window_left >= 0 or p.window_right >= 0,
-                          mods=p.modifiers is not None, varlen=p.varlen is not None, user=_user_c(p),
+                          mods=p.modifiers is not None, varlen=p.varlen is not None, user=attention_fwd_mma.user_c(p),
                           kv_block=bm.BLOCK_SIZE[1] if bm is not None else 0)
 
 
