@@ -81,15 +81,31 @@
 // turns are those of the contiguous walk; empty blocks are never loaded, full tiles run without
 // mask_mod (Rows::user_mask), and the causal / window / Sk mask still applies to every tile.
 //
+// fp8 (the CUFLASH_FP8 1 variants, entry suffix _e4m3; cuflash.attention with float8_e4m3fn q, k, v):
+// q and k are e4m3 bytes (B, H, S, D) through the same 4-d maps, 128 head-dim columns per 128-byte
+// swizzle row; S = Q K^T is wgmma m64nNk32 .e4m3 (32 head-dim columns a step, both K-major). V must
+// be K-major for O = P V (fp8 wgmma has no transpose), so the host passes a key-contiguous copy
+// vt (B, Hk, Dv, Sk rounded up to 32) made on the device before the launch, its keys permuted
+// within each 32-key block as ptx.cuh documents (key k at row 16(k/16) + 4((k%8)/2) + 2((k/8)%2) +
+// k%2): the converted P (cvt.rn.satfinite.e4m3x2, the S accumulator's values in order) is then the
+// register-A fragment of m64nNk32 with no exchange between lanes. A V^T tile is one box of Dv rows
+// x BC keys (a BC-byte swizzle). The descales (float32 (B, Hk), any strides) are read per block:
+// q_descale k_descale into the score scale, v_descale into the epilogue's 1 / l. O (CUFLASH_BF16:
+// bf16, else fp16) is staged in a region of its own (Q's tile holds half its bytes) and stored by
+// TMA as in the other forms. Fixed shapes, plain (no modifiers), causal and windows, GQA.
+//
 // Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D and CUFLASH_DV (head-dim buckets: 64, 96,
 // 128, 192, 256; Dv <= D), CUFLASH_BC (keys per tile), CUFLASH_LOCAL (0/1), CUFLASH_MODS (0/1),
 // CUFLASH_VARLEN (0/1), CUFLASH_KVCACHE (0/1); with a traced function CUFLASH_USER_MOD and its macros,
-// CUFLASH_BLOCK_SPARSE (0/1).
+// CUFLASH_BLOCK_SPARSE (0/1), CUFLASH_FP8 (0/1; CUFLASH_BF16 is then the output's type).
 #include "ptx.cuh"
 #include "score_mods.cuh"
 
 #ifndef CUFLASH_KVCACHE
 #define CUFLASH_KVCACHE 0
+#endif
+#ifndef CUFLASH_FP8
+#define CUFLASH_FP8 0
 #endif
 
 #if __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -104,10 +120,15 @@ typedef __nv_bfloat16 elem_t;
 typedef __half elem_t;
 #endif
 constexpr int BR = 128, BC = CUFLASH_BC, STAGES = 2;
-constexpr int PANEL = 64;                               // head-dim elements per 128-byte swizzle row
-constexpr int NPANEL = (D + PANEL - 1) / PANEL, NPANEL_V = (DV + PANEL - 1) / PANEL;
-constexpr int PANEL_Q = BR * 128, PANEL_KV = BC * 128;  // bytes of one 64-column panel
-constexpr int Q_BYTES = NPANEL * PANEL_Q, K_BYTES = NPANEL * PANEL_KV, V_BYTES = NPANEL_V * PANEL_KV;
+constexpr int PANEL = 64;                               // 16-bit head-dim elements per 128-byte swizzle row
+// (macros, not constants: a namespace-scope constant is a global of the module, and the other
+// forms' cubins stay byte for byte what they were without the fp8 form)
+#define PANEL_IN (CUFLASH_FP8 ? 128 : PANEL)            // Q's and K's (fp8: 128 one-byte elements)
+#define KSTEP (CUFLASH_FP8 ? 32 : 16)                   // head-dim columns (keys) per wgmma k step
+constexpr int NPANEL = (D + PANEL_IN - 1) / PANEL_IN, NPANEL_V = (DV + PANEL - 1) / PANEL;
+constexpr int PANEL_Q = BR * 128, PANEL_KV = BC * 128;  // bytes of one panel of Q, K (and 16-bit V, O)
+// fp8: a V^T tile is DV rows of BC key bytes (one box, a BC-byte swizzle)
+constexpr int Q_BYTES = NPANEL * PANEL_Q, K_BYTES = NPANEL * PANEL_KV, V_BYTES = CUFLASH_FP8 ? DV * BC : NPANEL_V * PANEL_KV;
 // The rows' mask edges computed once, not per masked tile (Rows::first / last; 7 instructions
 // fewer per masked tile at d128), except in the d256 KV-cache form, whose consumers then spill
 // under NVRTC 13 (20 B stores), and the modifier forms: they hold the 4 registers no longer
@@ -115,7 +136,9 @@ constexpr int Q_BYTES = NPANEL * PANEL_Q, K_BYTES = NPANEL * PANEL_KV, V_BYTES =
 constexpr bool EDGES_ONCE = !CUFLASH_MODS && !(CUFLASH_KVCACHE && D == 256);
 // named barriers: 1, 2 the consumers' epilogues (128 threads); 3, 4 their turns (256 threads)
 constexpr int EPILOGUE_BAR = 1, TURN_BAR = 3;
-static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && NPANEL_V <= NPANEL, "head-dim buckets and tiles");
+static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && (CUFLASH_FP8 || NPANEL_V <= NPANEL), "head-dim buckets and tiles");
+static_assert(!CUFLASH_FP8 || ((BC == 64 || BC == 128) && D % 32 == 0 && !CUFLASH_MODS && !CUFLASH_VARLEN && !CUFLASH_KVCACHE),
+              "the fp8 form: fixed shapes, plain, 64 or 128 keys a tile");
 
 
 __device__ __forceinline__ unsigned pack(float lo, float hi) {
@@ -171,20 +194,28 @@ __device__ __forceinline__ Box o_box(const Tiles& t, int row0) { return Box{row0
 __device__ __forceinline__ void load_q(const Tiles& t, unsigned char* q_s, int m0, unsigned long long* bar) {
     const Box c = q_box(t, m0);
     ptx_mbarrier_arrive_expect_tx(bar, Q_BYTES);
-    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(q_s + p * PANEL_Q, t.q, p * PANEL, c.c1, c.c2, c.c3, bar);
+    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(q_s + p * PANEL_Q, t.q, p * PANEL_IN, c.c1, c.c2, c.c3, bar);
 }
 
 __device__ __forceinline__ void load_k(const Tiles& t, unsigned char* ks, int kv0, unsigned long long* bar) {
     const Box c = kv_box(t, kv0);
     ptx_mbarrier_arrive_expect_tx(bar, K_BYTES);
-    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(ks + p * PANEL_KV, t.k, p * PANEL, c.c1, c.c2, c.c3, bar);
+    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(ks + p * PANEL_KV, t.k, p * PANEL_IN, c.c1, c.c2, c.c3, bar);
 }
 
+#if CUFLASH_FP8
+// fp8: V^T (B, Hk, Dv, Sk') key-contiguous (the header comment), one box of DV rows x BC keys
+__device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv0, unsigned long long* bar) {
+    ptx_mbarrier_arrive_expect_tx(bar, V_BYTES);
+    ptx_tma_load_4d(vs, t.v, kv0, 0, t.hk, t.b, bar);
+}
+#else
 __device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv0, unsigned long long* bar) {
     const Box c = kv_box(t, kv0);
     ptx_mbarrier_arrive_expect_tx(bar, V_BYTES);
     for (int p = 0; p < NPANEL_V; ++p) ptx_tma_load_4d(vs + p * PANEL_KV, t.v, p * PANEL, c.c1, c.c2, c.c3, bar);
 }
+#endif
 
 // one consumer's 64 x Dv output rows from shared memory (after its named barrier); rows past Sq
 // (a packed batch: past the sequence's end) are dropped by the map's bounds
@@ -282,11 +313,15 @@ __device__ __forceinline__ unsigned long long desc_k_major(const unsigned char* 
 __device__ __forceinline__ unsigned long long desc_n_major(const unsigned char* tile) {
     return ptx_wgmma_desc(tile, PANEL_KV, 1024, 128);
 }
+// fp8: V^T K-major (keys contiguous), rows of BC bytes under a BC-byte swizzle, 32 keys a step
+__device__ __forceinline__ unsigned long long desc_vt(const unsigned char* tile) {
+    return ptx_wgmma_desc(tile, 16, 8 * BC, BC);
+}
 
-// The byte offset of k step kk (16 head-dim columns) in a K-major tile of `rows` rows: 32 bytes
-// within a 128-byte swizzle row, then the next 64-column panel.
+// The byte offset of k step kk (KSTEP head-dim columns) in a K-major tile of `rows` rows: 32 bytes
+// within a 128-byte swizzle row, then the next panel (64 16-bit or 128 fp8 columns).
 __device__ __forceinline__ constexpr unsigned k_step_offset(int kk, int rows) {
-    return (kk * 16) / PANEL * rows * 128 + (kk * 16) % PANEL * 2;
+    return (kk * KSTEP) / PANEL_IN * rows * 128 + (kk * KSTEP) % PANEL_IN * (CUFLASH_FP8 ? 1 : 2);
 }
 
 // Q's descriptors per k step (Q is loop-invariant): built once and held in registers, as
@@ -294,26 +329,35 @@ __device__ __forceinline__ constexpr unsigned k_step_offset(int kk, int rows) {
 // registers left for 16 of them and advance one base instead.
 constexpr bool HOIST_Q = !(CUFLASH_MODS && D > 192);
 struct QDescs {
-    unsigned long long base, step[HOIST_Q ? D / 16 : 1];
+    unsigned long long base, step[HOIST_Q ? D / KSTEP : 1];
     __device__ __forceinline__ unsigned long long at(int kk) const {
         return HOIST_Q ? step[kk] : ptx_wgmma_desc_advance(base, k_step_offset(kk, BR));
     }
 };
 
-// S = Q K^T for one key tile, issued (not waited for): K-major Q and K, 16 head-dim columns a step
+// S = Q K^T for one key tile, issued (not waited for): K-major Q and K, KSTEP head-dim columns a step
 __device__ __forceinline__ void issue_s(float (&sc)[BC / 2], const QDescs& dq, unsigned long long dk) {
     ptx_wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
+    for (int kk = 0; kk < D / KSTEP; ++kk)
+#if CUFLASH_FP8
+        ptx_wgmma_ss_e4m3<BC>(sc, dq.at(kk), ptx_wgmma_desc_advance(dk, k_step_offset(kk, BC)), kk > 0);
+#else
         ptx_wgmma_ss<BC, BF16, 0, 0>(sc, dq.at(kk), ptx_wgmma_desc_advance(dk, k_step_offset(kk, BC)), kk > 0);
+#endif
     ptx_wgmma_commit();
 }
 
 // O += P V for one key tile, issued (not waited for): P from registers, V N-major, 16 keys a step
-__device__ __forceinline__ void issue_pv(float (&o)[DV / 2], const unsigned (&pa)[BC / 16][4], unsigned long long dv) {
+// (fp8: V^T K-major, 32 keys a step, 32 bytes along its swizzle rows)
+__device__ __forceinline__ void issue_pv(float (&o)[DV / 2], const unsigned (&pa)[BC / KSTEP][4], unsigned long long dv) {
     ptx_wgmma_fence();
 #pragma unroll
+#if CUFLASH_FP8
+    for (int kb = 0; kb < BC / 32; ++kb) ptx_wgmma_rs_e4m3<DV>(o, pa[kb], ptx_wgmma_desc_advance(dv, kb * 32), 1);
+#else
     for (int kb = 0; kb < BC / 16; ++kb) ptx_wgmma_rs<DV, BF16, 1>(o, pa[kb], ptx_wgmma_desc_advance(dv, kb * 16 * 128), 1);
+#endif
     ptx_wgmma_commit();
 }
 
@@ -478,6 +522,25 @@ __device__ __forceinline__ void rescale_o(float (&o)[DV / 2], const float (&alph
     for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i % 4) / 2];
 }
 
+#if CUFLASH_FP8
+// P (fp32, the S accumulator fragment) into e4m3, four a register: the A fragment of O += P V, 32
+// keys a k step. A row's values in accumulator order (q = 0..7 of the 32-key block kb: d[16 kb +
+// 4 (q / 2) + q % 2], + 2 for row g + 8) fill A slot q (register 2 (q / 4), + 1 for row g + 8, byte
+// q % 4); V^T's keys are permuted to match (the header comment), so no value changes lanes.
+__device__ __forceinline__ unsigned pack_e4m3x4(float a, float b, float c, float d) {
+    return unsigned(ptx_cvt_pack_e4m3x2(a, b)) | (unsigned(ptx_cvt_pack_e4m3x2(c, d)) << 16);
+}
+__device__ __forceinline__ void to_a_fragment(const float (&sc)[BC / 2], unsigned (&pa)[BC / 32][4]) {
+#pragma unroll
+    for (int kb = 0; kb < BC / 32; ++kb) {
+        const float* s = sc + 16 * kb;
+        pa[kb][0] = pack_e4m3x4(s[0], s[1], s[4], s[5]);
+        pa[kb][1] = pack_e4m3x4(s[2], s[3], s[6], s[7]);
+        pa[kb][2] = pack_e4m3x4(s[8], s[9], s[12], s[13]);
+        pa[kb][3] = pack_e4m3x4(s[10], s[11], s[14], s[15]);
+    }
+}
+#else
 // P (fp32, the S accumulator fragment) into 16-bit pairs: the A fragment of O += P V, 16 keys a k step
 __device__ __forceinline__ void to_a_fragment(const float (&sc)[BC / 2], unsigned (&pa)[BC / 16][4]) {
 #pragma unroll
@@ -487,6 +550,7 @@ __device__ __forceinline__ void to_a_fragment(const float (&sc)[BC / 2], unsigne
         pa[kb][2 * half + 1] = pack(sc[i + 2], sc[i + 3]);
     }
 }
+#endif
 
 #if CUFLASH_BLOCK_SPARSE
 static_assert(!CUFLASH_KVCACHE && !CUFLASH_VARLEN, "the block-sparse form is a fixed-shape form");
@@ -522,6 +586,13 @@ struct KvArgs {   // the KV-cache form's arguments (the entry's, below)
 };
 #endif
 
+#if CUFLASH_FP8
+struct Fp8Args {   // the descales (float32 (B, Hk)) and their (batch, kv head) element strides
+    const float *q, *k, *v;
+    long long st[6];
+};
+#endif
+
 __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_map& map_k, const cuflash_tensor_map& map_v,
                         const cuflash_tensor_map& map_o, float* lse, int Sq, int Sk, int Hq, int group, float scale_log2,
                         int window_left, int window_right, const ScoreMods& mods, const int* __restrict__ cu_seqlens_q,
@@ -531,6 +602,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #endif
 #if CUFLASH_BLOCK_SPARSE
                         , const BsArgs& bs
+#endif
+#if CUFLASH_FP8
+                        , const Fp8Args& f8
 #endif
                         ) {
     extern __shared__ unsigned char smem_raw[];
@@ -547,6 +621,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     unsigned char* q_s = ptx_align_smem_1024(smem_raw);             // [NPANEL][BR rows][128 B]
     unsigned char* k_s = q_s + Q_BYTES;                      // [STAGES][NPANEL][BC rows][128 B]
     unsigned char* v_s = k_s + STAGES * K_BYTES;             // [STAGES][NPANEL_V][BC rows][128 B]
+    // O's staging: over Q's tile (each consumer its own 64 rows), in fp8 after the V ring (Q's tile
+    // has half O's bytes there): [NPANEL_V][BR rows][128 B]
+    unsigned char* o_st = CUFLASH_FP8 ? v_s + STAGES * V_BYTES : q_s;
 #if CUFLASH_KVCACHE
     // split-KV: blockIdx.x is (query tile, split), the split fastest
     const int nsplit = kv.num_splits, split = blockIdx.x % nsplit;
@@ -682,6 +759,13 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     // warpgroup's softmax runs while the other's GEMMs do.
     ptx_setmaxnreg_inc<232>();
     const int c = wg - 1;                                     // rows 64c.. of the tile
+#if CUFLASH_FP8
+    // the descales of (b, hk): q's and k's into the score scale (at least the smallest normal
+    // float32, as scale_arg keeps it: a hidden score's exponent stays -inf), v's into 1 / l
+    scale_log2 = fmaxf(scale_log2 * f8.q[b * f8.st[0] + hk * f8.st[1]] * f8.k[b * f8.st[2] + hk * f8.st[3]],
+                       1.17549435e-38f);
+    const float v_descale = f8.v[b * f8.st[4] + hk * f8.st[5]];
+#endif
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int row0 = m0 + 64 * c + 16 * warp + g;             // this thread's rows: row0 and row0 + 8
     Rows rows{row0, m0 + 64 * c, m0 + 64 * c + 63, Sq, Sk, diag, window_left, window_right, t, scale_log2,
@@ -708,15 +792,15 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     // carry and rebuilds the stage descriptors from the addresses inside the first loop)
     QDescs dq;
     dq.base = ptx_opaque(desc_k_major(q_s + 64 * c * 128));
-    const unsigned long long dk0 = ptx_opaque(desc_k_major(k_s)), dv0 = ptx_opaque(desc_n_major(v_s));
+    const unsigned long long dk0 = ptx_opaque(desc_k_major(k_s)), dv0 = ptx_opaque(CUFLASH_FP8 ? desc_vt(v_s) : desc_n_major(v_s));
 #pragma unroll
-    for (int kk = 0; kk < (HOIST_Q ? D / 16 : 0); ++kk) dq.step[kk] = ptx_opaque(ptx_wgmma_desc_advance(dq.base, k_step_offset(kk, BR)));
+    for (int kk = 0; kk < (HOIST_Q ? D / KSTEP : 0); ++kk) dq.step[kk] = ptx_opaque(ptx_wgmma_desc_advance(dq.base, k_step_offset(kk, BR)));
     float o[DV / 2];
 #pragma unroll
     for (int i = 0; i < DV / 2; ++i) o[i] = 0.0f;
     float m_run[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF}, l_run[2] = {0.0f, 0.0f}, alpha[2];
     float sc[BC / 2];
-    unsigned pa[BC / 16][4];
+    unsigned pa[BC / KSTEP][4];
     ptx_mbarrier_wait(&q_full, 0);
     // turns: ntiles + 1 per consumer (S_0; S_j with P V_{j-1}; the last P V); each barrier gets
     // as many arrivals as syncs, so consumer 1 arrives once up front and skips its last hand-over
@@ -823,6 +907,8 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         float l = quad_sum(l_run[r]);
 #if CUFLASH_MODS
         const float keep = sink_fold(mods, h, m_run[r], l);   // (1 without sinks)
+#elif CUFLASH_FP8
+        const float keep = v_descale;   // (O of the fp8 V: v_descale O is the descaled V's)
 #else
         const float keep = 1.0f;
 #endif
@@ -850,7 +936,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         return;
     }
 #endif
-    unsigned char* o_s = q_s + 64 * c * 128;
+    unsigned char* o_s = o_st + 64 * c * 128;
 #pragma unroll
     for (int i = 0; i < DV / 2; i += 2) {
         const int r = (i % 4) / 2, rr = 16 * warp + g + 8 * r, col = 8 * (i / 4) + 2 * t;
@@ -898,6 +984,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(const __grid_
 #if CUFLASH_MODS
                                                                    , CUFLASH_MODS_PARAMS
 #endif
+#if CUFLASH_FP8
+                                                                   , const float* __restrict__ q_descale,
+                                                                   const float* __restrict__ k_descale,
+                                                                   const float* __restrict__ v_descale,
+                                                                   long long qd_batch_stride, long long qd_head_stride,
+                                                                   long long kd_batch_stride, long long kd_head_stride,
+                                                                   long long vd_batch_stride, long long vd_head_stride
+#endif
                                                                    ) {
 #if CUFLASH_MODS
     const ScoreMods mods = CUFLASH_MODS_INIT;
@@ -920,6 +1014,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(const __grid_
                               bs_idx_rs, bs_outer, bs_inner, bs_counts, bs_count};
     fwd_sm90::forward(map_q, map_k, map_v, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods,
                       cu_seqlens_q, cu_seqlens_k, seqused_k, varlen, bs);
+#elif CUFLASH_FP8
+    const fwd_sm90::Fp8Args f8{q_descale, k_descale, v_descale, {qd_batch_stride, qd_head_stride, kd_batch_stride,
+                               kd_head_stride, vd_batch_stride, vd_head_stride}};
+    fwd_sm90::forward(map_q, map_k, map_v, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods,
+                      cu_seqlens_q, cu_seqlens_k, seqused_k, varlen, f8);
 #else
     fwd_sm90::forward(map_q, map_k, map_v, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods,
                       cu_seqlens_q, cu_seqlens_k, seqused_k, varlen);

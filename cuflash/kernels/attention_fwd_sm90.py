@@ -21,6 +21,14 @@ A traced ``score_mod`` / ``mask_mod`` (:mod:`cuflash.runtime.score_mod`) is one 
 ``mods`` forms (the same emitted C as the tensor-core tier's, the same cache key: the functions'
 canonical text), and a block mask runs their ``bs`` form, which walks the mask's key-block lists
 (:data:`BLOCK_SPARSE_BLOCK_N`, :func:`block_mask_reason`).
+fp8 (``float8_e4m3fn`` q, k, v with their descales; the ``fp8`` forms, entry suffix ``_e4m3``)
+runs here on fixed shapes: S = Q K^T and O = P V on wgmma m64nNk32 .e4m3, P converted to e4m3 in
+registers, the descales folded into the score scale and the output (:func:`plan_fp8`). fp8 wgmma
+takes K-major operands only, so V is copied on the device, before the launch, into a key-contiguous
+array whose keys are permuted within 32-key blocks to match P's register fragment
+(:func:`fp8_value_copy`): one read and one write of V per call, and ``B * Hk * Dv * Sk'`` bytes of
+workspace (``Sk'``: Sk rounded up to 32). Any V view is taken (its strides do not matter to the
+copy). Packed batches and fp8 KV caches in fp8 run elsewhere (``explain`` says where).
 The rest (fp32, dropout, score modifiers on packed batches and caches, decode-like KV-cache calls,
 chunked prefill, Sk = 0, views TMA cannot describe, block masks whose blocks do not hold whole
 Hopper tiles) goes to the tensor-core mma.sync tier, and ``explain`` says why.
@@ -54,6 +62,14 @@ BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 112, 256: 80}
 BLOCK_N_MODS = {(192, 192): 96}
 BLOCK_M = 128
 STAGES = 2
+#: the module takes fp8 (float8_e4m3fn) q, k, v (the dispatcher's rule, :func:`fp8_reason`)
+FP8_FORM = True
+#: the fp8 forms' head-dim buckets (D and Dv in the same one) and keys per tile: 64 at 256, where
+#: O's 128 accumulators a thread leave no registers for 128 keys' scores
+FP8_HEAD_DIM_BUCKETS = (64, 128, 256)
+BLOCK_N_FP8 = {64: 128, 128: 128, 256: 64}
+#: keys per block of the permutation fp8 V^T carries (:func:`fp8_value_copy`)
+FP8_KEY_BLOCK = 32
 PANEL = 64   # head-dim elements per 128-byte swizzle row
 DTYPES = ("f16", "bf16")
 TMA_ALIGN = 16
@@ -153,6 +169,9 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     block_sparse: bool = dataclasses.field(default=False, kw_only=True)
     #: keys per tile of a traced form where not the modifier forms' (entry suffix ``_n<Bc>``; 0: theirs)
     tile_n: int = dataclasses.field(default=0, kw_only=True)
+    #: the fp8 form (``CUFLASH_FP8``, entry suffix ``_e4m3``): float8_e4m3fn q, k and V^T
+    #: (:func:`fp8_value_copy`) with descales; ``dtype`` is then the output's
+    fp8: bool = dataclasses.field(default=False, kw_only=True)
     #: (the forward has no score_mod derivative nor array gradients: AttentionVariant's prelude reads these)
     grad_c: ClassVar[str] = ""
     agrad_c: ClassVar[str] = ""
@@ -176,6 +195,11 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
         if self.block_sparse and (self.tile_n not in BLOCK_SPARSE_BLOCK_N or not self.mask_c):
             raise ValueError(f"Sm90ForwardVariant: the block-sparse form has a traced mask_mod and tile_n in "
                              f"{BLOCK_SPARSE_BLOCK_N}, got mask_c={self.mask_c!r}, tile_n={self.tile_n}")
+        if self.fp8 and (self.mods or self.varlen or self.kvcache or self.head_dim not in FP8_HEAD_DIM_BUCKETS
+                         or self.head_dim_v != self.head_dim):
+            raise ValueError(f"Sm90ForwardVariant: the fp8 form is plain and fixed-shape with D = Dv in "
+                             f"{FP8_HEAD_DIM_BUCKETS}, got head_dim={self.head_dim}, head_dim_v={self.head_dim_v}, "
+                             f"mods={self.mods}, varlen={self.varlen}, kvcache={self.kvcache}")
         if self.tile_n and (not self.user_mod or self.tile_n % 16):
             raise ValueError(f"Sm90ForwardVariant: tile_n={self.tile_n} is an axis of the traced forms (a multiple of 16)")
 
@@ -185,7 +209,7 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
         return ((self.dtype, dims) + (("local",) if self.local else ()) + (("mods",) if self.mods else ())
                 + (("varlen",) if self.varlen else ()) + (("kvcache",) if self.kvcache else ())
                 + ((user,) if user else ()) + ((f"n{self.tile_n}",) if self.tile_n else ())
-                + (("bs",) if self.block_sparse else ()))
+                + (("bs",) if self.block_sparse else ()) + (("e4m3",) if self.fp8 else ()))
 
     @property
     def user_mod(self) -> int:
@@ -198,6 +222,8 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
 
     @property
     def block_n(self) -> int:
+        if self.fp8:
+            return BLOCK_N_FP8[self.head_dim]
         if self.tile_n:
             return self.tile_n
         if self.mods:
@@ -212,6 +238,10 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     def smem_bytes(self) -> int:
         """Dynamic shared memory: Q, two stages of K and V (64-column panels), 1 KB for alignment."""
         panels, panels_v = -(-self.head_dim // PANEL), -(-self.head_dim_v // PANEL)
+        if self.fp8:   # Q and K in 128-byte rows of 128 fp8 columns, V^T tiles (Dv x Bc bytes), O's staging
+            p8 = -(-self.head_dim // 128)
+            return (1024 + BLOCK_M * 128 * p8 + STAGES * self.block_n * (128 * p8 + self.head_dim_v)
+                    + BLOCK_M * 128 * panels_v)
         return 1024 + BLOCK_M * 128 * panels + STAGES * self.block_n * 128 * (panels + panels_v)
 
     def defines(self) -> tuple[tuple[str, str], ...]:
@@ -221,7 +251,8 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
                                     ("CUFLASH_MODS", "1" if self.mods else "0"),
                                     ("CUFLASH_VARLEN", "1" if self.varlen else "0"),
                                     ("CUFLASH_KVCACHE", "1" if self.kvcache else "0")) + (
-            variants.AttentionVariant.user_defines(self) if self.user_mod else ())   # (the other forms' text unchanged)
+            variants.AttentionVariant.user_defines(self) if self.user_mod else ()) + (   # (the other forms' text unchanged)
+            (("CUFLASH_FP8", "1"),) if self.fp8 else ())
 
     def describe(self) -> str:
         packed = "packed sequences (ragged tensor maps clipped at each sequence's end): " if self.varlen else ""
@@ -230,6 +261,12 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
             loads = "Q by TMA, K and V gathered from the cache by cp.async into 2-stage rings"
         if self.block_sparse:
             loads += ", over the block mask's partial then full key blocks (empty ones never loaded)"
+        if self.fp8:
+            out = {"bf16": "bfloat16", "f16": "float16"}[self.dtype]
+            return (f"{self.entry}: fp8 (float8_e4m3fn) q, k, v, {out} output: a producer warpgroup ({loads}; V from "
+                    f"a key-contiguous copy made before the launch) and 2 consumer warpgroups of 64 query rows "
+                    f"(wgmma m64nNk32 e4m3, P converted to e4m3 in registers; ping-pong, softmax overlapped with P V), "
+                    f"Br={BLOCK_M}, Bc={self.block_n}, {self.smem_bytes} B of shared memory")
         return (f"{self.entry}: {packed}a producer warpgroup ({loads}) and 2 consumer warpgroups of 64 "
                 f"query rows (wgmma; ping-pong, softmax overlapped with P V), Br={BLOCK_M}, Bc={self.block_n}, {self.smem_bytes} B of shared memory")
 
@@ -243,13 +280,18 @@ def bucket(d: int) -> int:
 
 
 def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
-                 dropout: bool = False, mods: bool = False) -> tuple[Sm90ForwardVariant, ...]:
+                 dropout: bool = False, mods: bool = False, fp8: bool = False) -> tuple[Sm90ForwardVariant, ...]:
     """Every variant (the compile gate's and precompile's list); none below sm_90, and no dropout
     forms, nor modifiers on packed batches or KV caches, nor packed queries over a cache (those
     calls go to the tensor-core tier); ``mods``: the score-modifier forms; ``varlen``: the packed
-    forms; ``kvcache``: the KV-cache forms (local only)."""
+    forms; ``kvcache``: the KV-cache forms (local only); ``fp8``: the fp8 forms (fixed shapes, plain;
+    ``dtype`` the output's)."""
     if arch != 90 or dropout or (varlen and mods) or (kvcache and (varlen or mods)):
         return ()
+    if fp8:
+        return () if (varlen or kvcache or mods) else tuple(
+            Sm90ForwardVariant(dt, d, d, local, fp8=True) for dt in DTYPES for d in FP8_HEAD_DIM_BUCKETS
+            for local in (False, True))
     if kvcache:
         return tuple(Sm90ForwardVariant(dt, d, dv, True, kvcache=True) for dt in DTYPES for d in HEAD_DIM_BUCKETS
                      for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)))
@@ -280,6 +322,10 @@ def _block_mask(problem):
 def variant_for(problem, arch: int = 90) -> Sm90ForwardVariant:
     """The variant that runs ``problem`` (``arch``: the dispatcher's, for the signature every tier shares)."""
     p = problem
+    if p.fp8 is not None:
+        d = fp8_bucket(max(p.head_dim, p.head_dim_v))
+        return Sm90ForwardVariant(variants.dtype_key(p.out_dtype), d, d, p.window_left >= 0 or p.window_right >= 0,
+                                  fp8=True)
     bm = _block_mask(p)
     return choose_variant(p.dtype, p.head_dim, p.head_dim_v, local=p.window_left >= 0 or p.window_right >= 0,
                           mods=p.modifiers is not None, varlen=p.varlen is not None, user=attention_fwd_mma.user_c(p),
@@ -360,10 +406,51 @@ def scale_reason(problem) -> str | None:
     return None
 
 
+def fp8_bucket(d: int) -> int:
+    """The smallest fp8 head-dim bucket holding ``d`` (:data:`FP8_HEAD_DIM_BUCKETS`; ValueError above 256)."""
+    for b in FP8_HEAD_DIM_BUCKETS:
+        if d <= b:
+            return b
+    raise ValueError(f"attention_fwd_sm90: head dim {d} is above {FP8_HEAD_DIM_BUCKETS[-1]}")
+
+
+def fp8_reason(problem, arrays=None) -> str | None:
+    """Why the fp8 (float8_e4m3fn q, k, v) call ``problem`` does not run on the fp8 form (None if
+    it does): fixed shapes with one batch dim, no score modifiers, D a multiple of 16 and Dv of 8
+    (TMA rows of 16 bytes: q and k in fp8, the output in 16 bits), D and Dv up to 256, a
+    non-negative scale, and q, k and the output as a tensor map can describe them (V is copied,
+    any view). ``arrays`` as for :func:`unsupported_reason`."""
+    p = problem
+    if p.modifiers is not None:
+        return f"score modifiers ({p.modifiers.present[0]}) are not in the Hopper fp8 forward"
+    if p.varlen is not None:
+        return "packed batches (attention_varlen) in fp8 are not in the Hopper fp8 forward yet"
+    why = scale_reason(p)
+    if why is not None:
+        return why
+    if p.head_dim % 16 or p.head_dim_v % 8:
+        return (f"(D, Dv) = ({p.head_dim}, {p.head_dim_v}): the fp8 form takes D a multiple of 16 and Dv of 8 "
+                f"(TMA rows are 16-byte multiples)")
+    if max(p.head_dim, p.head_dim_v) > FP8_HEAD_DIM_BUCKETS[-1]:
+        return f"head dim {max(p.head_dim, p.head_dim_v)} > {FP8_HEAD_DIM_BUCKETS[-1]}"
+    if p.seqlen_k == 0:
+        return "Sk = 0 (a tensor map has no empty dimension)"
+    if len(p.batch_shape) != 1 or (p.layout == "bhsd" and len(p.q.shape) != 4):
+        return f"batch dims {p.batch_shape}: the Hopper kernel's tensor maps take one batch dim"
+    for a, name in zip(arrays or (), ("q", "k", "v", "out")):
+        if a is not None and name != "v":
+            why = _tma_reason(a, name)
+            if why:
+                return why
+    return None
+
+
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     """Why ``problem`` cannot run on this tier on ``sm_<arch>`` (None if it can). The arch rule
     (``sm_90a``: compute capability 9.0 only) is the dispatcher's (:data:`TARGET_ARCH`)."""
     p = problem
+    if p.fp8 is not None and p.fp8.q_fp8:
+        return fp8_reason(p, arrays)
     why = refuse_modifiers(p, "the Hopper kernel", MODIFIERS + USER_MODIFIERS)
     if why is not None:
         return why
@@ -536,11 +623,130 @@ def _forward_varlen(problem, q, k, v, out, call):
     return out, lse
 
 
+def _bytes(a):
+    """An fp8 array's bytes (uint8, the same strides; no copy)."""
+    return a if np.dtype(a.dtype) == np.uint8 else a.view(np.uint8)
+
+
+def fp8_value_copy(v, xp):
+    """The fp8 form's V operand: ``v`` (B, Hk, Sk, Dv) fp8 (or its bytes; any strides) copied into a
+    fresh key-contiguous uint8 array ``vt`` (B, Hk, Dv, Sk'), ``Sk'`` = Sk rounded up to
+    :data:`FP8_KEY_BLOCK` (the extra keys are 0), whose keys are permuted within each 32-key block:
+    key ``k = 16 a + 8 b + 2 t + c`` (a, b, c in {0, 1}, t in 0..3) of the block lies at position
+    ``16 a + 4 t + 2 b + c``. The converted P of the kernel holds, in thread t of a quad, keys
+    ``8 i + 2 t`` and ``8 i + 2 t + 1`` in the register-A slots of columns ``4 t ..`` and ``4 t + 16 ..``
+    (kernels_cu/ptx.cuh, "P fragment for O = P V in fp8"); with V's keys so permuted, the product
+    needs no exchange of P between lanes. ``xp``: the device's array module (NumPy on the
+    simulator, CuPy on a GPU; ``empty`` allocating through the call)."""
+    b, hk, sk, dv = v.shape
+    skp = -(-sk // FP8_KEY_BLOCK) * FP8_KEY_BLOCK
+    vt = xp.empty((b, hk, dv, skp), np.uint8)
+    src = _bytes(v)
+    if skp != sk:
+        pad = xp.empty((b, hk, skp, dv), np.uint8)
+        pad[:, :, sk:] = 0
+        pad[:, :, :sk] = src
+        src = pad
+    blocks = src.reshape(b, hk, skp // 32, 2, 2, 4, 2, dv)   # key = 16 a + 8 b + 2 t + c
+    vt[...] = blocks.transpose(0, 1, 7, 2, 3, 5, 4, 6).reshape(b, hk, dv, skp)   # position 16 a + 4 t + 2 b + c
+    return vt
+
+
+def _descale_args(problem, call) -> tuple:
+    """The fp8 form's descale arguments: q, k and v's (float32 ``(B, Hk)`` device arrays, any
+    non-negative strides; absent: a one-element array of 1 with strides 0) and their (batch, kv
+    head) element strides."""
+    f = problem.fp8
+    one = None
+    ptrs, strides = [], []
+    for name in ("q_descale", "k_descale", "v_descale"):
+        d = getattr(f, name)
+        if d is None:
+            if one is None:
+                one = call.empty((1, 1), np.float32)
+                one[...] = 1
+            d, st = one, (0, 0)
+        else:
+            st = la.element_strides(d)
+        ptrs.append(PointerArg.of(name, d))
+        strides += [la.i64(f"{name[0]}d_batch_stride", st[0]), la.i64(f"{name[0]}d_head_stride", st[1])]
+    return (*ptrs, *strides)
+
+
+def plan_fp8(q, k, vt, out, lse, descale_args: tuple, *, softmax_scale: float, window_left: int = -1,
+             window_right: int = -1, out_dtype: str = "bf16") -> LaunchPlan:
+    """The fp8 form's launch.
+
+    Parameters
+    ----------
+    q : array (B, Hq, Sq, D), k : array (B, Hk, Sk, D)
+        float8_e4m3fn bytes (uint8), any strides a tensor map can describe (the head dim contiguous,
+        others 16-byte multiples); D a multiple of 16.
+    vt : array (B, Hk, Dv, Sk') uint8, C-contiguous: :func:`fp8_value_copy` of V
+    out : array (B, Hq, Sq, Dv), float16 or bf16 bits as uint16 (``out_dtype``), written
+    lse : array (B, Hq, Sq) float32, C-contiguous, written (natural log of the descaled scores)
+    descale_args : the descales' plan arguments (q, k, v pointers, then their strides)
+    softmax_scale, window_left, window_right
+        As :func:`plan_forward`.
+    out_dtype : {"bf16", "f16"}
+
+    Raises
+    ------
+    ValueError
+        For shapes the kernel cannot take, naming the arrays.
+    """
+    b, hq, sq, d = q.shape
+    bk, hk, sk, dk = k.shape
+    dv = out.shape[-1]
+    skp = -(-sk // FP8_KEY_BLOCK) * FP8_KEY_BLOCK
+    if (bk != b or dk != d or tuple(vt.shape) != (b, hk, dv, skp) or tuple(out.shape[:3]) != (b, hq, sq)
+            or hk == 0 or hq % hk or d % 16 or sk < 1):
+        raise ValueError(f"attention_fwd_sm90: q {tuple(q.shape)}, k {tuple(k.shape)}, vt {tuple(vt.shape)}, out "
+                         f"{tuple(out.shape)} must be (B, Hq, Sq, D), (B, Hk, Sk, D), (B, Hk, Dv, Sk rounded up to "
+                         f"{FP8_KEY_BLOCK}), (B, Hq, Sq, Dv) with Hq a multiple of Hk, D a multiple of 16, Sk >= 1")
+    if tuple(lse.shape) != (b, hq, sq) or np.dtype(lse.dtype) != np.float32 or not lse.flags.c_contiguous:
+        raise ValueError(f"attention_fwd_sm90: lse must be a C-contiguous float32 {(b, hq, sq)}, got "
+                         f"{tuple(lse.shape)} {lse.dtype}")
+    db = fp8_bucket(max(d, dv))
+    variant = Sm90ForwardVariant(out_dtype, db, db, window_left >= 0 or window_right >= 0, fp8=True)
+    bn = variant.block_n
+    args = (TensorMapArg.of("map_q", q, (1, 1, BLOCK_M, 128), swizzle=128),
+            TensorMapArg.of("map_k", k, (1, 1, bn, 128), swizzle=128),
+            TensorMapArg.of("map_v", vt, (1, 1, db, bn), swizzle=bn),
+            TensorMapArg.of("map_o", out, (1, 1, 64, PANEL), swizzle=128, writable=True),
+            PointerArg.of("lse", lse, writable=True), ScalarArg("Sq", np.int32(sq)), ScalarArg("Sk", np.int32(sk)),
+            ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)), scale_arg(softmax_scale, False),
+            ScalarArg("window_left", np.int32(window_left)), ScalarArg("window_right", np.int32(window_right)),
+            *descale_args)
+    return LaunchPlan(variant, variant.entry, (-(-sq // BLOCK_M), hq, b), (384, 1, 1), variant.smem_bytes, args)
+
+
+def _forward_fp8(problem, q, k, v, out, call):
+    """fp8 q, k, v: V's key-contiguous copy (:func:`fp8_value_copy`), then one launch."""
+    p = problem
+    if out is None:
+        out = call.empty(p.out_shape, p.out_dtype)
+    lse = call.empty(p.lse_shape, np.float32)
+    if not p.is_empty:
+        key = variants.dtype_key(p.out_dtype)
+        obits = (lambda a: a.view(np.uint16)) if key == "bf16" else (lambda a: a)
+        qs, ks, vs = (_bytes(_bhsd(a, p.layout)) for a in (q, k, v))
+        vt = fp8_value_copy(vs, call.xp)
+        call.launch(plan_fp8(qs, ks, vt, obits(_bhsd(out, p.layout)), lse.reshape(p.batch_shape[0], p.num_heads_q,
+                                                                                    p.seqlen_q),
+                             _descale_args(p, call), softmax_scale=p.softmax_scale, window_left=p.window_left,
+                             window_right=p.window_right, out_dtype=key))
+    return out, lse
+
+
 def forward(problem, q, k, v, out, call):
     """``(out, lse)`` of ``problem`` on the Hopper kernel: allocate what the caller did not pass on
     the call's device, view the arrays as (B, H, S, D) (bfloat16 as its 16 bits, which the tensor
-    maps move unchanged) and launch once (a packed batch: its own plan, :func:`plan_varlen`)."""
+    maps move unchanged) and launch once (a packed batch: its own plan, :func:`plan_varlen`; fp8
+    q, k, v: :func:`_forward_fp8`)."""
     p = problem
+    if p.fp8 is not None:
+        return _forward_fp8(p, q, k, v, out, call)
     if p.varlen is not None:
         return _forward_varlen(p, q, k, v, out, call)
     if out is None:

@@ -9,14 +9,17 @@ fallback, why; the ``cuflash.dispatch`` logger logs the same line at DEBUG level
    describe (16-byte-aligned strides and base), no dropout or KV cache; packed batches without
    score modifiers; traced score_mod/mask_mod on fixed shapes, and block masks whose Q_BLOCK is a
    multiple of its 128-row tile (:func:`cuflash.kernels.attention_fwd_sm90.block_mask_reason`);
+   fp8 (float8_e4m3fn) q, k, v with a float16/bfloat16 result on fixed shapes (its ``_e4m3`` forms);
 2. tensor cores (:mod:`cuflash.kernels.attention_fwd_mma`): float16/bfloat16 on sm_80+, rows 16-byte
    aligned (head dims, strides and view offsets multiples of 8 elements);
 3. portable SIMT (:mod:`cuflash.kernels.attention_fwd_simt`): every dtype, every score modifier
    and dropout, sm_70+ (Volta: with NVRTC 12.x only, :func:`compiler_reason`).
 
-fp8 (``float8_e4m3fn``) input goes only to a tier module that declares ``FP8_FORM = True``; today
-none does, so every tier says it has no fp8 form (:func:`fp8_reason`) and the call is a
-``NotImplementedError`` naming the tiers and the arch (the NumPy path computes fp8 input). An fp8
+fp8 (``float8_e4m3fn``) input goes only to a tier module that declares ``FP8_FORM = True``: the
+Hopper tier (its ``_e4m3`` forms, compute capability 9.0; :func:`cuflash.kernels.attention_fwd_sm90.fp8_reason`
+says which fp8 calls it takes). Every other tier says it has no fp8 form (:func:`fp8_reason`), so an
+fp8 call elsewhere is a ``NotImplementedError`` naming the tiers and the arch (the NumPy path
+computes fp8 input). An fp8
 KV cache (q float16/bfloat16) is read by the tensor-core KV-cache kernel's fp8-cache form
 (``attention_fwd_mma.FP8_KVCACHE_FORM``; :func:`cuflash.kernels.kvcache_run.fp8_cache_refusal`).
 
@@ -112,9 +115,6 @@ def fp8_reason(mod, problem) -> str | None:
     fp8, or the module declares ``FP8_FORM = True``)."""
     if getattr(problem, "fp8", None) is None or getattr(mod, "FP8_FORM", False):
         return None
-    if mod is attention_fwd_sm90:
-        return ("it has no fp8 (float8_e4m3fn) form: the Hopper fp8 forward (wgmma with e4m3 operands) is not "
-                "built yet")
     return "it has no fp8 (float8_e4m3fn) form (it computes float16, bfloat16 and float32)"
 
 

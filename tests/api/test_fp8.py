@@ -119,18 +119,35 @@ def test_fp8_has_no_backward():
         cuflash.attention_backward(out, q, k, v, out, lse)
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
-def test_kernel_tiers_refuse_fp8_naming_tier_and_arch(arch):
+def test_kernel_tiers_refuse_fp8_naming_tier_and_arch():
+    """Off compute capability 9.0 no tier has an fp8 form: the refusal names each tier and the arch
+    (the Hopper fp8 form runs on sm_90: tests/kernels/test_hopper_fp8.py)."""
     q, k, v = _qkv()
-    with cuflash.sim.options(arch=arch):
-        with pytest.raises(NotImplementedError, match=rf"cuflash.attention: no kernel takes this call on {arch}: Hopper "
-                                                      r"wgmma tier not used: .*fp8 forward .* is not built yet; "
+    with cuflash.sim.options(arch="sm_80"):
+        with pytest.raises(NotImplementedError, match=r"cuflash.attention: no kernel takes this call on sm_80: Hopper "
+                                                      r"wgmma tier not used: .*sm_90a.*; "
                                                       r"tensor-core mma.sync tier not used: it has no fp8"):
             cuflash.attention(q, k, v, backend="sim")
-    with pytest.raises(NotImplementedError, match=r"cuflash.explain: no kernel takes this call on sm_90: Hopper wgmma tier "
-                                                  r"not used: it has no fp8 \(float8_e4m3fn\) form"):
-        cuflash.explain(q, k, v, arch=90)
+    with pytest.raises(NotImplementedError, match=r"cuflash.explain: no kernel takes this call on sm_80: Hopper wgmma tier "
+                                                  r"not used: .*; tensor-core mma.sync tier not used: it has no fp8 "
+                                                  r"\(float8_e4m3fn\) form"):
+        cuflash.explain(q, k, v, arch=80)
     assert cuflash.explain(q, k, v)["backend"] == "numpy"
+
+
+def test_explain_names_the_hopper_fp8_form():
+    rng = np.random.default_rng(3)
+    q, k, v = fp8(rng, (2, 4, 5, 16)), fp8(rng, (2, 2, 6, 16)), fp8(rng, (2, 2, 6, 16))
+    got = cuflash.explain(q, k, v, causal=True, arch=90)
+    assert got["tier"] == "attention_fwd_sm90" and got["entry"] == "cuflash_attn_fwd_sm90_bf16_d64_local_e4m3"
+    assert "fp8 (float8_e4m3fn) q, k, v, bfloat16 output" in got["choice"] and "Bc=128" in got["choice"]
+    assert cuflash.explain(q, k, v, arch=90, out_dtype="float16")["entry"] == "cuflash_attn_fwd_sm90_f16_d64_e4m3"
+    # what the fp8 form does not take stays a clear refusal naming the reason
+    with pytest.raises(NotImplementedError, match=r"Hopper wgmma tier not used: score modifiers \(softcap\) are not "
+                                                  r"in the Hopper fp8 forward"):
+        cuflash.explain(q, k, v, arch=90, softcap=5.0)
+    with pytest.raises(NotImplementedError, match=r"Hopper wgmma tier not used: .*D a multiple of 16"):
+        cuflash.explain(*_qkv(), arch=90)   # (head dim 8)
 
 
 def test_fp8_view_of_numpy_bytes():
@@ -164,8 +181,8 @@ def test_fp8_view_of_cupy_bytes_is_validated_before_device_work():
         cuflash.attention(q, k, v)   # raw bytes without the view are not fp8
     with pytest.raises(ValueError, match=r"k_descale.shape=\(2, 4\) must be \(2, 2\)"):
         cuflash.attention(*views, k_descale=np.ones((2, 4), np.float32))   # (NumPy descales: refused by kind next)
-    with pytest.raises(NotImplementedError, match=r"no kernel takes this call on sm_90: Hopper wgmma tier not used"):
-        cuflash.explain(*views, arch=90)
+    with pytest.raises(NotImplementedError, match=r"no kernel takes this call on sm_80: Hopper wgmma tier not used"):
+        cuflash.explain(*views, arch=80)
 
 
 def test_torch_fp8_tensors():
