@@ -123,8 +123,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         per batch entry and kv head (query head ``h`` uses ``h // (Hq // Hk)``'s); None is 1. A
         stride-0 view (``numpy.broadcast_to(s, (B, Hk))``) is one per-tensor scale. Host values
         must be finite and > 0 (device descales are checked for dtype and shape only). The NumPy
-        path computes in float32 on the descaled values; the kernel tiers have no fp8 form yet
-        (``NotImplementedError`` naming the tier and arch). fp8 has no dropout and no backward
+        path computes in float32 on the descaled values; on compute capability 9.0 the Hopper
+        forward's fp8 form runs it (fixed shapes: fp8 wgmma, P rounded to e4m3, V copied
+        key-contiguous on the device first; docs/kernels.md), elsewhere a kernel backend raises
+        ``NotImplementedError`` naming the tier and arch. fp8 has no dropout and no backward
         (:func:`attention_backward` refuses it: the fp8 forward is for inference).
     out_dtype : {None, "bfloat16", "float16"}
         The result's dtype for fp8 input (None: bfloat16, FA3's); only with fp8 input.
@@ -175,8 +177,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         :mod:`cuflash.torch`, e.g. ``out=``, or ``alibi_slopes`` that requires grad).
     NotImplementedError
         A head dim above 256, or a valid call that has no kernel on the chosen backend: fp8
-        input on "sim"/"cuda" (no kernel tier has an fp8 form yet; the message names each tier
-        and the arch), fp8 with dropout.
+        input on "sim"/"cuda" off compute capability 9.0, or one the Hopper fp8 form does not
+        take (packed, score modifiers, D not a multiple of 16; the message names each tier and
+        the arch), fp8 with dropout.
     RuntimeError
         GPU arrays on a machine where CuPy or a usable CUDA device is missing (raised after
         validation, before any device work).
@@ -271,8 +274,8 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         As for :func:`attention` (validated the same way; a kernel tier that does not take a
         modifier says so, and with none left ``NotImplementedError`` names it).
     q_descale, k_descale, v_descale, out_dtype
-        As for :func:`attention` (fp8 input: every kernel tier says it has no fp8 form, and
-        ``NotImplementedError`` names the tiers and the arch).
+        As for :func:`attention` (fp8 input: the Hopper forward's fp8 form on arch 90, named in
+        ``choice``; elsewhere ``NotImplementedError`` names the tiers and the arch).
     arch : int or str, optional
         Compute capability to plan for (``90``, ``"sm_80"``). Default: the simulator's arch
         (:func:`cuflash.sim.options`) for ``backend="sim"``, the arrays' device for CUDA arrays

@@ -176,6 +176,27 @@ def test_the_hopper_synchronisations_are_killed():
     assert all(KILL_MAP.get(m.id) for m in hopper) and not any(m.id in SURVIVORS for m in hopper)
 
 
+#: the synchronisations of the Hopper forward's pipeline that the fp8 form leans on in its own way
+#: (the P V wgmma on V^T tiles, V's ring, O staged after the V ring): each, removed, is seen by the
+#: fp8 probe too, not only by the 16-bit probe the kill map records
+FP8_FORM_MUTANTS = ["attention_fwd_sm90.cu|ptx_wgmma_fence();|#1|delete",
+                    "attention_fwd_sm90.cu|ptx_mbarrier_wait(&full_v[sv], ((j - 1) / STAGES) & 1);|#0|delete",
+                    "attention_fwd_sm90.cu|ptx_mbarrier_wait(&empty_v[s], ((j / STAGES) - 1) & 1);|#0|delete",
+                    "attention_fwd_sm90.cu|ptx_wgmma_wait<0>();|#1|relax",
+                    "attention_fwd_sm90.cu|ptx_fence_proxy_async();|#3|delete",
+                    "attention_fwd_sm90.cu|ptx_bar_sync(EPILOGUE_BAR + c, 128);|#0|delete"]
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("mid", FP8_FORM_MUTANTS)
+def test_the_fp8_form_sees_the_pipeline_mutants(mid, tmp_path, monkeypatch):
+    (mutant,) = [m for m in MUTANTS if m.id == mid]
+    tree = mutated_tree(paths.kernels_dir(), mutant, tmp_path / "kernels")
+    monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
+    assert killed_by("fwd_sm90_fp8_checked"), f"{mid} (line {mutant.line}) survived the fp8 probe"
+
+
 def test_the_hopper_forward_synchronisations_are_killed():
     """Issue 20's kernel: every mbarrier wait and arrive, wgmma fence/commit/wait, the proxy fences,
     the epilogue's named barrier and bulk commit/wait are killed; only the last tile's ping-pong turn

@@ -49,7 +49,8 @@ FILES = {
     "attention_combine.cu": ("kvcache_split_checked", "kvcache_split_seeds"),
     "hopper_probe.cu": ("hopper_checked", "hopper_seeds"),
     "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked",
-                              "fwd_sm90_varlen_checked", "fwd_sm90_kvcache_checked", "fwd_sm90_bs_checked"),
+                              "fwd_sm90_varlen_checked", "fwd_sm90_kvcache_checked", "fwd_sm90_bs_checked",
+                              "fwd_sm90_fp8_checked"),
     "attention_bwd_sm90.cu": ("bwd_sm90_checked", "bwd_sm90_seeds", "bwd_sm90_um_checked"),
 }
 #: probes whose simulator build alone takes about a minute of the default run's 2 cores: they and
@@ -58,6 +59,9 @@ SLOW_PROBES = {
     "bwd_sm90_um_checked": "the Hopper backward's traced form is a build of its own (a checked g++ build of the "
                            "whole warp-specialized kernel: 40-73 s at load 10-13 on the 2 cores) that no default test "
                            "compiles",
+    "fwd_sm90_fp8_checked": "the Hopper forward's fp8 form in checked mode is a g++ build of its own that no default "
+                            "test compiles (the default fp8 test runs the normal build); the pipeline it runs is the "
+                            "plain form's, whose mutants the default probes kill",
 }
 #: mutants no probe kills, each with why removing that line is harmless (or what gap it shows)
 SURVIVORS: dict[str, str] = {
@@ -311,6 +315,28 @@ def _sm90_case(dtype, d, sq, sk, causal, checked, seeds):
         assert ok, f"Hopper forward, seed {seed}: {msg}"
 
 
+def _sm90_fp8_case(checked, seeds):
+    """The Hopper forward's fp8 form (e4m3 q, k, v; V through its key-contiguous copy): 5 key tiles
+    (each ring slot refilled twice), 2 query tiles, causal, GQA 2:1, descales per (batch, kv head),
+    bf16 output, against the fp8 rule."""
+    import ml_dtypes
+
+    import cuflash
+    from cuflash import sim
+    from cuflash.reference import tolerance
+
+    rng = np.random.default_rng(8)
+    e4m3 = ml_dtypes.float8_e4m3fn
+    q, k, v = ((rng.standard_normal(s) * 3).astype(e4m3) for s in ((1, 2, 200, 64), (1, 1, 600, 64), (1, 1, 600, 64)))
+    kw = dict(causal=True, q_descale=np.float32([[0.3]]), k_descale=np.float32([[0.2]]), v_descale=np.float32([[2.0]]))
+    for seed in seeds:
+        with sim.options(arch="sm_90", checked=checked, seed=seed):
+            assert cuflash.explain(q, k, v, backend="sim", **kw)["entry"].endswith("_e4m3")
+            out, lse = cuflash.attention(q, k, v, return_lse=True, backend="sim", **kw)
+        ok, msg, _ = tolerance.compare(out, q, k, v, lse=lse, **kw)
+        assert ok, f"Hopper fp8 forward, seed {seed}: {msg}"
+
+
 def _sm90_block_sparse_case(checked, seeds):
     """The Hopper forward's block-sparse form (a traced causal document mask's block mask, 128 x 64
     blocks) through the dispatcher (its form asserted): query tiles that walk 1 to 5 listed key
@@ -503,6 +529,8 @@ PROBES = {
     "fwd_sm90_kvcache_checked": lambda: _sm90_kvcache_case(True, (0,)),
     # the block-sparse form: the same rings and turns over key tiles taken from a block mask's lists
     "fwd_sm90_bs_checked": lambda: _sm90_block_sparse_case(True, (0,)),
+    # the fp8 form: its V^T tiles (a 128-byte swizzle of keys), O staged after the V ring
+    "fwd_sm90_fp8_checked": lambda: _sm90_fp8_case(True, (0,)),
     "hopper_seeds": lambda: _hopper_case(False, SEEDS),
     "bwd_sm90_checked": lambda: _sm90_bwd_case(True, (0,)),
     "bwd_sm90_seeds": lambda: _sm90_bwd_case(False, SEEDS),
