@@ -125,6 +125,9 @@ constexpr int PANEL = 64;                               // 16-bit head-dim eleme
 // forms' cubins stay byte for byte what they were without the fp8 form)
 #define PANEL_IN (CUFLASH_FP8 ? 128 : PANEL)            // Q's and K's (fp8: 128 one-byte elements)
 #define KSTEP (CUFLASH_FP8 ? 32 : 16)                   // head-dim columns (keys) per wgmma k step
+// fp8: V^T tiles in panels of VPANEL keys (DV rows of VPANEL bytes, a VPANEL-byte swizzle): 128
+// where BC is a multiple of 128, else 64 (192 keys: three 64-key panels)
+#define VPANEL (BC % 128 == 0 ? 128 : 64)
 constexpr int NPANEL = (D + PANEL_IN - 1) / PANEL_IN, NPANEL_V = (DV + PANEL - 1) / PANEL;
 constexpr int PANEL_Q = BR * 128, PANEL_KV = BC * 128;  // bytes of one panel of Q, K (and 16-bit V, O)
 // fp8: a V^T tile is DV rows of BC key bytes (one box, a BC-byte swizzle)
@@ -137,8 +140,8 @@ constexpr bool EDGES_ONCE = !CUFLASH_MODS && !(CUFLASH_KVCACHE && D == 256);
 // named barriers: 1, 2 the consumers' epilogues (128 threads); 3, 4 their turns (256 threads)
 constexpr int EPILOGUE_BAR = 1, TURN_BAR = 3;
 static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && (CUFLASH_FP8 || NPANEL_V <= NPANEL), "head-dim buckets and tiles");
-static_assert(!CUFLASH_FP8 || ((BC == 64 || BC == 128) && D % 32 == 0 && !CUFLASH_MODS && !CUFLASH_VARLEN && !CUFLASH_KVCACHE),
-              "the fp8 form: fixed shapes, plain, 64 or 128 keys a tile");
+static_assert(!CUFLASH_FP8 || (BC % 64 == 0 && D % 32 == 0 && !CUFLASH_MODS && !CUFLASH_VARLEN && !CUFLASH_KVCACHE),
+              "the fp8 form: fixed shapes, plain, a multiple of 64 keys a tile");
 
 
 __device__ __forceinline__ unsigned pack(float lo, float hi) {
@@ -204,10 +207,10 @@ __device__ __forceinline__ void load_k(const Tiles& t, unsigned char* ks, int kv
 }
 
 #if CUFLASH_FP8
-// fp8: V^T (B, Hk, Dv, Sk') key-contiguous (the header comment), one box of DV rows x BC keys
+// fp8: V^T (B, Hk, Dv, Sk') key-contiguous (the header comment), a box of DV rows x VPANEL keys a panel
 __device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv0, unsigned long long* bar) {
     ptx_mbarrier_arrive_expect_tx(bar, V_BYTES);
-    ptx_tma_load_4d(vs, t.v, kv0, 0, t.hk, t.b, bar);
+    for (int p = 0; p < BC / VPANEL; ++p) ptx_tma_load_4d(vs + p * DV * VPANEL, t.v, kv0 + p * VPANEL, 0, t.hk, t.b, bar);
 }
 #else
 __device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv0, unsigned long long* bar) {
@@ -313,9 +316,9 @@ __device__ __forceinline__ unsigned long long desc_k_major(const unsigned char* 
 __device__ __forceinline__ unsigned long long desc_n_major(const unsigned char* tile) {
     return ptx_wgmma_desc(tile, PANEL_KV, 1024, 128);
 }
-// fp8: V^T K-major (keys contiguous), rows of BC bytes under a BC-byte swizzle, 32 keys a step
+// fp8: V^T K-major (keys contiguous), rows of VPANEL bytes under a VPANEL-byte swizzle, 32 keys a step
 __device__ __forceinline__ unsigned long long desc_vt(const unsigned char* tile) {
-    return ptx_wgmma_desc(tile, 16, 8 * BC, BC);
+    return ptx_wgmma_desc(tile, 16, 8 * VPANEL, VPANEL);
 }
 
 // The byte offset of k step kk (KSTEP head-dim columns) in a K-major tile of `rows` rows: 32 bytes
@@ -354,7 +357,8 @@ __device__ __forceinline__ void issue_pv(float (&o)[DV / 2], const unsigned (&pa
     ptx_wgmma_fence();
 #pragma unroll
 #if CUFLASH_FP8
-    for (int kb = 0; kb < BC / 32; ++kb) ptx_wgmma_rs_e4m3<DV>(o, pa[kb], ptx_wgmma_desc_advance(dv, kb * 32), 1);
+    for (int kb = 0; kb < BC / 32; ++kb)   // (32 keys: the panel's next 32 bytes, or the next panel)
+        ptx_wgmma_rs_e4m3<DV>(o, pa[kb], ptx_wgmma_desc_advance(dv, (kb * 32) / VPANEL * DV * VPANEL + (kb * 32) % VPANEL), 1);
 #else
     for (int kb = 0; kb < BC / 16; ++kb) ptx_wgmma_rs<DV, BF16, 1>(o, pa[kb], ptx_wgmma_desc_advance(dv, kb * 16 * 128), 1);
 #endif

@@ -5,8 +5,10 @@
   serving shape of ``bench --decode`` (B=64, Hq=32 over Hk=8, head dim 128, 8192 cached tokens
   each, pages of 16), and the same step over bfloat16 caches: TFLOP/s (``4 B Hq Sq Skv D`` flops:
   the two matrix products) and the cache bytes read per second.
-* The fp8 forward (fp8 q, k, v): reported as not run while no kernel tier has an fp8 form (the
-  record says so; it is never estimated).
+* The fp8 forward: :func:`cuflash.attention` with e4m3 q, k, v and per-(batch, kv head) descales,
+  bf16 output (the Hopper forward's fp8 form, which runs on compute capability 9.0 only; elsewhere
+  the record says why it did not run), on :data:`FORWARD` non-causal and causal: TFLOP/s of
+  ``4 B H S^2 D`` flops (half that causal). The time includes the copy of V the form makes first.
 * An fp8 GEMM measured in the same run: ``torch._scaled_mm`` on e4m3 operands (M = N = K = 8192,
   bf16 output), TFLOP/s, where torch with CUDA provides it.
 * cuDNN's fp8 attention, where an installed framework exposes it (torch's
@@ -25,6 +27,14 @@ from cuflash.tools.bench_decode import SHAPE
 
 #: the fp8 GEMM timed (torch._scaled_mm): M, N, K
 GEMM = (8192, 8192, 8192)
+#: the fp8 forward's shape (FA3's benchmark: 16k tokens, head dim 128)
+FORWARD = dict(batch=2, heads=16, seqlen=8192, head_dim=128)
+
+
+def forward_flops(s: dict = FORWARD, causal: bool = False) -> float:
+    """Flops of one forward of ``s``: ``4 B H S^2 D`` (the two products), half of it causal."""
+    f = 4.0 * s["batch"] * s["heads"] * s["seqlen"] ** 2 * s["head_dim"]
+    return f / 2 if causal else f
 
 
 def decode_flops(s: dict = SHAPE) -> float:
@@ -39,13 +49,16 @@ def plan() -> list[dict]:
     shape = (f"B={s['batch']}, Hq={s['heads_q']}, Hk={s['heads_k']}, D={s['head_dim']}, {s['cache']} cached tokens, "
              f"pages of {s['page']}")
     m, n, k = GEMM
+    f = FORWARD
+    fwd = f"B={f['batch']}, H={f['heads']}, S={f['seqlen']}, D={f['head_dim']}"
     return [
         dict(name="cuflash decode, fp8 cache", what=f"attention_with_kvcache, e4m3 caches with descales, {shape}",
              flops=decode_flops()),
         dict(name="cuflash decode, bf16 cache", what=f"attention_with_kvcache, bf16 caches, {shape}",
              flops=decode_flops()),
-        dict(name="cuflash fp8 forward", what="attention with e4m3 q, k, v (no kernel tier has an fp8 form yet)",
-             flops=None),
+        *(dict(name="cuflash fp8 forward" + (", causal" if causal else ""), causal=causal, flops=forward_flops(causal=causal),
+               what=f"attention, e4m3 q, k, v with descales -> bf16, {fwd}" + (", causal" if causal else ""))
+          for causal in (False, True)),
         dict(name="fp8 GEMM (torch._scaled_mm)", what=f"e4m3 x e4m3 -> bf16, M={m} N={n} K={k}", flops=2.0 * m * n * k),
         dict(name="cuDNN fp8 attention", what="through a framework that exposes it", flops=None),
     ]
@@ -90,13 +103,44 @@ def run(timer, log=print) -> list[dict]:
                                 gb_per_s=cache_bytes / (ms * 1e-3) / 1e9))
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             records.append(dict(step, ms=None, tflops=None, gb_per_s=None, note=f"failed: {type(e).__name__}: {e}"[:160]))
-    records.append(dict(steps[2], ms=None, tflops=None, gb_per_s=None,
-                        note="not run: no kernel tier has an fp8 (q, k, v) form yet"))
-    records.append(_scaled_mm(timer, steps[3]))
-    records.append(dict(steps[4], ms=None, tflops=None, gb_per_s=None,
+    for step in steps[2:4]:
+        records.append(_forward(timer, cupy, step))
+    records.append(_scaled_mm(timer, steps[4]))
+    records.append(dict(steps[5], ms=None, tflops=None, gb_per_s=None,
                         note="not run: no installed framework exposes cuDNN's fp8 attention (torch's "
                              "scaled_dot_product_attention takes no fp8 tensors)"))
     return records
+
+
+def _forward_inputs(cupy):
+    """e4m3 q, k, v of :data:`FORWARD` (CuPy bytes through :func:`cuflash.fp8_view`) and descales."""
+    import ml_dtypes
+
+    from cuflash.runtime.interop import fp8_view
+
+    f = FORWARD
+    rng = np.random.default_rng(0)
+    shape = (f["batch"], f["heads"], f["seqlen"], f["head_dim"])
+    qkv = [fp8_view(cupy.asarray((rng.standard_normal(shape, np.float32) * 4).astype(ml_dtypes.float8_e4m3fn)
+                                 .view(np.uint8))) for _ in range(3)]
+    descale = cupy.full((f["batch"], f["heads"]), 0.25, dtype=cupy.float32)
+    return qkv, dict(q_descale=descale, k_descale=descale, v_descale=descale)
+
+
+def _forward(timer, cupy, step) -> dict:
+    """One fp8 forward record: timed where a kernel tier takes it, else the reason it did not run."""
+    import cuflash
+
+    try:
+        (q, k, v), kw = _forward_inputs(cupy)
+        kw["causal"] = step["causal"]
+        cuflash.explain(q, k, v, **kw)   # (a device without the fp8 form: NotImplementedError, reported)
+        ms = timer.median_ms(lambda: cuflash.attention(q, k, v, **kw))
+        return dict(step, ms=ms, tflops=step["flops"] / (ms * 1e-3) / 1e12, gb_per_s=None)
+    except NotImplementedError as e:
+        return dict(step, ms=None, tflops=None, gb_per_s=None, note=f"not run: {e}"[:200])
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        return dict(step, ms=None, tflops=None, gb_per_s=None, note=f"failed: {type(e).__name__}: {e}"[:160])
 
 
 def _scaled_mm(timer, step) -> dict:

@@ -253,6 +253,14 @@ def _run(v, rng, monkeypatch):
             out, lse = cuflash.attention_varlen(q, k, vv, cq, ck, max(lq), max(lk), causal=v.local, return_lse=True,
                                                 backend="sim")
             return check_packed_forward(out, lse, q, k, vv, cq, ck, None, causal=v.local)
+        if v.fp8:   # e4m3 q, k, v with descales per (batch, kv head), the variant's output type
+            e4m3 = dtypes.float8_e4m3fn
+            q, k, vv = ((rng.standard_normal(s) * 3).astype(e4m3) for s in ((1, 2, 150, v.head_dim),
+                                                                             (1, 1, 170, v.head_dim), (1, 1, 170, v.head_dim_v)))
+            kw = dict(causal=v.local, out_dtype={"bf16": "bfloat16", "f16": "float16"}[v.dtype],
+                      **{n: rng.uniform(0.1, 0.5, (1, 1)).astype(np.float32) for n in ("q_descale", "k_descale", "v_descale")})
+            out, lse = cuflash.attention(q, k, vv, return_lse=True, backend="sim", **kw)
+            return check_close(out, q, k, vv, lse=lse, **kw)
         q = rng.standard_normal((1, 2, 150, v.head_dim)).astype(dt)   # two 128-row query tiles
         k = rng.standard_normal((1, 1, 170, v.head_dim)).astype(dt)
         vv = rng.standard_normal((1, 1, 170, v.head_dim_v)).astype(dt)
