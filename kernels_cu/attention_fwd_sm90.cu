@@ -832,7 +832,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #else
         softmax_tile<CUFLASH_LOCAL ? MASK_BOTH : MASK_RIGHT>(sc, tile_lo * BC, rows, m_run, l_run, alpha);   // O is 0: O * alpha stays 0
 #endif
+#if !CUFLASH_FP8
         to_a_fragment(sc, pa);
+#endif
     }
     // tile j of the walk, with P V of tile j - 1; mask: a MaskOf<Mask>
     // (j >= 1: unsigned, the stage and phase arithmetic is shifts and masks)
@@ -841,6 +843,14 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         rescale_o(o, alpha);   // by tile j - 1's factor, before P_{j-1} V_{j-1} joins O
         ptx_mbarrier_wait(&full_k[s], (j / STAGES) & 1);
         ptx_mbarrier_wait(&full_v[sv], ((j - 1) / STAGES) & 1);
+#if CUFLASH_FP8
+        // the fp8 form converts P_{j-1} here, after the waits, not after the wait that retired P_{j-2} V:
+        // there ptxas 13 hoists the conversions above that wait (under P V) into scratch registers,
+        // since the in-flight wgmma still reads pa, and then moves every register of pa (24 MOV a tile
+        // at 192 keys: 617 instructions a warp and tile, 593 here; NVRTC 12.9 packs with PRMT either
+        // way, 621)
+        to_a_fragment(sc, pa);
+#endif
         ptx_bar_sync(TURN_BAR + c, 256);
         issue_s(sc, dq, ptx_wgmma_desc_advance(dk0, s * K_BYTES));
         issue_pv(o, pa, ptx_wgmma_desc_advance(dv0, sv * V_BYTES));
@@ -864,7 +874,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         if ((tid | __float_as_int(fminf(l_run[0], 0.0f))) == 0) ptx_mbarrier_arrive(&empty_k[s]);
         ptx_wgmma_wait<0>();
         if (tid == 0) ptx_mbarrier_arrive(&empty_v[sv]);
+#if !CUFLASH_FP8
         to_a_fragment(sc, pa);
+#endif
     };
     // tiles 1.. of the walk (tile 0 ran masked above): left of ta = st.lo - tile_lo a tile needs the
     // left edge tested, from tb = st.hi - tile_lo on the right one; each consumer has its own ta and
@@ -889,6 +901,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         const int sv = (ntiles - 1) % STAGES;
         rescale_o(o, alpha);
         ptx_mbarrier_wait(&full_v[sv], ((ntiles - 1) / STAGES) & 1);
+#if CUFLASH_FP8
+        to_a_fragment(sc, pa);   // (the fp8 form: the last P, converted before its P V, as in the loop)
+#endif
         ptx_bar_sync(TURN_BAR + c, 256);
         issue_pv(o, pa, ptx_wgmma_desc_advance(dv0, sv * V_BYTES));
         if (c == 0) ptx_bar_arrive(TURN_BAR + 1, 256);
