@@ -435,15 +435,27 @@ def fp8_reason(problem, arrays=None) -> str | None:
                 f"(TMA rows are 16-byte multiples)")
     if max(p.head_dim, p.head_dim_v) > FP8_HEAD_DIM_BUCKETS[-1]:
         return f"head dim {max(p.head_dim, p.head_dim_v)} > {FP8_HEAD_DIM_BUCKETS[-1]}"
+    return _fixed_reason(p, arrays, skip=("v",))
+
+
+def _fixed_reason(p, arrays, skip=()) -> str | None:
+    """Why the fixed-shape call ``p`` does not suit the tensor maps (None if it does): Sk = 0,
+    several batch dims, or a view of ``arrays`` (q, k, v, out; those named in ``skip`` aside)
+    that a tensor map cannot describe."""
     if p.seqlen_k == 0:
         return "Sk = 0 (a tensor map has no empty dimension)"
     if len(p.batch_shape) != 1 or (p.layout == "bhsd" and len(p.q.shape) != 4):
         return f"batch dims {p.batch_shape}: the Hopper kernel's tensor maps take one batch dim"
+    return _views_reason(arrays, skip)
+
+
+def _views_reason(arrays, skip=()) -> str | None:
     for a, name in zip(arrays or (), ("q", "k", "v", "out")):
-        if a is not None and name != "v":
-            why = _tma_reason(a, name)
-            if why:
-                return why
+        if a is None or name in skip:
+            continue
+        why = _tma_reason(a, name)
+        if why:
+            return why
     return None
 
 
@@ -484,17 +496,8 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
             return "no key in the whole packed batch (a tensor map has no empty dimension)"
         if p.varlen.batch > plan.MAX_GRID_DIMS[2]:
             return f"{p.varlen.batch} packed sequences exceed the grid's {plan.MAX_GRID_DIMS[2]} (gridDim.z)"
-    elif p.seqlen_k == 0:
-        return "Sk = 0 (a tensor map has no empty dimension)"
-    elif len(p.batch_shape) != 1 or (p.layout == "bhsd" and len(p.q.shape) != 4):
-        return f"batch dims {p.batch_shape}: the Hopper kernel's tensor maps take one batch dim"
-    for a, name in zip(arrays or (), ("q", "k", "v", "out")):
-        if a is None:
-            continue
-        why = _tma_reason(a, name)
-        if why:
-            return why
-    return None
+        return _views_reason(arrays)
+    return _fixed_reason(p, arrays)
 
 
 def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = -1, window_right: int = -1,
