@@ -645,16 +645,19 @@ def fp8_value_copy(v, xp):
     needs no exchange of P between lanes. ``xp``: the device's array module (NumPy on the
     simulator, CuPy on a GPU; ``empty`` allocating through the call)."""
     b, hk, sk, dv = v.shape
-    skp = -(-sk // FP8_KEY_BLOCK) * FP8_KEY_BLOCK
-    vt = xp.empty((b, hk, dv, skp), np.uint8)
+    full, rest = divmod(sk, FP8_KEY_BLOCK)
+    vt = xp.empty((b, hk, dv, (full + (rest > 0)) * FP8_KEY_BLOCK), np.uint8)
+    dst = vt.reshape(b, hk, dv, full + (rest > 0), 2, 4, 2, 2)   # position 16 a + 4 t + 2 b + c (a view)
     src = _bytes(v)
-    if skp != sk:
-        pad = xp.empty((b, hk, skp, dv), np.uint8)
-        pad[:, :, sk:] = 0
-        pad[:, :, :sk] = src
-        src = pad
-    blocks = src.reshape(b, hk, skp // 32, 2, 2, 4, 2, dv)   # key = 16 a + 8 b + 2 t + c
-    vt[...] = blocks.transpose(0, 1, 7, 2, 3, 5, 4, 6).reshape(b, hk, dv, skp)   # position 16 a + 4 t + 2 b + c
+
+    def permute(keys, n):   # n 32-key blocks (b, hk, 32 n, dv), key 16 a + 8 b + 2 t + c
+        return keys.reshape(b, hk, n, 2, 2, 4, 2, dv).transpose(0, 1, 7, 2, 3, 5, 4, 6)
+
+    dst[:, :, :, :full] = permute(src[:, :, :full * FP8_KEY_BLOCK], full)   # one strided copy
+    if rest:   # the last block's keys past Sk are 0
+        last = xp.zeros((b, hk, FP8_KEY_BLOCK, dv), np.uint8)
+        last[:, :, :rest] = src[:, :, full * FP8_KEY_BLOCK:]
+        dst[:, :, :, full:] = permute(last, 1)
     return vt
 
 
