@@ -167,7 +167,52 @@ __device__ __forceinline__ void fence_operands(float (&acc)[N]) {
     for (int i = 0; i < N; ++i) ptx_fence_operand(acc[i]);
 }
 
-enum Mask { MASK_NONE = 0, MASK_ON = 1 };
+// the index of the highest set bit of n > 0
+__device__ __forceinline__ constexpr int top_bit(unsigned n) { return n > 1 ? 1 + top_bit(n >> 1) : 0; }
+// float16 bits of 1 <= n < 2048 whose highest set bit is e (exact: 10 fraction bits)
+__device__ __forceinline__ constexpr unsigned f16_of_norm(unsigned n, int e) {
+    return unsigned(15 + e) << 10 | ((n << (10 - e)) & 0x3FFu);
+}
+// float16 bits of the integer n (0 <= n < 2048: exact)
+__device__ __forceinline__ constexpr unsigned f16_of(int n) {
+    return n == 0 ? 0u : f16_of_norm(unsigned(n), top_bit(unsigned(n)));
+}
+
+// The causal / window mask on the 16-bit fragments of P^T and dS^T (to_a_fragment's layout: fragment
+// [j / 2][2 (j % 2) + r] holds key row r's column offsets 8 j and 8 j + 1 in its low and high half): a
+// pair outside [lo[r], hi[r]] (offsets from this thread's first column) becomes +0 whatever its value
+// (an inf from another row's lse or a NaN of dP^T included). The bounds as float16 pairs (int -> float
+// -> float16 rounds monotonically, so no clamp: each offset is exact), then per fragment register two
+// half-wise compares with the constant offsets (set.ge.u32.f16x2: 0xFFFF / 0 per half) and one 3-way
+// AND each for P^T and dS^T: 4 instructions per column pair instead of 5 per score.
+// HI false: the lower bound only (a tile in which no key's upper bound falls): 3 per column pair.
+template <bool HI>
+__device__ __forceinline__ void mask_fragments(const int (&lo)[2], const int (&hi)[2], unsigned (&pa)[BR / 16][4],
+                                               unsigned (&da)[BR / 16][4]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const unsigned lo2 = ptx_cvt_pack_f16x2(float(lo[r]), float(lo[r]));
+        const unsigned hi2 = HI ? ptx_cvt_pack_f16x2(float(hi[r]), float(hi[r])) : 0u;
+#pragma unroll
+        for (int j = 0; j < BR / 8; ++j) {
+            const unsigned k2 = f16_of(8 * j) | f16_of(8 * j + 1) << 16;
+            unsigned& p = pa[j / 2][2 * (j % 2) + r];
+            unsigned& d = da[j / 2][2 * (j % 2) + r];
+            const unsigned ml = ptx_set_ge_f16x2(k2, lo2);
+            if (HI) {
+                const unsigned mh = ptx_set_ge_f16x2(hi2, k2);
+                p = ptx_and3(p, ml, mh);
+                d = ptx_and3(d, ml, mh);
+            } else {
+                p &= ml;
+                d &= ml;
+            }
+        }
+    }
+}
+
+// the mask a tile needs: none (steady), both bounds, or the lower one only (a causal diagonal tile)
+enum Mask { MASK_NONE = 0, MASK_ON = 1, MASK_LO = 2 };
 template <int M> struct MaskOf {   // a Mask as a type, for a generic lambda
     static constexpr int value = M;
 };
@@ -316,6 +361,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     const int t_lo = int(min(row_lo, i64(Sq)) / BR),
               t_hi = row_hi > row_lo && n0 < Sk ? int((row_hi + BR - 1) / BR) : t_lo;
     int s_lo = t_lo, s_hi = t_hi;
+    int u_hi = t_lo;   // the tiles [t_lo, u_hi) in which no key's upper bound falls (full rows, keys < Sk)
     if (n0 + BC > Sk) {
         s_hi = s_lo;   // a key tile reaching past Sk: every tile masked
     } else {
@@ -323,10 +369,13 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         // row i + BR - 1 <= n0 - diag + left (every key right of its left edge)
         if (window_right >= 0)
             s_lo = max(s_lo, int(min(i64(t_hi), (max(i64(0), n0 + BC - 1 - diag - window_right) + BR - 1) / BR)));
+        int w_hi = t_hi;   // the tiles before w_hi end inside every key's window
         if (window_left >= 0) {
             const i64 last = n0 - diag + window_left - (BR - 1);   // the last steady tile's first row
+            w_hi = last < 0 ? t_lo : int(min(i64(t_hi), last / BR + 1));
             s_hi = last < 0 ? s_lo : int(min(i64(s_hi), last / BR + 1));
         }
+        u_hi = max(min(w_hi, Sq / BR), t_lo);
         s_hi = max(min(s_hi, Sq / BR), s_lo);   // (a tile reaching past Sq is masked: its lse and Dd boxes read on)
     }
     const int ntiles = t_hi - t_lo;
@@ -494,6 +543,10 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     auto tile = [&](int it, int h, int m0, auto mask, bool umask) {
         constexpr int MASK = decltype(mask)::value;
         const int s = it % STAGES;
+        // this stage's descriptors, advanced once per tile (each k step below adds a constant)
+        const unsigned long long q_b = ptx_wgmma_desc_advance(dq_b, s * Q_BYTES), do_b = ptx_wgmma_desc_advance(ddo_b, s * Q_BYTES);
+        const unsigned long long q_mn = ptx_wgmma_desc_advance(dq_mn, s * Q_BYTES), do_mn = ptx_wgmma_desc_advance(ddo_mn, s * Q_BYTES);
+        const unsigned long long ds_a = ptx_wgmma_desc_advance(dds, (it % 2) * DS_BYTES);
         ptx_mbarrier_wait(&full[s], (it / STAGES) & 1);
         fence_operands(st);
         fence_operands(dpt);
@@ -501,12 +554,12 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
             ptx_wgmma_ss<BR, BF16, 0, 0>(st, ptx_wgmma_desc_advance(dk_a, k_step_offset(kk, BC)),
-                                         ptx_wgmma_desc_advance(dq_b, s * Q_BYTES + k_step_offset(kk, BR)), kk > 0);
+                                         ptx_wgmma_desc_advance(q_b, k_step_offset(kk, BR)), kk > 0);
         ptx_wgmma_commit();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
             ptx_wgmma_ss<BR, BF16, 0, 0>(dpt, ptx_wgmma_desc_advance(dv_a, k_step_offset(kk, BC)),
-                                         ptx_wgmma_desc_advance(ddo_b, s * Q_BYTES + k_step_offset(kk, BR)), kk > 0);
+                                         ptx_wgmma_desc_advance(do_b, k_step_offset(kk, BR)), kk > 0);
         ptx_wgmma_commit();
 #if !CUFLASH_USER_MOD
         ptx_wgmma_wait<1>();   // S^T is in; dP^T may still run
@@ -525,9 +578,8 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
             dcol[2 * j] = d2.x;
             dcol[2 * j + 1] = d2.y;
         }
-#pragma unroll
         // the mask: this thread's key rows see queries [vis_lo, vis_hi], here relative to its first
-        // column m0 + 2t, so a score's test is two compares with its constant column offset
+        // column m0 + 2t (mask_fragments compares them with the constant column offsets)
         int lo[2], hi[2];
         if (MASK) {
 #pragma unroll
@@ -537,19 +589,14 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
             }
         }
 #pragma unroll
-        for (int i = 0; i < BR / 2; ++i) {
-            float p = exp2f(fmaf(st[i], w.scale_log2, nl[2 * (i / 4) + i % 2]));
-            const int r = (i % 4) / 2, offset = 8 * (i / 4) + i % 2;
-            if (MASK) p = offset >= lo[r] && offset <= hi[r] ? p : 0.0f;
-            st[i] = p;
-        }
+        for (int i = 0; i < BR / 2; ++i) st[i] = exp2f(fmaf(st[i], w.scale_log2, nl[2 * (i / 4) + i % 2]));
         ptx_wgmma_wait<0>();
         fence_operands(dpt);
 #pragma unroll
-        for (int i = 0; i < BR / 2; ++i) {
-            dpt[i] = st[i] * (dpt[i] - dcol[2 * (i / 4) + i % 2]);
-            if (MASK) dpt[i] = st[i] == 0.0f ? 0.0f : dpt[i];   // a masked pair: 0, never 0 * NaN
-        }
+        for (int i = 0; i < BR / 2; ++i) dpt[i] = st[i] * (dpt[i] - dcol[2 * (i / 4) + i % 2]);
+        to_a_fragment<BR>(st, pa);
+        to_a_fragment<BR>(dpt, da);
+        if (MASK) mask_fragments<MASK == MASK_ON>(lo, hi, pa, da);   // a masked pair's P and dS: 0 (never 0 * NaN)
 #else
         // the traced forms: S^T and dP^T both in, then per pair the modified score, P and dS^T (lse and
         // Dd read from shared memory per pair, not held: the traced functions need the registers)
@@ -604,9 +651,9 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
 #if (CUFLASH_USER_MOD & 4) && defined(CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP)
         CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP(w.hb, h, u.a, u.g, ug);   // (every lane of the warp is here)
 #endif
-#endif
         to_a_fragment<BR>(st, pa);
         to_a_fragment<BR>(dpt, da);
+#endif
         // dS^T into buffer it % 2 (rows: keys - n0), by stmatrix: the fragment of k step kb is four
         // 8 x 8 matrices (keys 16 warp + 0..7 / 8..15 by queries 16 kb + 0..7 / 8..15)
         unsigned char* dsb = ds_s + (it % 2) * DS_BYTES;
@@ -616,15 +663,15 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         ptx_wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < BR / 16; ++kb)
-            ptx_wgmma_rs<D, BF16, 1>(dv_acc, pa[kb], ptx_wgmma_desc_advance(ddo_mn, s * Q_BYTES + kb * 16 * 128), 1);
+            ptx_wgmma_rs<D, BF16, 1>(dv_acc, pa[kb], ptx_wgmma_desc_advance(do_mn, kb * 16 * 128), 1);
 #pragma unroll
         for (int kb = 0; kb < BR / 16; ++kb)
-            ptx_wgmma_rs<D, BF16, 1>(dk_acc, da[kb], ptx_wgmma_desc_advance(dq_mn, s * Q_BYTES + kb * 16 * 128), 1);
+            ptx_wgmma_rs<D, BF16, 1>(dk_acc, da[kb], ptx_wgmma_desc_advance(q_mn, kb * 16 * 128), 1);
         ptx_wgmma_commit();
         ptx_bar_sync(DS_BAR, 256);   // both consumers' halves of dS^T are stored
 #pragma unroll
         for (int kb = 0; kb < BC / 16; ++kb)
-            ptx_wgmma_ss<DQN, BF16, 1, 1>(dq, ptx_wgmma_desc_advance(dds, (it % 2) * DS_BYTES + kb * 16 * 128),
+            ptx_wgmma_ss<DQN, BF16, 1, 1>(dq, ptx_wgmma_desc_advance(ds_a, kb * 16 * 128),
                                           ptx_wgmma_desc_advance(dkq, kb * 16 * 128), kb > 0);
         ptx_wgmma_commit();
         ptx_wgmma_wait<1>();   // dV, dK done: the stage's Q and dO are free
@@ -680,9 +727,13 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
                 tile(it, hk * group + gi, m * BR, MaskOf<MASK_ON>{}, true);
         }
 #else
+    // tiles before lo_end need the lower bound only: no key past Sk, no row past Sq, every key's window
+    // reaching past the tile's last row
+    const int lo_end = min(lo, u_hi);
     int it = 0;
     for (int gi = 0; gi < group; ++gi) {
         int m = t_lo;
+        for (; m < lo_end; ++m, ++it) tile(it, hk * group + gi, m * BR, MaskOf<MASK_LO>{}, true);
         for (; m < lo; ++m, ++it) tile(it, hk * group + gi, m * BR, MaskOf<MASK_ON>{}, true);
         for (; m < hi; ++m, ++it) tile(it, hk * group + gi, m * BR, MaskOf<MASK_NONE>{}, true);
         for (; m < t_hi; ++m, ++it) tile(it, hk * group + gi, m * BR, MaskOf<MASK_ON>{}, true);

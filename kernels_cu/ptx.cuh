@@ -332,6 +332,15 @@ __device__ __forceinline__ void ptx_cp_async_8_zfill(void* smem, const void* gme
 // `x` itself (see the GPU branch: an optimization barrier there, nothing here).
 __device__ __forceinline__ int ptx_opaque(int x) { return x; }
 __device__ __forceinline__ long long ptx_opaque(long long x) { return x; }
+// lop3.b32 with the table of a & b & c (0xF0 & 0xCC & 0xAA = 0x80): one instruction for three words.
+__device__ __forceinline__ unsigned ptx_and3(unsigned a, unsigned b, unsigned c) { return a & b & c; }
+// set.ge.u32.f16x2: per 16-bit half, 0xFFFF where a's half >= b's half (as float16), else 0.
+__device__ __forceinline__ unsigned ptx_set_ge_f16x2(unsigned a, unsigned b) {
+    unsigned r = 0;
+    for (int i = 0; i < 2; ++i)
+        if (cusim::f16_bits_to_f32(uint16_t(a >> (16 * i))) >= cusim::f16_bits_to_f32(uint16_t(b >> (16 * i)))) r |= 0xFFFFu << (16 * i);
+    return r;
+}
 // red.global.add.v2.f32 (sm_90; two scalar atomic adds before): p[0] += a, p[1] += b, p 8-byte aligned.
 __device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
     if (reinterpret_cast<uintptr_t>(p) & 7u) cusim::fail("red.v2.f32: address %p must be 8-byte aligned", (void*)p);
@@ -499,6 +508,18 @@ __device__ __forceinline__ int ptx_opaque(int x) {
 __device__ __forceinline__ long long ptx_opaque(long long x) {
     asm volatile("" : "+l"(x));
     return x;
+}
+// lop3.b32 a & b & c (kept one instruction: NVVM would AND b and c once for two uses, then each use)
+__device__ __forceinline__ unsigned ptx_and3(unsigned a, unsigned b, unsigned c) {
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0x80;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+// set.ge.u32.f16x2 (the simulator's branch states the rule)
+__device__ __forceinline__ unsigned ptx_set_ge_f16x2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("set.ge.u32.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+    return r;
 }
 
 __device__ __forceinline__ void ptx_ldmatrix_x1(unsigned (&r)[1], const void* row_addr) {
