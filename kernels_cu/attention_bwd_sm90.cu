@@ -34,8 +34,11 @@
 //   dS^T has two buffers: consumer c writes buffer it % 2 only after DS_BAR of the previous tile,
 //   which the other consumer reaches only once its dQ wgmma of the tile before has completed.
 //   The walk over query tiles runs in loops of one tile body (FA3 peels its masked tiles the same
-//   way): a steady loop with no mask code, and a masked loop before and after it (the causal
-//   diagonal, a window's edges, and every tile of a key tile that reaches past Sk).
+//   way): a steady loop with no mask code, and masked loops before and after it (the causal
+//   diagonal, a window's edges, and every tile of a key tile that reaches past Sk); the first of
+//   them takes the tiles that need only each key's lower bound (the causal diagonal inside Sq and
+//   Sk, no window's left edge in the tile). The mask clears pairs on the 16-bit P^T and dS^T
+//   fragments (mask_fragments).
 //   dK (times softmax_scale) and dV are stored once from registers (rows past Sk dropped); dQ
 //   is left unscaled (the convert stage scales it).
 //   Deterministic mode (`deterministic` != 0, a run-time flag read by the dQ warp only): the key
