@@ -334,7 +334,8 @@ __device__ __forceinline__ int ptx_opaque(int x) { return x; }
 __device__ __forceinline__ long long ptx_opaque(long long x) { return x; }
 // lop3.b32 with the table of a & b & c (0xF0 & 0xCC & 0xAA = 0x80): one instruction for three words.
 __device__ __forceinline__ unsigned ptx_and3(unsigned a, unsigned b, unsigned c) { return a & b & c; }
-// set.ge.u32.f16x2: per 16-bit half, 0xFFFF where a's half >= b's half (as float16), else 0.
+// set.ge.u32.f16x2: per 16-bit half, 0xFFFF where a's half >= b's half (as float16), else 0 (the rule of
+// cuda_fp16.hpp's __hge2_mask, which issues this instruction).
 __device__ __forceinline__ unsigned ptx_set_ge_f16x2(unsigned a, unsigned b) {
     unsigned r = 0;
     for (int i = 0; i < 2; ++i)
