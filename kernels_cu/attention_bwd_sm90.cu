@@ -568,7 +568,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         ptx_wgmma_wait<1>();   // S^T is in; dP^T may still run
         fence_operands(st);
         // P^T: this thread's keys key0, key0 + 8 (rows), queries m0 + 8 (i / 4) + 2t + i % 2 (columns)
-        // (an lse of -inf, a row without keys, occurs only in masked tiles, whose select drops the inf)
+        // (an lse of -inf, a row without keys, occurs only in masked tiles, whose mask clears the inf)
         const float* ls = lse_s + s * BR;
         const float* ds = dd_s + s * BR;
         float nl[BR / 4], dcol[BR / 4];   // -lse log2 e and Dd of this thread's columns (pairs: 8-byte loads)
