@@ -7,8 +7,9 @@ parameter signature). Flags: ``-std=c++17 -O2 -fPIC -shared -pthread -fvisibilit
 linked in, elsewhere (or with ``fibers="ucontext"``) ``-DCUSIM_FIBERS_UCONTEXT``.
 
 Modules are compiled and linked in separate steps, so no sanitizer runtime is linked: cusim.h
-defines the hooks. Checked mode (``cuflash.sim.options(checked=True)``) compiles a
-second module per source with ``-DCUSIM_CHECKED=1 -fsanitize=thread --param
+defines the hooks. What does not depend on the kernel (the launch, the hooks) is compiled once per
+flag set into a runtime object that each module links (:func:`_runtime_parts`). Checked mode
+(``cuflash.sim.options(checked=True)``) compiles a second module per source with ``-DCUSIM_CHECKED=1 -fsanitize=thread --param
 tsan-instrument-func-entry-exit=0 --param tsan-distinguish-volatile=1
 -ftrivial-auto-var-init=pattern -fsanitize=alignment``: g++'s thread-sanitizer pass calls a hook
 before every load and every store, and an access below its type's alignment calls another (see :meth:`SimModule._launch_checked` and ``cusim.h``). Locals the kernel never
@@ -69,7 +70,7 @@ from cuflash.sim.memory import is_sim_array
 
 SIM_DIR = Path(__file__).resolve().parent
 RUNTIME_FILES = ("cusim.h", "cusim_half.h", "cusim_sm90.h", "cuda_fp16.h", "cuda_bf16.h", "cusim_switch_x86_64.S")
-_FORMAT_VERSION = "cusim-2"
+_FORMAT_VERSION = "cusim-3"
 _ERROR_CAP = 2048
 STACK_POISON_BYTES = 4096
 
@@ -916,45 +917,98 @@ def _file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _g(cmd: list, what: str) -> None:
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        raise RuntimeError(f"cuflash simulator: g++ failed on {what}:\n{r.stderr[-6000:]}")
+def _g(cmd: list, what: str) -> float:
+    """Run one g++ step; return the CPU seconds (user + system) it took."""
+    with tempfile.TemporaryFile() as err:
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        if p.returncode != 0:
+            err.seek(0)
+            raise RuntimeError(f"cuflash simulator: g++ failed on {what}:\n"
+                               f"{err.read().decode(errors='replace')[-6000:]}")
+    return usage.ru_utime + usage.ru_stime
 
 
-def _precompiled_runtime(flags: list, cxx: str, ident: str) -> Path:
-    """The folder of ``cusim.h.gch``, the runtime header precompiled with exactly ``flags`` (once per
-    flag set, in the cache folder). A module lists it first among its include folders: g++ takes
-    the precompiled header in place of ``cusim.h`` (and the runtime's own headers it includes),
-    which saves about half of a module's compile time; a header it cannot use (other flags) it
-    skips for the real one, so the result never depends on it."""
+#: ``CUFLASH_SIM_COMPILE_LOG=FILE`` appends one tab-separated line per module compiled (the test
+#: running it, from pytest's ``PYTEST_CURRENT_TEST``; the cache key; the entries; arch, checked,
+#: gpu_numerics; the wall seconds; g++'s CPU seconds; the CPU seconds of the runtime parts built for
+#: it, if they were), to see what a test run spends on compiles
+COMPILE_LOG_ENV = "CUFLASH_SIM_COMPILE_LOG"
+
+
+def _log_compile(key: str, entries: Sequence[str], opts, wall: float, cpu: float, rt_cpu: float) -> None:
+    path = os.environ.get(COMPILE_LOG_ENV)
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "-").rsplit(" (", 1)[0]
+    line = "\t".join([test, key, " ".join(entries), f"sm_{opts.arch}", str(int(opts.checked)),
+                      str(int(opts.gpu_numerics)), f"{wall:.2f}", f"{cpu:.2f}", f"{rt_cpu:.2f}"]) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())   # one write of a short line: whole, even from several processes
+    finally:
+        os.close(fd)
+
+
+#: a module's translation unit: cusim.h declares the launch and the hooks, defined once per flag
+#: set in the runtime object (``cusim.h``, "The launch itself ...")
+MODULE_FLAGS = ("-DCUSIM_MODULE=1",)
+#: the runtime object's translation unit
+RUNTIME_OBJECT_FLAGS = ("-DCUSIM_RUNTIME_OBJECT=1",)
+
+
+def _runtime_parts(flags: list, cxx: str, ident: str) -> tuple[Path, float]:
+    """The folder of the runtime's parts compiled once per flag set (in the cache folder, under a
+    lock shared by every process using it; each file written atomically) and the CPU seconds spent
+    building them here (0 when they were there):
+
+    * ``cusim.o``, the runtime object: the launch (the fibers, the block scheduler, the workers),
+      checked mode's and the polls' hooks, the alignment handler. These do not depend on the
+      kernel, so every module of the flag set links this one object instead of compiling them
+      again: it more than halves a tensor-core or SIMT module's compile time. (Each module's
+      shared library still holds its own copy of the runtime, as before.)
+    * ``cusim.h.gch``, cusim.h precompiled for a module: a module lists the folder first among
+      its include folders and g++ takes the precompiled header in place of ``cusim.h`` (and the
+      runtime headers it includes), which saves about a third of what is left; a header it cannot
+      use (other flags) it skips for the real one, so the result never depends on it.
+    """
     key = hashlib.sha256("\0".join([_FORMAT_VERSION, _runtime_hash(), ident, *flags]).encode()).hexdigest()[:24]
-    folder = cache_dir() / f"pch-{key}"
-    gch = folder / "cusim.h.gch"
+    folder = cache_dir() / f"rt-{key}"
+    gch, obj = folder / "cusim.h.gch", folder / "cusim.o"
     cache_dir().mkdir(parents=True, exist_ok=True)
-    with _file_lock(cache_dir() / f"pch-{key}.lock"):
-        if not gch.exists():
+    cpu = 0.0
+    with _file_lock(cache_dir() / f"rt-{key}.lock"):
+        if not (gch.exists() and obj.exists()):
             folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".cusim.h.gch.{os.getpid()}"
-            _g([cxx, *flags, "-x", "c++-header", str(SIM_DIR / "cusim.h"), "-o", str(tmp)], "cusim.h (precompiled)")
-            os.replace(tmp, gch)
-    return folder
+            tmp = folder / f".tmp.{os.getpid()}"
+            tmp.write_text('#include "cusim.h"\n', encoding="utf-8")
+            cpu += _g([cxx, *flags, *RUNTIME_OBJECT_FLAGS, "-x", "c++", str(tmp), "-c", "-o", f"{tmp}.o"],
+                      "the runtime object")
+            cpu += _g([cxx, *flags, *MODULE_FLAGS, "-x", "c++-header", str(SIM_DIR / "cusim.h"), "-o", f"{tmp}.gch"],
+                      "cusim.h (precompiled)")
+            tmp.unlink()
+            os.replace(f"{tmp}.o", obj)
+            os.replace(f"{tmp}.gch", gch)
+    return folder, cpu
 
 
-def _build(text: str, flags: list, origin: str, tools: tuple, so: Path) -> None:
-    """Compile and link one module into ``so`` (atomically: built in a temporary folder, renamed)."""
+def _build(text: str, flags: list, origin: str, tools: tuple, so: Path) -> tuple[float, float]:
+    """Compile and link one module into ``so`` (atomically: built in a temporary folder, renamed);
+    return g++'s CPU seconds for the module and for the runtime parts it built (0 if none)."""
     cxx, ident, asm, arch = tools
-    pch = _precompiled_runtime(flags, cxx, ident)
+    rt, rt_cpu = _runtime_parts(flags, cxx, ident)
     with tempfile.TemporaryDirectory(dir=so.parent, prefix="build-") as tmp:
         cpp = Path(tmp) / f"{Path(origin).stem}.cpp"
         cpp.write_text(text, encoding="utf-8")
         obj, out = Path(tmp) / "module.o", Path(tmp) / "module.so"
-        link = [cxx, *LINK_FLAGS, str(obj)]
+        link = [cxx, *LINK_FLAGS, str(obj), str(rt / "cusim.o")]
         if asm:
             link.append(str(SIM_DIR / "cusim_switch_x86_64.S"))
-        _g([cxx, f"-I{pch}", *flags, "-c", str(cpp), "-o", str(obj)], f"{origin} (sm_{arch})")
-        _g([*link, "-o", str(out)], f"{origin} (sm_{arch}, link)")
+        cpu = _g([cxx, f"-I{rt}", *flags, *MODULE_FLAGS, "-c", str(cpp), "-o", str(obj)], f"{origin} (sm_{arch})")
+        cpu += _g([*link, "-o", str(out)], f"{origin} (sm_{arch}, link)")
         os.replace(out, so)
+    return cpu, rt_cpu
 
 
 def load_source(
@@ -1007,8 +1061,9 @@ def load_source(
         with _file_lock(folder / f"{key}.lock"):   # another process building it: wait, then take its module
             if not so.exists():
                 t0 = time.perf_counter()
-                _build(text, flags, origin, (cxx, ident, asm, opts.arch), so)
+                cpu, rt_cpu = _build(text, flags, origin, (cxx, ident, asm, opts.arch), so)
                 seconds = time.perf_counter() - t0
+                _log_compile(key, entries, opts, seconds, cpu, rt_cpu)
         written = lower.entry_restrict(source)
         if len(written) == 1 and len(entries) == 1 and entries[0] not in written:
             written = {entries[0]: next(iter(written.values()))}   # the entry's name is a macro (CUFLASH_ENTRY)
