@@ -170,8 +170,13 @@ __device__ __forceinline__ void fence_operands(float (&acc)[N]) {
     for (int i = 0; i < N; ++i) ptx_fence_operand(acc[i]);
 }
 
-// the index of the highest set bit of n > 0
-__device__ __forceinline__ constexpr int top_bit(unsigned n) { return n > 1 ? 1 + top_bit(n >> 1) : 0; }
+// the index of the highest set bit of n > 0 (a loop, not recursion: a forced-inline recursive
+// function is an error for g++ wherever n is not folded to a constant, as in the simulator's -O1 builds)
+__device__ __forceinline__ constexpr int top_bit(unsigned n) {
+    int e = 0;
+    for (; n > 1; n >>= 1) ++e;
+    return e;
+}
 // float16 bits of 1 <= n < 2048 whose highest set bit is e (exact: 10 fraction bits)
 __device__ __forceinline__ constexpr unsigned f16_of_norm(unsigned n, int e) {
     return unsigned(15 + e) << 10 | ((n << (10 - e)) & 0x3FFu);
