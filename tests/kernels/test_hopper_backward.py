@@ -51,7 +51,8 @@ def run_case(sq, sk, d, heads, mask, dtype_key="f16", *, seed=0, checked=False, 
 
 
 @pytest.mark.checked
-@pytest.mark.parametrize("sq,sk,heads,mask", [(70, 150, (2, 1), "none"), (200, 77, (1, 1), "causal")])
+@pytest.mark.parametrize("sq,sk,heads,mask", [(70, 150, (2, 1), "none"), (200, 77, (1, 1), "causal"),
+                                           (150, 150, (1, 1), "causal_win")])   # both masked loops and the steady one
 def test_default_cases(sq, sk, heads, mask):
     # in checked mode (races, bounds, proxies, TMA and bulk reduce-adds in flight): the build the
     # mutation probe bwd_sm90_checked and the Hopper row of test_edge_cases_checked also use
