@@ -22,7 +22,8 @@ an overrun fails that section only, the others still run); ``--sections`` picks 
                  replayed from a CUDA graph
 ``fp8``          ``attention_with_kvcache`` over fp8 (float8_e4m3fn) caches with per-head descales
                  (paged decode with append, values near 448, split-KV) against the NumPy path,
-                 caches byte-identical after the append
+                 caches byte-identical after the append; on compute capability 9.0, the fp8
+                 forward (head dims 64, 128, 256, causal, a window, GQA) against the fp8 rule
 ``dropout``      the mask kernel's bits equal to the NumPy generator's; forward and backward
                  with dropout against the NumPy path on the same mask
 ``modifiers``    softcap, ALiBi, a broadcast bias, a boolean mask with fully masked rows and
@@ -709,9 +710,42 @@ def fp8_kvcache_case(rng, case, device_call) -> tuple[str, float]:
     return what, _held_to_rule(what, got, o_np, o64, q.dtype)
 
 
+#: the fp8 forward's cases: (B, Hq, Hk, Sq, Sk, head dim, causal, window_size)
+FP8_FORWARD_CASES = ((2, 16, 4, 1000, 1000, 128, True, (-1, -1)), (1, 8, 8, 300, 2100, 256, False, (-1, -1)),
+                     (2, 8, 2, 777, 500, 64, True, (256, -1)))
+
+
+def fp8_forward_case(rng, case, device_call) -> tuple[str, float]:
+    """One fp8 forward case: float8_e4m3fn q, k, v (values up to +-448) with per-(batch, kv head)
+    descales, run by ``device_call(q, k, v, kw)`` (returns the output and its lse on the host, and
+    the name of the kernel that ran) and held to the fp8 rule of
+    :mod:`cuflash.reference.tolerance` (the float64 attention of the descaled values; the bound
+    from a float32 baseline that rounds P to e4m3, as the kernel must). Returns a label and the
+    error as a fraction of the bound; raises AssertionError (naming the case) beyond it."""
+    import ml_dtypes
+
+    b, hq, hk, sq, sk, d, causal, window = case
+    e4m3 = ml_dtypes.float8_e4m3fn
+    q, k = (np.clip(rng.standard_normal((b, h, s, d)) * 3, -448, 448).astype(e4m3) for h, s in ((hq, sq), (hk, sk)))
+    v = np.clip(rng.standard_normal((b, hk, sk, d)) * 60, -448, 448).astype(e4m3)
+    kw = dict(causal=causal, window_size=window, q_descale=rng.uniform(0.02, 0.08, (b, hk)).astype(np.float32),
+              k_descale=rng.uniform(0.02, 0.08, (b, hk)).astype(np.float32),
+              v_descale=rng.uniform(0.25, 4.0, (b, hk)).astype(np.float32))
+    what = f"fp8 forward B {b}, Hq/Hk {hq}/{hk}, Sq {sq}, Sk {sk}, d{d}" + (", causal" if causal else "") + (
+        f", window {window}" if window != (-1, -1) else "")
+    out, lse, entry = device_call(q, k, v, kw)
+    ok, msg, err = tolerance.compare(np.asarray(out, np.float64), q, k, v, lse=lse, **kw)
+    if not ok:
+        raise AssertionError(f"{what} ({entry}): {msg}")
+    tol = tolerance.rule_bound(q, k, v, **kw)
+    return f"{what} ({entry})", err / tol
+
+
 def section_fp8(clock, log) -> str:
     """attention_with_kvcache over fp8 caches on the GPU (the tensor-core KV-cache kernel's
-    fp8-cache form) against the NumPy path (:func:`fp8_kvcache_case`)."""
+    fp8-cache form) against the NumPy path (:func:`fp8_kvcache_case`); on compute capability 9.0,
+    also the fp8 forward (the Hopper forward's e4m3 form) against the fp8 rule
+    (:func:`fp8_forward_case`)."""
     import cupy
 
     import cuflash
@@ -732,7 +766,25 @@ def section_fp8(clock, log) -> str:
         what, ratio = fp8_kvcache_case(rng, case, on_gpu)
         worst, done = max(worst, ratio), done + 1
         log(f"  {what} splits {case[-1]}: {ratio:.2f} of the bound, caches identical")
-    return f"{done} fp8 paged decode cases within the rule (worst {worst:.2f} of the bound), caches identical"
+    summary = f"{done} fp8 paged decode cases within the rule (worst {worst:.2f} of the bound), caches identical"
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        return summary + "; the fp8 forward runs on compute capability 9.0 only (not run here)"
+
+    def forward_on_gpu(q, k, v, kw):
+        dev = {n: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+        q8, k8, v8 = (fp8_view(cupy.asarray(x.view(np.uint8))) for x in (q, k, v))
+        entry = cuflash.explain(q8, k8, v8, **dev)["entry"]
+        o, lse = cuflash.attention(q8, k8, v8, return_lse=True, **dev)
+        return cupy.asnumpy(o), cupy.asnumpy(lse), entry
+
+    fworst, fdone = 0.0, 0
+    for case in FP8_FORWARD_CASES:
+        if clock.out():
+            break
+        what, ratio = fp8_forward_case(rng, case, forward_on_gpu)
+        fworst, fdone = max(fworst, ratio), fdone + 1
+        log(f"  {what}: {ratio:.2f} of the bound")
+    return summary + f"; {fdone} fp8 forward cases within the rule (worst {fworst:.2f} of the bound)"
 
 
 def section_dropout(clock, log) -> str:

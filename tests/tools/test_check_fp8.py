@@ -44,3 +44,29 @@ def test_the_fp8_case_fails_on_a_wrong_output_or_cache_byte():
 def test_check_lists_the_fp8_section_after_the_kv_cache():
     assert check.SECTIONS.index("fp8") == check.SECTIONS.index("kvcache") + 1
     assert check.build_parser().parse_args(["--sections", "fp8"]).sections == "fp8"
+
+
+#: the fp8 forward's check case, small: head dim 64, causal (the fp8 variant the Hopper fp8 tests compile)
+FORWARD_CASE = (1, 4, 2, 150, 100, 64, True, (-1, -1))
+
+
+def _forward_on_sim(q, k, v, kw):
+    with cuflash.sim.options(arch="sm_90"):
+        entry = cuflash.explain(q, k, v, backend="sim", **kw)["entry"]
+        out, lse = cuflash.attention(q, k, v, backend="sim", return_lse=True, **kw)
+    return out, lse, entry
+
+
+def test_the_fp8_forward_case_passes_on_the_simulated_hopper_form_and_fails_off_it():
+    what, ratio = check.fp8_forward_case(np.random.default_rng(2), FORWARD_CASE, _forward_on_sim)
+    assert what == "fp8 forward B 1, Hq/Hk 4/2, Sq 150, Sk 100, d64, causal (cuflash_attn_fwd_sm90_bf16_d64_local_e4m3)"
+    assert 0 <= ratio <= 1
+
+    def off_output(*args):   # one output element off by a few bf16 steps of the largest value
+        out, lse, entry = _forward_on_sim(*args)
+        out = out.astype(np.float32)
+        out[0, 0, -1, 0] += 0.05 * np.abs(out).max()
+        return out, lse, entry
+
+    with pytest.raises(AssertionError, match=r"fp8 forward B 1.*\(cuflash_attn_fwd_sm90_bf16_d64_local_e4m3\): max error"):
+        check.fp8_forward_case(np.random.default_rng(2), FORWARD_CASE, off_output)
