@@ -216,6 +216,12 @@ __device__ __forceinline__ void copy_rows_interior(elem_t* dst, const elem_t* sr
 #define FWD_REG_STAGE 0
 #endif
 
+// FWD_BAND_MASK: 1 where a masked tile inside Sk tests each key offset from the diagonal once for
+// all of a lane's rows (the mask in the loop below). The packed two-fragment tiles keep the per-row
+// test: with the band branch, ptxas 12.9 spills 4 bytes in the packed bf16 d128 tile on sm_90 (255
+// registers), and every rearrangement tried either spilled or cost 6 instructions on the steady path.
+#define FWD_BAND_MASK (!(CUFLASH_VARLEN && MT == 2))
+
 // floor(x / BC) for any sign of x.
 __device__ __forceinline__ long long floor_div_bc(long long x) { return x >= 0 ? x / BC : -((BC - 1 - x) / BC); }
 
@@ -794,21 +800,52 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
             const bool need_mask = j < steady.lo || j >= steady.hi;
 #endif
             if (need_mask) {
+                const int kv_past = kv0 - seqlen_k;   // (negative: keys before Sk)
+                if (FWD_BAND_MASK && pk == 1 && kv_past <= -BC) {
+                    // A tile inside Sk (a causal diagonal or a window edge), without packed heads: score
+                    // (f, h, n, e), of key kv0 + 2 t + 8 n + e and row qi0 + 16 f + 8 h, lies d0 + kk right of
+                    // its row's diagonal key, kk = 8 (n - 2 f - h) + e. One band of kk holds for all the lane's
+                    // rows, so ptxas tests each of the 2 (NFRAG_S + 2 MT - 1) values of kk once (22 compares
+                    // at 128 x 64) instead of each of the 64 scores against its row's bounds. Visible: lo <= kk
+                    // <= hi, each bound clamped to kk's range [KK_MIN, KK_MAX] before d0 is subtracted, so
+                    // that nothing overflows (d0 lies in [-Sk - BR, Sq]).
+                    constexpr int KK_MIN = -8 * (2 * MT - 1), KK_MAX = 8 * (NFRAG_S - 1) + 1;
+                    const int d0 = kv_past + (2 * t + seqlen_q - qi0);
+                    auto band = [&](int lo, int hi) {
 #pragma unroll
-                for (int f = 0; f < MT; ++f)
+                        for (int f = 0; f < MT; ++f)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const IndexRange seen =
-                            window_key_range((qi0 + 16 * f + 8 * h) / pk, 1, seqlen_q, seqlen_k, window_left, window_right);
-                        const int lo = seen.lo - kv0 - 2 * t, hi = seen.hi - kv0 - 2 * t;   // in 8 n + (e & 1)
+                            for (int h = 0; h < 2; ++h)
 #pragma unroll
-                        for (int n = 0; n < NFRAG_S; ++n)
+                                for (int n = 0; n < NFRAG_S; ++n)
 #pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                const int kj = 8 * n + e;
-                                if (kj < lo || kj >= hi) s[f][n][2 * h + e] = CUFLASH_NEG_INF;
-                            }
-                    }
+                                    for (int e = 0; e < 2; ++e) {
+                                        const int kk = 8 * (n - 2 * f - h) + e;
+                                        if (kk < lo || kk > hi) s[f][n][2 * h + e] = CUFLASH_NEG_INF;
+                                    }
+                    };
+                    auto lo_k = [&]() { return max(-window_left, d0 + KK_MIN) - d0; };   // (window_left >= 0)
+                    auto hi_k = [&]() { return min(window_right, d0 + KK_MAX) - d0; };   // (window_right >= 0)
+                    if (window_left < 0) band(KK_MIN, hi_k());        // causal, or a right edge alone
+                    else if (window_right < 0) band(lo_k(), KK_MAX);  // a left edge alone
+                    else band(lo_k(), hi_k());
+                } else {
+#pragma unroll
+                    for (int f = 0; f < MT; ++f)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const IndexRange seen =
+                                window_key_range((qi0 + 16 * f + 8 * h) / pk, 1, seqlen_q, seqlen_k, window_left, window_right);
+                            const int lo = seen.lo - kv0 - 2 * t, hi = seen.hi - kv0 - 2 * t;   // in 8 n + (e & 1)
+#pragma unroll
+                            for (int n = 0; n < NFRAG_S; ++n)
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    const int kj = 8 * n + e;
+                                    if (kj < lo || kj >= hi) s[f][n][2 * h + e] = CUFLASH_NEG_INF;
+                                }
+                        }
+                }
             }
 
             auto rescale_o = [&](int f, const float (&alpha)[2]) {

@@ -286,7 +286,9 @@ def test_sass_mma_forward_interior_tiles_copy_without_predicates(arch, varlen, c
     packed form, sm_80 in the fixed one): an interior tile's 16 ``cp.async`` per thread carry no
     bounds checks, and the named paths (docs/roofline.md) stay within the budgets this kernel is
     held to, per warp and tile: steady at most 800 instructions, steady with both fragments' O
-    rescale at most 928 (PyTorch's FA2 build counts 1220 on its steady path by the same rule). No
+    rescale at most 928 (PyTorch's FA2 build counts 1220 on its steady path by the same rule), and
+    in the fixed form a tile inside Sk with one window edge (a causal diagonal) at most 880, its
+    mask one compare per offset from the diagonal rather than per score (911 that way). No
     spills. (On sm_80, ptxas 12.9 rebuilt each ldmatrix address with an IMAD when they were
     element pointers: 833 on the steady path.)"""
     from cuflash.analysis import sass_count
@@ -304,3 +306,40 @@ def test_sass_mma_forward_interior_tiles_copy_without_predicates(arch, varlen, c
     assert 64 <= per_fragment <= 70, paths
     assert steady.instructions + 2 * per_fragment <= 928, paths
     assert steady.classes["predicate"] <= 40, steady   # (with the copies' bounds checks in it: 87)
+    if not varlen:   # (the packed two-fragment tiles keep the per-row mask: FWD_BAND_MASK)
+        diagonal = _band_mask_pass(text, variant.entry, rows=2, key_blocks=8)
+        assert diagonal <= 880, diagonal   # (911 on sm_90 with a compare per score and row)
+
+
+def _band_mask_pass(text: str, entry: str, *, rows: int, key_blocks: int) -> int:
+    """The tensor-core forward's pass through a masked tile inside Sk with one window edge (a causal
+    diagonal; ``rows`` 16-row fragments per warp, ``key_blocks`` 8-key blocks per tile): every mma and
+    copy, no O rescale, and a mask block that selects each of the lane's 32 ``rows`` scores (FSEL)
+    with one compare per distinct offset from the diagonal (2 (key_blocks + 2 rows - 1) ISETP), not
+    one per score. The longest such pass (the left and the right edge each have their block)."""
+    from cuflash.analysis import sass_count
+
+    insns = sass_count.parse_functions(text)[entry]
+    blocks, found = sass_count.main_loops(insns)
+    starts, ends, _ = blocks
+    h, body, latches = found[0]
+    ops = {b: collections.Counter(x.op for x in insns[starts[b]:ends[b]]) for b in body}
+    band = [b for b in body if ops[b]["FSEL"] == 32 * rows and not ops[b]["MUFU"]
+            and ops[b]["ISETP"] <= 2 * (key_blocks + 2 * rows - 1)]
+    assert band, "no mask block with one compare per offset from the diagonal"
+    heavy = {b: {"heavy": 1} for b in body if ops[b]["FMUL"] >= 64}   # O rescales, the scale <= 0 pre-scale
+
+    def measure(x):
+        if x.op == "NOP":
+            return {}
+        return {"n": 1, "tensor": int(sass_count.classify(x.op) == "tensor"), "copies": int(x.op in sass_count.COPIES)}
+
+    def key(t):
+        return (t.get("band", 0), t.get("tensor", 0), t.get("copies", 0), -t.get("heavy", 0), -t.get("n", 0))
+
+    passes = []
+    for b in band:
+        (p,) = sass_count.best_passes(insns, blocks, found[0], measure, [key], per_block={**heavy, b: {"band": 1}})
+        assert p["band"] == 1 and not p.get("heavy"), p
+        passes.append(p["n"])
+    return max(passes)
