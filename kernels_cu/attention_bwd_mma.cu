@@ -143,6 +143,40 @@ static_assert(2 * (2 * BC * PITCH + 2 * STAGES * BR * PITCH + 2 * BR * PP) + 4 *
 #include "score_mods.cuh"
 static_assert(!CUFLASH_BLOCK_SPARSE || !CUFLASH_VARLEN, "a block mask is read by the fixed-shape modifier forms only");
 
+// Unrolling of the products' k-step loops. A traced function's form (CUFLASH_USER_MOD) is compiled
+// cold on the first call with a new function; at head dims 192 and 256, fully unrolled, that took
+// NVRTC 1.4-2.0 s of CPU on a 2-core machine. There dQ's column passes and k-steps run as loops, and
+// where the spills measured no larger (head dim 192; at 256 on sm_90 and newer, block masks
+// excepted) so do dK/dV's k-steps, and S/dP's k-steps four at a time: 0.2-0.5 s less (a loop's
+// register arrays stay indexed by constants; the k-step moves only shared-memory offsets and dQ's
+// column). Every other form is unrolled fully, as before.
+#define BWD_PRAGMA(x) _Pragma(#x)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define BWD_ARCH_SM90 1
+#else
+#define BWD_ARCH_SM90 0
+#endif
+#if CUFLASH_USER_MOD && DMAX >= 192
+#define UNROLL_DQ_PASSES BWD_PRAGMA(unroll 1)
+#if DMAX == 256 && CUFLASH_BLOCK_SPARSE && BWD_ARCH_SM90
+#define UNROLL_DQ_K BWD_PRAGMA(unroll)
+#else
+#define UNROLL_DQ_K BWD_PRAGMA(unroll 1)
+#endif
+#if DMAX == 192 || (BWD_ARCH_SM90 && !CUFLASH_BLOCK_SPARSE)
+#define UNROLL_SDP_K BWD_PRAGMA(unroll 4)
+#define UNROLL_KV_K BWD_PRAGMA(unroll 1)
+#else
+#define UNROLL_SDP_K BWD_PRAGMA(unroll)
+#define UNROLL_KV_K BWD_PRAGMA(unroll)
+#endif
+#else
+#define UNROLL_DQ_PASSES BWD_PRAGMA(unroll)
+#define UNROLL_DQ_K BWD_PRAGMA(unroll)
+#define UNROLL_SDP_K BWD_PRAGMA(unroll)
+#define UNROLL_KV_K BWD_PRAGMA(unroll)
+#endif
+
 #ifndef CUFLASH_AGRAD_EXACT
 #define CUFLASH_AGRAD_EXACT 0
 #endif
@@ -497,7 +531,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
             for (int n = 0; n < NF_S; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[f][n][e] = dp[f][n][e] = 0.0f;
-#pragma unroll
+UNROLL_SDP_K
         for (int kk = 0; kk < KSTEPS_D; ++kk) {
             unsigned a[MF_S][4];
 #pragma unroll
@@ -684,7 +718,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
         // dV += P^T dO and dK += dS^T Q for this warp's 16 MF_KV keys x 8 NF_KV columns.
         const SmemOffsets o2 = HOIST_OFFSETS ? so_loop : smem_offsets(ptx_opaque(tid));
-#pragma unroll
+UNROLL_KV_K
         for (int kk = 0; kk < BR / 16; ++kk) {
             unsigned a[MF_KV][4];
 #pragma unroll
@@ -717,7 +751,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
         // dQ (this warp's 16 MF_Q rows x 8 NF_Q columns) += dS K, unscaled, into the workspace, in
         // DQ_PASSES passes over the columns (the accumulators of one pass: NF_QP blocks).
-#pragma unroll
+UNROLL_DQ_PASSES
         for (int pass = 0; pass < DQ_PASSES; ++pass) {
             const SmemOffsets o3 = HOIST_OFFSETS ? so_loop : smem_offsets(ptx_opaque(tid));
             float acc[MF_Q][NF_QP][4];
@@ -727,7 +761,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                 for (int n = 0; n < NF_QP; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[f][n][e] = 0.0f;
-#pragma unroll
+UNROLL_DQ_K
             for (int kk = 0; kk < BC / 16; ++kk) {
                 unsigned a[MF_Q][4];
 #pragma unroll

@@ -79,21 +79,16 @@ SPILLING_FORMS = {
     (90, 256, False, False, True): {12: "60 bytes"},
     (90, 256, True, False, True): {12: "12 bytes"},
     # the block-sparse forms of a traced mask_mod (keys end in "bs"; measured with the causal document
-    # mask of cuflash.mods): the list walk's state beside the 64 x 64 tile at buckets 192 and 256
-    (80, 192, False, False, True, "bs"): {13: "52 bytes"},
-    (90, 192, False, False, True, "bs"): {13: "32 bytes"},
+    # mask of cuflash.mods): the list walk's state beside the 64 x 64 tile at bucket 256 (at 192 the
+    # traced forms' rolled k-step loops, attention_bwd_mma.cu, leave room)
     (80, 256, False, False, True, "bs"): {12: "36 bytes"},
-    (90, 256, False, False, True, "bs"): {12: "4 bytes"},
+    (90, 256, False, False, True, "bs"): {13: "24 bytes"},
     # the captured-array gradient forms of a traced score_mod (return_dscore_mod; keys end in "ag";
     # measured with a softcapped per-head-slope ALiBi plus a relative-position table, f16)
-    (80, 256, False, False, True, "ag"): {12: "20 bytes"},
-    (90, 192, False, False, True, "ag"): {13: "8 bytes"},
-    (90, 256, False, False, True, "ag"): {12: "16 bytes", 13: "68 bytes"},
+    (80, 256, False, False, True, "ag"): {12: "8 bytes"},
     # ... and their exact (deterministic) forms (keys end in "agx"; the same function, f16; the exact add
-    # out of line, which takes the d256 sm_90 compile under 2 s: inlined, these were 20; 8 and 28; 76 and 12)
+    # out of line)
     (80, 256, False, False, True, "agx"): {12: "28 bytes"},
-    (90, 192, False, False, True, "agx"): {13: "8 bytes"},
-    (90, 256, False, False, True, "agx"): {12: "80 bytes", 13: "60 bytes"},
 }
 
 
