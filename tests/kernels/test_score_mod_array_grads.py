@@ -107,6 +107,25 @@ def test_bf16_head_dim_128_sm90_and_checked_mode(rng, without_hopper_tier):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "exact"])
+def test_head_dim_256_sm90(rng, deterministic, without_hopper_tier):
+    """f16 at bucket 256 on sm_90, causal: the traced forms whose k-step loops are not unrolled in
+    full (attention_bwd_mma.cu), float-atomic and exact, within twice the NumPy path's error."""
+    dtype = dtypes.float16
+    q, k, v = _qkv(rng, dtype, sq=37, sk=70, d=256)
+    slopes = rng.uniform(0.05, 0.5, HQ).astype(np.float32)
+    table = rng.standard_normal((HQ, 2 * RADIUS + 1)).astype(np.float32)
+    score_fn = _slopes_and_table(slopes, table)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, score_mod=score_fn, causal=True)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    with sim.options(arch=90):
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim", score_mod=score_fn, causal=True,
+                                           return_dscore_mod=True, deterministic=deterministic)
+    assert np.abs(grads[-1]["table"]).max() > 0.1 and np.abs(grads[-1]["slopes"]).max() > 0.1
+    assert_grads_within_twice_the_numpy_path(grads, q, k, v, dout, dtype, score_mod=score_fn, causal=True)
+
+
+@pytest.mark.slow
 def test_torch_learned_table_grad_on_the_simulator(rng):
     """cuflash.torch.attention with backend="sim": a learned table's and slopes' ``.grad`` (the
     kernel's atomics) within twice the error of the same-dtype NumPy path's (backend="numpy")
