@@ -838,11 +838,23 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     }
     // tile j of the walk, with P V of tile j - 1; mask: a MaskOf<Mask>
     // (j >= 1: unsigned, the stage and phase arithmetic is shifts and masks)
+    // (the ring stage s = j % 2 and K's phase (j / 2) % 2 are loop state, updated by constants: V's
+    // are tile j - 1's, sv = s ^ 1 and phase ph ^ s ^ 1)
+    static_assert(STAGES == 2, "the consumer loop carries a two-stage ring's stage and phase");
+    // (and the barriers' shared addresses are taken once: ptxas otherwise rebuilds each from the
+    // CTA's shared window every tile)
+    unsigned s = 1, ph = 0;   // tile 1's
+    const unsigned bar_fk = ptx_opaque(int(ptx_smem_addr(full_k))), bar_fv = ptx_opaque(int(ptx_smem_addr(full_v)));
+    const unsigned bar_ek = ptx_opaque(int(ptx_smem_addr(empty_k))), bar_ev = ptx_opaque(int(ptx_smem_addr(empty_v)));
+    // (the stage descriptors too: K's of stage s and V's of stage sv, each flipped between its two
+    // stages by one exclusive or)
+    unsigned long long dks = ptx_wgmma_desc_advance(dk0, K_BYTES), dvs = dv0;
+    const unsigned long long dk_flip = ptx_opaque(dks ^ dk0), dv_flip = ptx_opaque(ptx_wgmma_desc_advance(dv0, V_BYTES) ^ dv0);
     auto tile = [&](unsigned j, auto mask) {
-        const unsigned s = j % STAGES, sv = (j - 1) % STAGES;
+        const unsigned sv = s ^ 1;
         rescale_o(o, alpha);   // by tile j - 1's factor, before P_{j-1} V_{j-1} joins O
-        ptx_mbarrier_wait(&full_k[s], (j / STAGES) & 1);
-        ptx_mbarrier_wait(&full_v[sv], ((j - 1) / STAGES) & 1);
+        ptx_mbarrier_wait_at(bar_fk + 8 * s, ph);
+        ptx_mbarrier_wait_at(bar_fv + 8 * sv, ph ^ sv);
 #if CUFLASH_FP8
         // the fp8 form converts P_{j-1} here, after the waits, not after the wait that retired P_{j-2} V:
         // there ptxas 13 hoists the conversions above that wait (under P V) into scratch registers,
@@ -852,8 +864,8 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         to_a_fragment(sc, pa);
 #endif
         ptx_bar_sync(TURN_BAR + c, 256);
-        issue_s(sc, dq, ptx_wgmma_desc_advance(dk0, s * K_BYTES));
-        issue_pv(o, pa, ptx_wgmma_desc_advance(dv0, sv * V_BYTES));
+        issue_s(sc, dq, dks);
+        issue_pv(o, pa, dvs);
         ptx_bar_arrive(TURN_BAR + 1 - c, 256);
         ptx_wgmma_wait<1>();                       // S_j is in; P_{j-1} V_{j-1} may still run
 #if CUFLASH_BLOCK_SPARSE
@@ -871,12 +883,16 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         // this arrival and issues the wait as early as it can, so the arrival decides how many
         // exponentials run under P V (without the dependence: a dozen of 66; with it, row g's 32 at
         // least: 46-56 at d128, 29-33 at d256, counted as docs/kernels.md says)
-        if ((tid | __float_as_int(fminf(l_run[0], 0.0f))) == 0) ptx_mbarrier_arrive(&empty_k[s]);
+        if ((tid | __float_as_int(fminf(l_run[0], 0.0f))) == 0) ptx_mbarrier_arrive_at(bar_ek + 8 * s);
         ptx_wgmma_wait<0>();
-        if (tid == 0) ptx_mbarrier_arrive(&empty_v[sv]);
+        if (tid == 0) ptx_mbarrier_arrive_at(bar_ev + 8 * sv);
 #if !CUFLASH_FP8
         to_a_fragment(sc, pa);
 #endif
+        ph ^= s;
+        s ^= 1;
+        dks ^= dk_flip;
+        dvs ^= dv_flip;
     };
     // tiles 1.. of the walk (tile 0 ran masked above): left of ta = st.lo - tile_lo a tile needs the
     // left edge tested, from tb = st.hi - tile_lo on the right one; each consumer has its own ta and

@@ -229,6 +229,15 @@ CUSIM_NOSAN inline unsigned shared_window_address(const void* p) {
     return unsigned(arena_off(w, p));
 }
 
+// The pointer at a shared-window address (the inverse of shared_window_address): an instruction
+// that takes a shared address in a register reaches the arena there.
+CUSIM_NOSAN inline void* shared_window_pointer(unsigned addr) {
+    Worker* w = t_worker;
+    void* p = w->arena + addr;
+    if (!is_shared(p, 1)) fail("shared address 0x%x is not in the block's shared memory", addr);
+    return p;
+}
+
 CUSIM_NOSAN inline void describe_shared(Worker* w, uint64_t off, char* out, size_t cap) {
     describe_address(w, w->arena + off, out, cap);
 }
