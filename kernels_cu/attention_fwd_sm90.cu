@@ -389,6 +389,13 @@ struct Rows {   // what the softmax needs to know of this thread's rows and the 
 #endif
 };
 
+// A window narrower than a tile tests both edges (two compares a score); with BOTH_BITS it tests one
+// bit of a per-row set of the tile's visible scores instead (one 32-bit word: BC / 4 <= 32)
+constexpr bool BOTH_BITS = EDGES_ONCE && BC / 4 <= 32;
+// How many of a row's scores (this thread's column offsets 8p, 8p + 1 from its first column) lie
+// left of offset x: 2 per pair before x's, and 0, 1 or 2 of x's own pair (any sign of x).
+__device__ __forceinline__ int score_count(int x) { return 2 * (x >> 3) + min(x & 7, 2); }
+
 // Floor and ceiling of x / BC for any sign of x.
 __device__ __forceinline__ int floor_tiles(int x) { return x >= 0 ? x / BC : -((BC - 1 - x) / BC); }
 __device__ __forceinline__ int ceil_tiles(int x) { return -floor_tiles(-x); }
@@ -431,7 +438,12 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
     // window's edges and Sk), kept here relative to this thread's first column kv0 + 2t, so that a
     // score's test is two compares of a register with its constant column offset
     int lo[2], hi[2];
-    if (MASK != MASK_NONE) {
+    unsigned vis[2];   // BOTH_BITS, MASK_BOTH: bit k set where the row's score k is visible
+    if (BOTH_BITS && MASK == MASK_BOTH) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)   // the scores left of last + 1, less those left of first
+            vis[r] = ptx_ones_below(max(score_count(w.last[r] - kv0 + 1), 0)) & ~ptx_ones_below(max(score_count(w.first[r] - kv0), 0));
+    } else if (MASK != MASK_NONE) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             if (EDGES_ONCE) {
@@ -493,7 +505,11 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
             const int offset = 8 * (i / 4) + i % 2;   // the score's column: kv0 + 2t + offset
             const int a = (2 * (i / 4) + i % 2) % NACC;
             float x = sc[i];
-            if (((MASK & MASK_LEFT) && offset < lo[r]) || ((MASK & MASK_RIGHT) && offset > hi[r])) x = CUFLASH_NEG_INF;
+            if (BOTH_BITS && MASK == MASK_BOTH) {
+                if (!((vis[r] >> (2 * (i / 4) + i % 2)) & 1u)) x = CUFLASH_NEG_INF;
+            } else if (((MASK & MASK_LEFT) && offset < lo[r]) || ((MASK & MASK_RIGHT) && offset > hi[r])) {
+                x = CUFLASH_NEG_INF;
+            }
             sc[i] = x;
             if (2 * (i / 4) + i % 2 < NACC) mxa[a] = x;   // the chain's first score
             else mxa[a] = fmaxf(mxa[a], x);

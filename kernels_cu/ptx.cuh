@@ -342,6 +342,8 @@ __device__ __forceinline__ unsigned ptx_set_ge_f16x2(unsigned a, unsigned b) {
         if (cusim::f16_bits_to_f32(uint16_t(a >> (16 * i))) >= cusim::f16_bits_to_f32(uint16_t(b >> (16 * i)))) r |= 0xFFFFu << (16 * i);
     return r;
 }
+// shf.l.clamp.b32 of the pair {hi 0, lo all ones} by n: the low min(n, 32) bits set (n unsigned).
+__device__ __forceinline__ unsigned ptx_ones_below(unsigned n) { return n >= 32 ? ~0u : (1u << n) - 1u; }
 // red.global.add.v2.f32 (sm_90; two scalar atomic adds before): p[0] += a, p[1] += b, p 8-byte aligned.
 __device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
     if (reinterpret_cast<uintptr_t>(p) & 7u) cusim::fail("red.v2.f32: address %p must be 8-byte aligned", (void*)p);
@@ -525,6 +527,12 @@ __device__ __forceinline__ unsigned ptx_and3(unsigned a, unsigned b, unsigned c)
 __device__ __forceinline__ unsigned ptx_set_ge_f16x2(unsigned a, unsigned b) {
     unsigned r;
     asm("set.ge.u32.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+// shf.l.clamp.b32 of the pair {hi 0, lo all ones} by n: the low min(n, 32) bits set (n unsigned).
+__device__ __forceinline__ unsigned ptx_ones_below(unsigned n) {
+    unsigned r;
+    asm("shf.l.clamp.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(~0u), "r"(0u), "r"(n));
     return r;
 }
 
