@@ -869,8 +869,8 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     auto tile = [&](unsigned j, auto mask) {
         const unsigned sv = s ^ 1;
         rescale_o(o, alpha);   // by tile j - 1's factor, before P_{j-1} V_{j-1} joins O
-        ptx_mbarrier_wait_at(bar_fk + 8 * s, ph);
-        ptx_mbarrier_wait_at(bar_fv + 8 * sv, ph ^ sv);
+        ptx_mbarrier_wait(bar_fk + 8 * s, ph);
+        ptx_mbarrier_wait(bar_fv + 8 * sv, ph ^ sv);
 #if CUFLASH_FP8
         // the fp8 form converts P_{j-1} here, after the waits, not after the wait that retired P_{j-2} V:
         // there ptxas 13 hoists the conversions above that wait (under P V) into scratch registers,
@@ -899,9 +899,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         // this arrival and issues the wait as early as it can, so the arrival decides how many
         // exponentials run under P V (without the dependence: a dozen of 66; with it, row g's 32 at
         // least: 46-56 at d128, 29-33 at d256, counted as docs/kernels.md says)
-        if ((tid | __float_as_int(fminf(l_run[0], 0.0f))) == 0) ptx_mbarrier_arrive_at(bar_ek + 8 * s);
+        if ((tid | __float_as_int(fminf(l_run[0], 0.0f))) == 0) ptx_mbarrier_arrive(bar_ek + 8 * s);
         ptx_wgmma_wait<0>();
-        if (tid == 0) ptx_mbarrier_arrive_at(bar_ev + 8 * sv);
+        if (tid == 0) ptx_mbarrier_arrive(bar_ev + 8 * sv);
 #if !CUFLASH_FP8
         to_a_fragment(sc, pa);
 #endif

@@ -400,10 +400,10 @@ __device__ __forceinline__ void ptx_mbarrier_arrive_expect_tx(unsigned long long
 __device__ __forceinline__ bool ptx_mbarrier_try_wait(unsigned long long* bar, unsigned parity) { return cusim::mbar_try_wait(bar, parity); }
 __device__ __forceinline__ void ptx_mbarrier_wait(unsigned long long* bar, unsigned parity) { cusim::mbar_wait(bar, parity); }
 // the same two at a barrier's shared-window address (ptx_smem_addr), which a loop can carry
-__device__ __forceinline__ void ptx_mbarrier_arrive_at(unsigned bar) {
+__device__ __forceinline__ void ptx_mbarrier_arrive(unsigned bar) {
     cusim::mbar_arrive(cusim::shared_window_pointer(bar), 0, "mbarrier.arrive");
 }
-__device__ __forceinline__ void ptx_mbarrier_wait_at(unsigned bar, unsigned parity) { cusim::mbar_wait(cusim::shared_window_pointer(bar), parity); }
+__device__ __forceinline__ void ptx_mbarrier_wait(unsigned bar, unsigned parity) { cusim::mbar_wait(cusim::shared_window_pointer(bar), parity); }
 __device__ __forceinline__ void ptx_tma_load_2d(void* dst, const cuflash_tensor_map* map, int c0, int c1, unsigned long long* bar) {
     const int32_t c[2] = {c0, c1};
     cusim::tma_load(dst, map, c, 2, bar);
@@ -673,10 +673,10 @@ __device__ __forceinline__ void ptx_mbarrier_wait(unsigned long long* bar, unsig
     }
 }
 // the same two at a barrier's shared-window address (ptx_smem_addr), which a loop can carry
-__device__ __forceinline__ void ptx_mbarrier_arrive_at(unsigned bar) {
+__device__ __forceinline__ void ptx_mbarrier_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void ptx_mbarrier_wait_at(unsigned bar, unsigned parity) {
+__device__ __forceinline__ void ptx_mbarrier_wait(unsigned bar, unsigned parity) {
     unsigned ok;
     do {
         asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"

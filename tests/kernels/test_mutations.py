@@ -180,7 +180,7 @@ def test_the_hopper_synchronisations_are_killed():
 #: (the P V wgmma on V^T tiles, V's ring, O staged after the V ring): each, removed, is seen by the
 #: fp8 probe too, not only by the 16-bit probe the kill map records
 FP8_FORM_MUTANTS = ["attention_fwd_sm90.cu|ptx_wgmma_fence();|#1|delete",
-                    "attention_fwd_sm90.cu|ptx_mbarrier_wait(&full_v[sv], ((j - 1) / STAGES) & 1);|#0|delete",
+                    "attention_fwd_sm90.cu|ptx_mbarrier_wait(bar_fv + 8 * sv, ph ^ sv);|#0|delete",
                     "attention_fwd_sm90.cu|ptx_mbarrier_wait(&empty_v[s], ((j / STAGES) - 1) & 1);|#0|delete",
                     "attention_fwd_sm90.cu|ptx_wgmma_wait<0>();|#1|relax",
                     "attention_fwd_sm90.cu|ptx_fence_proxy_async();|#3|delete",
