@@ -862,10 +862,12 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     unsigned s = 1, ph = 0;   // tile 1's
     const unsigned bar_fk = ptx_opaque(int(ptx_smem_addr(full_k))), bar_fv = ptx_opaque(int(ptx_smem_addr(full_v)));
     const unsigned bar_ek = ptx_opaque(int(ptx_smem_addr(empty_k))), bar_ev = ptx_opaque(int(ptx_smem_addr(empty_v)));
-    // (the stage descriptors too: K's of stage s and V's of stage sv, each flipped between its two
-    // stages by one exclusive or)
+    // (the stage descriptors too, up to D = 128: K's of stage s and V's of stage sv, each flipped
+    // between its two stages by one exclusive or; at d256 the two more registers made NVRTC 13
+    // spill the windowed form, 12 B / 84 B, so there they are rebuilt from s)
+    constexpr bool CARRY_DESCS = D <= 128;
     unsigned long long dks = ptx_wgmma_desc_advance(dk0, K_BYTES), dvs = dv0;
-    const unsigned long long dk_flip = ptx_opaque(dks ^ dk0), dv_flip = ptx_opaque(ptx_wgmma_desc_advance(dv0, V_BYTES) ^ dv0);
+    const unsigned dk_flip = ptx_opaque(int(dks ^ dk0)), dv_flip = ptx_opaque(int(ptx_wgmma_desc_advance(dv0, V_BYTES) ^ dv0));
     auto tile = [&](unsigned j, auto mask) {
         const unsigned sv = s ^ 1;
         rescale_o(o, alpha);   // by tile j - 1's factor, before P_{j-1} V_{j-1} joins O
@@ -880,8 +882,8 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         to_a_fragment(sc, pa);
 #endif
         ptx_bar_sync(TURN_BAR + c, 256);
-        issue_s(sc, dq, dks);
-        issue_pv(o, pa, dvs);
+        issue_s(sc, dq, CARRY_DESCS ? dks : ptx_wgmma_desc_advance(dk0, s * K_BYTES));
+        issue_pv(o, pa, CARRY_DESCS ? dvs : ptx_wgmma_desc_advance(dv0, sv * V_BYTES));
         ptx_bar_arrive(TURN_BAR + 1 - c, 256);
         ptx_wgmma_wait<1>();                       // S_j is in; P_{j-1} V_{j-1} may still run
 #if CUFLASH_BLOCK_SPARSE
@@ -907,8 +909,10 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #endif
         ph ^= s;
         s ^= 1;
-        dks ^= dk_flip;
-        dvs ^= dv_flip;
+        if (CARRY_DESCS) {
+            dks ^= dk_flip;
+            dvs ^= dv_flip;
+        }
     };
     // tiles 1.. of the walk (tile 0 ran masked above): left of ta = st.lo - tile_lo a tile needs the
     // left edge tested, from tb = st.hi - tile_lo on the right one; each consumer has its own ta and
@@ -937,7 +941,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         to_a_fragment(sc, pa);   // (the fp8 form: the last P, converted before its P V, as in the loop)
 #endif
         ptx_bar_sync(TURN_BAR + c, 256);
-        issue_pv(o, pa, ptx_wgmma_desc_advance(dv0, sv * V_BYTES));
+        issue_pv(o, pa, CARRY_DESCS ? dvs : ptx_wgmma_desc_advance(dv0, sv * V_BYTES));   // (dvs: the loop left stage sv's)
         if (c == 0) ptx_bar_arrive(TURN_BAR + 1, 256);
         ptx_wgmma_wait<0>();   // (the last V slot is not released: no load waits for it)
     }
