@@ -390,7 +390,11 @@ struct Rows {   // what the softmax needs to know of this thread's rows and the 
 };
 
 // A window narrower than a tile tests both edges (two compares a score); with BOTH_BITS it tests one
-// bit of a per-row set of the tile's visible scores instead (one 32-bit word: BC / 4 <= 32)
+// bit of a per-row set of the tile's visible scores instead (one 32-bit word: BC / 4 <= 32; ptxas
+// moves 7 bits at a time into predicates, R2P, so a score costs its FSEL and a seventh). The local
+// forms' right-edge loop (the diagonal) takes the set too (d128: 580 -> 555 instructions a warp
+// and tile under NVRTC 12); the left-edge loop and the plain forms' Sk edge do not: there the set
+// counted more than the compares (+23 and +11)
 constexpr bool BOTH_BITS = EDGES_ONCE && BC / 4 <= 32;
 // How many of a row's scores (this thread's column offsets 8p, 8p + 1 from its first column) lie
 // left of offset x: 2 per pair before x's, and 0, 1 or 2 of x's own pair (any sign of x).
@@ -438,11 +442,13 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
     // window's edges and Sk), kept here relative to this thread's first column kv0 + 2t, so that a
     // score's test is two compares of a register with its constant column offset
     int lo[2], hi[2];
-    unsigned vis[2];   // BOTH_BITS, MASK_BOTH: bit k set where the row's score k is visible
-    if (BOTH_BITS && MASK == MASK_BOTH) {
+    constexpr bool SET = BOTH_BITS && (MASK == MASK_BOTH || (CUFLASH_LOCAL && MASK == MASK_RIGHT));
+    unsigned vis[2];   // with the set: bit k set where the row's score k is visible
+    if (SET) {
 #pragma unroll
         for (int r = 0; r < 2; ++r)   // the scores left of last + 1, less those left of first
-            vis[r] = ptx_ones_below(max(score_count(w.last[r] - kv0 + 1), 0)) & ~ptx_ones_below(max(score_count(w.first[r] - kv0), 0));
+            vis[r] = ((MASK & MASK_RIGHT) ? ptx_ones_below(max(score_count(w.last[r] - kv0 + 1), 0)) : ~0u) &
+                     ~((MASK & MASK_LEFT) ? ptx_ones_below(max(score_count(w.first[r] - kv0), 0)) : 0u);
     } else if (MASK != MASK_NONE) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -505,7 +511,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
             const int offset = 8 * (i / 4) + i % 2;   // the score's column: kv0 + 2t + offset
             const int a = (2 * (i / 4) + i % 2) % NACC;
             float x = sc[i];
-            if (BOTH_BITS && MASK == MASK_BOTH) {
+            if (SET) {
                 if (!((vis[r] >> (2 * (i / 4) + i % 2)) & 1u)) x = CUFLASH_NEG_INF;
             } else if (((MASK & MASK_LEFT) && offset < lo[r]) || ((MASK & MASK_RIGHT) && offset > hi[r])) {
                 x = CUFLASH_NEG_INF;
