@@ -866,8 +866,12 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     // (and the barriers' shared addresses are taken once: ptxas otherwise rebuilds each from the
     // CTA's shared window every tile)
     unsigned s = 1, ph = 0;   // tile 1's
-    const unsigned bar_fk = ptx_opaque(int(ptx_smem_addr(full_k))), bar_fv = ptx_opaque(int(ptx_smem_addr(full_v)));
-    const unsigned bar_ek = ptx_opaque(int(ptx_smem_addr(empty_k))), bar_ev = ptx_opaque(int(ptx_smem_addr(empty_v)));
+    // (not in the d256 KV-cache form: held there, they made NVRTC 13 spill, 32 B / 108 B; without
+    // the opaque copy ptxas rebuilds them at each use, as before)
+    constexpr bool HOLD_BARS = !(CUFLASH_KVCACHE && D == 256);
+    const auto held = [](unsigned a) { return HOLD_BARS ? unsigned(ptx_opaque(int(a))) : a; };
+    const unsigned bar_fk = held(ptx_smem_addr(full_k)), bar_fv = held(ptx_smem_addr(full_v));
+    const unsigned bar_ek = held(ptx_smem_addr(empty_k)), bar_ev = held(ptx_smem_addr(empty_v));
     // (the stage descriptors too, up to D = 128: K's of stage s and V's of stage sv, each flipped
     // between its two stages by one exclusive or; at d256 the two more registers made NVRTC 13
     // spill the windowed form, 12 B / 84 B, so there they are rebuilt from s)
