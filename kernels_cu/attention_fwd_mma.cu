@@ -222,6 +222,25 @@ __device__ __forceinline__ void copy_rows_interior(elem_t* dst, const elem_t* sr
 // registers), and every rearrangement tried either spilled or cost 6 instructions on the steady path.
 #define FWD_BAND_MASK (!(CUFLASH_VARLEN && MT == 2))
 
+// A traced function's form (CUFLASH_USER_MOD) is compiled cold on the first call with a new function;
+// at head dim 192 without a block mask (64 x 64 tiles, 254-255 registers) that took NVRTC 1.7-2.1 s of CPU
+// on a 2-core machine, fully unrolled, most of it in the 32 inlined copies of the function per tile.
+// There the modifier loop is rolled over the 8-key blocks (FWD_ROLL_MODS, below: the blocks rotate,
+// so every register index stays a constant), the mask's skip test over the blocks too, and S's
+// k-steps run four at a time: 0.9-1.2 s, 216-254 registers, no spill (NVRTC 12 and 13, sm_75-sm_90).
+// Every other form is unrolled fully, as before.
+#define FWD_PRAGMA(x) _Pragma(#x)
+#ifndef FWD_ROLL_MODS
+#define FWD_ROLL_MODS (CUFLASH_USER_MOD && DMAX == 192 && !CUFLASH_BLOCK_SPARSE)
+#endif
+#if CUFLASH_USER_MOD && DMAX == 192 && !CUFLASH_BLOCK_SPARSE
+#define FWD_UNROLL_S_K FWD_PRAGMA(unroll 4)
+#define FWD_UNROLL_ANY FWD_PRAGMA(unroll 1)
+#else
+#define FWD_UNROLL_S_K FWD_PRAGMA(unroll)
+#define FWD_UNROLL_ANY FWD_PRAGMA(unroll)
+#endif
+
 // floor(x / BC) for any sign of x.
 __device__ __forceinline__ long long floor_div_bc(long long x) { return x >= 0 ? x / BC : -((BC - 1 - x) / BC); }
 
@@ -712,7 +731,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
                     const int pr = qi0 + 16 * f + 8 * h;
                     if (pr >= q_rows) continue;
                     const HeadMods hm = head_mods<elem_t>(mods, batch, head0 + pr % pk);
-#pragma unroll
+FWD_UNROLL_ANY
                     for (int n = 0; n < NFRAG_S; ++n)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
@@ -739,7 +758,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
             for (int f = 0; f < MT; ++f)
 #pragma unroll
                 for (int n = 0; n < NFRAG_S; ++n) s[f][n][0] = s[f][n][1] = s[f][n][2] = s[f][n][3] = 0.0f;
-#pragma unroll
+FWD_UNROLL_S_K
             for (int kk = 0; kk < KSTEPS_D; ++kk) {
                 unsigned a[MT][4];
 #pragma unroll
@@ -766,6 +785,38 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
             }
 #if CUFLASH_MODS
             // softcap, ALiBi, bias and the boolean mask (score_mods.cuh), before the window mask
+#if FWD_ROLL_MODS
+            // (rolled: each pass modifies the 8-key block at n = 0, then rotates the blocks by one, so
+            // that every index stays a constant; after NFRAG_S passes each block is back in place)
+#pragma unroll 1
+            for (int n = 0; n < NFRAG_S; ++n) {
+#pragma unroll
+                for (int f = 0; f < MT; ++f)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int pr = qi0 + 16 * f + 8 * h;
+                        if (pr < q_rows) {   // (a row past the sequence: never stored, never read)
+                            const HeadMods hm = head_mods<elem_t>(mods, batch, head0 + pr % pk);
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                const int kj = kv0 + 8 * n + 2 * t + e;
+                                if (kj < seqlen_k)
+                                    s[f][0][2 * h + e] = mod_score<elem_t>(mods, hm, s[f][0][2 * h + e], pr / pk, kj,
+                                                                           seqlen_q, seqlen_k);
+                            }
+                        }
+                    }
+#pragma unroll
+                for (int f = 0; f < MT; ++f) {
+                    const float r0 = s[f][0][0], r1 = s[f][0][1], r2 = s[f][0][2], r3 = s[f][0][3];
+#pragma unroll
+                    for (int m = 0; m + 1 < NFRAG_S; ++m)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[f][m][e] = s[f][m + 1][e];
+                    s[f][NFRAG_S - 1][0] = r0, s[f][NFRAG_S - 1][1] = r1, s[f][NFRAG_S - 1][2] = r2, s[f][NFRAG_S - 1][3] = r3;
+                }
+            }
+#else
 #pragma unroll
             for (int f = 0; f < MT; ++f)
 #pragma unroll
@@ -789,6 +840,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
 #endif
                         }
                 }
+#endif   // FWD_ROLL_MODS
 #endif
 
             // Mask: a tile needs it only if it reaches past Sk or some row of the block has a window

@@ -185,3 +185,25 @@ def test_checked_mode_is_clean_in_the_backward(rng):
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="sim", score_mod=score_fn,
                                            mask_mod=mask_fn)
     assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_score_and_mask_mod_at_head_dim_192_on_the_simulator(rng, causal):
+    # The traced form at head dim 192 rolls its modifier loop over the 8-key blocks (rotating them)
+    # and S's k-steps (attention_fwd_mma.cu: FWD_ROLL_MODS, FWD_UNROLL_S_K). The simulator ignores
+    # unroll hints, but runs the rotation as written: a block modified at the wrong key, or left out
+    # of place, fails here. Sk = 70: a full and a partial 64-key tile; Sq = 37: rows past the sequence.
+    d = 192
+    q = rng.standard_normal((B, HQ, SQ, d)).astype(dtypes.float16)
+    k = rng.standard_normal((B, HK, SK, d)).astype(dtypes.float16)
+    v = rng.standard_normal((B, HK, SK, d)).astype(dtypes.float16)
+    slopes = rng.uniform(0.05, 0.5, HQ).astype(np.float32)
+    doc_q, doc_k = _documents(rng)
+    score_fn, mask_fn = _capped_alibi_documents(slopes, doc_q, doc_k)
+    plan = cuflash.explain(q, k, v, backend="sim", arch=80, score_mod=score_fn, mask_mod=mask_fn, causal=causal)
+    assert plan["tier"] == "attention_fwd_mma" and "_mods_um" in plan["variant"] and "192" in plan["variant"], plan
+    out, lse = _run(q, k, v, score_mod=score_fn, mask_mod=mask_fn, causal=causal)
+    ok, msg, _ = tolerance.compare(out, q, k, v, lse=lse, score_mod=score_fn, mask_mod=mask_fn, causal=causal)
+    assert ok, msg
+    assert np.isneginf(lse[:, :, 5]).all() and (out[:, :, 5] == 0).all()
