@@ -741,6 +741,20 @@ def fp8_forward_case(rng, case, device_call) -> tuple[str, float]:
     return f"{what} ({entry})", err / tol
 
 
+def _run_cases(clock, log, cases, run_one, tail) -> tuple[int, float]:
+    """Run ``run_one(case)`` (returns a label and an error as a fraction of its bound) for each case
+    until ``clock`` runs out, logging ``label + tail(case).format(ratio)``; returns how many ran and
+    the worst fraction."""
+    done, worst = 0, 0.0
+    for case in cases:
+        if clock.out():
+            break
+        what, ratio = run_one(case)
+        done, worst = done + 1, max(worst, ratio)
+        log(f"  {what}" + tail(case).format(ratio))
+    return done, worst
+
+
 def section_fp8(clock, log) -> str:
     """attention_with_kvcache over fp8 caches on the GPU (the tensor-core KV-cache kernel's
     fp8-cache form) against the NumPy path (:func:`fp8_kvcache_case`); on compute capability 9.0,
@@ -759,13 +773,8 @@ def section_fp8(clock, log) -> str:
         return cupy.asnumpy(o), cupy.asnumpy(kb), cupy.asnumpy(vb)
 
     rng = np.random.default_rng(31)
-    worst, done = 0.0, 0
-    for case in FP8_CASES:
-        if clock.out():
-            break
-        what, ratio = fp8_kvcache_case(rng, case, on_gpu)
-        worst, done = max(worst, ratio), done + 1
-        log(f"  {what} splits {case[-1]}: {ratio:.2f} of the bound, caches identical")
+    done, worst = _run_cases(clock, log, FP8_CASES, lambda case: fp8_kvcache_case(rng, case, on_gpu),
+                             lambda case: f" splits {case[-1]}: {{:.2f}} of the bound, caches identical")
     summary = f"{done} fp8 paged decode cases within the rule (worst {worst:.2f} of the bound), caches identical"
     if int(cupy.cuda.Device().compute_capability) != 90:
         return summary + "; the fp8 forward runs on compute capability 9.0 only (not run here)"
@@ -777,13 +786,8 @@ def section_fp8(clock, log) -> str:
         o, lse = cuflash.attention(q8, k8, v8, return_lse=True, **dev)
         return cupy.asnumpy(o), cupy.asnumpy(lse), entry
 
-    fworst, fdone = 0.0, 0
-    for case in FP8_FORWARD_CASES:
-        if clock.out():
-            break
-        what, ratio = fp8_forward_case(rng, case, forward_on_gpu)
-        fworst, fdone = max(fworst, ratio), fdone + 1
-        log(f"  {what}: {ratio:.2f} of the bound")
+    fdone, fworst = _run_cases(clock, log, FP8_FORWARD_CASES, lambda case: fp8_forward_case(rng, case, forward_on_gpu),
+                               lambda case: ": {:.2f} of the bound")
     return summary + f"; {fdone} fp8 forward cases within the rule (worst {fworst:.2f} of the bound)"
 
 

@@ -70,3 +70,18 @@ def test_the_fp8_forward_case_passes_on_the_simulated_hopper_form_and_fails_off_
 
     with pytest.raises(AssertionError, match=r"fp8 forward B 1.*\(cuflash_attn_fwd_sm90_bf16_d64_local_e4m3\): max error"):
         check.fp8_forward_case(np.random.default_rng(2), FORWARD_CASE, off_output)
+
+
+def test_the_sections_case_loop_logs_each_case_and_stops_when_the_clock_runs_out():
+    class Clock:   # out after the first case
+        def __init__(self):
+            self.calls = 0
+
+        def out(self):
+            self.calls += 1
+            return self.calls > 1
+
+    logs = []
+    done, worst = check._run_cases(Clock(), logs.append, [3, 4], lambda case: (f"case {case}", case / 8),
+                                   lambda case: f" (#{case}): {{:.2f}} of the bound")
+    assert (done, worst, logs) == (1, 3 / 8, ["  case 3 (#3): 0.38 of the bound"])
