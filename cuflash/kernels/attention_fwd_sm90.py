@@ -65,8 +65,8 @@ STAGES = 2
 #: the module takes fp8 (float8_e4m3fn) q, k, v (the dispatcher's rule, :func:`fp8_reason`)
 FP8_FORM = True
 #: the fp8 forms' head-dim buckets (D and Dv in the same one) and keys per tile: 192 at 128 (the
-#: per-tile O rescale and loop overhead over more keys: 593 (NVRTC 13) or 621 (12.9) steady-loop
-#: instructions per warp, 0.77 or 0.81 of the tile's fp8 tensor cycles in issue cycles, against 459
+#: per-tile O rescale and loop overhead over more keys: 571 (NVRTC 13) or 598 (12.9) steady-loop
+#: instructions per warp, 0.74 or 0.78 of the tile's fp8 tensor cycles in issue cycles, against 459
 #: and 0.90 for 128 keys),
 #: 64 at 256, where O's 128 accumulators a thread leave no registers for 128 keys' scores
 FP8_HEAD_DIM_BUCKETS = (64, 128, 256)
