@@ -622,11 +622,17 @@ def _forward_varlen(problem, q, k, v, out, call):
     out, lse = forward_run.outputs(p, out, call)
     if not p.is_empty and vl.max_seqlen_q > 0:
         key = variants.dtype_key(p.dtype)
-        bits = (lambda a: a.view(np.uint16)) if key == "bf16" else (lambda a: a)
+        bits = _bits(key)
         call.launch(plan_varlen(bits(q), bits(k), bits(v), bits(out), lse, la.varlen_args(p, call), batch=vl.batch,
                                 max_seqlen_q=vl.max_seqlen_q, softmax_scale=p.softmax_scale,
                                 window_left=p.window_left, window_right=p.window_right, dtype=key))
     return out, lse
+
+
+def _bits(key: str):
+    """How a 16-bit array of dtype ``key`` reaches a tensor map: bfloat16 as its bits (uint16, no
+    copy; the maps move them unchanged), float16 as it is."""
+    return (lambda a: a.view(np.uint16)) if key == "bf16" else (lambda a: a)
 
 
 def _bytes(a):
@@ -739,12 +745,10 @@ def fp8_value_panel(block_n: int) -> int:
 def _forward_fp8(problem, q, k, v, out, call):
     """fp8 q, k, v: V's key-contiguous copy (:func:`fp8_value_copy`), then one launch."""
     p = problem
-    if out is None:
-        out = call.empty(p.out_shape, p.out_dtype)
-    lse = call.empty(p.lse_shape, np.float32)
+    out, lse = forward_run.outputs(p, out, call)
     if not p.is_empty:
         key = variants.dtype_key(p.out_dtype)
-        obits = (lambda a: a.view(np.uint16)) if key == "bf16" else (lambda a: a)
+        obits = _bits(key)
         qs, ks, vs = (_bytes(_bhsd(a, p.layout)) for a in (q, k, v))
         vt = fp8_value_copy(vs, call.xp)
         call.launch(plan_fp8(qs, ks, vt, obits(_bhsd(out, p.layout)), lse.reshape(p.batch_shape[0], p.num_heads_q,
@@ -764,12 +768,10 @@ def forward(problem, q, k, v, out, call):
         return _forward_fp8(p, q, k, v, out, call)
     if p.varlen is not None:
         return _forward_varlen(p, q, k, v, out, call)
-    if out is None:
-        out = call.empty(p.out_shape, p.dtype)
-    lse = call.empty(p.lse_shape, np.float32)
+    out, lse = forward_run.outputs(p, out, call)
     if not p.is_empty:
         key = variants.dtype_key(p.dtype)
-        bits = (lambda a: a.view(np.uint16)) if key == "bf16" else (lambda a: a)
+        bits = _bits(key)
         qs, ks, vs, os_ = (bits(_bhsd(a, p.layout)) for a in (q, k, v, out))
         variant = variant_for(p)
         mods = ()

@@ -75,7 +75,7 @@ def outputs(problem, out, call) -> tuple:
     stale data. Every forward tier's launch path allocates through it."""
     p = problem
     if out is None:
-        out = call.empty(p.out_shape, p.dtype)
+        out = call.empty(p.out_shape, p.out_dtype)   # (q's dtype, or an fp8 call's out_dtype)
     lse = call.empty(p.lse_shape, np.float32)
     if p.varlen is not None and not p.varlen.checked:
         out.fill(np.nan)
