@@ -63,7 +63,7 @@ def test_the_fp8_forward_record_times_the_call_or_says_why_not(monkeypatch):
     rng = np.random.default_rng(0)
     qkv = [rng.standard_normal((1, 2, 40, 16)).astype(ml_dtypes.float8_e4m3fn) for _ in range(3)]
     d = np.full((1, 2), 0.5, np.float32)
-    monkeypatch.setattr(bench_fp8, "_forward_inputs", lambda cupy: (qkv, dict(q_descale=d, k_descale=d, v_descale=d)))
+    inputs = (qkv, dict(q_descale=d, k_descale=d, v_descale=d))
     calls = []
 
     class Timer:
@@ -72,7 +72,7 @@ def test_the_fp8_forward_record_times_the_call_or_says_why_not(monkeypatch):
             return 4.0
 
     steps = bench_fp8.plan()
-    rec = bench_fp8._forward(Timer(), None, steps[3])
+    rec = bench_fp8._forward(Timer(), inputs, steps[3])
     assert rec["ms"] == 4.0 and rec["tflops"] == steps[3]["flops"] / 4e-3 / 1e12
     want = cuflash.attention(*qkv, causal=True, q_descale=d, k_descale=d, v_descale=d)
     np.testing.assert_array_equal(np.asarray(calls[0], np.float32), np.asarray(want, np.float32))
@@ -81,5 +81,5 @@ def test_the_fp8_forward_record_times_the_call_or_says_why_not(monkeypatch):
         raise NotImplementedError("cuflash.explain: no kernel takes this call on sm_80: ...")
 
     monkeypatch.setattr(cuflash, "explain", refuse)
-    rec = bench_fp8._forward(Timer(), None, steps[2])
+    rec = bench_fp8._forward(Timer(), inputs, steps[2])
     assert rec["ms"] is None and rec["note"].startswith("not run: cuflash.explain: no kernel takes this call on sm_80")
