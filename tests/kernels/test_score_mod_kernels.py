@@ -187,8 +187,7 @@ def test_checked_mode_is_clean_in_the_backward(rng):
     assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True])   # (one variant each)
 def test_score_and_mask_mod_at_head_dim_192_on_the_simulator(rng, causal):
     # The traced form at head dim 192 rolls its modifier loop over the 8-key blocks (rotating them)
     # and S's k-steps (attention_fwd_mma.cu: FWD_ROLL_MODS, FWD_UNROLL_S_K). The simulator ignores
