@@ -27,6 +27,7 @@ e4m3 is held to twice what rounding P costs.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,7 +38,7 @@ from cuflash.runtime.validation import check_attention
 from cuflash.runtime.validation_fp8 import check_out_dtype
 
 __all__ = ["attention_rows", "naive_same_dtype", "floor_for", "result_dtype", "score_rounding_bound", "bound",
-           "rule_bound", "compare"]
+           "rule_bound", "Verdict", "judge", "compare"]
 
 _FUNC = "cuflash.reference.tolerance"
 
@@ -199,10 +200,25 @@ def rule_bound(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1
     return _reference_and_bound(q, k, v, options, rows, large_logits)[2]
 
 
-def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
-            rows=None, lse=None, large_logits=False, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
-            softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None, q_descale=None, k_descale=None,
-            v_descale=None, out_dtype=None) -> tuple[bool, str, float]:
+class Verdict(NamedTuple):
+    """:func:`judge`'s result: the verdict, a one-line account, the max abs error of the output
+    under test, and the rule's bound for that call (the reference computed once for both)."""
+    ok: bool
+    message: str
+    error: float
+    bound: float
+
+
+def compare(actual, q, k, v, **options) -> tuple[bool, str, float]:
+    """Hold ``actual`` (and optionally its ``lse``) to the rule: :func:`judge`'s first three fields
+    ``(ok, message, error)``; the keywords are :func:`judge`'s."""
+    return tuple(judge(actual, q, k, v, **options)[:3])
+
+
+def judge(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), layout="bhsd",
+          rows=None, lse=None, large_logits=False, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+          softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
+          q_descale=None, k_descale=None, v_descale=None, out_dtype=None) -> Verdict:
     """Hold ``actual`` (and optionally its ``lse``) to the rule.
 
     Parameters
@@ -230,8 +246,10 @@ def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-
 
     Returns
     -------
-    (ok, message, error) : the verdict, a one-line account, and the max abs error of ``actual``.
-    A shape mismatch or NaN anywhere in ``actual`` fails (the inputs are assumed finite).
+    Verdict
+        ``(ok, message, error, bound)``: the verdict, a one-line account, the max abs error of
+        ``actual`` and the bound it is held to. A shape mismatch or NaN anywhere in ``actual`` fails
+        (the inputs are assumed finite).
     """
     options = Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
@@ -240,19 +258,19 @@ def compare(actual, q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     ref, ref_lse, tol, base = _reference_and_bound(q, k, v, options, rows, large_logits)
     a = np.asarray(actual, np.float64)
     if a.shape != ref.shape:
-        return False, f"shape {a.shape} != expected {ref.shape}", math.inf
+        return Verdict(False, f"shape {a.shape} != expected {ref.shape}", math.inf, tol)
     if np.isnan(a).any():
-        return False, f"{int(np.isnan(a).sum())} NaN in the output of finite input", math.inf
+        return Verdict(False, f"{int(np.isnan(a).sum())} NaN in the output of finite input", math.inf, tol)
     err = float(np.max(np.abs(a - ref), initial=0.0))
     if err > tol:
-        return False, f"max error {err:.3g} > bound {tol:.3g} (naive same-dtype error {base:.3g})", err
+        return Verdict(False, f"max error {err:.3g} > bound {tol:.3g} (naive same-dtype error {base:.3g})", err, tol)
     if lse is not None:
         lse = np.asarray(lse, np.float64)
         fin = np.isfinite(ref_lse)
         if not np.array_equal(np.isneginf(lse), ~fin) or np.isnan(lse).any():
-            return False, "lse: -inf/NaN pattern differs from the reference (empty rows)", err
+            return Verdict(False, "lse: -inf/NaN pattern differs from the reference (empty rows)", err, tol)
         lerr = float(np.max(np.abs(lse[fin] - ref_lse[fin]), initial=0.0))
         ltol = 1e-3 + 1e-4 * float(np.abs(ref_lse[fin]).max(initial=0.0))
         if lerr > ltol:
-            return False, f"lse error {lerr:.3g} > {ltol:.3g}", err
-    return True, f"max error {err:.2e} (bound {tol:.2e})", err
+            return Verdict(False, f"lse error {lerr:.3g} > {ltol:.3g}", err, tol)
+    return Verdict(True, f"max error {err:.2e} (bound {tol:.2e})", err, tol)

@@ -107,6 +107,10 @@ def test_the_fp8_baseline_rounds_p_to_e4m3_and_the_rule_can_fail():
     out = cuflash.attention(q, k, v, **kw)
     ok, msg, _ = tolerance.compare(out, q, k, v, **kw)
     assert ok, msg
+    # judge: the same verdict with the bound it was held to and the error against the reference
+    verdict = tolerance.judge(out, q, k, v, **kw)
+    assert verdict.ok and verdict.bound == pytest.approx(2 * base + tolerance.floor_for(ml_dtypes.bfloat16))
+    assert verdict.error == pytest.approx(np.abs(np.asarray(out, np.float64) - ref).max())
     # the same output read with a forgotten v_descale is far outside the rule
     ok, msg, _ = tolerance.compare(out, q, k, v, q_descale=qd, k_descale=kd)
     assert not ok and "max error" in msg
