@@ -352,16 +352,20 @@ __device__ __forceinline__ void issue_s(float (&sc)[BC / 2], const QDescs& dq, u
 }
 
 // O += P V for one key tile, issued (not waited for): P from registers, V N-major, 16 keys a step
-// (fp8: V^T K-major, 32 keys a step, 32 bytes along its swizzle rows)
-__device__ __forceinline__ void issue_pv(float (&o)[DV / 2], const unsigned (&pa)[BC / KSTEP][4], unsigned long long dv) {
+// (fp8: V^T K-major, 32 keys a step, 32 bytes along its swizzle rows). run false: no P V, an empty
+// group committed in its place (the modifier forms' tile 0, which runs in their loop)
+__device__ __forceinline__ void issue_pv(float (&o)[DV / 2], const unsigned (&pa)[BC / KSTEP][4], unsigned long long dv,
+                                         bool run = true) {
     ptx_wgmma_fence();
+    if (run) {
 #pragma unroll
 #if CUFLASH_FP8
-    for (int kb = 0; kb < BC / 32; ++kb)   // (32 keys: the panel's next 32 bytes, or the next panel)
-        ptx_wgmma_rs_e4m3<DV>(o, pa[kb], ptx_wgmma_desc_advance(dv, (kb * 32) / VPANEL * DV * VPANEL + (kb * 32) % VPANEL), 1);
+        for (int kb = 0; kb < BC / 32; ++kb)   // (32 keys: the panel's next 32 bytes, or the next panel)
+            ptx_wgmma_rs_e4m3<DV>(o, pa[kb], ptx_wgmma_desc_advance(dv, (kb * 32) / VPANEL * DV * VPANEL + (kb * 32) % VPANEL), 1);
 #else
-    for (int kb = 0; kb < BC / 16; ++kb) ptx_wgmma_rs<DV, BF16, 1>(o, pa[kb], ptx_wgmma_desc_advance(dv, kb * 16 * 128), 1);
+        for (int kb = 0; kb < BC / 16; ++kb) ptx_wgmma_rs<DV, BF16, 1>(o, pa[kb], ptx_wgmma_desc_advance(dv, kb * 16 * 128), 1);
 #endif
+    }
     ptx_wgmma_commit();
 }
 
@@ -383,6 +387,7 @@ struct Rows {   // what the softmax needs to know of this thread's rows and the 
 #if CUFLASH_MODS
     ScoreMods mods;   // the score modifiers (score_mods.cuh) and this block's (batch, head) share
     HeadMods hm;
+    float inv_cap;    // 1 / hm.cap (0 without softcap)
 #endif
 #if CUFLASH_BLOCK_SPARSE
     bool user_mask;   // the tile is a partial block's: mask_mod evaluated (a full block's: not)
@@ -425,6 +430,82 @@ __device__ __forceinline__ SteadyTiles steady_tiles(const Rows& w) {
     return st;
 }
 
+#if CUFLASH_MODS
+// The modifier forms' per-score reads of the bias (T: float or the kernel's 16-bit type) or the
+// boolean mask: row r's key column kv0 + 2t + 8q + e at p[r] + e * cs after q steps of 8 keys
+// (byte pointers moved by a constant step: no 64-bit index product per score), read only where
+// the row's visible-score set has the score. The bias adds its value in log2 units; the mask
+// hides the score where its byte is 0.
+template <class T>
+__device__ __forceinline__ void read_pass(float (&sc)[BC / 2], const void* head, const long long (&st)[4], int row0,
+                                          int here, const unsigned (&vis)[2]) {
+    const long long cs = st[3] * (long long)sizeof(T);
+    const unsigned char* p[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        p[r] = static_cast<const unsigned char*>(head) + ((row0 + 8 * r) * st[2] + here * st[3]) * (long long)sizeof(T);
+#pragma unroll
+    for (int q = 0; q < BC / 8; ++q) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = 4 * q + 2 * r + e;
+                if (!((vis[r] >> (2 * q + e)) & 1u)) continue;
+                const T v = *reinterpret_cast<const T*>(p[r] + (e ? cs : 0));
+                if constexpr (sizeof(T) == 1) {
+                    if (v == 0) sc[i] = CUFLASH_NEG_INF;
+                } else {
+                    sc[i] += to_float(v) * CUFLASH_LOG2E;
+                }
+            }
+            p[r] += 8 * cs;
+        }
+    }
+}
+
+// The score modifiers on one tile's scaled scores (mod_score's, score_mods.cuh), a pass per
+// modifier that is on; vis: the rows' visible-score sets (softmax_tile).
+__device__ __forceinline__ void apply_mods(float (&sc)[BC / 2], int kv0, const Rows& w, const unsigned (&vis)[2]) {
+    const int here = kv0 + 2 * w.t;   // this thread's first key column
+    if (w.hm.cap != 0.0f) {   // softcap: x / cap as a product with 1 / cap, taken once per block
+#pragma unroll
+        for (int i = 0; i < BC / 2; ++i) sc[i] = w.hm.cap * tanhf(sc[i] * w.inv_cap);
+    }
+    if (w.hm.slope != 0.0f) {   // ALiBi: slope * |j - (i + Sk - Sq)|, the distance an integer (exact)
+        int d0[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) d0[r] = diag_distance(w.row0 + 8 * r, here, w.Sq, w.Sk);
+#pragma unroll
+        for (int i = 0; i < BC / 2; ++i) {
+            const int d = d0[(i % 4) / 2] + 8 * (i / 4) + i % 2;
+            sc[i] -= w.hm.slope * (float)(d < 0 ? -d : d);
+        }
+    }
+    if (w.hm.bias) {
+        if (w.mods.bias_f32) read_pass<float>(sc, w.hm.bias, w.mods.bias_s, w.row0, here, vis);
+        else read_pass<elem_t>(sc, w.hm.bias, w.mods.bias_s, w.row0, here, vis);
+    }
+#if CUFLASH_USER_MOD
+    {   // the traced score_mod / mask_mod (mod_score with the built-in modifiers off, done above)
+        HeadMods user{0.0f, 0.0f, nullptr, nullptr, w.hm.b, w.hm.h};
+#pragma unroll
+        for (int i = 0; i < BC / 2; ++i) {
+            const int r = (i % 4) / 2, k = 2 * (i / 4) + i % 2;
+            if ((vis[r] >> k) & 1u)
+#if CUFLASH_BLOCK_SPARSE
+                sc[i] = mod_score<elem_t>(w.mods, user, sc[i], w.row0 + 8 * r, here + 8 * (i / 4) + i % 2, w.Sq, w.Sk,
+                                          nullptr, w.user_mask);
+#else
+                sc[i] = mod_score<elem_t>(w.mods, user, sc[i], w.row0 + 8 * r, here + 8 * (i / 4) + i % 2, w.Sq, w.Sk);
+#endif
+        }
+    }
+#endif
+    if (w.hm.mask) read_pass<unsigned char>(sc, w.hm.mask, w.mods.mask_s, w.row0, here, vis);
+}
+#endif
+
 // The online softmax of one tile in place (log2 domain): the mask (the edges MASK names; none on
 // the tiles of SteadyTiles, whose mask code is not compiled), row max, l rescaled, S -> P in fp32.
 // Returns in alpha the factor O must be rescaled by (done by the caller before the next P V is issued).
@@ -466,20 +547,32 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
         }
     }
 #if CUFLASH_MODS
-    // The modifier forms: both rows at once, one chain each (the row-by-row order below holds more
-    // registers beside the per-score modifier code, and these forms then spill)
+    // The modifier forms: each modifier that is on is one pass over the scores (a branch per tile,
+    // not per score: modifier code runs on no tile of a call without that modifier), in
+    // score_mods.cuh's order (softcap, ALiBi, bias, the traced score_mod and mask_mod, the boolean
+    // mask), then the window and Sk mask. A row's visible scores are a bit set (bit 2(i / 4) + i % 2
+    // for score i of row (i % 4) / 2, as BOTH_BITS): it guards the bias and mask reads (and the
+    // traced functions) as the row < Sq, key < Sk test of mod_score did, and masks the scores after.
+    // Rows past Sq see no key here (their output is dropped by the store, their lse not written).
+    static_assert(BC / 4 <= 32, "the modifier forms' visible-score set is one 32-bit word a row");
+    unsigned seen[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = w.row0 + 8 * r, here = kv0 + 2 * w.t;
+        int first = 0, last = w.Sk - 1;
+        if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, row + w.diag - w.window_left);
+        if (CUFLASH_LOCAL && w.window_right >= 0) last = min(last, row + w.diag + w.window_right);
+        seen[r] = row < w.Sq ? ptx_ones_below(max(score_count(last - here + 1), 0)) &
+                                  ~ptx_ones_below(max(score_count(first - here), 0))
+                            : 0u;
+    }
+    apply_mods(sc, kv0, w, seen);
     float mx[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF};   // over this tile's scaled, modified scores
 #pragma unroll
     for (int i = 0; i < BC / 2; ++i) {
-        const int r = (i % 4) / 2, offset = 8 * (i / 4) + i % 2;   // the score's column: kv0 + 2t + offset
-        const int col = kv0 + 2 * w.t + offset, row = w.row0 + 8 * r;
+        const int r = (i % 4) / 2;
         float x = sc[i];
-#if CUFLASH_BLOCK_SPARSE
-        if (row < w.Sq && col < w.Sk) x = mod_score<elem_t>(w.mods, w.hm, x, row, col, w.Sq, w.Sk, nullptr, w.user_mask);
-#else
-        if (row < w.Sq && col < w.Sk) x = mod_score<elem_t>(w.mods, w.hm, x, row, col, w.Sq, w.Sk);
-#endif
-        if (((MASK & MASK_LEFT) && offset < lo[r]) || ((MASK & MASK_RIGHT) && offset > hi[r])) x = CUFLASH_NEG_INF;
+        if (!((seen[r] >> (2 * (i / 4) + i % 2)) & 1u)) x = CUFLASH_NEG_INF;
         sc[i] = x;
         mx[r] = fmaxf(mx[r], x);
     }
@@ -797,7 +890,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     Rows rows{row0, m0 + 64 * c, m0 + 64 * c + 63, Sq, Sk, diag, window_left, window_right, t, scale_log2,
               CUFLASH_MODS != 0, CUFLASH_MODS ? 1.0f : scale_log2, {0, 0}, {0, 0}
 #if CUFLASH_MODS
-              , mods, head_mods<elem_t>(mods, b, h)
+              , mods, head_mods<elem_t>(mods, b, h), mods.cap != 0.0f ? 1.0f / mods.cap : 0.0f
 #endif
 #if CUFLASH_BLOCK_SPARSE
               , true
@@ -825,6 +918,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #pragma unroll
     for (int i = 0; i < DV / 2; ++i) o[i] = 0.0f;
     float m_run[2] = {CUFLASH_NEG_INF, CUFLASH_NEG_INF}, l_run[2] = {0.0f, 0.0f}, alpha[2];
+    if (CUFLASH_MODS) alpha[0] = alpha[1] = 1.0f;   // (their loop's tile 0 rescales O = 0)
     float sc[BC / 2];
     unsigned pa[BC / KSTEP][4];
     ptx_mbarrier_wait(&q_full, 0);
@@ -837,7 +931,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     int bs_entered[2] = {0, 0};   // tiles entered: partial, full (the simulator's count)
 #endif
 #endif
-    if (ntiles > 0) {
+    if (!CUFLASH_MODS && ntiles > 0) {   // (the modifier forms run tile 0 in their loop)
         ptx_mbarrier_wait(&full_k[0], 0);
         ptx_bar_sync(TURN_BAR + c, 256);
         issue_s(sc, dq, dk0);
@@ -865,7 +959,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     static_assert(STAGES == 2, "the consumer loop carries a two-stage ring's stage and phase");
     // (and the barriers' shared addresses are taken once: ptxas otherwise rebuilds each from the
     // CTA's shared window every tile)
-    unsigned s = 1, ph = 0;   // tile 1's
+    // (the modifier forms start the loop at tile 0: one copy of their per-score code, not two)
+    constexpr int J0 = CUFLASH_MODS ? 0 : 1;
+    unsigned s = J0, ph = 0;   // tile J0's
     // (not in the d256 KV-cache form: held there, they made NVRTC 13 spill, 32 B / 108 B; without
     // the opaque copy ptxas rebuilds them at each use, as before)
     constexpr bool HOLD_BARS = !(CUFLASH_KVCACHE && D == 256);
@@ -876,13 +972,14 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     // between its two stages by one exclusive or; at d256 the two more registers made NVRTC 13
     // spill the windowed form, 12 B / 84 B, so there they are rebuilt from s)
     constexpr bool CARRY_DESCS = D <= 128;
-    unsigned long long dks = ptx_wgmma_desc_advance(dk0, K_BYTES), dvs = dv0;
-    const unsigned dk_flip = ptx_opaque(int(dks ^ dk0)), dv_flip = ptx_opaque(int(ptx_wgmma_desc_advance(dv0, V_BYTES) ^ dv0));
+    unsigned long long dks = ptx_wgmma_desc_advance(dk0, J0 * K_BYTES), dvs = ptx_wgmma_desc_advance(dv0, (1 - J0) * V_BYTES);
+    const unsigned dk_flip = ptx_opaque(int(ptx_wgmma_desc_advance(dk0, K_BYTES) ^ dk0)), dv_flip = ptx_opaque(int(ptx_wgmma_desc_advance(dv0, V_BYTES) ^ dv0));
     auto tile = [&](unsigned j, auto mask) {
         const unsigned sv = s ^ 1;
+        const bool pv = !CUFLASH_MODS || j > 0;   // P_{j-1} V_{j-1} (tile 0 has none)
         rescale_o(o, alpha);   // by tile j - 1's factor, before P_{j-1} V_{j-1} joins O
         ptx_mbarrier_wait(bar_fk + 8 * s, ph);
-        ptx_mbarrier_wait(bar_fv + 8 * sv, ph ^ sv);
+        if (pv) ptx_mbarrier_wait(bar_fv + 8 * sv, ph ^ sv);
 #if CUFLASH_FP8
         // the fp8 form converts P_{j-1} here, after the waits, not after the wait that retired P_{j-2} V:
         // there ptxas 13 hoists the conversions above that wait (under P V) into scratch registers,
@@ -893,7 +990,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #endif
         ptx_bar_sync(TURN_BAR + c, 256);
         issue_s(sc, dq, CARRY_DESCS ? dks : ptx_wgmma_desc_advance(dk0, s * K_BYTES));
-        issue_pv(o, pa, CARRY_DESCS ? dvs : ptx_wgmma_desc_advance(dv0, sv * V_BYTES));
+        issue_pv(o, pa, CARRY_DESCS ? dvs : ptx_wgmma_desc_advance(dv0, sv * V_BYTES), pv);
         ptx_bar_arrive(TURN_BAR + 1 - c, 256);
         ptx_wgmma_wait<1>();                       // S_j is in; P_{j-1} V_{j-1} may still run
 #if CUFLASH_BLOCK_SPARSE
@@ -913,7 +1010,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         // least: 46-56 at d128, 29-33 at d256, counted as docs/kernels.md says)
         if ((tid | __float_as_int(fminf(l_run[0], 0.0f))) == 0) ptx_mbarrier_arrive(bar_ek + 8 * s);
         ptx_wgmma_wait<0>();
-        if (tid == 0) ptx_mbarrier_arrive(bar_ev + 8 * sv);
+        if (pv && tid == 0) ptx_mbarrier_arrive(bar_ev + 8 * sv);
 #if !CUFLASH_FP8
         to_a_fragment(sc, pa);
 #endif
@@ -932,7 +1029,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     const int ta = max(1, min(ntiles, st.lo - tile_lo)), tb = max(1, min(ntiles, st.hi - tile_lo));
     // The modifier forms keep one loop, masked throughout: their per-score modifier code
     // dominates a tile, and four copies of it would double the kernel and its ptxas time.
-    int j = 1;
+    int j = J0;
     if (CUFLASH_MODS) {
         for (; j < ntiles; ++j) tile(j, MaskOf<CUFLASH_LOCAL ? MASK_BOTH : MASK_RIGHT>{});
     } else {
