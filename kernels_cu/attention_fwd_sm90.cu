@@ -43,7 +43,9 @@
 // Score modifiers (the CUFLASH_MODS 1 variants; score_mods.cuh): softcap, ALiBi, the additive bias
 // and the boolean mask act on each tile's scaled scores in the softmax (before the window mask,
 // while the previous tile's P V wgmma runs); the sink joins each row's denominator at the
-// epilogue. (Tiles the mask hides completely are computed and masked here, not skipped.) The
+// epilogue. (Tiles the mask hides completely are computed and masked here, not skipped.) Each
+// modifier that is on is one pass over the tile's scores, behind one branch a tile (apply_mods), and
+// tile 0 runs in the loop (its P V an empty wgmma group), so the per-score code has one copy. The
 // consumer's loops over its accumulator fragments are unrolled: a loop left rolled (as NVVM leaves
 // one with the modifier code in its body) puts the fragment in local memory, whose stores read the
 // accumulators while the wgmma is in flight, and ptxas then serializes every wgmma (C7514).
@@ -1021,14 +1023,14 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
             dvs ^= dv_flip;
         }
     };
-    // tiles 1.. of the walk (tile 0 ran masked above): left of ta = st.lo - tile_lo a tile needs the
+    // tiles J0.. of the walk (tile 0 ran masked above, but in the modifier forms): left of ta = st.lo - tile_lo a tile needs the
     // left edge tested, from tb = st.hi - tile_lo on the right one; each consumer has its own ta and
     // tb, and as many turns. With ta <= tb: [1, ta) left, [ta, tb) steady, [tb, n) right; with ta > tb (a
     // window narrower than a tile): [1, tb) left, [tb, ta) both, [ta, n) right.
     const SteadyTiles st = steady_tiles(rows);
     const int ta = max(1, min(ntiles, st.lo - tile_lo)), tb = max(1, min(ntiles, st.hi - tile_lo));
-    // The modifier forms keep one loop, masked throughout: their per-score modifier code
-    // dominates a tile, and four copies of it would double the kernel and its ptxas time.
+    // The modifier forms keep one loop, masked throughout, from tile 0: their per-score modifier
+    // code dominates a tile, and more copies of it would multiply the kernel and its ptxas time.
     int j = J0;
     if (CUFLASH_MODS) {
         for (; j < ntiles; ++j) tile(j, MaskOf<CUFLASH_LOCAL ? MASK_BOTH : MASK_RIGHT>{});
