@@ -1023,8 +1023,8 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
             dvs ^= dv_flip;
         }
     };
-    // tiles J0.. of the walk (tile 0 ran masked above, but in the modifier forms): left of ta = st.lo - tile_lo a tile needs the
-    // left edge tested, from tb = st.hi - tile_lo on the right one; each consumer has its own ta and
+    // tiles J0.. of the walk (tile 0 ran masked above, but in the modifier forms): left of ta =
+    // st.lo - tile_lo a tile needs the left edge tested, from tb = st.hi - tile_lo on the right one; each consumer has its own ta and
     // tb, and as many turns. With ta <= tb: [1, ta) left, [ta, tb) steady, [tb, n) right; with ta > tb (a
     // window narrower than a tile): [1, tb) left, [tb, ta) both, [ta, n) right.
     const SteadyTiles st = steady_tiles(rows);
