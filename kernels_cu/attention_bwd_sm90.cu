@@ -516,14 +516,12 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
 #else
     for (int r = 0; r < 2; ++r) visible_rows(w.key0 + 8 * r, Sq, Sk, window_left, window_right, w.vis_lo[r], w.vis_hi[r]);
 #endif
-    // descriptors: this consumer's 64 rows of K and V (K-major), Q and dO of stage 0 (K-major for
-    // S^T / dP^T, MN-major for dK / dV), K's columns c * D/2.. (MN-major, dQ), dS^T buffer 0
+    // descriptors: this consumer's 64 rows of K and V (K-major), Q of stage 0 (K-major; the others of
+    // a stage follow from it, below), K's columns c * D/2.. (MN-major, dQ)
     const unsigned long long dk_a = ptx_opaque(desc_k_major(k_s + 64 * c * 128));
     const unsigned long long dv_a = ptx_opaque(desc_k_major(v_s + 64 * c * 128));
-    const unsigned long long dq_b = ptx_opaque(desc_k_major(q_s)), ddo_b = ptx_opaque(desc_k_major(do_s));
-    const unsigned long long dq_mn = ptx_opaque(desc_mn_major(q_s, PANEL_Q)), ddo_mn = ptx_opaque(desc_mn_major(do_s, PANEL_Q));
+    const unsigned long long dq_b = ptx_opaque(desc_k_major(q_s));
     const unsigned long long dkq = ptx_opaque(desc_mn_major(k_s + (c * DQN) / PANEL * PANEL_K + (c * DQN) % PANEL * 2, PANEL_K));
-    const unsigned long long dds = ptx_opaque(desc_mn_major(ds_s, DS_BYTES));
     float dk_acc[D / 2], dv_acc[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
@@ -546,16 +544,37 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     }
     if (nwalk > 0) ptx_mbarrier_wait(&kv_full, 0);
 
-    // one query tile: `it` the walk index (stage, phase, dS^T buffer), h its query head, m0 its first
-    // row, MASK a Mask (the causal / window mask), umask whether the traced mask_mod is evaluated
-    auto tile = [&](int it, int h, int m0, auto mask, bool umask) {
+    // The ring as loop state (as the Hopper forward's consumers carry theirs): the stage s of the
+    // walk's tile `it` (it % 2, also its dS^T buffer) and its phase ph ((it / 2) % 2) flip by
+    // constants after each tile, the barriers' shared addresses are taken once, and the stage's Q
+    // descriptor is carried, flipped by an exclusive or; dO's, the MN-major ones and dS^T's differ
+    // from it by constants (their tiles lie at fixed offsets from Q's, and the leading byte offset is
+    // a field of the low word), so each k step's descriptor is one add. (Rebuilt from the walk index
+    // each tile, the stage's addresses and descriptors cost ptxas about 20 instructions a tile.)
+    static_assert(STAGES == 2, "the consumer loop carries a two-stage ring's stage and phase");
+    unsigned s = 0, ph = 0;
+    const unsigned bar_full = ptx_opaque(int(ptx_smem_addr(full))), bar_empty = ptx_opaque(int(ptx_smem_addr(empty)));
+    unsigned long long q_b = dq_b;
+    const unsigned q_flip = ptx_opaque(int(ptx_wgmma_desc_advance(dq_b, Q_BYTES) ^ dq_b));
+    const float* const lse_t = lse_s + 2 * t;   // (Dd's at a constant offset: dd_s = lse_s + STAGES * BR)
+    // the low-word differences from Q's descriptor: dO's tile STAGES * Q_BYTES on; the MN-major
+    // leading byte offsets (PANEL_Q, DS_BYTES) against the K-major 16; dS^T's buffer 0 at
+    // 2 STAGES Q_BYTES on (buffer 1: DS_BYTES on, where stage 1's Q is Q_BYTES on)
+    constexpr unsigned DO_DELTA = STAGES * Q_BYTES >> 4, MN_DELTA = ((PANEL_Q >> 4) - 1) << 16;
+    constexpr unsigned DS_DELTA = (2 * STAGES * Q_BYTES >> 4) + (((DS_BYTES >> 4) - 1) << 16);
+    const auto desc_plus = [](unsigned long long desc, unsigned delta) {
+        return (desc & 0xFFFFFFFF00000000ull) | unsigned(unsigned(desc) + delta);
+    };
+
+    // one query tile (the ring's next): h its query head, m0 its first row, MASK a Mask (the causal /
+    // window mask), umask whether the traced mask_mod is evaluated
+    auto tile = [&](int h, int m0, auto mask, bool umask) {
         constexpr int MASK = decltype(mask)::value;
-        const int s = it % STAGES;
-        // this stage's descriptors, advanced once per tile (each k step below adds a constant)
-        const unsigned long long q_b = ptx_wgmma_desc_advance(dq_b, s * Q_BYTES), do_b = ptx_wgmma_desc_advance(ddo_b, s * Q_BYTES);
-        const unsigned long long q_mn = ptx_wgmma_desc_advance(dq_mn, s * Q_BYTES), do_mn = ptx_wgmma_desc_advance(ddo_mn, s * Q_BYTES);
-        const unsigned long long ds_a = ptx_wgmma_desc_advance(dds, (it % 2) * DS_BYTES);
-        ptx_mbarrier_wait(&full[s], (it / STAGES) & 1);
+        // this stage's descriptors (each k step below adds a constant)
+        const unsigned long long do_b = desc_plus(q_b, DO_DELTA);
+        const unsigned long long q_mn = desc_plus(q_b, MN_DELTA), do_mn = desc_plus(q_b, MN_DELTA + DO_DELTA);
+        const unsigned long long ds_a = desc_plus(q_b, DS_DELTA + s * ((DS_BYTES - Q_BYTES) >> 4));
+        ptx_mbarrier_wait(bar_full + 8 * s, ph);
         fence_operands(st);
         fence_operands(dpt);
         ptx_wgmma_fence();
@@ -574,13 +593,13 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         fence_operands(st);
         // P^T: this thread's keys key0, key0 + 8 (rows), queries m0 + 8 (i / 4) + 2t + i % 2 (columns)
         // (an lse of -inf, a row without keys, occurs only in masked tiles, whose mask clears the inf)
-        const float* ls = lse_s + s * BR;
-        const float* ds = dd_s + s * BR;
+        const float* ls = lse_t + s * BR;
+        const float* ds = ls + STAGES * BR;
         float nl[BR / 4], dcol[BR / 4];   // -lse log2 e and Dd of this thread's columns (pairs: 8-byte loads)
 #pragma unroll
         for (int j = 0; j < BR / 8; ++j) {
-            const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * j + 2 * t);
-            const float2 d2 = *reinterpret_cast<const float2*>(ds + 8 * j + 2 * t);
+            const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * j);
+            const float2 d2 = *reinterpret_cast<const float2*>(ds + 8 * j);
             nl[2 * j] = l2.x * -CUFLASH_LOG2E;
             nl[2 * j + 1] = l2.y * -CUFLASH_LOG2E;
             dcol[2 * j] = d2.x;
@@ -611,8 +630,8 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         ptx_wgmma_wait<0>();
         fence_operands(st);
         fence_operands(dpt);
-        const float* ls = lse_s + s * BR + 2 * t;
-        const float* ds = dd_s + s * BR + 2 * t;
+        const float* ls = lse_t + s * BR;
+        const float* ds = ls + STAGES * BR;
         int lo[2], hi[2];
         if (MASK) {
 #pragma unroll
@@ -664,7 +683,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
 #endif
         // dS^T into buffer it % 2 (rows: keys - n0), by stmatrix: the fragment of k step kb is four
         // 8 x 8 matrices (keys 16 warp + 0..7 / 8..15 by queries 16 kb + 0..7 / 8..15)
-        unsigned char* dsb = ds_s + (it % 2) * DS_BYTES;
+        unsigned char* dsb = ds_s + s * DS_BYTES;
 #pragma unroll
         for (int kb = 0; kb < BR / 16; ++kb) ptx_stmatrix_x4(dsb + st_off[kb], da[kb]);
         ptx_fence_proxy_async();   // the generic-proxy stores before wgmma's reads
@@ -683,7 +702,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
                                           ptx_wgmma_desc_advance(dkq, kb * 16 * 128), kb > 0);
         ptx_wgmma_commit();
         ptx_wgmma_wait<1>();   // dV, dK done: the stage's Q and dO are free
-        ptx_mbarrier_arrive(&empty[s]);
+        ptx_mbarrier_arrive(bar_empty + 8 * s);
         ptx_wgmma_wait<0>();
         ptx_bar_sync(DQ_EMPTY, 288);   // the dQ warp has read the previous tile's buffer
 #pragma unroll
@@ -695,22 +714,24 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         }
         ptx_fence_proxy_async();
         ptx_bar_arrive(DQ_FULL, 288);
+        ph ^= s;
+        s ^= 1;
+        q_b ^= q_flip;
     };
 
     const int lo = min(s_lo, t_hi), hi = min(max(s_hi, lo), t_hi);
 #if CUFLASH_BLOCK_SPARSE
     // the block mask's tiles; the causal / window mask where a tile is not wholly visible, mask_mod on
     // the partial blocks' tiles only
-    int it = 0;
 #if defined(CUFLASH_SIM)
     int entered_partial = 0, entered_full = 0;
 #endif
-    for (BsPos at = bs0; nwalk && at.h < h_end; ++it, ++at.pos, at = bs_settle(u, hb, n0, h_end, Sq, at)) {
+    for (BsPos at = bs0; nwalk && at.h < h_end; ++at.pos, at = bs_settle(u, hb, n0, h_end, Sq, at)) {
         const int m = at.m0 / BR;
         if (m >= lo && m < hi)
-            tile(it, at.h, at.m0, MaskOf<MASK_NONE>{}, at.partial);
+            tile(at.h, at.m0, MaskOf<MASK_NONE>{}, at.partial);
         else
-            tile(it, at.h, at.m0, MaskOf<MASK_ON>{}, at.partial);
+            tile(at.h, at.m0, MaskOf<MASK_ON>{}, at.partial);
 #if defined(CUFLASH_SIM)
         entered_partial += at.partial ? 1 : 0;
         entered_full += at.partial ? 0 : 1;
@@ -726,25 +747,24 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
 #elif CUFLASH_USER_MOD
     // (the traced forms: one loop whose tile is masked or steady, two copies of the tile's code rather
     // than three, fewer registers held across the walk)
-    int it = 0;
     for (int gi = 0; gi < group; ++gi)
-        for (int m = t_lo; m < t_hi; ++m, ++it) {
+        for (int m = t_lo; m < t_hi; ++m) {
             if (m >= lo && m < hi)
-                tile(it, hk * group + gi, m * BR, MaskOf<MASK_NONE>{}, true);
+                tile(hk * group + gi, m * BR, MaskOf<MASK_NONE>{}, true);
             else
-                tile(it, hk * group + gi, m * BR, MaskOf<MASK_ON>{}, true);
+                tile(hk * group + gi, m * BR, MaskOf<MASK_ON>{}, true);
         }
 #else
     // tiles before lo_end need the lower bound only: no key past Sk, no row past Sq, every key's window
     // reaching past the tile's last row
     const int lo_end = min(lo, u_hi);
-    int it = 0;
     for (int gi = 0; gi < group; ++gi) {
+        const int h = hk * group + gi;
         int m = t_lo;
-        for (; m < lo_end; ++m, ++it) tile(it, hk * group + gi, m * BR, MaskOf<MASK_LO>{}, true);
-        for (; m < lo; ++m, ++it) tile(it, hk * group + gi, m * BR, MaskOf<MASK_ON>{}, true);
-        for (; m < hi; ++m, ++it) tile(it, hk * group + gi, m * BR, MaskOf<MASK_NONE>{}, true);
-        for (; m < t_hi; ++m, ++it) tile(it, hk * group + gi, m * BR, MaskOf<MASK_ON>{}, true);
+        for (; m < lo_end; ++m) tile(h, m * BR, MaskOf<MASK_LO>{}, true);
+        for (; m < lo; ++m) tile(h, m * BR, MaskOf<MASK_ON>{}, true);
+        for (; m < hi; ++m) tile(h, m * BR, MaskOf<MASK_NONE>{}, true);
+        for (; m < t_hi; ++m) tile(h, m * BR, MaskOf<MASK_ON>{}, true);
     }
 #endif
     // (rows past the sequence's key rows are dropped by store_rows, those in [Sk, keys) zero)
