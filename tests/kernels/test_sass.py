@@ -235,6 +235,46 @@ def test_sass_hopper_modifier_forms_stay_small(local, cuobjdump):
     assert loop["masked"].instructions <= 3000, loop["masked"]
 
 
+# ------------------------------------------------------------------------------- Hopper backward
+
+
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("f16", marks=pytest.mark.slow)])
+def test_sass_hopper_backward_loop_budgets(dtype, cuobjdump):
+    """The Hopper backward at d128 (64-row query tiles, 128 keys a block), under every installed
+    NVRTC: no spills, and the walk as four loops of one tile each, in code order: the causal
+    diagonal (the lower bound only: 16 ``HSET2`` a warp and tile), the tiles before the steady ones
+    that need both bounds (32 ``HSET2``), the steady loop (none) and the both-bound tiles after it,
+    each with the tile's 32 HGMMA. Per warp and tile (docs/roofline.md's counting rule, each loop's
+    longest pass) the steady loop stays within 396 instructions, the diagonal within 452 and each
+    both-bound loop within 474 (counted 390-392, 441-446 and 463-470 under NVRTC 12.9 and 13).
+    FlashAttention-3's bf16 d128 backward counts 59 (non-causal) and 69 (causal) non-tensor
+    instructions per 100k MACs by the same rule, about 419 and 484 instructions of this tile."""
+    from cuflash.analysis import sass_count
+    from cuflash.kernels import attention_bwd_sm90
+    from cuflash.runtime import nvrtc
+
+    variant = attention_bwd_sm90.Sm90BackwardVariant(dtype, 128)
+    majors = cuda_runner.nvrtc_majors()
+    assert set(majors) >= set(nvrtc.MAJORS), majors   # both compilers: the test extra installs them
+    for major in majors:
+        cubin, log = cuda_runner.nvrtc_compile(source.build_source(variant), variant.target_arch, name=variant.source,
+                                               extra_options=("-Xptxas=-v",), nvrtc=major)
+        r = cuda_runner.ptxas_resources(log, variant.entry)
+        where = f"{variant.entry} with NVRTC {major}.x"
+        assert r["spill_stores"] == r["spill_loads"] == r["stack_frame"] == 0, (where, r)
+        insns = sass_count.parse_functions(roofline.disassemble(cubin))[variant.entry]
+        (starts, ends, _), found = sass_count.main_loops(insns)
+        hset2 = [sum(x.op == "HSET2" for b in body for x in insns[starts[b]:ends[b]]) for _, body, _ in found]
+        assert hset2 == [16, 32, 0, 32], (where, hset2)
+        longest = [c["masked"] for c in sass_count.count_loops(insns)]
+        assert all(c.tensor == 32 for c in longest), (where, longest)
+        diagonal, before, steady, after = (c.instructions for c in longest)
+        assert steady <= 396, (where, longest)
+        assert diagonal <= 452, (where, longest)
+        assert before <= 474 and after <= 474, (where, longest)
+        assert max(c.per_100k_macs() for c in longest) <= 69, (where, longest)   # FA3's masked loop
+
+
 # ------------------------------------------------------------------------ tensor-core backward loop
 
 
