@@ -114,13 +114,24 @@ constexpr int DQN = DP / 2;                                // dQ columns per con
 // registers a thread after setmaxnreg: the producer's warpgroup, the consumers' (128 (P + 2 C) <= 65536);
 // the block-sparse form's walk of the block mask's lists needs more than 24 in the producer and dQ warp
 // (macros, not constants: a namespace-scope constant is one more global in the cubin)
-#if CUFLASH_BLOCK_SPARSE
+#if CUFLASH_BLOCK_SPARSE && CUFLASH_D == 128
+#define PRODUCER_REGS 32   // (the lean form, below: its consumers need all 240; the walk re-reads its fields)
+#define CONSUMER_REGS 240
+#elif CUFLASH_BLOCK_SPARSE
 #define PRODUCER_REGS 40
 #define CONSUMER_REGS 232
 #else
 #define PRODUCER_REGS 24
 #define CONSUMER_REGS 240
 #endif
+// The traced forms at D = 128 (BWD_SM90_LEAN): dK and dV take 128 of the consumers' 240 registers and
+// S^T and dP^T 64, so the consumers hold nothing they can recompute. The per-pair loop is rolled over
+// 4 pairs at a time (each pass takes the accumulators' first 4 registers, then rotates them by 4, so
+// every register index stays a constant: 8 passes put them back in place), dQ is zeroed before its
+// wgmma (its registers are free during the traced functions), and the stmatrix rows, the lse address
+// and the keys' visible rows are recomputed from the thread index per tile; the block-sparse form's
+// producer warpgroup walks with 32 registers, reading the block mask's fields at each use.
+#define BWD_SM90_LEAN (CUFLASH_USER_MOD && CUFLASH_D == 128)
 // named barriers: DS_BAR the consumers (256), DQ_FULL and DQ_EMPTY the consumers and the dQ warp (288)
 constexpr int DS_BAR = 1, DQ_FULL = 2, DQ_EMPTY = 3;
 static_assert(D % 32 == 0 && BR == 64, "head-dim panels and the 128-byte rows of dS^T");
@@ -305,7 +316,8 @@ struct BsPos {
 // The walk of key tile n0 over heads [h0, h_end) of batch hb: the first place at or after `at`
 // whose tile starts before Sq (h = h_end: none left). (In 32-bit arithmetic: the producer and the
 // dQ warp run it with 24 registers.)
-__device__ __forceinline__ BsPos bs_settle(const UserCall& u, int hb, int n0, int h_end, int Sq, BsPos at) {
+template <typename U>   // (const UserCall, or const volatile UserCall: each field read at its use)
+__device__ __forceinline__ BsPos bs_settle(U& u, int hb, int n0, int h_end, int Sq, BsPos at) {
     const int blk = n0 / u.outer;
     const int sub = u.inner / BR;
     for (; at.h < h_end; ++at.h, at.pos = 0) {
@@ -414,6 +426,14 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
 #if CUFLASH_USER_MOD
     const UserCall& u = u_s;
 #endif
+#if CUFLASH_BLOCK_SPARSE
+    // the block mask's fields as the walks read them (BWD_SM90_LEAN: at each use, from shared memory)
+#if BWD_SM90_LEAN
+    const volatile UserCall& uw = u_s;
+#else
+    const UserCall& uw = u_s;
+#endif
+#endif
 
     if (wg == 0) {   // ------------------------------------------------------- producer, dQ writer
         ptx_setmaxnreg_dec<PRODUCER_REGS>();
@@ -429,7 +449,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
             }
 #if CUFLASH_BLOCK_SPARSE
             int it = 0;
-            for (BsPos at = bs0; nwalk && at.h < h_end; ++it, ++at.pos, at = bs_settle(u, hb, n0, h_end, Sq, at)) {
+            for (BsPos at = bs0; nwalk && at.h < h_end; ++it, ++at.pos, at = bs_settle(uw, hb, n0, h_end, Sq, at)) {
                 const int s = it % STAGES, h = at.h, m0 = at.m0;
 #else
             for (int it = 0; it < nwalk; ++it) {
@@ -456,7 +476,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
             for (int it = 0; nwalk && at.h < h_end; ++it) {
                 const int h = at.h, m0 = at.m0;
                 ++at.pos;
-                at = bs_settle(u, hb, n0, h_end, Sq, at);
+                at = bs_settle(uw, hb, n0, h_end, Sq, at);
                 const bool more = at.h < h_end;
 #else
             for (int it = 0; it < nwalk; ++it) {
@@ -510,9 +530,12 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
     w.hb = u.a.batch0 + b;
 #endif
 #if CUFLASH_USER_MOD
-    // (unrolled by hand: in the traced forms NVVM may keep the loop and put vis_lo / vis_hi in local memory)
+    // (unrolled by hand: in the traced forms NVVM may keep the loop and put vis_lo / vis_hi in local memory;
+    // the lean form recomputes them in its masked tiles)
+#if !BWD_SM90_LEAN
     visible_rows(w.key0, Sq, Sk, window_left, window_right, w.vis_lo[0], w.vis_hi[0]);
     visible_rows(w.key0 + 8, Sq, Sk, window_left, window_right, w.vis_lo[1], w.vis_hi[1]);
+#endif
 #else
     for (int r = 0; r < 2; ++r) visible_rows(w.key0 + 8 * r, Sq, Sk, window_left, window_right, w.vis_lo[r], w.vis_hi[r]);
 #endif
@@ -630,22 +653,42 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         ptx_wgmma_wait<0>();
         fence_operands(st);
         fence_operands(dpt);
+#if BWD_SM90_LEAN
+        const float* ls = lse_s + 2 * (threadIdx.x % 4) + s * BR;
+#else
         const float* ls = lse_t + s * BR;
+#endif
         const float* ds = ls + STAGES * BR;
         int lo[2], hi[2];
         if (MASK) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
+#if BWD_SM90_LEAN
+                int vis_lo, vis_hi;
+                visible_rows(w.key0 + 8 * r, Sq, Sk, window_left, window_right, vis_lo, vis_hi);
+                lo[r] = vis_lo - (m0 + 2 * t);
+                hi[r] = vis_hi - (m0 + 2 * t);
+#else
                 lo[r] = w.vis_lo[r] - (m0 + 2 * t);
                 hi[r] = w.vis_hi[r] - (m0 + 2 * t);
+#endif
             }
         }
 #if CUFLASH_USER_MOD & 4
         float ug[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // this thread's sums of the tile-uniform gradient terms
 #endif
+#if BWD_SM90_LEAN
+        // (rolled: pass j takes pairs 4 j .. 4 j + 3 in registers 0..3, then rotates by 4)
+#pragma unroll 1
+        for (int j = 0; j < BR / 8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = i / 2, offset = 8 * j + i % 2;
+#else
 #pragma unroll
         for (int i = 0; i < BR / 2; ++i) {
             const int r = (i % 4) / 2, offset = 8 * (i / 4) + i % 2;
+#endif
             const int qi = m0 + 2 * t + offset, kj = w.key0 + 8 * r;
             // (the traced functions only see pairs the causal / window mask keeps: rows < Sq, keys < Sk)
             bool keep = !MASK || (offset >= lo[r] && offset <= hi[r]);
@@ -675,6 +718,15 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
             st[i] = p;
             dpt[i] = dsv;
         }
+#if BWD_SM90_LEAN
+        const float p0 = st[0], p1 = st[1], p2 = st[2], p3 = st[3];
+        const float d0 = dpt[0], d1 = dpt[1], d2 = dpt[2], d3 = dpt[3];
+#pragma unroll
+        for (int e = 0; e + 4 < BR / 2; ++e) st[e] = st[e + 4], dpt[e] = dpt[e + 4];
+        st[BR / 2 - 4] = p0, st[BR / 2 - 3] = p1, st[BR / 2 - 2] = p2, st[BR / 2 - 1] = p3;
+        dpt[BR / 2 - 4] = d0, dpt[BR / 2 - 3] = d1, dpt[BR / 2 - 2] = d2, dpt[BR / 2 - 1] = d3;
+        }
+#endif
 #if (CUFLASH_USER_MOD & 4) && defined(CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP)
         CUFLASH_SCORE_MOD_ARRAY_GRAD_WARP(w.hb, h, u.a, u.g, ug);   // (every lane of the warp is here)
 #endif
@@ -684,9 +736,20 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
         // dS^T into buffer it % 2 (rows: keys - n0), by stmatrix: the fragment of k step kb is four
         // 8 x 8 matrices (keys 16 warp + 0..7 / 8..15 by queries 16 kb + 0..7 / 8..15)
         unsigned char* dsb = ds_s + s * DS_BYTES;
+#if BWD_SM90_LEAN
+        const int tx = ptx_opaque(int(threadIdx.x)), ln = tx % 32;   // (st_off recomputed)
+        const int st_row = 64 * c + 16 * (tx % 128 / 32) + ln % 8 + 8 * ((ln / 8) % 2);
+#pragma unroll
+        for (int kb = 0; kb < BR / 16; ++kb) ptx_stmatrix_x4(dsb + swizzled(st_row, (2 * kb + ln / 16) * 16), da[kb]);
+#else
 #pragma unroll
         for (int kb = 0; kb < BR / 16; ++kb) ptx_stmatrix_x4(dsb + st_off[kb], da[kb]);
+#endif
         ptx_fence_proxy_async();   // the generic-proxy stores before wgmma's reads
+#if BWD_SM90_LEAN
+#pragma unroll
+        for (int i = 0; i < DQN / 2; ++i) dq[i] = 0.0f;   // (its first wgmma ignores it: dead until here; before the fence)
+#endif
         ptx_wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < BR / 16; ++kb)
@@ -726,7 +789,7 @@ __device__ void backward(const cuflash_tensor_map& map_q, const cuflash_tensor_m
 #if defined(CUFLASH_SIM)
     int entered_partial = 0, entered_full = 0;
 #endif
-    for (BsPos at = bs0; nwalk && at.h < h_end; ++at.pos, at = bs_settle(u, hb, n0, h_end, Sq, at)) {
+    for (BsPos at = bs0; nwalk && at.h < h_end; ++at.pos, at = bs_settle(uw, hb, n0, h_end, Sq, at)) {
         const int m = at.m0 / BR;
         if (m >= lo && m < hi)
             tile(at.h, at.m0, MaskOf<MASK_NONE>{}, at.partial);

@@ -305,11 +305,6 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
 
 #: the modifiers this tier's traced forms take (the built-in ones are the tensor-core backward's)
 USER_MODIFIERS = ("score_mod", "mask_mod", "block_mask")
-#: the head dims of the traced forms: at 128 the consumers' accumulators (dK, dV, S^T, dP^T, the dQ
-#: half) take 224 of their 240 registers, and ptxas spills some traced functions there (36 bytes
-#: for a softcapped ALiBi plus a clamped table and a document mask, 164-172 bytes in its
-#: block-sparse form, NVRTC 12.9 and 13.x), so those calls run on the tensor-core backward
-TRACED_HEAD_DIMS = (64, 96)
 
 
 def traced_reason(problem) -> str | None:
@@ -326,10 +321,6 @@ def traced_reason(problem) -> str | None:
         why = score_mod.kernel_refusal(traced) if traced is not None else None
         if why is not None:
             return why + " in the Hopper backward"
-    if p.head_dim == p.head_dim_v and p.head_dim in HEAD_DIMS and p.head_dim not in TRACED_HEAD_DIMS:
-        return (f"score_mod / mask_mod / block_mask at head dim {p.head_dim}: the Hopper backward's consumers hold "
-                f"224 of their {CONSUMER_REGISTERS} registers in accumulators there, and its traced forms spill "
-                f"(they take head dims {TRACED_HEAD_DIMS})")
     if p.varlen is not None:
         return "score_mod / mask_mod on a packed batch is not in the Hopper backward yet (fixed shapes only)"
     if p.options.return_dscore_mod and p.options.deterministic:

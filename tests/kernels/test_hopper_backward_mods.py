@@ -61,6 +61,8 @@ def test_the_hopper_backward_takes_traced_calls_at_its_head_dims():
     assert line.startswith(HOPPER + "f16_d64_um") and not line.endswith("_bs"), line
     qd = np.zeros((1, 2, 256, 96), dtypes.bfloat16)
     assert cuflash.explain(qd, qd, qd, arch=90, **kw)["backward"].startswith(HOPPER + "bf16_d96_um")
+    qe = np.zeros((1, 2, 256, 128), dtypes.bfloat16)
+    assert cuflash.explain(qe, qe, qe, arch=90, **kw)["backward"].startswith(HOPPER + "bf16_d128_um")
     # the same texts, the same variant name as the traced forms of other tiers (a hash of the texts)
     p = _problem(64, mod_kw=kw)
     v = attention_bwd_sm90.main_variant(p)
@@ -83,7 +85,6 @@ def test_the_hopper_backward_takes_traced_calls_at_its_head_dims():
     ("block_det", "block_mask with deterministic=True is not in the Hopper backward"),
     ("softcap", "softcap is not in the Hopper backward yet"),
     ("d192", "(D, Dv) = (192, 192)"),
-    ("d128", "score_mod / mask_mod / block_mask at head dim 128: the Hopper backward's consumers hold 224 of their 240"),
 ])
 def test_the_calls_it_does_not_take_run_on_the_tensor_cores_and_say_why(case, words):
     doc = np.repeat(np.arange(2, dtype=np.int32), (5, 4))
@@ -94,8 +95,8 @@ def test_the_calls_it_does_not_take_run_on_the_tensor_cores_and_say_why(case, wo
         kw, opts = dict(block_mask=mods.document_block_mask(doc, BLOCK_SIZE=128)), dict(deterministic=True)
     elif case == "softcap":
         kw = dict(kw, softcap=20.0)
-    elif case in ("d192", "d128"):
-        d = int(case[1:])
+    elif case == "d192":
+        d = 192
     p = _problem(d, sk=9, mod_kw=kw, **opts)
     why = attention_bwd_sm90.unsupported_reason(p, 90)
     assert why is not None and words in why, why
@@ -197,6 +198,42 @@ def test_gradients_with_traced_functions(rng, case):
     assert line.startswith(HOPPER + f"{dt}_d{d}_um"), line
     grads, dout = _backward(rng, q, k, v, dtype, **kw)
     assert_grads_within_twice_the_numpy_path(grads, q, k, v, dout, dtype, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["um", "bs", "ag"])
+def test_head_dim_128_forms(rng, form):
+    """Head dim 128, whose traced forms roll their per-pair loop (four pairs a pass, the accumulators
+    rotated) and recompute what they would hold: an invented score_mod / mask_mod pair (causal, Sq <
+    Sk, GQA: the diagonal, the steady and the Sq-edge tiles), a causal document block mask of
+    64 x 128 blocks (the block-sparse form, its producer at 32 registers) and captured-array
+    gradients (atomics), each under the gradient rule against the float64 oracle; the first two in
+    checked mode (races, bounds, proxies)."""
+    if form == "um":
+        dtype, hq, hk, sq, sk = dtypes.bfloat16, 4, 2, 147, 170
+        score_fn, mask_fn = _invented(rng.uniform(-1.5, 1.5, (1, hq)).astype(np.float32), rng.random(sk) > 0.3)
+        kw = dict(score_mod=score_fn, mask_mod=mask_fn, causal=True)
+        check = kw
+    elif form == "bs":
+        doc = np.repeat(np.arange(3, dtype=np.int32), (100, 156, 128))
+        dtype, hq, hk, sq = dtypes.float16, 4, 2, len(doc)
+        sk = sq
+        bm = mods.document_block_mask(doc, causal=True, BLOCK_SIZE=(64, 128))
+        kw, check = dict(block_mask=bm), dict(mask_mod=bm.mask_mod)
+    else:
+        dtype, hq, hk, sq, sk = dtypes.float16, 2, 1, 100, 170
+        slopes = rng.uniform(0.05, 0.5, hq).astype(np.float32)
+        table = rng.standard_normal((hq, 2 * RADIUS + 1)).astype(np.float32)
+        kw = dict(score_mod=_slopes_and_table(slopes, table), causal=True)
+        check = kw
+    q, k, v = make_qkv(rng, 1, hq, hk, sq, sk, 128, 128, dtype=dtype)
+    line = cuflash.explain(q, k, v, arch=90, **kw)["backward"]
+    assert line.startswith(HOPPER) and "_d128_um" in line and line.endswith("_bs") == (form == "bs"), line
+    extra = dict(return_dscore_mod=True) if form == "ag" else {}
+    grads, dout = _backward(rng, q, k, v, dtype, checked=form != "ag", **kw, **extra)
+    if form == "ag":
+        assert sorted(grads[-1]) == ["slopes", "table"]
+    assert_grads_within_twice_the_numpy_path(grads, q, k, v, dout, dtype, **check)
 
 
 #: 8 packed documents, S = 768 (the tensor-core backward's block-sparse test's)
