@@ -489,6 +489,20 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk_acc[f][n][e] = dv_acc[f][n][e] = 0.0f;
 
+    // The query tiles that need no mask are those whose first row lies in [unmasked.lo, unmasked.hi]
+    // (a closed range, empty when lo > hi): all BR rows before Sq, all BC keys before Sk, and every
+    // pair in the window (tile_in_window, solved for row0 in 64 bits, then clamped), so a tile's test
+    // is two compares of uniform values.
+    IndexRange unmasked = {0, seqlen_q - BR};
+    {
+        const long long first = (long long)(col0 + BC - 1 - seqlen_k) + seqlen_q - window_right;   // right edge
+        const long long last = (long long)(col0 - seqlen_k) + seqlen_q - BR + 1 + window_left;      // left edge
+        if (window_right >= 0) unmasked.lo = (int)min(max(first, 0LL), (long long)seqlen_q);
+        if (window_left >= 0) unmasked.hi = (int)max(min(last, (long long)unmasked.hi), -1LL);
+        if (cols < BC) unmasked.hi = -1;
+        unmasked.lo = ptx_opaque(unmasked.lo), unmasked.hi = ptx_opaque(unmasked.hi);   // (formed here, not in the loop)
+    }
+
     const SmemOffsets so_loop = smem_offsets(tid);   // (held across the loop only where HOIST_OFFSETS)
 
 #if CUFLASH_BLOCK_SPARSE && defined(CUFLASH_SIM)
@@ -503,10 +517,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         const elem_t* dos = do_s + st * BR * PITCH;
         const int row0 = cur.row0;
         const int rows = min(BR, seqlen_q - row0);
+        const QueryTile nxt = next_tile(cur);   // (formed once: the refill's tile and the next iteration's)
         ptx_cp_async_wait<0>();   // this thread's copies of tile it (and of K, V) have landed
         __syncthreads();          // every thread's; and every thread is done with tile it - 1
         if (STAGES == 2 && it + 1 < n_iter) {
-            load_query_tile(st ^ 1, next_tile(cur));   // the stage tile it - 1 used
+            load_query_tile(st ^ 1, nxt);   // the stage tile it - 1 used
             ptx_cp_async_commit();
         }
 
@@ -580,8 +595,7 @@ UNROLL_SDP_K
                 ddr[f][h] = dd_s[st * BR + r];
             }
         // (the modifier variants take the per-pair path on every tile)
-        const bool need_mask = CUFLASH_MODS || rows < BR || cols < BC ||
-                               !tile_in_window(row0, BR, col0, BC, seqlen_q, seqlen_k, window_left, window_right);
+        const bool need_mask = CUFLASH_MODS || row0 < unmasked.lo || row0 > unmasked.hi;
 #if !CUFLASH_MODS && !CUFLASH_DROPOUT
         // A masked tile of the plain forms: each row's visible keys [klo, khi) relative to this
         // thread's first key, so a pair's test is two compares of a constant (the modifier and
@@ -833,10 +847,10 @@ UNROLL_DQ_K
         }
         if (STAGES == 1 && it + 1 < n_iter) {
             __syncthreads();   // every thread is done with the one stage
-            load_query_tile(0, next_tile(cur));
+            load_query_tile(0, nxt);
             ptx_cp_async_commit();
         }
-        cur = next_tile(cur);
+        cur = nxt;
     }
 #if CUFLASH_BLOCK_SPARSE && defined(CUFLASH_SIM)
     if (bs_count && tid == 0) {   // (the simulator's count of the tiles this block entered)
