@@ -259,6 +259,9 @@ struct SmemOffsets {
     unsigned kt;    // B of dQ: K stored k-major (ldmatrix.trans)
 };
 #define HOIST_OFFSETS (!CUFLASH_VARLEN && DMAX <= 128)
+// The plain forms' band mask of a masked tile inside Sq and Sk (the loop's P/dS below); not in the
+// packed forms, where NVRTC 13 then spilled 16 bytes at head dim 128 on sm_90.
+#define BWD_BAND_MASK (!CUFLASH_VARLEN)
 // The interior tiles' own dQ adds (no test per element) beside the edge tiles' predicated ones;
 // not in the score-modifier forms, where the second path's registers spill at head dims 192 and
 // 256 (and every tile takes the per-pair path anyway).
@@ -597,31 +600,61 @@ UNROLL_SDP_K
         // (the modifier variants take the per-pair path on every tile)
         const bool need_mask = CUFLASH_MODS || row0 < unmasked.lo || row0 > unmasked.hi;
 #if !CUFLASH_MODS && !CUFLASH_DROPOUT
-        // A masked tile of the plain forms: each row's visible keys [klo, khi) relative to this
-        // thread's first key, so a pair's test is two compares of a constant (the modifier and
-        // dropout forms, whose registers are shorter, keep the per-pair key index below).
+        // A masked tile of the plain forms. Inside Sq and Sk (a causal diagonal or a window edge), score
+        // (f, h, n, c), of row row0 + s_row0 + g + 16 f + 8 h and key col0 + s_col0 + 2 t + 8 n + c, lies
+        // d0 + kk right of its row's diagonal key (diag_distance), kk = 8 (n - 2 f - h) + c: one band of
+        // kk holds for all the lane's rows, so each of the 2 (NF_S + 2 MF_S - 1) values of kk is tested
+        // once (14 at 64 x 128) instead of each score against its row's two bounds, and only against the
+        // bounds the window has. Visible: lo <= kk <= hi, each bound clamped to kk's range [KK_MIN,
+        // KK_MAX] before d0 is subtracted, so nothing overflows. Other masked tiles (rows past Sq, keys
+        // past Sk): each row's visible keys [klo, khi) relative to this thread's first key, so a pair's
+        // test is two compares of a constant (the modifier and dropout forms, whose registers are
+        // shorter, keep the per-pair key index below).
         if (need_mask) {
-            const int key0 = col0 + l1.s_col0 + 2 * l1.t;
+            auto p_ds = [&](int f, int h, int n, int c, bool visible) {
+                float& sv = s[f][n][2 * h + c];
+                float& dv_ = dp[f][n][2 * h + c];
+                const float p = exp2f(sv * scale_log2 - lse2[f][h]);
+                dv_ = visible ? p * (dv_ - ddr[f][h]) : 0.0f;
+                sv = visible ? p : 0.0f;
+            };
+            if (BWD_BAND_MASK && rows == BR && cols == BC) {
+                constexpr int KK_MIN = -8 * (2 * MF_S - 1), KK_MAX = 8 * (NF_S - 1) + 1;
+                const int d0 = (col0 + l1.s_col0 + 2 * l1.t - seqlen_k) + (seqlen_q - row0 - l1.s_row0 - l1.g);
+                auto band = [&](int lo, int hi) {
 #pragma unroll
-            for (int f = 0; f < MF_S; ++f)
+                    for (int f = 0; f < MF_S; ++f)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int qi = row0 + l1.s_row0 + 16 * f + l1.g + 8 * h;
-                    IndexRange seen = window_key_range(qi, 1, seqlen_q, seqlen_k, window_left, window_right);
-                    if (qi >= seqlen_q) seen.hi = seen.lo;   // padding rows see nothing
-                    const int klo = seen.lo - key0, khi = seen.hi - key0;
+                        for (int h = 0; h < 2; ++h)
 #pragma unroll
-                    for (int n = 0; n < NF_S; ++n)
+                            for (int n = 0; n < NF_S; ++n)
 #pragma unroll
-                        for (int c = 0; c < 2; ++c) {
-                            const bool visible = 8 * n + c >= klo && 8 * n + c < khi;
-                            float& sv = s[f][n][2 * h + c];
-                            float& dv_ = dp[f][n][2 * h + c];
-                            const float p = exp2f(sv * scale_log2 - lse2[f][h]);
-                            dv_ = visible ? p * (dv_ - ddr[f][h]) : 0.0f;
-                            sv = visible ? p : 0.0f;
-                        }
-                }
+                                for (int c = 0; c < 2; ++c) {
+                                    const int kk = 8 * (n - 2 * f - h) + c;
+                                    p_ds(f, h, n, c, kk >= lo && kk <= hi);
+                                }
+                };
+                auto lo_k = [&]() { return max(-window_left, d0 + KK_MIN) - d0; };   // (window_left >= 0)
+                auto hi_k = [&]() { return min(window_right, d0 + KK_MAX) - d0; };   // (window_right >= 0)
+                // (a tile inside Sq and Sk with neither bound needs no mask: need_mask is false there)
+                if (window_left < 0) band(KK_MIN, hi_k());   // causal, or a right edge alone: one bound
+                else band(lo_k(), window_right < 0 ? KK_MAX : hi_k());
+            } else {
+                const int key0 = col0 + l1.s_col0 + 2 * l1.t;
+#pragma unroll
+                for (int f = 0; f < MF_S; ++f)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int qi = row0 + l1.s_row0 + 16 * f + l1.g + 8 * h;
+                        IndexRange seen = window_key_range(qi, 1, seqlen_q, seqlen_k, window_left, window_right);
+                        if (qi >= seqlen_q) seen.hi = seen.lo;   // padding rows see nothing
+                        const int klo = seen.lo - key0, khi = seen.hi - key0;
+#pragma unroll
+                        for (int n = 0; n < NF_S; ++n)
+#pragma unroll
+                            for (int c = 0; c < 2; ++c) p_ds(f, h, n, c, 8 * n + c >= klo && 8 * n + c < khi);
+                    }
+            }
         } else
 #endif
         if (need_mask) {
