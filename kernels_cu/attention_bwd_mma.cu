@@ -268,8 +268,8 @@ struct SmemOffsets {
 #define INTERIOR_PATHS (!CUFLASH_MODS)
 // ... and their own Q/dO copies (no predicates), where they take one address per thread
 // (load_tile_async_full's regular case) and the dK/dV accumulators leave room for a second copy
-// path (head dims <= 128: at 256 it spills on sm_80).
-#define INTERIOR_COPIES (INTERIOR_PATHS && DMAX <= 128 && NT % CHUNKS == 0 && BR * CHUNKS % NT == 0)
+// path (head dims <= 128, and 256 on sm_90 and newer: at 256 it spills on sm_80).
+#define INTERIOR_COPIES (INTERIOR_PATHS && (DMAX <= 128 || BWD_ARCH_SM90) && NT % CHUNKS == 0 && BR * CHUNKS % NT == 0)
 
 // A thread's ldmatrix row addresses (elements, relative to a tile base) and its warp's place in
 // each GEMM's layout. A: non-transposed (16 rows x 16 k, rows stored m-major): a_off; A from rows
