@@ -259,6 +259,11 @@ struct SmemOffsets {
     unsigned kt;    // B of dQ: K stored k-major (ldmatrix.trans)
 };
 #define HOIST_OFFSETS (!CUFLASH_VARLEN && DMAX <= 128)
+// The plain forms' loop forms its next query tile once per iteration (the refill's and the next
+// one) and tests whether a tile needs a mask against a range of first rows formed before the loop.
+// The modifier and dropout forms keep the previous code, so their register allocation, at the edge
+// of spilling at head dims 192 and 256, stays as the compile gate measured it.
+#define PLAIN_LOOP (!CUFLASH_MODS && !CUFLASH_DROPOUT)
 // The plain forms' band mask of a masked tile inside Sq and Sk (the loop's P/dS below); not in the
 // packed forms, where NVRTC 13 then spilled 16 bytes at head dim 128 on sm_90.
 #define BWD_BAND_MASK (!CUFLASH_VARLEN)
@@ -268,8 +273,10 @@ struct SmemOffsets {
 #define INTERIOR_PATHS (!CUFLASH_MODS)
 // ... and their own Q/dO copies (no predicates), where they take one address per thread
 // (load_tile_async_full's regular case) and the dK/dV accumulators leave room for a second copy
-// path (head dims <= 128, and 256 on sm_90 and newer: at 256 it spills on sm_80).
-#define INTERIOR_COPIES (INTERIOR_PATHS && (DMAX <= 128 || BWD_ARCH_SM90) && NT % CHUNKS == 0 && BR * CHUNKS % NT == 0)
+// path (head dims <= 128, and 256 in the plain forms on sm_90 and newer: at 256 it spills on sm_80,
+// and in the dropout forms on sm_90).
+#define INTERIOR_COPIES \
+    (INTERIOR_PATHS && (DMAX <= 128 || (BWD_ARCH_SM90 && PLAIN_LOOP)) && NT % CHUNKS == 0 && BR * CHUNKS % NT == 0)
 
 // A thread's ldmatrix row addresses (elements, relative to a tile base) and its warp's place in
 // each GEMM's layout. A: non-transposed (16 rows x 16 k, rows stored m-major): a_off; A from rows
@@ -497,7 +504,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     // pair in the window (tile_in_window, solved for row0 in 64 bits, then clamped), so a tile's test
     // is two compares of uniform values.
     IndexRange unmasked = {0, seqlen_q - BR};
-    {
+    if (PLAIN_LOOP) {
         const long long first = (long long)(col0 + BC - 1 - seqlen_k) + seqlen_q - window_right;   // right edge
         const long long last = (long long)(col0 - seqlen_k) + seqlen_q - BR + 1 + window_left;      // left edge
         if (window_right >= 0) unmasked.lo = (int)min(max(first, 0LL), (long long)seqlen_q);
@@ -520,11 +527,11 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         const elem_t* dos = do_s + st * BR * PITCH;
         const int row0 = cur.row0;
         const int rows = min(BR, seqlen_q - row0);
-        const QueryTile nxt = next_tile(cur);   // (formed once: the refill's tile and the next iteration's)
+        const QueryTile nxt = next_tile(cur);   // (formed once where PLAIN_LOOP: the refill's tile and the next iteration's)
         ptx_cp_async_wait<0>();   // this thread's copies of tile it (and of K, V) have landed
         __syncthreads();          // every thread's; and every thread is done with tile it - 1
         if (STAGES == 2 && it + 1 < n_iter) {
-            load_query_tile(st ^ 1, nxt);   // the stage tile it - 1 used
+            load_query_tile(st ^ 1, PLAIN_LOOP ? nxt : next_tile(cur));   // the stage tile it - 1 used
             ptx_cp_async_commit();
         }
 
@@ -598,7 +605,10 @@ UNROLL_SDP_K
                 ddr[f][h] = dd_s[st * BR + r];
             }
         // (the modifier variants take the per-pair path on every tile)
-        const bool need_mask = CUFLASH_MODS || row0 < unmasked.lo || row0 > unmasked.hi;
+        const bool need_mask = CUFLASH_MODS || (PLAIN_LOOP ? row0 < unmasked.lo || row0 > unmasked.hi
+                                                           : rows < BR || cols < BC ||
+                                                                 !tile_in_window(row0, BR, col0, BC, seqlen_q, seqlen_k,
+                                                                                 window_left, window_right));
 #if !CUFLASH_MODS && !CUFLASH_DROPOUT
         // A masked tile of the plain forms. Inside Sq and Sk (a causal diagonal or a window edge), score
         // (f, h, n, c), of row row0 + s_row0 + g + 16 f + 8 h and key col0 + s_col0 + 2 t + 8 n + c, lies
@@ -880,10 +890,10 @@ UNROLL_DQ_K
         }
         if (STAGES == 1 && it + 1 < n_iter) {
             __syncthreads();   // every thread is done with the one stage
-            load_query_tile(0, nxt);
+            load_query_tile(0, PLAIN_LOOP ? nxt : next_tile(cur));
             ptx_cp_async_commit();
         }
-        cur = nxt;
+        cur = PLAIN_LOOP ? nxt : next_tile(cur);
     }
 #if CUFLASH_BLOCK_SPARSE && defined(CUFLASH_SIM)
     if (bs_count && tid == 0) {   // (the simulator's count of the tiles this block entered)
