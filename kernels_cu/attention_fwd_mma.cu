@@ -216,6 +216,13 @@ __device__ __forceinline__ void copy_rows_interior(elem_t* dst, const elem_t* sr
 #define FWD_REG_STAGE 0
 #endif
 
+// FWD_M_FLOOR: the running row maximum's start, -FLT_MAX instead of -inf. While a row has seen no
+// visible key, its maximum stays here, its sum and O at 0, and exp2(s - m) of a -inf score is exp2(-inf)
+// = 0; the loop then needs no test for a maximum of -inf (4 FSETP + 4 FSEL per tile at 128 x 64). The
+// epilogue reads the row as empty by its sum (l == 0), never by its maximum; the sink fold's rescale of
+// such a row multiplies an O and a sum of 0.
+#define FWD_M_FLOOR (-3.40282347e+38f)
+
 // FWD_BAND_MASK: 1 where a masked tile inside Sk tests each key offset from the diagonal once for
 // all of a lane's rows (the mask in the loop below). The packed two-fragment tiles keep the per-row
 // test: with the band branch, ptxas 12.9 spills 4 bytes in the packed bf16 d128 tile on sm_90 (255
@@ -655,7 +662,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
         for (int i = 0; i < NFRAG_O; ++i) o_acc[f][i][0] = o_acc[f][i][1] = o_acc[f][i][2] = o_acc[f][i][3] = 0.0f;
     float m_row[MT][2], l_row[MT][2];   // running max (log2 domain) and this lane's part of the sum
 #pragma unroll
-    for (int f = 0; f < MT; ++f) m_row[f][0] = m_row[f][1] = CUFLASH_NEG_INF, l_row[f][0] = l_row[f][1] = 0.0f;
+    for (int f = 0; f < MT; ++f) m_row[f][0] = m_row[f][1] = FWD_M_FLOOR, l_row[f][0] = l_row[f][1] = 0.0f;
     int qi0 = row0 + 16 * MT * warp + g;   // (packed) row of fragment f's row g: qi0 + 16 f (+ 8)
     const bool warp_active = 16 * MT * warp < rows;
     const int pos_span = (row0 + BR - 1) / pk - pos0 + 1;   // query positions the tile's BR rows span
@@ -920,22 +927,28 @@ FWD_UNROLL_S_K
                 float alpha[2];
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    float mx = CUFLASH_NEG_INF;
+                    // (the max and the sum start from the first pair: an fmaxf with -inf or an add to 0
+                    // would stay in the code, as neither folds under IEEE rules; fmaxf drops a NaN, so the
+                    // row's maximum is the same)
+                    float mx = fmaxf(s[f][0][2 * h], s[f][0][2 * h + 1]);
 #pragma unroll
-                    for (int n = 0; n < NFRAG_S; ++n) mx = fmaxf(mx, fmaxf(s[f][n][2 * h], s[f][n][2 * h + 1]));
+                    for (int n = 1; n < NFRAG_S; ++n) mx = fmaxf(mx, fmaxf(s[f][n][2 * h], s[f][n][2 * h + 1]));
                     mx = fmaxf(mx, __shfl_xor_sync(CUFLASH_FULL_MASK, mx, 1));
                     mx = fmaxf(mx, __shfl_xor_sync(CUFLASH_FULL_MASK, mx, 2));
+                    // m_row starts at FWD_M_FLOOR, so m_new is finite or +inf / NaN, and a row with no
+                    // visible key yet (every score -inf) takes exp2(-inf + FWD_M_FLOOR's negation) = 0
+                    // without a test for -inf - -inf
                     const float m_new = fmaxf(m_row[f][h], mx * eff_scale);
-                    const float shift = m_new == CUFLASH_NEG_INF ? 0.0f : m_new;   // no -inf - -inf
-                    alpha[h] = exp2f(m_row[f][h] - shift);
+                    alpha[h] = exp2f(m_row[f][h] - m_new);
                     m_row[f][h] = m_new;
-                    float sum = 0.0f;
 #pragma unroll
                     for (int n = 0; n < NFRAG_S; ++n) {
-                        s[f][n][2 * h] = exp2f(fmaf(s[f][n][2 * h], eff_scale, -shift));
-                        s[f][n][2 * h + 1] = exp2f(fmaf(s[f][n][2 * h + 1], eff_scale, -shift));
-                        sum += s[f][n][2 * h] + s[f][n][2 * h + 1];
+                        s[f][n][2 * h] = exp2f(fmaf(s[f][n][2 * h], eff_scale, -m_new));
+                        s[f][n][2 * h + 1] = exp2f(fmaf(s[f][n][2 * h + 1], eff_scale, -m_new));
                     }
+                    float sum = s[f][0][2 * h] + s[f][0][2 * h + 1];
+#pragma unroll
+                    for (int n = 1; n < NFRAG_S; ++n) sum += s[f][n][2 * h] + s[f][n][2 * h + 1];
                     l_row[f][h] = l_row[f][h] * alpha[h] + sum;
                 }
                 if (MT == 1) rescale_o(f, alpha);   // (before the packing: the d256 packed dropout form spills otherwise)
