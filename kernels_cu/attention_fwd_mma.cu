@@ -223,6 +223,16 @@ __device__ __forceinline__ void copy_rows_interior(elem_t* dst, const elem_t* sr
 // such a row multiplies an O and a sum of 0.
 #define FWD_M_FLOOR (-3.40282347e+38f)
 
+// FWD_HOLD_BAND: 1 on sm_90, where the right-edge band bound's base (band_base below) is held in a
+// register across the loop (ptx_opaque: ptxas would rebuild it in the mask block from the lane and block
+// coordinates, 5 instructions). On sm_80 the held register cost the bf16 d128 steady pass 4 instructions
+// (ptxas 12.9 and 13.x), so there it is rebuilt.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FWD_HOLD_BAND 1
+#else
+#define FWD_HOLD_BAND 0
+#endif
+
 // FWD_BAND_MASK: 1 where a masked tile inside Sk tests each key offset from the diagonal once for
 // all of a lane's rows (the mask in the loop below). The packed two-fragment tiles keep the per-row
 // test: with the band branch, ptxas 12.9 spills 4 bytes in the packed bf16 d128 tile on sm_90 (255
@@ -669,6 +679,13 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const kv_t* __restrict__ k, const kv
     // Tiles [steady.lo, steady.hi) need no mask (a tile needs it if it reaches past Sk or some row of
     // the block has a window edge inside it)
     const IndexRange steady = steady_tiles(kv_lo, n_tiles, pos0, pos_span, seqlen_q, seqlen_k, window_left, window_right);
+#if !CUFLASH_BLOCK_SPARSE
+    // A one-edge tile's band bounds (the mask in the loop): hi = band_base - kv0, lo = hi - window_right -
+    // window_left, with band_base formed once (FWD_HOLD_BAND)
+    const int band_base_v = (int)((unsigned)window_right + (unsigned)seqlen_k - (unsigned)seqlen_q + (unsigned)qi0 -
+                                  2u * (unsigned)t);
+    const int band_base = FWD_HOLD_BAND ? ptx_opaque(band_base_v) : band_base_v;
+#endif
     // scale_log2 > 0: the max over raw scores, P = exp2(s * scale - m) in one FFMA. Otherwise the
     // scores are scaled first (a negative scale reverses the order; 0 would make -inf * 0 NaN).
     // (The modifier variants scale first too: softcap and the biases act on the scaled scores.)
@@ -866,10 +883,16 @@ FWD_UNROLL_S_K
                     // its row's diagonal key, kk = 8 (n - 2 f - h) + e. One band of kk holds for all the lane's
                     // rows, so ptxas tests each of the 2 (NFRAG_S + 2 MT - 1) values of kk once (22 compares
                     // at 128 x 64) instead of each of the 64 scores against its row's bounds. Visible: lo <= kk
-                    // <= hi, each bound clamped to kk's range [KK_MIN, KK_MAX] before d0 is subtracted, so
-                    // that nothing overflows (d0 lies in [-Sk - BR, Sq]).
+                    // <= hi. With both edges, and in the block-sparse form, each bound is clamped to kk's
+                    // range [KK_MIN, KK_MAX] before d0 is subtracted, so that nothing overflows (d0 lies in
+                    // [-Sk - BR, Sq]; the other edge may be any int). One edge alone is not clamped: hi =
+                    // window_right - d0 = (row qi0's last visible key) - (kv0 + 2 t), summed in wrapping
+                    // arithmetic, is exact because the true value is small. Such a tile lies at or past
+                    // steady.hi, so row pos0's last key is below kv0 + BC - 1, and before keys.hi, so above
+                    // kv0 - BR: |hi| < BR + BC. Likewise lo = -window_left - d0 (row qi0's first key less
+                    // kv0 + 2 t) for a tile before steady.lo. On sm_90 hi is band_base - kv0 (FWD_HOLD_BAND).
                     constexpr int KK_MIN = -8 * (2 * MT - 1), KK_MAX = 8 * (NFRAG_S - 1) + 1;
-                    const int d0 = kv_past + (2 * t + seqlen_q - qi0);
+                    auto d0 = [&]() { return kv_past + (2 * t + seqlen_q - qi0); };
                     auto band = [&](int lo, int hi) {
 #pragma unroll
                         for (int f = 0; f < MT; ++f)
@@ -883,10 +906,18 @@ FWD_UNROLL_S_K
                                         if (kk < lo || kk > hi) s[f][n][2 * h + e] = CUFLASH_NEG_INF;
                                     }
                     };
-                    auto lo_k = [&]() { return max(-window_left, d0 + KK_MIN) - d0; };   // (window_left >= 0)
-                    auto hi_k = [&]() { return min(window_right, d0 + KK_MAX) - d0; };   // (window_right >= 0)
+                    auto lo_k = [&]() { return max(-window_left, d0() + KK_MIN) - d0(); };   // (window_left >= 0)
+                    auto hi_k = [&]() { return min(window_right, d0() + KK_MAX) - d0(); };   // (window_right >= 0)
+#if CUFLASH_BLOCK_SPARSE
                     if (window_left < 0) band(KK_MIN, hi_k());        // causal, or a right edge alone
                     else if (window_right < 0) band(lo_k(), KK_MAX);  // a left edge alone
+#else
+                    // (one edge alone: unclamped, see above; lo = hi - window_right - window_left)
+                    const unsigned hi_u = FWD_HOLD_BAND ? (unsigned)band_base - (unsigned)kv0
+                                                        : (unsigned)window_right - (unsigned)d0();
+                    if (window_left < 0) band(KK_MIN, (int)hi_u);
+                    else if (window_right < 0) band((int)(hi_u - (unsigned)window_left - (unsigned)window_right), KK_MAX);
+#endif
                     else band(lo_k(), hi_k());
                 } else {
 #pragma unroll

@@ -387,9 +387,10 @@ def test_sass_mma_forward_interior_tiles_copy_without_predicates(arch, varlen, c
     bounds checks, and the named paths (docs/roofline.md) stay within the budgets this kernel is
     held to, per warp and tile: steady at most 800 instructions, steady with both fragments' O
     rescale at most 928 (PyTorch's FA2 build counts 1220 on its steady path by the same rule), and
-    in the fixed form a tile inside Sk with one window edge (a causal diagonal) at most 880, its
-    mask one compare per offset from the diagonal rather than per score (911 that way). No
-    spills. (On sm_80, ptxas 12.9 rebuilt each ldmatrix address with an IMAD when they were
+    in the fixed form a tile inside Sk with one window edge (a causal diagonal) at most 860, its
+    mask one compare per offset from the diagonal rather than per score (911 that way). The longer
+    of the two one-edge passes counts 849 / 854 on sm_90 and 855 / 858 on sm_80 (NVRTC 12.9 / 13.x).
+    No spills. (On sm_80, ptxas 12.9 rebuilt each ldmatrix address with an IMAD when they were
     element pointers: 833 on the steady path.)"""
     from cuflash.analysis import sass_count
 
@@ -408,7 +409,7 @@ def test_sass_mma_forward_interior_tiles_copy_without_predicates(arch, varlen, c
     assert steady.classes["predicate"] <= 40, steady   # (with the copies' bounds checks in it: 87)
     if not varlen:   # (the packed two-fragment tiles keep the per-row mask: FWD_BAND_MASK)
         diagonal = _band_mask_pass(text, variant.entry, rows=2, key_blocks=8)
-        assert diagonal <= 880, diagonal   # (911 on sm_90 with a compare per score and row)
+        assert diagonal <= 860, diagonal   # (911 on sm_90 with a compare per score and row)
 
 
 def _band_mask_pass(text: str, entry: str, *, rows: int, key_blocks: int) -> int:
