@@ -204,7 +204,7 @@ __device__ __forceinline__ void copy_rows_interior(elem_t* dst, const elem_t* sr
 // chunks fit the registers; the next K/V tile then waits in registers across the math (fetch_kv,
 // put_kv below): 2 BC / kRowsPerPass uint4 per thread, 16 registers at bucket 64 (128 x 32) and at
 // 128 x 16 (the packed form's bucket-128 tile), 32 at 96. Under NVRTC 12.9 and 13.x (ptxas -v,
-// sm_75) the fixed tile takes 184 registers at 64 and 238 at 96, the packed 128 x 16 tile 248 at
+// sm_75) the fixed tile takes 180 registers at 64 and 232 at 96, the packed 128 x 16 tile 241 at
 // 128, no spill; the 128 x 32 tile at 128 spills 16 bytes under both (12 with the loads issued
 // before P V instead), the tiles at 192 and 256 spill (56 and 44 bytes under 12.9), and the
 // modifier forms at 96 reach 254 (a traced modifier's code would spill), so those keep the
