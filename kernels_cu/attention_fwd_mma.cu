@@ -226,8 +226,9 @@ __device__ __forceinline__ void copy_rows_interior(elem_t* dst, const elem_t* sr
 // FWD_HOLD_BAND: 1 on sm_90, where the right-edge band bound's base (band_base below) is held in a
 // register across the loop (ptx_opaque: ptxas would rebuild it in the mask block from the lane and block
 // coordinates, 5 instructions). On sm_80 the held register cost the bf16 d128 steady pass 4 instructions
-// (ptxas 12.9 and 13.x), so there it is rebuilt.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// (ptxas 12.9 and 13.x), and in the dropout forms at head dim 256 on sm_90 it spilled 4-8 bytes (255
+// registers, both majors), so there it is rebuilt.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !CUFLASH_DROPOUT
 #define FWD_HOLD_BAND 1
 #else
 #define FWD_HOLD_BAND 0
