@@ -1069,7 +1069,10 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float l = quad_sum(l_run[r]);
-#if CUFLASH_MODS
+#if CUFLASH_MODS && CUFLASH_KVCACHE
+        // (split-KV: the sink joins split 0's rows only, so that the combine counts it once a row)
+        const float keep = split == 0 ? sink_fold(mods, h, m_run[r], l) : 1.0f;
+#elif CUFLASH_MODS
         const float keep = sink_fold(mods, h, m_run[r], l);   // (1 without sinks)
 #elif CUFLASH_FP8
         const float keep = v_descale;   // (O of the fp8 V: v_descale O is the descaled V's)

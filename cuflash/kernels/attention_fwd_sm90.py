@@ -188,8 +188,8 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
                 raise ValueError(f"Sm90ForwardVariant: {name}={d} must be one of {HEAD_DIM_BUCKETS}")
         if self.varlen and self.mods:
             raise ValueError("Sm90ForwardVariant: the packed (varlen) forms have no score modifiers")
-        if self.kvcache and (self.varlen or self.mods or not self.local):
-            raise ValueError("Sm90ForwardVariant: the KV-cache forms are local, without packed queries or modifiers")
+        if self.kvcache and (self.varlen or self.user_mod or self.block_sparse or not self.local):
+            raise ValueError("Sm90ForwardVariant: the KV-cache forms are local, without packed queries or traced functions")
         if self.head_dim_v > self.head_dim:
             raise ValueError(f"Sm90ForwardVariant: head_dim_v={self.head_dim_v} must not exceed head_dim="
                              f"{self.head_dim} (the output is staged over the query tile)")
@@ -289,14 +289,14 @@ def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
     calls go to the tensor-core tier); ``mods``: the score-modifier forms; ``varlen``: the packed
     forms; ``kvcache``: the KV-cache forms (local only); ``fp8``: the fp8 forms (fixed shapes, plain;
     ``dtype`` the output's)."""
-    if arch != 90 or dropout or (varlen and mods) or (kvcache and (varlen or mods)):
+    if arch != 90 or dropout or (varlen and mods) or (kvcache and varlen):
         return ()
     if fp8:
         return () if (varlen or kvcache or mods) else tuple(
             Sm90ForwardVariant(dt, d, d, local, fp8=True) for dt in DTYPES for d in FP8_HEAD_DIM_BUCKETS
             for local in (False, True))
     if kvcache:
-        return tuple(Sm90ForwardVariant(dt, d, dv, True, kvcache=True) for dt in DTYPES for d in HEAD_DIM_BUCKETS
+        return tuple(Sm90ForwardVariant(dt, d, dv, True, mods, kvcache=True) for dt in DTYPES for d in HEAD_DIM_BUCKETS
                      for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)))
     return tuple(Sm90ForwardVariant(dt, d, dv, local, mods, varlen) for dt in DTYPES for d in HEAD_DIM_BUCKETS
                  for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)) for local in (False, True))
@@ -796,13 +796,17 @@ KVCACHE_MIN_ROWS = 64
 #: tensor-core form)
 MAX_SPLITS = 256
 MIN_TILES_PER_SPLIT = 2
+#: the score modifiers the KV-cache form takes (its ``mods`` forms; those
+#: ``cuflash.attention_with_kvcache`` has): the sink joins split 0's rows only, so the combine
+#: counts it once a row
+KVCACHE_MODIFIERS = ("softcap", "alibi_slopes", "sinks")
 
 
 def kvcache_variant(problem) -> Sm90ForwardVariant:
     """The KV-cache form of ``problem``'s dtype and head dims (always ``local``)."""
     p = problem
     return Sm90ForwardVariant(variants.dtype_key(p.dtype), bucket(p.head_dim), bucket(p.head_dim_v), True,
-                              kvcache=True)
+                              p.modifiers is not None, kvcache=True)
 
 
 def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
@@ -815,8 +819,9 @@ def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
     if p.fp8 is not None:
         return ("an fp8 (float8_e4m3fn) cache: the Hopper KV-cache form reads float16/bfloat16 caches only (the "
                 "tensor-core form dequantizes fp8 as it reads)")
-    if p.modifiers is not None:
-        return f"score modifiers ({p.modifiers.present[0]}) on a KV cache are not in the Hopper kernel yet"
+    why = refuse_modifiers(p, "the Hopper KV-cache form", KVCACHE_MODIFIERS)
+    if why is not None:
+        return why
     if p.varlen is not None:
         return "chunked prefill (packed queries over a paged cache) is not in the Hopper kernel yet"
     why = dtype_reason(p) or scale_reason(p)
@@ -891,7 +896,7 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> LaunchPlan:
             TensorMapArg.of("map_o", os_, (1, 1, 64, PANEL), swizzle=128, writable=True),
             PointerArg.of("lse", lse.reshape(b, hq, sq), writable=True), ScalarArg("Sq", np.int32(sq)),
             ScalarArg("Sk", np.int32(c.capacity)), ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
-            scale_arg(p.softmax_scale, False),
+            scale_arg(p.softmax_scale, variant.mods),
             ScalarArg("window_left", np.int32(p.window_left)), ScalarArg("window_right", np.int32(p.window_right)),
             PointerArg.of("k_cache", c.k_cache), PointerArg.of("v_cache", c.v_cache),
             *(la.i64(f"k_{n}_stride", s) for n, s in zip(("page", "row", "head"), kst[:3])),
@@ -902,6 +907,7 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> LaunchPlan:
             la.i32("seqlen_new", c.seqlen_new), la.i32("cache_capacity", c.capacity), la.i32("cache_flags", flags),
             la.i32("num_splits", splits), la.i64("partial_rows", lse_partial.shape[1]),
             la.i32("head_dim", p.head_dim), la.i32("head_dim_v", p.head_dim_v),
-            PointerArg.of("o_partial", o_partial, writable=True), PointerArg.of("lse_partial", lse_partial, writable=True))
+            PointerArg.of("o_partial", o_partial, writable=True), PointerArg.of("lse_partial", lse_partial, writable=True),
+            *la.mods_args(p, la.modifier_views(p, call), call, variant.mods))
     return LaunchPlan(variant, variant.entry, (kvcache_query_tiles(p) * splits, hq, b), (384, 1, 1),
                       variant.smem_bytes, args)

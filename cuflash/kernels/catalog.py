@@ -61,6 +61,7 @@ def variants_for_arch(arch: int) -> tuple:
     out.extend(attention_fwd_sm90.all_variants(arch, varlen=True))
     out.extend(attention_bwd_sm90.all_variants(arch))   # (sm_90a, the backward's main stage)
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True))
+    out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True, mods=True))   # (softcap, ALiBi, sinks on a cache)
     out.extend(attention_fwd_sm90.all_variants(arch, fp8=True))   # (fp8 q, k, v; sm_90a)
     if arch >= 70:
         out.extend(dropout_mask.DropoutMaskVariant.all())
