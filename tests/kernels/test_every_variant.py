@@ -208,12 +208,15 @@ def _hopper_kvcache(rng, v):
         kc[i0, i1] = rng.standard_normal((len(i0), 1, v.head_dim))
         vc[i0, i1] = rng.standard_normal((len(i0), 1, v.head_dim_v))
     q = rng.standard_normal((2, 70, 2, v.head_dim)).astype(dt)
+    # (the modifier form: softcap, ALiBi and sinks, the ones a KV-cache call takes)
+    mods = dict(softcap=4.0, alibi_slopes=rng.uniform(0.02, 0.4, 2).astype(np.float32),
+                sinks=rng.standard_normal(2).astype(np.float32)) if v.mods else {}
     out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, block_table=bt,
-                                              return_lse=True, backend="sim")
+                                              return_lse=True, backend="sim", **mods)
     for b, n in enumerate(lengths):
         kb = ref_kvcache.gather(kc, b, 0, int(n), page_size=page, block_table=bt)[None]
         vb = ref_kvcache.gather(vc, b, 0, int(n), page_size=page, block_table=bt)[None]
-        check_close(out[b:b + 1], q[b:b + 1], kb, vb, layout="bshd", causal=True)
+        check_close(out[b:b + 1], q[b:b + 1], kb, vb, layout="bshd", causal=True, **mods)
 
 
 def _without_hopper(monkeypatch):
