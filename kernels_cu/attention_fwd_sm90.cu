@@ -71,7 +71,10 @@
 // tiles the device-read lengths give, and writes its normalized float32 O and LSE into o_partial
 // and lse_partial (rows (batch, head, query row)) for attention_combine.cu; a split without keys
 // writes 0 and -inf. Indices are clamped into the cache; a sequence whose index was out of range
-// gets NaN in every row it writes (as the tensor-core KV-cache form).
+// gets NaN in every row it writes (as the tensor-core KV-cache form). With CUFLASH_MODS (softcap,
+// ALiBi, sinks: the modifiers a KV-cache call takes) the modifier forms' per-tile passes run on
+// the sequence's keys (ALiBi bottom-right with its device-read Sk); the sink joins split 0's rows
+// only, so the combine counts it once a row.
 //
 // Traced score_mod / mask_mod (the CUFLASH_USER_MOD variants of the modifier forms; score_mods.cuh):
 // mod_score applies the traced functions after the built-in modifiers, at (q_idx, kv_idx) = (the

@@ -16,7 +16,9 @@ sequence starts come from ``cu_seqlens`` on the device, and ragged tensor maps
 (:meth:`cuflash.runtime.tensor_map.TensorMap.ragged`) clip every load and store at its sequence's
 end. KV caches (``cuflash.attention_with_kvcache``, contiguous or paged, with ``Sq`` from
 :data:`KVCACHE_MIN_ROWS` on; the ``kvcache`` forms) run here too: the producer warpgroup gathers K
-and V from the cache with cp.async (:func:`plan_kvcache`), split-KV merges by the combine kernel.
+and V from the cache with cp.async (:func:`plan_kvcache`), split-KV merges by the combine kernel;
+with softcap, ALiBi or sinks (:data:`KVCACHE_MODIFIERS`) their ``mods`` forms (the sink in split 0's
+rows only, so that the combine counts it once a row).
 A traced ``score_mod`` / ``mask_mod`` (:mod:`cuflash.runtime.score_mod`) is one more axis of the
 ``mods`` forms (the same emitted C as the tensor-core tier's, the same cache key: the functions'
 canonical text), and a block mask runs their ``bs`` form, which walks the mask's key-block lists
@@ -29,7 +31,7 @@ array whose keys are permuted within 32-key blocks to match P's register fragmen
 (:func:`fp8_value_copy`): one read and one write of V per call, and ``B * Hk * Dv * Sk'`` bytes of
 workspace (``Sk'``: Sk rounded up to 32). Any V view is taken (its strides do not matter to the
 copy). Packed batches and fp8 KV caches in fp8 run elsewhere (``explain`` says where).
-The rest (fp32, dropout, score modifiers on packed batches and caches, decode-like KV-cache calls,
+The rest (fp32, dropout, score modifiers on packed batches, decode-like KV-cache calls,
 chunked prefill, Sk = 0, views TMA cannot describe, block masks whose blocks do not hold whole
 Hopper tiles) goes to the tensor-core mma.sync tier, and ``explain`` says why.
 
@@ -285,9 +287,9 @@ def bucket(d: int) -> int:
 def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
                  dropout: bool = False, mods: bool = False, fp8: bool = False) -> tuple[Sm90ForwardVariant, ...]:
     """Every variant (the compile gate's and precompile's list); none below sm_90, and no dropout
-    forms, nor modifiers on packed batches or KV caches, nor packed queries over a cache (those
+    forms, nor modifiers on packed batches, nor packed queries over a cache (those
     calls go to the tensor-core tier); ``mods``: the score-modifier forms; ``varlen``: the packed
-    forms; ``kvcache``: the KV-cache forms (local only); ``fp8``: the fp8 forms (fixed shapes, plain;
+    forms; ``kvcache``: the KV-cache forms (local only; with ``mods``, softcap, ALiBi and sinks); ``fp8``: the fp8 forms (fixed shapes, plain;
     ``dtype`` the output's)."""
     if arch != 90 or dropout or (varlen and mods) or (kvcache and varlen):
         return ()
