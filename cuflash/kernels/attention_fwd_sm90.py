@@ -11,7 +11,8 @@ buckets 64, 96, 128, 192, 256 (the tile's unused columns are the tensor maps' ze
 and windows (bottom-right), GQA, rows without keys (0 / lse -inf), the score modifiers (softcap,
 ALiBi, bias, boolean mask, sinks: the ``mods`` forms), and any strides a tensor map can describe:
 the head dim contiguous, every other stride and each base 16-byte aligned. Packed batches
-(``cuflash.attention_varlen``, with ``seqused_k``; the ``varlen`` forms) run here too, plain:
+(``cuflash.attention_varlen``, with ``seqused_k``; the ``varlen`` forms) run here too, with softcap and
+ALiBi (``varlen`` + ``mods``) or without:
 sequence starts come from ``cu_seqlens`` on the device, and ragged tensor maps
 (:meth:`cuflash.runtime.tensor_map.TensorMap.ragged`) clip every load and store at its sequence's
 end. KV caches (``cuflash.attention_with_kvcache``, contiguous or paged, with ``Sq`` from
@@ -31,7 +32,7 @@ array whose keys are permuted within 32-key blocks to match P's register fragmen
 (:func:`fp8_value_copy`): one read and one write of V per call, and ``B * Hk * Dv * Sk'`` bytes of
 workspace (``Sk'``: Sk rounded up to 32). Any V view is taken (its strides do not matter to the
 copy). Packed batches and fp8 KV caches in fp8 run elsewhere (``explain`` says where).
-The rest (fp32, dropout, score modifiers on packed batches, decode-like KV-cache calls,
+The rest (fp32, dropout, traced functions on packed batches, decode-like KV-cache calls,
 chunked prefill, Sk = 0, views TMA cannot describe, block masks whose blocks do not hold whole
 Hopper tiles) goes to the tensor-core mma.sync tier, and ``explain`` says why.
 
@@ -80,6 +81,8 @@ DTYPES = ("f16", "bf16")
 TMA_ALIGN = 16
 #: the score modifiers the kernel takes (its ``mods`` forms; kernels_cu/score_mods.cuh)
 MODIFIERS = ("softcap", "alibi_slopes", "attn_bias", "attn_mask", "sinks")
+#: the ones its packed (varlen) forms take (those ``cuflash.attention_varlen`` has but the traced functions)
+VARLEN_MODIFIERS = ("softcap", "alibi_slopes")
 #: and the traced functions (the ``mods`` forms with ``score_c``/``mask_c``: CUFLASH_USER_MOD) and
 #: the block mask (their ``block_sparse`` form)
 USER_MODIFIERS = ("score_mod", "mask_mod", "block_mask")
@@ -188,8 +191,8 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
         for name, d in (("head_dim", self.head_dim), ("head_dim_v", self.head_dim_v)):
             if d not in HEAD_DIM_BUCKETS:
                 raise ValueError(f"Sm90ForwardVariant: {name}={d} must be one of {HEAD_DIM_BUCKETS}")
-        if self.varlen and self.mods:
-            raise ValueError("Sm90ForwardVariant: the packed (varlen) forms have no score modifiers")
+        if self.varlen and (self.user_mod or self.block_sparse):
+            raise ValueError("Sm90ForwardVariant: the packed (varlen) forms have no traced functions or block masks")
         if self.kvcache and (self.varlen or self.user_mod or self.block_sparse or not self.local):
             raise ValueError("Sm90ForwardVariant: the KV-cache forms are local, without packed queries or traced functions")
         if self.head_dim_v > self.head_dim:
@@ -287,11 +290,12 @@ def bucket(d: int) -> int:
 def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
                  dropout: bool = False, mods: bool = False, fp8: bool = False) -> tuple[Sm90ForwardVariant, ...]:
     """Every variant (the compile gate's and precompile's list); none below sm_90, and no dropout
-    forms, nor modifiers on packed batches, nor packed queries over a cache (those
+    forms, nor packed queries over a cache (those
     calls go to the tensor-core tier); ``mods``: the score-modifier forms; ``varlen``: the packed
-    forms; ``kvcache``: the KV-cache forms (local only; with ``mods``, softcap, ALiBi and sinks); ``fp8``: the fp8 forms (fixed shapes, plain;
+    forms (with ``mods``: softcap and ALiBi); ``kvcache``: the KV-cache forms (local only; with ``mods``,
+    softcap, ALiBi and sinks); ``fp8``: the fp8 forms (fixed shapes, plain;
     ``dtype`` the output's)."""
-    if arch != 90 or dropout or (varlen and mods) or (kvcache and varlen):
+    if arch != 90 or dropout or (kvcache and varlen):
         return ()
     if fp8:
         return () if (varlen or kvcache or mods) else tuple(
@@ -489,8 +493,10 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     why = scale_reason(p)
     if why is not None:
         return why
-    if p.varlen is not None and p.modifiers is not None:
-        return "score modifiers on packed variable-length batches are not in the Hopper kernel yet"
+    if p.varlen is not None:
+        why = refuse_modifiers(p, "the Hopper kernel's packed forms", VARLEN_MODIFIERS)
+        if why is not None:
+            return why
     why = _dims_reason(p)
     if why is not None:
         return why
@@ -563,7 +569,7 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
 
 
 def plan_varlen(q, k, v, out, lse, index_args: tuple, *, batch: int, max_seqlen_q: int, softmax_scale: float,
-                window_left: int = -1, window_right: int = -1, dtype: str) -> LaunchPlan:
+                window_left: int = -1, window_right: int = -1, dtype: str, mods_args: tuple = ()) -> LaunchPlan:
     """The launch of a packed batch: a block per (128-row query tile of the longest sequence, query
     head, sequence); each block finds its sequence's rows in the index on the device.
 
@@ -578,8 +584,8 @@ def plan_varlen(q, k, v, out, lse, index_args: tuple, *, batch: int, max_seqlen_
         ``cu_seqlens_q, cu_seqlens_k, seqused_k, varlen`` (:func:`cuflash.kernels.launch_args.varlen_args`).
     batch, max_seqlen_q : int
         Sequences, and the query rows of the longest (the grid's extent; rows past it stay unwritten).
-    softmax_scale, window_left, window_right, dtype
-        As :func:`plan_forward`.
+    softmax_scale, window_left, window_right, dtype, mods_args
+        As :func:`plan_forward` (``mods_args``: softcap and ALiBi, :data:`VARLEN_MODIFIERS`).
 
     Raises
     ------
@@ -597,7 +603,7 @@ def plan_varlen(q, k, v, out, lse, index_args: tuple, *, batch: int, max_seqlen_
     if tuple(lse.shape) != (hq, total_q) or np.dtype(lse.dtype) != np.float32 or not lse.flags.c_contiguous:
         raise ValueError(f"attention_fwd_sm90: lse must be a C-contiguous float32 {(hq, total_q)}, got "
                          f"{tuple(lse.shape)} {lse.dtype}")
-    variant = Sm90ForwardVariant(dtype, bucket(d), bucket(dv), window_left >= 0 or window_right >= 0, False, True)
+    variant = Sm90ForwardVariant(dtype, bucket(d), bucket(dv), window_left >= 0 or window_right >= 0, bool(mods_args), True)
     bn = variant.block_n
 
     def ragged(name, a, rows, writable=False):
@@ -608,9 +614,9 @@ def plan_varlen(q, k, v, out, lse, index_args: tuple, *, batch: int, max_seqlen_
             ragged("map_o", out, 64, writable=True),
             PointerArg.of("lse", lse, writable=True), ScalarArg("Sq", np.int32(total_q)),
             ScalarArg("Sk", np.int32(total_k)), ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
-            scale_arg(softmax_scale, False),
+            scale_arg(softmax_scale, variant.mods),
             ScalarArg("window_left", np.int32(window_left)), ScalarArg("window_right", np.int32(window_right)),
-            *index_args)
+            *index_args, *mods_args)
     return LaunchPlan(variant, variant.entry, (-(-max_seqlen_q // BLOCK_M), hq, batch), (384, 1, 1),
                       variant.smem_bytes, args)
 
@@ -627,7 +633,8 @@ def _forward_varlen(problem, q, k, v, out, call):
         bits = _bits(key)
         call.launch(plan_varlen(bits(q), bits(k), bits(v), bits(out), lse, la.varlen_args(p, call), batch=vl.batch,
                                 max_seqlen_q=vl.max_seqlen_q, softmax_scale=p.softmax_scale,
-                                window_left=p.window_left, window_right=p.window_right, dtype=key))
+                                window_left=p.window_left, window_right=p.window_right, dtype=key,
+                                mods_args=la.mods_args(p, la.modifier_views(p, call), call, p.modifiers is not None)))
     return out, lse
 
 

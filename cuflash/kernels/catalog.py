@@ -59,6 +59,7 @@ def variants_for_arch(arch: int) -> tuple:
     out.extend(attention_fwd_sm90.all_variants(arch))   # (sm_90a: compute capability 9.0 only)
     out.extend(attention_fwd_sm90.all_variants(arch, mods=True))
     out.extend(attention_fwd_sm90.all_variants(arch, varlen=True))
+    out.extend(attention_fwd_sm90.all_variants(arch, varlen=True, mods=True))   # (softcap, ALiBi on packed batches)
     out.extend(attention_bwd_sm90.all_variants(arch))   # (sm_90a, the backward's main stage)
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True))
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True, mods=True))   # (softcap, ALiBi, sinks on a cache)

@@ -63,9 +63,8 @@ def test_the_hopper_packed_form_on_sm90(dtype, launches):
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(softcap=5.0), "score modifiers on packed variable-length batches are not in the Hopper kernel yet"),
     (dict(dropout_p=0.1, dropout_seed=3), "dropout is not in the Hopper kernel yet"),
-], ids=["softcap", "dropout"])
+], ids=["dropout"])
 def test_a_packed_call_the_hopper_form_cannot_take_goes_to_the_tensor_cores(kw, why, launches):
     q, k, v, cq, ck, mq, mk = _packed(np.float16)
     info = cuflash.explain_varlen(q, k, v, cq, ck, mq, mk, arch="sm_90", **kw)

@@ -74,12 +74,14 @@ MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False
          "causal_win": (True, (20, -1)), "one_key": (False, (0, 0))}
 
 
-def run_case(rng, lengths, heads, d, dv, mask, used, dtype_key, **opts):
+def run_case(rng, lengths, heads, d, dv, mask, used, dtype_key, mods=None, **opts):
+    """(``mods``: the score modifiers, softcap and ALiBi slopes of shape (Hq,), passed to the call and
+    the oracle alike.)"""
     hq, hk = heads
     dt = DTYPES[dtype_key]
     q, k, v, cq, ck, mq, mk, used_k = make_case(rng, lengths, hq, hk, d, dv, dt, used)
     causal, window = MASKS[mask]
-    kw = dict(causal=causal, window_size=window)
+    kw = dict(causal=causal, window_size=window, **(mods or {}))
     problem = check_varlen(q, k, v, cq, ck, mq, mk, seqused_k=used_k, **kw)
     line = dispatch.describe_choice(problem, 90, (q, k, v))
     assert dispatch.forward_tier(problem, 90, (q, k, v)) is attention_fwd_sm90, line
@@ -115,6 +117,46 @@ def test_packed_batch_on_the_hopper_tier(mask, heads, d, dv, used):
     assert "cuflash_attn_fwd_sm90_f16_d64_local_varlen" in line and "ragged tensor maps" in line
 
 
+def _mods(rng, hq, names):
+    m = {}
+    if "softcap" in names:
+        m["softcap"] = 4.0
+    if "alibi" in names:
+        m["alibi_slopes"] = rng.uniform(0.02, 0.4, hq).astype(np.float32)
+    return m
+
+
+def test_packed_batch_with_softcap_and_alibi_on_the_hopper_tier():
+    """softcap and ALiBi (bottom-right per sequence: its own Sk - Sq) on the packed form, with
+    lengths 0 and 1, sequences shorter than a tile and over several, half-used keys."""
+    rng = np.random.default_rng(41)
+    line = run_case(rng, EDGES, (4, 2), 64, 64, "causal", "some", "f16", _mods(rng, 4, ("softcap", "alibi")))
+    assert "cuflash_attn_fwd_sm90_f16_d64_local_mods_varlen" in line and "ragged tensor maps" in line
+
+
+MODS_GRID = [
+    (EDGES, (8, 1), 128, 128, "none", "all", "bf16", ("softcap", "alibi")),
+    ([(300, 280), (0, 13), (64, 64), (129, 257), (1, 0)], (2, 1), 64, 64, "window", "some", "f16", ("alibi",)),
+    (EDGES, (6, 3), 192, 128, "causal_win", "all", "bf16", ("softcap",)),
+    ([(1, 1), (130, 140), (40, 0)], (4, 1), 256, 256, "causal", "some", "f16", ("softcap", "alibi")),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MODS_GRID, ids=[f"{c[2]}-{c[4]}-{c[6]}-{'_'.join(c[7])}" for c in MODS_GRID])
+def test_packed_mods_grid(case):
+    rng = np.random.default_rng(len(case[4]) + case[2])
+    *args, names = case
+    run_case(rng, *args, _mods(rng, args[1][0], names))
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+def test_packed_mods_checked_mode():
+    rng = np.random.default_rng(43)
+    run_case(rng, EDGES, (4, 2), 64, 64, "causal", "some", "f16", _mods(rng, 4, ("softcap", "alibi")), checked=True)
+
+
 def _reversed_index_case(**opts):
     """Sequence 0 owns query rows [5, 38), sequence 2 rows [0, 5) (sequence 1 is empty): indices
     as a device could hold them, which the host never reads. On one worker blocks run in order,
@@ -146,8 +188,9 @@ def test_explain_names_the_packed_form_and_why_other_forms_go_to_the_tensor_core
     plain = check_varlen(q, k, v, cq, ck, mq, mk)
     line = dispatch.describe_choice(plain, 90, (q, k, v))
     assert line.startswith("sm_90: Hopper wgmma tier, cuflash_attn_fwd_sm90_bf16_d128_varlen: packed sequences"), line
-    for kw, why in ((dict(softcap=5.0), "score modifiers on packed variable-length batches"),
-                    (dict(dropout_p=0.1, dropout_seed=3), "dropout is not in the Hopper kernel")):
+    line = dispatch.describe_choice(check_varlen(q, k, v, cq, ck, mq, mk, softcap=5.0), 90, (q, k, v))
+    assert line.startswith("sm_90: Hopper wgmma tier, cuflash_attn_fwd_sm90_bf16_d128_mods_varlen: packed"), line
+    for kw, why in ((dict(dropout_p=0.1, dropout_seed=3), "dropout is not in the Hopper kernel"),):
         line = dispatch.describe_choice(check_varlen(q, k, v, cq, ck, mq, mk, **kw), 90, (q, k, v))
         assert line.startswith("sm_90: tensor-core mma.sync tier") and why in line, line
         assert "_varlen" in line
