@@ -253,9 +253,10 @@ def _run(v, rng, monkeypatch):
             q = rng.standard_normal((int(cq[-1]), 2, v.head_dim)).astype(dt)
             k = rng.standard_normal((int(ck[-1]), 1, v.head_dim)).astype(dt)
             vv = rng.standard_normal((int(ck[-1]), 1, v.head_dim_v)).astype(dt)
+            mods = dict(softcap=4.0, alibi_slopes=rng.uniform(0.02, 0.4, 2).astype(np.float32)) if v.mods else {}
             out, lse = cuflash.attention_varlen(q, k, vv, cq, ck, max(lq), max(lk), causal=v.local, return_lse=True,
-                                                backend="sim")
-            return check_packed_forward(out, lse, q, k, vv, cq, ck, None, causal=v.local)
+                                                backend="sim", **mods)
+            return check_packed_forward(out, lse, q, k, vv, cq, ck, None, causal=v.local, **mods)
         if v.fp8:   # e4m3 q, k, v with descales per (batch, kv head), the variant's output type
             e4m3 = dtypes.float8_e4m3fn
             q, k, vv = ((rng.standard_normal(s) * 3).astype(e4m3) for s in ((1, 2, 150, v.head_dim),
