@@ -569,7 +569,7 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
 
 
 def plan_varlen(q, k, v, out, lse, index_args: tuple, *, batch: int, max_seqlen_q: int, softmax_scale: float,
-                window_left: int = -1, window_right: int = -1, dtype: str, mods_args: tuple = ()) -> LaunchPlan:
+                window: tuple[int, int] = (-1, -1), dtype: str, mods_args: tuple = ()) -> LaunchPlan:
     """The launch of a packed batch: a block per (128-row query tile of the longest sequence, query
     head, sequence); each block finds its sequence's rows in the index on the device.
 
@@ -584,7 +584,9 @@ def plan_varlen(q, k, v, out, lse, index_args: tuple, *, batch: int, max_seqlen_
         ``cu_seqlens_q, cu_seqlens_k, seqused_k, varlen`` (:func:`cuflash.kernels.launch_args.varlen_args`).
     batch, max_seqlen_q : int
         Sequences, and the query rows of the longest (the grid's extent; rows past it stay unwritten).
-    softmax_scale, window_left, window_right, dtype, mods_args
+    window : (int, int)
+        ``(window_left, window_right)`` as :func:`plan_forward` takes them.
+    softmax_scale, dtype, mods_args
         As :func:`plan_forward` (``mods_args``: softcap and ALiBi, :data:`VARLEN_MODIFIERS`).
 
     Raises
@@ -603,6 +605,7 @@ def plan_varlen(q, k, v, out, lse, index_args: tuple, *, batch: int, max_seqlen_
     if tuple(lse.shape) != (hq, total_q) or np.dtype(lse.dtype) != np.float32 or not lse.flags.c_contiguous:
         raise ValueError(f"attention_fwd_sm90: lse must be a C-contiguous float32 {(hq, total_q)}, got "
                          f"{tuple(lse.shape)} {lse.dtype}")
+    window_left, window_right = window
     variant = Sm90ForwardVariant(dtype, bucket(d), bucket(dv), window_left >= 0 or window_right >= 0, bool(mods_args), True)
     bn = variant.block_n
 
@@ -631,10 +634,10 @@ def _forward_varlen(problem, q, k, v, out, call):
     if not p.is_empty and vl.max_seqlen_q > 0:
         key = variants.dtype_key(p.dtype)
         bits = _bits(key)
+        mods = la.mods_args(p, la.modifier_views(p, call), call, p.modifiers is not None)   # (softcap, ALiBi)
         call.launch(plan_varlen(bits(q), bits(k), bits(v), bits(out), lse, la.varlen_args(p, call), batch=vl.batch,
                                 max_seqlen_q=vl.max_seqlen_q, softmax_scale=p.softmax_scale,
-                                window_left=p.window_left, window_right=p.window_right, dtype=key,
-                                mods_args=la.mods_args(p, la.modifier_views(p, call), call, p.modifiers is not None)))
+                                window=(p.window_left, p.window_right), dtype=key, mods_args=mods))
     return out, lse
 
 

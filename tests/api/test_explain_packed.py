@@ -220,7 +220,7 @@ VARLEN_REFUSALS = {
          137, 200), {"block_table": np.arange(39, dtype=np.int32).reshape(3, 13) % 20}),
     "a grid past the 1-d limit (tensor-core packed form)": lambda q, k, v, cq, ck: (
         (np.zeros((140, 64, 64), np.float16), np.zeros((209, 64, 64), np.float16), np.zeros((209, 64, 64), np.float16),
-         cq, ck, 2**31 - 300, 200), {"softcap": 3.0}),
+         cq, ck, 2**31 - 300, 200), {"dropout_p": 0.1, "dropout_seed": 1}),
     "a grid past the 1-d limit (chunked prefill)": lambda q, k, v, cq, ck: (
         (np.zeros((140, 64, 64), np.float16), np.zeros((20, 16, 64, 64), np.float16),
          np.zeros((20, 16, 64, 64), np.float16), cq, ck, 2**31 - 300, 200),
