@@ -24,7 +24,7 @@ from allpairspy import AllPairs
 from support.grids import default_share
 from support.device import on_device, sim_call
 from support.options import check_kvcache as check_attention_with_kvcache
-from support.kvcache import check_result, expected_cache
+from support.kvcache import check_result, expected_cache, random_block_table
 from support.tolerance import check_close
 
 import cuflash
@@ -74,15 +74,7 @@ def make_case(rng, lengths, sq, snew, page, heads, d, dtype, rotary, extra):
             kc[order[i], lo:lengths[i]] = rng.standard_normal((lengths[i] - lo, hk, d))
             vc[order[i], lo:lengths[i]] = rng.standard_normal((lengths[i] - lo, hk, d))
     else:
-        max_pages = -(-need // page) + 1
-        per_seq = [-(-int(n + snew) // page) for n in lengths]
-        num_pages = sum(per_seq) + 2   # two pages nobody uses
-        ids = rng.permutation(num_pages).astype(np.int32)
-        bt = np.full((b, max_pages), -7, np.int32)   # entries past a sequence's pages are never read
-        at = 0
-        for i, n in enumerate(per_seq):
-            bt[i, :n] = ids[at:at + n]
-            at += n
+        bt, num_pages = random_block_table(rng, lengths, snew, page)
         kw["block_table"] = bt
         kc = np.full((num_pages, page, hk, d), np.nan, dtype)
         vc = np.full((num_pages, page, hk, d), np.nan, dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.kvcache import expected_cache
+from support.kvcache import expected_cache, random_block_table
 from support.options import check_kvcache
 from support.tolerance import check_close
 
@@ -46,14 +46,7 @@ def make_case(rng, lengths, snew, page, heads, d, dtype, leftpad):
             kc[i, lp[i]:lengths[i]] = rng.standard_normal((lengths[i] - lp[i], hk, d))
             vc[i, lp[i]:lengths[i]] = rng.standard_normal((lengths[i] - lp[i], hk, d))
     else:
-        per_seq = [-(-int(n + snew) // page) for n in lengths]
-        num_pages = sum(per_seq) + 2   # two pages nobody uses
-        ids = rng.permutation(num_pages).astype(np.int32)
-        bt = np.full((b, -(-need // page) + 1), -7, np.int32)   # entries past a sequence's pages are never read
-        at = 0
-        for i, n in enumerate(per_seq):
-            bt[i, :n] = ids[at:at + n]
-            at += n
+        bt, num_pages = random_block_table(rng, lengths, snew, page)
         kw["block_table"] = bt
         kc = np.full((num_pages, page, hk, d), np.nan, dtype)
         vc = np.full((num_pages, page, hk, d), np.nan, dtype)

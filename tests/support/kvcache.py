@@ -25,6 +25,22 @@ def quantize(x, descale):
     return out
 
 
+def random_block_table(rng, lengths, snew, page):
+    """``(block_table, num_pages)``: each sequence's pages (enough for its ``lengths[b] + snew``
+    keys) drawn at random from ``num_pages``, two of which nobody uses; entries past a sequence's
+    pages hold -7 (never read)."""
+    need = int((np.asarray(lengths) + snew).max())
+    per_seq = [-(-int(n + snew) // page) for n in lengths]
+    num_pages = sum(per_seq) + 2
+    ids = rng.permutation(num_pages).astype(np.int32)
+    bt = np.full((len(lengths), -(-need // page) + 1), -7, np.int32)
+    at = 0
+    for i, n in enumerate(per_seq):
+        bt[i, :n] = ids[at:at + n]
+        at += n
+    return bt, num_pages
+
+
 def expected_cache(kc, vc, lengths, kw, page):
     """The caches after the append, computed independently of the code under test (but for the
     rotation, :func:`cuflash.reference.kvcache.apply_rotary`, itself checked in float64 below);
