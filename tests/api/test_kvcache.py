@@ -24,7 +24,7 @@ from allpairspy import AllPairs
 from support.grids import default_share
 from support.device import on_device, sim_call
 from support.options import check_kvcache as check_attention_with_kvcache
-from support.kvcache import check_result, expected_cache, random_block_table
+from support.kvcache import check_result, expected_cache, random_paged_cache
 from support.tolerance import check_close
 
 import cuflash
@@ -74,15 +74,7 @@ def make_case(rng, lengths, sq, snew, page, heads, d, dtype, rotary, extra):
             kc[order[i], lo:lengths[i]] = rng.standard_normal((lengths[i] - lo, hk, d))
             vc[order[i], lo:lengths[i]] = rng.standard_normal((lengths[i] - lo, hk, d))
     else:
-        bt, num_pages = random_block_table(rng, lengths, snew, page)
-        kw["block_table"] = bt
-        kc = np.full((num_pages, page, hk, d), np.nan, dtype)
-        vc = np.full((num_pages, page, hk, d), np.nan, dtype)
-        for i in range(b):
-            lo = 0 if leftpad is None else int(leftpad[i])
-            i0, i1 = ref_kvcache.cache_rows(i, lo, int(lengths[i]), page_size=page, block_table=bt)
-            kc[i0, i1] = rng.standard_normal((len(i0), hk, d))
-            vc[i0, i1] = rng.standard_normal((len(i0), hk, d))
+        kc, vc, kw["block_table"] = random_paged_cache(rng, lengths, snew, page, hk, d, dtype, leftpad)
     q = rng.standard_normal((b, sq, hq, d)).astype(dtype)
     if snew:
         kw["k"] = rng.standard_normal((b, snew, hk, d)).astype(dtype)

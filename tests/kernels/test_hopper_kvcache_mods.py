@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.kvcache import expected_cache, random_block_table
+from support.kvcache import expected_cache, random_paged_cache
 from support.options import check_kvcache
 from support.tolerance import check_close
 
@@ -46,14 +46,7 @@ def make_case(rng, lengths, snew, page, heads, d, dtype, leftpad):
             kc[i, lp[i]:lengths[i]] = rng.standard_normal((lengths[i] - lp[i], hk, d))
             vc[i, lp[i]:lengths[i]] = rng.standard_normal((lengths[i] - lp[i], hk, d))
     else:
-        bt, num_pages = random_block_table(rng, lengths, snew, page)
-        kw["block_table"] = bt
-        kc = np.full((num_pages, page, hk, d), np.nan, dtype)
-        vc = np.full((num_pages, page, hk, d), np.nan, dtype)
-        for i in range(b):
-            i0, i1 = ref_kvcache.cache_rows(i, int(lp[i]), int(lengths[i]), page_size=page, block_table=bt)
-            kc[i0, i1] = rng.standard_normal((len(i0), hk, d))
-            vc[i0, i1] = rng.standard_normal((len(i0), hk, d))
+        kc, vc, kw["block_table"] = random_paged_cache(rng, lengths, snew, page, hk, d, dtype, lp)
     if snew:
         kw["k"] = rng.standard_normal((b, snew, hk, d)).astype(dtype)
         kw["v"] = rng.standard_normal((b, snew, hk, d)).astype(dtype)

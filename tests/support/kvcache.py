@@ -41,6 +41,21 @@ def random_block_table(rng, lengths, snew, page):
     return bt, num_pages
 
 
+def random_paged_cache(rng, lengths, snew, page, hk, d, dtype, leftpad=None):
+    """``(k_cache, v_cache, block_table)``: a paged cache (:func:`random_block_table`) with each
+    sequence's rows ``leftpad[b]:lengths[b]`` drawn from ``rng`` (K then V, sequence by sequence)
+    and NaN in every other row, which a call must never read."""
+    bt, num_pages = random_block_table(rng, lengths, snew, page)
+    kc = np.full((num_pages, page, hk, d), np.nan, dtype)
+    vc = np.full((num_pages, page, hk, d), np.nan, dtype)
+    for i in range(len(lengths)):
+        lo = 0 if leftpad is None else int(leftpad[i])
+        i0, i1 = ref_kvcache.cache_rows(i, lo, int(lengths[i]), page_size=page, block_table=bt)
+        kc[i0, i1] = rng.standard_normal((len(i0), hk, d))
+        vc[i0, i1] = rng.standard_normal((len(i0), hk, d))
+    return kc, vc, bt
+
+
 def expected_cache(kc, vc, lengths, kw, page):
     """The caches after the append, computed independently of the code under test (but for the
     rotation, :func:`cuflash.reference.kvcache.apply_rotary`, itself checked in float64 below);
