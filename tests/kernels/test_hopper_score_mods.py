@@ -81,11 +81,14 @@ def test_calls_the_hopper_forms_do_not_take_go_to_the_tensor_core_tier_with_the_
     q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
     with pytest.raises(NotImplementedError, match="Hopper wgmma tier not used: dtype float32"):
         cuflash.explain(q32, k32, v32, arch=90, score_mod=lambda s, b, h, i, j: s * 0.5)
-    # packed batches and KV caches keep their routes (no traced functions there on the Hopper tier)
+    # packed batches: the built-in modifiers run on the Hopper packed form, a traced function on no
+    # kernel (the NumPy path takes it), and the refusal names the Hopper tier's reason
     cu = np.array([0, 100, 256], np.int32)
-    e = cuflash.explain_varlen(q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2), cu, cu, 156,
-                               156, arch=90, softcap=5.0)
-    assert e["tier"] == "attention_fwd_mma" and "score modifiers on packed variable-length batches" in e["choice"]
+    qp, kp, vp = (a[0].transpose(1, 0, 2) for a in (q, k, v))
+    e = cuflash.explain_varlen(qp, kp, vp, cu, cu, 156, 156, arch=90, softcap=5.0)
+    assert e["tier"] == "attention_fwd_sm90" and e["variant"].endswith("_mods_varlen"), e
+    with pytest.raises(NotImplementedError, match="Hopper wgmma tier not used: score_mod/mask_mod on a packed batch"):
+        cuflash.explain_varlen(qp, kp, vp, cu, cu, 156, 156, arch=90, score_mod=lambda s, b, h, i, j: s * 0.5)
 
 
 def test_the_variant_refuses_forms_it_has_not():
