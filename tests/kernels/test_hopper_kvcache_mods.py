@@ -137,7 +137,7 @@ def test_kvcache_mods_hopper_checked(rng):
     run_case(rng, *DEFAULT, checked=True)
 
 
-def test_kvcache_mods_take_the_hopper_form_only_for_its_modifiers():
+def test_kvcache_modifier_forms_are_listed_and_chosen():
     """The variant and the reason: softcap, ALiBi and sinks take the Hopper KV-cache form's ``mods``
     variant; the catalog lists those forms beside the plain ones."""
     forms = attention_fwd_sm90.all_variants(kvcache=True, mods=True)

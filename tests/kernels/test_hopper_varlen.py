@@ -117,12 +117,12 @@ def test_packed_batch_on_the_hopper_tier(mask, heads, d, dv, used):
     assert "cuflash_attn_fwd_sm90_f16_d64_local_varlen" in line and "ragged tensor maps" in line
 
 
-def _mods(rng, hq, names):
+def _mods(rng, hq, names, batch=1):
     m = {}
     if "softcap" in names:
         m["softcap"] = 4.0
-    if "alibi" in names:
-        m["alibi_slopes"] = rng.uniform(0.02, 0.4, hq).astype(np.float32)
+    if "alibi" in names:   # (Hq,), or one row per sequence (B, Hq) with "alibi_b"
+        m["alibi_slopes"] = rng.uniform(0.02, 0.4, (batch, hq) if "alibi_b" in names else hq).astype(np.float32)
     return m
 
 
@@ -136,7 +136,7 @@ def test_packed_batch_with_softcap_and_alibi_on_the_hopper_tier():
 
 MODS_GRID = [
     (EDGES, (8, 1), 128, 128, "none", "all", "bf16", ("softcap", "alibi")),
-    ([(300, 280), (0, 13), (64, 64), (129, 257), (1, 0)], (2, 1), 64, 64, "window", "some", "f16", ("alibi",)),
+    ([(300, 280), (0, 13), (64, 64), (129, 257), (1, 0)], (2, 1), 64, 64, "window", "some", "f16", ("alibi", "alibi_b")),
     (EDGES, (6, 3), 192, 128, "causal_win", "all", "bf16", ("softcap",)),
     ([(1, 1), (130, 140), (40, 0)], (4, 1), 256, 256, "causal", "some", "f16", ("softcap", "alibi")),
 ]
@@ -147,7 +147,7 @@ MODS_GRID = [
 def test_packed_mods_grid(case):
     rng = np.random.default_rng(len(case[4]) + case[2])
     *args, names = case
-    run_case(rng, *args, _mods(rng, args[1][0], names))
+    run_case(rng, *args, _mods(rng, args[1][0], names, len(args[0])))
 
 
 @pytest.mark.slow

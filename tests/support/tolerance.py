@@ -33,14 +33,18 @@ def check_lse(lse, q, k, v, **kw):
 
 def check_packed_forward(out, lse, q, k, v, cq, ck, seqused, **kw):
     """Each sequence of a packed batch's ``(out, lse)`` within the rule of a fixed-shape call on
-    its own slices (:func:`check_close`; the lse against float64)."""
+    its own slices (:func:`check_close`; the lse against float64). ALiBi slopes of shape
+    ``(B, Hq)`` are sequence ``b``'s row for sequence ``b``."""
     from cuflash import reference as ref
     from support.inputs import sequences
 
     assert out.shape == q.shape[:2] + (v.shape[-1],) and lse.shape == (q.shape[1], q.shape[0])
-    for rq, rk, _ in sequences(cq, ck, seqused):
+    slopes = kw.get("alibi_slopes")
+    for i, (rq, rk, _) in enumerate(sequences(cq, ck, seqused)):
         if rq.stop == rq.start:
             continue
+        if slopes is not None and np.ndim(slopes) == 2:
+            kw = dict(kw, alibi_slopes=slopes[i])
         qs, ks, vs = q[None, rq], k[None, rk], v[None, rk]
         check_close(out[None, rq], qs, ks, vs, layout="bshd", **kw)
         _, lse64 = ref.naive_attention(qs.astype(np.float64), ks.astype(np.float64), vs.astype(np.float64),
