@@ -681,18 +681,14 @@ def fp8_value_copy(v, xp):
 
 def _descale_args(problem, call) -> tuple:
     """The fp8 form's descale arguments: q, k and v's (float32 ``(B, Hk)`` device arrays, any
-    non-negative strides; absent: a one-element array of 1 with strides 0) and their (batch, kv
-    head) element strides."""
+    non-negative strides; absent: the device's one-element 1.0, ``call.unit_scale``, with strides
+    0) and their (batch, kv head) element strides."""
     f = problem.fp8
-    one = None
     ptrs, strides = [], []
     for name in ("q_descale", "k_descale", "v_descale"):
         d = getattr(f, name)
         if d is None:
-            if one is None:
-                one = call.empty((1, 1), np.float32)
-                one[...] = 1
-            d, st = one, (0, 0)
+            d, st = call.unit_scale, (0, 0)
         else:
             st = la.element_strides(d)
         ptrs.append(PointerArg.of(name, d))

@@ -149,6 +149,12 @@ class DeviceCall:
         """An empty int32 device array: the index argument of a launch that reads none."""
         return self.device.empty_index
 
+    @property
+    def unit_scale(self):
+        """A one-element float32 device array holding 1.0 (read with strides 0, never written): the
+        scale argument of a launch whose scale the caller left out (an fp8 call's absent descale)."""
+        return self.device.unit_scale
+
     def launch(self, launch_plan) -> None:
         self.device.launch(launch_plan)
 
@@ -255,6 +261,10 @@ class CudaDevice:
     def empty_index(self):
         return _empty_index_on(self.id)
 
+    @property
+    def unit_scale(self):
+        return _unit_scale_on(self.id)
+
     def activate(self, framework: str):
         """The device current and the consumer stream current: torch's current stream (through
         ``cupy.cuda.Stream.from_external``) for torch, CuPy's current stream otherwise."""
@@ -346,3 +356,13 @@ def _empty_index_on(device_id: int):
 
     with cupy.cuda.Device(device_id):
         return cupy.empty(0, np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_scale_on(device_id: int):
+    """A one-element CuPy float32 array holding 1.0 on device ``device_id``, made once (an absent
+    scale costs no allocation or fill per call; launches only read it)."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return cupy.ones(1, np.float32)

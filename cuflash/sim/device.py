@@ -92,6 +92,12 @@ class SimDevice:
     def empty_index(self):
         return self.empty((0,), np.int32)
 
+    @property
+    def unit_scale(self):
+        one = self.empty((1,), np.float32)
+        one[...] = 1
+        return one
+
     def activate(self, framework: str):
         """No device to select and no streams: ordering is program order."""
         return contextlib.nullcontext()

@@ -128,6 +128,8 @@ def test_the_empty_index_and_modifier_views_are_device_memory():
     q = np.zeros((1, 2, 8, 64), np.float16)
     with sim_call(q) as call:
         assert is_sim_array(call.empty_index) and call.empty_index.shape == (0,)
+        one = call.unit_scale   # an absent scale: device memory holding 1.0
+        assert is_sim_array(one) and one.shape == (1,) and one.dtype == np.float32 and float(np.asarray(one)[0]) == 1.0
         assert launch_args.modifier_views(type("P", (), {"modifiers": None})(), call) == {}
         arg = PointerArg.of("x", call.empty_index)
         assert is_sim_array(arg.base)

@@ -75,6 +75,7 @@ def test_fp8_forward_d64_causal_gqa_window_layouts():
     qb, kb, vb = fp8(rng, (2, 90, 4, 48)), fp8(rng, (2, 130, 2, 48)), fp8(rng, (2, 130, 2, 32))
     kwb = dict(q_descale=descales(rng, 2, 2), k_descale=descales(rng, 2, 2), v_descale=descales(rng, 2, 2))
     run(qb, kb, vb, layout="bshd", causal=True, window_size=(40, -1), **kwb)
+    run(qb, kb, vb, layout="bshd", causal=True, window_size=(40, -1), v_descale=kwb["v_descale"])   # q's, k's absent: 1
 
     q, k, v, kw = near_max_case(rng, 1, 2, 2, 40, 77, 64)
     big = fp8(rng, (1, 2, 154, 80))

@@ -54,6 +54,7 @@ def cuda(monkeypatch):
     monkeypatch.setattr(device_call, "cover_span", lambda a: log.append(("cover_span", a.shape)) or a)
     monkeypatch.setattr(device_call, "cuda_sm_count", lambda i: {1: 132}[i])
     monkeypatch.setattr(device_call, "_empty_index_on", lambda i: ("empty index", i))
+    monkeypatch.setattr(device_call, "_unit_scale_on", lambda i: ("unit scale", i))
     monkeypatch.setattr(device_call.cuda_runner, "launch", lambda p, stream: log.append(("launch", p, stream.name)))
     return log
 
@@ -63,6 +64,7 @@ def test_ordinal_arch_and_attributes(cuda):
         CudaDevice("cuflash.attention", 2)
     dev = CudaDevice("cuflash.attention", 1)
     assert (dev.arch, dev.sm_count, dev.empty_index, dev.torch_device) == (90, 132, ("empty index", 1), "cuda:1")
+    assert dev.unit_scale == ("unit scale", 1)
     assert not dev.poisoned and dev.stream is None
 
 
