@@ -161,6 +161,11 @@ def main(base_path: str, new_path: str, tolerance: float = DEFAULT_TOLERANCE, ou
                 docs.append(json.load(f))
         except (OSError, json.JSONDecodeError) as exc:
             return cli.error("python -m cuflash bench", f"--compare: cannot read {path}: {exc}")
+        if not isinstance(docs[-1], dict) or not isinstance(docs[-1].get("benchmarks"), list):
+            return cli.error("python -m cuflash bench",
+                             f"--compare: {path} is not a saved pytest-benchmark run (it has no "
+                             f"'benchmarks' list); save runs with pytest's --benchmark-autosave or "
+                             f"--benchmark-json (a 'bench --json' table cannot be compared)")
     rows, problems = compare(docs[0], docs[1], tolerance)
     print(format_rows(rows), file=out)
     if problems:

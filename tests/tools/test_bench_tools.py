@@ -64,6 +64,12 @@ def test_compare_passes_noise_and_fails_a_slowdown_or_a_lost_benchmark(tmp_path,
     assert "1 regression(s) beyond 25%" in capsys.readouterr().out
     assert bench.main(["--compare", str(paths[0]), str(tmp_path / "nope.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+    table = tmp_path / "table.json"          # what `bench --json` writes: rows, not a saved run
+    table.write_text(json.dumps([{"impl": "cuflash", "ms": 1.0}]))
+    for other in (table, tmp_path / "empty.json"):
+        other.write_text(other.read_text() if other.exists() else "{}")
+        assert bench.main(["--compare", str(other), str(other)]) == 2
+        assert "is not a saved pytest-benchmark run" in capsys.readouterr().err
 
 
 def test_machine_name_is_a_folder_name(monkeypatch):
