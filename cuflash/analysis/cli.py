@@ -3,7 +3,7 @@
 * one dtype vocabulary (:data:`DTYPE_ALIASES`, :func:`canonical_dtype`, :func:`dtype_arg`):
   ``float16`` (``fp16``, ``half``, ``f16``, ``f2``), ``bfloat16`` (``bf16``), ``float32``
   (``fp32``, ``f32``, ``float``, ``single``, ``f4``) and ``float64`` (``fp64``, ``f64``,
-  ``double``, ``f8``), case-insensitive;
+  ``double``), case-insensitive (``f8`` is refused: NumPy reads it as float64, a reader may mean fp8);
 * range-checked numbers for argparse (:func:`int_at_least`, :func:`float_above`), so
   ``--iters 0`` or ``--seqlen -5`` is an argparse error, never a traceback;
 * one default device preset (:data:`DEFAULT_DEVICE`, the H200);
@@ -41,7 +41,7 @@ DTYPE_ALIASES = {
     "float16": ("fp16", "half", "f16", "f2"),
     "bfloat16": ("bf16",),
     "float32": ("fp32", "f32", "float", "single", "f4"),
-    "float64": ("fp64", "f64", "double", "f8"),
+    "float64": ("fp64", "f64", "double"),
 }
 
 _CANONICAL = {alias: name for name, aliases in DTYPE_ALIASES.items() for alias in (name, *aliases)}

@@ -91,6 +91,8 @@ def test_bench_takes_bf16_and_says_which_dtypes_it_times(capsys, monkeypatch):
     assert capsys.readouterr().err.startswith("python -m cuflash bench: error: no GPU here.")
     assert "the GPU benchmark times bfloat16 and float16" in _refused(capsys, "bench", ["--dtype", "fp32"])
     assert "'int7' is not a dtype" in _refused(capsys, "bench", ["--dtype", "int7"])
+    # NumPy's "f8" is float64, but a reader of an fp8 library may mean float8: neither is guessed
+    assert "'f8' is not a dtype" in _refused(capsys, "intensity", ["--dtype", "f8"])
 
 
 def test_the_default_device_is_the_h200(capsys):
