@@ -1191,7 +1191,10 @@ WALK_FLAGS = ("block_m", "block_n", "walk", "math_warps")
 def _refuse_meaningless(parser: argparse.ArgumentParser, args, rates: SmRates) -> None:
     """parser.error for a combination of flags that means nothing."""
     if args.arch is not None and args.arch != rates.arch:
-        parser.error(f"--arch {args.arch} does not match --device {args.device} (sm_{rates.arch})")
+        fits = sorted(name for name, r in RATES.items() if r.arch == args.arch)
+        hint = f"; a preset of that arch: --device {' / '.join(fits)}" if fits else ""
+        parser.error(f"--arch {args.arch} does not match --device {args.device} (sm_{rates.arch}; the default "
+                     f"device is {cli.DEFAULT_DEVICE}){hint}")
     if args.backward and args.forward_and_backward:
         parser.error("--backward with --forward-and-backward: pick one")
     if args.what_if:
