@@ -69,3 +69,9 @@ def from_name(name: str) -> np.dtype | None:
 def accumulator(dtype) -> np.dtype:
     """Accumulation dtype: float64 for float64 input, float32 for every other supported dtype."""
     return float64 if np.dtype(dtype) == float64 else float32
+
+
+def q_dtype_or_float32(q_dtype_name: str) -> str:
+    """How an error names the dtypes an operand beside q may have (q's, or float32):
+    ``"float32"`` for a float32 q, else ``"q's dtype float16 or float32"``."""
+    return "float32" if q_dtype_name == "float32" else f"q's dtype {q_dtype_name} or float32"

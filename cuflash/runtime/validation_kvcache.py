@@ -169,7 +169,8 @@ def _check_rotary(func, q: ArrayInfo, rotary_cos, rotary_sin, interleaved, head_
             raise ValueError(f"{func}: {name} must be a {q.type_name} on q's device {q.device}; got a "
                              f"{info.type_name} on {info.device}")
         if info.dtype is None or (info.dtype != q.dtype and info.dtype_name != "float32"):
-            raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must be q's dtype {q.dtype_name} or float32")
+            raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must be "
+                            f"{dtypes.q_dtype_or_float32(q.dtype_name)}")
         if info.ndim != 2:
             raise ValueError(f"{func}: {name}.ndim must be 2 (seqlen_ro, rotary_dim / 2); got {name}.shape={info.shape}")
         validation.check_strides(info, name, func)

@@ -256,7 +256,8 @@ def check_modifiers(func: str, q: ArrayInfo, batch_shape: tuple, num_heads_q: in
     if attn_bias is not None:
         info = _describe_like_q(attn_bias, "attn_bias", func, q)
         if info.dtype is None or info.dtype not in (q.dtype, dtypes.float32):
-            raise TypeError(f"{func}: attn_bias.dtype={info.dtype_name} must be q's dtype ({q.dtype_name}) or float32")
+            raise TypeError(f"{func}: attn_bias.dtype={info.dtype_name} must be "
+                            f"{dtypes.q_dtype_or_float32(q.dtype_name)}")
         bias = BroadcastArray("attn_bias", attn_bias, info, bias_target,
                               _broadcast(info, "attn_bias", bias_target, bias_name, func))
     mask = None
