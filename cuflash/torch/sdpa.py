@@ -35,9 +35,8 @@ their backwards, which SDPA reaches only for CUDA float16/bfloat16 tensors when 
 choice picks flash (no mask, no top-left causal with ``L != S``). An implementation must return
 that op's whole tuple (``logsumexp``, ``cum_seq_q/k``, ``philox_seed``/``offset`` that the
 backward op receives back, ``debug_attn_mask``) from cuflash's CUDA path, and CPU tensors
-never reach those ops, so on the machines this was written on (no GPU) not one line of it could
-run; it waits for a session with a GPU rather than landing untested. This module's drop-in
-covers every device and case meanwhile.
+never reach those ops, so such a registration can only be tested on a GPU; it is not provided.
+This module's drop-in covers every device and case.
 
 Imports: torch, :mod:`cuflash.torch.attention` and :mod:`cuflash.torch.tensors`.
 """
