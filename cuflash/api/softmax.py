@@ -4,8 +4,7 @@ The CUDA kernel (``kernels_cu/softmax.cu``) computes, for each row, the running 
 the running sum ``d`` of ``exp(x - m)`` in one read pass, rescaling ``d`` whenever ``m`` grows
 (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018), then writes
 ``exp(x - m) / d`` in a second pass: two reads and one write of HBM per element. The NumPy path
-follows the same recurrence over blocks of columns. (The seed write-up's pseudocode scales the
-block sum twice and never rescales earlier blocks; this is the published, correct recurrence.)
+follows the same recurrence over blocks of columns.
 """
 
 from __future__ import annotations
