@@ -97,7 +97,16 @@
 // x BC keys (a BC-byte swizzle). The descales (float32 (B, Hk), any strides) are read per block:
 // q_descale k_descale into the score scale, v_descale into the epilogue's 1 / l. O (CUFLASH_BF16:
 // bf16, else fp16) is staged in a region of its own (Q's tile holds half its bytes) and stored by
-// TMA as in the other forms. Fixed shapes, plain (no modifiers), causal and windows, GQA.
+// TMA as in the other forms. Plain (no modifiers), causal and windows, GQA; fixed shapes or packed.
+// Packed fp8 (CUFLASH_FP8 and CUFLASH_VARLEN, cuflash.attention_varlen): q, k and o through the
+// packed forms' ragged maps; V^T is (1, Hk, Dv, P), sequence b's key j at column p[b] + j with
+// p[b] = 32 (k0 / 32) + BC b (k0: the sequence's first key row as varlen_seq clamps it), a
+// multiple of 32, so the permutation's blocks stay whole, and p[b + 1] - p[b] covers the
+// sequence's keys rounded up to whole tiles: its last tile never reads the next sequence's keys
+// (whose values could be inf or NaN, and 0 * NaN is NaN). The host's copy computes the same
+// p[b] from the same index on the device (attention_fwd_sm90.fp8_value_copy_packed) and leaves
+// every column that is no used key 0; keys past the sequence's length are masked as in the other
+// packed forms. The descales' batch index is the sequence's.
 //
 // Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D and CUFLASH_DV (head-dim buckets: 64, 96,
 // 128, 192, 256; Dv <= D), CUFLASH_BC (keys per tile), CUFLASH_LOCAL (0/1), CUFLASH_MODS (0/1),
@@ -145,8 +154,8 @@ constexpr bool EDGES_ONCE = !CUFLASH_MODS && !(CUFLASH_KVCACHE && D == 256);
 // named barriers: 1, 2 the consumers' epilogues (128 threads); 3, 4 their turns (256 threads)
 constexpr int EPILOGUE_BAR = 1, TURN_BAR = 3;
 static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && (CUFLASH_FP8 || NPANEL_V <= NPANEL), "head-dim buckets and tiles");
-static_assert(!CUFLASH_FP8 || (BC % 64 == 0 && D % 32 == 0 && !CUFLASH_MODS && !CUFLASH_VARLEN && !CUFLASH_KVCACHE),
-              "the fp8 form: fixed shapes, plain, a multiple of 64 keys a tile");
+static_assert(!CUFLASH_FP8 || (BC % 64 == 0 && D % 32 == 0 && !CUFLASH_MODS && !CUFLASH_KVCACHE),
+              "the fp8 form: fixed shapes or packed, plain, a multiple of 64 keys a tile");
 
 
 __device__ __forceinline__ unsigned pack(float lo, float hi) {
@@ -179,6 +188,9 @@ struct Box {
 struct Tiles {
     const cuflash_tensor_map *q, *k, *v, *o;
     int h, hk, q0, k0, q_end, k_end;   // the sequence's first query and key rows, and their ends
+#if CUFLASH_FP8
+    int v0;   // fp8: the sequence's first key column in V^T (a multiple of 32; load_v)
+#endif
 };
 template <int E>
 __device__ __forceinline__ Box ragged(int head, int row, int end) {
@@ -212,10 +224,16 @@ __device__ __forceinline__ void load_k(const Tiles& t, unsigned char* ks, int kv
 }
 
 #if CUFLASH_FP8
-// fp8: V^T (B, Hk, Dv, Sk') key-contiguous (the header comment), a box of DV rows x VPANEL keys a panel
+// fp8: V^T (B, Hk, Dv, Sk') key-contiguous (the header comment), a box of DV rows x VPANEL keys a
+// panel; packed: (1, Hk, Dv, P), sequence b's keys from column t.v0 on, each tile inside its own
+// columns (the host's padding: attention_fwd_sm90.fp8_value_starts)
 __device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv0, unsigned long long* bar) {
     ptx_mbarrier_arrive_expect_tx(bar, V_BYTES);
+#if CUFLASH_VARLEN
+    for (int p = 0; p < BC / VPANEL; ++p) ptx_tma_load_4d(vs + p * DV * VPANEL, t.v, t.v0 + kv0 + p * VPANEL, 0, t.hk, 0, bar);
+#else
     for (int p = 0; p < BC / VPANEL; ++p) ptx_tma_load_4d(vs + p * DV * VPANEL, t.v, kv0 + p * VPANEL, 0, t.hk, t.b, bar);
+#endif
 }
 #else
 __device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv0, unsigned long long* bar) {
@@ -763,7 +781,13 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     Sq = seq.seqlen_q;
     Sk = seq.seqlen_k;
     if (m0 >= Sq) return;
+#if CUFLASH_FP8
+    // (V^T's column of the sequence's key 0: p[b] = 32 (k0 / 32) + BC b, the host's fp8_value_starts)
+    const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, seq.q0, seq.k0, seq.q0 + Sq, seq.k0 + Sk,
+                      32 * (seq.k0 / 32) + BC * b};
+#else
     const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, seq.q0, seq.k0, seq.q0 + Sq, seq.k0 + Sk};
+#endif
 #else
     const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, b};
 #endif

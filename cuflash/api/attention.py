@@ -242,18 +242,8 @@ def _numpy(problem, operands):
     return ref_forward.run_forward(problem, q, k, v, out)
 
 
-def _device(problem, operands, call):
-    """:func:`pipeline.forward_on`, after asking the dispatcher first for fp8 input, so a call no
-    tier has an fp8 form for is refused before any array is imported."""
-    if problem.fp8 is not None:
-        from cuflash.kernels import dispatch
-
-        dispatch.forward_tier(problem, call.arch)
-    return pipeline.forward_on(problem, operands, call)
-
-
 #: :func:`attention`'s steps
-FORWARD = pipeline.Entry("cuflash.attention", ("q", "k", "v", "out"), _validate, _numpy, _device,
+FORWARD = pipeline.Entry("cuflash.attention", ("q", "k", "v", "out"), _validate, _numpy, pipeline.forward_on,
                          pipeline.lse_pair, out=3)
 
 

@@ -219,8 +219,12 @@ def lse_pair(results, problem):
 def forward_on(problem, operands, call) -> tuple:
     """A forward (fixed, packed or KV-cache: ``operands`` are ``(q, k, v, out)``, k and v the caches
     for a KV cache) on ``call``'s device: every array imported, ``out=`` checked against what the
-    kernels read, the dispatcher's kernels launched, ``(out, lse)`` exported."""
+    kernels read, the dispatcher's kernels launched, ``(out, lse)`` exported. fp8 q, k, v ask the
+    dispatcher first, so a call no tier has an fp8 form for is refused before any array is
+    imported."""
     q, k, v, out = operands
+    if problem.fp8 is not None and problem.fp8.q_fp8:
+        dispatch.forward_tier(problem, call.arch)
     qc, kc, vc = (call.import_array(x) for x in (q, k, v))
     problem = problem.on_device(call.import_array)
     c = problem.kvcache

@@ -19,9 +19,10 @@ import numpy as np
 from cuflash.api import pipeline
 from cuflash.reference import backward as ref_backward
 from cuflash.reference import forward as ref_forward
+from cuflash.reference import fp8 as ref_fp8
 from cuflash.reference import kvcache as ref_kvcache
 from cuflash.runtime import interop, score_mod, validation, validation_kvcache
-from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options, PackedOptions
+from cuflash.runtime.options import DropoutOptions, Fp8Options, ModifierOptions, Options, PackedOptions
 
 __all__ = ["attention_varlen", "attention_varlen_backward", "explain_varlen"]
 
@@ -29,7 +30,8 @@ __all__ = ["attention_varlen", "attention_varlen_backward", "explain_varlen"]
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, return_lse=False,
                      out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-                     alibi_slopes=None, score_mod=None, mask_mod=None):
+                     alibi_slopes=None, score_mod=None, mask_mod=None, q_descale=None, k_descale=None, v_descale=None,
+                     out_dtype=None):
     """Exact attention over a packed batch of sequences of different lengths, fused.
 
     Sequence ``b`` is attention of its query rows ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` over
@@ -43,7 +45,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     k : array, shape ``(total_k, Hk, D)``
     v : array, shape ``(total_k, Hk, Dv)``
         One kind, dtype and device, as :func:`cuflash.attention` takes them (``Hq % Hk == 0``;
-        any strides with unit last axis; ``1 <= D, Dv <= 256``).
+        any strides with unit last axis; ``1 <= D, Dv <= 256``), fp8 (``float8_e4m3fn``) included
+        (see ``q_descale``).
     cu_seqlens_q, cu_seqlens_k : int32 arrays, shape ``(B + 1,)``
         Prefix sums of the sequences' query and key lengths: 0 first, non-decreasing, last
         ``total_q`` / ``total_k``. NumPy arrays are checked in full (with GPU q they are copied to
@@ -93,10 +96,23 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         the sequence (from 0; ``q_idx < max_seqlen_q``, ``kv_idx < max_seqlen_k`` bound the
         captured arrays' index ranges), ``h`` the query head. After softcap and ALiBi, before
         the masks. On the NumPy path (the kernel tiers raise ``NotImplementedError``).
+    q_descale, k_descale, v_descale : float32 arrays ``(B, Hk)``, optional
+        fp8 input only, as :func:`cuflash.attention` takes them, with one row per sequence:
+        sequence ``b``'s fp8 rows of kv head ``h`` stand for ``x * descale[b, h]`` (query head
+        ``h`` uses its kv head's); None is 1, a stride-0 view one per-tensor scale. The NumPy
+        path computes each sequence in float32 on the descaled values. On compute capability 9.0
+        the Hopper forward's fp8 form runs the packed batch (head dims up to 256, causal,
+        windows, GQA, ``seqused_k``; no score modifiers, no ``block_table``): V is first copied
+        on the device into a key-contiguous array in which each sequence starts on a multiple of
+        32 keys and has a tile of zero keys after its end (about ``Hk * Dv * (total_k + B * 256)``
+        bytes at most). Elsewhere a kernel backend raises ``NotImplementedError`` naming the tier
+        and the arch. No dropout and no backward in fp8.
+    out_dtype : {None, "bfloat16", "float16"}
+        The result's dtype for fp8 input (None: bfloat16); only with fp8 input.
 
     Returns
     -------
-    out : array ``(total_q, Hq, Dv)`` of q's kind and dtype
+    out : array ``(total_q, Hq, Dv)`` of q's kind and dtype (``out_dtype`` for fp8 input)
     lse : array ``(Hq, total_q)``, float32 (float64 for float64 input); only with ``return_lse``.
 
     A sequence of length 0 does no work and writes nothing; a query row that sees no key
@@ -111,14 +127,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         q/k/v not 3-D or mismatched; an index that is not 1-D of length ``B + 1`` (``B`` for
         ``seqused_k``), does not start at 0, decreases, or does not end at ``total_q`` /
         ``total_k``; a ``max_seqlen`` below a sequence's length; ``seqused_k`` outside
-        ``[0, keys]``; an index on another device; bad options or ``out=``.
+        ``[0, keys]``; an index on another device; bad options or ``out=``; descales of the
+        wrong shape or strides, non-positive or non-finite (host) descales, descales or
+        ``out_dtype`` without fp8 input (``TypeError`` for descales that are not float32).
     TypeError (gradients)
         An option without a gradient given with torch tensors that require grad (named by
         :func:`cuflash.torch.attention_varlen`). torch tensors that require grad run through
         :func:`cuflash.torch.attention_varlen` and JAX tracers through
         :func:`cuflash.jax.attention_varlen` (:mod:`cuflash.autodiff`), so gradients reach q, k, v.
     NotImplementedError
-        A head dim above 256, or a valid call without a kernel on the chosen backend.
+        A head dim above 256, or a valid call without a kernel on the chosen backend (fp8 input
+        off compute capability 9.0, or with what the Hopper fp8 form does not take: the message
+        names each tier and the arch); fp8 with dropout or a ``block_table``.
 
     Examples
     --------
@@ -132,14 +152,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                       backend=backend, dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
                       modifiers=ModifierOptions(softcap, alibi_slopes, score_mod=score_mod, mask_mod=mask_mod),
                       packed=PackedOptions(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-                                           block_table))
+                                           block_table),
+                      fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     return pipeline.run(FORWARD, (q, k, v, out), options)
 
 
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                    softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, backend="auto",
                    arch=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-                   alibi_slopes=None, score_mod=None, mask_mod=None) -> dict:
+                   alibi_slopes=None, score_mod=None, mask_mod=None, q_descale=None, k_descale=None,
+                   v_descale=None, out_dtype=None) -> dict:
     """What :func:`attention_varlen` would run for these arguments, without running it.
 
     The packed-batch counterpart of :func:`cuflash.explain`: the call is validated exactly as
@@ -151,7 +173,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     ----------
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
     window_size, seqused_k, block_table, backend, dropout_p, dropout_seed, dropout_offset,
-    softcap, alibi_slopes, score_mod, mask_mod
+    softcap, alibi_slopes, score_mod, mask_mod, q_descale, k_descale, v_descale, out_dtype
         As for :func:`attention_varlen` (``out`` and ``return_lse`` are not taken: they do not
         change the kernel). The arrays are read for their metadata (kind, dtype, shape, strides,
         device); index arrays on the host (NumPy ``cu_seqlens_q``, ``cu_seqlens_k``,
@@ -192,7 +214,8 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
                       modifiers=ModifierOptions(softcap, alibi_slopes, score_mod=score_mod, mask_mod=mask_mod),
                       packed=PackedOptions(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-                                           block_table))
+                                           block_table),
+                      fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     return pipeline.explain_forward(FORWARD, (q, k, v, None), options, arch, "cuflash.explain_varlen",
                                     "each sequence through cuflash.reference.flash_attention")
 
@@ -258,7 +281,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 def _validate_forward(operands, options, func):
     q, k, v, out = operands
     return validation.check_attention_varlen(q, k, v, options, func=func, out=out,
-                                             cache_check=validation_kvcache.varlen_cache)
+                                             cache_check=validation_kvcache.varlen_cache, fp8=True)
 
 
 def _validate_backward(operands, options, func):
@@ -312,11 +335,14 @@ def _sequence_problem(p, q, k, v, b: int):
         slopes = broadcast_view(mods.alibi_slopes)[b:b + 1]
     traced = [None if mods is None or t is None else score_mod.bind(t, "b", b)
               for t in ((None, None) if mods is None else (mods.score_mod, mods.mask_mod))]
+    f = p.fp8
+    fp8 = Fp8Options() if f is None else Fp8Options(
+        *(None if d is None else np.asarray(d)[b:b + 1] for d in (f.q_descale, f.k_descale, f.v_descale)), f.out_dtype)
     options = Options(causal=p.causal, softmax_scale=p.softmax_scale, window_size=(p.window_left, p.window_right),
                       layout="bshd", return_dscore_mod=p.options.return_dscore_mod,
                       modifiers=ModifierOptions(0.0 if mods is None else mods.softcap, slopes, None, None, None,
-                                                *traced))
-    sp = validation.check_attention(q, k, v, options, func=p.func)
+                                                *traced), fp8=fp8)
+    sp = validation.check_attention(q, k, v, options, func=p.func, fp8=f is not None)
     return sp if p.dropout is None else dataclasses.replace(sp, dropout=dataclasses.replace(p.dropout, batch0=b))
 
 
@@ -326,7 +352,7 @@ def _forward_numpy(problem, operands):
     p = problem
     acc = np.float64 if p.dtype == np.float64 else np.float32
     if out is None:
-        out = np.empty(p.out_shape, dtype=p.dtype)
+        out = np.empty(p.out_shape, dtype=p.out_dtype)
     lse = np.empty(p.lse_shape, dtype=acc)
     c = p.kvcache
     for b, (rq, rk) in enumerate(_sequences(p)):
@@ -339,7 +365,9 @@ def _forward_numpy(problem, operands):
         else:
             kb, vb = k[rk], v[rk]
         qs, ks, vs = q[None, rq], kb[None], vb[None]
-        o, lse_b = ref_forward.run_forward(_sequence_problem(p, qs, ks, vs, b), qs, ks, vs)
+        sp = _sequence_problem(p, qs, ks, vs, b)
+        run = ref_forward.run_forward if p.fp8 is None else ref_fp8.run_forward_fp8   # (fp8: float32 on descaled values)
+        o, lse_b = run(sp, qs, ks, vs)
         out[rq] = o[0]
         lse[:, rq] = lse_b[0]
     return out, lse

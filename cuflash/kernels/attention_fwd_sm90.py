@@ -203,9 +203,9 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
         if self.block_sparse and (self.tile_n not in BLOCK_SPARSE_BLOCK_N or not self.mask_c):
             raise ValueError(f"Sm90ForwardVariant: the block-sparse form has a traced mask_mod and tile_n in "
                              f"{BLOCK_SPARSE_BLOCK_N}, got mask_c={self.mask_c!r}, tile_n={self.tile_n}")
-        if self.fp8 and (self.mods or self.varlen or self.kvcache or self.head_dim not in FP8_HEAD_DIM_BUCKETS
+        if self.fp8 and (self.mods or self.kvcache or self.head_dim not in FP8_HEAD_DIM_BUCKETS
                          or self.head_dim_v != self.head_dim):
-            raise ValueError(f"Sm90ForwardVariant: the fp8 form is plain and fixed-shape with D = Dv in "
+            raise ValueError(f"Sm90ForwardVariant: the fp8 form is plain (fixed or packed) with D = Dv in "
                              f"{FP8_HEAD_DIM_BUCKETS}, got head_dim={self.head_dim}, head_dim_v={self.head_dim_v}, "
                              f"mods={self.mods}, varlen={self.varlen}, kvcache={self.kvcache}")
         if self.tile_n and (not self.user_mod or self.tile_n % 16):
@@ -271,8 +271,10 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
             loads += ", over the block mask's partial then full key blocks (empty ones never loaded)"
         if self.fp8:
             out = {"bf16": "bfloat16", "f16": "float16"}[self.dtype]
-            return (f"{self.entry}: fp8 (float8_e4m3fn) q, k, v, {out} output: a producer warpgroup ({loads}; V from "
-                    f"a key-contiguous copy made before the launch) and 2 consumer warpgroups of 64 query rows "
+            vcopy = ("a key-contiguous copy made before the launch, each sequence from a multiple of 32 keys with a "
+                     "tile of zeros after it" if self.varlen else "a key-contiguous copy made before the launch")
+            return (f"{self.entry}: fp8 (float8_e4m3fn) q, k, v, {out} output: {packed}a producer warpgroup ({loads}; "
+                    f"V from {vcopy}) and 2 consumer warpgroups of 64 query rows "
                     f"(wgmma m64nNk32 e4m3, P converted to e4m3 in registers; ping-pong, softmax overlapped with P V), "
                     f"Br={BLOCK_M}, Bc={self.block_n}, {self.smem_bytes} B of shared memory")
         return (f"{self.entry}: {packed}a producer warpgroup ({loads}) and 2 consumer warpgroups of 64 "
@@ -293,13 +295,13 @@ def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
     forms, nor packed queries over a cache (those
     calls go to the tensor-core tier); ``mods``: the score-modifier forms; ``varlen``: the packed
     forms (with ``mods``: softcap and ALiBi); ``kvcache``: the KV-cache forms (local only; with ``mods``,
-    softcap, ALiBi and sinks); ``fp8``: the fp8 forms (fixed shapes, plain;
+    softcap, ALiBi and sinks); ``fp8``: the fp8 forms (plain, fixed or with ``varlen`` packed;
     ``dtype`` the output's)."""
     if arch != 90 or dropout or (kvcache and varlen):
         return ()
     if fp8:
-        return () if (varlen or kvcache or mods) else tuple(
-            Sm90ForwardVariant(dt, d, d, local, fp8=True) for dt in DTYPES for d in FP8_HEAD_DIM_BUCKETS
+        return () if (kvcache or mods) else tuple(
+            Sm90ForwardVariant(dt, d, d, local, varlen=varlen, fp8=True) for dt in DTYPES for d in FP8_HEAD_DIM_BUCKETS
             for local in (False, True))
     if kvcache:
         return tuple(Sm90ForwardVariant(dt, d, dv, True, mods, kvcache=True) for dt in DTYPES for d in HEAD_DIM_BUCKETS
@@ -334,7 +336,7 @@ def variant_for(problem, arch: int = 90) -> Sm90ForwardVariant:
     if p.fp8 is not None:
         d = fp8_bucket(max(p.head_dim, p.head_dim_v))
         return Sm90ForwardVariant(variants.dtype_key(p.out_dtype), d, d, p.window_left >= 0 or p.window_right >= 0,
-                                  fp8=True)
+                                  varlen=p.varlen is not None, fp8=True)
     bm = _block_mask(p)
     return choose_variant(p.dtype, p.head_dim, p.head_dim_v, local=p.window_left >= 0 or p.window_right >= 0,
                           mods=p.modifiers is not None, varlen=p.varlen is not None, user=attention_fwd_mma.user_c(p),
@@ -425,15 +427,14 @@ def fp8_bucket(d: int) -> int:
 
 def fp8_reason(problem, arrays=None) -> str | None:
     """Why the fp8 (float8_e4m3fn q, k, v) call ``problem`` does not run on the fp8 form (None if
-    it does): fixed shapes with one batch dim, no score modifiers, D a multiple of 16 and Dv of 8
+    it does): fixed shapes with one batch dim or a packed batch (at least one key, at most the
+    grid's sequences), no score modifiers, D a multiple of 16 and Dv of 8
     (TMA rows of 16 bytes: q and k in fp8, the output in 16 bits), D and Dv up to 256, a
     non-negative scale, and q, k and the output as a tensor map can describe them (V is copied,
     any view). ``arrays`` as for :func:`unsupported_reason`."""
     p = problem
     if p.modifiers is not None:
         return f"score modifiers ({p.modifiers.present[0]}) are not in the Hopper fp8 forward"
-    if p.varlen is not None:
-        return "packed batches (attention_varlen) in fp8 are not in the Hopper fp8 forward yet"
     why = scale_reason(p)
     if why is not None:
         return why
@@ -442,7 +443,19 @@ def fp8_reason(problem, arrays=None) -> str | None:
                 f"(TMA rows are 16-byte multiples)")
     if max(p.head_dim, p.head_dim_v) > FP8_HEAD_DIM_BUCKETS[-1]:
         return f"head dim {max(p.head_dim, p.head_dim_v)} > {FP8_HEAD_DIM_BUCKETS[-1]}"
+    if p.varlen is not None:
+        return _packed_reason(p, arrays, skip=("v",))
     return _fixed_reason(p, arrays, skip=("v",))
+
+
+def _packed_reason(p, arrays, skip=()) -> str | None:
+    """Why the packed batch ``p`` does not suit the ragged tensor maps and the grid (None if it
+    does), ``arrays`` and ``skip`` as :func:`_fixed_reason`."""
+    if p.varlen.total_k == 0:
+        return "no key in the whole packed batch (a tensor map has no empty dimension)"
+    if p.varlen.batch > plan.MAX_GRID_DIMS[2]:
+        return f"{p.varlen.batch} packed sequences exceed the grid's {plan.MAX_GRID_DIMS[2]} (gridDim.z)"
+    return _views_reason(arrays, skip)
 
 
 def _fixed_reason(p, arrays, skip=()) -> str | None:
@@ -501,11 +514,7 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     if why is not None:
         return why
     if p.varlen is not None:
-        if p.varlen.total_k == 0:
-            return "no key in the whole packed batch (a tensor map has no empty dimension)"
-        if p.varlen.batch > plan.MAX_GRID_DIMS[2]:
-            return f"{p.varlen.batch} packed sequences exceed the grid's {plan.MAX_GRID_DIMS[2]} (gridDim.z)"
-        return _views_reason(arrays)
+        return _packed_reason(p, arrays)
     return _fixed_reason(p, arrays)
 
 
@@ -679,6 +688,52 @@ def fp8_value_copy(v, xp):
     return vt
 
 
+def fp8_value_starts(cu_seqlens_k, total_k: int, block_n: int, xp):
+    """Where each sequence of a packed batch starts in its fp8 V^T copy (:func:`fp8_value_copy_packed`):
+    ``p[b] = 32 * (k0[b] // 32) + block_n * b``, ``k0[b]`` = ``cu_seqlens_k[b]`` clamped into
+    ``[0, total_k]`` as the kernel clamps it (common.cuh, varlen_seq), which computes the same
+    from the same index on the device. Each start is a multiple of :data:`FP8_KEY_BLOCK` (the
+    permutation's blocks stay whole), and ``p[b + 1] - p[b]`` covers sequence b's keys rounded up
+    to whole tiles of ``block_n`` keys (``block_n`` a multiple of 32): the kernel's last V^T tile of
+    a sequence never reaches the next one's keys. ``xp``: the index's array module."""
+    b = xp.arange(cu_seqlens_k.shape[0], dtype=np.int64)
+    k0 = xp.clip(cu_seqlens_k.astype(np.int64), 0, total_k)
+    return FP8_KEY_BLOCK * (k0 // FP8_KEY_BLOCK) + block_n * b
+
+
+def fp8_value_keys(total_k: int, batch: int, block_n: int) -> int:
+    """Keys of a packed batch's V^T copy (host-known): every start of :func:`fp8_value_starts` and
+    its sequence's tiles lie below ``total_k`` rounded up to 32, plus ``block_n * batch``."""
+    return -(-total_k // FP8_KEY_BLOCK) * FP8_KEY_BLOCK + block_n * batch
+
+
+def fp8_value_copy_packed(v, cu_seqlens_k, seqused_k, block_n: int, xp):
+    """The fp8 form's V operand for a packed batch: ``v`` (total_k, Hk, Dv) fp8 (or its bytes; any
+    strides) into a fresh uint8 array ``vt`` (Hk, Dv, P), ``P`` = :func:`fp8_value_keys`: key
+    ``j`` of sequence ``b`` at column ``p[b] + j`` (:func:`fp8_value_starts`), its keys permuted
+    within 32-key blocks as :func:`fp8_value_copy` permutes them, every other column 0 (keys past
+    ``seqused_k[b]``, the padding between sequences). Computed on the device from the index
+    (``cu_seqlens_k``, ``seqused_k`` or None: device arrays of ``xp``) by array operations: the
+    host never reads it, and the lengths are clamped as the kernel clamps them."""
+    total_k, hk, dv = v.shape
+    batch = cu_seqlens_k.shape[0] - 1
+    starts = fp8_value_starts(cu_seqlens_k, total_k, block_n, xp)
+    k0 = xp.clip(cu_seqlens_k.astype(np.int64), 0, total_k)
+    keys = xp.maximum(k0[1:], k0[:-1]) - k0[:-1]   # clamp_index(cu[b + 1], k0[b], total_k) - k0[b]
+    if seqused_k is not None:
+        keys = xp.clip(seqused_k.astype(np.int64), 0, keys)
+    col = xp.arange(fp8_value_keys(total_k, batch, block_n), dtype=np.int64)
+    r = col % FP8_KEY_BLOCK   # position 16 a + 4 t + 2 b + c holds key 16 a + 8 b + 2 t + c of its block
+    src = col - r + (r // 16) * 16 + ((r // 2) % 2) * 8 + ((r // 4) % 4) * 2 + r % 2
+    seq = xp.clip(xp.searchsorted(starts[:-1], src, side="right") - 1, 0, max(batch - 1, 0))
+    key = src - starts[seq]
+    live = (key >= 0) & (key < keys[seq])
+    rows = xp.clip(k0[seq] + key, 0, total_k - 1)
+    vt = xp.empty((hk, dv, col.shape[0]), np.uint8)
+    vt[...] = xp.where(live[:, None, None], _bytes(v)[rows], np.uint8(0)).transpose(1, 2, 0)
+    return vt
+
+
 def _descale_args(problem, call) -> tuple:
     """The fp8 form's descale arguments: q, k and v's (float32 ``(B, Hk)`` device arrays, any
     non-negative strides; absent: the device's one-element 1.0, ``call.unit_scale``, with strides
@@ -744,6 +799,52 @@ def plan_fp8(q, k, vt, out, lse, descale_args: tuple, *, softmax_scale: float, w
     return LaunchPlan(variant, variant.entry, (-(-sq // BLOCK_M), hq, b), (384, 1, 1), variant.smem_bytes, args)
 
 
+def plan_fp8_varlen(q, k, vt, out, lse, index_args: tuple, descale_args: tuple, *, batch: int, max_seqlen_q: int,
+                    softmax_scale: float, window: tuple[int, int] = (-1, -1), out_dtype: str = "bf16") -> LaunchPlan:
+    """The fp8 form's launch for a packed batch: :func:`plan_varlen`'s grid and ragged maps for q
+    (total_q, Hq, D) and k (total_k, Hk, D) fp8 bytes and ``out`` (total_q, Hq, Dv) (16-bit, as
+    ``out_dtype``), V^T ``vt`` (Hk, Dv, P) from :func:`fp8_value_copy_packed` (the kernel reads
+    sequence b's keys from column ``p[b]``, :func:`fp8_value_starts`), lse (Hq, total_q).
+
+    Raises
+    ------
+    ValueError
+        For shapes the kernel cannot take, naming the arrays.
+    """
+    total_q, hq, d = q.shape
+    total_k, hk, dk = k.shape
+    dv = out.shape[-1]
+    db = fp8_bucket(max(d, dv))
+    window_left, window_right = window
+    variant = Sm90ForwardVariant(out_dtype, db, db, window_left >= 0 or window_right >= 0, varlen=True, fp8=True)
+    bn = variant.block_n
+    if (dk != d or tuple(vt.shape) != (hk, dv, fp8_value_keys(total_k, batch, bn)) or tuple(out.shape[:2]) != (total_q, hq)
+            or hk == 0 or hq % hk or d % 16 or total_k < 1):
+        raise ValueError(f"attention_fwd_sm90: q {tuple(q.shape)}, k {tuple(k.shape)}, vt {tuple(vt.shape)}, out "
+                         f"{tuple(out.shape)} must be (total_q, Hq, D), (total_k, Hk, D), (Hk, Dv, "
+                         f"{fp8_value_keys(total_k, batch, bn)}), (total_q, Hq, Dv) with Hq a multiple of Hk, D a "
+                         f"multiple of 16, total_k >= 1")
+    if tuple(lse.shape) != (hq, total_q) or np.dtype(lse.dtype) != np.float32 or not lse.flags.c_contiguous:
+        raise ValueError(f"attention_fwd_sm90: lse must be a C-contiguous float32 {(hq, total_q)}, got "
+                         f"{tuple(lse.shape)} {lse.dtype}")
+
+    def ragged(name, a, rows, cols, writable=False):
+        return TensorMapArg(name, PointerArg.of(name, a, writable=writable),
+                            TensorMap.ragged(a, rows, cols, swizzle=128))
+
+    vp = fp8_value_panel(bn)
+    args = (ragged("map_q", q, BLOCK_M, 128), ragged("map_k", k, bn, 128),
+            TensorMapArg.of("map_v", vt.reshape((1,) + tuple(vt.shape)), (1, 1, db, vp), swizzle=vp),
+            ragged("map_o", out, 64, PANEL, writable=True),
+            PointerArg.of("lse", lse, writable=True), ScalarArg("Sq", np.int32(total_q)),
+            ScalarArg("Sk", np.int32(total_k)), ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
+            scale_arg(softmax_scale, False),
+            ScalarArg("window_left", np.int32(window_left)), ScalarArg("window_right", np.int32(window_right)),
+            *index_args, *descale_args)
+    return LaunchPlan(variant, variant.entry, (-(-max_seqlen_q // BLOCK_M), hq, batch), (384, 1, 1),
+                      variant.smem_bytes, args)
+
+
 def fp8_value_panel(block_n: int) -> int:
     """Keys per panel of the fp8 form's V^T tiles (each a TMA box and a swizzle of that many bytes):
     128 where the tile's keys are a multiple of 128, else 64."""
@@ -753,6 +854,8 @@ def fp8_value_panel(block_n: int) -> int:
 def _forward_fp8(problem, q, k, v, out, call):
     """fp8 q, k, v: V's key-contiguous copy (:func:`fp8_value_copy`), then one launch."""
     p = problem
+    if p.varlen is not None:
+        return _forward_fp8_varlen(p, q, k, v, out, call)
     out, lse = forward_run.outputs(p, out, call)
     if not p.is_empty:
         key = variants.dtype_key(p.out_dtype)
@@ -763,6 +866,24 @@ def _forward_fp8(problem, q, k, v, out, call):
                                                                                     p.seqlen_q),
                              _descale_args(p, call), softmax_scale=p.softmax_scale, window_left=p.window_left,
                              window_right=p.window_right, out_dtype=key))
+    return out, lse
+
+
+def _forward_fp8_varlen(problem, q, k, v, out, call):
+    """A packed fp8 batch: V's per-sequence copy (:func:`fp8_value_copy_packed`, from the index on
+    the device), then one launch (outputs NaN-filled first for a device index, as
+    :func:`_forward_varlen`)."""
+    p = problem
+    vl = p.varlen
+    out, lse = forward_run.outputs(p, out, call)
+    if not p.is_empty and vl.max_seqlen_q > 0:
+        key = variants.dtype_key(p.out_dtype)
+        bn = variant_for(p).block_n
+        vt = fp8_value_copy_packed(v, vl.cu_seqlens_k, vl.seqused_k, bn, call.xp)
+        call.launch(plan_fp8_varlen(_bytes(q), _bytes(k), vt, _bits(key)(out), lse, la.varlen_args(p, call),
+                                    _descale_args(p, call), batch=vl.batch, max_seqlen_q=vl.max_seqlen_q,
+                                    softmax_scale=p.softmax_scale, window=(p.window_left, p.window_right),
+                                    out_dtype=key))
     return out, lse
 
 

@@ -589,7 +589,8 @@ def check_host_cu_seqlens(func: str, cu_seqlens_q, cu_seqlens_k, seqused_k, tota
 
 
 def check_attention_varlen(q, k, v, options: Options, *, func: str = "cuflash.attention_varlen", out=None,
-                           max_head_dim: int | None = MAX_HEAD_DIM, cache_check=None) -> AttentionProblem:
+                           max_head_dim: int | None = MAX_HEAD_DIM, cache_check=None,
+                           fp8: bool = False) -> AttentionProblem:
     """Validate one packed variable-length attention call (see :func:`cuflash.attention_varlen`).
 
     The problem is described as ``B`` sequences of ``max_seqlen_q`` query and ``max_seqlen_k``
@@ -600,13 +601,18 @@ def check_attention_varlen(q, k, v, options: Options, *, func: str = "cuflash.at
     ``(num_pages, page_size, Hk, D|Dv)``, ``cu_seqlens_k`` counts each sequence's keys in its
     pages, and ``kvcache`` says where they are: ``cache_check`` (required with a block table:
     :func:`cuflash.runtime.validation_kvcache.varlen_cache`, passed in so that this module does not
-    import that one) checks the cache and returns its description.
+    import that one) checks the cache and returns its description. ``fp8``: accept
+    ``float8_e4m3fn`` q, k, v with their descales (``(B, Hk)``, one row per sequence), as
+    :func:`check_attention` does (the forward); not with a block table.
     """
     options = check_flags(options, func, "causal", "return_lse")
     causal = options.causal
     pk = options.packed
     cu_seqlens_q, cu_seqlens_k, seqused_k, block_table = pk.cu_seqlens_q, pk.cu_seqlens_k, pk.seqused_k, pk.block_table
-    infos = describe_inputs({"q": q, "k": k, "v": v}, func)
+    infos = describe_inputs({"q": q, "k": k, "v": v}, func, fp8=fp8)
+    if block_table is not None and dtypes.is_fp8(infos["q"].dtype):
+        raise NotImplementedError(f"{func}: float8_e4m3fn q, k, v with a block_table (chunked prefill over a paged "
+                                  f"cache) are not supported; fp8 packed batches take k and v as packed rows")
     qi, ki, vi = infos["q"], infos["k"], infos["v"]
     if block_table is not None:
         for name, info in (("k", ki), ("v", vi)):
@@ -651,14 +657,17 @@ def check_attention_varlen(q, k, v, options: Options, *, func: str = "cuflash.at
                               None if cache is not None else total_k, max_q, max_k)
     scale = check_softmax_scale(options.softmax_scale, d, func)
     left, right = normalize_window(*check_window_size(options.window_size, causal, func), max_q, max_k)
+    dropout = check_dropout(options.dropout, func)
     problem = AttentionProblem(
         func=func, kind=qi.kind, dtype=qi.dtype, layout="bshd", batch_shape=(batch,),
         num_heads_q=hq, num_heads_k=hk, seqlen_q=max_q, seqlen_k=max_k, head_dim=d, head_dim_v=dv,
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
         out_shape=(total_q, hq, dv), lse_shape=(hq, total_q), device=qi.device, q=qi, k=ki, v=vi,
         varlen=VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_k, batch, total_q, total_k, max_q, max_k, checked),
-        kvcache=cache, dropout=check_dropout(options.dropout, func),
-        modifiers=check_modifiers(func, qi, (batch,), hq, max_q, max_k, options.modifiers), options=options,
+        kvcache=cache, dropout=dropout,
+        modifiers=check_modifiers(func, qi, (batch,), hq, max_q, max_k, options.modifiers),
+        fp8=check_fp8(func, qi, infos, (batch,), hk, options.fp8, dropout),
+        options=options,
     )
     if out is not None:
         check_out(out, problem, {"q": q, "k": k, "v": v})
