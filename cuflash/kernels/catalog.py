@@ -64,6 +64,7 @@ def variants_for_arch(arch: int) -> tuple:
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True))
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True, mods=True))   # (softcap, ALiBi, sinks on a cache)
     out.extend(attention_fwd_sm90.all_variants(arch, fp8=True))   # (fp8 q, k, v; sm_90a)
+    out.extend(attention_fwd_sm90.all_variants(arch, varlen=True, fp8=True))   # (fp8 packed batches)
     if arch >= 70:
         out.extend(dropout_mask.DropoutMaskVariant.all())
     if arch >= 75:

@@ -246,6 +246,18 @@ def _run(v, rng, monkeypatch):
         dt = DTYPES[v.dtype]
         if v.kvcache:   # 70 query rows over a paged cache of 16-row pages (gathered), two splits
             return _hopper_kvcache(rng, v)
+        if v.varlen and v.fp8:   # two e4m3 sequences (the second over two query and key tiles), descales per sequence
+            e4m3 = dtypes.float8_e4m3fn
+            lq, lk = (21, 150), (30, 170)
+            cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+            ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+            q, k, vv = ((rng.standard_normal(s) * 3).astype(e4m3) for s in ((int(cq[-1]), 2, v.head_dim),
+                                                                             (int(ck[-1]), 1, v.head_dim),
+                                                                             (int(ck[-1]), 1, v.head_dim_v)))
+            kw = dict(causal=v.local, out_dtype={"bf16": "bfloat16", "f16": "float16"}[v.dtype],
+                      **{n: rng.uniform(0.1, 0.5, (2, 1)).astype(np.float32) for n in ("q_descale", "k_descale", "v_descale")})
+            out, lse = cuflash.attention_varlen(q, k, vv, cq, ck, max(lq), max(lk), return_lse=True, backend="sim", **kw)
+            return check_packed_forward(out, lse, q, k, vv, cq, ck, None, **kw)
         if v.varlen:   # two sequences, the second over two query tiles and two key tiles
             lq, lk = (21, 150), (30, 170)
             cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
