@@ -31,7 +31,10 @@ takes K-major operands only, so V is copied on the device, before the launch, in
 array whose keys are permuted within 32-key blocks to match P's register fragment
 (:func:`fp8_value_copy`): one read and one write of V per call, and ``B * Hk * Dv * Sk'`` bytes of
 workspace (``Sk'``: Sk rounded up to 32). Any V view is taken (its strides do not matter to the
-copy). Packed batches and fp8 KV caches in fp8 run elsewhere (``explain`` says where).
+copy). Packed fp8 batches (the ``varlen`` + ``fp8`` forms) take V from one copy in which each
+sequence starts at a multiple of 32 keys and has zeros up to a whole tile after its end
+(:func:`fp8_value_copy_packed`, built on the device from the index), so no tile reads another
+sequence's values. fp8 KV caches run elsewhere (``explain`` says where).
 The rest (fp32, dropout, traced functions on packed batches, decode-like KV-cache calls,
 chunked prefill, Sk = 0, views TMA cannot describe, block masks whose blocks do not hold whole
 Hopper tiles) goes to the tensor-core mma.sync tier, and ``explain`` says why.

@@ -367,13 +367,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     """
     mods = {"alibi_slopes": alibi_slopes, "attn_bias": attn_bias, "attn_mask": attn_mask, "sinks": sinks}
     fp8 = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "out_dtype": out_dtype}
-    if (score_mod is not None or mask_mod is not None or block_mask is not None) and not _is_fp8(q, fp8):
+    if (score_mod is not None or mask_mod is not None or block_mask is not None) and not tensors.is_fp8(q, fp8):
         return _traced_attention(q, k, v, (score_mod, mask_mod, block_mask), mods, dict(
             causal=causal, softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse,
             layout=layout, out=out, backend=backend, dropout=(dropout_p, dropout_seed, dropout_offset),
             softcap=softcap, deterministic=deterministic))
-    if _is_fp8(q, fp8):
-        _refuse_fp8_gradients(_FUNC, {"q": q, "k": k, "v": v})
+    if tensors.is_fp8(q, fp8):
+        tensors.refuse_fp8_gradients(_FUNC, {"q": q, "k": k, "v": v})
         return api_attention.attention(
             q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse,
             layout=layout, out=out, backend=backend, dropout_p=dropout_p, dropout_seed=dropout_seed,
@@ -407,20 +407,6 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     else:
         out, lse = attention_fwd(q, k, v, *scalars, deterministic, float(dropout_p), seed, offset, backend)
     return (out, lse) if return_lse else out
-
-
-def _is_fp8(q, fp8: dict) -> bool:
-    """Whether the call is an fp8 one (fp8 q, or an fp8 option given)."""
-    return any(x is not None for x in fp8.values()) or getattr(q, "dtype", None) == getattr(torch, "float8_e4m3fn", 0)
-
-
-def _refuse_fp8_gradients(func: str, arrays: dict) -> None:
-    """fp8 attention has no backward: refuse inputs that would need one (never drop it quietly)."""
-    needing = tensors.requiring_grad(arrays)
-    if needing:
-        raise TypeError(f"{func}: fp8 attention (float8_e4m3fn input or a descale) has no backward, and "
-                        f"{tensors.require_phrase(needing)} (grad mode is on); detach the inputs or call under "
-                        f"torch.no_grad()")
 
 
 def _refuse_gradients(q, k, v, out, mods) -> None:

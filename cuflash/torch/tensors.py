@@ -17,7 +17,8 @@ from cuflash.runtime import validation
 from cuflash.runtime.options import DropoutOptions
 
 __all__ = ["prepare", "detached", "backend_for", "lse_dtype", "dropout_key", "scale_of", "check_tensors",
-           "check_devices", "check_backend", "check_index_dtypes", "requiring_grad", "require_phrase", "run"]
+           "check_devices", "check_backend", "check_index_dtypes", "requiring_grad", "require_phrase", "run", "is_fp8",
+           "refuse_fp8_gradients"]
 
 
 def prepare(t):
@@ -170,3 +171,17 @@ def run(entry, operands: tuple, options, func: str, device_of):
     backend of ``device_of``'s device, or ``CUFLASH_BACKEND``)."""
     backend_for(device_of, func)   # a device without a path is refused by name
     return pipeline.run(dataclasses.replace(entry, func=func), operands, options)
+
+
+def is_fp8(q, fp8: dict) -> bool:
+    """Whether the call is an fp8 one (fp8 q, or an fp8 option given)."""
+    return any(x is not None for x in fp8.values()) or getattr(q, "dtype", None) == getattr(torch, "float8_e4m3fn", 0)
+
+
+def refuse_fp8_gradients(func: str, arrays: dict) -> None:
+    """fp8 attention has no backward: refuse inputs that would need one (never drop it quietly)."""
+    needing = requiring_grad(arrays)
+    if needing:
+        raise TypeError(f"{func}: fp8 attention (float8_e4m3fn input or a descale) has no backward, and "
+                        f"{require_phrase(needing)} (grad mode is on); detach the inputs or call under "
+                        f"torch.no_grad()")

@@ -153,7 +153,8 @@ def _attention_varlen_out_fake(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, return_lse=False,
                      out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-                     alibi_slopes=None, score_mod=None, mask_mod=None, deterministic=False):
+                     alibi_slopes=None, score_mod=None, mask_mod=None, deterministic=False, q_descale=None,
+                     k_descale=None, v_descale=None, out_dtype=None):
     """Differentiable attention over a packed batch of variable-length sequences.
 
     Every parameter of :func:`cuflash.attention_varlen` with its name, default and meaning, plus
@@ -201,6 +202,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         :func:`cuflash.torch.attention` through autograd).
     deterministic : bool
         The backward's, on the kernel backends (the NumPy path is always deterministic).
+    q_descale, k_descale, v_descale, out_dtype : optional
+        fp8 (``torch.float8_e4m3fn``) input, as :func:`cuflash.attention_varlen` takes it: the
+        call is forwarded to :func:`cuflash.attention_varlen` unchanged. fp8 attention has no
+        backward, so with grad mode on, fp8 input together with tensors that require grad raises
+        ``TypeError``.
 
     Returns
     -------
@@ -218,6 +224,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         A meta tensor, an unknown backend; as :func:`cuflash.attention_varlen`; ``score_mod`` or
         ``mask_mod`` given (``NotImplementedError``).
     """
+    fp8 = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "out_dtype": out_dtype}
+    if tensors.is_fp8(q, fp8):
+        tensors.refuse_fp8_gradients(_FUNC, {"q": q, "k": k, "v": v})
+        return api_varlen.attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+            window_size=window_size, seqused_k=seqused_k, block_table=block_table, return_lse=return_lse, out=out,
+            backend=backend, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+            softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod, **fp8)
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None:
             raise NotImplementedError(f"{_FUNC}: {name} on a packed batch does not run through torch autograd yet; "

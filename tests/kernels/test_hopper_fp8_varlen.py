@@ -149,6 +149,9 @@ def test_packed_fp8_refusals_and_explain():
     check_packed_forward(out, lse, q, k, v, cq, ck, None, **kw)
     with pytest.raises(ValueError, match=r"q_descale.shape=\(1, 1\) must be \(2, 1\)"):
         cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, q_descale=np.ones((1, 1), np.float32))
+    pages = np.zeros((2, 32, 1, 64), np.uint8).view(E4M3)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        cuflash.attention_varlen(q, pages, pages, cq, ck, mq, mk, block_table=np.zeros((2, 2), np.int32), **kw)
 
 
 # ------------------------------------------------------------------------------------- slow
@@ -181,3 +184,25 @@ def test_packed_fp8_checked():
     tiles over three V^T panels), causal GQA, several tiles of one sequence beside short ones."""
     run_case(np.random.default_rng(5), [(5, 7), (0, 9), (130, 500), (40, 0), (3, 33)], (4, 2), 128, "causal", "some",
              checked=True)
+
+
+def test_torch_fp8_packed_batch_is_forwarded_and_refuses_gradients():
+    """cuflash.torch.attention_varlen with torch.float8_e4m3fn tensors: forwarded to
+    cuflash.attention_varlen (the NumPy path here, its result the same bits), and refused with a
+    TypeError when an input requires grad (fp8 has no backward)."""
+    torch = pytest.importorskip("torch")
+    import cuflash.torch as ct
+
+    rng = np.random.default_rng(2)
+    q, k, v, cq, ck, mq, mk, _, kw = make_case(rng, [(5, 7), (9, 40)], 2, 1, 32, "all", near_max=False)
+    qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(a).view(np.uint8)).view(torch.float8_e4m3fn) for a in (q, k, v))
+    kwt = {n: torch.from_numpy(a) for n, a in kw.items()}
+    got = ct.attention_varlen(qt, kt, vt, torch.from_numpy(cq), torch.from_numpy(ck), mq, mk, causal=True,
+                              backend="numpy", **kwt)
+    want = cuflash.attention_varlen(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), cq, ck,
+                                    mq, mk, causal=True, backend="numpy", **kw)
+    assert got.dtype == torch.bfloat16
+    np.testing.assert_array_equal(got.view(torch.int16).numpy(), want.view(np.int16))
+    with pytest.raises(TypeError, match="fp8 attention .* has no backward"):
+        ct.attention_varlen(qt.clone().requires_grad_(True), kt, vt, torch.from_numpy(cq), torch.from_numpy(ck), mq, mk,
+                            backend="numpy", **kwt)

@@ -178,7 +178,8 @@ def test_the_hopper_synchronisations_are_killed():
 
 #: the synchronisations of the Hopper forward's pipeline that the fp8 form leans on in its own way
 #: (the P V wgmma on V^T tiles, V's ring, O staged after the V ring): each, removed, is seen by the
-#: fp8 probe too, not only by the 16-bit probe the kill map records
+#: fp8 probes too (the fixed and the packed fp8 form's), not only by the 16-bit probe the kill map
+#: records
 FP8_FORM_MUTANTS = ["attention_fwd_sm90.cu|ptx_wgmma_fence();|#1|delete",
                     "attention_fwd_sm90.cu|ptx_mbarrier_wait(bar_fv + 8 * sv, ph ^ sv);|#0|delete",
                     "attention_fwd_sm90.cu|ptx_mbarrier_wait(&empty_v[s], ((j / STAGES) - 1) & 1);|#0|delete",
@@ -190,11 +191,19 @@ FP8_FORM_MUTANTS = ["attention_fwd_sm90.cu|ptx_wgmma_fence();|#1|delete",
 @pytest.mark.slow
 @pytest.mark.checked
 @pytest.mark.parametrize("mid", FP8_FORM_MUTANTS)
-def test_the_fp8_form_sees_the_pipeline_mutants(mid, tmp_path, monkeypatch):
+@pytest.mark.parametrize("probe", ["fwd_sm90_fp8_checked", "fwd_sm90_fp8_varlen_checked"])
+def test_the_fp8_form_sees_the_pipeline_mutants(probe, mid, tmp_path, monkeypatch):
     (mutant,) = [m for m in MUTANTS if m.id == mid]
     tree = mutated_tree(paths.kernels_dir(), mutant, tmp_path / "kernels")
     monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
-    assert killed_by("fwd_sm90_fp8_checked"), f"{mid} (line {mutant.line}) survived the fp8 probe"
+    assert killed_by(probe), f"{mid} (line {mutant.line}) survived the {probe} probe"
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+def test_the_packed_fp8_probe_passes_on_the_kernel():
+    """The packed fp8 probe passes on the unmutated kernel, so a kill above is the mutant's."""
+    assert killed_by("fwd_sm90_fp8_varlen_checked") is None
 
 
 def test_the_hopper_forward_synchronisations_are_killed():

@@ -50,7 +50,7 @@ FILES = {
     "hopper_probe.cu": ("hopper_checked", "hopper_seeds"),
     "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked",
                               "fwd_sm90_varlen_checked", "fwd_sm90_kvcache_checked", "fwd_sm90_bs_checked",
-                              "fwd_sm90_fp8_checked"),
+                              "fwd_sm90_fp8_checked", "fwd_sm90_fp8_varlen_checked"),
     "attention_bwd_sm90.cu": ("bwd_sm90_checked", "bwd_sm90_seeds", "bwd_sm90_um_checked"),
 }
 #: probes whose simulator build alone takes about a minute of the default run's 2 cores: they and
@@ -62,6 +62,8 @@ SLOW_PROBES = {
     "fwd_sm90_fp8_checked": "the Hopper forward's fp8 form in checked mode is a g++ build of its own that no default "
                             "test compiles (the default fp8 test runs the normal build); the pipeline it runs is the "
                             "plain form's, whose mutants the default probes kill",
+    "fwd_sm90_fp8_varlen_checked": "the packed fp8 form in checked mode is one more build of its own; its pipeline is "
+                                   "the fixed fp8 form's (only V^T's key coordinate differs)",
 }
 #: mutants no probe kills, each with why removing that line is harmless (or what gap it shows)
 SURVIVORS: dict[str, str] = {
@@ -337,6 +339,40 @@ def _sm90_fp8_case(checked, seeds):
         assert ok, f"Hopper fp8 forward, seed {seed}: {msg}"
 
 
+def _sm90_fp8_varlen_case(checked, seeds):
+    """The Hopper forward's packed fp8 form (e4m3, head dim 64, causal, GQA 2:1, descales per
+    (sequence, kv head), bf16 output): a sequence of 5 key tiles (each ring slot refilled twice),
+    an empty one, one shorter than a tile; each sequence against the fp8 rule on its own slices."""
+    import ml_dtypes
+
+    import cuflash
+    from cuflash import sim
+    from cuflash.reference import tolerance
+
+    rng = np.random.default_rng(9)
+    e4m3 = ml_dtypes.float8_e4m3fn
+    lq, lk = (150, 0, 60), (600, 5, 30)
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    q, k, v = ((rng.standard_normal(s) * 3).astype(e4m3) for s in ((int(cq[-1]), 2, 64), (int(ck[-1]), 1, 64),
+                                                                    (int(ck[-1]), 1, 64)))
+    ds = {n: rng.uniform(0.1, 0.4, (3, 1)).astype(np.float32) for n in ("q_descale", "k_descale", "v_descale")}
+    for seed in seeds:
+        with sim.options(arch="sm_90", checked=checked, seed=seed):
+            ex = cuflash.explain_varlen(q, k, v, cq, ck, max(lq), max(lk), causal=True, backend="sim", **ds)
+            assert ex["entry"].endswith("_varlen_e4m3"), ex["choice"]
+            out, lse = cuflash.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), causal=True, return_lse=True,
+                                                backend="sim", **ds)
+        for b in range(len(lq)):
+            rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            if lq[b]:
+                row = {n: d[b:b + 1] for n, d in ds.items()}
+                ok, msg, _ = tolerance.compare(out[None, rq], q[None, rq], k[None, rk], v[None, rk],
+                                               lse=np.ascontiguousarray(lse[None, :, rq]), causal=True, layout="bshd",
+                                               **row)
+                assert ok, f"Hopper packed fp8 forward, sequence {b}, seed {seed}: {msg}"
+
+
 def _sm90_block_sparse_case(checked, seeds):
     """The Hopper forward's block-sparse form (a traced causal document mask's block mask, 128 x 64
     blocks) through the dispatcher (its form asserted): query tiles that walk 1 to 5 listed key
@@ -531,6 +567,8 @@ PROBES = {
     "fwd_sm90_bs_checked": lambda: _sm90_block_sparse_case(True, (0,)),
     # the fp8 form: its V^T tiles (a 128-byte swizzle of keys), O staged after the V ring
     "fwd_sm90_fp8_checked": lambda: _sm90_fp8_case(True, (0,)),
+    # the packed fp8 form: the same pipeline, V^T tiles from each sequence's padded columns
+    "fwd_sm90_fp8_varlen_checked": lambda: _sm90_fp8_varlen_case(True, (0,)),
     "hopper_seeds": lambda: _hopper_case(False, SEEDS),
     "bwd_sm90_checked": lambda: _sm90_bwd_case(True, (0,)),
     "bwd_sm90_seeds": lambda: _sm90_bwd_case(False, SEEDS),
