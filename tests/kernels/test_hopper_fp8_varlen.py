@@ -206,3 +206,24 @@ def test_torch_fp8_packed_batch_is_forwarded_and_refuses_gradients():
     with pytest.raises(TypeError, match="fp8 attention .* has no backward"):
         ct.attention_varlen(qt.clone().requires_grad_(True), kt, vt, torch.from_numpy(cq), torch.from_numpy(ck), mq, mk,
                             backend="numpy", **kwt)
+
+
+def test_packed_fp8_plan_and_reasons_refuse_what_the_kernel_cannot_take():
+    """plan_fp8_varlen refuses a V^T copy of the wrong key count and an lse of the wrong shape,
+    naming the arrays; a packed fp8 batch without any key has no tensor map (explain says so)."""
+    rng = np.random.default_rng(4)
+    q, k, v, cq, ck, mq, mk, _, kw = make_case(rng, [(5, 7), (9, 40)], 2, 1, 64, "all", near_max=False)
+    qb, kb = q.view(np.uint8), k.view(np.uint8)
+    out = np.zeros(q.shape[:2] + (64,), np.uint16)
+    good = sm90.fp8_value_copy_packed(v, ck, None, 128, np)
+    with pytest.raises(ValueError, match=r"vt \(1, 64, 544\).*must be \(total_q, Hq, D\), \(total_k, Hk, D\), "
+                                         r"\(Hk, Dv, 320\)"):
+        sm90.plan_fp8_varlen(qb, kb, np.zeros((1, 64, 544), np.uint8), out, np.zeros((2, 14), np.float32), (), (),
+                             batch=2, max_seqlen_q=9, softmax_scale=0.1)
+    with pytest.raises(ValueError, match=r"lse must be a C-contiguous float32 \(2, 14\)"):
+        sm90.plan_fp8_varlen(qb, kb, good, out, np.zeros((14, 2), np.float32), (), (), batch=2, max_seqlen_q=9,
+                             softmax_scale=0.1)
+    z = np.zeros((0, 1, 64), np.uint8).view(E4M3)
+    zero = np.zeros(3, np.int32)
+    with pytest.raises(NotImplementedError, match="no key in the whole packed batch"):
+        cuflash.explain_varlen(q, z, z, cq, zero, mq, 0, arch=90, backend="sim", **kw)
