@@ -227,3 +227,29 @@ def test_packed_fp8_plan_and_reasons_refuse_what_the_kernel_cannot_take():
     zero = np.zeros(3, np.int32)
     with pytest.raises(NotImplementedError, match="no key in the whole packed batch"):
         cuflash.explain_varlen(q, z, z, cq, zero, mq, 0, arch=90, backend="sim", **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+def test_packed_fp8_hostile_indices_stay_inside_the_arrays():
+    """Garbage in a device-resident index (decreasing, negative, past the end): the V^T copy and
+    the kernel clamp every index as the 16-bit packed form does (checked mode reports any access
+    outside the arrays); the one non-empty query sequence then has no key: output 0, lse -inf."""
+    import dataclasses
+
+    from support.device import on_device, sim_call
+    from support.options import check_varlen
+
+    from cuflash.kernels import dispatch
+
+    q, k, v, cq, ck, mq, mk, _, kw = make_case(np.random.default_rng(8), [(5, 7), (0, 3), (33, 40)], 2, 1, 64, "all")
+    problem = check_varlen(q, k, v, cq, ck, mq, mk, causal=True, **kw)
+    bad_q = np.array([5, -7, 10**6, 2], np.int32)          # -> [5, 5), [0, 38), [38, 38)
+    bad_k = np.array([0, 80, 90, 2**31 - 1], np.int32)     # -> [0, 50), [50, 50), [50, 50)
+    used = np.array([10**6, -3, 1], np.int32)
+    vl = dataclasses.replace(problem.varlen, cu_seqlens_q=bad_q, cu_seqlens_k=bad_k, seqused_k=used, checked=False)
+    with cuflash.sim.options(arch="sm_90", checked=True), sim_call(q) as call:
+        p, qd, kd, vd = on_device(call, dataclasses.replace(problem, varlen=vl), q, k, v)
+        assert sm90.variant_for(p).entry.endswith("_varlen_e4m3")
+        out, lse = dispatch.run_forward(p, qd, kd, vd, None, call)
+    assert (np.asarray(out).astype(np.float32) == 0).all() and np.isneginf(np.asarray(lse)).all()
