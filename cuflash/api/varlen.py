@@ -105,8 +105,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         windows, GQA, ``seqused_k``; no score modifiers, no ``block_table``): V is first copied
         on the device into a key-contiguous array in which each sequence starts on a multiple of
         32 keys and has zero keys up to a whole tile after its end (at most ``Hk * Dv * (total_k +
-        192 B + 32)`` bytes for ``B`` sequences). Elsewhere a kernel backend raises ``NotImplementedError`` naming the tier
-        and the arch. No dropout and no backward in fp8.
+        192 B + 32)`` bytes for ``B`` sequences). Elsewhere a kernel backend raises
+        ``NotImplementedError`` naming the tier and the arch. No dropout and no backward in fp8.
     out_dtype : {None, "bfloat16", "float16"}
         The result's dtype for fp8 input (None: bfloat16); only with fp8 input.
 
