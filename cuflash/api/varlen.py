@@ -366,7 +366,7 @@ def _forward_numpy(problem, operands):
             kb, vb = k[rk], v[rk]
         qs, ks, vs = q[None, rq], kb[None], vb[None]
         sp = _sequence_problem(p, qs, ks, vs, b)
-        run = ref_forward.run_forward if p.fp8 is None else ref_fp8.run_forward_fp8   # (fp8: float32 on descaled values)
+        run = ref_forward.run_forward if p.fp8 is None else ref_fp8.run_forward_fp8   # (fp8: float32, descaled)
         o, lse_b = run(sp, qs, ks, vs)
         out[rq] = o[0]
         lse[:, rq] = lse_b[0]
