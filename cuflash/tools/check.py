@@ -23,7 +23,8 @@ an overrun fails that section only, the others still run); ``--sections`` picks 
 ``fp8``          ``attention_with_kvcache`` over fp8 (float8_e4m3fn) caches with per-head descales
                  (paged decode with append, values near 448, split-KV) against the NumPy path,
                  caches byte-identical after the append; on compute capability 9.0, the fp8
-                 forward (head dims 64, 128, 256, causal, a window, GQA) against the fp8 rule
+                 forward (head dims 64, 128, 256, causal, a window, GQA) and its packed form
+                 (attention_varlen with device indices) against the fp8 rule
 ``dropout``      the mask kernel's bits equal to the NumPy generator's; forward and backward
                  with dropout against the NumPy path on the same mask
 ``modifiers``    softcap, ALiBi, a broadcast bias, a boolean mask with fully masked rows and
@@ -740,6 +741,48 @@ def fp8_forward_case(rng, case, device_call) -> tuple[str, float]:
     return f"{what} ({entry})", verdict.error / verdict.bound
 
 
+#: the packed fp8 forward's cases: (sequences' (query, key) lengths, Hq, Hk, head dim, causal)
+FP8_PACKED_CASES = ((((700, 900), (0, 50), (1, 1), (300, 2000), (129, 64)), 16, 4, 128, True),
+                    (((64, 700), (513, 100), (0, 0), (77, 333)), 8, 8, 256, False),
+                    (((1000, 1000), (5, 7), (200, 40)), 8, 2, 64, True))
+
+
+def fp8_packed_case(rng, case, device_call) -> tuple[str, float]:
+    """One packed fp8 forward case (``attention_varlen``): float8_e4m3fn q, k, v (values up to
+    +-448) of sequences of the case's lengths, descales per (sequence, kv head), run by
+    ``device_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kw)`` (returns
+    the output and its lse ``(Hq, total_q)`` on the host, and the kernel's name); each sequence
+    held to the fp8 rule of a fixed-shape call on its slices with its descale row. Returns a label
+    and the worst sequence's error as a fraction of its bound; raises AssertionError (naming the
+    case and sequence) beyond it."""
+    import ml_dtypes
+
+    lengths, hq, hk, d, causal = case
+    e4m3 = ml_dtypes.float8_e4m3fn
+    cq = np.concatenate([[0], np.cumsum([a for a, _ in lengths])]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum([b for _, b in lengths])]).astype(np.int32)
+    q, k = (np.clip(rng.standard_normal((int(n), h, d)) * 3, -448, 448).astype(e4m3) for n, h in ((cq[-1], hq), (ck[-1], hk)))
+    v = np.clip(rng.standard_normal((int(ck[-1]), hk, d)) * 60, -448, 448).astype(e4m3)
+    nb = len(lengths)
+    kw = dict(causal=causal, q_descale=rng.uniform(0.02, 0.08, (nb, hk)).astype(np.float32),
+              k_descale=rng.uniform(0.02, 0.08, (nb, hk)).astype(np.float32),
+              v_descale=rng.uniform(0.25, 4.0, (nb, hk)).astype(np.float32))
+    what = f"fp8 packed forward {nb} sequences, Hq/Hk {hq}/{hk}, d{d}" + (", causal" if causal else "")
+    out, lse, entry = device_call(q, k, v, cq, ck, max(a for a, _ in lengths), max(b for _, b in lengths), kw)
+    worst = 0.0
+    for b in range(nb):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if rq.stop == rq.start:
+            continue
+        row = {n: (x[b:b + 1] if n.endswith("descale") else x) for n, x in kw.items()}
+        verdict = tolerance.judge(np.asarray(out[rq], np.float64)[None], q[None, rq], k[None, rk], v[None, rk],
+                                  lse=np.ascontiguousarray(lse[None, :, rq]), layout="bshd", **row)
+        if not verdict.ok:
+            raise AssertionError(f"{what} ({entry}), sequence {b}: {verdict.message}")
+        worst = max(worst, verdict.error / verdict.bound)
+    return f"{what} ({entry})", worst
+
+
 def _run_cases(clock, log, cases, run_one, tail) -> tuple[int, float]:
     """Run ``run_one(case)`` (returns a label and an error as a fraction of its bound) for each case
     until ``clock`` runs out, logging ``label + tail(case).format(ratio)``; returns how many ran and
@@ -787,7 +830,19 @@ def section_fp8(clock, log) -> str:
 
     fdone, fworst = _run_cases(clock, log, FP8_FORWARD_CASES, lambda case: fp8_forward_case(rng, case, forward_on_gpu),
                                lambda case: ": {:.2f} of the bound")
-    return summary + f"; {fdone} fp8 forward cases within the rule (worst {fworst:.2f} of the bound)"
+
+    def packed_on_gpu(q, k, v, cq, ck, mq, mk, kw):
+        dev = {n: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+        q8, k8, v8 = (fp8_view(cupy.asarray(x.view(np.uint8))) for x in (q, k, v))
+        cqd, ckd = cupy.asarray(cq), cupy.asarray(ck)
+        entry = cuflash.explain_varlen(q8, k8, v8, cqd, ckd, mq, mk, **dev)["entry"]
+        o, lse = cuflash.attention_varlen(q8, k8, v8, cqd, ckd, mq, mk, return_lse=True, **dev)
+        return cupy.asnumpy(o), cupy.asnumpy(lse), entry
+
+    pdone, pworst = _run_cases(clock, log, FP8_PACKED_CASES, lambda case: fp8_packed_case(rng, case, packed_on_gpu),
+                               lambda case: ": {:.2f} of the bound (worst sequence)")
+    return summary + (f"; {fdone} fp8 forward cases within the rule (worst {fworst:.2f} of the bound); {pdone} packed "
+                      f"fp8 cases (worst {pworst:.2f})")
 
 
 def section_dropout(clock, log) -> str:

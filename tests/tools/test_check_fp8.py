@@ -85,3 +85,28 @@ def test_the_sections_case_loop_logs_each_case_and_stops_when_the_clock_runs_out
     done, worst = check._run_cases(Clock(), logs.append, [3, 4], lambda case: (f"case {case}", case / 8),
                                    lambda case: f" (#{case}): {{:.2f}} of the bound")
     assert (done, worst, logs) == (1, 3 / 8, ["  case 3 (#3): 0.38 of the bound"])
+
+
+PACKED_CASE = (((40, 150), (0, 9), (1, 1), (130, 70)), 4, 2, 64, True)
+
+
+def _packed_on_sim(q, k, v, cq, ck, mq, mk, kw):
+    with cuflash.sim.options(arch="sm_90"):
+        entry = cuflash.explain_varlen(q, k, v, cq, ck, mq, mk, backend="sim", **kw)["entry"]
+        out, lse = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, backend="sim", return_lse=True, **kw)
+    return out, lse, entry
+
+
+def test_the_packed_fp8_case_passes_on_the_simulated_hopper_form_and_fails_off_it():
+    what, ratio = check.fp8_packed_case(np.random.default_rng(3), PACKED_CASE, _packed_on_sim)
+    assert what == "fp8 packed forward 4 sequences, Hq/Hk 4/2, d64, causal (cuflash_attn_fwd_sm90_bf16_d64_local_varlen_e4m3)"
+    assert 0 <= ratio <= 1
+
+    def off_output(*args):   # the last sequence's last row off by a few bf16 steps of the largest value
+        out, lse, entry = _packed_on_sim(*args)
+        out = out.astype(np.float32)
+        out[-1, 0, 0] += 0.05 * np.abs(out).max()
+        return out, lse, entry
+
+    with pytest.raises(AssertionError, match=r"fp8 packed forward 4 sequences.*, sequence 3: max error"):
+        check.fp8_packed_case(np.random.default_rng(3), PACKED_CASE, off_output)
