@@ -732,8 +732,10 @@ def fp8_value_copy_packed(v, cu_seqlens_k, seqused_k, block_n: int, xp):
     key = src - starts[seq]
     live = (key >= 0) & (key < keys[seq])
     rows = xp.clip(k0[seq] + key, 0, total_k - 1)
+    keys_rows = _bytes(v)[rows]   # (P, Hk, Dv): whole rows gathered, then the columns that are no key zeroed in place
+    keys_rows *= live[:, None, None]   # (bytes: 0 whatever they held, NaN included)
     vt = xp.empty((hk, dv, col.shape[0]), np.uint8)
-    vt[...] = xp.where(live[:, None, None], _bytes(v)[rows], np.uint8(0)).transpose(1, 2, 0)
+    vt[...] = keys_rows.transpose(1, 2, 0)
     return vt
 
 
