@@ -178,6 +178,19 @@ def test_packed_fp8_grid(batch, heads, d, mask, used, out_dtype):
 
 
 @pytest.mark.slow
+def test_packed_fp8_dv_below_d():
+    """D = 48, Dv = 32 in the bucket 64 (V^T's rows past Dv and q's, k's columns past D are the
+    maps' zero fill), causal GQA with seqused_k, against each sequence's oracle."""
+    rng = np.random.default_rng(12)
+    q, k, _, cq, ck, mq, mk, used, kw = make_case(rng, [(5, 7), (0, 9), (130, 300), (17, 200)], 4, 2, 48, "some")
+    v = _packed(rng, (k.shape[0], 2, 32), 60)
+    with cuflash.sim.options(arch="sm_90"):
+        out, lse = cuflash.attention_varlen(q, k, v, cq, ck, mq, mk, seqused_k=used, causal=True, return_lse=True,
+                                            backend="sim", **kw)
+    check_packed_forward(out, lse, q, k, v, cq, ck, used, causal=True, **kw)
+
+
+@pytest.mark.slow
 @pytest.mark.checked
 def test_packed_fp8_checked():
     """Checked mode (races, bounds, uninitialised reads, the async proxies): head dim 128 (192-key
