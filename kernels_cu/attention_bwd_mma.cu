@@ -264,6 +264,15 @@ struct SmemOffsets {
 // The modifier and dropout forms keep the previous code, so their register allocation, at the edge
 // of spilling at head dims 192 and 256, stays as the compile gate measured it.
 #define PLAIN_LOOP (!CUFLASH_MODS && !CUFLASH_DROPOUT)
+// Deterministic mode's dQ (each block's read-modify-write of its split's partial, no atomics) is a
+// compile-time form of the plain forms (CUFLASH_DETERMINISTIC_DQ 1, entry suffix _det): the atomic
+// form's loop then holds no branch to it, nor the deterministic one a branch to the atomics. The
+// modifier and dropout forms keep the run-time argument `deterministic` (one cubin for both modes).
+#ifndef CUFLASH_DETERMINISTIC_DQ
+#define CUFLASH_DETERMINISTIC_DQ 0
+#endif
+static_assert(!CUFLASH_DETERMINISTIC_DQ || PLAIN_LOOP, "the deterministic dQ form is a plain form's");
+#define DQ_DETERMINISTIC (PLAIN_LOOP ? CUFLASH_DETERMINISTIC_DQ : deterministic)
 // The plain forms' band mask of a masked tile inside Sq and Sk (the loop's P/dS below); not in the
 // packed forms, where NVRTC 13 then spilled 16 bytes at head dim 128 on sm_90.
 #define BWD_BAND_MASK (!CUFLASH_VARLEN)
@@ -376,7 +385,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     if (tile >= tile_end) return;   // the whole block
     const int num_heads_q = num_heads_k * group_size;
     const float scale_log2 = softmax_scale * LOG2E;
-    float* dq_part = dq_accum + (deterministic ? split * dq_split_stride : 0LL);
+    float* dq_part = dq_accum + (DQ_DETERMINISTIC ? split * dq_split_stride : 0LL);
     // Dd and the dQ workspace are (batch, Hq, stat_rows) rows: Sq per batch, or one packed
     // sequence of total_q rows (varlen), where this sequence starts at stat_q0.
     const int stat_rows = seqlen_q, seqlen_k_total = seqlen_k;
@@ -848,7 +857,7 @@ UNROLL_DQ_K
             float* dq_thread = dq_part + ptx_opaque(((stat_batch * num_heads_q + cur.hq) * (long long)stat_rows + stat_q0 + row0) *
                                                         head_dim + (l2.q_row0 + l2.g) * head_dim + c0 + 2 * l2.t);
 #endif
-            if (INTERIOR_PATHS && !deterministic && rows == BR && head_dim == DMAX) {   // an interior tile: every element is in view
+            if (INTERIOR_PATHS && !DQ_DETERMINISTIC && rows == BR && head_dim == DMAX) {   // an interior tile: every element is in view
 #pragma unroll
                 for (int f = 0; f < MF_Q; ++f)
 #pragma unroll
@@ -856,14 +865,15 @@ UNROLL_DQ_K
 #pragma unroll
                         for (int n = 0; n < NF_QP; ++n)
                             ptx_red_add_f32x2(dq_thread + (16 * f + 8 * h) * DMAX + 8 * n, acc[f][n][2 * h], acc[f][n][2 * h + 1]);
-            } else if (deterministic) {   // this thread's elements of its split's partial (warp-uniform branch)
+            } else if (DQ_DETERMINISTIC) {   // this thread's elements of its split's partial (warp-uniform branch)
 #pragma unroll
                 for (int f = 0; f < MF_Q; ++f)
 #pragma unroll
                     for (int h = 0; h < 2; ++h)
 #pragma unroll
                         for (int n = 0; n < NF_QP; ++n)
-                            if (l2.q_row0 + 16 * f + l2.g + 8 * h < rows && c0 + 8 * n + 2 * l2.t < head_dim) {
+                            if ((PLAIN_LOOP && rows == BR && head_dim == DMAX) ||   // (an interior tile: no tests)
+                                (l2.q_row0 + 16 * f + l2.g + 8 * h < rows && c0 + 8 * n + 2 * l2.t < head_dim)) {
                                 float2* dst = reinterpret_cast<float2*>(dq_thread + (16 * f + 8 * h) * head_dim + 8 * n);
                                 float2 o = *dst;
                                 o.x += acc[f][n][2 * h];

@@ -119,16 +119,24 @@ class AttentionBwdMma(variants.TileVariant):
     #: the captured-array gradients added exactly, in integer limbs (``CUFLASH_AGRAD_EXACT`` 1, entry
     #: suffix ``_agx``; deterministic=True): the same bits in any order of the adds
     agrad_exact: bool = dataclasses.field(default=False, kw_only=True)
+    #: deterministic mode's dQ as its own form (``CUFLASH_DETERMINISTIC_DQ`` 1, entry suffix ``_det``):
+    #: each block adds into its split's partial without atomics, and the atomic form's loop holds no
+    #: branch to that code. Plain forms only (fixed and packed); the dropout and modifier forms take
+    #: deterministic mode as a run-time argument
+    deterministic_dq: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.deterministic_dq and (self.dropout or self.mods):
+            raise ValueError("AttentionBwdMma: deterministic_dq is a form of the plain variants (no dropout, no "
+                             f"score modifiers); got dropout={self.dropout}, mods={self.mods}")
         if self.block_m % 32 or self.block_n % 64 or self.block_m <= 0 or self.block_n <= 0 or self.stages not in (1, 2):
             raise ValueError(f"AttentionBwdMma: tile ({self.block_m}, {self.block_n}, stages={self.stages}) must be "
                              "a multiple of 32 rows by a multiple of 64 keys with 1 or 2 stages")
 
     def axes(self) -> tuple[str, ...]:
         return (("main",) + super().axes() + (f"s{self.stages}",) + (("sm75form",) if self.sm75_form else ())
-                + (("agx",) if self.agrad_exact else ()))
+                + (("agx",) if self.agrad_exact else ()) + (("det",) if self.deterministic_dq else ()))
 
     def spilling_nvrtc_majors(self, arch: int) -> tuple[int, ...]:
         """The NVRTC majors that spill this variant on ``sm_<arch>`` (:data:`SPILLING_FORMS`)."""
@@ -174,9 +182,14 @@ class AttentionBwdMma(variants.TileVariant):
             ("CUFLASH_DKV_WARPS_N", str(kvn)),
             ("CUFLASH_DQ_WARPS_M", str(qm)),
             ("CUFLASH_DQ_PASSES", str(self.dq_passes)),
-        ) + ((("CUFLASH_SM75_FORM", "1"),) if self.sm75_form else ()) + ((("CUFLASH_AGRAD_EXACT", "1"),) if self.agrad_exact else ())
+        ) + ((("CUFLASH_SM75_FORM", "1"),) if self.sm75_form else ()) + ((("CUFLASH_AGRAD_EXACT", "1"),) if self.agrad_exact else ()) + (
+            (("CUFLASH_DETERMINISTIC_DQ", "1"),) if self.deterministic_dq else ())
 
     def describe(self, arch: int | None = None) -> str:
+        det = ", dQ into per-split partials without atomics (deterministic)" if self.deterministic_dq else ""
+        return self._describe(arch) + det
+
+    def _describe(self, arch: int | None) -> str:
         if self.sm75_form or (arch is not None and arch < MIN_ARCH):   # the sm_75 form (kernels_cu/ptx.cuh: CUFLASH_SM75_FORM)
             return (f"{self.entry}: {WARPS} warps, Bc={self.block_n} keys x Br={self.block_m} query tiles, head-dim "
                     f"bucket {self.head_dim_max}, {self.smem_bytes} B shared memory ({self.stages}-stage Q/dO, "
@@ -233,18 +246,18 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout:
 
 
 def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
-                 mods: bool = False) -> tuple[AttentionBwdMma, ...]:
+                 mods: bool = False, deterministic: bool = False) -> tuple[AttentionBwdMma, ...]:
     """Every variant the backward dispatcher can choose on ``sm_<arch>`` (for the compile gate);
-    with ``varlen``, their packed variable-length forms; with ``dropout``, their dropout forms.
-    (A :data:`SPILLING_FORMS` variant is among them: it is chosen where an NVRTC major that does not
-    spill it is installed.)"""
-    if arch < MIN_ARCH:   # the sm_75 form: float16
-        if arch < attention_fwd_mma.SM75_ARCH:
-            return ()
-        found = (_fitting(key, b, arch, dropout, mods) for key in attention_fwd_mma.SM75_DTYPES for b in HEAD_DIM_BUCKETS)
-        return tuple(dataclasses.replace(v, varlen=True) if varlen else v for v in found if v is not None)
-    found = (_fitting(key, b, arch, dropout, mods) for key in MMA_DTYPES for b in HEAD_DIM_BUCKETS)
-    return tuple(dataclasses.replace(v, varlen=True) if varlen else v for v in found if v is not None)
+    with ``varlen``, their packed variable-length forms; with ``dropout``, their dropout forms; with
+    ``deterministic``, the plain forms' deterministic dQ forms (:attr:`AttentionBwdMma.deterministic_dq`;
+    none with dropout or modifiers). (A :data:`SPILLING_FORMS` variant is among them: it is chosen
+    where an NVRTC major that does not spill it is installed.)"""
+    if arch < attention_fwd_mma.SM75_ARCH or (deterministic and (dropout or mods)):
+        return ()
+    keys = attention_fwd_mma.SM75_DTYPES if arch < MIN_ARCH else MMA_DTYPES   # (the sm_75 form: float16)
+    found = (_fitting(key, b, arch, dropout, mods) for key in keys for b in HEAD_DIM_BUCKETS)
+    return tuple(dataclasses.replace(v, varlen=varlen or v.varlen, deterministic_dq=deterministic)
+                 for v in found if v is not None)
 
 
 def _spill_key(arch: int, variant) -> tuple:
@@ -392,7 +405,16 @@ def main_variant(problem, arch: int) -> AttentionBwdMma:
                        dropout=problem.dropout is not None, mods=problem.modifiers is not None,
                        user=attention_fwd_mma.user_c(problem, grad=True) + agrad,
                        block_sparse=problem.modifiers is not None and problem.modifiers.block_mask is not None)
-    return dataclasses.replace(v, agrad_exact=True) if agrad and agrad[0] and problem.options.deterministic else v
+    v = dataclasses.replace(v, agrad_exact=True) if agrad and agrad[0] and problem.options.deterministic else v
+    return with_dq_mode(v, problem.options.deterministic)
+
+
+def with_dq_mode(variant: AttentionBwdMma, deterministic: bool) -> AttentionBwdMma:
+    """``variant`` in the dQ form of ``deterministic`` mode: a plain form's deterministic mode is its
+    own form (:attr:`AttentionBwdMma.deterministic_dq`); the dropout and modifier forms take the
+    mode as a run-time argument."""
+    plain = not (variant.dropout or variant.mods)
+    return dataclasses.replace(variant, deterministic_dq=bool(deterministic) and plain)
 
 
 def _array_grad_c(problem) -> tuple:

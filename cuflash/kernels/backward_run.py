@@ -184,6 +184,8 @@ def backward(problem, dout, q, k, v, out, lse, main, call) -> tuple:
     p = problem
     main = dataclasses.replace(main, varlen=main.varlen or p.varlen is not None,
                                dropout=main.dropout or p.dropout is not None)   # the forms the call needs
+    if isinstance(main, attention_bwd_mma.AttentionBwdMma):   # (and the dQ form of the mode)
+        main = attention_bwd_mma.with_dq_mode(main, p.options.deterministic)
     ws = _Workspace(p, (dout, q, k, v, out, lse), main, call)
     seqlen_q = p.seqlen_q if p.varlen is None else p.varlen.total_q   # rows of the Dd / workspace layout
     blocks_per_head = ws.splits if p.options.deterministic else ws.num_k_tiles

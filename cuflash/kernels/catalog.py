@@ -43,6 +43,7 @@ def variants_for_arch(arch: int) -> tuple:
             out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen))
         if arch >= attention_fwd_mma.SM75_ARCH:
             out.extend(attention_bwd_mma.all_variants(arch, varlen=varlen))
+            out.extend(attention_bwd_mma.all_variants(arch, varlen=varlen, deterministic=True))   # (their dQ form)
     if arch >= attention_fwd_mma.SM75_ARCH:   # the KV-cache forms (fixed q, and packed q for chunked prefill)
         for varlen in (False, True):
             out.extend(attention_fwd_mma.all_variants(arch, varlen=varlen, kvcache=True))

@@ -251,6 +251,32 @@ def test_variants():
         attention_bwd_mma.choose_variant(dtypes.bfloat16, 256, 256, 86)
 
 
+def test_deterministic_mode_is_a_form_of_its_own():
+    # the plain forms: deterministic dQ is compiled in (entry suffix _det), the atomic form holds none of
+    # it; the dropout and modifier forms take the mode as an argument
+    from cuflash.runtime.options import DropoutOptions
+
+    rng = np.random.default_rng(0)
+    q, k, v = make_qkv(rng, 1, 2, 1, 70, 90, 128, 128, dtype=dtypes.bfloat16)
+    out, lse = np.zeros(q.shape, q.dtype), np.zeros(q.shape[:-1], np.float32)
+
+    def problem(**kw):
+        return ref_backward.check_backward(out, q, k, v, out, lse, Options(**kw), func="test")
+
+    for arch in (80, 90):
+        det, atomic = (attention_bwd_mma.main_variant(problem(deterministic=d), arch) for d in (True, False))
+        assert det.entry == atomic.entry + "_det" and ("CUFLASH_DETERMINISTIC_DQ", "1") in det.defines()
+        assert dataclasses.replace(det, deterministic_dq=False) == atomic
+        assert "without atomics (deterministic)" in dispatch.describe_backward_choice(problem(deterministic=True), 80)
+        assert "_det" not in dispatch.describe_backward_choice(problem(), 80)
+        drop = attention_bwd_mma.main_variant(problem(deterministic=True, dropout=DropoutOptions(0.1, 3)), arch)
+        assert drop.dropout and not drop.deterministic_dq
+    catalog_entries = {v.entry for v in attention_bwd_mma.all_variants(90, deterministic=True)}
+    assert det.entry in catalog_entries and attention_bwd_mma.all_variants(90, deterministic=True, dropout=True) == ()
+    with pytest.raises(ValueError, match="deterministic_dq is a form of the plain variants"):
+        dataclasses.replace(drop, deterministic_dq=True)
+
+
 @pytest.mark.parametrize("arch,d,dv,sq,sk", [(80, 192, 176, 150, 130), (80, 256, 256, 70, 200), (80, 128, 96, 200, 75),
                                             (86, 128, 128, 150, 130)])
 def test_smaller_shared_memories(arch, d, dv, sq, sk, rng):

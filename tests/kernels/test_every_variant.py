@@ -93,12 +93,14 @@ def _qkv(rng, dtype, d, *, sq=37, sk=70, hq=1, hk=1, packed=None):
 
 
 def _flags(v) -> dict:
-    """The public keywords of a variant's form: dropout, score modifiers."""
+    """The public keywords of a variant's form: dropout, score modifiers, deterministic mode."""
     kw = {}
     if getattr(v, "dropout", False):
         kw.update(DROPOUT)
     if getattr(v, "mods", False):
         kw.update(SOFTCAP)
+    if getattr(v, "deterministic_dq", False):   # (the tensor-core backward's deterministic dQ form)
+        kw["deterministic"] = True
     return kw
 
 

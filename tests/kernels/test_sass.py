@@ -350,7 +350,9 @@ def test_sass_tensor_core_backward_loop_budget(dtype, cuobjdump):
     with every dQ ``red``: a sequence-edge tile's predicated copies and per-row mask), and a causal
     diagonal tile inside Sq and Sk at most 1000 (FA2's causal kernel: 1085; with a compare per score
     and bound this kernel counted about 1084); 320 mma and 16 dQ ``red.global.add.v2.f32`` on each,
-    none of them behind a branch of its own on the steady one."""
+    none of them behind a branch of its own on the steady one. By the counter's rule (``python -m
+    cuflash roofline --sass-of``), the longest masked pass at most MMA_BWD_LONGEST_MASKED, with no
+    deterministic-mode dQ code in the loop (its own form)."""
     from cuflash.kernels import attention_bwd_mma
     from cuflash.runtime import nvrtc
 
@@ -375,6 +377,23 @@ def test_sass_tensor_core_backward_loop_budget(dtype, cuobjdump):
         assert masked["instructions"] <= 1300, (where, masked)
         diagonal = _bwd_band_pass(text, variant.entry)
         assert diagonal <= 1000, (where, diagonal)
+        # the counter's longest masked pass (python -m cuflash roofline --sass-of: the most instructions
+        # with every mma and copy): deterministic mode's dQ is a form of its own, so no global load or
+        # store of its read-modify-write is left in this loop (with it the pass counted 1338 / 1307)
+        from cuflash.analysis import sass_count
+
+        insns = sass_count.parse_functions(text)[variant.entry]
+        (starts, ends, _), found = sass_count.main_loops(insns)
+        body = found[0][1]
+        loop_ops = {x.op.split(".")[0] for b in body for x in insns[starts[b]:ends[b]]}
+        assert not loop_ops & {"LDG", "STG"}, (where, loop_ops & {"LDG", "STG"})
+        longest = max((c for name, c in sass_count.count_loop(insns).items() if name.startswith("masked")),
+                      key=lambda c: c.instructions)   # (masked, or masked+rescale / masked-rescale)
+        assert longest.tensor == 320 and longest.instructions <= MMA_BWD_LONGEST_MASKED, (where, longest)
+
+
+#: the tensor-core backward's longest masked pass by the counter, d128 sm_90 (FA2's causal loop: 1085)
+MMA_BWD_LONGEST_MASKED = 1280
 
 
 # --------------------------------------------------------------------------- tensor-core forward
