@@ -48,8 +48,9 @@
 // Dv multiples of 8 (cuflash/kernels/attention_bwd_mma.py: unsupported_reason; the dispatcher falls
 // back to the SIMT backward otherwise). A query tile whose rows and columns are all in view (an
 // interior tile: Br rows before Sq, D = Dv = the bucket) copies Q and dO without predicates, and
-// adds its dQ without a test per element; edge tiles test each chunk and each dQ pair (the adds
-// predicated, not branched around).
+// adds its dQ without a test per element; edge tiles test each chunk (in the plain forms one compare
+// of a constant a chunk, at the interior copies' addresses: load_rows_async_edge) and each dQ pair
+// (the adds predicated, not branched around).
 //
 // Addresses: every ldmatrix reads at a tile base plus a per-thread byte offset plus a constant
 // (SmemOffsets), one [R + immediate] operand in SASS, so the products carry no address arithmetic.
@@ -287,6 +288,24 @@ static_assert(!CUFLASH_DETERMINISTIC_DQ || PLAIN_LOOP, "the deterministic dQ for
 #define INTERIOR_COPIES \
     (INTERIOR_PATHS && (DMAX <= 128 || (BWD_ARCH_SM90 && PLAIN_LOOP)) && NT % CHUNKS == 0 && BR * CHUNKS % NT == 0)
 
+// ... and the edge tiles' Q/dO copies in the plain forms: load_tile_async's copies at the interior
+// copies' addresses, each row's 16 bytes read when the row is before Sq and the chunk before the
+// head dim, else zero-filled (src-size 0: no byte is read, so the address of a row past Sq is never
+// dereferenced, PTX ISA cp.async), so a copy's test is one compare of a constant. Not in the sm_75
+// form, whose register-staged copies keep load_tile_async's order (every load, then every store).
+#define EDGE_COPIES (INTERIOR_COPIES && PLAIN_LOOP && !CUFLASH_SM75_FORM)
+__device__ __forceinline__ void load_rows_async_edge(elem_t* dst, const elem_t* __restrict__ src, long long row_stride,
+                                                     int n_rows, int n_cols) {
+    constexpr int RPP = NT / CHUNKS;   // rows per pass (INTERIOR_COPIES: NT % CHUNKS == 0, BR * CHUNKS % NT == 0)
+    const int tid = ptx_opaque(static_cast<int>(threadIdx.x));   // (its own addresses: the interior copies' stay as they were)
+    const int r0 = tid / CHUNKS, c = tid % CHUNKS;
+    const elem_t* s = src + r0 * row_stride + c * 8;
+    elem_t* d = dst + r0 * PITCH + c * 8;
+    const int seen = c * 8 < ptx_opaque(n_cols) ? ptx_opaque(n_rows) - r0 : 0;   // pass i reads when i RPP < seen
+#pragma unroll
+    for (int i = 0; i < BR * CHUNKS / NT; ++i) ptx_cp_async_16_zfill(d + i * RPP * PITCH, s + i * RPP * row_stride, i * RPP < seen ? 16 : 0);
+}
+
 // A thread's ldmatrix row addresses (elements, relative to a tile base) and its warp's place in
 // each GEMM's layout. A: non-transposed (16 rows x 16 k, rows stored m-major): a_off; A from rows
 // stored k-major (ldmatrix.trans: P^T, dS^T): pat_off; B from rows stored n-major: b_off; B from
@@ -455,6 +474,9 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         if (INTERIOR_COPIES && rows == BR && head_dim == DMAX && head_dim_v == DMAX) {
             load_tile_async_full<BR>(q_s + st * BR * PITCH, q_tile, q_row_stride);
             load_tile_async_full<BR>(do_s + st * BR * PITCH, do_tile, do_row_stride);
+        } else if (EDGE_COPIES) {
+            load_rows_async_edge(q_s + st * BR * PITCH, q_tile, q_row_stride, rows, head_dim);
+            load_rows_async_edge(do_s + st * BR * PITCH, do_tile, do_row_stride, rows, head_dim_v);
         } else {
             load_tile_async<BR>(q_s + st * BR * PITCH, q_tile, q_row_stride, rows, head_dim);
             load_tile_async<BR>(do_s + st * BR * PITCH, do_tile, do_row_stride, rows, head_dim_v);
@@ -872,7 +894,8 @@ UNROLL_DQ_K
                     for (int h = 0; h < 2; ++h)
 #pragma unroll
                         for (int n = 0; n < NF_QP; ++n)
-                            if ((PLAIN_LOOP && rows == BR && head_dim == DMAX) ||   // (an interior tile: no tests)
+                            if ((PLAIN_LOOP && !CUFLASH_VARLEN && rows == BR && head_dim == DMAX) ||   // (an interior tile: no tests; not
+                                 // in the packed forms, where the loads in flight spilled 16-32 bytes at head dim 128)
                                 (l2.q_row0 + 16 * f + l2.g + 8 * h < rows && c0 + 8 * n + 2 * l2.t < head_dim)) {
                                 float2* dst = reinterpret_cast<float2*>(dq_thread + (16 * f + 8 * h) * head_dim + 8 * n);
                                 float2 o = *dst;

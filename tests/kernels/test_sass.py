@@ -393,7 +393,7 @@ def test_sass_tensor_core_backward_loop_budget(dtype, cuobjdump):
 
 
 #: the tensor-core backward's longest masked pass by the counter, d128 sm_90 (FA2's causal loop: 1085)
-MMA_BWD_LONGEST_MASKED = 1280
+MMA_BWD_LONGEST_MASKED = 1220
 
 
 # --------------------------------------------------------------------------- tensor-core forward
