@@ -93,15 +93,19 @@ def _qkv(rng, dtype, d, *, sq=37, sk=70, hq=1, hk=1, packed=None):
 
 
 def _flags(v) -> dict:
-    """The public keywords of a variant's form: dropout, score modifiers, deterministic mode."""
+    """The public keywords of a variant's form: dropout, score modifiers."""
     kw = {}
     if getattr(v, "dropout", False):
         kw.update(DROPOUT)
     if getattr(v, "mods", False):
         kw.update(SOFTCAP)
-    if getattr(v, "deterministic_dq", False):   # (the tensor-core backward's deterministic dQ form)
-        kw["deterministic"] = True
     return kw
+
+
+def _backward_flags(v) -> dict:
+    """The backward's own keywords of a variant's form: deterministic mode (the tensor-core
+    backward's ``_det`` forms)."""
+    return {"deterministic": True} if getattr(v, "deterministic_dq", False) else {}
 
 
 def _fixed(rng, v, d, backward, causal=True, **kw):
@@ -114,7 +118,7 @@ def _fixed(rng, v, d, backward, causal=True, **kw):
         check_lse(lse, q, k, vv, **{n: x for n, x in kw.items() if n in ("causal", "window_size", "softcap")})
     if backward:
         dout = rng.standard_normal(out.shape).astype(dt)
-        grads = cuflash.attention_backward(dout, q, k, vv, out, lse, backend="sim", **kw)
+        grads = cuflash.attention_backward(dout, q, k, vv, out, lse, backend="sim", **kw, **_backward_flags(v))
         check_grads_close(grads, dout, q, k, vv, out, lse, **kw)
 
 
@@ -132,7 +136,7 @@ def _packed(rng, v, d, backward):
     if backward:
         dout = rng.standard_normal(out.shape).astype(dt)
         grads = cuflash.attention_varlen_backward(dout, q, k, vv, out, lse, cq, ck, max(lq), max(lk), causal=True,
-                                                  backend="sim", **kw)
+                                                  backend="sim", **kw, **_backward_flags(v))
         check_packed_backward(grads, dout, q, k, vv, out, lse, cq, ck, None, causal=True, **kw)
 
 
