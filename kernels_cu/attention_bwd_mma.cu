@@ -290,9 +290,9 @@ static_assert(!CUFLASH_DETERMINISTIC_DQ || PLAIN_LOOP, "the deterministic dQ for
 
 // ... and the edge tiles' Q/dO copies in the plain forms: load_tile_async's copies at the interior
 // copies' addresses, each row's 16 bytes read when the row is before Sq and the chunk before the
-// head dim, else zero-filled (src-size 0: no byte is read, so the address of a row past Sq is never
-// dereferenced, PTX ISA cp.async), so a copy's test is one compare of a constant. Not in the sm_75
-// form, whose register-staged copies keep load_tile_async's order (every load, then every store).
+// head dim, else zeros (cp.async's ignore-src: the source, a row past Sq, is not read at all, PTX ISA),
+// so a copy's test is one compare of a constant. Not in the sm_75 form, whose register-staged copies
+// keep load_tile_async's order (every load, then every store).
 #define EDGE_COPIES (INTERIOR_COPIES && PLAIN_LOOP && !CUFLASH_SM75_FORM)
 __device__ __forceinline__ void load_rows_async_edge(elem_t* dst, const elem_t* __restrict__ src, long long row_stride,
                                                      int n_rows, int n_cols) {
@@ -303,7 +303,8 @@ __device__ __forceinline__ void load_rows_async_edge(elem_t* dst, const elem_t* 
     elem_t* d = dst + r0 * PITCH + c * 8;
     const int seen = c * 8 < ptx_opaque(n_cols) ? ptx_opaque(n_rows) - r0 : 0;   // pass i reads when i RPP < seen
 #pragma unroll
-    for (int i = 0; i < BR * CHUNKS / NT; ++i) ptx_cp_async_16_zfill(d + i * RPP * PITCH, s + i * RPP * row_stride, i * RPP < seen ? 16 : 0);
+    for (int i = 0; i < BR * CHUNKS / NT; ++i)
+        ptx_cp_async_16_ignore_src(d + i * RPP * PITCH, s + i * RPP * row_stride, i * RPP >= seen);
 }
 
 // A thread's ldmatrix row addresses (elements, relative to a tile base) and its warp's place in

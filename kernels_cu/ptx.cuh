@@ -320,6 +320,11 @@ __device__ __forceinline__ void ptx_cp_async_16(void* smem, const void* gmem) { 
 __device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gmem, int src_bytes) {
     cuflash_ptx_sim::cp_async_16(smem, gmem, uint32_t(src_bytes));
 }
+// cp.async.cg with the ignore-src predicate: when `ignore`, the source is not read at all (its
+// address need not be valid) and the 16 bytes are zeros.
+__device__ __forceinline__ void ptx_cp_async_16_ignore_src(void* smem, const void* gmem, bool ignore) {
+    cuflash_ptx_sim::cp_async_16(smem, gmem, ignore ? 0u : 16u);
+}
 // cp.async.ca with cp-size 4 (4-byte-aligned addresses): src_bytes 0 zero-fills.
 __device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
     cuflash_ptx_sim::cp_async(smem, gmem, 4, uint32_t(src_bytes));
@@ -590,6 +595,10 @@ __device__ __forceinline__ void ptx_cp_async_16(void* smem, const void* gmem) {
 __device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(ptx_smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
 }
+__device__ __forceinline__ void ptx_cp_async_16_ignore_src(void* smem, const void* gmem, bool ignore) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n"
+                 ::"r"(ptx_smem_addr(smem)), "l"(gmem), "r"(int(ignore)) : "memory");
+}
 __device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(ptx_smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
 }
@@ -831,6 +840,9 @@ __device__ __forceinline__ void ptx_cp_async_16(void* smem, const void* gmem) {
 }
 __device__ __forceinline__ void ptx_cp_async_16_zfill(void* smem, const void* gmem, int src_bytes) {
     cuflash_sm75_copy<uint4>(smem, gmem, src_bytes, 16);
+}
+__device__ __forceinline__ void ptx_cp_async_16_ignore_src(void* smem, const void* gmem, bool ignore) {
+    cuflash_sm75_copy<uint4>(smem, gmem, ignore ? 0 : 16, 16);   // (ignored: not read)
 }
 __device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
     cuflash_sm75_copy<unsigned>(smem, gmem, src_bytes, 4);
