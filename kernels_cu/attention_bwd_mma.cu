@@ -904,7 +904,8 @@ UNROLL_DQ_K
                                 o.y += acc[f][n][2 * h + 1];
                                 *dst = o;
                             }
-            } else {   // an edge tile: each element's add under its own predicate (no branches)
+            } else {   // an edge tile: each element's add under its own predicate (ptxas branches around
+                       // each predicated REDG all the same: BSSY/BRA/BSYNC, about 88 instructions for 16 adds)
 #pragma unroll
                 for (int f = 0; f < MF_Q; ++f)
 #pragma unroll
@@ -914,7 +915,7 @@ UNROLL_DQ_K
                         for (int n = 0; n < NF_QP; ++n) {
                             const bool in_view = row_ok && c0 + 8 * n + 2 * l2.t < head_dim;
                             float* dst = dq_thread + (16 * f + 8 * h) * head_dim + 8 * n;
-                            if (INTERIOR_PATHS)   // (predicated; the modifier forms branch, their registers being short)
+                            if (INTERIOR_PATHS)   // (the predicate in the asm; the modifier forms test in C++)
                                 ptx_red_add_f32x2_if(in_view, dst, acc[f][n][2 * h], acc[f][n][2 * h + 1]);
                             else if (in_view)
                                 ptx_red_add_f32x2(dst, acc[f][n][2 * h], acc[f][n][2 * h + 1]);

@@ -355,7 +355,8 @@ __device__ __forceinline__ void ptx_red_add_f32x2(float* p, float a, float b) {
     atomicAdd(p, a);
     atomicAdd(p + 1, b);
 }
-// The same under a predicate (GPU: one predicated instruction, no branch); off: no access at all.
+// The same under a predicate; off: no access at all. (GPU: setp and `@q red` in one asm block; ptxas
+// 12.9 and 13.0 still emit a branch around the REDG, BSSY/BRA/BSYNC, as for any predicated red/atom.)
 __device__ __forceinline__ void ptx_red_add_f32x2_if(bool pred, float* p, float a, float b) {
     if (pred) ptx_red_add_f32x2(p, a, b);
 }
