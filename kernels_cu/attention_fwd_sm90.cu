@@ -76,6 +76,15 @@
 // the sequence's keys (ALiBi bottom-right with its device-read Sk); the sink joins split 0's rows
 // only, so the combine counts it once a row.
 //
+// Chunked prefill (CUFLASH_VARLEN and CUFLASH_KVCACHE, cuflash.attention_varlen with a block_table):
+// q and o through the packed forms' ragged maps, lse (Hq, total_q); sequence b's query rows and its
+// key count n_k (cu_seqlens_k's length, seqused_k[b] when given) from varlen_seq on the device, its
+// keys cache indices [0, n_k) of block-table row b, gathered by the producer as in the KV-cache
+// forms (cache_seq with n_k as the cache length: no left padding, no append, n_k past the
+// capacity gives NaN rows). Unsplit (a compile-time single split: no partials, no combine). Head
+// dims up to 192: the d256 form spills under NVRTC 13 (32 B stores, 148 B loads, some in the steady
+// loop), so the tensor-core tier runs those calls.
+//
 // Traced score_mod / mask_mod (the CUFLASH_USER_MOD variants of the modifier forms; score_mods.cuh):
 // mod_score applies the traced functions after the built-in modifiers, at (q_idx, kv_idx) = (the
 // accumulator element's query row, its key), in the same per-tile code; their captured arrays are
@@ -768,7 +777,8 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     unsigned char* o_st = CUFLASH_FP8 ? v_s + STAGES * V_BYTES : q_s;
 #if CUFLASH_KVCACHE
     // split-KV: blockIdx.x is (query tile, split), the split fastest
-    const int nsplit = kv.num_splits, split = blockIdx.x % nsplit;
+    // (chunked prefill runs unsplit: nsplit is the constant 1 there)
+    const int nsplit = CUFLASH_VARLEN ? 1 : kv.num_splits, split = blockIdx.x % nsplit;
     const int m0 = (gridDim.x / nsplit - 1 - blockIdx.x / nsplit) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
 #else
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
@@ -792,10 +802,11 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, b};
 #endif
 #if CUFLASH_KVCACHE
-    // the sequence's keys in the cache, from the lengths and indices on the device
+    // the sequence's keys in the cache, from the lengths and indices on the device (chunked
+    // prefill: the packed index's key count, Sk above, is the cache length)
     const CacheSeq cs = cache_seq(b, hk, kv.k_cache, kv.v_cache, kv.st, kv.cache_seqlens, kv.leftpad, kv.batch_idx,
-                                  kv.block_table, kv.bt_stride, kv.page_size, kv.num_pages, kv.cache_seqlen,
-                                  kv.seqlen_new, kv.capacity, kv.flags);
+                                  kv.block_table, kv.bt_stride, kv.page_size, kv.num_pages,
+                                  CUFLASH_VARLEN ? Sk : kv.cache_seqlen, kv.seqlen_new, kv.capacity, kv.flags);
     Sk = cs.seqlen_k;
 #endif
     // the warpgroup, read from lane 0 so that the compiler knows it uniform across the warp (it
@@ -1112,7 +1123,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         float row_lse = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
         if (bad) inv[r] = row_lse = __int_as_float(0x7fc00000);
         if (t == 0 && row0 + 8 * r < Sq)
-            (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(size_t(b) * Hq + h) * Sq + row0 + 8 * r] = row_lse;
+            (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = row_lse;
 #else
         if (t == 0 && row0 + 8 * r < Sq)
             lse[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;

@@ -72,8 +72,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         sequence ``b``'s keys are cache indices ``[0, n_k)`` of its pages (row ``p % page_size``
         of page ``block_table[b, p // page_size]``), ``n_k`` as above from ``cu_seqlens_k`` /
         ``seqused_k``. Host indices are checked (the pages a sequence uses inside the cache); with
-        device ones an out-of-range page gives NaN in that sequence's rows. Runs on the
-        tensor-core KV-cache kernel (float16/bfloat16) or the NumPy path; no backward.
+        device ones an out-of-range page gives NaN in that sequence's rows. On compute
+        capability 9.0 (float16/bfloat16) the Hopper kernel runs it when ``max_seqlen_q >= 64``
+        and the head dims are at most 192 (causal, windows, GQA, softcap, ALiBi); else the tensor-core KV-cache kernel, which packs
+        a GQA group's query heads into its tiles; or the NumPy path. Unsplit; no backward.
     return_lse : bool
         Also return the log-sum-exp (natural log) of each row, float32 ``(Hq, total_q)``.
     out : array, shape ``(total_q, Hq, Dv)``, optional
@@ -187,8 +189,8 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     -------
     dict
         :func:`cuflash.explain`'s keys: ``backend``; on the kernel backends ``arch``, ``tier``,
-        ``variant`` (its name ends in ``_varlen`` for the packed forms, ``_kvcache`` for chunked
-        prefill over a paged cache), ``entry``, ``block_m``/``block_n``, ``threads``,
+        ``variant`` (its name ends in ``_varlen`` for the packed forms, ``_varlen_kvcache`` for
+        chunked prefill over a paged cache), ``entry``, ``block_m``/``block_n``, ``threads``,
         ``smem_bytes``, ``blocks`` (``ceil(max_seqlen_q / block_m)`` query tiles per head and
         sequence; blocks past a sequence's end exit at once), ``choice`` and ``backward`` (the
         backward's tier and variant, and why; not with a ``block_table``). With a

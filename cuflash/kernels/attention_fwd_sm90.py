@@ -169,7 +169,9 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     #: the device); a compile-time axis, so a fixed-shape call runs exactly the fixed kernel
     varlen: bool = False
     #: the KV-cache form (``CUFLASH_KVCACHE``: K and V gathered from a contiguous or paged cache by the
-    #: producer warpgroup, split-KV); always ``local`` (an unbounded window runs the same steady loop)
+    #: producer warpgroup, split-KV); always ``local`` (an unbounded window runs the same steady loop);
+    #: with ``varlen``, chunked prefill (packed q and o, the sequences' key counts from the packed
+    #: index, unsplit)
     kvcache: bool = False
     #: a traced score_mod's and mask_mod's CUDA C (:func:`cuflash.runtime.score_mod.kernel_texts`; ""
     #: for none): an axis of the ``mods`` forms (``CUFLASH_USER_MOD``), named by a hash of the two
@@ -196,8 +198,8 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
                 raise ValueError(f"Sm90ForwardVariant: {name}={d} must be one of {HEAD_DIM_BUCKETS}")
         if self.varlen and (self.user_mod or self.block_sparse):
             raise ValueError("Sm90ForwardVariant: the packed (varlen) forms have no traced functions or block masks")
-        if self.kvcache and (self.varlen or self.user_mod or self.block_sparse or not self.local):
-            raise ValueError("Sm90ForwardVariant: the KV-cache forms are local, without packed queries or traced functions")
+        if self.kvcache and (self.user_mod or self.block_sparse or not self.local):
+            raise ValueError("Sm90ForwardVariant: the KV-cache forms are local, without traced functions")
         if self.head_dim_v > self.head_dim:
             raise ValueError(f"Sm90ForwardVariant: head_dim_v={self.head_dim_v} must not exceed head_dim="
                              f"{self.head_dim} (the output is staged over the query tile)")
@@ -270,6 +272,8 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
         loads = "TMA, 2-stage K and V rings"
         if self.kvcache:
             loads = "Q by TMA, K and V gathered from the cache by cp.async into 2-stage rings"
+            if self.varlen:
+                packed = "chunked prefill, packed query sequences (ragged tensor maps) over a paged cache: "
         if self.block_sparse:
             loads += ", over the block mask's partial then full key blocks (empty ones never loaded)"
         if self.fp8:
@@ -295,20 +299,20 @@ def bucket(d: int) -> int:
 def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
                  dropout: bool = False, mods: bool = False, fp8: bool = False) -> tuple[Sm90ForwardVariant, ...]:
     """Every variant (the compile gate's and precompile's list); none below sm_90, and no dropout
-    forms, nor packed queries over a cache (those
-    calls go to the tensor-core tier); ``mods``: the score-modifier forms; ``varlen``: the packed
+    forms; ``mods``: the score-modifier forms; ``varlen``: the packed
     forms (with ``mods``: softcap and ALiBi); ``kvcache``: the KV-cache forms (local only; with ``mods``,
-    softcap, ALiBi and sinks); ``fp8``: the fp8 forms (plain, fixed or with ``varlen`` packed;
-    ``dtype`` the output's)."""
-    if arch != 90 or dropout or (kvcache and varlen):
+    softcap, ALiBi and sinks; with ``varlen``, chunked prefill: packed queries over a paged cache);
+    ``fp8``: the fp8 forms (plain, fixed or with ``varlen`` packed; ``dtype`` the output's)."""
+    if arch != 90 or dropout:
         return ()
     if fp8:
         return () if (kvcache or mods) else tuple(
             Sm90ForwardVariant(dt, d, d, local, varlen=varlen, fp8=True) for dt in DTYPES for d in FP8_HEAD_DIM_BUCKETS
             for local in (False, True))
-    if kvcache:
-        return tuple(Sm90ForwardVariant(dt, d, dv, True, mods, kvcache=True) for dt in DTYPES for d in HEAD_DIM_BUCKETS
-                     for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)))
+    if kvcache:   # (chunked prefill: head dims up to CHUNKED_PREFILL_MAX_HEAD_DIM)
+        return tuple(Sm90ForwardVariant(dt, d, dv, True, mods, varlen, kvcache=True) for dt in DTYPES for d in HEAD_DIM_BUCKETS
+                     for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128))
+                     and (not varlen or d <= CHUNKED_PREFILL_MAX_HEAD_DIM))
     return tuple(Sm90ForwardVariant(dt, d, dv, local, mods, varlen) for dt in DTYPES for d in HEAD_DIM_BUCKETS
                  for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)) for local in (False, True))
 
@@ -934,13 +938,17 @@ MIN_TILES_PER_SPLIT = 2
 #: ``cuflash.attention_with_kvcache`` has): the sink joins split 0's rows only, so the combine
 #: counts it once a row
 KVCACHE_MODIFIERS = ("softcap", "alibi_slopes", "sinks")
+#: chunked prefill (packed queries over a paged cache) runs here up to this head dim: the d256 form
+#: spills under NVRTC 13 (32 B stores, 148 B loads, some inside the steady loop)
+CHUNKED_PREFILL_MAX_HEAD_DIM = 192
 
 
 def kvcache_variant(problem) -> Sm90ForwardVariant:
-    """The KV-cache form of ``problem``'s dtype and head dims (always ``local``)."""
+    """The KV-cache form of ``problem``'s dtype and head dims (always ``local``; packed queries:
+    the chunked-prefill form)."""
     p = problem
     return Sm90ForwardVariant(variants.dtype_key(p.dtype), bucket(p.head_dim), bucket(p.head_dim_v), True,
-                              p.modifiers is not None, kvcache=True)
+                              p.modifiers is not None, p.varlen is not None, kvcache=True)
 
 
 def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
@@ -956,19 +964,25 @@ def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
     why = refuse_modifiers(p, "the Hopper KV-cache form", KVCACHE_MODIFIERS)
     if why is not None:
         return why
-    if p.varlen is not None:
-        return "chunked prefill (packed queries over a paged cache) is not in the Hopper kernel yet"
     why = dtype_reason(p) or scale_reason(p)
     if why is not None:
         return why
     why = _dims_reason(p)
     if why is not None:
         return why
-    if p.seqlen_q < KVCACHE_MIN_ROWS:
-        return (f"Sq={p.seqlen_q} query rows would fill under half of the 128-row Hopper tile (from "
+    if p.varlen is not None and max(p.head_dim, p.head_dim_v) > CHUNKED_PREFILL_MAX_HEAD_DIM:
+        return (f"head dim {max(p.head_dim, p.head_dim_v)}: the Hopper chunked-prefill form takes head dims up to "
+                f"{CHUNKED_PREFILL_MAX_HEAD_DIM} (at 256 its consumers would spill registers under NVRTC 13)")
+    rows = kvcache_rows(p)
+    if rows < KVCACHE_MIN_ROWS:
+        what = f"max_seqlen_q={rows}" if p.varlen is not None else f"Sq={rows}"
+        return (f"{what} query rows would fill under half of the 128-row Hopper tile (from "
                 f"{KVCACHE_MIN_ROWS} on it runs here); the tensor-core decode kernel packs the "
                 f"{p.group_size} query heads of a GQA group into its tiles")
-    if len(p.batch_shape) != 1 or p.batch_shape[0] > plan.MAX_GRID_DIMS[2]:
+    if p.varlen is not None:
+        if p.varlen.batch > plan.MAX_GRID_DIMS[2]:
+            return f"{p.varlen.batch} packed sequences exceed the grid's {plan.MAX_GRID_DIMS[2]} (gridDim.z)"
+    elif len(p.batch_shape) != 1 or p.batch_shape[0] > plan.MAX_GRID_DIMS[2]:
         return f"batch dims {p.batch_shape}: the Hopper KV-cache form takes one batch dim of at most {plan.MAX_GRID_DIMS[2]}"
     arrays = tuple(arrays or ())
     for a, name in zip(arrays[:1] + arrays[3:4], ("q", "out")):
@@ -983,9 +997,14 @@ def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
     return None
 
 
+def kvcache_rows(problem) -> int:
+    """Query rows per (sequence, query head): ``Sq``, or a packed batch's ``max_seqlen_q``."""
+    return problem.varlen.max_seqlen_q if problem.varlen is not None else problem.seqlen_q
+
+
 def kvcache_query_tiles(problem) -> int:
     """Query tiles of 128 rows per (sequence, query head)."""
-    return -(-problem.seqlen_q // BLOCK_M)
+    return -(-kvcache_rows(problem) // BLOCK_M)
 
 
 def kvcache_splits(problem, variant, sm_count) -> int:
@@ -993,8 +1012,11 @@ def kvcache_splits(problem, variant, sm_count) -> int:
     shapes, never the lengths (the device reads those, and each split takes its share of the key
     tiles they give). ``num_splits`` when given (at most the capacity's key tiles, and
     :data:`MAX_SPLITS`); else enough splits for one block per SM (``sm_count``), keeping
-    :data:`MIN_TILES_PER_SPLIT` key tiles of the capacity per split."""
+    :data:`MIN_TILES_PER_SPLIT` key tiles of the capacity per split. Chunked prefill (packed
+    queries) runs unsplit."""
     c = problem.kvcache
+    if problem.varlen is not None:
+        return 1
     n_tiles = max(1, -(-c.capacity // variant.block_n))
     if c.num_splits:
         return max(1, min(c.num_splits, n_tiles, MAX_SPLITS))
@@ -1009,14 +1031,35 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> LaunchPlan:
     and ``lse`` (B, Hq, Sq) C-contiguous float32; ``partials`` is ``(o_partial, lse_partial)``,
     ``(splits, B * Hq * Sq, Dv)`` and ``(splits, B * Hq * Sq)`` float32, which the kernel writes
     instead of ``out`` and ``lse`` when there are several splits (``splits`` = their first axis).
-    A block per (128-row query tile x split, query head, sequence)."""
+    A block per (128-row query tile x split, query head, sequence).
+
+    Chunked prefill (``problem.varlen``): ``q`` (total_q, Hq, D) and ``out`` through the packed
+    forms' ragged maps, ``lse`` (Hq, total_q), the packed index's arguments
+    (:func:`cuflash.kernels.launch_args.varlen_args`) after the scalars, unsplit."""
     p, c = problem, problem.kvcache
     o_partial, lse_partial = partials
     splits = o_partial.shape[0]
     bits = (lambda a: a.view(np.uint16)) if variant.dtype == "bf16" else (lambda a: a)
-    qs, os_ = bits(_bhsd(q, "bshd")), bits(_bhsd(out, "bshd"))
-    b, hq, sq, _ = qs.shape
     hk = c.k_cache.shape[2]
+    if p.varlen is not None:   # chunked prefill: the ragged maps, lse (Hq, total_q), the key counts' index
+        qs, os_ = bits(q), bits(out)
+        total_q, hq, _ = qs.shape
+        b, sq = p.varlen.batch, total_q
+        head = (TensorMapArg(name, PointerArg.of(name, a, writable=w), TensorMap.ragged(a, rows, PANEL, swizzle=128))
+                for name, a, rows, w in (("map_q", qs, BLOCK_M, False), ("map_o", os_, 64, True)))
+        lse_arg = PointerArg.of("lse", lse.reshape(hq, total_q), writable=True)
+        # (Sk: the packed key index's clamp, which no chunked-prefill index reaches: each sequence's
+        # key count is its cu_seqlens_k difference, or seqused_k)
+        index = la.varlen_args(p, call)
+        sk = 2**31 - 257
+    else:
+        qs, os_ = bits(_bhsd(q, "bshd")), bits(_bhsd(out, "bshd"))
+        b, hq, sq, _ = qs.shape
+        head = (TensorMapArg.of("map_q", qs, (1, 1, BLOCK_M, PANEL), swizzle=128),
+                TensorMapArg.of("map_o", os_, (1, 1, 64, PANEL), swizzle=128, writable=True))
+        lse_arg = PointerArg.of("lse", lse.reshape(b, hq, sq), writable=True)
+        index = ()
+        sk = c.capacity
     kst, vst = ([int(s) for s in a.strides] for a in (c.k_cache, c.v_cache))
     flags = (1 if c.cache_seqlens is not None else 0) | (2 if c.cache_leftpad is not None else 0) | \
         (4 if c.cache_batch_idx is not None else 0) | (8 if c.paged else 0)
@@ -1026,13 +1069,11 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> LaunchPlan:
         a = getattr(c, name)
         return PointerArg.of(name, a if a is not None else call.empty_index)
 
-    args = (TensorMapArg.of("map_q", qs, (1, 1, BLOCK_M, PANEL), swizzle=128),
-            TensorMapArg.of("map_o", os_, (1, 1, 64, PANEL), swizzle=128, writable=True),
-            PointerArg.of("lse", lse.reshape(b, hq, sq), writable=True), ScalarArg("Sq", np.int32(sq)),
-            ScalarArg("Sk", np.int32(c.capacity)), ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
+    args = (*head, lse_arg, ScalarArg("Sq", np.int32(sq)),
+            ScalarArg("Sk", np.int32(sk)), ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
             scale_arg(p.softmax_scale, variant.mods),
             ScalarArg("window_left", np.int32(p.window_left)), ScalarArg("window_right", np.int32(p.window_right)),
-            PointerArg.of("k_cache", c.k_cache), PointerArg.of("v_cache", c.v_cache),
+            *index, PointerArg.of("k_cache", c.k_cache), PointerArg.of("v_cache", c.v_cache),
             *(la.i64(f"k_{n}_stride", s) for n, s in zip(("page", "row", "head"), kst[:3])),
             *(la.i64(f"v_{n}_stride", s) for n, s in zip(("page", "row", "head"), vst[:3])),
             idx("cache_seqlens"), idx("cache_leftpad"), idx("cache_batch_idx"), idx("block_table"),

@@ -311,8 +311,11 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
         blocks = attention_fwd_sm90.kvcache_query_tiles(p) * splits * p.num_heads_q * batch
         where = (f"a paged cache ({c.num_pages} pages of {c.page_size} rows)" if c.paged
                  else f"a contiguous cache ({c.num_pages} x {c.capacity} rows)")
-        line = (f"sm_{arch}: Hopper wgmma tier, KV-cache form over {where}, {p.seqlen_q} query rows per 128-row "
-                f"tile, {split}: {v.describe()}")
+        if p.varlen is not None:
+            form = f"chunked prefill: packed queries over {where}, up to {p.varlen.max_seqlen_q} query rows a sequence"
+        else:
+            form = f"KV-cache form over {where}, {p.seqlen_q} query rows"
+        line = f"sm_{arch}: Hopper wgmma tier, {form} per 128-row tile, {split}: {v.describe()}"
         return {"tier": attention_fwd_sm90.__name__.rsplit(".", 1)[-1], **_tiles(v), "blocks": blocks,
                 "splits": splits, "choice": line}
     tiles = attention_fwd_mma.kvcache_query_tiles(p, v)

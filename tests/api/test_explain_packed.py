@@ -105,12 +105,19 @@ def test_numpy_path_and_chunked_prefill(launches):
     cache = np.zeros((40, 16, 2, 64), np.float16)
     table = np.arange(38, -1, -1, dtype=np.int32).reshape(3, 13)
     cu_k = np.array([0, 40, 50, 250], np.int32)
-    info = cuflash.explain_varlen(q, cache, cache, cq, cu_k, mq, 200, block_table=table, causal=True, arch=90)
+    # on 8.0 the tensor-core KV-cache form, with pack-GQA: the group's 2 query heads in one tile of
+    # block_m rows; 3 sequences, 2 kv heads
+    info = cuflash.explain_varlen(q, cache, cache, cq, cu_k, mq, 200, block_table=table, causal=True, arch=80)
     assert info["tier"] == "attention_fwd_mma" and info["variant"].endswith("_varlen_kvcache") and info["splits"] == 1
     assert "chunked prefill: packed queries over a paged cache (40 pages of 16 rows)" in info["choice"]
-    assert "Hopper wgmma tier not used: chunked prefill (packed queries over a paged cache) is not in" in info["choice"]
-    # pack-GQA: the group's 2 query heads in one tile of block_m rows; 3 sequences, 2 kv heads
+    assert "Hopper wgmma tier not used: sm_80 is not compute capability 9.0" in info["choice"]
     assert info["blocks"] == math.ceil(137 * 2 / info["block_m"]) * 2 * 3
+    # on 9.0 the Hopper chunked-prefill form: 2 query tiles of the longest sequence, 4 heads, 3 sequences
+    info = cuflash.explain_varlen(q, cache, cache, cq, cu_k, mq, 200, block_table=table, causal=True, arch=90)
+    assert info["tier"] == "attention_fwd_sm90" and info["variant"] == "f16_d64_local_varlen_kvcache"
+    assert info["splits"] == 1 and info["blocks"] == 2 * 4 * 3 and (info["block_m"], info["block_n"]) == (128, 128)
+    assert ("Hopper wgmma tier, chunked prefill: packed queries over a paged cache (40 pages of 16 rows), up to 137 "
+            "query rows a sequence per 128-row tile, unsplit") in info["choice"]
     with sim.options(arch=90):
         cuflash.attention_varlen(q, cache, cache, cq, cu_k, mq, 200, block_table=table, causal=True, backend="sim")
     assert [(p.entry, _blocks(p)) for p in launches if "kvcache" in p.entry] == [(info["entry"], info["blocks"])]
@@ -221,9 +228,10 @@ VARLEN_REFUSALS = {
     "a grid past the 1-d limit (tensor-core packed form)": lambda q, k, v, cq, ck: (
         (np.zeros((140, 64, 64), np.float16), np.zeros((209, 64, 64), np.float16), np.zeros((209, 64, 64), np.float16),
          cq, ck, 2**31 - 300, 200), {"dropout_p": 0.1, "dropout_seed": 1}),
+    # (head dim 256: the tensor-core chunked-prefill form, whose grid is 1-d; the Hopper one takes up to 192)
     "a grid past the 1-d limit (chunked prefill)": lambda q, k, v, cq, ck: (
-        (np.zeros((140, 64, 64), np.float16), np.zeros((20, 16, 64, 64), np.float16),
-         np.zeros((20, 16, 64, 64), np.float16), cq, ck, 2**31 - 300, 200),
+        (np.zeros((140, 64, 256), np.float16), np.zeros((20, 16, 64, 256), np.float16),
+         np.zeros((20, 16, 64, 256), np.float16), cq, ck, 2**31 - 300, 200),
         {"block_table": np.arange(39, dtype=np.int32).reshape(3, 13) % 20}),
 }
 

@@ -24,7 +24,7 @@ from allpairspy import AllPairs
 from support.grids import default_share
 from support.device import on_device, sim_call
 from support.options import check_kvcache as check_attention_with_kvcache
-from support.kvcache import check_result, expected_cache, random_paged_cache
+from support.kvcache import check_prefill, check_result, expected_cache, make_prefill, random_paged_cache
 from support.tolerance import check_close
 
 import cuflash
@@ -566,30 +566,6 @@ PREFILL_AXES = [list(CHUNKS), [1, 3, 16, 256], HEADS, list(MASKS), [40, 128, 256
 PREFILL = [tuple(c) for c in AllPairs(PREFILL_AXES)]
 
 
-def make_prefill(rng, chunks, page, heads, d, dtype, used):
-    hq, hk = heads
-    lq = np.array([a for a, _ in chunks], np.int64)
-    lk = np.array([b for _, b in chunks], np.int64)
-    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
-    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
-    seqused = None if used == "all" else np.array([n - n // 3 for n in lk], np.int32)
-    per_seq = [-(-int(n) // page) for n in lk]
-    num_pages = sum(per_seq) + 1
-    ids = rng.permutation(num_pages).astype(np.int32)
-    bt = np.full((len(chunks), max(per_seq) + 1), 2**30, np.int32)   # unused entries: never read
-    at = 0
-    for i, n in enumerate(per_seq):
-        bt[i, :n], at = ids[at:at + n], at + n
-    kc = np.full((num_pages, page, hk, d), np.nan, dtype)
-    vc = np.full((num_pages, page, hk, d), np.nan, dtype)
-    for i, n in enumerate(lk):
-        i0, i1 = ref_kvcache.cache_rows(i, 0, int(n if seqused is None else seqused[i]), page_size=page, block_table=bt)
-        kc[i0, i1] = rng.standard_normal((len(i0), hk, d))
-        vc[i0, i1] = rng.standard_normal((len(i0), hk, d))
-    q = rng.standard_normal((int(cq[-1]), hq, d)).astype(dtype)
-    return q, kc, vc, cq, ck, int(lq.max()), int(lk.max()), seqused, bt
-
-
 def run_prefill(rng, chunks, page, heads, mask, d, used, dtype_key, *, checked=False):
     q, kc, vc, cq, ck, mq, mk, seqused, bt = make_prefill(rng, CHUNKS[chunks], page, heads, d, DTYPES[dtype_key], used)
     causal, window = MASKS[mask]
@@ -597,20 +573,7 @@ def run_prefill(rng, chunks, page, heads, mask, d, used, dtype_key, *, checked=F
         with cuflash.sim.options(checked=checked):
             out, lse = cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, causal=causal, window_size=window,
                                                 seqused_k=seqused, block_table=bt, return_lse=True, backend=backend)
-        for b in range(len(cq) - 1):
-            rq = slice(cq[b], cq[b + 1])
-            if rq.stop == rq.start:
-                continue
-            n = int(ck[b + 1] - ck[b]) if seqused is None else int(seqused[b])
-            kb = ref_kvcache.gather(kc, b, 0, n, page_size=page, block_table=bt)[None]
-            vb = ref_kvcache.gather(vc, b, 0, n, page_size=page, block_table=bt)[None]
-            check_close(out[None, rq], q[None, rq], kb, vb, layout="bshd", causal=causal, window_size=window)
-            _, lse64 = ref.naive_attention(q[None, rq].astype(np.float64), kb.astype(np.float64),
-                                           vb.astype(np.float64), layout="bshd", return_lse=True, causal=causal,
-                                           window_size=window)
-            fin = np.isfinite(lse64[0])
-            assert np.array_equal(np.isneginf(lse[:, rq]), np.isneginf(lse64[0]))
-            np.testing.assert_allclose(lse[:, rq][fin], lse64[0][fin], rtol=2e-3, atol=2e-3)
+        check_prefill(out, lse, q, kc, vc, cq, ck, seqused, bt, page, causal, window)
 
 
 @pytest.mark.parametrize("case", default_share(PREFILL, ["-".join(map(str, c)) for c in PREFILL]))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from support.grads import check_grads_close
-from support.kvcache import check_fp8_result, check_result, expected_cache, quantize
+from support.kvcache import check_fp8_result, check_prefill, check_result, expected_cache, make_prefill, quantize
 from support.tolerance import check_close, check_lse, check_packed_backward, check_packed_forward
 
 import cuflash
@@ -225,6 +225,20 @@ def _hopper_kvcache(rng, v):
         check_close(out[b:b + 1], q[b:b + 1], kb, vb, layout="bshd", causal=True, **mods)
 
 
+def _hopper_chunked_prefill(rng, v):
+    """The Hopper chunked-prefill form: two packed sequences (70 query rows over 200 keys, 3 over
+    17), GQA 2, a paged cache of 16-row pages with NaN in every row not to be read, causal."""
+    q, kc, vc, cq, ck, mq, mk, _, bt = make_prefill(rng, [(70, 200), (3, 17)], 16, (2, 1), v.head_dim,
+                                                    DTYPES[v.dtype], "all", dv=v.head_dim_v)
+    mods = dict(softcap=4.0, alibi_slopes=rng.uniform(0.02, 0.4, 2).astype(np.float32)) if v.mods else {}
+    info = cuflash.explain_varlen(q, kc, vc, cq, ck, mq, mk, causal=True, block_table=bt, backend="sim", arch=90,
+                                  **mods)
+    assert info["entry"] == v.entry, info["choice"]
+    out, lse = cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, causal=True, block_table=bt, return_lse=True,
+                                        backend="sim", **mods)
+    check_prefill(out, lse, q, kc, vc, cq, ck, None, bt, 16, True, (-1, -1), **mods)
+
+
 def _without_hopper(monkeypatch):
     monkeypatch.setattr(dispatch, "TIERS", tuple(t for t in dispatch.TIERS if t[1] is not attention_fwd_sm90))
     monkeypatch.setattr(dispatch, "BACKWARD_TIERS",
@@ -250,6 +264,8 @@ def _run(v, rng, monkeypatch):
         return _packed(rng, v, v.head_dim_max, True) if v.varlen else _fixed(rng, v, v.head_dim_max, True)
     if isinstance(v, attention_fwd_sm90.Sm90ForwardVariant):
         dt = DTYPES[v.dtype]
+        if v.kvcache and v.varlen:   # chunked prefill: packed queries over a paged cache
+            return _hopper_chunked_prefill(rng, v)
         if v.kvcache:   # 70 query rows over a paged cache of 16-row pages (gathered), two splits
             return _hopper_kvcache(rng, v)
         if v.varlen and v.fp8:   # two e4m3 sequences (the second over two query and key tiles), descales per sequence

@@ -206,6 +206,30 @@ def test_the_packed_fp8_probe_passes_on_the_kernel():
     assert killed_by("fwd_sm90_fp8_varlen_checked") is None
 
 
+#: the KV-cache producer's gather pipeline (each K/V slot's release wait, the cp.async waits, the
+#: proxy fence and the full-barrier arrivals) and the consumers' full waits, which the
+#: chunked-prefill form runs with packed queries: each, removed, is seen by its probe too, not only
+#: by the KV-cache probe the kill map records
+PREFILL_FORM_MUTANTS = ["attention_fwd_sm90.cu|ptx_mbarrier_wait(&empty_k[s], ((j / STAGES) - 1) & 1);|#1|delete",
+                        "attention_fwd_sm90.cu|ptx_mbarrier_arrive(&full_v[(j - 1) % STAGES]);|#0|delete",
+                        "attention_fwd_sm90.cu|ptx_mbarrier_wait(&empty_v[s], ((j / STAGES) - 1) & 1);|#1|delete",
+                        "attention_fwd_sm90.cu|ptx_mbarrier_arrive(&full_k[s]);|#0|delete",
+                        "attention_fwd_sm90.cu|ptx_cp_async_wait<0>();|#0|relax",
+                        "attention_fwd_sm90.cu|ptx_fence_proxy_async();|#2|delete",
+                        "attention_fwd_sm90.cu|ptx_mbarrier_wait(bar_fk + 8 * s, ph);|#0|delete",
+                        "attention_fwd_sm90.cu|ptx_bar_sync(EPILOGUE_BAR + c, 128);|#0|delete"]
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("mid", PREFILL_FORM_MUTANTS)
+def test_the_chunked_prefill_form_sees_the_gather_mutants(mid, tmp_path, monkeypatch):
+    (mutant,) = [m for m in MUTANTS if m.id == mid]
+    tree = mutated_tree(paths.kernels_dir(), mutant, tmp_path / "kernels")
+    monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
+    assert killed_by("fwd_sm90_prefill_checked"), f"{mid} (line {mutant.line}) survived the chunked-prefill probe"
+
+
 def test_the_hopper_forward_synchronisations_are_killed():
     """Issue 20's kernel: every mbarrier wait and arrive, wgmma fence/commit/wait, the proxy fences,
     the epilogue's named barrier and bulk commit/wait are killed; only the last tile's ping-pong turn

@@ -179,3 +179,58 @@ def check_result(out, lse, q, kc, vc, lengths, kw, page, causal, window):
         fin = np.isfinite(lse64[0])
         assert np.isfinite(got[fin]).all()
         np.testing.assert_allclose(got[fin], lse64[0][fin], rtol=2e-3, atol=2e-3)
+
+
+def make_prefill(rng, chunks, page, heads, d, dtype, used, dv=None):
+    """Chunked prefill's inputs (``attention_varlen`` with a ``block_table``): ``chunks`` is
+    ``(query rows, keys in the cache)`` per sequence; pages drawn at random, NaN in every cache
+    row no sequence uses (unused pages, rows past ``seqused_k`` with ``used="some"``), and block
+    table entries past a sequence's pages out of range (never read). Returns ``q, k_cache,
+    v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table``
+    (``dv``: the values' head dim, ``d`` when None)."""
+    hq, hk = heads
+    dv = d if dv is None else dv
+    lq = np.array([a for a, _ in chunks], np.int64)
+    lk = np.array([b for _, b in chunks], np.int64)
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    seqused = None if used == "all" else np.array([n - n // 3 for n in lk], np.int32)
+    per_seq = [-(-int(n) // page) for n in lk]
+    num_pages = sum(per_seq) + 1
+    ids = rng.permutation(num_pages).astype(np.int32)
+    bt = np.full((len(chunks), max(per_seq) + 1), 2**30, np.int32)   # unused entries: never read
+    at = 0
+    for i, n in enumerate(per_seq):
+        bt[i, :n], at = ids[at:at + n], at + n
+    kc = np.full((num_pages, page, hk, d), np.nan, dtype)
+    vc = np.full((num_pages, page, hk, dv), np.nan, dtype)
+    for i, n in enumerate(lk):
+        i0, i1 = ref_kvcache.cache_rows(i, 0, int(n if seqused is None else seqused[i]), page_size=page, block_table=bt)
+        kc[i0, i1] = rng.standard_normal((len(i0), hk, d))
+        vc[i0, i1] = rng.standard_normal((len(i0), hk, dv))
+    q = rng.standard_normal((int(cq[-1]), hq, d)).astype(dtype)
+    return q, kc, vc, cq, ck, int(lq.max()), int(lk.max()), seqused, bt
+
+
+def check_prefill(out, lse, q, kc, vc, cq, ck, seqused, bt, page, causal, window, **mods):
+    """Each sequence of a chunked prefill against the float64 oracle over its ``n_k`` cache keys
+    (``seqused_k[b]``, else its ``cu_seqlens_k`` length), output and LSE (``mods``: softcap,
+    ALiBi slopes ``(Hq,)`` or ``(B, Hq)``, applied by oracle and baseline alike)."""
+    for b in range(len(cq) - 1):
+        rq = slice(cq[b], cq[b + 1])
+        if rq.stop == rq.start:
+            continue
+        n = int(ck[b + 1] - ck[b]) if seqused is None else int(seqused[b])
+        kb = ref_kvcache.gather(kc, b, 0, n, page_size=page, block_table=bt)[None]
+        vb = ref_kvcache.gather(vc, b, 0, n, page_size=page, block_table=bt)[None]
+        mb = dict(mods)
+        if mb.get("alibi_slopes") is not None and mb["alibi_slopes"].ndim == 2:
+            mb["alibi_slopes"] = mb["alibi_slopes"][b]
+        check_close(out[None, rq], q[None, rq], kb, vb, layout="bshd", causal=causal, window_size=window, **mb)
+        _, lse64 = ref.naive_attention(q[None, rq].astype(np.float64), kb.astype(np.float64),
+                                       vb.astype(np.float64), layout="bshd", return_lse=True, causal=causal,
+                                       window_size=window, **mb)
+        fin = np.isfinite(lse64[0])
+        assert np.array_equal(np.isneginf(lse[:, rq]), np.isneginf(lse64[0])), f"sequence {b}: rows without keys differ"
+        assert np.isfinite(lse[:, rq][fin]).all(), f"sequence {b}: a NaN LSE where the oracle's is finite"
+        np.testing.assert_allclose(lse[:, rq][fin], lse64[0][fin], rtol=2e-3, atol=2e-3)

@@ -50,7 +50,7 @@ FILES = {
     "hopper_probe.cu": ("hopper_checked", "hopper_seeds"),
     "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked",
                               "fwd_sm90_varlen_checked", "fwd_sm90_kvcache_checked", "fwd_sm90_bs_checked",
-                              "fwd_sm90_fp8_checked", "fwd_sm90_fp8_varlen_checked"),
+                              "fwd_sm90_fp8_checked", "fwd_sm90_fp8_varlen_checked", "fwd_sm90_prefill_checked"),
     "attention_bwd_sm90.cu": ("bwd_sm90_checked", "bwd_sm90_seeds", "bwd_sm90_um_checked"),
 }
 #: probes whose simulator build alone takes about a minute of the default run's 2 cores: they and
@@ -62,6 +62,9 @@ SLOW_PROBES = {
     "fwd_sm90_fp8_checked": "the Hopper forward's fp8 form in checked mode is a g++ build of its own that no default "
                             "test compiles (the default fp8 test runs the normal build); the pipeline it runs is the "
                             "plain form's, whose mutants the default probes kill",
+    "fwd_sm90_prefill_checked": "the chunked-prefill form in checked mode is one more build of its own; its pipeline "
+                                "is the KV-cache form's (the same gather, rings and barriers; only Q's and O's "
+                                "boxes and the sequence's key count differ)",
     "fwd_sm90_fp8_varlen_checked": "the packed fp8 form in checked mode is one more build of its own; its pipeline is "
                                    "the fixed fp8 form's (only V^T's key coordinate differs)",
 }
@@ -524,6 +527,25 @@ def _sm90_kvcache_case(checked, seeds):
             assert ok, f"Hopper KV-cache form, sequence {b}, seed {seed}: {msg}"
 
 
+def _sm90_prefill_case(checked, seeds):
+    """The Hopper chunked-prefill form (f16, head dim 64, causal, GQA 2) through the dispatcher
+    (its form asserted): packed sequences of 70, 0 and 3 query rows over 600, 5 and 37 keys of a
+    paged cache of 16-row pages (5 key tiles: both ring slots reused), NaN in every row not to be read."""
+    import cuflash
+    from cuflash import sim
+    from support.kvcache import check_prefill, make_prefill
+
+    rng = np.random.default_rng(13)
+    q, kc, vc, cq, ck, mq, mk, _, bt = make_prefill(rng, [(70, 600), (0, 5), (3, 37)], 16, (2, 1), 64, F16, "all")
+    info = cuflash.explain_varlen(q, kc, vc, cq, ck, mq, mk, causal=True, block_table=bt, backend="sim", arch=90)
+    assert info["variant"] == "f16_d64_local_varlen_kvcache", info["choice"]
+    for seed in seeds:
+        with sim.options(arch="sm_90", checked=checked, seed=seed):
+            out, lse = cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, causal=True, block_table=bt,
+                                                return_lse=True, backend="sim")
+        check_prefill(out, lse, q, kc, vc, cq, ck, None, bt, 16, True, (-1, -1))
+
+
 F16, F32 = np.float16, np.float32
 PROBES = {
     # (and the fp8-cache form's pipeline: its own wait, the barrier before the conversion, every
@@ -563,6 +585,8 @@ PROBES = {
     "fwd_sm90_local_checked": lambda: _sm90_case(F16, 128, 190, 260, True, True, (0,)),
     "fwd_sm90_varlen_checked": lambda: _sm90_varlen_case(True, (0,)),
     "fwd_sm90_kvcache_checked": lambda: _sm90_kvcache_case(True, (0,)),
+    # chunked prefill: the KV-cache form's gather and rings under packed queries
+    "fwd_sm90_prefill_checked": lambda: _sm90_prefill_case(True, (0,)),
     # the block-sparse form: the same rings and turns over key tiles taken from a block mask's lists
     "fwd_sm90_bs_checked": lambda: _sm90_block_sparse_case(True, (0,)),
     # the fp8 form: its V^T tiles (a 128-byte swizzle of keys), O staged after the V ring
