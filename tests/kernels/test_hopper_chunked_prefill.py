@@ -107,3 +107,19 @@ def test_chunked_prefill_forms_are_listed():
     assert all(v.local and v.varlen and v.kvcache and v.entry.endswith("_varlen_kvcache") for v in forms)
     assert all(v.entry.endswith("_mods_varlen_kvcache") for v in mods)
     assert "chunked prefill" in forms[0].describe()
+
+
+def test_chunked_prefill_past_the_grid_stays_on_the_tensor_core_tier(rng):
+    """More sequences than gridDim.z holds: the Hopper form (a block per query tile, head and
+    sequence) passes, and explain says why."""
+    n = 65536
+    lq = np.zeros(n, np.int64)
+    lq[0] = 64
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(np.ones(n, np.int64))]).astype(np.int32)
+    q = np.zeros((64, 2, 64), np.float16)
+    cache = np.zeros((1, 16, 2, 64), np.float16)
+    bt = np.zeros((n, 1), np.int32)
+    info = cuflash.explain_varlen(q, cache, cache, cq, ck, 64, 1, block_table=bt, backend="sim", arch=90)
+    assert info["tier"] == "attention_fwd_mma", info["choice"]
+    assert "65536 packed sequences exceed the grid's 65535 (gridDim.z)" in info["choice"]
