@@ -81,9 +81,7 @@
 // key count n_k (cu_seqlens_k's length, seqused_k[b] when given) from varlen_seq on the device, its
 // keys cache indices [0, n_k) of block-table row b, gathered by the producer as in the KV-cache
 // forms (cache_seq with n_k as the cache length: no left padding, no append, n_k past the
-// capacity gives NaN rows). Unsplit (a compile-time single split: no partials, no combine). Head
-// dims up to 192: the d256 form spills under NVRTC 13 (32 B stores, 148 B loads, some in the steady
-// loop), so the tensor-core tier runs those calls.
+// capacity gives NaN rows). Unsplit (a compile-time single split: no partials, no combine).
 //
 // Traced score_mod / mask_mod (the CUFLASH_USER_MOD variants of the modifier forms; score_mods.cuh):
 // mod_score applies the traced functions after the built-in modifiers, at (q_idx, kv_idx) = (the
@@ -786,7 +784,14 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #if CUFLASH_VARLEN
     // a packed batch (Sq, Sk: the totals): sequence b's rows and lengths, warp-uniform (common.cuh);
     // the grid covers the longest sequence, and a block past this one's rows leaves at once
+#if CUFLASH_KVCACHE && CUFLASH_D == 256
+    // (chunked prefill at d256: the sequence's offsets in vector registers; made uniform, they
+    // joined the consumers' descriptors in the uniform registers, and NVRTC 13 spilled them and
+    // more: 32 B stores, 148 B loads, some inside the key loops)
+    const VarlenSeq seq = varlen_seq(b, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, Sq, Sk);
+#else
     const VarlenSeq seq = varlen_seq_uniform(b, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, Sq, Sk);
+#endif
     lse += size_t(h) * Sq + seq.q0;   // lse (Hq, total_q): this head's rows of the sequence
     Sq = seq.seqlen_q;
     Sk = seq.seqlen_k;

@@ -74,7 +74,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``seqused_k``. Host indices are checked (the pages a sequence uses inside the cache); with
         device ones an out-of-range page gives NaN in that sequence's rows. On compute
         capability 9.0 (float16/bfloat16) the Hopper kernel runs it when ``max_seqlen_q >= 64``
-        and the head dims are at most 192 (causal, windows, GQA, softcap, ALiBi); else the tensor-core KV-cache kernel, which packs
+        (causal, windows, GQA, softcap, ALiBi); else the tensor-core KV-cache kernel, which packs
         a GQA group's query heads into its tiles; or the NumPy path. Unsplit; no backward.
     return_lse : bool
         Also return the log-sum-exp (natural log) of each row, float32 ``(Hq, total_q)``.

@@ -38,9 +38,9 @@ sequence's values. fp8 KV caches run elsewhere (``explain`` says where).
 Chunked prefill (``attention_varlen`` with a ``block_table``; the ``varlen`` + ``kvcache`` forms)
 runs the KV-cache forms' gather under packed queries: q and o through the packed forms' ragged
 maps, each sequence's key count from the packed index on the device (:func:`plan_kvcache`),
-unsplit, head dims up to :data:`CHUNKED_PREFILL_MAX_HEAD_DIM`.
+unsplit.
 The rest (fp32, dropout, traced functions on packed batches, decode-like KV-cache calls and
-chunked prefill, chunked prefill at head dim 256, Sk = 0, views TMA cannot describe, block masks whose blocks do not hold whole
+chunked prefill, Sk = 0, views TMA cannot describe, block masks whose blocks do not hold whole
 Hopper tiles) goes to the tensor-core mma.sync tier, and ``explain`` says why.
 
 Tiles (the roofline's per-head-dim choice; shared memory per block = Q + two stages of K and V +
@@ -313,10 +313,9 @@ def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
         return () if (kvcache or mods) else tuple(
             Sm90ForwardVariant(dt, d, d, local, varlen=varlen, fp8=True) for dt in DTYPES for d in FP8_HEAD_DIM_BUCKETS
             for local in (False, True))
-    if kvcache:   # (chunked prefill: head dims up to CHUNKED_PREFILL_MAX_HEAD_DIM)
+    if kvcache:
         return tuple(Sm90ForwardVariant(dt, d, dv, True, mods, varlen, kvcache=True) for dt in DTYPES for d in HEAD_DIM_BUCKETS
-                     for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128))
-                     and (not varlen or d <= CHUNKED_PREFILL_MAX_HEAD_DIM))
+                     for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)))
     return tuple(Sm90ForwardVariant(dt, d, dv, local, mods, varlen) for dt in DTYPES for d in HEAD_DIM_BUCKETS
                  for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)) for local in (False, True))
 
@@ -942,9 +941,6 @@ MIN_TILES_PER_SPLIT = 2
 #: ``cuflash.attention_with_kvcache`` has): the sink joins split 0's rows only, so the combine
 #: counts it once a row
 KVCACHE_MODIFIERS = ("softcap", "alibi_slopes", "sinks")
-#: chunked prefill (packed queries over a paged cache) runs here up to this head dim: the d256 form
-#: spills under NVRTC 13 (32 B stores, 148 B loads, some inside the steady loop)
-CHUNKED_PREFILL_MAX_HEAD_DIM = 192
 
 
 def kvcache_variant(problem) -> Sm90ForwardVariant:
@@ -974,9 +970,6 @@ def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
     why = _dims_reason(p)
     if why is not None:
         return why
-    if p.varlen is not None and max(p.head_dim, p.head_dim_v) > CHUNKED_PREFILL_MAX_HEAD_DIM:
-        return (f"head dim {max(p.head_dim, p.head_dim_v)}: the Hopper chunked-prefill form takes head dims up to "
-                f"{CHUNKED_PREFILL_MAX_HEAD_DIM} (at 256 its consumers would spill registers under NVRTC 13)")
     rows = kvcache_rows(p)
     if rows < KVCACHE_MIN_ROWS:
         what = f"max_seqlen_q={rows}" if p.varlen is not None else f"Sq={rows}"

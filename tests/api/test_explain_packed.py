@@ -228,11 +228,12 @@ VARLEN_REFUSALS = {
     "a grid past the 1-d limit (tensor-core packed form)": lambda q, k, v, cq, ck: (
         (np.zeros((140, 64, 64), np.float16), np.zeros((209, 64, 64), np.float16), np.zeros((209, 64, 64), np.float16),
          cq, ck, 2**31 - 300, 200), {"dropout_p": 0.1, "dropout_seed": 1}),
-    # (head dim 256: the tensor-core chunked-prefill form, whose grid is 1-d; the Hopper one takes up to 192)
+    # (a negative scale: the tensor-core chunked-prefill form, whose grid is 1-d; the plain Hopper
+    # forms take the row maximum on unscaled scores, so they pass it over)
     "a grid past the 1-d limit (chunked prefill)": lambda q, k, v, cq, ck: (
-        (np.zeros((140, 64, 256), np.float16), np.zeros((20, 16, 64, 256), np.float16),
-         np.zeros((20, 16, 64, 256), np.float16), cq, ck, 2**31 - 300, 200),
-        {"block_table": np.arange(39, dtype=np.int32).reshape(3, 13) % 20}),
+        (np.zeros((140, 64, 64), np.float16), np.zeros((20, 16, 64, 64), np.float16),
+         np.zeros((20, 16, 64, 64), np.float16), cq, ck, 2**31 - 300, 200),
+        {"block_table": np.arange(39, dtype=np.int32).reshape(3, 13) % 20, "softmax_scale": -1.0}),
 }
 
 
