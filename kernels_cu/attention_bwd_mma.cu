@@ -281,6 +281,14 @@ static_assert(!CUFLASH_DETERMINISTIC_DQ || PLAIN_LOOP, "the deterministic dQ for
 // not in the score-modifier forms, where the second path's registers spill at head dims 192 and
 // 256 (and every tile takes the per-pair path anyway).
 #define INTERIOR_PATHS (!CUFLASH_MODS)
+// The fixed plain forms' atomic dQ workspace (backward_run.py): rows per (batch, query head) padded to
+// a multiple of BR and a row pitch of DMAX, so every element a tile adds is this head's own (the
+// padding, rows past Sq and columns past the head dim, is never read back) and an edge tile adds like
+// an interior one, without a test per element. The packed and deterministic forms keep (batch, Hq,
+// rows, head_dim) and the tests, and so do head dims 192 and 256 (at 256 it spilled 4 bytes under
+// NVRTC 13 on sm_90).
+#define DQ_PADDED (PLAIN_LOOP && !CUFLASH_VARLEN && !CUFLASH_DETERMINISTIC_DQ && DMAX <= 128)
+#define DQ_PITCH (DQ_PADDED ? DMAX : head_dim)
 // ... and their own Q/dO copies (no predicates), where they take one address per thread
 // (load_tile_async_full's regular case) and the dK/dV accumulators leave room for a second copy
 // path (head dims <= 128, and 256 in the plain forms on sm_90 and newer: at 256 it spills on sm_80,
@@ -409,6 +417,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     // Dd and the dQ workspace are (batch, Hq, stat_rows) rows: Sq per batch, or one packed
     // sequence of total_q rows (varlen), where this sequence starts at stat_q0.
     const int stat_rows = seqlen_q, seqlen_k_total = seqlen_k;
+    const int ws_rows = DQ_PADDED ? (seqlen_q + BR - 1) / BR * BR : seqlen_q;   // dQ workspace rows per head
     long long stat_batch = batch;
     int stat_q0 = 0, keys = seqlen_k;   // keys: the rows of dK/dV this block may write
     if (CUFLASH_VARLEN) {   // a packed batch: this sequence's rows and lengths (common.cuh)
@@ -873,14 +882,15 @@ UNROLL_DQ_K
             const LaneOffsets l2 = lane_offsets(ptx_opaque(tid));
             const int c0 = l2.q_col0 + pass * 8 * NF_QP;   // this pass's first column
 #if UNSIGNED_INDEX
-            float* dq_thread = dq_part + ptx_opaque(index_times(cur.hq, (long long)stat_rows * head_dim) +
-                                                    (stat_batch * num_heads_q * stat_rows + stat_q0) * head_dim +
-                                                    index_times(row0 + l2.q_row0 + l2.g, head_dim) + c0 + 2 * l2.t);
+            float* dq_thread = dq_part + ptx_opaque(index_times(cur.hq, (long long)ws_rows * DQ_PITCH) +
+                                                    (stat_batch * num_heads_q * ws_rows + stat_q0) * DQ_PITCH +
+                                                    index_times(row0 + l2.q_row0 + l2.g, DQ_PITCH) + c0 + 2 * l2.t);
 #else
-            float* dq_thread = dq_part + ptx_opaque(((stat_batch * num_heads_q + cur.hq) * (long long)stat_rows + stat_q0 + row0) *
-                                                        head_dim + (l2.q_row0 + l2.g) * head_dim + c0 + 2 * l2.t);
+            float* dq_thread = dq_part + ptx_opaque(((stat_batch * num_heads_q + cur.hq) * (long long)ws_rows + stat_q0 + row0) *
+                                                        DQ_PITCH + (l2.q_row0 + l2.g) * DQ_PITCH + c0 + 2 * l2.t);
 #endif
-            if (INTERIOR_PATHS && !DQ_DETERMINISTIC && rows == BR && head_dim == DMAX) {   // an interior tile: every element is in view
+            // an interior tile (every element is in view), or any tile of the padded workspace
+            if (INTERIOR_PATHS && !DQ_DETERMINISTIC && (DQ_PADDED || (rows == BR && head_dim == DMAX))) {
 #pragma unroll
                 for (int f = 0; f < MF_Q; ++f)
 #pragma unroll

@@ -92,22 +92,25 @@ CUFLASH_ENTRY(const elem_t* __restrict__ out, const elem_t* __restrict__ dout, f
 
 #elif CUFLASH_BWD_STAGE == 2
 
-// dq[b, h, i, c] = dq_accum[((b * H + h) * Sq + i) * D + c], converted to the input dtype.
+// dq[b, h, i, c] = dq_accum[((b * H + h) * ws_rows + i) * ws_pitch + c], converted to the input
+// dtype (ws_rows >= Sq rows per head and ws_pitch >= D: the tensor-core backward's padded workspace;
+// the padding is not read). One thread per element of dq (total = B * H * Sq * D).
 extern "C" __global__ void __launch_bounds__(NT)
 CUFLASH_ENTRY(const float* __restrict__ dq_accum, elem_t* __restrict__ dq,
               long long dq_batch_stride, long long dq_head_stride, long long dq_row_stride,
-              long long total, int num_heads, int seqlen_q, int head_dim,
+              long long total, int num_heads, int seqlen_q, int head_dim, int ws_rows, int ws_pitch,
               int num_splits, long long split_stride, float softmax_scale) {
     const long long e = (long long)blockIdx.x * NT + threadIdx.x;
     if (e >= total) return;
-    float acc = dq_accum[e];
-    for (int s = 1; s < num_splits; ++s) acc += dq_accum[s * split_stride + e];   // fixed order
     const int c = (int)(e % head_dim);
     const long long row = e / head_dim;
     const int i = (int)(row % seqlen_q);
     const long long bh = row / seqlen_q;
     const int h = (int)(bh % num_heads);
     const long long b = bh / num_heads;
+    const long long w = (bh * ws_rows + i) * ws_pitch + c;
+    float acc = dq_accum[w];
+    for (int s = 1; s < num_splits; ++s) acc += dq_accum[s * split_stride + w];   // fixed order
     dq[b * dq_batch_stride + h * dq_head_stride + i * dq_row_stride + c] = from_float<elem_t>(acc * softmax_scale);
 }
 

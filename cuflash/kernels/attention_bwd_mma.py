@@ -125,6 +125,14 @@ class AttentionBwdMma(variants.TileVariant):
     #: deterministic mode as a run-time argument
     deterministic_dq: bool = dataclasses.field(default=False, kw_only=True)
 
+    @property
+    def dq_padded(self) -> bool:
+        """The main stage adds dQ into a padded workspace (``DQ_PADDED``: the fixed plain forms'
+        atomic dQ): rows per (batch, query head) a multiple of ``block_m`` and a row pitch of
+        ``head_dim_max``, so an edge query tile adds like an interior one; the padding is never read.
+        Head dims up to 128 (at 256 the form spilled under NVRTC 13 on sm_90)."""
+        return self.head_dim_max <= 128 and not (self.varlen or self.dropout or self.mods or self.deterministic_dq)
+
     def __post_init__(self):
         super().__post_init__()
         if self.deterministic_dq and (self.dropout or self.mods):

@@ -1,7 +1,8 @@
 """The backward's three stages, around any main-stage variant of the common argument list.
 
 ``dot`` (``Dd = rowsum(dO * O)``, one warp per row), ``main`` (per key tile: dK and dV in
-registers, dQ added into a float32 workspace) and ``convert`` (the workspace, or the sum of the
+registers, dQ added into a float32 workspace, ``(*batch, Hq, Sq, D)``, or for the tensor-core
+tier's fixed plain forms rows padded to the query tile and a pitch of the head-dim bucket) and ``convert`` (the workspace, or the sum of the
 deterministic mode's partials, to the input dtype). The dot and convert stages are the portable
 kernels of ``kernels_cu/attention_bwd_simt.cu``; the main stage is the tier's (the portable one,
 or the tensor-core one of ``attention_bwd_mma.cu``, which takes the same arguments).
@@ -100,8 +101,13 @@ class _Workspace:
         # (a main stage with a plan of its own, the Hopper tier's, orders its adds into one buffer)
         self.splits = (deterministic_splits(self.num_k_tiles, kv_inner * p.num_heads_k)
                        if p.options.deterministic and getattr(main, "plan_main", None) is None else 1)
-        self.dq_accum = call.xp.zeros((self.splits,) + stat_shape + (p.head_dim,), dtype=np.float32)
-        self.split_stride = int(np.prod(stat_shape, dtype=np.int64)) * p.head_dim
+        # the tensor-core plain fixed forms' padded layout (AttentionBwdMma.dq_padded): rows per head a
+        # multiple of the query tile, row pitch the head-dim bucket; else (*batch, Hq, Sq, D)
+        self.ws_rows, self.ws_pitch = stat_shape[-1], p.head_dim
+        if getattr(main, "dq_padded", False):
+            self.ws_rows, self.ws_pitch = -(-stat_shape[-1] // main.block_m) * main.block_m, main.head_dim_max
+        self.dq_accum = call.xp.zeros((self.splits,) + stat_shape[:-1] + (self.ws_rows, self.ws_pitch), dtype=np.float32)
+        self.split_stride = int(np.prod(self.dq_accum.shape[1:], dtype=np.int64))
         self.batches, self.inner = la.batch_slices(self.batch_shape, every + [self.dq_accum[0]])
         #: the main stage's blocks per (kv head, split): a packed batch's sequences, else the batches
         self.main_inner = p.varlen.batch if packed else self.inner
@@ -211,7 +217,8 @@ def backward(problem, dout, q, k, v, out, lse, main, call) -> tuple:
             call.launch(plan.LaunchPlan(v_conv, v_conv.entry, (-(-total // THREADS), 1, 1), v_conv.block, 0, (
                 call.pointer("dq_accum", acc), call.pointer("dq", dqs, writable=True), *_strides3("dq", dqs),
                 la.i64("total", total), la.i32("num_heads", p.num_heads_q), la.i32("seqlen_q", seqlen_q),
-                la.i32("head_dim", p.head_dim), la.i32("num_splits", ws.splits), la.i64("split_stride", ws.split_stride),
+                la.i32("head_dim", p.head_dim), la.i32("ws_rows", ws.ws_rows), la.i32("ws_pitch", ws.ws_pitch),
+                la.i32("num_splits", ws.splits), la.i64("split_stride", ws.split_stride),
                 plan.ScalarArg("softmax_scale", np.float32(p.softmax_scale)))))
     grads = ws.grads
     if p.options.return_dbias:

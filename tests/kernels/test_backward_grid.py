@@ -277,6 +277,28 @@ def test_deterministic_mode_is_a_form_of_its_own():
         dataclasses.replace(drop, deterministic_dq=True)
 
 
+@pytest.mark.checked
+def test_padded_dq_workspace(rng, monkeypatch):
+    # the fixed plain forms' dQ workspace: rows per head padded to the query tile (70 -> 128), row
+    # pitch the bucket (40 -> 64), so the edge tile's unconditional adds land in this head's own
+    # padding; two query heads (a short pitch or row count would add into the other head's rows) and
+    # checked mode (bounds); the deterministic form keeps (splits, B, Hq, Sq, D)
+    from cuflash.sim import launcher
+
+    shapes, real = [], launcher.run
+
+    def spy(plan, options=None):
+        if isinstance(plan.variant, attention_bwd_mma.AttentionBwdMma):
+            shapes.append((plan.variant.dq_padded, next(a for a in plan.args if getattr(a, "name", "") == "dq_accum").base.shape))
+        return real(plan, options)
+
+    monkeypatch.setattr(launcher, "run", spy)
+    with cuflash.sim.options(checked=True):
+        for mode in ("atomic", "deterministic"):
+            run_case(rng, TIERS["mma"], (70, 90, 40, "same", (2, 1), "causal", "bhsd", "bf16", mode))
+    assert shapes == [(True, (1, 1, 2, 128, 64)), (False, (1, 1, 2, 70, 40))], shapes
+
+
 @pytest.mark.parametrize("arch,d,dv,sq,sk", [(80, 192, 176, 150, 130), (80, 256, 256, 70, 200), (80, 128, 96, 200, 75),
                                             (86, 128, 128, 150, 130)])
 def test_smaller_shared_memories(arch, d, dv, sq, sk, rng):
