@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.grids import case_id
 from support.kvcache import check_prefill, make_prefill
 
 import cuflash
@@ -65,16 +66,12 @@ SLOW = [
 ]
 
 
-def _id(c):
-    return "-".join(str(x) if not isinstance(x, (list, tuple)) else "_".join(map(str, x)) for x in c)
-
-
 def test_chunked_prefill_hopper_default(rng):
     run_case(rng, *DEFAULT)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", SLOW, ids=[_id(c) for c in SLOW])
+@pytest.mark.parametrize("case", SLOW, ids=[case_id(c) for c in SLOW])
 def test_chunked_prefill_hopper_grid(case, rng):
     run_case(rng, *case)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.grids import case_id
 from support.kvcache import expected_cache, random_paged_cache
 from support.options import check_kvcache
 from support.tolerance import check_close
@@ -117,16 +118,12 @@ SLOW = [
 ]
 
 
-def _id(c):
-    return "-".join(str(x) if not isinstance(x, (list, tuple)) else "_".join(map(str, x)) for x in c)
-
-
 def test_kvcache_mods_hopper_default(rng):
     run_case(rng, *DEFAULT)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", SLOW, ids=[_id(c) for c in SLOW])
+@pytest.mark.parametrize("case", SLOW, ids=[case_id(c) for c in SLOW])
 def test_kvcache_mods_hopper_grid(case, rng):
     run_case(rng, *case)
 

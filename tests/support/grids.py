@@ -21,3 +21,8 @@ def default_share(cases, ids=None, *, args=lambda c: (c,), key=lambda c: c, ever
         seen |= values
         params.append(pytest.param(*args(case), id=None if ids is None else ids[i], marks=marks))
     return params
+
+
+def case_id(case) -> str:
+    """A grid case's test id: its fields joined by ``-``, a list or tuple field by ``_``."""
+    return "-".join("_".join(map(str, x)) if isinstance(x, (list, tuple)) else str(x) for x in case)
