@@ -289,6 +289,10 @@ static_assert(!CUFLASH_DETERMINISTIC_DQ || PLAIN_LOOP, "the deterministic dQ for
 // NVRTC 13 on sm_90).
 #define DQ_PADDED (PLAIN_LOOP && !CUFLASH_VARLEN && !CUFLASH_DETERMINISTIC_DQ && DMAX <= 128)
 #define DQ_PITCH (DQ_PADDED ? DMAX : head_dim)
+// ... and their edge tiles (rows past Sq or keys past Sk) take the band mask too, with the row and key
+// bounds folded into one bound per row (the loop's P/dS below). The other forms keep the per-row key
+// range there: with their per-element dQ tests on the edge tile NVRTC 12.9 spilled 8-12 bytes.
+#define EDGE_BAND_MASK (BWD_BAND_MASK && DQ_PADDED)
 // ... and their own Q/dO copies (no predicates), where they take one address per thread
 // (load_tile_async_full's regular case) and the dK/dV accumulators leave room for a second copy
 // path (head dims <= 128, and 256 in the plain forms on sm_90 and newer: at 256 it spills on sm_80,
@@ -658,8 +662,9 @@ UNROLL_SDP_K
         // once (14 at 64 x 128) instead of each score against its row's two bounds, and only against the
         // bounds the window has. Visible: lo <= kk <= hi, each bound clamped to kk's range [KK_MIN,
         // KK_MAX] before d0 is subtracted, so nothing overflows. Other masked tiles (rows past Sq, keys
-        // past Sk): each row's visible keys [klo, khi) relative to this thread's first key, so a pair's
-        // test is two compares of a constant (the modifier and dropout forms, whose registers are
+        // past Sk): in the EDGE_BAND_MASK forms the same bounds with Sq and Sk folded in, one per row and
+        // side; elsewhere each row's visible keys [klo, khi) relative to this thread's first key, so a
+        // pair's test is two compares of a constant (the modifier and dropout forms, whose registers are
         // shorter, keep the per-pair key index below).
         if (need_mask) {
             auto p_ds = [&](int f, int h, int n, int c, bool visible) {
@@ -669,7 +674,7 @@ UNROLL_SDP_K
                 dv_ = visible ? p * (dv_ - ddr[f][h]) : 0.0f;
                 sv = visible ? p : 0.0f;
             };
-            if (BWD_BAND_MASK && rows == BR && cols == BC) {
+            if (BWD_BAND_MASK && (EDGE_BAND_MASK || (rows == BR && cols == BC))) {
                 constexpr int KK_MIN = -8 * (2 * MF_S - 1), KK_MAX = 8 * (NF_S - 1) + 1;
                 const int d0 = (col0 + l1.s_col0 + 2 * l1.t - seqlen_k) + (seqlen_q - row0 - l1.s_row0 - l1.g);
                 auto band = [&](int lo, int hi) {
@@ -687,9 +692,35 @@ UNROLL_SDP_K
                 };
                 auto lo_k = [&]() { return max(-window_left, d0 + KK_MIN) - d0; };   // (window_left >= 0)
                 auto hi_k = [&]() { return min(window_right, d0 + KK_MAX) - d0; };   // (window_right >= 0)
+                // A tile past Sq or Sk (EDGE_BAND_MASK): for row (f, h), kk <= hi is x = 8 n + c <= hi + 16 f
+                // + 8 h, so with the key bound (x < kc: keys before Sk) and the row's (16 f + 8 h < rr: before
+                // Sq) it is one bound on x per row (-1 past Sq), formed once for the row's 2 NF_S scores; the
+                // left edge, where the window has one, a second.
+                auto edge = [&]() {
+                    const int rr = rows - l1.s_row0 - l1.g, kc = cols - l1.s_col0 - 2 * l1.t;
+                    const int hi = window_right < 0 ? KK_MAX : max(hi_k(), KK_MIN - 1);
+                    const int lo = window_left < 0 ? KK_MIN : min(lo_k(), KK_MAX + 1);
+#pragma unroll
+                    for (int f = 0; f < MF_S; ++f)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int xhi = 16 * f + 8 * h < rr ? min(hi + 16 * f + 8 * h, kc - 1) : -1;
+                            const int xlo = lo + 16 * f + 8 * h;
+#pragma unroll
+                            for (int n = 0; n < NF_S; ++n)
+#pragma unroll
+                                for (int c = 0; c < 2; ++c)
+                                    p_ds(f, h, n, c, 8 * n + c <= xhi && 8 * n + c >= xlo);
+                        }
+                };
                 // (a tile inside Sq and Sk with neither bound needs no mask: need_mask is false there)
-                if (window_left < 0) band(KK_MIN, hi_k());   // causal, or a right edge alone: one bound
-                else band(lo_k(), window_right < 0 ? KK_MAX : hi_k());
+                if (EDGE_BAND_MASK && (rows < BR || cols < BC)) {
+                    edge();
+                } else if (window_left < 0) {
+                    band(KK_MIN, hi_k());   // causal, or a right edge alone: one bound
+                } else {
+                    band(lo_k(), window_right < 0 ? KK_MAX : hi_k());
+                }
             } else {
                 const int key0 = col0 + l1.s_col0 + 2 * l1.t;
 #pragma unroll

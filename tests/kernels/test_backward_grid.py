@@ -299,6 +299,19 @@ def test_padded_dq_workspace(rng, monkeypatch):
     assert shapes == [(True, (1, 1, 2, 128, 64)), (False, (1, 1, 2, 70, 40))], shapes
 
 
+@pytest.mark.parametrize("case", [(130, 70, 40, "same", (1, 1), "window", "bshd", "bf16", "atomic"),
+                                  pytest.param((97, 200, 128, "same", (1, 1), "causal_win", "bhsd", "bf16", "atomic"),
+                                               marks=pytest.mark.slow),
+                                  pytest.param((70, 150, 64, "same", (2, 1), "win_2_31", "bhsd", "bf16", "atomic"),
+                                               marks=pytest.mark.slow)])
+def test_edge_band_mask(case, rng):
+    # the padded forms' edge tiles (rows past Sq, keys past Sk) take the band mask with both bounds
+    # folded in: windows with a left and a right edge, Sq != Sk, held to the float64 oracle
+    d = case[2]
+    assert attention_bwd_mma.choose_variant(DTYPES[case[7]], d, d, 90).dq_padded
+    run_case(rng, TIERS["mma"], case)
+
+
 @pytest.mark.parametrize("arch,d,dv,sq,sk", [(80, 192, 176, 150, 130), (80, 256, 256, 70, 200), (80, 128, 96, 200, 75),
                                             (86, 128, 128, 150, 130)])
 def test_smaller_shared_memories(arch, d, dv, sq, sk, rng):
