@@ -288,9 +288,9 @@ def check_attention_with_kvcache(q, k_cache, v_cache, options, *, func: str = "c
 
     # the indices
     seqlens_arr, seqlen_scalar = None, 0
-    if isinstance(cache_seqlens, (bool, np.bool_)) or isinstance(cache_seqlens, numbers.Integral):
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, np.bool_)):
         seqlen_scalar = check_int(cache_seqlens, "cache_seqlens", func)
-    elif cache_seqlens is None or isinstance(cache_seqlens, numbers.Number):
+    elif cache_seqlens is None or isinstance(cache_seqlens, (numbers.Number, bool, np.bool_)):
         raise TypeError(f"{func}: cache_seqlens must be an int or an int32 array (B,), got {cache_seqlens!r}")
     else:
         _check_index(cache_seqlens, "cache_seqlens", func, (batch,), qi)

@@ -123,12 +123,12 @@ def _check_tensors(query, key, value, attn_mask):
                              f"got {attn_mask.dtype}")
 
 
-def _broadcast(shapes: dict, what: str) -> tuple:
+def _broadcast(shapes: dict, what: str, hint: str = "") -> tuple:
     try:
         return tuple(torch.broadcast_shapes(*shapes.values()))
     except RuntimeError:
         listed = ", ".join(f"{n}{tuple(s)}" for n, s in shapes.items())
-        raise _shape_error(f"the {what} must broadcast; got {listed}") from None
+        raise _shape_error(f"the {what} must broadcast; got {listed}{hint}") from None
 
 
 def _batch_shapes(query, key, value, enable_gqa: bool):
@@ -140,7 +140,12 @@ def _batch_shapes(query, key, value, enable_gqa: bool):
     """
     lead = {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]}
     if not enable_gqa or query.dim() < 3:
-        batch = _broadcast(lead, "leading (batch) dims of query, key and value")
+        hint = ""
+        if not enable_gqa and min(query.dim(), key.dim(), value.dim()) >= 3:
+            hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
+            if 0 < hk < hq and 0 < hv < hq and hq % hk == 0 and hq % hv == 0:
+                hint = " (for grouped-query attention, pass enable_gqa=True)"
+        batch = _broadcast(lead, "leading (batch) dims of query, key and value", hint)
         return batch, batch, batch
     if key.dim() < 3 or value.dim() < 3:
         raise _shape_error(f"enable_gqa=True needs a head axis (-3) in key and value; got key.shape="

@@ -204,3 +204,15 @@ def test_readme_example_runs():
     scope = {}
     exec(compile(block.group(1), "README.md (SDPA example)", "exec"), scope)  # noqa: S102
     assert scope["out"].shape == (2, 8, 100, 64) and scope["q"].grad.shape == (2, 8, 100, 64)
+
+
+def test_heads_without_enable_gqa_suggest_it():
+    """Key heads that divide the query heads but do not broadcast: the error names enable_gqa;
+    heads that do not divide get no such hint."""
+    q, kv = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 6, 8)
+    with pytest.raises(ct.SDPAError, match=r"must broadcast; got .*\(for grouped-query attention, pass enable_gqa=True\)"):
+        ct.scaled_dot_product_attention(q, kv, kv)
+    kv3 = torch.randn(2, 3, 6, 8)
+    with pytest.raises(ct.SDPAError) as info:
+        ct.scaled_dot_product_attention(q, kv3, kv3)
+    assert "enable_gqa" not in str(info.value)

@@ -489,6 +489,7 @@ BAD = [
     (lambda a: dict(a, rotary_cos=a["rotary_cos"].astype(np.float64), rotary_sin=a["rotary_sin"].astype(np.float64)),
      TypeError, "rotary_cos.dtype=float64 must be float32$"),
     (lambda a: dict(a, cache_seqlens=3.0), TypeError, "cache_seqlens must be an int or an int32 array"),
+    (lambda a: dict(a, cache_seqlens=True), TypeError, "cache_seqlens must be an int or an int32 array .*got True"),
     # the kernels index it densely: a strided view would be misread on the GPU
     (lambda a: dict(a, block_table=np.repeat(a["block_table"], 2, axis=1)[:, ::2]), ValueError,
      "block_table must have unit stride on its last axis"),
