@@ -287,7 +287,14 @@ static_assert(!CUFLASH_DETERMINISTIC_DQ || PLAIN_LOOP, "the deterministic dQ for
 // an interior one, without a test per element. The packed and deterministic forms keep (batch, Hq,
 // rows, head_dim) and the tests, and so do head dims 192 and 256 (at 256 it spilled 4 bytes under
 // NVRTC 13 on sm_90).
-#define DQ_PADDED (PLAIN_LOOP && !CUFLASH_VARLEN && !CUFLASH_DETERMINISTIC_DQ && DMAX <= 128)
+// The host chooses the layout (AttentionBwdMma.dq_padded, which sizes the workspace) and says so
+// with CUFLASH_DQ_PADDED; the kernel only checks that the form can take it.
+#ifndef CUFLASH_DQ_PADDED
+#define CUFLASH_DQ_PADDED 0
+#endif
+#define DQ_PADDED CUFLASH_DQ_PADDED
+static_assert(!DQ_PADDED || (PLAIN_LOOP && !CUFLASH_VARLEN && !CUFLASH_DETERMINISTIC_DQ && DMAX <= 128),
+              "the padded dQ workspace: fixed plain forms with atomic dQ, head-dim buckets up to 128");
 #define DQ_PITCH (DQ_PADDED ? DMAX : head_dim)
 // ... and their edge tiles (rows past Sq or keys past Sk) take the band mask too, with the row and key
 // bounds folded into one bound per row (the loop's P/dS below). The other forms keep the per-row key

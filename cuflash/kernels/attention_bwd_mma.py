@@ -191,7 +191,8 @@ class AttentionBwdMma(variants.TileVariant):
             ("CUFLASH_DQ_WARPS_M", str(qm)),
             ("CUFLASH_DQ_PASSES", str(self.dq_passes)),
         ) + ((("CUFLASH_SM75_FORM", "1"),) if self.sm75_form else ()) + ((("CUFLASH_AGRAD_EXACT", "1"),) if self.agrad_exact else ()) + (
-            (("CUFLASH_DETERMINISTIC_DQ", "1"),) if self.deterministic_dq else ())
+            (("CUFLASH_DETERMINISTIC_DQ", "1"),) if self.deterministic_dq else ()) + (
+            (("CUFLASH_DQ_PADDED", "1"),) if self.dq_padded else ())
 
     def describe(self, arch: int | None = None) -> str:
         det = ", dQ into per-split partials without atomics (deterministic)" if self.deterministic_dq else ""
