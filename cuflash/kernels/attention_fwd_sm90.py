@@ -567,9 +567,7 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
                          f"{tuple(out.shape)} must be (B, Hq, Sq, D), (B, Hk, Sk, D), (B, Hk, Sk, Dv), (B, Hq, Sq, Dv)")
     if hk == 0 or hq % hk:
         raise ValueError(f"attention_fwd_sm90: Hq={hq} must be a multiple of Hk={hk}")
-    if tuple(lse.shape) != (b, hq, sq) or np.dtype(lse.dtype) != np.float32 or not lse.flags.c_contiguous:
-        raise ValueError(f"attention_fwd_sm90: lse must be a C-contiguous float32 {(b, hq, sq)}, got "
-                         f"{tuple(lse.shape)} {lse.dtype}")
+    _check_lse(lse, (b, hq, sq))
     if sq < 1 or sk < 1:
         raise ValueError(f"attention_fwd_sm90: Sq={sq} and Sk={sk} must be at least 1")
     if variant is None:
@@ -585,6 +583,19 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
             ScalarArg("window_left", np.int32(window_left)), ScalarArg("window_right", np.int32(window_right)),
             *mods_args)
     return LaunchPlan(variant, variant.entry, (-(-sq // BLOCK_M), hq, b), (384, 1, 1), variant.smem_bytes, args)
+
+
+def _check_lse(lse, shape: tuple) -> None:
+    """ValueError unless ``lse`` is a C-contiguous float32 array of ``shape`` (the kernels write it densely)."""
+    if tuple(lse.shape) != tuple(shape) or np.dtype(lse.dtype) != np.float32 or not lse.flags.c_contiguous:
+        raise ValueError(f"attention_fwd_sm90: lse must be a C-contiguous float32 {tuple(shape)}, got "
+                         f"{tuple(lse.shape)} {lse.dtype}")
+
+
+def _ragged_map(name: str, a, rows: int, cols: int = PANEL, writable: bool = False) -> TensorMapArg:
+    """A packed array's tensor-map argument: boxes of ``rows`` x ``cols`` (128-byte swizzle) clipped at
+    each sequence's end (:meth:`TensorMap.ragged`), with its pointer."""
+    return TensorMapArg(name, PointerArg.of(name, a, writable=writable), TensorMap.ragged(a, rows, cols, swizzle=128))
 
 
 def plan_varlen(q, k, v, out, lse, index_args: tuple, *, batch: int, max_seqlen_q: int, softmax_scale: float,
@@ -621,19 +632,13 @@ def plan_varlen(q, k, v, out, lse, index_args: tuple, *, batch: int, max_seqlen_
         raise ValueError(f"attention_fwd_sm90: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out "
                          f"{tuple(out.shape)} must be (total_q, Hq, D), (total_k, Hk, D), (total_k, Hk, Dv), "
                          "(total_q, Hq, Dv) with Hq a multiple of Hk and total_k >= 1")
-    if tuple(lse.shape) != (hq, total_q) or np.dtype(lse.dtype) != np.float32 or not lse.flags.c_contiguous:
-        raise ValueError(f"attention_fwd_sm90: lse must be a C-contiguous float32 {(hq, total_q)}, got "
-                         f"{tuple(lse.shape)} {lse.dtype}")
+    _check_lse(lse, (hq, total_q))
     window_left, window_right = window
     variant = Sm90ForwardVariant(dtype, bucket(d), bucket(dv), window_left >= 0 or window_right >= 0, bool(mods_args), True)
     bn = variant.block_n
 
-    def ragged(name, a, rows, writable=False):
-        return TensorMapArg(name, PointerArg.of(name, a, writable=writable),
-                            TensorMap.ragged(a, rows, PANEL, swizzle=128))
-
-    args = (ragged("map_q", q, BLOCK_M), ragged("map_k", k, bn), ragged("map_v", v, bn),
-            ragged("map_o", out, 64, writable=True),
+    args = (_ragged_map("map_q", q, BLOCK_M), _ragged_map("map_k", k, bn), _ragged_map("map_v", v, bn),
+            _ragged_map("map_o", out, 64, writable=True),
             PointerArg.of("lse", lse, writable=True), ScalarArg("Sq", np.int32(total_q)),
             ScalarArg("Sk", np.int32(total_k)), ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
             scale_arg(softmax_scale, variant.mods),
@@ -794,9 +799,7 @@ def plan_fp8(q, k, vt, out, lse, descale_args: tuple, *, softmax_scale: float, w
         raise ValueError(f"attention_fwd_sm90: q {tuple(q.shape)}, k {tuple(k.shape)}, vt {tuple(vt.shape)}, out "
                          f"{tuple(out.shape)} must be (B, Hq, Sq, D), (B, Hk, Sk, D), (B, Hk, Dv, Sk rounded up to "
                          f"{FP8_KEY_BLOCK}), (B, Hq, Sq, Dv) with Hq a multiple of Hk, D a multiple of 16, Sk >= 1")
-    if tuple(lse.shape) != (b, hq, sq) or np.dtype(lse.dtype) != np.float32 or not lse.flags.c_contiguous:
-        raise ValueError(f"attention_fwd_sm90: lse must be a C-contiguous float32 {(b, hq, sq)}, got "
-                         f"{tuple(lse.shape)} {lse.dtype}")
+    _check_lse(lse, (b, hq, sq))
     db = fp8_bucket(max(d, dv))
     variant = Sm90ForwardVariant(out_dtype, db, db, window_left >= 0 or window_right >= 0, fp8=True)
     bn = variant.block_n
@@ -836,18 +839,12 @@ def plan_fp8_varlen(q, k, vt, out, lse, index_args: tuple, descale_args: tuple, 
                          f"{tuple(out.shape)} must be (total_q, Hq, D), (total_k, Hk, D), (Hk, Dv, "
                          f"{fp8_value_keys(total_k, batch, bn)}), (total_q, Hq, Dv) with Hq a multiple of Hk, D a "
                          f"multiple of 16, total_k >= 1")
-    if tuple(lse.shape) != (hq, total_q) or np.dtype(lse.dtype) != np.float32 or not lse.flags.c_contiguous:
-        raise ValueError(f"attention_fwd_sm90: lse must be a C-contiguous float32 {(hq, total_q)}, got "
-                         f"{tuple(lse.shape)} {lse.dtype}")
-
-    def ragged(name, a, rows, cols, writable=False):
-        return TensorMapArg(name, PointerArg.of(name, a, writable=writable),
-                            TensorMap.ragged(a, rows, cols, swizzle=128))
+    _check_lse(lse, (hq, total_q))
 
     vp = fp8_value_panel(bn)
-    args = (ragged("map_q", q, BLOCK_M, 128), ragged("map_k", k, bn, 128),
+    args = (_ragged_map("map_q", q, BLOCK_M, 128), _ragged_map("map_k", k, bn, 128),
             TensorMapArg.of("map_v", vt.reshape((1,) + tuple(vt.shape)), (1, 1, db, vp), swizzle=vp),
-            ragged("map_o", out, 64, PANEL, writable=True),
+            _ragged_map("map_o", out, 64, writable=True),
             PointerArg.of("lse", lse, writable=True), ScalarArg("Sq", np.int32(total_q)),
             ScalarArg("Sk", np.int32(total_k)), ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
             scale_arg(softmax_scale, False),
@@ -1042,8 +1039,7 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> LaunchPlan:
         qs, os_ = bits(q), bits(out)
         total_q, hq, _ = qs.shape
         b, sq = p.varlen.batch, total_q
-        head = (TensorMapArg(name, PointerArg.of(name, a, writable=w), TensorMap.ragged(a, rows, PANEL, swizzle=128))
-                for name, a, rows, w in (("map_q", qs, BLOCK_M, False), ("map_o", os_, 64, True)))
+        head = (_ragged_map("map_q", qs, BLOCK_M), _ragged_map("map_o", os_, 64, writable=True))
         lse_arg = PointerArg.of("lse", lse.reshape(hq, total_q), writable=True)
         # (Sk: the packed key index's clamp, which no chunked-prefill index reaches: each sequence's
         # key count is its cu_seqlens_k difference, or seqused_k)
