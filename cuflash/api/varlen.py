@@ -53,9 +53,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         the device, a few bytes); device arrays (CuPy, torch, JAX on q's device) are checked for
         dtype and shape only, since reading them would synchronize the host.
     max_seqlen_q, max_seqlen_k : int
-        The longest query and key sequence (the grid's tiles per sequence). With device indices a
-        longer sequence is not an error the host can see: its rows past the covered tiles come out
-        NaN (never another sequence's data; every index is clamped into the arrays).
+        At least the longest query and key sequence (flash-attn's contract; the grid covers
+        ``max_seqlen_q`` query rows per sequence, the backward's ``max_seqlen_k`` keys). A larger
+        value is correct and costs only blocks that exit at once; windows apply per sequence
+        whatever it is. NumPy indices are checked (``ValueError``). Device indices are not read by
+        the host, so a longer sequence goes undetected and its results are undefined: rows past
+        the covered tiles come out NaN, the others may be wrong (a window of at least
+        ``max_seqlen_q + max_seqlen_k`` counts as unbounded; the backward's dq misses the uncovered
+        keys). Never another sequence's data, never an access outside the arrays (every index is
+        clamped into them).
     causal : bool
         Causal mask aligned to each sequence's bottom-right corner: row ``i`` of a sequence with
         ``Sq`` queries and ``Sk`` keys sees key ``j`` iff ``j <= i + Sk - Sq`` (flash-attn).
@@ -128,7 +134,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ValueError
         q/k/v not 3-D or mismatched; an index that is not 1-D of length ``B + 1`` (``B`` for
         ``seqused_k``), does not start at 0, decreases, or does not end at ``total_q`` /
-        ``total_k``; a ``max_seqlen`` below a sequence's length; ``seqused_k`` outside
+        ``total_k``; a ``max_seqlen`` below a sequence's length (NumPy indices); ``seqused_k`` outside
         ``[0, keys]``; an index on another device; bad options or ``out=``; descales of the
         wrong shape or strides, non-positive or non-finite (host) descales, descales or
         ``out_dtype`` without fp8 input (``TypeError`` for descales that are not float32).

@@ -34,8 +34,9 @@ class AttentionProblem:
 
     ``window_left``/``window_right`` are the effective bounds (-1 = unbounded): with
     ``causal=True`` the right bound is 0, and a bound reaching past both sequences
-    (``>= Sq + Sk``) is -1 (:func:`normalize_window`), so each lies in ``[-1, Sq + Sk)``. ``out_shape`` and ``lse_shape`` are in the caller's
-    layout.
+    (``>= Sq + Sk``; in a packed batch ``Sq`` and ``Sk`` are ``max_seqlen`` or the total rows,
+    whichever is smaller) is -1 (:func:`normalize_window`), so each lies in ``[-1, Sq + Sk)``.
+    ``out_shape`` and ``lse_shape`` are in the caller's layout.
     """
 
     func: str
@@ -222,12 +223,15 @@ def check_window_size(window_size, causal: bool, func: str) -> tuple[int, int]:
 def normalize_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
     """The bounds with every bound that reaches past both sequences replaced by -1.
 
-    A bound ``>= seqlen_q + seqlen_k`` excludes no (query, key) pair, even for the kernels'
-    padding rows, so it means "unbounded" exactly. Normalising once here keeps every bound a
-    kernel sees in ``[-1, Sq + Sk)``: ``INT32_MAX`` (flash-attn's "unbounded") and any larger
-    Python int work on every backend, and the kernels' 32-bit arguments never overflow.
+    ``seqlen_q`` and ``seqlen_k`` must bound the lengths of every sequence the bounds apply to. A
+    bound ``>= seqlen_q + seqlen_k`` excludes no (query, key) pair, even for the kernels' padding
+    rows, so it means "unbounded" exactly; so does a bound ``>= 2**31 - 1`` (a left bound excludes
+    a key only below ``Sk - 1``, a right bound only below ``Sq - 1``, and the kernels' lengths are
+    32-bit). Normalising once here keeps every bound a kernel sees in ``[-1, min(Sq + Sk, 2**31 -
+    1))``: ``INT32_MAX`` (flash-attn's "unbounded") and any larger Python int work on every
+    backend, and the kernels' 32-bit arguments never overflow.
     """
-    reach = seqlen_q + seqlen_k
+    reach = min(seqlen_q + seqlen_k, 2**31 - 1)
     return tuple(-1 if w >= reach else w for w in (left, right))
 
 
@@ -656,7 +660,11 @@ def check_attention_varlen(q, k, v, options: Options, *, func: str = "cuflash.at
         check_host_cu_seqlens(func, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q,
                               None if cache is not None else total_k, max_q, max_k)
     scale = check_softmax_scale(options.softmax_scale, d, func)
-    left, right = normalize_window(*check_window_size(options.window_size, causal, func), max_q, max_k)
+    # each sequence's lengths are at most max_seqlen (checked above for host indices) and at most the totals
+    # (the kernels clamp every index into the arrays): a max_seqlen above the longest sequence, which the
+    # contract allows, must not keep a bound that reaches past every sequence
+    left, right = normalize_window(*check_window_size(options.window_size, causal, func), min(max_q, total_q),
+                                   min(max_k, total_k))
     dropout = check_dropout(options.dropout, func)
     problem = AttentionProblem(
         func=func, kind=qi.kind, dtype=qi.dtype, layout="bshd", batch_shape=(batch,),

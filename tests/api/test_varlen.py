@@ -245,3 +245,37 @@ def test_torch_cpu_tensors_come_back_as_tensors(rng):
                                         return_lse=True)
     assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
     check_forward(out.numpy(), lse.numpy(), q, k, v, cq, ck, None, causal=True)
+
+
+#: (query, key) lengths with Sq < Sk, Sq > Sk, Sq = Sk, an empty sequence and one without keys
+WINDOW_BATCH = [(5, 9), (9, 5), (12, 12), (0, 4), (3, 0), (1, 1)]
+
+
+def test_windows_apply_per_sequence_numpy(rng):
+    """A window is each sequence's own (bottom-right aligned per sequence), whatever max_seqlen
+    says: bounds at and around every sequence's lengths, with and without causal, with
+    max_seqlen the longest lengths and above them, each sequence against the float64 oracle."""
+    q, k, v, cq, ck, mq, mk, _ = make_batch(rng, WINDOW_BATCH, 2, 1, 16, 16, np.float32)
+    bounds = sorted({n + d for pair in WINDOW_BATCH for n in pair for d in (-2, -1, 0, 1)} | {2**31 - 1, 2**40})
+    bounds = [b for b in bounds if b >= 0]
+    for mx in ((mq, mk), (40, 100), (mq, 2**31 - 257)):
+        for left in bounds:
+            for right, causal in ((-1, False), (-1, True), (4, False), (11, False), (12, True)):
+                kw = dict(causal=causal, window_size=(left, right))
+                out, lse = cuflash.attention_varlen(q, k, v, cq, ck, *mx, return_lse=True, **kw)
+                check_forward(out, lse, q, k, v, cq, ck, None, **kw)
+
+
+@pytest.mark.parametrize("window", [(2**31 - 194, -1), (2**31 + 5, 3)])
+def test_max_seqlen_above_the_longest_keeps_the_window_exact(window, rng):
+    """flash-attn's ``max_seqlen`` may exceed the longest sequence. Bounds are normalised with
+    what any sequence can hold (``max_seqlen`` or the total rows, whichever is smaller), so a
+    window that reaches past every sequence is unbounded, not a number near 2**31 that the
+    kernels' 32-bit bound arithmetic wraps (sequence 0's rows saw no key) or that does not fit
+    their int32 argument (OverflowError)."""
+    q, k, v, cq, ck, _, _, _ = make_batch(rng, [(300, 10), (5, 40), (0, 3)], 2, 1, 64, 64, np.float16)
+    mx = (300, 2**31 - 257)
+    problem = check_varlen(q, k, v, cq, ck, *mx, window_size=window)
+    assert (problem.window_left, problem.window_right) == (-1, window[1])
+    out, lse = cuflash.attention_varlen(q, k, v, cq, ck, *mx, window_size=window, return_lse=True, backend="sim")
+    check_forward(out, lse, q, k, v, cq, ck, None, window_size=window)
