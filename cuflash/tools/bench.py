@@ -383,13 +383,13 @@ def add_ratios(records: list[dict]) -> None:
 def format_table(records: list[dict], peak: float, peak_src: str, device: str) -> str:
     lines = [f"cuflash bench on {device}: forward (and backward, *_bwd: 2.5x FLOPs), B*S = {TOKENS} tokens, H*D = {HIDDEN}; "
              f"bf16 matmul peak measured {peak:.0f} TFLOP/s ({peak_src})",
-             f"{'config':<44} {'impl':<18} {'ms':>8} {'TFLOP/s':>8} {'FA-conv':>8} {'%peak':>6} {'err':>8}  ratios / note"]
+             f"{'config':<44} {'impl':<18} {'ms':>8} {'TFLOP/s':>8} {'FA-conv':>8} {'%peak':>6} {'err':>8}  cuflash against each baseline / note"]
     for r in records:
         cfg = Config(r["dtype"], r["head_dim"], r["seqlen"], r["causal"]).label
         if r["error"]:
             lines.append(f"{cfg:<44} {r['impl']:<18} {'-':>8} {'-':>8} {'-':>8} {'-':>6} {'-':>8}  {r['error']}")
             continue
-        ratios = "  ".join(f"x{v:.2f} vs {k[6:]}" for k, v in r.items() if k.startswith("ratio_"))
+        ratios = "  ".join(f"{cpu_bench.versus(1 / v)} than {k[6:]}" for k, v in r.items() if k.startswith("ratio_"))
         err = f"{r['max_error']:.1e}" if r["max_error"] is not None else "-"
         lines.append(f"{cfg:<44} {r['impl']:<18} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r['tflops_flash_attn']:>8.1f} "
                      f"{r['pct_peak']:>6.1f} {err:>8}  {ratios}")

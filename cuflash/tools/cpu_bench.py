@@ -5,8 +5,8 @@ A small forward problem, B=1, H=8, D=64, float32, at S = 2048 and 8192, causal o
 (S and P materialised in float32, what a user writes) and, when torch is importable, torch's CPU
 ``scaled_dot_product_attention`` (its math and flash CPU kernels; torch picks). Each is timed
 with ``time.perf_counter`` after warm-up calls (one by default); the median of the rounds is
-reported, with cuflash's ratio to each baseline measured in the same run (ratios survive a noisy
-machine where absolute times do not). The records can be saved as JSON (:func:`document`) and
+reported, with how much faster or slower cuflash is than each baseline in the same run (ratios
+survive a noisy machine where absolute times do not). The records can be saved as JSON (:func:`document`) and
 drawn as GFLOP/s against the sequence length (:func:`plot`, matplotlib). The same cases and runners serve the pytest-benchmark file
 ``tests/benchmarks/test_cpu_path.py``.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -127,18 +128,32 @@ def measure(case_list, impls, rounds: int, progress=None, warmup: int = 1) -> li
     return records
 
 
+def versus(time_ratio: float) -> str:
+    """cuflash against a baseline in words, from ``time_ratio`` (cuflash's seconds over the
+    baseline's): ``"2.00x faster"`` for 0.5, ``"1.25x slower"`` for 1.25, ``"as fast"`` when
+    they round alike, ``"-"`` when either time is missing."""
+    if not math.isfinite(time_ratio) or time_ratio <= 0:
+        return "-"
+    if f"{time_ratio:.2f}" == "1.00" and f"{1 / time_ratio:.2f}" == "1.00":
+        return "as fast"
+    return f"{1 / time_ratio:.2f}x faster" if time_ratio < 1 else f"{time_ratio:.2f}x slower"
+
+
 def format_table(records: list[dict], threads: int) -> str:
+    """The table :func:`main` prints: one row per (case, impl); a baseline's row says how cuflash
+    compares with it (:func:`versus`), from the median seconds of the same run."""
     lines = [f"cuflash bench --cpu: B={B} H={H} D={D} float32, {threads} threads (CUFLASH_NUM_THREADS); "
-             "median seconds, GFLOP/s (4*B*H*S^2*D, halved causal); ratio = cuflash / baseline, same run",
-             f"{'case':<16} {'impl':<12} {'seconds':>9} {'GFLOP/s':>9} {'cuflash/this':>13}"]
+             "median seconds, GFLOP/s (4*B*H*S^2*D, halved causal); last column: cuflash against that row, "
+             "from the seconds of the same run",
+             f"{'case':<16} {'impl':<12} {'seconds':>9} {'GFLOP/s':>9}  cuflash is"]
     by_case: dict = {}
     for r in records:
         by_case.setdefault(r["case"], {})[r["impl"]] = r
     for case, rows in by_case.items():
         ours = rows.get("cuflash", {})
         for impl, r in rows.items():
-            ratio = "" if impl == "cuflash" else f"{ours.get('time_ratio_to_' + impl, float('nan')):.2f}x"
-            lines.append(f"{case:<16} {impl:<12} {r['seconds']:9.3f} {r['gflops']:9.1f} {ratio:>13}")
+            words = "" if impl == "cuflash" else versus(ours.get("time_ratio_to_" + impl, float("nan")))
+            lines.append(f"{case:<16} {impl:<12} {r['seconds']:9.3f} {r['gflops']:9.1f}  {words}".rstrip())
     return "\n".join(lines)
 
 

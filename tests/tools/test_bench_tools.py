@@ -108,6 +108,20 @@ def test_cpu_runners_compute_attention(impl, causal, rng):
     np.testing.assert_allclose(out, cuflash.reference.naive_attention(q, k, v, causal=causal), atol=2e-5)
 
 
+def test_cpu_table_says_how_much_faster_or_slower_cuflash_is(monkeypatch):
+    """The table's last column is in words (a bare time ratio, lower = faster, reads as a speedup):
+    from the seconds measured in the same run, cuflash against each baseline's row."""
+    seconds = {"cuflash": 0.05, "naive_numpy": 0.10, "torch_sdpa": 0.04}
+    monkeypatch.setattr(cpu_bench, "runner", lambda impl, *a: impl)
+    monkeypatch.setattr(cpu_bench, "median_seconds", lambda impl, rounds, warmup: seconds[impl])
+    records = cpu_bench.measure(cpu_bench.cases((16,), False), list(seconds), rounds=1)
+    head, cols, *rows = cpu_bench.format_table(records, 2).splitlines()
+    assert "cuflash against that row" in head and cols.split()[-2:] == ["cuflash", "is"]
+    assert rows[0].split() == ["S=16", "full", "cuflash", "0.050", "0.0"]   # cuflash's own row: no words
+    assert rows[1].endswith("2.00x faster") and rows[2].endswith("1.25x slower")
+    assert [cpu_bench.versus(r) for r in (0.999, 1.0, float("nan"), 0.0)] == ["as fast", "as fast", "-", "-"]
+
+
 def test_bench_cpu_prints_the_table(capsys):
     assert bench.main(["--cpu", "--seqlen", "128", "--iters", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out
