@@ -18,7 +18,7 @@ PROG = "python -m cuflash"
 # command name -> (module, one-line help)
 COMMANDS = {
     "demo": ("cuflash.tools.demo", "run a real language model (SmolLM2-135M) with cuflash attention"),
-    "bench": ("cuflash.tools.bench", "forward attention throughput on the local GPU vs. baselines (table, --json, --plot)"),
+    "bench": ("cuflash.tools.bench", "attention throughput on the local GPU vs. baselines; --cpu: the CPU path"),
     "intensity": ("cuflash.analysis.intensity", "FLOPs, HBM bytes, arithmetic intensity and roofline time"),
     "roofline": ("cuflash.analysis.roofline", "per-pipe model of a kernel's main loop, read from its SASS (no GPU)"),
     "check": ("cuflash.tools.check", "GPU self-check: compile every kernel, correctness grid, interop, graphs"),
