@@ -192,6 +192,7 @@ BAD = [
     (lambda a: dict(a, cu_seqlens_k=np.array([0, 7, 10, 49], np.int32)), ValueError,
      r"cu_seqlens_k\[-1\]=49 must equal k.shape\[0\]=50"),
     (lambda a: dict(a, max_seqlen_q=20), ValueError, "max_seqlen_q=20 is smaller than sequence 2's length 33"),
+    (lambda a: dict(a, max_seqlen_k=39), ValueError, "max_seqlen_k=39 is smaller than sequence 2's length 40"),
     (lambda a: dict(a, max_seqlen_k=-1), ValueError, r"max_seqlen_k=-1 must be in \[0"),
     (lambda a: dict(a, max_seqlen_k=1.5), TypeError, "max_seqlen_k must be an int"),
     (lambda a: dict(a, seqused_k=np.array([1, 2], np.int32)), ValueError, r"seqused_k.shape=\(2,\) must be \(3,\)"),
@@ -212,6 +213,8 @@ def test_bad_input_is_refused_before_any_work(edit, exc, match, rng):
     for backend in ("numpy", "sim"):
         with pytest.raises(exc, match=match):
             cuflash.attention_varlen(**edit(args), backend=backend)
+    with pytest.raises(exc, match=match):   # explain validates as the call does
+        cuflash.explain_varlen(**edit(args), arch=90)
 
 
 def test_backward_bad_input(rng):
