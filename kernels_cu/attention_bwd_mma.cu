@@ -513,7 +513,10 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #endif
             float* dst = (tid < BR ? lse_s : dd_s) + st * BR + r;
             const bool valid = at.row0 + r < seqlen_q;
-            ptx_cp_async_4_zfill(dst, valid ? src + at.row0 + r : src, valid ? 4 : 0);
+            if (PLAIN_LOOP && !CUFLASH_SM75_FORM)   // (a row past Sq: its address is formed, never read)
+                ptx_cp_async_4_ignore_src(dst, src + at.row0 + r, !valid);
+            else
+                ptx_cp_async_4_zfill(dst, valid ? src + at.row0 + r : src, valid ? 4 : 0);
         }
     };
 #if CUFLASH_BLOCK_SPARSE

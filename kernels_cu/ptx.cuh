@@ -329,6 +329,10 @@ __device__ __forceinline__ void ptx_cp_async_16_ignore_src(void* smem, const voi
 __device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
     cuflash_ptx_sim::cp_async(smem, gmem, 4, uint32_t(src_bytes));
 }
+// ... the same with cp.async's ignore-src predicate: ignore, the source is not read at all (zeros).
+__device__ __forceinline__ void ptx_cp_async_4_ignore_src(void* smem, const void* gmem, bool ignore) {
+    cuflash_ptx_sim::cp_async(smem, gmem, 4, ignore ? 0u : 4u);
+}
 // cp.async.ca with cp-size 8 (8-byte-aligned addresses): src_bytes 0 zero-fills.
 __device__ __forceinline__ void ptx_cp_async_8_zfill(void* smem, const void* gmem, int src_bytes) {
     cuflash_ptx_sim::cp_async(smem, gmem, 8, uint32_t(src_bytes));
@@ -603,6 +607,10 @@ __device__ __forceinline__ void ptx_cp_async_16_ignore_src(void* smem, const voi
 __device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(ptx_smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
 }
+__device__ __forceinline__ void ptx_cp_async_4_ignore_src(void* smem, const void* gmem, bool ignore) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n cp.async.ca.shared.global [%0], [%1], 4, p;\n}\n"
+                 ::"r"(ptx_smem_addr(smem)), "l"(gmem), "r"(int(ignore)) : "memory");
+}
 __device__ __forceinline__ void ptx_cp_async_8_zfill(void* smem, const void* gmem, int src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(ptx_smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
 }
@@ -847,6 +855,9 @@ __device__ __forceinline__ void ptx_cp_async_16_ignore_src(void* smem, const voi
 }
 __device__ __forceinline__ void ptx_cp_async_4_zfill(void* smem, const void* gmem, int src_bytes) {
     cuflash_sm75_copy<unsigned>(smem, gmem, src_bytes, 4);
+}
+__device__ __forceinline__ void ptx_cp_async_4_ignore_src(void* smem, const void* gmem, bool ignore) {
+    cuflash_sm75_copy<unsigned>(smem, gmem, ignore ? 0 : 4, 4);   // (ignored: not read)
 }
 __device__ __forceinline__ void ptx_cp_async_8_zfill(void* smem, const void* gmem, int src_bytes) {
     cuflash_sm75_copy<uint2>(smem, gmem, src_bytes, 8);

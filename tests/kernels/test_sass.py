@@ -393,10 +393,11 @@ def test_sass_tensor_core_backward_loop_budget(dtype, cuobjdump):
 
 
 #: the tensor-core backward's longest masked pass by the counter, d128 sm_90 (FA2's causal loop: 1085):
-#: 1086 / 1073 (NVRTC 12.9 / 13) with the padded dQ workspace (an edge tile adds like an interior
-#: one) and the band mask on edge tiles too (1137 / 1128 with a per-row key range there, 1215 / 1204
-#: with a predicated add per element)
-MMA_BWD_LONGEST_MASKED = 1095
+#: 1082 / 1069 (NVRTC 12.9 / 13) with the padded dQ workspace (an edge tile adds like an interior
+#: one), the band mask on edge tiles too, and the lse / Dd copies of rows past Sq ignoring their source
+#: instead of selecting another address (1086 / 1073 with that select, 1137 / 1128 with a per-row key
+#: range on edge tiles, 1215 / 1204 with a predicated add per element)
+MMA_BWD_LONGEST_MASKED = 1082
 
 
 # --------------------------------------------------------------------------- tensor-core forward
