@@ -8,9 +8,10 @@ deterministic mode's per-split partials are :mod:`cuflash.kernels.backward_run`'
 main-stage argument list this kernel shares (:func:`main_variant` is what the dispatcher asks for).
 
 Tiles (FlashAttention-2's backward, Dao 2023, §3.2; the flash-attn repository's sm_80 backward
-uses 64 x 128 with 8 warps at head dim 128 and 64 x 64 at 256): 8 warps; Br = 64 query rows by
-Bc = 128 keys up to bucket 128, 64 x 64 above (dK and dV of Bc x D each stay in registers: 128
-per thread at 128 x 128 and at 64 x 256); Q/dO double-buffered where two stages fit the arch's
+uses 128 x 128 with 8 warps at head dim 64, 64 x 128 at 128 and 64 x 64 at 256): 8 warps; Br = 128
+query rows by Bc = 128 keys at bucket 64 where it fits (sm_90; not the packed or dropout forms),
+else Br = 64 by Bc = 128 up to bucket 128, 64 x 64 above (dK and dV of Bc x D each stay in
+registers: 128 per thread at 128 x 128 and at 64 x 256); Q/dO double-buffered where two stages fit the arch's
 shared memory, else one stage, else a smaller tile (:data:`TILE_CANDIDATES`), else the SIMT
 backward (:func:`unsupported_reason`).
 
@@ -37,10 +38,14 @@ MIN_ARCH = attention_fwd_mma.MIN_ARCH
 #: warps per block (every tile)
 WARPS = 8
 #: (Br, Bc, Q/dO stages) by bucket, in order of preference: the first whose shared memory fits
-#: the arch is used (sm_90: the first; sm_80's 163 KB: one stage at 192 and 256; sm_86/89's
-#: 99 KB: 64 x 64 one stage at 128, nothing at 192/256)
+#: the arch is used (sm_90: the first; sm_80's 163 KB: 64 x 128 at 64, one stage at 192 and 256;
+#: sm_86/89's 99 KB: 64 x 64 one stage at 128, nothing at 192/256). At bucket 64 the 128 x 128
+#: tile (FlashAttention-2's at head dim 64; 182 KB, so sm_90 and newer) spreads each query tile's
+#: bookkeeping (the loop, barriers, copy and dQ addresses) over twice the products: 894 instead of
+#: 2 x 529 instructions outside FP32 arithmetic per warp and 128 query rows (sm_90, NVRTC 12.9; FA2's
+#: d64 backward in PyTorch: 974)
 TILE_CANDIDATES = {
-    64: ((64, 128, 2), (64, 128, 1)),
+    64: ((128, 128, 2), (64, 128, 2), (64, 128, 1)),
     128: ((64, 128, 2), (64, 128, 1), (64, 64, 2), (64, 64, 1)),
     192: ((64, 64, 2), (64, 64, 1)),
     256: ((64, 64, 2), (64, 64, 1)),
@@ -59,7 +64,10 @@ TILE_CANDIDATES_MODS = {64: ((64, 64, 2), (64, 64, 1)), 128: ((64, 64, 2), (64, 
 #: the dropout forms: the keep bits drawn before S and dP, beside the 64 x 128 tile's dK/dV and its
 #: per-thread ldmatrix offsets, spill 32 bytes under NVRTC 13.5 at bucket 128 (sm_90), so 64 x 64
 #: there (as before sm_90)
-TILE_CANDIDATES_DROPOUT = {128: ((64, 64, 2), (64, 64, 1))}
+TILE_CANDIDATES_DROPOUT = {64: ((64, 128, 2), (64, 128, 1)), 128: ((64, 64, 2), (64, 64, 1))}
+#: the packed (variable-length) forms: the 128 x 128 tile of bucket 64 spills 4 bytes under NVRTC 13
+#: on sm_90 (the sequence's offsets beside its accumulators), so 64 x 128 there
+TILE_CANDIDATES_VARLEN = {64: ((64, 128, 2), (64, 128, 1))}
 #: the forms whose every fitting tile ptxas spills under one NVRTC major (with the kernel as of this
 #: table, NVRTC 12.9 and 13.x; the compile gate's KNOWN_SPILLS rows), by (gate arch, bucket,
 #: varlen, dropout, mods): NVRTC major -> the bytes spilled. The other tile of the bucket spills as
@@ -163,7 +171,10 @@ class AttentionBwdMma(variants.TileVariant):
         """Warps along the first output axis of S/dP (queries), dK/dV (keys) and dQ (queries);
         the rest of the 8 split the second axis. Each warp's tile is as square as the 8 warps
         allow: S 32 x 32 at Bc = 128 (16 x 32 at 64: one A fragment per k-step, fewer registers
-        than 32 x 16 for the same shared-memory bytes), dK/dV 32 keys x D/(Bc/32), dQ 32 x D/4."""
+        than 32 x 16 for the same shared-memory bytes), dK/dV 32 keys x D/(Bc/32), dQ 32 x D/4; at
+        Br = 128 (FA2's d64 layout), S 32 x 64 and dQ 32 x D/2."""
+        if self.block_m >= 128:
+            return 4, self.block_n // 32, 4
         return (2 if self.block_n >= 128 else 4), self.block_n // 32, 2
 
     @property
@@ -208,7 +219,8 @@ class AttentionBwdMma(variants.TileVariant):
                 f"mma.sync m16n8k16 {self.dtype}")
 
 
-def _candidates(bucket: int, arch: int, mods: bool = False, dropout: bool = False) -> tuple[tuple[int, int, int], ...]:
+def _candidates(bucket: int, arch: int, mods: bool = False, dropout: bool = False,
+                varlen: bool = False) -> tuple[tuple[int, int, int], ...]:
     if (arch < MIN_ARCH or attention_fwd_mma.sm75_form_forced()) and bucket in TILE_CANDIDATES_SM75:
         return TILE_CANDIDATES_SM75[bucket]
     if attention_fwd_mma.sm75_form_forced():   # (no sm_75 tile: the smallest of sm_80's, which fits no 64 KB)
@@ -217,26 +229,30 @@ def _candidates(bucket: int, arch: int, mods: bool = False, dropout: bool = Fals
         return TILE_CANDIDATES_MODS[bucket]
     if dropout and bucket in TILE_CANDIDATES_DROPOUT:
         return TILE_CANDIDATES_DROPOUT[bucket]
+    if varlen and bucket in TILE_CANDIDATES_VARLEN:
+        return TILE_CANDIDATES_VARLEN[bucket]
     return TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket]) if arch < 90 else TILE_CANDIDATES[bucket]
 
 
 def _fitting(key: str, bucket: int, arch: int, dropout: bool = False, mods: bool = False,
-             user: tuple = ("", "", "")) -> AttentionBwdMma | None:
+             user: tuple = ("", "", ""), varlen: bool = False) -> AttentionBwdMma | None:
     forced = attention_fwd_mma.sm75_form_forced()
     candidates = (AttentionBwdMma(key, bucket, bm, bn, st, dropout=dropout, mods=mods, score_c=user[0],
                                   mask_c=user[1], grad_c=user[2], agrad_c=user[3] if len(user) > 3 else "",
-                                  agrad_warp_c=user[4] if len(user) > 4 else "", sm75_form=forced and arch >= MIN_ARCH)
-                  for bm, bn, st in _candidates(bucket, arch, mods, dropout))
+                                  agrad_warp_c=user[4] if len(user) > 4 else "", sm75_form=forced and arch >= MIN_ARCH,
+                                  varlen=varlen)
+                  for bm, bn, st in _candidates(bucket, arch, mods, dropout, varlen))
     limit = plan.max_dynamic_smem(min(arch, attention_fwd_mma.SM75_ARCH) if forced else arch)
     return AttentionBwdMma.first_fitting(candidates, limit)
 
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout: bool = False,
-                   mods: bool = False, user: tuple = ("", "", ""), block_sparse: bool = False) -> AttentionBwdMma:
+                   mods: bool = False, user: tuple = ("", "", ""), block_sparse: bool = False,
+                   varlen: bool = False) -> AttentionBwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``user``: the
     traced functions' CUDA C, :func:`cuflash.kernels.attention_fwd_mma.user_c` with the derivative,
     and optionally a fourth and fifth text, the captured-array gradients'
-    :func:`cuflash.runtime.score_mod.array_grad_c`).
+    :func:`cuflash.runtime.score_mod.array_grad_c`), in the packed form where ``varlen``.
 
     Raises
     ------
@@ -245,7 +261,7 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout:
     """
     key = variants.dtype_key(dtype)
     bucket = AttentionBwdMma.bucket(head_dim, head_dim_v)
-    v = _fitting(key, bucket, arch, dropout, mods, user)
+    v = _fitting(key, bucket, arch, dropout, mods, user, varlen)
     if v is not None and block_sparse:   # (the form that walks a block mask's transposed index)
         v = dataclasses.replace(v, block_sparse=True)
     if v is None:
@@ -264,9 +280,8 @@ def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
     if arch < attention_fwd_mma.SM75_ARCH or (deterministic and (dropout or mods)):
         return ()
     keys = attention_fwd_mma.SM75_DTYPES if arch < MIN_ARCH else MMA_DTYPES   # (the sm_75 form: float16)
-    found = (_fitting(key, b, arch, dropout, mods) for key in keys for b in HEAD_DIM_BUCKETS)
-    return tuple(dataclasses.replace(v, varlen=varlen or v.varlen, deterministic_dq=deterministic)
-                 for v in found if v is not None)
+    found = (_fitting(key, b, arch, dropout, mods, varlen=varlen) for key in keys for b in HEAD_DIM_BUCKETS)
+    return tuple(dataclasses.replace(v, deterministic_dq=deterministic) for v in found if v is not None)
 
 
 def _spill_key(arch: int, variant) -> tuple:
@@ -413,7 +428,8 @@ def main_variant(problem, arch: int) -> AttentionBwdMma:
     v = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
                        dropout=problem.dropout is not None, mods=problem.modifiers is not None,
                        user=attention_fwd_mma.user_c(problem, grad=True) + agrad,
-                       block_sparse=problem.modifiers is not None and problem.modifiers.block_mask is not None)
+                       block_sparse=problem.modifiers is not None and problem.modifiers.block_mask is not None,
+                       varlen=problem.varlen is not None)
     v = dataclasses.replace(v, agrad_exact=True) if agrad and agrad[0] and problem.options.deterministic else v
     return with_dq_mode(v, problem.options.deterministic)
 

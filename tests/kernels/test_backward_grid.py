@@ -241,10 +241,15 @@ def test_variants():
     for arch in (80, 86, 89, 90):
         for var in attention_bwd_mma.all_variants(arch):
             assert var.smem_bytes <= plan.max_dynamic_smem(arch) and var.threads == 256
-    # the preferred tiles (FA2's: 64 x 128 up to head dim 128, 64 x 64 above; two stages on sm_90)
-    tile = lambda d, arch: (lambda v: (v.block_m, v.block_n, v.stages))(  # noqa: E731
-        attention_bwd_mma.choose_variant(dtypes.bfloat16, d, d, arch))
-    assert [tile(d, 90) for d in (64, 128, 192, 256)] == [(64, 128, 2), (64, 128, 2), (64, 64, 2), (64, 64, 2)]
+    # the preferred tiles (FA2's: 128 x 128 at head dim 64 where it fits, 64 x 128 up to 128, 64 x 64 above; two
+    # stages on sm_90); the packed and dropout forms keep 64 x 128 at head dim 64
+    tile = lambda d, arch, **kw: (lambda v: (v.block_m, v.block_n, v.stages))(  # noqa: E731
+        attention_bwd_mma.choose_variant(dtypes.bfloat16, d, d, arch, **kw))
+    assert [tile(d, 90) for d in (64, 128, 192, 256)] == [(128, 128, 2), (64, 128, 2), (64, 64, 2), (64, 64, 2)]
+    assert tile(64, 90, varlen=True) == tile(64, 90, dropout=True) == (64, 128, 2)
+    assert attention_bwd_mma.choose_variant(dtypes.bfloat16, 64, 64, 90, varlen=True).varlen
+    assert [(v.block_m, v.varlen) for v in attention_bwd_mma.all_variants(90, varlen=True) if v.head_dim_max == 64] == [
+        (64, True)] * 2
     assert [tile(d, 80) for d in (64, 128, 192, 256)] == [(64, 128, 2), (64, 64, 2), (64, 64, 1), (64, 64, 1)]
     assert tile(128, 86) == (64, 64, 1)
     with pytest.raises(NotImplementedError, match="no tensor-core backward tile fits sm_86"):
@@ -332,6 +337,8 @@ def test_checked_mode(mode, rng, monkeypatch):
         run_case(rng, t, (20, 70, 128, "same", (2, 1), "window", "dout_transposed", "bf16", mode))
         # four query tiles per key tile and query head: both stages refilled while others read
         run_case(rng, t, (250, 140, 128, "same", (2, 1), "causal", "bhsd", "bf16", mode))
+        # ... and of head dim 64's 128-row tile (sm_90): three query tiles, the last past Sq
+        run_case(rng, t, (300, 140, 64, "same", (1, 1), "causal", "bhsd", "bf16", mode))
         run_case(rng, t, (130, 70, 256, "same", (2, 1), "none", "bhsd", "bf16", mode), arch=80)   # one stage
 
 

@@ -400,6 +400,29 @@ def test_sass_tensor_core_backward_loop_budget(dtype, cuobjdump):
 MMA_BWD_LONGEST_MASKED = 1082
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
+def test_sass_tensor_core_backward_d64_per_mac(dtype, cuobjdump):
+    """The d64 backward on sm_90 takes FA2's 128 x 128 tile, under every installed NVRTC without spills,
+    and spends no more instructions outside FP32 arithmetic (everything but FMUL/FFMA/FADD) per 100k
+    MACs on its steady path (every mma, copy and dQ ``red``) than FlashAttention-2's d64 backward in
+    PyTorch (974 per warp and 128 x 128 tile: 148.6; docs/roofline.md's rule); at most 900 per warp and
+    tile (counted 894 / 887 under NVRTC 12.9 / 13; the 64 x 128 tile spends 529 per 64 rows, 161.4)."""
+    from cuflash.kernels import attention_bwd_mma
+
+    variant = attention_bwd_mma.choose_variant(dtype, 64, 64, 90)
+    assert (variant.block_m, variant.block_n) == (128, 128), variant
+    for major in cuda_runner.nvrtc_majors():
+        cubin, log = cuda_runner.nvrtc_compile(source.build_source(variant), 90, name=variant.source,
+                                               extra_options=("-Xptxas=-v",), nvrtc=major)
+        r = cuda_runner.ptxas_resources(log, variant.entry)
+        where = f"{variant.entry} with NVRTC {major}.x"
+        assert r["spill_stores"] == r["spill_loads"] == r["stack_frame"] == 0, (where, r)
+        steady = _bwd_loop_paths(roofline.disassemble(cubin), variant.entry)["steady"]
+        assert steady.get("tensor") == 320 and steady.get("red") == 16, (where, steady)   # 655360 MACs a warp
+        outside = steady["instructions"] - steady["fp32_arith"]
+        assert outside <= 900 and outside / 655360 * 1e5 <= 148.6, (where, outside, steady)
+
+
 # --------------------------------------------------------------------------- tensor-core forward
 
 
