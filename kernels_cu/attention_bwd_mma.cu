@@ -313,6 +313,11 @@ static_assert(!DQ_PADDED || (PLAIN_LOOP && !CUFLASH_VARLEN && !CUFLASH_DETERMINI
 // so a copy's test is one compare of a constant. Not in the sm_75 form, whose register-staged copies
 // keep load_tile_async's order (every load, then every store).
 #define EDGE_COPIES (INTERIOR_COPIES && PLAIN_LOOP && !CUFLASH_SM75_FORM)
+// ... and the plain forms' lse / Dd copies: a row past Sq copies from its own address with the source
+// ignored (cp.async ignore-src: zeros, nothing read), not from another address selected for it. Not in the
+// packed deterministic forms (4 bytes spilled at head dim 128 on sm_90 under NVRTC 12.9 and 13) nor the
+// sm_75 form.
+#define LSE_IGNORE_SRC (PLAIN_LOOP && !CUFLASH_SM75_FORM && !(CUFLASH_VARLEN && CUFLASH_DETERMINISTIC_DQ))
 __device__ __forceinline__ void load_rows_async_edge(elem_t* dst, const elem_t* __restrict__ src, long long row_stride,
                                                      int n_rows, int n_cols) {
     constexpr int RPP = NT / CHUNKS;   // rows per pass (INTERIOR_COPIES: NT % CHUNKS == 0, BR * CHUNKS % NT == 0)
@@ -513,7 +518,7 @@ CUFLASH_ENTRY(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #endif
             float* dst = (tid < BR ? lse_s : dd_s) + st * BR + r;
             const bool valid = at.row0 + r < seqlen_q;
-            if (PLAIN_LOOP && !CUFLASH_SM75_FORM)   // (a row past Sq: its address is formed, never read)
+            if (LSE_IGNORE_SRC)   // (a row past Sq: its address is formed, never read)
                 ptx_cp_async_4_ignore_src(dst, src + at.row0 + r, !valid);
             else
                 ptx_cp_async_4_zfill(dst, valid ? src + at.row0 + r : src, valid ? 4 : 0);

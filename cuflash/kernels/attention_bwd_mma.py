@@ -63,7 +63,8 @@ TILE_CANDIDATES_SM75 = {64: ((64, 64, 1),)}
 TILE_CANDIDATES_MODS = {64: ((64, 64, 2), (64, 64, 1)), 128: ((64, 64, 2), (64, 64, 1))}
 #: the dropout forms: the keep bits drawn before S and dP, beside the 64 x 128 tile's dK/dV and its
 #: per-thread ldmatrix offsets, spill 32 bytes under NVRTC 13.5 at bucket 128 (sm_90), so 64 x 64
-#: there (as before sm_90)
+#: there (as before sm_90); at bucket 64 a lane of the 128 x 128 tile holds 64 scores, more keep bits
+#: than dropout.cuh's one word, so 64 x 128
 TILE_CANDIDATES_DROPOUT = {64: ((64, 128, 2), (64, 128, 1)), 128: ((64, 64, 2), (64, 64, 1))}
 #: the packed (variable-length) forms: the 128 x 128 tile of bucket 64 spills 4 bytes under NVRTC 13
 #: on sm_90 (the sequence's offsets beside its accumulators), so 64 x 128 there
