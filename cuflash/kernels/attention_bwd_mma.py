@@ -9,7 +9,7 @@ main-stage argument list this kernel shares (:func:`main_variant` is what the di
 
 Tiles (FlashAttention-2's backward, Dao 2023, §3.2; the flash-attn repository's sm_80 backward
 uses 128 x 128 with 8 warps at head dim 64, 64 x 128 at 128 and 64 x 64 at 256): 8 warps; Br = 128
-query rows by Bc = 128 keys at bucket 64 where it fits (sm_90; not the packed or dropout forms),
+query rows by Bc = 128 keys at bucket 64 where it fits (sm_90; not the dropout forms),
 else Br = 64 by Bc = 128 up to bucket 128, 64 x 64 above (dK and dV of Bc x D each stay in
 registers: 128 per thread at 128 x 128 and at 64 x 256); Q/dO double-buffered where two stages fit the arch's
 shared memory, else one stage, else a smaller tile (:data:`TILE_CANDIDATES`), else the SIMT
@@ -66,9 +66,6 @@ TILE_CANDIDATES_MODS = {64: ((64, 64, 2), (64, 64, 1)), 128: ((64, 64, 2), (64, 
 #: there (as before sm_90); at bucket 64 a lane of the 128 x 128 tile holds 64 scores, more keep bits
 #: than dropout.cuh's one word, so 64 x 128
 TILE_CANDIDATES_DROPOUT = {64: ((64, 128, 2), (64, 128, 1)), 128: ((64, 64, 2), (64, 64, 1))}
-#: the packed (variable-length) forms: the 128 x 128 tile of bucket 64 spills 4 bytes under NVRTC 13
-#: on sm_90 (the sequence's offsets beside its accumulators), so 64 x 128 there
-TILE_CANDIDATES_VARLEN = {64: ((64, 128, 2), (64, 128, 1))}
 #: the forms whose every fitting tile ptxas spills under one NVRTC major (with the kernel as of this
 #: table, NVRTC 12.9 and 13.x; the compile gate's KNOWN_SPILLS rows), by (gate arch, bucket,
 #: varlen, dropout, mods): NVRTC major -> the bytes spilled. The other tile of the bucket spills as
@@ -220,8 +217,7 @@ class AttentionBwdMma(variants.TileVariant):
                 f"mma.sync m16n8k16 {self.dtype}")
 
 
-def _candidates(bucket: int, arch: int, mods: bool = False, dropout: bool = False,
-                varlen: bool = False) -> tuple[tuple[int, int, int], ...]:
+def _candidates(bucket: int, arch: int, mods: bool = False, dropout: bool = False) -> tuple[tuple[int, int, int], ...]:
     if (arch < MIN_ARCH or attention_fwd_mma.sm75_form_forced()) and bucket in TILE_CANDIDATES_SM75:
         return TILE_CANDIDATES_SM75[bucket]
     if attention_fwd_mma.sm75_form_forced():   # (no sm_75 tile: the smallest of sm_80's, which fits no 64 KB)
@@ -230,30 +226,26 @@ def _candidates(bucket: int, arch: int, mods: bool = False, dropout: bool = Fals
         return TILE_CANDIDATES_MODS[bucket]
     if dropout and bucket in TILE_CANDIDATES_DROPOUT:
         return TILE_CANDIDATES_DROPOUT[bucket]
-    if varlen and bucket in TILE_CANDIDATES_VARLEN:
-        return TILE_CANDIDATES_VARLEN[bucket]
     return TILE_CANDIDATES_BEFORE_SM90.get(bucket, TILE_CANDIDATES[bucket]) if arch < 90 else TILE_CANDIDATES[bucket]
 
 
 def _fitting(key: str, bucket: int, arch: int, dropout: bool = False, mods: bool = False,
-             user: tuple = ("", "", ""), varlen: bool = False) -> AttentionBwdMma | None:
+             user: tuple = ("", "", "")) -> AttentionBwdMma | None:
     forced = attention_fwd_mma.sm75_form_forced()
     candidates = (AttentionBwdMma(key, bucket, bm, bn, st, dropout=dropout, mods=mods, score_c=user[0],
                                   mask_c=user[1], grad_c=user[2], agrad_c=user[3] if len(user) > 3 else "",
-                                  agrad_warp_c=user[4] if len(user) > 4 else "", sm75_form=forced and arch >= MIN_ARCH,
-                                  varlen=varlen)
-                  for bm, bn, st in _candidates(bucket, arch, mods, dropout, varlen))
+                                  agrad_warp_c=user[4] if len(user) > 4 else "", sm75_form=forced and arch >= MIN_ARCH)
+                  for bm, bn, st in _candidates(bucket, arch, mods, dropout))
     limit = plan.max_dynamic_smem(min(arch, attention_fwd_mma.SM75_ARCH) if forced else arch)
     return AttentionBwdMma.first_fitting(candidates, limit)
 
 
 def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout: bool = False,
-                   mods: bool = False, user: tuple = ("", "", ""), block_sparse: bool = False,
-                   varlen: bool = False) -> AttentionBwdMma:
+                   mods: bool = False, user: tuple = ("", "", ""), block_sparse: bool = False) -> AttentionBwdMma:
     """The preferred tile of the bucket that fits ``sm_<arch>``'s shared memory (``user``: the
     traced functions' CUDA C, :func:`cuflash.kernels.attention_fwd_mma.user_c` with the derivative,
     and optionally a fourth and fifth text, the captured-array gradients'
-    :func:`cuflash.runtime.score_mod.array_grad_c`), in the packed form where ``varlen``.
+    :func:`cuflash.runtime.score_mod.array_grad_c`).
 
     Raises
     ------
@@ -262,7 +254,7 @@ def choose_variant(dtype, head_dim: int, head_dim_v: int, arch: int, *, dropout:
     """
     key = variants.dtype_key(dtype)
     bucket = AttentionBwdMma.bucket(head_dim, head_dim_v)
-    v = _fitting(key, bucket, arch, dropout, mods, user, varlen)
+    v = _fitting(key, bucket, arch, dropout, mods, user)
     if v is not None and block_sparse:   # (the form that walks a block mask's transposed index)
         v = dataclasses.replace(v, block_sparse=True)
     if v is None:
@@ -281,8 +273,9 @@ def all_variants(arch: int, *, varlen: bool = False, dropout: bool = False,
     if arch < attention_fwd_mma.SM75_ARCH or (deterministic and (dropout or mods)):
         return ()
     keys = attention_fwd_mma.SM75_DTYPES if arch < MIN_ARCH else MMA_DTYPES   # (the sm_75 form: float16)
-    found = (_fitting(key, b, arch, dropout, mods, varlen=varlen) for key in keys for b in HEAD_DIM_BUCKETS)
-    return tuple(dataclasses.replace(v, deterministic_dq=deterministic) for v in found if v is not None)
+    found = (_fitting(key, b, arch, dropout, mods) for key in keys for b in HEAD_DIM_BUCKETS)
+    return tuple(dataclasses.replace(v, varlen=varlen or v.varlen, deterministic_dq=deterministic)
+                 for v in found if v is not None)
 
 
 def _spill_key(arch: int, variant) -> tuple:
@@ -429,8 +422,7 @@ def main_variant(problem, arch: int) -> AttentionBwdMma:
     v = choose_variant(problem.dtype, problem.head_dim, problem.head_dim_v, arch,
                        dropout=problem.dropout is not None, mods=problem.modifiers is not None,
                        user=attention_fwd_mma.user_c(problem, grad=True) + agrad,
-                       block_sparse=problem.modifiers is not None and problem.modifiers.block_mask is not None,
-                       varlen=problem.varlen is not None)
+                       block_sparse=problem.modifiers is not None and problem.modifiers.block_mask is not None)
     v = dataclasses.replace(v, agrad_exact=True) if agrad and agrad[0] and problem.options.deterministic else v
     return with_dq_mode(v, problem.options.deterministic)
 

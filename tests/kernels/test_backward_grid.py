@@ -242,14 +242,11 @@ def test_variants():
         for var in attention_bwd_mma.all_variants(arch):
             assert var.smem_bytes <= plan.max_dynamic_smem(arch) and var.threads == 256
     # the preferred tiles (FA2's: 128 x 128 at head dim 64 where it fits, 64 x 128 up to 128, 64 x 64 above; two
-    # stages on sm_90); the packed and dropout forms keep 64 x 128 at head dim 64
+    # stages on sm_90); the dropout forms keep 64 x 128 at head dim 64
     tile = lambda d, arch, **kw: (lambda v: (v.block_m, v.block_n, v.stages))(  # noqa: E731
         attention_bwd_mma.choose_variant(dtypes.bfloat16, d, d, arch, **kw))
     assert [tile(d, 90) for d in (64, 128, 192, 256)] == [(128, 128, 2), (64, 128, 2), (64, 64, 2), (64, 64, 2)]
-    assert tile(64, 90, varlen=True) == tile(64, 90, dropout=True) == (64, 128, 2)
-    assert attention_bwd_mma.choose_variant(dtypes.bfloat16, 64, 64, 90, varlen=True).varlen
-    assert [(v.block_m, v.varlen) for v in attention_bwd_mma.all_variants(90, varlen=True) if v.head_dim_max == 64] == [
-        (64, True)] * 2
+    assert tile(64, 90, dropout=True) == (64, 128, 2)
     assert [tile(d, 80) for d in (64, 128, 192, 256)] == [(64, 128, 2), (64, 64, 2), (64, 64, 1), (64, 64, 1)]
     assert tile(128, 86) == (64, 64, 1)
     with pytest.raises(NotImplementedError, match="no tensor-core backward tile fits sm_86"):
