@@ -128,6 +128,9 @@
 #ifndef CUFLASH_FP8
 #define CUFLASH_FP8 0
 #endif
+#ifndef CUFLASH_GQA
+#define CUFLASH_GQA 0
+#endif
 
 #if __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -161,6 +164,7 @@ constexpr bool EDGES_ONCE = !CUFLASH_MODS && !(CUFLASH_KVCACHE && D == 256);
 // named barriers: 1, 2 the consumers' epilogues (128 threads); 3, 4 their turns (256 threads)
 constexpr int EPILOGUE_BAR = 1, TURN_BAR = 3;
 static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && (CUFLASH_FP8 || NPANEL_V <= NPANEL), "head-dim buckets and tiles");
+static_assert(!CUFLASH_GQA || (CUFLASH_KVCACHE && !CUFLASH_VARLEN), "GQA packing: the fixed-batch KV-cache form");
 static_assert(!CUFLASH_FP8 || (BC % 64 == 0 && D % 32 == 0 && !CUFLASH_MODS && !CUFLASH_KVCACHE),
               "the fp8 form: fixed shapes or packed, plain, a multiple of 64 keys a tile");
 
@@ -212,17 +216,30 @@ __device__ __forceinline__ Box o_box(const Tiles& t, int row0) { return ragged<6
 struct Tiles {
     const cuflash_tensor_map *q, *k, *v, *o;
     int h, hk, b;
+#if CUFLASH_GQA
+    int lg;   // GQA packing: log2 of the group (the header comment)
+#endif
 };
 __device__ __forceinline__ Box q_box(const Tiles& t, int m0) { return Box{m0, t.h, t.b}; }
 __device__ __forceinline__ Box kv_box(const Tiles& t, int kv0) { return Box{kv0, t.hk, t.b}; }
 __device__ __forceinline__ Box o_box(const Tiles& t, int row0) { return Box{row0, t.h, t.b}; }
 #endif
 
+#if CUFLASH_GQA
+// GQA packing: q and o through 5-d maps (head dim, g, kv head, position, batch); a box of G heads x
+// 128 / G positions (o: 64 / G) lands as rows m = position * G + g, 128 bytes each, the rows a 4-d
+// box fills; positions past Sq are the maps' out-of-bounds rows
+__device__ __forceinline__ void load_q(const Tiles& t, unsigned char* q_s, int m0, unsigned long long* bar) {
+    ptx_mbarrier_arrive_expect_tx(bar, Q_BYTES);
+    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_5d(q_s + p * PANEL_Q, t.q, p * PANEL_IN, 0, t.hk, m0 >> t.lg, t.b, bar);
+}
+#else
 __device__ __forceinline__ void load_q(const Tiles& t, unsigned char* q_s, int m0, unsigned long long* bar) {
     const Box c = q_box(t, m0);
     ptx_mbarrier_arrive_expect_tx(bar, Q_BYTES);
     for (int p = 0; p < NPANEL; ++p) ptx_tma_load_4d(q_s + p * PANEL_Q, t.q, p * PANEL_IN, c.c1, c.c2, c.c3, bar);
 }
+#endif
 
 __device__ __forceinline__ void load_k(const Tiles& t, unsigned char* ks, int kv0, unsigned long long* bar) {
     const Box c = kv_box(t, kv0);
@@ -253,8 +270,12 @@ __device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv
 // one consumer's 64 x Dv output rows from shared memory (after its named barrier); rows past Sq
 // (a packed batch: past the sequence's end) are dropped by the map's bounds
 __device__ __forceinline__ void store_o(const Tiles& t, const unsigned char* o_s, int row0) {
+#if CUFLASH_GQA
+    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_5d(t.o, p * PANEL, 0, t.hk, row0 >> t.lg, t.b, o_s + p * PANEL_Q);
+#else
     const Box c = o_box(t, row0);
     for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_4d(t.o, p * PANEL, c.c1, c.c2, c.c3, o_s + p * PANEL_Q);
+#endif
     ptx_bulk_commit();
     ptx_bulk_wait<0>();
 }
@@ -422,6 +443,18 @@ struct Rows {   // what the softmax needs to know of this thread's rows and the 
 #if CUFLASH_BLOCK_SPARSE
     bool user_mask;   // the tile is a partial block's: mask_mod evaluated (a full block's: not)
 #endif
+#if CUFLASH_GQA
+    int lg;   // GQA packing: row0 is a packed row, its query position row0 >> lg
+#endif
+    // the query position of this thread's row row0 + 8 r (row0, wrow_lo, wrow_hi: positions where
+    // the rows are not packed)
+    __device__ __forceinline__ int pos(int r) const {
+#if CUFLASH_GQA
+        return (row0 + 8 * r) >> lg;
+#else
+        return row0 + 8 * r;
+#endif
+    }
 };
 
 // A window narrower than a tile tests both edges (two compares a score); with BOTH_BITS it tests one
@@ -505,7 +538,7 @@ __device__ __forceinline__ void apply_mods(float (&sc)[BC / 2], int kv0, const R
     if (w.hm.slope != 0.0f) {   // ALiBi: slope * |j - (i + Sk - Sq)|, the distance an integer (exact)
         int d0[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) d0[r] = diag_distance(w.row0 + 8 * r, here, w.Sq, w.Sk);
+        for (int r = 0; r < 2; ++r) d0[r] = diag_distance(w.pos(r), here, w.Sq, w.Sk);
 #pragma unroll
         for (int i = 0; i < BC / 2; ++i) {
             const int d = d0[(i % 4) / 2] + 8 * (i / 4) + i % 2;
@@ -568,7 +601,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
                 hi[r] = w.last[r] - kv0;
                 continue;
             }
-            const int row = w.row0 + 8 * r, here = kv0 + 2 * w.t;
+            const int row = w.pos(r), here = kv0 + 2 * w.t;
             int first = 0, last = w.Sk - 1;
             if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, row + w.diag - w.window_left);
             if (CUFLASH_LOCAL && w.window_right >= 0) last = min(last, row + w.diag + w.window_right);
@@ -588,7 +621,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
     unsigned seen[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int row = w.row0 + 8 * r, here = kv0 + 2 * w.t;
+        const int row = w.pos(r), here = kv0 + 2 * w.t;
         int first = 0, last = w.Sk - 1;
         if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, row + w.diag - w.window_left);
         if (CUFLASH_LOCAL && w.window_right >= 0) last = min(last, row + w.diag + w.window_right);
@@ -777,7 +810,14 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     // split-KV: blockIdx.x is (query tile, split), the split fastest
     // (chunked prefill runs unsplit: nsplit is the constant 1 there)
     const int nsplit = CUFLASH_VARLEN ? 1 : kv.num_splits, split = blockIdx.x % nsplit;
+#if CUFLASH_GQA
+    // GQA packing: a block per kv head; packed row m of the block's 128 is query position m >> lg of
+    // head h + (m & (group - 1)) (group = 1 << lg)
+    const int m0 = (gridDim.x / nsplit - 1 - blockIdx.x / nsplit) * BR, hk = blockIdx.y, h = hk * group, b = blockIdx.z;
+    const int lg = 31 - __clz(group);
+#else
     const int m0 = (gridDim.x / nsplit - 1 - blockIdx.x / nsplit) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
+#endif
 #else
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
 #endif
@@ -803,6 +843,8 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #else
     const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, seq.q0, seq.k0, seq.q0 + Sq, seq.k0 + Sk};
 #endif
+#elif CUFLASH_GQA
+    const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, b, lg};
 #else
     const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, b};
 #endif
@@ -820,10 +862,17 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     // the key tiles some row of the block sees: [tile_lo, tile_hi)
     const int diag = Sk - Sq;
     int kv_lo = 0, kv_hi = Sk;
+#if CUFLASH_GQA
+    if (CUFLASH_LOCAL) {   // (the block's first and last positions)
+        if (window_left >= 0) kv_lo = max(0, (m0 >> lg) + diag - window_left);
+        if (window_right >= 0) kv_hi = min(Sk, ((m0 + BR - 1) >> lg) + diag + window_right + 1);
+    }
+#else
     if (CUFLASH_LOCAL) {
         if (window_left >= 0) kv_lo = max(0, m0 + diag - window_left);
         if (window_right >= 0) kv_hi = min(Sk, m0 + BR - 1 + diag + window_right + 1);
     }
+#endif
     int tile_lo = kv_lo / BC;
     const int tile_hi = kv_hi > kv_lo ? (kv_hi + BC - 1) / BC : tile_lo;
     int ntiles = tile_hi - tile_lo;
@@ -932,7 +981,11 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #endif
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int row0 = m0 + 64 * c + 16 * warp + g;             // this thread's rows: row0 and row0 + 8
+#if CUFLASH_GQA
+    Rows rows{row0, (m0 + 64 * c) >> lg, (m0 + 64 * c + 63) >> lg, Sq, Sk, diag, window_left, window_right, t, scale_log2,
+#else
     Rows rows{row0, m0 + 64 * c, m0 + 64 * c + 63, Sq, Sk, diag, window_left, window_right, t, scale_log2,
+#endif
               CUFLASH_MODS != 0, CUFLASH_MODS ? 1.0f : scale_log2, {0, 0}, {0, 0}
 #if CUFLASH_MODS
               , mods, head_mods<elem_t>(mods, b, h), mods.cap != 0.0f ? 1.0f / mods.cap : 0.0f
@@ -940,10 +993,13 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #if CUFLASH_BLOCK_SPARSE
               , true
 #endif
+#if CUFLASH_GQA
+              , lg
+#endif
     };
 #pragma unroll
     for (int r = 0; r < 2 && EDGES_ONCE; ++r) {
-        const int row = row0 + 8 * r;
+        const int row = rows.pos(r);
         int first = 0, last = Sk - 1;
         if (CUFLASH_LOCAL && window_left >= 0) first = max(first, row + diag - window_left);
         if (CUFLASH_LOCAL && window_right >= 0) last = min(last, row + diag + window_right);
@@ -1127,8 +1183,15 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         // a split's LSE into lse_partial (rows (batch, head, query row)); an index out of range: NaN
         float row_lse = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
         if (bad) inv[r] = row_lse = __int_as_float(0x7fc00000);
+#if CUFLASH_GQA
+        // (packed row m: position m >> lg of head h + (m & (group - 1)), in lse's (batch, head, position) order)
+        const int m = row0 + 8 * r;
+        if (t == 0 && (m >> lg) < Sq)
+            (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(size_t(b) * Hq + h + (m & (group - 1))) * Sq + (m >> lg)] = row_lse;
+#else
         if (t == 0 && row0 + 8 * r < Sq)
             (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = row_lse;
+#endif
 #else
         if (t == 0 && row0 + 8 * r < Sq)
             lse[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
@@ -1136,6 +1199,23 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     }
 #if CUFLASH_KVCACHE
     if (nsplit > 1) {   // the split's normalized float32 O, for the combine
+#if CUFLASH_GQA
+        // (rows in the (batch, head, position) order of the unpacked form's partials: the combine is the same)
+        float* op[2];
+        bool live[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int m = row0 + 8 * r;
+            live[r] = (m >> lg) < Sq;
+            op[r] = kv.o_partial + (size_t(split) * kv.partial_rows + (size_t(b) * Hq + h + (m & (group - 1))) * Sq + (m >> lg)) * kv.head_dim_v;
+        }
+#pragma unroll
+        for (int i = 0; i < DV / 2; i += 2) {
+            const int r = (i % 4) / 2, col = 8 * (i / 4) + 2 * t;
+            if (live[r] && col < kv.head_dim_v)
+                *reinterpret_cast<float2*>(op[r] + col) = make_float2(o[i] * inv[r], o[i + 1] * inv[r]);
+        }
+#else
         float* op = kv.o_partial + (size_t(split) * kv.partial_rows + (size_t(b) * Hq + h) * Sq) * kv.head_dim_v;
 #pragma unroll
         for (int i = 0; i < DV / 2; i += 2) {
@@ -1143,6 +1223,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
             if (row < Sq && col < kv.head_dim_v)
                 *reinterpret_cast<float2*>(op + size_t(row) * kv.head_dim_v + col) = make_float2(o[i] * inv[r], o[i + 1] * inv[r]);
         }
+#endif
         return;
     }
 #endif

@@ -189,6 +189,10 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     #: the fp8 form (``CUFLASH_FP8``, entry suffix ``_e4m3``): float8_e4m3fn q, k and V^T
     #: (:func:`fp8_value_copy`) with descales; ``dtype`` is then the output's
     fp8: bool = dataclasses.field(default=False, kw_only=True)
+    #: GQA packing (``CUFLASH_GQA``, entry suffix ``_gqa``; the fixed-batch KV-cache forms): a block per
+    #: kv head whose 128 rows are the group's query heads at consecutive positions (row ``m``:
+    #: position ``m // G``, head ``m % G`` of the group), q and o through 5-d tensor maps
+    gqa: bool = dataclasses.field(default=False, kw_only=True)
     #: (the forward has no score_mod derivative nor array gradients: AttentionVariant's prelude reads these)
     grad_c: ClassVar[str] = ""
     agrad_c: ClassVar[str] = ""
@@ -217,6 +221,9 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
             raise ValueError(f"Sm90ForwardVariant: the fp8 form is plain (fixed or packed) with D = Dv in "
                              f"{FP8_HEAD_DIM_BUCKETS}, got head_dim={self.head_dim}, head_dim_v={self.head_dim_v}, "
                              f"mods={self.mods}, varlen={self.varlen}, kvcache={self.kvcache}")
+        if self.gqa and (not self.kvcache or self.varlen):
+            raise ValueError("Sm90ForwardVariant: GQA packing is an axis of the fixed-batch KV-cache forms (kvcache=True, "
+                             "varlen=False)")
         if self.tile_n and (not self.user_mod or self.tile_n % 16):
             raise ValueError(f"Sm90ForwardVariant: tile_n={self.tile_n} is an axis of the traced forms (a multiple of 16)")
 
@@ -226,7 +233,7 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
         return ((self.dtype, dims) + (("local",) if self.local else ()) + (("mods",) if self.mods else ())
                 + (("varlen",) if self.varlen else ()) + (("kvcache",) if self.kvcache else ())
                 + ((user,) if user else ()) + ((f"n{self.tile_n}",) if self.tile_n else ())
-                + (("bs",) if self.block_sparse else ()) + (("e4m3",) if self.fp8 else ()))
+                + (("bs",) if self.block_sparse else ()) + (("e4m3",) if self.fp8 else ()) + (("gqa",) if self.gqa else ()))
 
     @property
     def user_mod(self) -> int:
@@ -269,7 +276,7 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
                                     ("CUFLASH_VARLEN", "1" if self.varlen else "0"),
                                     ("CUFLASH_KVCACHE", "1" if self.kvcache else "0")) + (
             variants.AttentionVariant.user_defines(self) if self.user_mod else ()) + (   # (the other forms' text unchanged)
-            (("CUFLASH_FP8", "1"),) if self.fp8 else ())
+            (("CUFLASH_FP8", "1"),) if self.fp8 else ()) + ((("CUFLASH_GQA", "1"),) if self.gqa else ())
 
     def describe(self) -> str:
         packed = "packed sequences (ragged tensor maps clipped at each sequence's end): " if self.varlen else ""
@@ -278,6 +285,9 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
             loads = "Q by TMA, K and V gathered from the cache by cp.async into 2-stage rings"
             if self.varlen:
                 packed = "chunked prefill, packed query sequences (ragged tensor maps) over a paged cache: "
+            if self.gqa:
+                packed = ("GQA packing, a kv head's query heads at consecutive positions in each 128-row tile "
+                          "(5-d tensor maps for q and o): ")
         if self.block_sparse:
             loads += ", over the block mask's partial then full key blocks (empty ones never loaded)"
         if self.fp8:
@@ -301,20 +311,23 @@ def bucket(d: int) -> int:
 
 
 def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
-                 dropout: bool = False, mods: bool = False, fp8: bool = False) -> tuple[Sm90ForwardVariant, ...]:
+                 dropout: bool = False, mods: bool = False, fp8: bool = False,
+                 gqa: bool = False) -> tuple[Sm90ForwardVariant, ...]:
     """Every variant (the compile gate's and precompile's list); none below sm_90, and no dropout
     forms; ``mods``: the score-modifier forms; ``varlen``: the packed
     forms (with ``mods``: softcap and ALiBi); ``kvcache``: the KV-cache forms (local only; with ``mods``,
     softcap, ALiBi and sinks; with ``varlen``, chunked prefill: packed queries over a paged cache);
-    ``fp8``: the fp8 forms (plain, fixed or with ``varlen`` packed; ``dtype`` the output's)."""
-    if arch != 90 or dropout:
+    ``fp8``: the fp8 forms (plain, fixed or with ``varlen`` packed; ``dtype`` the output's); ``gqa``:
+    the KV-cache forms with GQA packing (with ``mods``, softcap)."""
+    if arch != 90 or dropout or (gqa and (varlen or not kvcache or fp8)):
         return ()
     if fp8:
         return () if (kvcache or mods) else tuple(
             Sm90ForwardVariant(dt, d, d, local, varlen=varlen, fp8=True) for dt in DTYPES for d in FP8_HEAD_DIM_BUCKETS
             for local in (False, True))
     if kvcache:
-        return tuple(Sm90ForwardVariant(dt, d, dv, True, mods, varlen, kvcache=True) for dt in DTYPES for d in HEAD_DIM_BUCKETS
+        return tuple(Sm90ForwardVariant(dt, d, dv, True, mods, varlen, kvcache=True, gqa=gqa) for dt in DTYPES
+                     for d in HEAD_DIM_BUCKETS
                      for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)))
     return tuple(Sm90ForwardVariant(dt, d, dv, local, mods, varlen) for dt in DTYPES for d in HEAD_DIM_BUCKETS
                  for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)) for local in (False, True))
@@ -927,9 +940,13 @@ def forward(problem, q, k, v, out, call):
 # the KV-cache form
 
 #: a KV-cache call runs here when its query rows fill at least this many of the 128 rows of a
-#: query tile (``Sq``; the Hopper form has no GQA packing yet), and on the tensor-core decode
-#: kernel below (which packs a GQA group's heads into 64-row tiles)
+#: query tile (``Sq``, or ``Sq * G`` with GQA packing, :func:`kvcache_pack`), and on the
+#: tensor-core decode kernel below (which packs a GQA group's heads into 64-row tiles)
 KVCACHE_MIN_ROWS = 64
+#: GQA packing (the ``gqa`` forms): groups of G = Hq / Hk query heads a power of two up to this (a
+#: consumer's 64 rows hold whole groups of G heads at 64 / G positions), and ``Sq`` under
+#: :data:`BLOCK_M` (from there on the unpacked tiles are full)
+GQA_PACK_MAX = 64
 #: split-KV: the combine kernel's limit, and at least this many key tiles per split (as the
 #: tensor-core form)
 MAX_SPLITS = 256
@@ -945,7 +962,33 @@ def kvcache_variant(problem) -> Sm90ForwardVariant:
     the chunked-prefill form)."""
     p = problem
     return Sm90ForwardVariant(variants.dtype_key(p.dtype), bucket(p.head_dim), bucket(p.head_dim_v), True,
-                              p.modifiers is not None, p.varlen is not None, kvcache=True)
+                              p.modifiers is not None, p.varlen is not None, kvcache=True, gqa=kvcache_pack(p) > 1)
+
+
+def kvcache_pack_reason(problem) -> str | None:
+    """Why the KV-cache call ``problem`` runs without GQA packing (None if its G query heads of a
+    kv head share the 128-row tiles): a packed batch (chunked prefill), ``Sq`` of a whole tile, a
+    group that is 1 or not a power of two up to :data:`GQA_PACK_MAX`, or ALiBi slopes or sinks
+    (per query head; the packed forms take softcap only). Shapes only: a CUDA-graph replay keeps it."""
+    p = problem
+    g = p.group_size
+    if p.varlen is not None:
+        return "packed queries (chunked prefill) are not GQA-packed"
+    if p.seqlen_q >= BLOCK_M:
+        return f"Sq={p.seqlen_q} fills {BLOCK_M}-row tiles unpacked"
+    if g < 2 or g > GQA_PACK_MAX or g & (g - 1):
+        return f"a group of {g} query heads per kv head (GQA packing takes powers of two 2..{GQA_PACK_MAX})"
+    mods = p.modifiers.present if p.modifiers is not None else ()
+    for name in ("alibi_slopes", "sinks"):
+        if name in mods:
+            return f"{name} differ per query head (GQA packing takes softcap only)"
+    return None
+
+
+def kvcache_pack(problem) -> int:
+    """The query heads per 128-row tile's kv head: G = Hq / Hk with GQA packing
+    (:func:`kvcache_pack_reason`), else 1."""
+    return problem.group_size if kvcache_pack_reason(problem) is None else 1
 
 
 def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
@@ -967,12 +1010,15 @@ def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
     why = _dims_reason(p)
     if why is not None:
         return why
-    rows = kvcache_rows(p)
-    if rows < KVCACHE_MIN_ROWS:
+    rows, pack = kvcache_rows(p), kvcache_pack(p)
+    if rows * pack < KVCACHE_MIN_ROWS:
         what = f"max_seqlen_q={rows}" if p.varlen is not None else f"Sq={rows}"
+        if pack > 1:
+            what = f"Sq*G={rows}*{pack}={rows * pack} packed"
+        unpacked = f"; GQA packing not used: {kvcache_pack_reason(p)}" if pack == 1 and p.group_size > 1 else ""
         return (f"{what} query rows would fill under half of the 128-row Hopper tile (from "
                 f"{KVCACHE_MIN_ROWS} on it runs here); the tensor-core decode kernel packs the "
-                f"{p.group_size} query heads of a GQA group into its tiles")
+                f"{p.group_size} query heads of a GQA group into its tiles{unpacked}")
     if p.varlen is not None:
         if p.varlen.batch > plan.MAX_GRID_DIMS[2]:
             return f"{p.varlen.batch} packed sequences exceed the grid's {plan.MAX_GRID_DIMS[2]} (gridDim.z)"
@@ -997,8 +1043,14 @@ def kvcache_rows(problem) -> int:
 
 
 def kvcache_query_tiles(problem) -> int:
-    """Query tiles of 128 rows per (sequence, query head)."""
-    return -(-kvcache_rows(problem) // BLOCK_M)
+    """Query tiles of 128 rows per (sequence, query head), or with GQA packing per (sequence, kv
+    head): ``Sq * G`` packed rows."""
+    return -(-kvcache_rows(problem) * kvcache_pack(problem) // BLOCK_M)
+
+
+def kvcache_heads(problem) -> int:
+    """The grid's heads (its y): query heads, or kv heads with GQA packing."""
+    return problem.num_heads_q // kvcache_pack(problem)
 
 
 def kvcache_splits(problem, variant, sm_count) -> int:
@@ -1014,7 +1066,7 @@ def kvcache_splits(problem, variant, sm_count) -> int:
     n_tiles = max(1, -(-c.capacity // variant.block_n))
     if c.num_splits:
         return max(1, min(c.num_splits, n_tiles, MAX_SPLITS))
-    blocks = kvcache_query_tiles(problem) * problem.num_heads_q * problem.batch_shape[0]
+    blocks = kvcache_query_tiles(problem) * kvcache_heads(problem) * problem.batch_shape[0]
     want = -(-max(1, sm_count or 1) // max(blocks, 1))
     return max(1, min(want, n_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
@@ -1045,6 +1097,18 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> LaunchPlan:
         # key count is its cu_seqlens_k difference, or seqused_k)
         index = la.varlen_args(p, call)
         sk = 2**31 - 257
+    elif variant.gqa:   # GQA packing: (B, Sq, Hk, G, D) views, boxes of G heads x 128 / G (o: 64 / G) positions
+        b, sq, hq, _ = q.shape
+        g = hq // hk
+        def split_heads(a):   # (a view: the head axis as (Hk, G))
+            st = a.strides
+            return call.as_strided(bits(a), (b, sq, hk, g, a.shape[-1]), (st[0], st[1], g * st[2], st[2], st[3]))
+        qs, os_ = split_heads(q), split_heads(out)
+        head = (TensorMapArg.of("map_q", qs, (1, BLOCK_M // g, 1, g, PANEL), swizzle=128),
+                TensorMapArg.of("map_o", os_, (1, 64 // g, 1, g, PANEL), swizzle=128, writable=True))
+        lse_arg = PointerArg.of("lse", lse.reshape(b, hq, sq), writable=True)
+        index = ()
+        sk = c.capacity
     else:
         qs, os_ = bits(_bhsd(q, "bshd")), bits(_bhsd(out, "bshd"))
         b, hq, sq, _ = qs.shape
@@ -1077,5 +1141,5 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> LaunchPlan:
             la.i32("head_dim", p.head_dim), la.i32("head_dim_v", p.head_dim_v),
             PointerArg.of("o_partial", o_partial, writable=True), PointerArg.of("lse_partial", lse_partial, writable=True),
             *la.mods_args(p, la.modifier_views(p, call), call, variant.mods))
-    return LaunchPlan(variant, variant.entry, (kvcache_query_tiles(p) * splits, hq, b), (384, 1, 1),
+    return LaunchPlan(variant, variant.entry, (kvcache_query_tiles(p) * splits, kvcache_heads(p), b), (384, 1, 1),
                       variant.smem_bytes, args)

@@ -308,13 +308,22 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
     batch = p.varlen.batch if p.varlen is not None else p.batch_shape[0]
     split = f"{splits} key splits merged by the combine kernel" if splits > 1 else "unsplit"
     if isinstance(v, attention_fwd_sm90.Sm90ForwardVariant):   # the Hopper KV-cache form (the fastest tier)
-        blocks = attention_fwd_sm90.kvcache_query_tiles(p) * splits * p.num_heads_q * batch
+        tiles = attention_fwd_sm90.kvcache_query_tiles(p)
+        blocks = tiles * splits * attention_fwd_sm90.kvcache_heads(p) * batch
         where = (f"a paged cache ({c.num_pages} pages of {c.page_size} rows)" if c.paged
                  else f"a contiguous cache ({c.num_pages} x {c.capacity} rows)")
         if p.varlen is not None:
             form = f"chunked prefill: packed queries over {where}, up to {p.varlen.max_seqlen_q} query rows a sequence"
+        elif v.gqa:
+            g = p.group_size
+            form = (f"KV-cache form over {where}, GQA packing: the {g} query heads of each kv head x {p.seqlen_q} "
+                    f"positions = {g * p.seqlen_q} rows in {tiles} tile{'s' * (tiles != 1)} (row m: position m // {g}, "
+                    f"head m % {g})")
         else:
             form = f"KV-cache form over {where}, {p.seqlen_q} query rows"
+            why = attention_fwd_sm90.kvcache_pack_reason(p) if p.group_size > 1 else None
+            if why is not None:
+                form += f" (GQA packing not used: {why})"
         line = f"sm_{arch}: Hopper wgmma tier, {form} per 128-row tile, {split}: {v.describe()}"
         return {"tier": attention_fwd_sm90.__name__.rsplit(".", 1)[-1], **_tiles(v), "blocks": blocks,
                 "splits": splits, "choice": line}

@@ -135,6 +135,23 @@ def _decode(dtype=np.float16, paged=True, lengths=(500, 300)):
     return q, cache, cache.copy(), {}
 
 
+def test_kvcache_gqa_packing_names_the_group_and_the_tiles(launches):
+    """8 positions x 8 query heads of a kv head fill half a tile: the Hopper form's GQA packing,
+    one block per (kv head, sequence, split), as launched."""
+    q = np.zeros((2, 8, 16, 64), np.float16)
+    kc = np.zeros((2, 512, 2, 64), np.float16)
+    lengths = np.array([500, 300], np.int32)
+    info = cuflash.explain_kvcache(q, kc, kc.copy(), lengths, num_splits=3, arch=90)
+    assert info["tier"] == "attention_fwd_sm90" and info["variant"].endswith("_kvcache_gqa"), info["choice"]
+    assert ("KV-cache form over a contiguous cache (2 x 512 rows), GQA packing: the 8 query heads of each kv head x 8 "
+            "positions = 64 rows in 1 tile (row m: position m // 8, head m % 8) per 128-row tile, 3 key splits"
+            in info["choice"]), info["choice"]
+    assert info["blocks"] == 1 * 3 * 2 * 2
+    with sim.options(arch=90):
+        cuflash.attention_with_kvcache(q, kc, kc.copy(), lengths, num_splits=3, backend="sim")
+    assert [_blocks(p) for p in launches if p.entry == info["entry"]] == [info["blocks"]]
+
+
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 def test_kvcache_names_the_form_the_tiles_and_the_splits(paged, launches):
     q, kc, vc, kw = _decode(paged=paged)
@@ -144,9 +161,9 @@ def test_kvcache_names_the_form_the_tiles_and_the_splits(paged, launches):
     assert info["tier"] == "attention_fwd_mma" and info["variant"].endswith("_kvcache")
     form = "a paged cache (64 pages of 16 rows)" if paged else "a contiguous cache (2 x 512 rows)"
     assert f"KV-cache form over {form}, 8 query heads per block (pack-GQA)" in info["choice"], info["choice"]
-    assert info["choice"].endswith("Hopper wgmma tier not used: Sq=1 query rows would fill under half of the 128-row "
-                                   "Hopper tile (from 64 on it runs here); the tensor-core decode kernel packs the 8 "
-                                   "query heads of a GQA group into its tiles"), info["choice"]
+    assert info["choice"].endswith("Hopper wgmma tier not used: Sq*G=1*8=8 packed query rows would fill under half of "
+                                   "the 128-row Hopper tile (from 64 on it runs here); the tensor-core decode kernel "
+                                   "packs the 8 query heads of a GQA group into its tiles"), info["choice"]
     # 4 blocks unsplit (one tile of 8 packed rows per kv head and sequence) cannot fill 132 SMs:
     # split up to half the capacity's key tiles (512 rows: 8 tiles of 64 -> 4)
     assert (info["block_n"], info["splits"]) == (64, 4) and f"{info['splits']} key splits" in info["choice"]

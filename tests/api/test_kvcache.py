@@ -24,7 +24,7 @@ from allpairspy import AllPairs
 from support.grids import default_share
 from support.device import on_device, sim_call
 from support.options import check_kvcache as check_attention_with_kvcache
-from support.kvcache import check_prefill, check_result, expected_cache, make_prefill, random_paged_cache
+from support.kvcache import check_prefill, check_result, expected_cache, make_case, make_prefill
 from support.tolerance import check_close
 
 import cuflash
@@ -48,44 +48,6 @@ EXTRAS = ["plain", "leftpad", "batch_idx"]   # batch_idx: contiguous caches only
 DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
 AXES = [list(BATCHES), SQ, SNEW, PAGES, HEADS, list(MASKS), HEAD_DIMS, SPLITS, ROTARY, EXTRAS, list(DTYPES)]
 PAIRWISE = [tuple(c) for c in AllPairs(AXES)]
-
-
-def make_case(rng, lengths, sq, snew, page, heads, d, dtype, rotary, extra):
-    """Inputs of one call, with NaN wherever the call must not read."""
-    hq, hk = heads
-    b = len(lengths)
-    lengths = np.array(lengths, np.int32)
-    need = int((lengths + snew).max())
-    kw = {}
-    leftpad = None
-    if extra == "leftpad":
-        leftpad = (lengths // 3).astype(np.int32)
-        kw["cache_leftpad"] = leftpad
-    if page is None:
-        s_cache = need + 5
-        nb = b + 1 if extra == "batch_idx" else b
-        kc = np.full((nb, s_cache, hk, d), np.nan, dtype)
-        order = rng.permutation(nb)[:b].astype(np.int32) if extra == "batch_idx" else np.arange(b, dtype=np.int32)
-        if extra == "batch_idx":
-            kw["cache_batch_idx"] = order
-        vc = np.full((nb, s_cache, hk, d), np.nan, dtype)
-        for i in range(b):
-            lo = 0 if leftpad is None else leftpad[i]
-            kc[order[i], lo:lengths[i]] = rng.standard_normal((lengths[i] - lo, hk, d))
-            vc[order[i], lo:lengths[i]] = rng.standard_normal((lengths[i] - lo, hk, d))
-    else:
-        kc, vc, kw["block_table"] = random_paged_cache(rng, lengths, snew, page, hk, d, dtype, leftpad)
-    q = rng.standard_normal((b, sq, hq, d)).astype(dtype)
-    if snew:
-        kw["k"] = rng.standard_normal((b, snew, hk, d)).astype(dtype)
-        kw["v"] = rng.standard_normal((b, snew, hk, d)).astype(dtype)
-        if rotary != "none":
-            ro = need + sq + 2
-            angle = np.outer(np.arange(ro), 1.0 / 10000 ** (np.arange(0, d // 2, 2) / (d // 2)))
-            kw["rotary_cos"] = np.cos(angle).astype(np.float32 if d % 3 else dtype)
-            kw["rotary_sin"] = np.sin(angle).astype(kw["rotary_cos"].dtype)
-            kw["rotary_interleaved"] = rotary == "interleaved"
-    return q, kc, vc, lengths, kw
 
 
 def tensor_core_only():
@@ -186,15 +148,17 @@ def test_kvcache_hopper_checked(case, rng):
     run_case(rng, *case, checked=True, seed=5, hopper=True)
 
 
-def test_hopper_replay_with_new_lengths_keeps_its_plan(rng):
+@pytest.mark.parametrize("sq, hq, hk", [(64, 1, 1), (8, 8, 1)], ids=["unpacked", "gqa_packed"])
+def test_hopper_replay_with_new_lengths_keeps_its_plan(rng, sq, hq, hk):
     """A CUDA-graph replay on the Hopper KV-cache form: the launches are planned once (num_splits=0:
     the split count from the capacity and the shapes) and run again, as a captured graph is, after
     new lengths are written into the device cache_seqlens the plan points at: the lengths at
     capture, longer ones (up to the capacity) and shorter ones (1 and 0). Every run holds to the
-    float64 oracle over the keys its lengths give; rows past them hold NaN, which must never be read."""
+    float64 oracle over the keys its lengths give; rows past them hold NaN, which must never be read.
+    Both the unpacked form and GQA packing (8 positions x 8 query heads of one kv head)."""
     from cuflash.kernels import attention_combine, kvcache_run
 
-    sq, hq, hk, d, cap = 64, 1, 1, 64, 512
+    d, cap = 64, 512
     q = rng.standard_normal((2, sq, hq, d)).astype(dtypes.float16)
     kc = rng.standard_normal((2, cap, hk, d)).astype(dtypes.float16)
     vc = rng.standard_normal((2, cap, hk, d)).astype(dtypes.float16)
@@ -206,6 +170,7 @@ def test_hopper_replay_with_new_lengths_keeps_its_plan(rng):
     assert len(set(plans_for.values())) == 1, plans_for
     variant, splits = plans_for[(300, 40)]
     assert isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) and splits == 2   # 4 tiles of capacity
+    assert variant.gqa == (hq > hk)
     problem = check_attention_with_kvcache(q, kc, vc, seqlens, causal=True)
     with cuflash.sim.options(arch="sm_90", checked=True), sim_call(q) as call:
         p, qd = on_device(call, problem, q)

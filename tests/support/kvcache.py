@@ -56,6 +56,44 @@ def random_paged_cache(rng, lengths, snew, page, hk, d, dtype, leftpad=None):
     return kc, vc, bt
 
 
+def make_case(rng, lengths, sq, snew, page, heads, d, dtype, rotary, extra):
+    """Inputs of one call, with NaN wherever the call must not read."""
+    hq, hk = heads
+    b = len(lengths)
+    lengths = np.array(lengths, np.int32)
+    need = int((lengths + snew).max())
+    kw = {}
+    leftpad = None
+    if extra == "leftpad":
+        leftpad = (lengths // 3).astype(np.int32)
+        kw["cache_leftpad"] = leftpad
+    if page is None:
+        s_cache = need + 5
+        nb = b + 1 if extra == "batch_idx" else b
+        kc = np.full((nb, s_cache, hk, d), np.nan, dtype)
+        order = rng.permutation(nb)[:b].astype(np.int32) if extra == "batch_idx" else np.arange(b, dtype=np.int32)
+        if extra == "batch_idx":
+            kw["cache_batch_idx"] = order
+        vc = np.full((nb, s_cache, hk, d), np.nan, dtype)
+        for i in range(b):
+            lo = 0 if leftpad is None else leftpad[i]
+            kc[order[i], lo:lengths[i]] = rng.standard_normal((lengths[i] - lo, hk, d))
+            vc[order[i], lo:lengths[i]] = rng.standard_normal((lengths[i] - lo, hk, d))
+    else:
+        kc, vc, kw["block_table"] = random_paged_cache(rng, lengths, snew, page, hk, d, dtype, leftpad)
+    q = rng.standard_normal((b, sq, hq, d)).astype(dtype)
+    if snew:
+        kw["k"] = rng.standard_normal((b, snew, hk, d)).astype(dtype)
+        kw["v"] = rng.standard_normal((b, snew, hk, d)).astype(dtype)
+        if rotary != "none":
+            ro = need + sq + 2
+            angle = np.outer(np.arange(ro), 1.0 / 10000 ** (np.arange(0, d // 2, 2) / (d // 2)))
+            kw["rotary_cos"] = np.cos(angle).astype(np.float32 if d % 3 else dtype)
+            kw["rotary_sin"] = np.sin(angle).astype(kw["rotary_cos"].dtype)
+            kw["rotary_interleaved"] = rotary == "interleaved"
+    return q, kc, vc, lengths, kw
+
+
 def expected_cache(kc, vc, lengths, kw, page):
     """The caches after the append, computed independently of the code under test (but for the
     rotation, :func:`cuflash.reference.kvcache.apply_rotary`, itself checked in float64 below);
@@ -154,8 +192,9 @@ def check_fp8_result(out, lse, q, kc, vc, lengths, kw, page, causal, window):
             np.testing.assert_allclose(got_lse[fin], lse64[0][fin], rtol=2e-3, atol=2e-3)
 
 
-def check_result(out, lse, q, kc, vc, lengths, kw, page, causal, window):
-    """Each sequence against the float64 oracle over the keys the (expected) cache holds."""
+def check_result(out, lse, q, kc, vc, lengths, kw, page, causal, window, **mods):
+    """Each sequence against the float64 oracle over the keys the (expected) cache holds (``mods``:
+    head-independent score modifiers, such as softcap, applied by oracle and baseline alike)."""
     b_count, sq = q.shape[:2]
     snew = kw["k"].shape[1] if "k" in kw else 0
     q_use = q
@@ -171,9 +210,9 @@ def check_result(out, lse, q, kc, vc, lengths, kw, page, causal, window):
         kb = ref_kvcache.gather(kc, b, lo, hi, **where)[None]
         vb = ref_kvcache.gather(vc, b, lo, hi, **where)[None]
         qb = q_use[b:b + 1]
-        check_close(out[b:b + 1], qb, kb, vb, layout="bshd", causal=causal, window_size=window)
+        check_close(out[b:b + 1], qb, kb, vb, layout="bshd", causal=causal, window_size=window, **mods)
         _, lse64 = ref.naive_attention(qb.astype(np.float64), kb.astype(np.float64), vb.astype(np.float64),
-                                       layout="bshd", return_lse=True, causal=causal, window_size=window)
+                                       layout="bshd", return_lse=True, causal=causal, window_size=window, **mods)
         got = lse[b]
         assert np.array_equal(np.isneginf(got), np.isneginf(lse64[0])), "rows without keys differ"
         fin = np.isfinite(lse64[0])

@@ -1,0 +1,121 @@
+"""GQA packing on the Hopper KV-cache form (``attention_fwd_sm90``'s ``kvcache`` + ``gqa`` forms) on
+the simulator.
+
+Decode-like calls (``Sq`` under a tile) whose ``Sq * G`` rows (G = Hq / Hk query heads per kv head)
+fill half a 128-row tile or more run one block per kv head, the group's heads at consecutive
+positions in its rows. Each case asserts the dispatcher's choice and ``explain``'s line, runs
+``cuflash.attention_with_kvcache`` on the simulator (its append, the packed form, the combine with
+several splits), holds each sequence's output and LSE to the float64 oracle over the keys the cache
+holds after the append, and the caches to what the append must leave, byte for byte. Unused cache
+rows, rows before the left padding and unused pages hold NaN, so a read of any of them shows.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+from support.grids import case_id
+from support.kvcache import check_result, expected_cache, make_case
+from support.options import check_kvcache
+
+import cuflash
+from cuflash.kernels import attention_fwd_sm90, dispatch, kvcache_run
+from cuflash.runtime import dtypes
+
+DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
+MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False, (9, 4)),
+         "causal_win": (True, (20, -1)), "right": (False, (-1, 2))}
+
+
+def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, softcap, extra, dtype_key, *, checked=False,
+             force=False):
+    """One call on the packed form; ``force``: below the dispatcher's threshold (``Sq * G`` under 64
+    rows), the threshold lowered so that the packed form runs a mostly empty tile."""
+    if extra == "batch_idx" and page is not None:
+        extra = "plain"
+    dt = DTYPES[dtype_key]
+    q, kc, vc, lengths, kw = make_case(rng, lengths, sq, snew, page, heads, d, dt, "none", extra)
+    causal, window = MASKS[mask]
+    mods = {"softcap": softcap} if softcap else {}
+    with mock.patch.object(attention_fwd_sm90, "KVCACHE_MIN_ROWS", 1 if force else attention_fwd_sm90.KVCACHE_MIN_ROWS):
+        problem = check_kvcache(q, kc, vc, lengths, causal=causal, window_size=window, num_splits=splits, **kw, **mods)
+        info = dispatch.explain_forward(problem, 90, (q, kc, vc), sm_count=cuflash.sim.sm_count(90))
+        assert info["tier"] == "attention_fwd_sm90" and info["variant"].endswith("_gqa"), info["choice"]
+        g = heads[0] // heads[1]
+        assert f"GQA packing: the {g} query heads" in info["choice"], info["choice"]
+        assert info["blocks"] == -(-sq * g // 128) * info["splits"] * heads[1] * len(lengths)
+        want_k, want_v = expected_cache(kc, vc, lengths, kw, page)
+        k1, v1 = kc.copy(), vc.copy()
+        with cuflash.sim.options(arch=90, checked=checked, seed=11):
+            out, lse = cuflash.attention_with_kvcache(q, k1, v1, lengths, causal=causal, window_size=window,
+                                                      num_splits=splits, return_lse=True, backend="sim", **kw, **mods)
+    assert k1.tobytes() == want_k.tobytes() and v1.tobytes() == want_v.tobytes()
+    assert out.shape == q.shape and out.dtype == dt and lse.shape == (len(lengths), heads[0], sq)
+    check_result(out, lse, q, want_k, want_v, lengths, kw, page, causal, window, **mods)
+
+
+#: (cache lengths, Sq, new rows, page size (None: contiguous), (Hq, Hk), mask, D, splits, softcap, extra, dtype)
+DEFAULT = [([0, 1, 37], 4, 1, 3, (32, 2), "causal", 64, 3, 0.0, "leftpad", "f16"),   # G 16: 64 rows, split 3
+           ([1, 0, 20], 2, 1, None, (8, 2), "window", 64, 1, 0.0, "batch_idx", "f16")]   # G 4, forced: 8 rows
+SLOW = [
+    ([5, 300], 8, 1, 1, (8, 1), "causal", 64, 3, 0.0, "plain", "f16"),
+    ([0, 1, 130], 32, 0, 16, (4, 2), "window", 128, 1, 0.0, "leftpad", "bf16"),
+    ([200, 77], 64, 3, 256, (4, 2), "none", 64, 3, 0.0, "plain", "bf16"),
+    ([150, 9], 16, 1, None, (16, 4), "causal_win", 256, 3, 0.0, "batch_idx", "bf16"),
+    ([40, 1, 260], 33, 0, 3, (8, 4), "right", 128, 1, 0.0, "leftpad", "f16"),
+    ([90, 0], 9, 2, None, (64, 8), "causal", 64, 3, 0.0, "leftpad", "f16"),
+    ([300, 21], 100, 1, 16, (4, 2), "causal", 256, 3, 5.0, "plain", "bf16"),
+    ([64, 129], 8, 0, None, (8, 1), "window", 128, 3, 3.0, "batch_idx", "f16"),
+    ([17, 0, 3], 1, 1, 1, (64, 1), "none", 64, 1, 4.0, "plain", "bf16"),
+]
+
+
+def test_kvcache_gqa_default(rng):
+    run_case(rng, *DEFAULT[0])
+    run_case(rng, *DEFAULT[1], force=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW, ids=[case_id(c) for c in SLOW])
+def test_kvcache_gqa_grid(case, rng):
+    run_case(rng, *case)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("case", [DEFAULT[0], SLOW[7]], ids=case_id)
+def test_kvcache_gqa_checked(case, rng):
+    run_case(rng, *case, checked=True)
+
+
+def _problem(sq, hq, hk, **kw):
+    q = np.zeros((1, sq, hq, 64), dtypes.float16)
+    kc = np.zeros((1, 80, hk, 64), dtypes.float16)
+    return check_kvcache(q, kc, kc, np.array([70], np.int32), **kw)
+
+
+def test_kvcache_gqa_routing():
+    """Which calls pack, and the reasons ``explain`` gives for those that do not."""
+    hopper = lambda p: kvcache_run.hopper_reason(p, 90) is None   # noqa: E731
+    p = _problem(8, 8, 1)   # 8 positions x 8 heads: 64 rows
+    assert hopper(p) and attention_fwd_sm90.kvcache_variant(p).gqa and attention_fwd_sm90.kvcache_pack(p) == 8
+    assert attention_fwd_sm90.kvcache_query_tiles(p) == 1 and attention_fwd_sm90.kvcache_heads(p) == 1
+    p = _problem(1, 8, 1)   # single-token decode: 8 rows, the tensor-core decode kernel
+    assert "Sq*G=1*8=8 packed query rows would fill under half" in kvcache_run.hopper_reason(p, 90)
+    p = _problem(16, 12, 2)   # G 6: not a power of two, unpacked, 16 rows
+    assert "GQA packing not used: a group of 6 query heads" in kvcache_run.hopper_reason(p, 90)
+    p = _problem(16, 8, 1, alibi_slopes=np.ones(8, np.float32))
+    assert "alibi_slopes differ per query head" in kvcache_run.hopper_reason(p, 90)
+    p = _problem(64, 8, 1, sinks=np.zeros(8, np.float32))   # unpacked, Sq fills half a tile
+    assert hopper(p) and not attention_fwd_sm90.kvcache_variant(p).gqa
+    assert "GQA packing not used: sinks differ" in dispatch.explain_forward(p, 90, sm_count=132)["choice"]
+    p = _problem(130, 4, 2)   # Sq of a whole tile: unpacked
+    assert attention_fwd_sm90.kvcache_pack(p) == 1 and "fills 128-row tiles" in attention_fwd_sm90.kvcache_pack_reason(p)
+    forms = attention_fwd_sm90.all_variants(kvcache=True, gqa=True) + attention_fwd_sm90.all_variants(
+        kvcache=True, mods=True, gqa=True)
+    assert forms and all(v.gqa and v.kvcache and not v.varlen for v in forms)
+    assert not attention_fwd_sm90.all_variants(varlen=True, kvcache=True, gqa=True)
+    with pytest.raises(ValueError, match="GQA packing"):
+        attention_fwd_sm90.Sm90ForwardVariant("f16", 64, 64, True, gqa=True)
