@@ -161,6 +161,11 @@ constexpr int Q_BYTES = NPANEL * PANEL_Q, K_BYTES = NPANEL * PANEL_KV, V_BYTES =
 // under NVRTC 13 (20 B stores), and the modifier forms: they hold the 4 registers no longer
 // than a tile
 constexpr bool EDGES_ONCE = !CUFLASH_MODS && !(CUFLASH_KVCACHE && D == 256);
+// Registers per thread after setmaxnreg: the producer's (the KV-cache gather needs 48) and the
+// consumers'; the GQA-packed form at d64 moves 8 from each consumer to the producer (at 48 its
+// gather loop spilled 16 B under NVRTC 12; the d64 consumers need far fewer than 224)
+#define PRODUCER_REGS (CUFLASH_GQA && D <= 64 ? 64 : CUFLASH_KVCACHE ? 48 : 40)
+#define CONSUMER_REGS (CUFLASH_GQA && D <= 64 ? 224 : 232)
 // named barriers: 1, 2 the consumers' epilogues (128 threads); 3, 4 their turns (256 threads)
 constexpr int EPILOGUE_BAR = 1, TURN_BAR = 3;
 static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && (CUFLASH_FP8 || NPANEL_V <= NPANEL), "head-dim buckets and tiles");
@@ -217,7 +222,7 @@ struct Tiles {
     const cuflash_tensor_map *q, *k, *v, *o;
     int h, hk, b;
 #if CUFLASH_GQA
-    int lg;   // GQA packing: log2 of the group (the header comment)
+    int group;   // GQA packing: the query heads of a kv head (a power of two; the header comment)
 #endif
 };
 __device__ __forceinline__ Box q_box(const Tiles& t, int m0) { return Box{m0, t.h, t.b}; }
@@ -231,7 +236,8 @@ __device__ __forceinline__ Box o_box(const Tiles& t, int row0) { return Box{row0
 // box fills; positions past Sq are the maps' out-of-bounds rows
 __device__ __forceinline__ void load_q(const Tiles& t, unsigned char* q_s, int m0, unsigned long long* bar) {
     ptx_mbarrier_arrive_expect_tx(bar, Q_BYTES);
-    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_5d(q_s + p * PANEL_Q, t.q, p * PANEL_IN, 0, t.hk, m0 >> t.lg, t.b, bar);
+    const int s0 = m0 >> (__ffs(t.group) - 1);
+    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_5d(q_s + p * PANEL_Q, t.q, p * PANEL_IN, 0, t.hk, s0, t.b, bar);
 }
 #else
 __device__ __forceinline__ void load_q(const Tiles& t, unsigned char* q_s, int m0, unsigned long long* bar) {
@@ -271,7 +277,8 @@ __device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv
 // (a packed batch: past the sequence's end) are dropped by the map's bounds
 __device__ __forceinline__ void store_o(const Tiles& t, const unsigned char* o_s, int row0) {
 #if CUFLASH_GQA
-    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_5d(t.o, p * PANEL, 0, t.hk, row0 >> t.lg, t.b, o_s + p * PANEL_Q);
+    const int s0 = row0 >> (__ffs(t.group) - 1);   // (the shift taken again here: held across the loop, it spilled at d256)
+    for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_5d(t.o, p * PANEL, 0, t.hk, s0, t.b, o_s + p * PANEL_Q);
 #else
     const Box c = o_box(t, row0);
     for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_4d(t.o, p * PANEL, c.c1, c.c2, c.c3, o_s + p * PANEL_Q);
@@ -444,15 +451,24 @@ struct Rows {   // what the softmax needs to know of this thread's rows and the 
     bool user_mask;   // the tile is a partial block's: mask_mod evaluated (a full block's: not)
 #endif
 #if CUFLASH_GQA
-    int lg;   // GQA packing: row0 is a packed row, its query position row0 >> lg
+    // GQA packing: row0 is a packed row; the query positions of rows row0 and row0 + 8 plus diag
+    // (held in place of diag and the group's shift: the d256 form has no register to spare)
+    int pdiag[2];
 #endif
-    // the query position of this thread's row row0 + 8 r (row0, wrow_lo, wrow_hi: positions where
-    // the rows are not packed)
+    // the query position of this thread's row row0 + 8 r (row0: a position where the rows are not
+    // packed; wrow_lo, wrow_hi always positions), and that plus diag
     __device__ __forceinline__ int pos(int r) const {
 #if CUFLASH_GQA
-        return (row0 + 8 * r) >> lg;
+        return pdiag[r] - diag;
 #else
         return row0 + 8 * r;
+#endif
+    }
+    __device__ __forceinline__ int dpos(int r) const {
+#if CUFLASH_GQA
+        return pdiag[r];
+#else
+        return row0 + 8 * r + diag;
 #endif
     }
 };
@@ -601,10 +617,10 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
                 hi[r] = w.last[r] - kv0;
                 continue;
             }
-            const int row = w.pos(r), here = kv0 + 2 * w.t;
+            const int rd = w.dpos(r), here = kv0 + 2 * w.t;   // (the row's position + diag)
             int first = 0, last = w.Sk - 1;
-            if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, row + w.diag - w.window_left);
-            if (CUFLASH_LOCAL && w.window_right >= 0) last = min(last, row + w.diag + w.window_right);
+            if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, rd - w.window_left);
+            if (CUFLASH_LOCAL && w.window_right >= 0) last = min(last, rd + w.window_right);
             lo[r] = first - here;
             hi[r] = last - here;
         }
@@ -621,10 +637,10 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
     unsigned seen[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int row = w.pos(r), here = kv0 + 2 * w.t;
+        const int row = w.pos(r), rd = w.dpos(r), here = kv0 + 2 * w.t;
         int first = 0, last = w.Sk - 1;
-        if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, row + w.diag - w.window_left);
-        if (CUFLASH_LOCAL && w.window_right >= 0) last = min(last, row + w.diag + w.window_right);
+        if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, rd - w.window_left);
+        if (CUFLASH_LOCAL && w.window_right >= 0) last = min(last, rd + w.window_right);
         seen[r] = row < w.Sq ? ptx_ones_below(max(score_count(last - here + 1), 0)) &
                                   ~ptx_ones_below(max(score_count(first - here), 0))
                             : 0u;
@@ -844,7 +860,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, seq.q0, seq.k0, seq.q0 + Sq, seq.k0 + Sk};
 #endif
 #elif CUFLASH_GQA
-    const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, b, lg};
+    const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, b, group};
 #else
     const Tiles tiles{&map_q, &map_k, &map_v, &map_o, h, hk, b};
 #endif
@@ -910,7 +926,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     __syncthreads();
 
     if (wg == 0) {   // ---------------------------------------------------------------- producer
-        ptx_setmaxnreg_dec<CUFLASH_KVCACHE ? 48 : 40>();
+        ptx_setmaxnreg_dec<PRODUCER_REGS>();
 #if !CUFLASH_KVCACHE
         if (threadIdx.x / 32 == 0 && ptx_elect_one()) {
             load_q(tiles, q_s, m0, &q_full);
@@ -970,7 +986,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     // consumers take turns on the tensor cores through two named barriers; each waits for its
     // turn before issuing a tile's wgmmas and hands the turn over right after, so one
     // warpgroup's softmax runs while the other's GEMMs do.
-    ptx_setmaxnreg_inc<232>();
+    ptx_setmaxnreg_inc<CONSUMER_REGS>();
     const int c = wg - 1;                                     // rows 64c.. of the tile
 #if CUFLASH_FP8
     // the descales of (b, hk): q's and k's into the score scale (at least the smallest normal
@@ -994,15 +1010,15 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
               , true
 #endif
 #if CUFLASH_GQA
-              , lg
+              , {(row0 >> lg) + diag, ((row0 + 8) >> lg) + diag}
 #endif
     };
 #pragma unroll
     for (int r = 0; r < 2 && EDGES_ONCE; ++r) {
-        const int row = rows.pos(r);
+        const int rd = rows.dpos(r);   // (the row's position + diag)
         int first = 0, last = Sk - 1;
-        if (CUFLASH_LOCAL && window_left >= 0) first = max(first, row + diag - window_left);
-        if (CUFLASH_LOCAL && window_right >= 0) last = min(last, row + diag + window_right);
+        if (CUFLASH_LOCAL && window_left >= 0) first = max(first, rd - window_left);
+        if (CUFLASH_LOCAL && window_right >= 0) last = min(last, rd + window_right);
         rows.first[r] = first - 2 * t;
         rows.last[r] = last - 2 * t;
     }
@@ -1184,10 +1200,11 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         float row_lse = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
         if (bad) inv[r] = row_lse = __int_as_float(0x7fc00000);
 #if CUFLASH_GQA
-        // (packed row m: position m >> lg of head h + (m & (group - 1)), in lse's (batch, head, position) order)
-        const int m = row0 + 8 * r;
-        if (t == 0 && (m >> lg) < Sq)
-            (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(size_t(b) * Hq + h + (m & (group - 1))) * Sq + (m >> lg)] = row_lse;
+        // (packed row m: position m >> lg of head h + (m & (group - 1)), in lse's (batch, head, position)
+        // order; the shift taken again from the group: held across the loop, it spilled at d256)
+        const int m = row0 + 8 * r, lge = __ffs(group) - 1;
+        if (t == 0 && (m >> lge) < Sq)
+            (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(size_t(b) * Hq + h + (m & (group - 1))) * Sq + (m >> lge)] = row_lse;
 #else
         if (t == 0 && row0 + 8 * r < Sq)
             (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = row_lse;
@@ -1205,9 +1222,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         bool live[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int m = row0 + 8 * r;
-            live[r] = (m >> lg) < Sq;
-            op[r] = kv.o_partial + (size_t(split) * kv.partial_rows + (size_t(b) * Hq + h + (m & (group - 1))) * Sq + (m >> lg)) * kv.head_dim_v;
+            const int m = row0 + 8 * r, lge = __ffs(group) - 1;
+            live[r] = (m >> lge) < Sq;
+            op[r] = kv.o_partial + (size_t(split) * kv.partial_rows + (size_t(b) * Hq + h + (m & (group - 1))) * Sq + (m >> lge)) * kv.head_dim_v;
         }
 #pragma unroll
         for (int i = 0; i < DV / 2; i += 2) {

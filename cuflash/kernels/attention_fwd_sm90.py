@@ -80,6 +80,9 @@ FP8_FORM = True
 #: and 0.90 for 128 keys),
 #: 64 at 256, where O's 128 accumulators a thread leave no registers for 128 keys' scores
 FP8_HEAD_DIM_BUCKETS = (64, 128, 256)
+#: the head-dim buckets GQA packing takes: at 256 the packed form's consumers spill under NVRTC 13
+#: (28 B stores, 128 B loads; the unpacked KV-cache form at 256 has no register to spare)
+GQA_HEAD_DIM_BUCKETS = (64, 96, 128, 192)
 BLOCK_N_FP8 = {64: 128, 128: 192, 256: 64}
 #: keys per block of the permutation fp8 V^T carries (:func:`fp8_value_copy`)
 FP8_KEY_BLOCK = 32
@@ -221,9 +224,9 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
             raise ValueError(f"Sm90ForwardVariant: the fp8 form is plain (fixed or packed) with D = Dv in "
                              f"{FP8_HEAD_DIM_BUCKETS}, got head_dim={self.head_dim}, head_dim_v={self.head_dim_v}, "
                              f"mods={self.mods}, varlen={self.varlen}, kvcache={self.kvcache}")
-        if self.gqa and (not self.kvcache or self.varlen):
-            raise ValueError("Sm90ForwardVariant: GQA packing is an axis of the fixed-batch KV-cache forms (kvcache=True, "
-                             "varlen=False)")
+        if self.gqa and (not self.kvcache or self.varlen or self.head_dim not in GQA_HEAD_DIM_BUCKETS):
+            raise ValueError(f"Sm90ForwardVariant: GQA packing is an axis of the fixed-batch KV-cache forms (kvcache=True, "
+                             f"varlen=False) at head dims {GQA_HEAD_DIM_BUCKETS}, got head_dim={self.head_dim}")
         if self.tile_n and (not self.user_mod or self.tile_n % 16):
             raise ValueError(f"Sm90ForwardVariant: tile_n={self.tile_n} is an axis of the traced forms (a multiple of 16)")
 
@@ -327,7 +330,7 @@ def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
             for local in (False, True))
     if kvcache:
         return tuple(Sm90ForwardVariant(dt, d, dv, True, mods, varlen, kvcache=True, gqa=gqa) for dt in DTYPES
-                     for d in HEAD_DIM_BUCKETS
+                     for d in (GQA_HEAD_DIM_BUCKETS if gqa else HEAD_DIM_BUCKETS)
                      for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)))
     return tuple(Sm90ForwardVariant(dt, d, dv, local, mods, varlen) for dt in DTYPES for d in HEAD_DIM_BUCKETS
                  for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)) for local in (False, True))
@@ -968,7 +971,8 @@ def kvcache_variant(problem) -> Sm90ForwardVariant:
 def kvcache_pack_reason(problem) -> str | None:
     """Why the KV-cache call ``problem`` runs without GQA packing (None if its G query heads of a
     kv head share the 128-row tiles): a packed batch (chunked prefill), ``Sq`` of a whole tile, a
-    group that is 1 or not a power of two up to :data:`GQA_PACK_MAX`, or ALiBi slopes or sinks
+    group that is 1 or not a power of two up to :data:`GQA_PACK_MAX`, a head dim outside
+    :data:`GQA_HEAD_DIM_BUCKETS`, or ALiBi slopes or sinks
     (per query head; the packed forms take softcap only). Shapes only: a CUDA-graph replay keeps it."""
     p = problem
     g = p.group_size
@@ -978,6 +982,9 @@ def kvcache_pack_reason(problem) -> str | None:
         return f"Sq={p.seqlen_q} fills {BLOCK_M}-row tiles unpacked"
     if g < 2 or g > GQA_PACK_MAX or g & (g - 1):
         return f"a group of {g} query heads per kv head (GQA packing takes powers of two 2..{GQA_PACK_MAX})"
+    if bucket(p.head_dim) not in GQA_HEAD_DIM_BUCKETS:
+        return (f"head dim {p.head_dim} (bucket {bucket(p.head_dim)}): the packed form's consumers have no register to "
+                f"spare there (GQA packing takes the buckets {GQA_HEAD_DIM_BUCKETS})")
     mods = p.modifiers.present if p.modifiers is not None else ()
     for name in ("alibi_slopes", "sinks"):
         if name in mods:

@@ -202,9 +202,11 @@ def _chunked_prefill(rng, v, d):
 
 
 def _hopper_kvcache(rng, v):
-    """The Hopper KV-cache form: 70 query rows, GQA 2, two sequences (200 and 17 keys) in a paged
-    cache of 16-row pages, two key splits, causal; NaN in every cache row not to be read."""
+    """The Hopper KV-cache form: 70 query rows, GQA 3 (unpacked), two sequences (200 and 17 keys) in
+    a paged cache of 16-row pages, two key splits, causal; NaN in every cache row not to be read.
+    GQA packing (the ``gqa`` forms): 9 positions of a group of 8 query heads (72 rows)."""
     dt = DTYPES[v.dtype]
+    sq, hq = (9, 8) if v.gqa else (70, 3)
     page, lengths = 16, np.array([200, 17], np.int32)
     bt = np.array([np.arange(13), np.r_[13, 14, np.full(11, -1)]], np.int32)   # 13 and 2 pages
     kc = np.full((15, page, 1, v.head_dim), np.nan, dt)
@@ -213,10 +215,12 @@ def _hopper_kvcache(rng, v):
         i0, i1 = ref_kvcache.cache_rows(b, 0, int(n), page_size=page, block_table=bt)
         kc[i0, i1] = rng.standard_normal((len(i0), 1, v.head_dim))
         vc[i0, i1] = rng.standard_normal((len(i0), 1, v.head_dim_v))
-    q = rng.standard_normal((2, 70, 2, v.head_dim)).astype(dt)
-    # (the modifier form: softcap, ALiBi and sinks, the ones a KV-cache call takes)
-    mods = dict(softcap=4.0, alibi_slopes=rng.uniform(0.02, 0.4, 2).astype(np.float32),
-                sinks=rng.standard_normal(2).astype(np.float32)) if v.mods else {}
+    q = rng.standard_normal((2, sq, hq, v.head_dim)).astype(dt)
+    # (the modifier form: softcap, ALiBi and sinks, the ones a KV-cache call takes; packed: softcap)
+    mods = dict(softcap=4.0, alibi_slopes=rng.uniform(0.02, 0.4, hq).astype(np.float32),
+                sinks=rng.standard_normal(hq).astype(np.float32)) if v.mods else {}
+    if v.gqa and v.mods:
+        mods = dict(softcap=4.0)
     out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, block_table=bt,
                                               return_lse=True, backend="sim", **mods)
     for b, n in enumerate(lengths):

@@ -63,10 +63,10 @@ SLOW = [
     ([5, 300], 8, 1, 1, (8, 1), "causal", 64, 3, 0.0, "plain", "f16"),
     ([0, 1, 130], 32, 0, 16, (4, 2), "window", 128, 1, 0.0, "leftpad", "bf16"),
     ([200, 77], 64, 3, 256, (4, 2), "none", 64, 3, 0.0, "plain", "bf16"),
-    ([150, 9], 16, 1, None, (16, 4), "causal_win", 256, 3, 0.0, "batch_idx", "bf16"),
+    ([150, 9], 16, 1, None, (16, 4), "causal_win", 192, 3, 0.0, "batch_idx", "bf16"),
     ([40, 1, 260], 33, 0, 3, (8, 4), "right", 128, 1, 0.0, "leftpad", "f16"),
     ([90, 0], 9, 2, None, (64, 8), "causal", 64, 3, 0.0, "leftpad", "f16"),
-    ([300, 21], 100, 1, 16, (4, 2), "causal", 256, 3, 5.0, "plain", "bf16"),
+    ([300, 21], 100, 1, 16, (4, 2), "causal", 192, 3, 5.0, "plain", "bf16"),
     ([64, 129], 8, 0, None, (8, 1), "window", 128, 3, 3.0, "batch_idx", "f16"),
     ([17, 0, 3], 1, 1, 1, (64, 1), "none", 64, 1, 4.0, "plain", "bf16"),
 ]
@@ -111,6 +111,10 @@ def test_kvcache_gqa_routing():
     p = _problem(64, 8, 1, sinks=np.zeros(8, np.float32))   # unpacked, Sq fills half a tile
     assert hopper(p) and not attention_fwd_sm90.kvcache_variant(p).gqa
     assert "GQA packing not used: sinks differ" in dispatch.explain_forward(p, 90, sm_count=132)["choice"]
+    q = np.zeros((1, 64, 8, 256), dtypes.float16)   # head dim 256: unpacked (the packed form would spill)
+    p = check_kvcache(q, np.zeros((1, 80, 1, 256), dtypes.float16), np.zeros((1, 80, 1, 256), dtypes.float16),
+                      np.array([70], np.int32))
+    assert hopper(p) and "head dim 256 (bucket 256)" in attention_fwd_sm90.kvcache_pack_reason(p)
     p = _problem(130, 4, 2)   # Sq of a whole tile: unpacked
     assert attention_fwd_sm90.kvcache_pack(p) == 1 and "fills 128-row tiles" in attention_fwd_sm90.kvcache_pack_reason(p)
     forms = attention_fwd_sm90.all_variants(kvcache=True, gqa=True) + attention_fwd_sm90.all_variants(

@@ -230,6 +230,24 @@ def test_the_chunked_prefill_form_sees_the_gather_mutants(mid, tmp_path, monkeyp
     assert killed_by("fwd_sm90_prefill_checked"), f"{mid} (line {mutant.line}) survived the chunked-prefill probe"
 
 
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("mid", PREFILL_FORM_MUTANTS)
+def test_the_gqa_packed_form_sees_the_gather_mutants(mid, tmp_path, monkeypatch):
+    """The same pipeline run by the KV-cache form's GQA packing (rows of 8 heads at 24 positions)."""
+    (mutant,) = [m for m in MUTANTS if m.id == mid]
+    tree = mutated_tree(paths.kernels_dir(), mutant, tmp_path / "kernels")
+    monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
+    assert killed_by("fwd_sm90_gqa_checked"), f"{mid} (line {mutant.line}) survived the GQA-packed probe"
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+def test_the_gqa_packed_probe_passes_on_the_kernel():
+    """The GQA-packed probe passes on the unmutated kernel, so a kill above is the mutant's."""
+    assert killed_by("fwd_sm90_gqa_checked") is None
+
+
 def test_the_hopper_forward_synchronisations_are_killed():
     """Issue 20's kernel: every mbarrier wait and arrive, wgmma fence/commit/wait, the proxy fences,
     the epilogue's named barrier and bulk commit/wait are killed; only the last tile's ping-pong turn

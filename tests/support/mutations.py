@@ -50,7 +50,8 @@ FILES = {
     "hopper_probe.cu": ("hopper_checked", "hopper_seeds"),
     "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked",
                               "fwd_sm90_varlen_checked", "fwd_sm90_kvcache_checked", "fwd_sm90_bs_checked",
-                              "fwd_sm90_fp8_checked", "fwd_sm90_fp8_varlen_checked", "fwd_sm90_prefill_checked"),
+                              "fwd_sm90_fp8_checked", "fwd_sm90_fp8_varlen_checked", "fwd_sm90_prefill_checked",
+                              "fwd_sm90_gqa_checked"),
     "attention_bwd_sm90.cu": ("bwd_sm90_checked", "bwd_sm90_seeds", "bwd_sm90_um_checked"),
 }
 #: probes whose simulator build alone takes about a minute of the default run's 2 cores: they and
@@ -65,6 +66,9 @@ SLOW_PROBES = {
     "fwd_sm90_prefill_checked": "the chunked-prefill form in checked mode is one more build of its own; its pipeline "
                                 "is the KV-cache form's (the same gather, rings and barriers; only Q's and O's "
                                 "boxes and the sequence's key count differ)",
+    "fwd_sm90_gqa_checked": "the GQA-packed KV-cache form in checked mode is one more build of its own; its pipeline "
+                            "is the KV-cache form's (only Q's and O's boxes, the rows' positions and the lse and "
+                            "partial rows' heads differ)",
     "fwd_sm90_fp8_varlen_checked": "the packed fp8 form in checked mode is one more build of its own; its pipeline is "
                                    "the fixed fp8 form's (only V^T's key coordinate differs)",
 }
@@ -485,10 +489,12 @@ def _sm90_bwd_traced_case(checked, seeds):
         assert_grads_within_twice_the_numpy_path(grads, q, k, v, dout, F16, **kw)
 
 
-def _sm90_kvcache_case(checked, seeds):
-    """The Hopper KV-cache form (f16, head dim 64, causal, GQA 2) through the dispatcher (its form
-    asserted): a paged cache of 16-row pages (gathered by cp.async), sequences of 600, 0 and 37
-    keys in 2 splits (split 0 of the first reuses both ring slots), NaN in every row not to be read."""
+def _sm90_kvcache_case(checked, seeds, gqa=False):
+    """The Hopper KV-cache form (f16, head dim 64, causal, GQA 3: unpacked) through the dispatcher
+    (its form asserted): a paged cache of 16-row pages (gathered by cp.async), sequences of 600, 0
+    and 37 keys in 2 splits (split 0 of the first reuses both ring slots), NaN in every row not to
+    be read. ``gqa``: its GQA-packed form, 24 positions of a group of 8 query heads (192 rows: two
+    query tiles, the second half empty)."""
     import cuflash
     from cuflash import sim
     from cuflash.kernels import attention_fwd_sm90, kvcache_run
@@ -511,10 +517,10 @@ def _sm90_kvcache_case(checked, seeds):
         i0, i1 = ref_kvcache.cache_rows(b, 0, int(n), page_size=page, block_table=bt)
         kc[i0, i1] = rng.standard_normal((len(i0), 1, 64))
         vc[i0, i1] = rng.standard_normal((len(i0), 1, 64))
-    q = rng.standard_normal((3, 70, 2, 64)).astype(F16)
+    q = rng.standard_normal((3, 24, 8, 64) if gqa else (3, 70, 3, 64)).astype(F16)
     problem = check_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, block_table=bt)
     variant, splits = kvcache_run.choose(problem, 90, (q, kc, vc), sim.sm_count(90))
-    assert isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) and splits == 2
+    assert isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) and splits == 2 and variant.gqa == gqa
     for seed in seeds:
         with sim.options(arch="sm_90", checked=checked, seed=seed):
             out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, block_table=bt,
@@ -585,6 +591,7 @@ PROBES = {
     "fwd_sm90_local_checked": lambda: _sm90_case(F16, 128, 190, 260, True, True, (0,)),
     "fwd_sm90_varlen_checked": lambda: _sm90_varlen_case(True, (0,)),
     "fwd_sm90_kvcache_checked": lambda: _sm90_kvcache_case(True, (0,)),
+    "fwd_sm90_gqa_checked": lambda: _sm90_kvcache_case(True, (0,), gqa=True),
     # chunked prefill: the KV-cache form's gather and rings under packed queries
     "fwd_sm90_prefill_checked": lambda: _sm90_prefill_case(True, (0,)),
     # the block-sparse form: the same rings and turns over key tiles taken from a block mask's lists
