@@ -76,6 +76,18 @@
 // the sequence's keys (ALiBi bottom-right with its device-read Sk); the sink joins split 0's rows
 // only, so the combine counts it once a row.
 //
+// GQA packing (CUFLASH_GQA 1 with CUFLASH_KVCACHE, fixed batches; decode-like calls whose Sq is under a
+// tile): a block per (query tile x split, kv head hk, sequence b) whose 128 rows are the G = group
+// query heads of hk at consecutive positions, row m = position m >> lg, head hk * G + (m & (G - 1))
+// (G = 1 << lg, a power of two up to 64). q and o go through 5-d maps (head dim, g, kv head,
+// position, batch) whose box of G heads x 128 / G positions (o: 64 / G, a consumer's rows) lands
+// as those rows, 128 bytes each: the panels and swizzle the consumers read. The masks take each
+// row's position (Rows::pos; the rows' mask edges are set once, so the steady loop is the KV-cache
+// form's), the block's key range its first and last positions; lse and the split partials are
+// written at each row's head and position, in the unpacked rows' order, so the combine is the same.
+// K and V are gathered once per kv head, not once per query head. With CUFLASH_MODS, softcap only
+// (ALiBi slopes and sinks vary per query head: the host runs those calls unpacked).
+//
 // Chunked prefill (CUFLASH_VARLEN and CUFLASH_KVCACHE, cuflash.attention_varlen with a block_table):
 // q and o through the packed forms' ragged maps, lse (Hq, total_q); sequence b's query rows and its
 // key count n_k (cu_seqlens_k's length, seqused_k[b] when given) from varlen_seq on the device, its
@@ -118,7 +130,7 @@
 // Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D and CUFLASH_DV (head-dim buckets: 64, 96,
 // 128, 192, 256; Dv <= D), CUFLASH_BC (keys per tile), CUFLASH_LOCAL (0/1), CUFLASH_MODS (0/1),
 // CUFLASH_VARLEN (0/1), CUFLASH_KVCACHE (0/1); with a traced function CUFLASH_USER_MOD and its macros,
-// CUFLASH_BLOCK_SPARSE (0/1), CUFLASH_FP8 (0/1; CUFLASH_BF16 is then the output's type).
+// CUFLASH_BLOCK_SPARSE (0/1), CUFLASH_FP8 (0/1; CUFLASH_BF16 is then the output's type), CUFLASH_GQA (0/1).
 #include "ptx.cuh"
 #include "score_mods.cuh"
 
@@ -456,19 +468,12 @@ struct Rows {   // what the softmax needs to know of this thread's rows and the 
     int pdiag[2];
 #endif
     // the query position of this thread's row row0 + 8 r (row0: a position where the rows are not
-    // packed; wrow_lo, wrow_hi always positions), and that plus diag
+    // packed; wrow_lo, wrow_hi always positions); packed, the masks' pos(r) + diag folds to pdiag[r]
     __device__ __forceinline__ int pos(int r) const {
 #if CUFLASH_GQA
         return pdiag[r] - diag;
 #else
         return row0 + 8 * r;
-#endif
-    }
-    __device__ __forceinline__ int dpos(int r) const {
-#if CUFLASH_GQA
-        return pdiag[r];
-#else
-        return row0 + 8 * r + diag;
 #endif
     }
 };
@@ -617,10 +622,10 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
                 hi[r] = w.last[r] - kv0;
                 continue;
             }
-            const int rd = w.dpos(r), here = kv0 + 2 * w.t;   // (the row's position + diag)
+            const int row = w.pos(r), here = kv0 + 2 * w.t;
             int first = 0, last = w.Sk - 1;
-            if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, rd - w.window_left);
-            if (CUFLASH_LOCAL && w.window_right >= 0) last = min(last, rd + w.window_right);
+            if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, row + w.diag - w.window_left);
+            if (CUFLASH_LOCAL && w.window_right >= 0) last = min(last, row + w.diag + w.window_right);
             lo[r] = first - here;
             hi[r] = last - here;
         }
@@ -637,10 +642,10 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[BC / 2], int kv0, const
     unsigned seen[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int row = w.pos(r), rd = w.dpos(r), here = kv0 + 2 * w.t;
+        const int row = w.pos(r), here = kv0 + 2 * w.t;
         int first = 0, last = w.Sk - 1;
-        if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, rd - w.window_left);
-        if (CUFLASH_LOCAL && w.window_right >= 0) last = min(last, rd + w.window_right);
+        if (CUFLASH_LOCAL && w.window_left >= 0) first = max(first, row + w.diag - w.window_left);
+        if (CUFLASH_LOCAL && w.window_right >= 0) last = min(last, row + w.diag + w.window_right);
         seen[r] = row < w.Sq ? ptx_ones_below(max(score_count(last - here + 1), 0)) &
                                   ~ptx_ones_below(max(score_count(first - here), 0))
                             : 0u;
@@ -1015,10 +1020,10 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     };
 #pragma unroll
     for (int r = 0; r < 2 && EDGES_ONCE; ++r) {
-        const int rd = rows.dpos(r);   // (the row's position + diag)
+        const int row = rows.pos(r);
         int first = 0, last = Sk - 1;
-        if (CUFLASH_LOCAL && window_left >= 0) first = max(first, rd - window_left);
-        if (CUFLASH_LOCAL && window_right >= 0) last = min(last, rd + window_right);
+        if (CUFLASH_LOCAL && window_left >= 0) first = max(first, row + diag - window_left);
+        if (CUFLASH_LOCAL && window_right >= 0) last = min(last, row + diag + window_right);
         rows.first[r] = first - 2 * t;
         rows.last[r] = last - 2 * t;
     }

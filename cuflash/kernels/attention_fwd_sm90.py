@@ -35,12 +35,16 @@ copy). Packed fp8 batches (the ``varlen`` + ``fp8`` forms) take V from one copy 
 sequence starts at a multiple of 32 keys and has zeros up to a whole tile after its end
 (:func:`fp8_value_copy_packed`, built on the device from the index), so no tile reads another
 sequence's values. fp8 KV caches run elsewhere (``explain`` says where).
+Decode-like KV-cache calls (``Sq`` under 128) with a power-of-two group of ``G`` query heads per kv
+head run GQA-packed when ``Sq * G`` fills half a tile (the ``kvcache`` + ``gqa`` forms,
+:func:`kvcache_pack`): a block per kv head whose rows are the group's heads at consecutive
+positions, q and o through 5-d tensor maps.
 Chunked prefill (``attention_varlen`` with a ``block_table``; the ``varlen`` + ``kvcache`` forms)
 runs the KV-cache forms' gather under packed queries: q and o through the packed forms' ragged
 maps, each sequence's key count from the packed index on the device (:func:`plan_kvcache`),
 unsplit.
-The rest (fp32, dropout, traced functions on packed batches, decode-like KV-cache calls and
-chunked prefill, Sk = 0, views TMA cannot describe, block masks whose blocks do not hold whole
+The rest (fp32, dropout, traced functions on packed batches, decode-like KV-cache calls that
+neither ``Sq`` nor GQA packing brings to half a tile, decode-like chunked prefill, Sk = 0, views TMA cannot describe, block masks whose blocks do not hold whole
 Hopper tiles) goes to the tensor-core mma.sync tier, and ``explain`` says why.
 
 Tiles (the roofline's per-head-dim choice; shared memory per block = Q + two stages of K and V +

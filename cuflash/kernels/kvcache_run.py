@@ -4,7 +4,8 @@ combine, in that order on the call's stream.
 The append (:mod:`~cuflash.kernels.kvcache_append`) writes the new keys and values into the
 cache (rotated) and the rotated queries into a workspace; the KV-cache forward reads the cache
 where it lies: on compute capability 9.0 the Hopper form (:mod:`~cuflash.kernels.attention_fwd_sm90`,
-its ``kvcache`` form) when the query rows fill its 128-row tiles, else the tensor-core one
+its ``kvcache`` form) when the query rows (``Sq``, or ``Sq * G`` with GQA packing) fill half its
+128-row tiles, else the tensor-core one
 (:mod:`~cuflash.kernels.attention_fwd_mma`, its ``kvcache`` form);
 the combine (:mod:`~cuflash.kernels.attention_combine`) merges the split partials by their
 log-sum-exp. Workspaces (rotated q, split partials) come from the call (the caller's allocator on
