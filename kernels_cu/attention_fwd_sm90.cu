@@ -85,8 +85,8 @@
 // row's position (Rows::pos; the rows' mask edges are set once, so the steady loop is the KV-cache
 // form's), the block's key range its first and last positions; lse and the split partials are
 // written at each row's head and position, in the unpacked rows' order, so the combine is the same.
-// K and V are gathered once per kv head, not once per query head. With CUFLASH_MODS, softcap only
-// (ALiBi slopes and sinks vary per query head: the host runs those calls unpacked).
+// K and V are gathered once per kv head, not once per query head. With CUFLASH_MODS, ALiBi and sinks
+// per row (its head's slope, held in Rows::slope, and its head's sink at the epilogue).
 //
 // Chunked prefill (CUFLASH_VARLEN and CUFLASH_KVCACHE, cuflash.attention_varlen with a block_table):
 // q and o through the packed forms' ragged maps, lse (Hq, total_q); sequence b's query rows and its
@@ -464,8 +464,11 @@ struct Rows {   // what the softmax needs to know of this thread's rows and the 
 #endif
 #if CUFLASH_GQA
     // GQA packing: row0 is a packed row; the query positions of rows row0 and row0 + 8 plus diag
-    // (held in place of diag and the group's shift: the d256 form has no register to spare)
+    // (held in place of diag and the group's shift)
     int pdiag[2];
+#if CUFLASH_MODS
+    float slope[2];   // the rows' own heads' ALiBi slopes (* log2 e; 0 without ALiBi)
+#endif
 #endif
     // the query position of this thread's row row0 + 8 r (row0: a position where the rows are not
     // packed; wrow_lo, wrow_hi always positions); packed, the masks' pos(r) + diag folds to pdiag[r]
@@ -556,14 +559,22 @@ __device__ __forceinline__ void apply_mods(float (&sc)[BC / 2], int kv0, const R
 #pragma unroll
         for (int i = 0; i < BC / 2; ++i) sc[i] = w.hm.cap * tanhf(sc[i] * w.inv_cap);
     }
+#if CUFLASH_GQA
+    if (w.mods.alibi != nullptr) {   // ALiBi per row: the rows' heads differ (GQA packing)
+#else
     if (w.hm.slope != 0.0f) {   // ALiBi: slope * |j - (i + Sk - Sq)|, the distance an integer (exact)
+#endif
         int d0[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) d0[r] = diag_distance(w.pos(r), here, w.Sq, w.Sk);
 #pragma unroll
         for (int i = 0; i < BC / 2; ++i) {
             const int d = d0[(i % 4) / 2] + 8 * (i / 4) + i % 2;
+#if CUFLASH_GQA
+            sc[i] -= w.slope[(i % 4) / 2] * (float)(d < 0 ? -d : d);
+#else
             sc[i] -= w.hm.slope * (float)(d < 0 ? -d : d);
+#endif
         }
     }
     if (w.hm.bias) {
@@ -1018,6 +1029,13 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
               , {(row0 >> lg) + diag, ((row0 + 8) >> lg) + diag}
 #endif
     };
+#if CUFLASH_GQA && CUFLASH_MODS
+#pragma unroll
+    for (int r = 0; r < 2; ++r)   // (row m's head: h + (m & (group - 1)))
+        rows.slope[r] = mods.alibi ? mods.alibi[b * mods.alibi_bs + (h + ((row0 + 8 * r) & (group - 1))) * mods.alibi_hs] *
+                                         CUFLASH_LOG2E
+                                   : 0.0f;
+#endif
 #pragma unroll
     for (int r = 0; r < 2 && EDGES_ONCE; ++r) {
         const int row = rows.pos(r);
@@ -1191,7 +1209,11 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         float l = quad_sum(l_run[r]);
 #if CUFLASH_MODS && CUFLASH_KVCACHE
         // (split-KV: the sink joins split 0's rows only, so that the combine counts it once a row)
+#if CUFLASH_GQA
+        const float keep = split == 0 ? sink_fold(mods, h + ((row0 + 8 * r) & (group - 1)), m_run[r], l) : 1.0f;   // (the row's head)
+#else
         const float keep = split == 0 ? sink_fold(mods, h, m_run[r], l) : 1.0f;
+#endif
 #elif CUFLASH_MODS
         const float keep = sink_fold(mods, h, m_run[r], l);   // (1 without sinks)
 #elif CUFLASH_FP8

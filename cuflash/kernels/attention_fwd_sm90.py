@@ -196,7 +196,8 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     #: the fp8 form (``CUFLASH_FP8``, entry suffix ``_e4m3``): float8_e4m3fn q, k and V^T
     #: (:func:`fp8_value_copy`) with descales; ``dtype`` is then the output's
     fp8: bool = dataclasses.field(default=False, kw_only=True)
-    #: GQA packing (``CUFLASH_GQA``, entry suffix ``_gqa``; the fixed-batch KV-cache forms): a block per
+    #: GQA packing (``CUFLASH_GQA``, entry suffix ``_gqa``; the fixed-batch KV-cache forms, with ``mods``
+    #: softcap, ALiBi and sinks, each row its own head's): a block per
     #: kv head whose 128 rows are the group's query heads at consecutive positions (row ``m``:
     #: position ``m // G``, head ``m % G`` of the group), q and o through 5-d tensor maps
     gqa: bool = dataclasses.field(default=False, kw_only=True)
@@ -325,7 +326,7 @@ def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
     forms (with ``mods``: softcap and ALiBi); ``kvcache``: the KV-cache forms (local only; with ``mods``,
     softcap, ALiBi and sinks; with ``varlen``, chunked prefill: packed queries over a paged cache);
     ``fp8``: the fp8 forms (plain, fixed or with ``varlen`` packed; ``dtype`` the output's); ``gqa``:
-    the KV-cache forms with GQA packing (with ``mods``, softcap)."""
+    the KV-cache forms with GQA packing (with ``mods``, softcap, ALiBi and sinks)."""
     if arch != 90 or dropout or (gqa and (varlen or not kvcache or fp8)):
         return ()
     if fp8:
@@ -975,9 +976,9 @@ def kvcache_variant(problem) -> Sm90ForwardVariant:
 def kvcache_pack_reason(problem) -> str | None:
     """Why the KV-cache call ``problem`` runs without GQA packing (None if its G query heads of a
     kv head share the 128-row tiles): a packed batch (chunked prefill), ``Sq`` of a whole tile, a
-    group that is 1 or not a power of two up to :data:`GQA_PACK_MAX`, a head dim outside
-    :data:`GQA_HEAD_DIM_BUCKETS`, or ALiBi slopes or sinks
-    (per query head; the packed forms take softcap only). Shapes only: a CUDA-graph replay keeps it."""
+    group that is 1 or not a power of two up to :data:`GQA_PACK_MAX`, or a head dim outside
+    :data:`GQA_HEAD_DIM_BUCKETS` (softcap, ALiBi and sinks pack: each row takes its own head's
+    slope and sink). Shapes only: a CUDA-graph replay keeps it."""
     p = problem
     g = p.group_size
     if p.varlen is not None:
@@ -989,10 +990,6 @@ def kvcache_pack_reason(problem) -> str | None:
     if bucket(p.head_dim) not in GQA_HEAD_DIM_BUCKETS:
         return (f"head dim {p.head_dim} (bucket {bucket(p.head_dim)}): the packed form's consumers have no register to "
                 f"spare there (GQA packing takes the buckets {GQA_HEAD_DIM_BUCKETS})")
-    mods = p.modifiers.present if p.modifiers is not None else ()
-    for name in ("alibi_slopes", "sinks"):
-        if name in mods:
-            return f"{name} differ per query head (GQA packing takes softcap only)"
     return None
 
 

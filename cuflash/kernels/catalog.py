@@ -65,7 +65,7 @@ def variants_for_arch(arch: int) -> tuple:
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True))
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True, mods=True))   # (softcap, ALiBi, sinks on a cache)
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True, gqa=True))   # (GQA packing: decode-like calls)
-    out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True, mods=True, gqa=True))   # (with softcap)
+    out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True, mods=True, gqa=True))   # (softcap, ALiBi, sinks)
     out.extend(attention_fwd_sm90.all_variants(arch, varlen=True, kvcache=True))   # (chunked prefill over a paged cache)
     out.extend(attention_fwd_sm90.all_variants(arch, varlen=True, kvcache=True, mods=True))   # (with softcap, ALiBi)
     out.extend(attention_fwd_sm90.all_variants(arch, fp8=True))   # (fp8 q, k, v; sm_90a)

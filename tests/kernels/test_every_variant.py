@@ -216,11 +216,9 @@ def _hopper_kvcache(rng, v):
         kc[i0, i1] = rng.standard_normal((len(i0), 1, v.head_dim))
         vc[i0, i1] = rng.standard_normal((len(i0), 1, v.head_dim_v))
     q = rng.standard_normal((2, sq, hq, v.head_dim)).astype(dt)
-    # (the modifier form: softcap, ALiBi and sinks, the ones a KV-cache call takes; packed: softcap)
+    # (the modifier form: softcap, ALiBi and sinks, the ones a KV-cache call takes; packed: each row its head's)
     mods = dict(softcap=4.0, alibi_slopes=rng.uniform(0.02, 0.4, hq).astype(np.float32),
                 sinks=rng.standard_normal(hq).astype(np.float32)) if v.mods else {}
-    if v.gqa and v.mods:
-        mods = dict(softcap=4.0)
     out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, block_table=bt,
                                               return_lse=True, backend="sim", **mods)
     for b, n in enumerate(lengths):

@@ -29,7 +29,22 @@ MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False
          "causal_win": (True, (20, -1)), "right": (False, (-1, 2))}
 
 
-def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, softcap, extra, dtype_key, *, checked=False,
+def make_mods(rng, names, b, hq):
+    """softcap 4; ALiBi slopes (Hq,) or per sequence (B, Hq); sinks with one head's far above its
+    scores and one -inf (adds nothing). Each row of a packed tile takes its own head's."""
+    mods = {}
+    if "softcap" in names:
+        mods["softcap"] = 4.0
+    if "alibi" in names:
+        mods["alibi_slopes"] = rng.uniform(0.02, 0.4, (b, hq) if "alibi_b" in names else (hq,)).astype(np.float32)
+    if "sinks" in names:
+        s = rng.standard_normal(hq).astype(np.float32)
+        s[1], s[-1] = 6.0, -np.inf
+        mods["sinks"] = s
+    return mods
+
+
+def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, names, extra, dtype_key, *, checked=False,
              force=False):
     """One call on the packed form; ``force``: below the dispatcher's threshold (``Sq * G`` under 64
     rows), the threshold lowered so that the packed form runs a mostly empty tile."""
@@ -38,7 +53,7 @@ def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, softcap, extr
     dt = DTYPES[dtype_key]
     q, kc, vc, lengths, kw = make_case(rng, lengths, sq, snew, page, heads, d, dt, "none", extra)
     causal, window = MASKS[mask]
-    mods = {"softcap": softcap} if softcap else {}
+    mods = make_mods(rng, names, len(lengths), heads[0])
     with mock.patch.object(attention_fwd_sm90, "KVCACHE_MIN_ROWS", 1 if force else attention_fwd_sm90.KVCACHE_MIN_ROWS):
         problem = check_kvcache(q, kc, vc, lengths, causal=causal, window_size=window, num_splits=splits, **kw, **mods)
         info = dispatch.explain_forward(problem, 90, (q, kc, vc), sm_count=cuflash.sim.sm_count(90))
@@ -56,19 +71,22 @@ def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, softcap, extr
     check_result(out, lse, q, want_k, want_v, lengths, kw, page, causal, window, **mods)
 
 
-#: (cache lengths, Sq, new rows, page size (None: contiguous), (Hq, Hk), mask, D, splits, softcap, extra, dtype)
-DEFAULT = [([0, 1, 37], 4, 1, 3, (32, 2), "causal", 64, 3, 0.0, "leftpad", "f16"),   # G 16: 64 rows, split 3
-           ([1, 0, 20], 2, 1, None, (8, 2), "window", 64, 1, 0.0, "batch_idx", "f16")]   # G 4, forced: 8 rows
+#: (cache lengths, Sq, new rows, page size (None: contiguous), (Hq, Hk), mask, D, splits, modifiers, extra, dtype)
+DEFAULT = [([0, 1, 37], 4, 1, 3, (32, 2), "causal", 64, 3, (), "leftpad", "f16"),   # G 16: 64 rows, split 3
+           # G 4, forced (8 rows), per-row ALiBi (B, Hq) and sinks over 2 splits
+           ([1, 0, 20], 2, 1, None, (8, 2), "window", 64, 2, ("alibi", "alibi_b", "sinks"), "batch_idx", "f16")]
 SLOW = [
-    ([5, 300], 8, 1, 1, (8, 1), "causal", 64, 3, 0.0, "plain", "f16"),
-    ([0, 1, 130], 32, 0, 16, (4, 2), "window", 128, 1, 0.0, "leftpad", "bf16"),
-    ([200, 77], 64, 3, 256, (4, 2), "none", 64, 3, 0.0, "plain", "bf16"),
-    ([150, 9], 16, 1, None, (16, 4), "causal_win", 192, 3, 0.0, "batch_idx", "bf16"),
-    ([40, 1, 260], 33, 0, 3, (8, 4), "right", 128, 1, 0.0, "leftpad", "f16"),
-    ([90, 0], 9, 2, None, (64, 8), "causal", 64, 3, 0.0, "leftpad", "f16"),
-    ([300, 21], 100, 1, 16, (4, 2), "causal", 192, 3, 5.0, "plain", "bf16"),
-    ([64, 129], 8, 0, None, (8, 1), "window", 128, 3, 3.0, "batch_idx", "f16"),
-    ([17, 0, 3], 1, 1, 1, (64, 1), "none", 64, 1, 4.0, "plain", "bf16"),
+    ([5, 300], 8, 1, 1, (8, 1), "causal", 64, 3, (), "plain", "f16"),
+    ([0, 1, 130], 32, 0, 16, (4, 2), "window", 128, 1, (), "leftpad", "bf16"),
+    ([200, 77], 64, 3, 256, (4, 2), "none", 64, 3, (), "plain", "bf16"),
+    ([150, 9], 16, 1, None, (16, 4), "causal_win", 192, 3, (), "batch_idx", "bf16"),
+    ([40, 1, 260], 33, 0, 3, (8, 4), "right", 128, 1, (), "leftpad", "f16"),
+    ([90, 0], 9, 2, None, (64, 8), "causal", 64, 3, (), "leftpad", "f16"),
+    ([300, 21], 100, 1, 16, (4, 2), "causal", 192, 3, ("softcap",), "plain", "bf16"),
+    ([64, 129], 8, 0, None, (8, 1), "window", 128, 3, ("softcap", "alibi", "sinks"), "batch_idx", "f16"),
+    ([17, 0, 3], 1, 1, 1, (64, 1), "none", 64, 1, ("softcap",), "plain", "bf16"),
+    ([250, 17], 16, 0, 16, (8, 2), "causal", 128, 3, ("alibi", "sinks"), "leftpad", "bf16"),
+    ([0, 1, 37], 20, 1, 3, (16, 2), "causal_win", 96, 1, ("softcap", "alibi", "alibi_b"), "plain", "f16"),
 ]
 
 
@@ -106,11 +124,11 @@ def test_kvcache_gqa_routing():
     assert "Sq*G=1*8=8 packed query rows would fill under half" in kvcache_run.hopper_reason(p, 90)
     p = _problem(16, 12, 2)   # G 6: not a power of two, unpacked, 16 rows
     assert "GQA packing not used: a group of 6 query heads" in kvcache_run.hopper_reason(p, 90)
-    p = _problem(16, 8, 1, alibi_slopes=np.ones(8, np.float32))
-    assert "alibi_slopes differ per query head" in kvcache_run.hopper_reason(p, 90)
-    p = _problem(64, 8, 1, sinks=np.zeros(8, np.float32))   # unpacked, Sq fills half a tile
+    p = _problem(16, 8, 1, alibi_slopes=np.ones(8, np.float32), sinks=np.zeros(8, np.float32))   # per row
+    assert hopper(p) and attention_fwd_sm90.kvcache_variant(p).gqa and attention_fwd_sm90.kvcache_variant(p).mods
+    p = _problem(64, 12, 2)   # unpacked (G 6), Sq fills half a tile
     assert hopper(p) and not attention_fwd_sm90.kvcache_variant(p).gqa
-    assert "GQA packing not used: sinks differ" in dispatch.explain_forward(p, 90, sm_count=132)["choice"]
+    assert "GQA packing not used: a group of 6" in dispatch.explain_forward(p, 90, sm_count=132)["choice"]
     q = np.zeros((1, 64, 8, 256), dtypes.float16)   # head dim 256: unpacked (the packed form would spill)
     p = check_kvcache(q, np.zeros((1, 80, 1, 256), dtypes.float16), np.zeros((1, 80, 1, 256), dtypes.float16),
                       np.array([70], np.int32))

@@ -194,7 +194,7 @@ def check_fp8_result(out, lse, q, kc, vc, lengths, kw, page, causal, window):
 
 def check_result(out, lse, q, kc, vc, lengths, kw, page, causal, window, **mods):
     """Each sequence against the float64 oracle over the keys the (expected) cache holds (``mods``:
-    head-independent score modifiers, such as softcap, applied by oracle and baseline alike)."""
+    the score modifiers, applied by oracle and baseline alike; ALiBi slopes (B, Hq) per sequence)."""
     b_count, sq = q.shape[:2]
     snew = kw["k"].shape[1] if "k" in kw else 0
     q_use = q
@@ -210,9 +210,12 @@ def check_result(out, lse, q, kc, vc, lengths, kw, page, causal, window, **mods)
         kb = ref_kvcache.gather(kc, b, lo, hi, **where)[None]
         vb = ref_kvcache.gather(vc, b, lo, hi, **where)[None]
         qb = q_use[b:b + 1]
-        check_close(out[b:b + 1], qb, kb, vb, layout="bshd", causal=causal, window_size=window, **mods)
+        mb = dict(mods)
+        if mb.get("alibi_slopes") is not None and mb["alibi_slopes"].ndim == 2:
+            mb["alibi_slopes"] = mb["alibi_slopes"][b]
+        check_close(out[b:b + 1], qb, kb, vb, layout="bshd", causal=causal, window_size=window, **mb)
         _, lse64 = ref.naive_attention(qb.astype(np.float64), kb.astype(np.float64), vb.astype(np.float64),
-                                       layout="bshd", return_lse=True, causal=causal, window_size=window, **mods)
+                                       layout="bshd", return_lse=True, causal=causal, window_size=window, **mb)
         got = lse[b]
         assert np.array_equal(np.isneginf(got), np.isneginf(lse64[0])), "rows without keys differ"
         fin = np.isfinite(lse64[0])

@@ -494,7 +494,7 @@ def _sm90_kvcache_case(checked, seeds, gqa=False):
     (its form asserted): a paged cache of 16-row pages (gathered by cp.async), sequences of 600, 0
     and 37 keys in 2 splits (split 0 of the first reuses both ring slots), NaN in every row not to
     be read. ``gqa``: its GQA-packed form, 24 positions of a group of 8 query heads (192 rows: two
-    query tiles, the second half empty)."""
+    query tiles, the second half empty), in 2 splits and unsplit (the 5-d TMA store's epilogue)."""
     import cuflash
     from cuflash import sim
     from cuflash.kernels import attention_fwd_sm90, kvcache_run
@@ -521,16 +521,17 @@ def _sm90_kvcache_case(checked, seeds, gqa=False):
     problem = check_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, block_table=bt)
     variant, splits = kvcache_run.choose(problem, 90, (q, kc, vc), sim.sm_count(90))
     assert isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) and splits == 2 and variant.gqa == gqa
-    for seed in seeds:
+    # (packed: unsplit too, so that the epilogue's 5-d TMA store runs as well as the partials' stores)
+    for seed, n_splits in [(seed, n) for seed in seeds for n in ((2, 1) if gqa else (2,))]:
         with sim.options(arch="sm_90", checked=checked, seed=seed):
-            out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, block_table=bt,
-                                                      return_lse=True, backend="sim")
+            out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, num_splits=n_splits,
+                                                      block_table=bt, return_lse=True, backend="sim")
         for b, n in enumerate(lengths):
             kb = ref_kvcache.gather(kc, b, 0, int(n), page_size=page, block_table=bt)[None]
             vb = ref_kvcache.gather(vc, b, 0, int(n), page_size=page, block_table=bt)[None]
             ok, msg, _ = tolerance.compare(out[b:b + 1], q[b:b + 1], kb, vb, lse=np.ascontiguousarray(lse[b:b + 1]),
                                            causal=True, layout="bshd")
-            assert ok, f"Hopper KV-cache form, sequence {b}, seed {seed}: {msg}"
+            assert ok, f"Hopper KV-cache form, sequence {b}, seed {seed}, {n_splits} splits: {msg}"
 
 
 def _sm90_prefill_case(checked, seeds):
