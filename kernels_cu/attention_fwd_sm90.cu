@@ -176,12 +176,13 @@ constexpr bool EDGES_ONCE = !CUFLASH_MODS && !(CUFLASH_KVCACHE && D == 256);
 // Registers per thread after setmaxnreg: the producer's (the KV-cache gather needs 48) and the
 // consumers'; the GQA-packed form at d64 moves 8 from each consumer to the producer (at 48 its
 // gather loop spilled 16 B under NVRTC 12; the d64 consumers need far fewer than 224)
-#define PRODUCER_REGS (CUFLASH_GQA && D <= 64 ? 64 : CUFLASH_KVCACHE ? 48 : 40)
-#define CONSUMER_REGS (CUFLASH_GQA && D <= 64 ? 224 : 232)
+#define PRODUCER_REGS (CUFLASH_GQA && CUFLASH_KVCACHE && D <= 64 ? 64 : CUFLASH_KVCACHE ? 48 : 40)
+#define CONSUMER_REGS (CUFLASH_GQA && CUFLASH_KVCACHE && D <= 64 ? 224 : 232)
 // named barriers: 1, 2 the consumers' epilogues (128 threads); 3, 4 their turns (256 threads)
 constexpr int EPILOGUE_BAR = 1, TURN_BAR = 3;
 static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && (CUFLASH_FP8 || NPANEL_V <= NPANEL), "head-dim buckets and tiles");
-static_assert(!CUFLASH_GQA || (CUFLASH_KVCACHE && !CUFLASH_VARLEN), "GQA packing: the fixed-batch KV-cache form");
+static_assert(!CUFLASH_GQA || (!CUFLASH_VARLEN && !CUFLASH_FP8 && !CUFLASH_BLOCK_SPARSE && (CUFLASH_KVCACHE || !CUFLASH_MODS)),
+              "GQA packing: fixed batches, 16-bit; modifiers in the KV-cache form only");
 static_assert(!CUFLASH_FP8 || (BC % 64 == 0 && D % 32 == 0 && !CUFLASH_MODS && !CUFLASH_KVCACHE),
               "the fp8 form: fixed shapes or packed, plain, a multiple of 64 keys a tile");
 
@@ -850,6 +851,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #else
     const int m0 = (gridDim.x / nsplit - 1 - blockIdx.x / nsplit) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
 #endif
+#elif CUFLASH_GQA
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BR, hk = blockIdx.y, h = hk * group, b = blockIdx.z;   // (as above)
+    const int lg = 31 - __clz(group);
 #else
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
 #endif
@@ -1236,6 +1240,10 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         if (t == 0 && row0 + 8 * r < Sq)
             (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = row_lse;
 #endif
+#elif CUFLASH_GQA
+        const int m = row0 + 8 * r, lge = __ffs(group) - 1;   // (as in the KV-cache form)
+        if (t == 0 && (m >> lge) < Sq)
+            lse[(size_t(b) * Hq + h + (m & (group - 1))) * Sq + (m >> lge)] = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
 #else
         if (t == 0 && row0 + 8 * r < Sq)
             lse[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;

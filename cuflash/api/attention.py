@@ -319,9 +319,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     tier = dispatch.forward_tier(problem, arch, arrays)
     variant = dispatch.variant_for(tier, problem, arch)
     block_m = getattr(variant, "block_m", None)
-    blocks = None
-    if block_m:
-        blocks = -(-problem.seqlen_q // block_m) * problem.num_heads_q * math.prod(problem.batch_shape)
+    blocks = dispatch.forward_blocks(problem, variant)
     return {
         "backend": chosen, "arch": arch, "tier": tier.__name__.rsplit(".", 1)[-1],
         "variant": variant.name, "entry": variant.entry, "block_m": block_m,

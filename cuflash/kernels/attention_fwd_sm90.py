@@ -38,7 +38,8 @@ sequence's values. fp8 KV caches run elsewhere (``explain`` says where).
 Decode-like KV-cache calls (``Sq`` under 128) with a power-of-two group of ``G`` query heads per kv
 head run GQA-packed when ``Sq * G`` fills half a tile (the ``kvcache`` + ``gqa`` forms,
 :func:`kvcache_pack`): a block per kv head whose rows are the group's heads at consecutive
-positions, q and o through 5-d tensor maps.
+positions, q and o through 5-d tensor maps. Plain fixed-shape calls with ``Sq`` under 128 and such a
+group pack the same way (the ``gqa`` forms without ``kvcache``, :func:`fixed_pack`).
 Chunked prefill (``attention_varlen`` with a ``block_table``; the ``varlen`` + ``kvcache`` forms)
 runs the KV-cache forms' gather under packed queries: q and o through the packed forms' ragged
 maps, each sequence's key count from the packed index on the device (:func:`plan_kvcache`),
@@ -196,8 +197,8 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     #: the fp8 form (``CUFLASH_FP8``, entry suffix ``_e4m3``): float8_e4m3fn q, k and V^T
     #: (:func:`fp8_value_copy`) with descales; ``dtype`` is then the output's
     fp8: bool = dataclasses.field(default=False, kw_only=True)
-    #: GQA packing (``CUFLASH_GQA``, entry suffix ``_gqa``; the fixed-batch KV-cache forms, with ``mods``
-    #: softcap, ALiBi and sinks, each row its own head's): a block per
+    #: GQA packing (``CUFLASH_GQA``, entry suffix ``_gqa``; the plain fixed-shape forms and the fixed-batch
+    #: KV-cache forms, with ``mods`` softcap, ALiBi and sinks, each row its own head's): a block per
     #: kv head whose 128 rows are the group's query heads at consecutive positions (row ``m``:
     #: position ``m // G``, head ``m % G`` of the group), q and o through 5-d tensor maps
     gqa: bool = dataclasses.field(default=False, kw_only=True)
@@ -229,9 +230,11 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
             raise ValueError(f"Sm90ForwardVariant: the fp8 form is plain (fixed or packed) with D = Dv in "
                              f"{FP8_HEAD_DIM_BUCKETS}, got head_dim={self.head_dim}, head_dim_v={self.head_dim_v}, "
                              f"mods={self.mods}, varlen={self.varlen}, kvcache={self.kvcache}")
-        if self.gqa and (not self.kvcache or self.varlen or self.head_dim not in GQA_HEAD_DIM_BUCKETS):
-            raise ValueError(f"Sm90ForwardVariant: GQA packing is an axis of the fixed-batch KV-cache forms (kvcache=True, "
-                             f"varlen=False) at head dims {GQA_HEAD_DIM_BUCKETS}, got head_dim={self.head_dim}")
+        if self.gqa and (self.varlen or self.fp8 or self.user_mod or self.block_sparse or (self.mods and not self.kvcache)
+                         or self.head_dim not in GQA_HEAD_DIM_BUCKETS):
+            raise ValueError(f"Sm90ForwardVariant: GQA packing is an axis of the fixed-batch 16-bit forms (the plain "
+                             f"fixed-shape ones and the KV-cache ones) at head dims {GQA_HEAD_DIM_BUCKETS}, got "
+                             f"head_dim={self.head_dim}, varlen={self.varlen}, mods={self.mods}, kvcache={self.kvcache}")
         if self.tile_n and (not self.user_mod or self.tile_n % 16):
             raise ValueError(f"Sm90ForwardVariant: tile_n={self.tile_n} is an axis of the traced forms (a multiple of 16)")
 
@@ -293,9 +296,9 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
             loads = "Q by TMA, K and V gathered from the cache by cp.async into 2-stage rings"
             if self.varlen:
                 packed = "chunked prefill, packed query sequences (ragged tensor maps) over a paged cache: "
-            if self.gqa:
-                packed = ("GQA packing, a kv head's query heads at consecutive positions in each 128-row tile "
-                          "(5-d tensor maps for q and o): ")
+        if self.gqa:
+            packed = ("GQA packing, a kv head's query heads at consecutive positions in each 128-row tile "
+                      "(5-d tensor maps for q and o): ")
         if self.block_sparse:
             loads += ", over the block mask's partial then full key blocks (empty ones never loaded)"
         if self.fp8:
@@ -326,9 +329,13 @@ def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
     forms (with ``mods``: softcap and ALiBi); ``kvcache``: the KV-cache forms (local only; with ``mods``,
     softcap, ALiBi and sinks; with ``varlen``, chunked prefill: packed queries over a paged cache);
     ``fp8``: the fp8 forms (plain, fixed or with ``varlen`` packed; ``dtype`` the output's); ``gqa``:
-    the KV-cache forms with GQA packing (with ``mods``, softcap, ALiBi and sinks)."""
-    if arch != 90 or dropout or (gqa and (varlen or not kvcache or fp8)):
+    the forms with GQA packing: plain fixed shapes, or with ``kvcache`` the KV-cache forms (with
+    ``mods``, softcap, ALiBi and sinks)."""
+    if arch != 90 or dropout or (gqa and (varlen or fp8 or (mods and not kvcache))):
         return ()
+    if gqa and not kvcache:   # (the plain fixed-shape forms)
+        return tuple(Sm90ForwardVariant(dt, d, dv, local, gqa=True) for dt in DTYPES for d in GQA_HEAD_DIM_BUCKETS
+                     for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)) for local in (False, True))
     if fp8:
         return () if (kvcache or mods) else tuple(
             Sm90ForwardVariant(dt, d, d, local, varlen=varlen, fp8=True) for dt in DTYPES for d in FP8_HEAD_DIM_BUCKETS
@@ -369,9 +376,24 @@ def variant_for(problem, arch: int = 90) -> Sm90ForwardVariant:
         return Sm90ForwardVariant(variants.dtype_key(p.out_dtype), d, d, p.window_left >= 0 or p.window_right >= 0,
                                   varlen=p.varlen is not None, fp8=True)
     bm = _block_mask(p)
-    return choose_variant(p.dtype, p.head_dim, p.head_dim_v, local=p.window_left >= 0 or p.window_right >= 0,
-                          mods=p.modifiers is not None, varlen=p.varlen is not None, user=attention_fwd_mma.user_c(p),
-                          kv_block=bm.BLOCK_SIZE[1] if bm is not None else 0)
+    v = choose_variant(p.dtype, p.head_dim, p.head_dim_v, local=p.window_left >= 0 or p.window_right >= 0,
+                       mods=p.modifiers is not None, varlen=p.varlen is not None, user=attention_fwd_mma.user_c(p),
+                       kv_block=bm.BLOCK_SIZE[1] if bm is not None else 0)
+    return dataclasses.replace(v, gqa=True) if fixed_pack(p) > 1 else v
+
+
+def fixed_pack(problem) -> int:
+    """The query heads per 128-row tile's kv head of a fixed-shape call: G = Hq / Hk with GQA packing
+    (``Sq`` under a tile, G a power of two up to :data:`GQA_PACK_MAX`, a plain 16-bit call at the
+    head dims of :data:`GQA_HEAD_DIM_BUCKETS`, one batch dim), else 1. A block per kv head then
+    reads each K/V tile once for the G heads, and its rows are filled by ``Sq * G`` of them."""
+    p = problem
+    g = p.group_size
+    if (p.varlen is not None or p.kvcache is not None or p.fp8 is not None or p.modifiers is not None
+            or p.seqlen_q >= BLOCK_M or g < 2 or g > GQA_PACK_MAX or g & (g - 1) or len(p.batch_shape) != 1
+            or bucket(max(p.head_dim, p.head_dim_v)) not in GQA_HEAD_DIM_BUCKETS):
+        return 1
+    return g
 
 
 def block_mask_reason(problem) -> str | None:
@@ -550,7 +572,8 @@ def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
 
 
 def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = -1, window_right: int = -1,
-                 dtype: str | None = None, mods_args: tuple = (), variant: Sm90ForwardVariant | None = None) -> LaunchPlan:
+                 dtype: str | None = None, mods_args: tuple = (), variant: Sm90ForwardVariant | None = None,
+                 gqa_views: tuple = ()) -> LaunchPlan:
     """The launch for arrays in (B, H, S, D) order (any strides a tensor map can describe).
 
     Parameters
@@ -569,6 +592,9 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
         The variant to launch (a traced function's or block-sparse form, :func:`variant_for`, whose
         ``mods_args`` carry the captured arrays and lists); None: the one of the dtype, head
         dims, window and ``mods_args``.
+    gqa_views : tuple
+        With a ``gqa`` variant: q and out as (B, Sq, Hk, G, D) views of the same memory (the 5-d
+        tensor maps' arrays); a block per (query tile of ``Sq * G`` packed rows, kv head, batch).
 
     Raises
     ------
@@ -594,16 +620,26 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
     if variant is None:
         variant = Sm90ForwardVariant(dtype, bucket(d), bucket(dv), window_left >= 0 or window_right >= 0, bool(mods_args))
     bn = variant.block_n
-    args = (TensorMapArg.of("map_q", q, (1, 1, BLOCK_M, PANEL), swizzle=128),
+    g = hq // hk
+    if variant.gqa:   # (B, Sq, Hk, G, D) views: boxes of G heads x 128 / G positions (o: 64 / G)
+        q5, o5 = gqa_views
+        maps = (TensorMapArg.of("map_q", q5, (1, BLOCK_M // g, 1, g, PANEL), swizzle=128),
+                TensorMapArg.of("map_o", o5, (1, 64 // g, 1, g, PANEL), swizzle=128, writable=True))
+        grid = (-(-sq * g // BLOCK_M), hk, b)
+    else:
+        maps = (TensorMapArg.of("map_q", q, (1, 1, BLOCK_M, PANEL), swizzle=128),
+                TensorMapArg.of("map_o", out, (1, 1, 64, PANEL), swizzle=128, writable=True))
+        grid = (-(-sq // BLOCK_M), hq, b)
+    args = (maps[0],
             TensorMapArg.of("map_k", k, (1, 1, bn, PANEL), swizzle=128),
             TensorMapArg.of("map_v", v, (1, 1, bn, PANEL), swizzle=128),
-            TensorMapArg.of("map_o", out, (1, 1, 64, PANEL), swizzle=128, writable=True),
+            maps[1],
             PointerArg.of("lse", lse, writable=True), ScalarArg("Sq", np.int32(sq)), ScalarArg("Sk", np.int32(sk)),
             ScalarArg("Hq", np.int32(hq)), ScalarArg("group", np.int32(hq // hk)),
             scale_arg(softmax_scale, variant.mods),
             ScalarArg("window_left", np.int32(window_left)), ScalarArg("window_right", np.int32(window_right)),
             *mods_args)
-    return LaunchPlan(variant, variant.entry, (-(-sq // BLOCK_M), hq, b), (384, 1, 1), variant.smem_bytes, args)
+    return LaunchPlan(variant, variant.entry, grid, (384, 1, 1), variant.smem_bytes, args)
 
 
 def _check_lse(lse, shape: tuple) -> None:
@@ -938,9 +974,18 @@ def forward(problem, q, k, v, out, call):
             grid = -(-p.seqlen_q // BLOCK_M) * p.num_heads_q * p.batch_shape[0]
             sparse = la.block_sparse_args(p, call, False, grid) if variant.block_sparse else ()
             mods = la.mods_args(p, la.modifier_views(p, call), call, True, bool(variant.user_mod), 0, sparse)
+        views = ()
+        if variant.gqa:   # q and out as (B, Sq, Hk, G, D) views (any layout: the strides say where)
+            hk, g = p.num_heads_k, p.group_size
+
+            def split_heads(a):   # (a: (B, H, S, D))
+                st = a.strides
+                return call.as_strided(a, (a.shape[0], a.shape[2], hk, g, a.shape[3]), (st[0], st[2], g * st[1], st[1], st[3]))
+            views = (split_heads(qs), split_heads(os_))
         call.launch(plan_forward(qs, ks, vs, os_, lse.reshape(p.batch_shape[0], p.num_heads_q, p.seqlen_q),
                                  softmax_scale=p.softmax_scale, window_left=p.window_left,
-                                 window_right=p.window_right, dtype=key, mods_args=mods, variant=variant))
+                                 window_right=p.window_right, dtype=key, mods_args=mods, variant=variant,
+                                 gqa_views=views))
     return out, lse
 
 

@@ -64,6 +64,7 @@ def variants_for_arch(arch: int) -> tuple:
     out.extend(attention_bwd_sm90.all_variants(arch))   # (sm_90a, the backward's main stage)
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True))
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True, mods=True))   # (softcap, ALiBi, sinks on a cache)
+    out.extend(attention_fwd_sm90.all_variants(arch, gqa=True))   # (GQA packing: fixed shapes, Sq under a tile)
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True, gqa=True))   # (GQA packing: decode-like calls)
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True, mods=True, gqa=True))   # (softcap, ALiBi, sinks)
     out.extend(attention_fwd_sm90.all_variants(arch, varlen=True, kvcache=True))   # (chunked prefill over a paged cache)

@@ -242,6 +242,18 @@ def _tiles(variant) -> dict:
             "smem_bytes": getattr(variant, "smem_bytes", None)}
 
 
+def forward_blocks(problem, variant) -> int | None:
+    """Thread blocks of the forward launch of a fixed or packed ``problem`` on ``variant`` (None when
+    the variant has no query tile): a block per query tile, head and batch, or with the Hopper
+    forward's GQA packing per tile of ``Sq * G`` packed rows, kv head and batch."""
+    p, bm = problem, getattr(variant, "block_m", None)
+    if not bm:
+        return None
+    if getattr(variant, "gqa", False):
+        return -(-p.seqlen_q * p.group_size // bm) * p.num_heads_k * math.prod(p.batch_shape)
+    return -(-p.seqlen_q // bm) * p.num_heads_q * math.prod(p.batch_shape)
+
+
 def _check_grid(problem, blocks: int) -> None:
     """The 1-D grid limit the packed and KV-cache launch plans refuse past (the same message)."""
     if blocks > plan.MAX_GRID_DIMS[0]:
@@ -287,9 +299,7 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
     if c is None:
         mod, reasons = _choose(p, arch, arrays)
         v = variant_for(mod, p, arch)
-        blocks = None
-        if getattr(v, "block_m", None):
-            blocks = -(-p.seqlen_q // v.block_m) * p.num_heads_q * math.prod(p.batch_shape)
+        blocks = forward_blocks(p, v)
         if p.varlen is not None and mod is not attention_fwd_sm90:   # one launch on a 1-D grid
             _check_grid(p, blocks)
         return {"tier": mod.__name__.rsplit(".", 1)[-1], **_tiles(v), "blocks": blocks,

@@ -301,7 +301,8 @@ def _run(v, rng, monkeypatch):
                       **{n: rng.uniform(0.1, 0.5, (1, 1)).astype(np.float32) for n in ("q_descale", "k_descale", "v_descale")})
             out, lse = cuflash.attention(q, k, vv, return_lse=True, backend="sim", **kw)
             return check_close(out, q, k, vv, lse=lse, **kw)
-        q = rng.standard_normal((1, 2, 150, v.head_dim)).astype(dt)   # two 128-row query tiles
+        # two 128-row query tiles; GQA packing: 9 positions of a group of 8 query heads (72 rows)
+        q = rng.standard_normal((1, 8, 9, v.head_dim) if v.gqa else (1, 2, 150, v.head_dim)).astype(dt)
         k = rng.standard_normal((1, 1, 170, v.head_dim)).astype(dt)
         vv = rng.standard_normal((1, 1, 170, v.head_dim_v)).astype(dt)
         kw = {**_flags(v), "causal": v.local}

@@ -1,5 +1,5 @@
-"""GQA packing on the Hopper KV-cache form (``attention_fwd_sm90``'s ``kvcache`` + ``gqa`` forms) on
-the simulator.
+"""GQA packing on the Hopper forward (``attention_fwd_sm90``'s ``gqa`` forms: the KV-cache ones and
+the plain fixed-shape ones) on the simulator.
 
 Decode-like calls (``Sq`` under a tile) whose ``Sq * G`` rows (G = Hq / Hk query heads per kv head)
 fill half a 128-row tile or more run one block per kv head, the group's heads at consecutive
@@ -23,6 +23,7 @@ from support.options import check_kvcache
 import cuflash
 from cuflash.kernels import attention_fwd_sm90, dispatch, kvcache_run
 from cuflash.runtime import dtypes
+from support.tolerance import check_close
 
 DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
 MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False, (9, 4)),
@@ -141,3 +142,73 @@ def test_kvcache_gqa_routing():
     assert not attention_fwd_sm90.all_variants(varlen=True, kvcache=True, gqa=True)
     with pytest.raises(ValueError, match="GQA packing"):
         attention_fwd_sm90.Sm90ForwardVariant("f16", 64, 64, True, gqa=True)
+
+
+# ------------------------------------------------------------------ fixed shapes (cuflash.attention)
+
+#: (layout, causal, window, (Hq, Hk), Sq, Sk, D, Dv, dtype)
+FIXED_DEFAULT = [("bhsd", True, (-1, -1), (8, 1), 5, 150, 64, 64, "f16"),
+                 ("bshd", False, (7, 3), (16, 4), 9, 70, 64, 64, "f16")]
+FIXED_SLOW = [("bhsd", False, (-1, -1), (4, 2), 100, 300, 128, 128, "bf16"),
+              ("bshd", True, (-1, -1), (64, 2), 2, 1, 96, 96, "bf16"),
+              ("bhsd", True, (30, -1), (2, 1), 127, 400, 192, 128, "f16"),
+              ("bshd", False, (-1, 0), (32, 4), 3, 33, 40, 40, "bf16")]
+
+
+def run_fixed(rng, layout, causal, window, heads, sq, sk, d, dv, dtype_key, *, checked=False):
+    """``cuflash.attention`` GQA-packed: the variant, explain's blocks, the launch's grid, and the
+    output and lse against the float64 oracle (NumPy arrays: each layout's strides)."""
+    from cuflash.sim.device import SimDevice
+
+    hq, hk = heads
+    dt = DTYPES[dtype_key]
+    shp = (lambda h, s, e: (2, h, s, e)) if layout == "bhsd" else (lambda h, s, e: (2, s, h, e))
+    q, k = (rng.standard_normal(shp(h, s, d)).astype(dt) for h, s in ((hq, sq), (hk, sk)))
+    v = rng.standard_normal(shp(hk, sk, dv)).astype(dt)
+    kw = dict(causal=causal, window_size=window, layout=layout)
+    info = cuflash.explain(q, k, v, arch=90, backend="sim", **kw)
+    assert info["variant"].endswith("_gqa") and "GQA packing" in info["choice"], info["choice"]
+    assert info["blocks"] == -(-sq * (hq // hk) // 128) * hk * 2
+    grids = []
+    real = SimDevice.launch
+    with mock.patch.object(SimDevice, "launch", lambda self, plan: (grids.append(plan.grid), real(self, plan))[1]):
+        with cuflash.sim.options(arch=90, checked=checked, seed=3):
+            out, lse = cuflash.attention(q, k, v, return_lse=True, backend="sim", **kw)
+    assert [g[0] * g[1] * g[2] for g in grids] == [info["blocks"]], grids
+    check_close(out, q, k, v, lse=lse, **kw)
+
+
+def test_fixed_gqa_default(rng):
+    for case in FIXED_DEFAULT:
+        run_fixed(rng, *case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FIXED_SLOW, ids=[case_id(c) for c in FIXED_SLOW])
+def test_fixed_gqa_grid(case, rng):
+    run_fixed(rng, *case)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+def test_fixed_gqa_checked(rng):
+    run_fixed(rng, *FIXED_DEFAULT[0], checked=True)
+
+
+def test_fixed_gqa_routing():
+    """Fixed shapes pack with Sq under a tile, a power-of-two group, no score modifiers, one batch dim."""
+    def variant(sq, hq, hk, d=64, **kw):
+        q = np.zeros((1, hq, sq, d), dtypes.float16)
+        k = np.zeros((1, hk, 90, d), dtypes.float16)
+        return cuflash.explain(q, k, k, arch=90, backend="sim", **kw)["variant"]
+
+    assert variant(8, 8, 1).endswith("_gqa") and variant(1, 2, 1).endswith("_gqa")
+    assert not variant(128, 8, 1).endswith("_gqa")              # Sq fills the tile
+    assert not variant(8, 6, 2).endswith("_gqa")                # G 3
+    assert not variant(8, 8, 1, d=256).endswith("_gqa")         # head dim 256
+    assert not variant(8, 8, 1, softcap=3.0).endswith("_gqa")   # modifiers: unpacked
+    forms = attention_fwd_sm90.all_variants(gqa=True)
+    assert forms and all(v.gqa and not v.kvcache and not v.mods for v in forms)
+    assert not attention_fwd_sm90.all_variants(gqa=True, mods=True)
+    with pytest.raises(ValueError, match="GQA packing"):
+        attention_fwd_sm90.Sm90ForwardVariant("f16", 64, 64, True, True, gqa=True)

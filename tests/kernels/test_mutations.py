@@ -243,9 +243,22 @@ def test_the_gqa_packed_form_sees_the_gather_mutants(mid, tmp_path, monkeypatch)
 
 @pytest.mark.slow
 @pytest.mark.checked
-def test_the_gqa_packed_probe_passes_on_the_kernel():
-    """The GQA-packed probe passes on the unmutated kernel, so a kill above is the mutant's."""
-    assert killed_by("fwd_sm90_gqa_checked") is None
+@pytest.mark.parametrize("probe", ["fwd_sm90_gqa_checked", "fwd_sm90_gqa_fixed_checked"])
+def test_the_gqa_packed_probes_pass_on_the_kernel(probe):
+    """The GQA-packed probes pass on the unmutated kernel, so a kill is the mutant's."""
+    assert killed_by(probe) is None
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("mid", FP8_FORM_MUTANTS)
+def test_the_fixed_gqa_packed_form_sees_the_pipeline_mutants(mid, tmp_path, monkeypatch):
+    """The TMA pipeline's mutants (V's ring, the wgmma fence and waits, the proxy fence, the
+    epilogue barrier) as the fixed-shape GQA-packed form runs them."""
+    (mutant,) = [m for m in MUTANTS if m.id == mid]
+    tree = mutated_tree(paths.kernels_dir(), mutant, tmp_path / "kernels")
+    monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
+    assert killed_by("fwd_sm90_gqa_fixed_checked"), f"{mid} (line {mutant.line}) survived the fixed GQA probe"
 
 
 def test_the_hopper_forward_synchronisations_are_killed():

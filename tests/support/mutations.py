@@ -51,7 +51,7 @@ FILES = {
     "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked",
                               "fwd_sm90_varlen_checked", "fwd_sm90_kvcache_checked", "fwd_sm90_bs_checked",
                               "fwd_sm90_fp8_checked", "fwd_sm90_fp8_varlen_checked", "fwd_sm90_prefill_checked",
-                              "fwd_sm90_gqa_checked"),
+                              "fwd_sm90_gqa_checked", "fwd_sm90_gqa_fixed_checked"),
     "attention_bwd_sm90.cu": ("bwd_sm90_checked", "bwd_sm90_seeds", "bwd_sm90_um_checked"),
 }
 #: probes whose simulator build alone takes about a minute of the default run's 2 cores: they and
@@ -69,6 +69,9 @@ SLOW_PROBES = {
     "fwd_sm90_gqa_checked": "the GQA-packed KV-cache form in checked mode is one more build of its own; its pipeline "
                             "is the KV-cache form's (only Q's and O's boxes, the rows' positions and the lse and "
                             "partial rows' heads differ)",
+    "fwd_sm90_gqa_fixed_checked": "the fixed-shape GQA-packed form in checked mode is one more build of its own; its "
+                                  "pipeline is the fixed form's (only Q's and O's boxes, the rows' positions and the "
+                                  "lse rows' heads differ)",
     "fwd_sm90_fp8_varlen_checked": "the packed fp8 form in checked mode is one more build of its own; its pipeline is "
                                    "the fixed fp8 form's (only V^T's key coordinate differs)",
 }
@@ -534,6 +537,26 @@ def _sm90_kvcache_case(checked, seeds, gqa=False):
             assert ok, f"Hopper KV-cache form, sequence {b}, seed {seed}, {n_splits} splits: {msg}"
 
 
+def _sm90_gqa_fixed_case(checked, seeds):
+    """The Hopper forward's fixed-shape GQA packing (f16, head dim 64, causal) through the dispatcher
+    (its form asserted): 24 positions of a group of 8 query heads (192 rows: two query tiles, the
+    second half empty) over 600 keys (5 key tiles: both ring slots reused), two batches."""
+    import cuflash
+    from cuflash import sim
+    from cuflash.reference import tolerance
+
+    rng = np.random.default_rng(14)
+    q = rng.standard_normal((2, 8, 24, 64)).astype(F16)
+    k, v = (rng.standard_normal((2, 1, 600, 64)).astype(F16) for _ in range(2))
+    info = cuflash.explain(q, k, v, causal=True, arch=90, backend="sim")
+    assert info["variant"] == "f16_d64_local_gqa", info["choice"]
+    for seed in seeds:
+        with sim.options(arch="sm_90", checked=checked, seed=seed):
+            out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, backend="sim")
+        ok, msg, _ = tolerance.compare(out, q, k, v, lse=lse, causal=True)
+        assert ok, f"Hopper fixed-shape GQA packing, seed {seed}: {msg}"
+
+
 def _sm90_prefill_case(checked, seeds):
     """The Hopper chunked-prefill form (f16, head dim 64, causal, GQA 2) through the dispatcher
     (its form asserted): packed sequences of 70, 0 and 3 query rows over 600, 5 and 37 keys of a
@@ -593,6 +616,7 @@ PROBES = {
     "fwd_sm90_varlen_checked": lambda: _sm90_varlen_case(True, (0,)),
     "fwd_sm90_kvcache_checked": lambda: _sm90_kvcache_case(True, (0,)),
     "fwd_sm90_gqa_checked": lambda: _sm90_kvcache_case(True, (0,), gqa=True),
+    "fwd_sm90_gqa_fixed_checked": lambda: _sm90_gqa_fixed_case(True, (0,)),
     # chunked prefill: the KV-cache form's gather and rings under packed queries
     "fwd_sm90_prefill_checked": lambda: _sm90_prefill_case(True, (0,)),
     # the block-sparse form: the same rings and turns over key tiles taken from a block mask's lists
