@@ -140,8 +140,10 @@ def test_kvcache_gqa_routing():
         kvcache=True, mods=True, gqa=True)
     assert forms and all(v.gqa and v.kvcache and not v.varlen for v in forms)
     assert not attention_fwd_sm90.all_variants(varlen=True, kvcache=True, gqa=True)
-    with pytest.raises(ValueError, match="GQA packing"):
-        attention_fwd_sm90.Sm90ForwardVariant("f16", 64, 64, True, gqa=True)
+    for bad in (dict(varlen=True), dict(kvcache=True, head_dim=256)):   # packed batches; head dim 256
+        with pytest.raises(ValueError, match="GQA packing"):
+            attention_fwd_sm90.Sm90ForwardVariant(**{"dtype": "f16", "head_dim": 64, "head_dim_v": 64, "local": True,
+                                                     "gqa": True, **bad})
 
 
 # ------------------------------------------------------------------ fixed shapes (cuflash.attention)
