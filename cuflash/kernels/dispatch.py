@@ -247,11 +247,8 @@ def forward_blocks(problem, variant) -> int | None:
     the variant has no query tile): a block per query tile, head and batch, or with the Hopper
     forward's GQA packing per tile of ``Sq * G`` packed rows, kv head and batch."""
     p, bm = problem, getattr(variant, "block_m", None)
-    if not bm:
-        return None
-    if getattr(variant, "gqa", False):
-        return -(-p.seqlen_q * p.group_size // bm) * p.num_heads_k * math.prod(p.batch_shape)
-    return -(-p.seqlen_q // bm) * p.num_heads_q * math.prod(p.batch_shape)
+    pack = p.group_size if getattr(variant, "gqa", False) else 1
+    return -(-p.seqlen_q * pack // bm) * (p.num_heads_q // pack) * math.prod(p.batch_shape) if bm else None
 
 
 def _check_grid(problem, blocks: int) -> None:
