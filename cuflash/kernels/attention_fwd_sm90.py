@@ -46,7 +46,8 @@ maps, each sequence's key count from the packed index on the device (:func:`plan
 unsplit.
 The rest (fp32, dropout, traced functions on packed batches, decode-like KV-cache calls that
 neither ``Sq`` nor GQA packing brings to half a tile, decode-like chunked prefill, Sk = 0, views TMA cannot describe, block masks whose blocks do not hold whole
-Hopper tiles) goes to the tensor-core mma.sync tier, and ``explain`` says why.
+Hopper tiles, windows whose shapes could carry the kernel's 32-bit window sums past ``2**31 - 1``,
+:func:`window_reason`) goes to the tensor-core mma.sync tier, and ``explain`` says why.
 
 Tiles (the roofline's per-head-dim choice; shared memory per block = Q + two stages of K and V +
 1 KB of alignment): Br = 128 always; Bc = 128 for head dims up to 128, 112 for 192, 80 for 256.
@@ -112,6 +113,9 @@ BLOCK_SPARSE_N128_MAX = 64
 #: keys per tile of the traced (dense) forms where they differ from the modifier forms': at 256 the
 #: traced score_mod beside 80 keys spills 56 bytes (NVRTC 12.9, the same function), 64 do not
 BLOCK_N_USER = {256: 64}
+#: the widest key tile of any form (the window arithmetic's rounding to tiles, :func:`window_reason`)
+BLOCK_N_MAX = max(*BLOCK_N.values(), *BLOCK_N_MODS.values(), *BLOCK_N_FP8.values(), *BLOCK_SPARSE_BLOCK_N,
+                  *BLOCK_N_USER.values())
 
 
 #: the smallest normal float32: the plain forms' stand-in for a zero scale (:func:`scale_arg`)
@@ -532,10 +536,57 @@ def _views_reason(arrays, skip=()) -> str | None:
     return None
 
 
+def window_extents(problem) -> tuple[int, int]:
+    """``(rows, keys)``: the most query rows and keys a sequence of ``problem`` can have in the
+    kernel, from the shapes only (a CUDA-graph replay keeps the plan): ``Sq`` and ``Sk`` (fixed
+    shapes), the cache's capacity for the keys (a KV cache: the device clamps each length into
+    it), the totals of a packed batch (the device clamps each sequence into them)."""
+    p = problem
+    rows = p.varlen.total_q if p.varlen is not None else p.seqlen_q
+    if p.kvcache is not None:
+        return rows, p.kvcache.capacity
+    return rows, p.varlen.total_k if p.varlen is not None else p.seqlen_k
+
+
+def window_reason(problem) -> str | None:
+    """Why ``problem``'s window does not fit the Hopper kernel's 32-bit window arithmetic (None
+    if it does, or without a window): every form (fixed, packed, KV cache, fp8, block-sparse)
+    forms a row's visible keys from its position ``i``, ``diag = Sk - Sq`` and the bounds
+    ``(left, right)`` in 32-bit ints. A position of the last 128-row tile is at most
+    ``Sq + 126`` (padding rows included; with GQA packing too), ``Sk`` lies in ``[0, keys]`` and
+    ``Sq`` in ``[1, rows]`` (:func:`window_extents`), so the values formed lie in:
+
+    - ``i + diag - left`` (the left edge, and the block's first key): down to ``-(rows + left)``,
+      negated in the rounding to tiles; up to ``keys + 126 - left``, plus ``Bc - 1`` in that
+      rounding: ``rows + left`` and ``keys - left + 128 + Bc`` must stay under ``2**31``;
+    - ``i + diag + right + 1`` (the right edge, and the block's key end): up to
+      ``keys + right + 127``: ``keys + right + 128`` must stay under ``2**31``.
+
+    Causal alone is ``right = 0``, which a cache's capacity (under ``2**31 - 256``) always
+    fits. The host keeps each bound under ``Sq + Sk`` (or ``Sq`` + the capacity), so only a window
+    over about ``2**30`` positions or more is refused here; the tensor-core tier's window
+    arithmetic (common.cuh's ``band_range``) has no such limit. Shapes only, never the lengths."""
+    p = problem
+    left, right = p.window_left, p.window_right
+    if left < 0 and right < 0:
+        return None
+    rows, keys = window_extents(p)
+    peak = max(rows + left if left >= 0 else 0, keys - left + BLOCK_M + BLOCK_N_MAX if left >= 0 else 0,
+               keys + right + BLOCK_M if right >= 0 else 0)
+    if peak < 2**31:
+        return None
+    return (f"window_size=({left}, {right}) over up to {rows} query rows and {keys} keys: the Hopper kernel's window "
+            f"arithmetic is 32-bit and would reach {peak} (past 2**31 - 1) at some position; the tensor-core tier's "
+            f"is overflow-free")
+
+
 def unsupported_reason(problem, arch: int, arrays=None) -> str | None:
     """Why ``problem`` cannot run on this tier on ``sm_<arch>`` (None if it can). The arch rule
     (``sm_90a``: compute capability 9.0 only) is the dispatcher's (:data:`TARGET_ARCH`)."""
     p = problem
+    why = window_reason(p)
+    if why is not None:
+        return why
     if p.fp8 is not None and p.fp8.q_fp8:
         return fp8_reason(p, arrays)
     why = refuse_modifiers(p, "the Hopper kernel", MODIFIERS + USER_MODIFIERS)
@@ -1057,7 +1108,7 @@ def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
     why = refuse_modifiers(p, "the Hopper KV-cache form", KVCACHE_MODIFIERS)
     if why is not None:
         return why
-    why = dtype_reason(p) or scale_reason(p)
+    why = dtype_reason(p) or scale_reason(p) or window_reason(p)
     if why is not None:
         return why
     why = _dims_reason(p)
