@@ -217,3 +217,15 @@ def test_the_hopper_kvcache_form_at_the_rule_limit_matches_the_oracle(seqlen, rn
     k, v = kc[:, :seqlen], vc[:, :seqlen]
     check_close(out, q, k, v, layout="bshd", window_size=window)
     assert not np.isneginf(lse).any()
+
+
+def test_explain_says_why_a_window_over_2_30_positions_leaves_the_hopper_tier():
+    """explain and explain_varlen (metadata only: broadcast views of 2**30 rows) give the reason."""
+    n = 2**30
+    x = np.broadcast_to(np.zeros((1, 1, 1, 64), np.float16), (1, 1, n, 64))
+    packed, cu = x[0].transpose(1, 0, 2), np.array([0, n], np.int32)
+    for info in (cuflash.explain(x, x, x, window_size=(n + 5, -1), arch=90),
+                 cuflash.explain_varlen(packed, packed, packed, cu, cu, n, n, window_size=(n + 5, -1), arch=90)):
+        assert info["tier"] == "attention_fwd_mma", info
+        assert (f"Hopper wgmma tier not used: window_size=({n + 5}, -1) over up to {n} query rows and {n} keys: the "
+                f"Hopper kernel's window arithmetic is 32-bit and would reach {2 * n + 5}") in info["choice"], info
