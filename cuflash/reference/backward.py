@@ -103,11 +103,11 @@ def check_backward(dout, q, k, v, out, lse, options, *, func: str, max_head_dim=
         if info.device != p.device:
             raise ValueError(f"{func}: {name} is on device {info.device} but q is on device {p.device}")
     oi, di, li = infos["out"], infos["dout"], infos["lse"]
-    if oi.dtype != p.dtype:
+    if not dtypes.same(oi.dtype, p.dtype):
         raise TypeError(f"{func}: out.dtype={oi.dtype_name} must equal q.dtype={p.dtype.name} (the forward's output)")
-    if di.dtype != oi.dtype:
+    if not dtypes.same(di.dtype, oi.dtype):
         raise TypeError(f"{func}: dout.dtype={di.dtype_name} must equal out.dtype={oi.dtype_name}")
-    if li.dtype not in _LSE_DTYPES:
+    if not dtypes.among(li.dtype, _LSE_DTYPES):
         raise TypeError(f"{func}: lse.dtype={li.dtype_name} must be float32 or float64 (the forward's lse)")
     out_rule = "(B, Sq, Hq, Dv)" if p.layout == "bshd" else "q.shape[:-1] + (v.shape[-1],)"
     if oi.shape != p.out_shape:

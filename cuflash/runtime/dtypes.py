@@ -40,6 +40,18 @@ def name_of(dtype) -> str:
     return np.dtype(dtype).name
 
 
+def same(a, b) -> bool:
+    """True when ``a`` and ``b`` are one dtype that cuflash describes; False when either is None
+    (an ``ArrayInfo.dtype`` of an unsupported type). A plain ``a == b`` will not do: NumPy reads
+    None as its default float64, so ``np.dtype("float64") == None`` holds."""
+    return a is not None and b is not None and np.dtype(a) == np.dtype(b)
+
+
+def among(dtype, allowed) -> bool:
+    """True when ``dtype`` (None: unsupported) is one of ``allowed``, compared as :func:`same`."""
+    return any(same(dtype, dt) for dt in allowed)
+
+
 def supported_or_none(dtype) -> np.dtype | None:
     dtype = np.dtype(dtype)
     return dtype if dtype in SUPPORTED else None

@@ -294,7 +294,7 @@ def describe_inputs(arrays: dict, func: str, *, fp8: bool = False) -> dict:
                 "; the fp8 forward is for inference: a backward in fp8 is out of scope (compute the backward in "
                 "float16/bfloat16)" if "backward" in func else ""))
     for name in names[1:]:
-        if infos[name].dtype != first.dtype:
+        if not dtypes.same(infos[name].dtype, first.dtype):
             raise TypeError(
                 f"{func}: {name}.dtype={infos[name].dtype_name} must equal {names[0]}.dtype={first.dtype_name}"
             )
@@ -456,7 +456,7 @@ def check_like_output(info: ArrayInfo, name: str, problem: AttentionProblem, rul
     func = problem.func
     if info.kind != problem.kind:
         raise TypeError(f"{func}: {name} is a {info.type_name} but q is a {problem.q.type_name}; they must be of one kind")
-    if info.dtype != problem.out_dtype:
+    if not dtypes.same(info.dtype, problem.out_dtype):
         if problem.fp8 is not None and problem.fp8.q_fp8:
             raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal the result's dtype "
                             f"{problem.out_dtype.name} (out_dtype of fp8 input)")

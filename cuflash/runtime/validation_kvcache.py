@@ -122,10 +122,10 @@ def check_cache_arrays(func: str, q: ArrayInfo, k_cache, v_cache, block_table, b
         if info.kind != q.kind:
             raise TypeError(f"{func}: {name} is a {info.type_name} but q is a {q.type_name}; all arrays must be of "
                             f"one kind (no implicit copies between host and device)")
-        if fp8_cache and info.dtype != ki.dtype:
+        if fp8_cache and not dtypes.same(info.dtype, ki.dtype):
             raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal k_cache.dtype={ki.dtype_name} (an fp8 "
                             f"cache holds keys and values in fp8)")
-        if not fp8_cache and info.dtype != q.dtype:
+        if not fp8_cache and not dtypes.same(info.dtype, q.dtype):
             also = " or, for an fp8 cache, float8_e4m3fn (both caches)" if fp8 else ""
             raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal q.dtype={q.dtype_name}{also}")
         if info.device != q.device:
@@ -274,7 +274,7 @@ def check_attention_with_kvcache(q, k_cache, v_cache, options, *, func: str = "c
             want = (batch, None, hk, dk if name == "k" else dv)
             if info.kind != qi.kind or info.device != qi.device:
                 raise ValueError(f"{func}: {name} must be a {qi.type_name} on q's device {qi.device}")
-            if info.dtype != qi.dtype:
+            if not dtypes.same(info.dtype, qi.dtype):
                 raise TypeError(f"{func}: {name}.dtype={info.dtype_name} must equal q.dtype={qi.dtype_name}")
             if info.ndim != 4 or info.shape[0] != batch or info.shape[2:] != want[2:]:
                 raise ValueError(f"{func}: {name}.shape={info.shape} must be (B={batch}, Snew, Hk={hk}, {want[3]})")

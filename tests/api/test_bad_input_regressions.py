@@ -208,3 +208,38 @@ def test_simulator_with_two_batch_dims_and_no_key_gives_zero_rows():
     k = np.zeros((1, 1, 1, 0, 8), np.float16)
     out, lse = cuflash.attention(q, k, k, return_lse=True, backend="sim")
     assert (out == 0).all() and np.isneginf(lse).all()
+
+
+# --------------------------------------------------------------------------------------------
+# an unsupported dtype beside float64 q: NumPy reads None (cuflash's "unsupported") as its default
+# float64, so a comparison with the ArrayInfo's None held and let the array through
+
+
+def _f64_calls():
+    q = np.zeros((1, 2, 1, 8))
+    o, lse = cuflash.attention(q, q, q, return_lse=True)
+    i32 = np.zeros((1, 2, 1, 8), np.int32)
+    kc = np.zeros((1, 4, 1, 8))
+    return {
+        "attention out": (cuflash.attention, (q, q, q), {"out": i32}, "out.dtype=int32 must equal q.dtype=float64"),
+        "kvcache out": (cuflash.attention_with_kvcache, (q, kc, kc.copy(), 1), {"out": i32},
+                        "out.dtype=int32 must equal q.dtype=float64"),
+        "kvcache k": (cuflash.attention_with_kvcache, (q, kc, kc.copy(), 1), {"k": i32[:, :1], "v": i32[:, :1]},
+                      "k.dtype=int32 must equal q.dtype=float64"),
+        "kvcache v_cache": (cuflash.attention_with_kvcache, (q, kc, np.zeros(kc.shape, np.int32), 1), {},
+                            "v_cache.dtype=int32 must equal q.dtype=float64"),
+        "backward out": (cuflash.attention_backward, (i32, q, q, q, i32, lse), {},
+                         "out.dtype=int32 must equal q.dtype=float64"),
+        "backward lse": (cuflash.attention_backward, (o, q, q, q, o, lse.astype(np.int32)), {},
+                         "lse.dtype=int32 must be float32 or float64"),
+    }
+
+
+@pytest.mark.parametrize("case", ["attention out", "kvcache out", "kvcache k", "kvcache v_cache", "backward out",
+                                  "backward lse"])
+def test_an_int32_array_beside_float64_q_is_refused(case):
+    fn, args, kwargs, msg = _f64_calls()[case]
+    before = [np.array(a, copy=True) for a in args[1:3]]
+    with pytest.raises(TypeError, match=rf"^cuflash\.{fn.__name__}: {msg}"):
+        fn(*args, **kwargs)
+    assert all(np.array_equal(a, b) for a, b in zip(args[1:3], before))   # nothing appended

@@ -362,6 +362,21 @@ def test_drawn_calls_are_refused_by_explain_exactly_when_the_call_refuses_them(e
     run()
 
 
+def test_an_int32_cache_beside_an_empty_float64_query_is_refused_by_explain_as_by_the_call():
+    """A draw of the test above: float64 q with no query row, int32 caches (NumPy path). Both
+    refuse it in the shared validation, naming k_cache, before anything is read or run."""
+    q = np.zeros((1, 0, 1, 8))
+    kc = np.zeros((1, 4, 1, 8), np.int32)
+    for args, kw in (((q, kc, kc.copy(), np.array([2], np.int32)), {}),
+                     ((q, kc[None, 0, :2].repeat(2, 0), kc[None, 0, :2].repeat(2, 0), 2),
+                      {"block_table": np.array([[1, 0]], np.int32)})):
+        told = _outcome(cuflash.explain_kvcache, args, kw)
+        did = _outcome(cuflash.attention_with_kvcache, args, kw)
+        assert did == (TypeError, "cuflash.attention_with_kvcache: k_cache.dtype=int32 must equal q.dtype=float64 or, "
+                                  "for an fp8 cache, float8_e4m3fn (both caches)")
+        assert told == (did[0], did[1].replace("attention_with_kvcache", "explain_kvcache"))
+
+
 class _no_launch:
     """Any simulator launch inside fails the test (a refusal must come before device work)."""
 
