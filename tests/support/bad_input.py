@@ -744,8 +744,9 @@ def _index_mutation(draw, rng, call: Call, name: str, a: Arr):
     what = draw(st.sampled_from(["value", "value", "dtype", "shape", "stride", "float"]))
     if what == "value" and v.size:
         i = tuple(int(rng.integers(0, n)) for n in v.shape)
-        v[i] = draw(st.sampled_from([-1, -100, 1, 2, 2**31 - 1, -(2**31), 7, 1000]))
-        return f"{name}[{i}] -> {int(v[i])}", place(v, "contig", rng)
+        # cast with wraparound: an earlier mutation may have left an unsigned or narrower index dtype
+        v[i] = np.array(draw(st.sampled_from([-1, -100, 1, 2, 2**31 - 1, -(2**31), 7, 1000])), np.int64).astype(v.dtype)
+        return f"{name}[{i}] -> {v[i]}", place(v, "contig", rng)
     if what == "dtype":
         dt = draw(st.sampled_from([np.int64, np.uint32, np.int16, np.float32, np.bool_, np.uint8]))
         return f"{name} dtype {np.dtype(dt)}", place(v.astype(dt), "contig", rng)
