@@ -234,11 +234,18 @@ __device__ __forceinline__ void copy_rows_interior(elem_t* dst, const elem_t* sr
 #define FWD_HOLD_BAND 0
 #endif
 
-// FWD_BAND_MASK: 1 where a masked tile inside Sk tests each key offset from the diagonal once for
-// all of a lane's rows (the mask in the loop below). The packed two-fragment tiles keep the per-row
-// test: with the band branch, ptxas 12.9 spills 4 bytes in the packed bf16 d128 tile on sm_90 (255
-// registers), and every rearrangement tried either spilled or cost 6 instructions on the steady path.
-#define FWD_BAND_MASK (!(CUFLASH_VARLEN && MT == 2))
+// The band mask (in the loop below): a masked tile tests each key offset from the diagonal once for
+// all of a lane's rows. FWD_BAND_TWO_EDGE: 1 where it also takes a left window edge (alone or with a
+// right one). The packed two-fragment tiles take the band for a right edge alone (the causal diagonal,
+// FWD_BAND_PACKED_CAUSAL) only: with the other two band bodies, ptxas 12.9 spills 4 bytes in the
+// packed bf16 d128 tile on sm_90 (255 registers), and every rearrangement tried either spilled or cost
+// 6 instructions on the steady path. The causal body alone costs the packed bf16 d128 steady pass
+// +6 / -3 instructions on sm_90 and +2 / +3 on sm_80 (NVRTC 12.9 / 13.x), and its diagonal tile 89-98
+// fewer (within 1.1% of the fixed form's).
+#define FWD_BAND_TWO_EDGE (!(CUFLASH_VARLEN && MT == 2))
+#ifndef FWD_BAND_PACKED_CAUSAL
+#define FWD_BAND_PACKED_CAUSAL 1
+#endif
 
 // A traced function's form (CUFLASH_USER_MOD) is compiled cold on the first call with a new function;
 // at head dim 192 without a block mask (64 x 64 tiles, 254-255 registers) that took NVRTC 1.7-2.1 s of CPU
@@ -878,7 +885,11 @@ FWD_UNROLL_S_K
 #endif
             if (need_mask) {
                 const int kv_past = kv0 - seqlen_k;   // (negative: keys before Sk)
-                if (FWD_BAND_MASK && pk == 1 && kv_past <= -BC) {
+                // The band takes a tile inside Sk, and the tile across Sk when window_right is 0: there
+                // every row below Sq sees no key past its diagonal, Sk - Sq + row <= Sk - 1, so the band's
+                // right edge hides the keys past Sk too (a row past Sq is never stored, and the copy has
+                // zero-filled the keys past Sk, so its scores stay finite).
+                if (pk == 1 && (kv_past <= -BC || window_right == 0) && (FWD_BAND_TWO_EDGE || (FWD_BAND_PACKED_CAUSAL && window_left < 0))) {
                     // A tile inside Sk (a causal diagonal or a window edge), without packed heads: score
                     // (f, h, n, e), of key kv0 + 2 t + 8 n + e and row qi0 + 16 f + 8 h, lies d0 + kk right of
                     // its row's diagonal key, kk = 8 (n - 2 f - h) + e. One band of kk holds for all the lane's
@@ -910,13 +921,13 @@ FWD_UNROLL_S_K
                     auto lo_k = [&]() { return max(-window_left, d0() + KK_MIN) - d0(); };   // (window_left >= 0)
                     auto hi_k = [&]() { return min(window_right, d0() + KK_MAX) - d0(); };   // (window_right >= 0)
 #if CUFLASH_BLOCK_SPARSE
-                    if (window_left < 0) band(KK_MIN, hi_k());        // causal, or a right edge alone
-                    else if (window_right < 0) band(lo_k(), KK_MAX);  // a left edge alone
+                    if (!FWD_BAND_TWO_EDGE || window_left < 0) band(KK_MIN, hi_k());   // causal, or a right edge alone
+                    else if (window_right < 0) band(lo_k(), KK_MAX);                  // a left edge alone
 #else
                     // (one edge alone: unclamped, see above; lo = hi - window_right - window_left)
                     const unsigned hi_u = FWD_HOLD_BAND ? (unsigned)band_base - (unsigned)kv0
                                                         : (unsigned)window_right - (unsigned)d0();
-                    if (window_left < 0) band(KK_MIN, (int)hi_u);
+                    if (!FWD_BAND_TWO_EDGE || window_left < 0) band(KK_MIN, (int)hi_u);
                     else if (window_right < 0) band((int)(hi_u - (unsigned)window_left - (unsigned)window_right), KK_MAX);
 #endif
                     else band(lo_k(), hi_k());
