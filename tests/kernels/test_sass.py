@@ -486,8 +486,8 @@ def _band_mask_pass(text: str, entry: str, *, rows: int, key_blocks: int, right_
     with one compare per distinct offset from the diagonal (2 (key_blocks + 2 rows - 1) ISETP), not
     one per score. The longest such pass (the left and the right edge each have their block; with
     ``right_edge_only``, the causal one's: where there are two, its block opens with a compare, the
-    bound formed before the branch, where the left edge's first forms its bound). With ``copies`` False, the pass without the
-    next tile's copy (the last tile)."""
+    bound formed before the branch, where the left edge's first forms its bound). With ``copies``
+    False, the pass without the next tile's copy (the last tile)."""
     from cuflash.analysis import sass_count
 
     insns = sass_count.parse_functions(text)[entry]
