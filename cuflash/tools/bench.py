@@ -380,6 +380,14 @@ def add_ratios(records: list[dict]) -> None:
             o[f"ratio_{r['impl']}"] = o["tflops"] / r["tflops"]
 
 
+def _against(word: str, baseline: str) -> str:
+    """:func:`cpu_bench.versus`'s ``word`` as a phrase naming ``baseline``: "1.17x slower than
+    torch_sdpa_flash", "as fast as torch_sdpa_flash", "- (torch_sdpa_flash)" when a time is missing."""
+    if word == "-":
+        return f"- ({baseline})"
+    return f"{word} {'as' if word == 'as fast' else 'than'} {baseline}"
+
+
 def format_table(records: list[dict], peak: float, peak_src: str, device: str) -> str:
     lines = [f"cuflash bench on {device}: forward (and backward, *_bwd: 2.5x FLOPs), B*S = {TOKENS} tokens, H*D = {HIDDEN}; "
              f"bf16 matmul peak measured {peak:.0f} TFLOP/s ({peak_src})",
@@ -389,7 +397,7 @@ def format_table(records: list[dict], peak: float, peak_src: str, device: str) -
         if r["error"]:
             lines.append(f"{cfg:<44} {r['impl']:<18} {'-':>8} {'-':>8} {'-':>8} {'-':>6} {'-':>8}  {r['error']}")
             continue
-        ratios = "  ".join(f"{cpu_bench.versus(1 / v)} than {k[6:]}" for k, v in r.items() if k.startswith("ratio_"))
+        ratios = "  ".join(_against(cpu_bench.versus(1 / v), k[6:]) for k, v in r.items() if k.startswith("ratio_"))
         err = f"{r['max_error']:.1e}" if r["max_error"] is not None else "-"
         lines.append(f"{cfg:<44} {r['impl']:<18} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r['tflops_flash_attn']:>8.1f} "
                      f"{r['pct_peak']:>6.1f} {err:>8}  {ratios}")

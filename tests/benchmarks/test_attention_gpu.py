@@ -152,6 +152,12 @@ def test_table_and_ratios_from_records():
     assert recs[0]["ratio_torch_sdpa_flash"] == pytest.approx(300 / 350)
     table = bench.format_table(recs, 700.0, "test", "nowhere")
     assert "1.17x slower than torch_sdpa_flash" in table and "TFLOP/s" in table   # 300 against 350 TFLOP/s
+    recs[1]["tflops"] = 300.0 * 1.004   # rounds alike: "as fast as", never "as fast than"
+    del recs[0]["ratio_torch_sdpa_flash"]
+    bench.add_ratios(recs)
+    table = bench.format_table(recs, 700.0, "test", "nowhere")
+    assert "as fast as torch_sdpa_flash" in table and "than" not in table
+    assert bench._against("-", "torch_sdpa_flash") == "- (torch_sdpa_flash)"   # a missing time
 
 
 def test_backward_ratios_pair_backward_with_backward():
