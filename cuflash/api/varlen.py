@@ -59,7 +59,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         whatever it is. NumPy indices are checked (``ValueError``). Device indices are not read by
         the host, so a longer sequence goes undetected and its results are undefined: rows past
         the covered tiles come out NaN, the others may be wrong (a window of at least
-        ``max_seqlen_q + max_seqlen_k`` counts as unbounded; the backward's dq misses the uncovered
+        ``min(max_seqlen_q, total_q) + min(max_seqlen_k, total_k)`` counts as unbounded; the backward's dq misses the uncovered
         keys). Never another sequence's data, never an access outside the arrays (every index is
         clamped into them).
     causal : bool

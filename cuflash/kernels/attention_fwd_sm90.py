@@ -1045,7 +1045,7 @@ def forward(problem, q, k, v, out, call):
 
 #: a KV-cache call runs here when its query rows fill at least this many of the 128 rows of a
 #: query tile (``Sq``, or ``Sq * G`` with GQA packing, :func:`kvcache_pack`), and on the
-#: tensor-core decode kernel below (which packs a GQA group's heads into 64-row tiles)
+#: tensor-core decode kernel otherwise (which packs a GQA group's heads into 64-row tiles)
 KVCACHE_MIN_ROWS = 64
 #: GQA packing (the ``gqa`` forms): groups of G = Hq / Hk query heads a power of two up to this (a
 #: consumer's 64 rows hold whole groups of G heads at 64 / G positions), and ``Sq`` under

@@ -324,14 +324,15 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
         elif v.gqa:
             g = p.group_size
             form = (f"KV-cache form over {where}, GQA packing: the {g} query heads of each kv head x {p.seqlen_q} "
-                    f"positions = {g * p.seqlen_q} rows in {tiles} tile{'s' * (tiles != 1)} (row m: position m // {g}, "
-                    f"head m % {g})")
+                    f"positions = {g * p.seqlen_q} rows in {tiles} 128-row tile{'s' * (tiles != 1)} (row m: position "
+                    f"m // {g}, head m % {g})")
         else:
             form = f"KV-cache form over {where}, {p.seqlen_q} query rows"
             why = attention_fwd_sm90.kvcache_pack_reason(p) if p.group_size > 1 else None
             if why is not None:
                 form += f" (GQA packing not used: {why})"
-        line = f"sm_{arch}: Hopper wgmma tier, {form} per 128-row tile, {split}: {v.describe()}"
+        per_tile = "" if v.gqa else " per 128-row tile"
+        line = f"sm_{arch}: Hopper wgmma tier, {form}{per_tile}, {split}: {v.describe()}"
         return {"tier": attention_fwd_sm90.__name__.rsplit(".", 1)[-1], **_tiles(v), "blocks": blocks,
                 "splits": splits, "choice": line}
     tiles = attention_fwd_mma.kvcache_query_tiles(p, v)

@@ -35,7 +35,7 @@ class AttentionProblem:
     ``window_left``/``window_right`` are the effective bounds (-1 = unbounded): with
     ``causal=True`` the right bound is 0, and a bound reaching past both sequences
     (``>= Sq + Sk``; in a packed batch ``Sq`` and ``Sk`` are ``max_seqlen`` or the total rows,
-    whichever is smaller) is -1 (:func:`normalize_window`), so each lies in ``[-1, Sq + Sk)``.
+    whichever is smaller) is -1 (:func:`normalize_window`), so each lies in ``[-1, min(Sq + Sk, 2**31 - 1))``.
     ``out_shape`` and ``lse_shape`` are in the caller's layout.
     """
 

@@ -144,7 +144,7 @@ def test_kvcache_gqa_packing_names_the_group_and_the_tiles(launches):
     info = cuflash.explain_kvcache(q, kc, kc.copy(), lengths, num_splits=3, arch=90)
     assert info["tier"] == "attention_fwd_sm90" and info["variant"].endswith("_kvcache_gqa"), info["choice"]
     assert ("KV-cache form over a contiguous cache (2 x 512 rows), GQA packing: the 8 query heads of each kv head x 8 "
-            "positions = 64 rows in 1 tile (row m: position m // 8, head m % 8) per 128-row tile, 3 key splits"
+            "positions = 64 rows in 1 128-row tile (row m: position m // 8, head m % 8), 3 key splits"
             in info["choice"]), info["choice"]
     assert info["blocks"] == 1 * 3 * 2 * 2
     with sim.options(arch=90):
