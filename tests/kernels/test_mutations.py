@@ -223,22 +223,14 @@ PREFILL_FORM_MUTANTS = ["attention_fwd_sm90.cu|ptx_mbarrier_wait(&empty_k[s], ((
 @pytest.mark.slow
 @pytest.mark.checked
 @pytest.mark.parametrize("mid", PREFILL_FORM_MUTANTS)
-def test_the_chunked_prefill_form_sees_the_gather_mutants(mid, tmp_path, monkeypatch):
+@pytest.mark.parametrize("probe", ["fwd_sm90_prefill_checked", "fwd_sm90_gqa_checked"])
+def test_the_gathering_forms_see_the_gather_mutants(probe, mid, tmp_path, monkeypatch):
+    """The producer's page gather and pipeline as the chunked-prefill form runs it and as the
+    KV-cache form's GQA packing does (rows of 8 heads at 24 positions)."""
     (mutant,) = [m for m in MUTANTS if m.id == mid]
     tree = mutated_tree(paths.kernels_dir(), mutant, tmp_path / "kernels")
     monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
-    assert killed_by("fwd_sm90_prefill_checked"), f"{mid} (line {mutant.line}) survived the chunked-prefill probe"
-
-
-@pytest.mark.slow
-@pytest.mark.checked
-@pytest.mark.parametrize("mid", PREFILL_FORM_MUTANTS)
-def test_the_gqa_packed_form_sees_the_gather_mutants(mid, tmp_path, monkeypatch):
-    """The same pipeline run by the KV-cache form's GQA packing (rows of 8 heads at 24 positions)."""
-    (mutant,) = [m for m in MUTANTS if m.id == mid]
-    tree = mutated_tree(paths.kernels_dir(), mutant, tmp_path / "kernels")
-    monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
-    assert killed_by("fwd_sm90_gqa_checked"), f"{mid} (line {mutant.line}) survived the GQA-packed probe"
+    assert killed_by(probe), f"{mid} (line {mutant.line}) survived {probe}"
 
 
 @pytest.mark.slow
