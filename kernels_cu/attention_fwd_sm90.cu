@@ -93,7 +93,9 @@
 // key count n_k (cu_seqlens_k's length, seqused_k[b] when given) from varlen_seq on the device, its
 // keys cache indices [0, n_k) of block-table row b, gathered by the producer as in the KV-cache
 // forms (cache_seq with n_k as the cache length: no left padding, no append, n_k past the
-// capacity gives NaN rows). Unsplit (a compile-time single split: no partials, no combine).
+// capacity gives NaN rows). Split-KV as in the KV-cache forms, the partial rows in lse's packed
+// order (split, head, total_q row), so the combine takes the batch as one sequence of total_q rows
+// (d256: unsplit, a compile-time single split).
 //
 // Traced score_mod / mask_mod (the CUFLASH_USER_MOD variants of the modifier forms; score_mods.cuh):
 // mod_score applies the traced functions after the built-in modifiers, at (q_idx, kv_idx) = (the
@@ -840,9 +842,10 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     // has half O's bytes there): [NPANEL_V][BR rows][128 B]
     unsigned char* o_st = CUFLASH_FP8 ? v_s + STAGES * V_BYTES : q_s;
 #if CUFLASH_KVCACHE
-    // split-KV: blockIdx.x is (query tile, split), the split fastest
-    // (chunked prefill runs unsplit: nsplit is the constant 1 there)
-    const int nsplit = CUFLASH_VARLEN ? 1 : kv.num_splits, split = blockIdx.x % nsplit;
+    // split-KV: blockIdx.x is (query tile, split), the split fastest (chunked prefill at d256 runs
+    // unsplit, nsplit the constant 1: a run-time count spilled its sequence's offsets there, under
+    // NVRTC 12 and 13)
+    const int nsplit = CUFLASH_VARLEN && CUFLASH_D == 256 ? 1 : kv.num_splits, split = blockIdx.x % nsplit;
 #if CUFLASH_GQA
     // GQA packing: a block per kv head; packed row m of the block's 128 is query position m >> lg of
     // head h + (m & (group - 1)) (group = 1 << lg)
@@ -867,6 +870,11 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     const VarlenSeq seq = varlen_seq(b, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, Sq, Sk);
 #else
     const VarlenSeq seq = varlen_seq_uniform(b, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, Sq, Sk);
+#endif
+#if CUFLASH_KVCACHE
+    // (chunked prefill, split: the split's partial rows, in lse's packed (head, total_q row) order;
+    // the epilogue takes O's partial row from this pointer)
+    if (nsplit > 1) lse = kv.lse_partial + split * kv.partial_rows;
 #endif
     lse += size_t(h) * Sq + seq.q0;   // lse (Hq, total_q): this head's rows of the sequence
     Sq = seq.seqlen_q;
@@ -1237,8 +1245,8 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         if (t == 0 && (m >> lge) < Sq)
             (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(size_t(b) * Hq + h + (m & (group - 1))) * Sq + (m >> lge)] = row_lse;
 #else
-        if (t == 0 && row0 + 8 * r < Sq)
-            (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = row_lse;
+        if (t == 0 && row0 + 8 * r < Sq)   // (chunked prefill: lse is the split's partial rows already)
+            (nsplit > 1 && !CUFLASH_VARLEN ? kv.lse_partial + split * kv.partial_rows : lse)[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = row_lse;
 #endif
 #elif CUFLASH_GQA
         const int m = row0 + 8 * r, lge = __ffs(group) - 1;   // (as in the KV-cache form)
@@ -1268,7 +1276,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
                 *reinterpret_cast<float2*>(op[r] + col) = make_float2(o[i] * inv[r], o[i + 1] * inv[r]);
         }
 #else
-        float* op = kv.o_partial + (size_t(split) * kv.partial_rows + (size_t(b) * Hq + h) * Sq) * kv.head_dim_v;
+        // (chunked prefill: O's partial row 0 of the block is lse's, rows (split, head, total_q row))
+        float* op = CUFLASH_VARLEN ? kv.o_partial + size_t(lse - kv.lse_partial) * kv.head_dim_v
+                                   : kv.o_partial + (size_t(split) * kv.partial_rows + (size_t(b) * Hq + h) * Sq) * kv.head_dim_v;
 #pragma unroll
         for (int i = 0; i < DV / 2; i += 2) {
             const int r = (i % 4) / 2, row = row0 + 8 * r, col = 8 * (i / 4) + 2 * t;

@@ -31,7 +31,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, return_lse=False,
                      out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
                      alibi_slopes=None, score_mod=None, mask_mod=None, q_descale=None, k_descale=None, v_descale=None,
-                     out_dtype=None):
+                     out_dtype=None, num_splits=1):
     """Exact attention over a packed batch of sequences of different lengths, fused.
 
     Sequence ``b`` is attention of its query rows ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` over
@@ -80,8 +80,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``seqused_k``. Host indices are checked (the pages a sequence uses inside the cache); with
         device ones an out-of-range page gives NaN in that sequence's rows. On compute
         capability 9.0 (float16/bfloat16) the Hopper kernel runs it when ``max_seqlen_q >= 64``
-        (causal, windows, GQA, softcap, ALiBi); else the tensor-core KV-cache kernel, which packs
-        a GQA group's query heads into its tiles; or the NumPy path. Unsplit; no backward.
+        (causal, windows, GQA, softcap, ALiBi), split over the keys as ``num_splits`` asks; else
+        the tensor-core KV-cache kernel, which packs a GQA group's query heads into its tiles
+        (unsplit); or the NumPy path. No backward.
     return_lse : bool
         Also return the log-sum-exp (natural log) of each row, float32 ``(Hq, total_q)``.
     out : array, shape ``(total_q, Hq, Dv)``, optional
@@ -117,6 +118,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``NotImplementedError`` naming the tier and the arch. No dropout and no backward in fp8.
     out_dtype : {None, "bfloat16", "float16"}
         The result's dtype for fp8 input (None: bfloat16); only with fp8 input.
+    num_splits : int
+        Split-KV with a ``block_table`` (flash-attn's ``num_splits``), an int in ``[0, 256]``:
+        each sequence's keys are split into up to this many runs, computed by separate blocks and
+        merged by their log-sum-exp, which fills the GPU when the query tiles alone are few (short
+        chunks over long caches). 1 (the default, as flash-attn's varlen call) runs unsplit; 0
+        chooses from the shapes and the SM count (enough splits for a block per SM, at least two
+        key tiles of the cache's capacity, ``max_pages * page_size``, per split), never from
+        the lengths, so a CUDA-graph replay with new ``cu_seqlens``/``seqused_k`` keeps its
+        plan. A performance hint: only the Hopper chunked-prefill form splits (never more splits
+        than the capacity has key tiles; head dim 256 runs unsplit); the tensor-core kernel, the
+        NumPy path and packed batches without a ``block_table`` run unsplit (``explain_varlen``
+        reports ``splits``).
+        Several splits need float32 workspace of ``splits * Hq * total_q * (Dv + 1)`` values.
 
     Returns
     -------
@@ -160,7 +174,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                       backend=backend, dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
                       modifiers=ModifierOptions(softcap, alibi_slopes, score_mod=score_mod, mask_mod=mask_mod),
                       packed=PackedOptions(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-                                           block_table),
+                                           block_table, num_splits),
                       fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     return pipeline.run(FORWARD, (q, k, v, out), options)
 
@@ -169,7 +183,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, backend="auto",
                    arch=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
                    alibi_slopes=None, score_mod=None, mask_mod=None, q_descale=None, k_descale=None,
-                   v_descale=None, out_dtype=None) -> dict:
+                   v_descale=None, out_dtype=None, num_splits=1) -> dict:
     """What :func:`attention_varlen` would run for these arguments, without running it.
 
     The packed-batch counterpart of :func:`cuflash.explain`: the call is validated exactly as
@@ -181,7 +195,8 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     ----------
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
     window_size, seqused_k, block_table, backend, dropout_p, dropout_seed, dropout_offset,
-    softcap, alibi_slopes, score_mod, mask_mod, q_descale, k_descale, v_descale, out_dtype
+    softcap, alibi_slopes, score_mod, mask_mod, q_descale, k_descale, v_descale, out_dtype,
+    num_splits
         As for :func:`attention_varlen` (``out`` and ``return_lse`` are not taken: they do not
         change the kernel). The arrays are read for their metadata (kind, dtype, shape, strides,
         device); index arrays on the host (NumPy ``cu_seqlens_q``, ``cu_seqlens_k``,
@@ -200,7 +215,9 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         ``smem_bytes``, ``blocks`` (``ceil(max_seqlen_q / block_m)`` query tiles per head and
         sequence; blocks past a sequence's end exit at once), ``choice`` and ``backward`` (the
         backward's tier and variant, and why; not with a ``block_table``). With a
-        ``block_table`` also ``splits`` (1: chunked prefill runs unsplit). On the NumPy path
+        ``block_table`` also ``splits`` (key splits; above 1 the Hopper form's partials are merged
+        by the combine kernel). With ``num_splits=0`` on the Hopper form the count depends on the
+        SM count: the GPU's, or the simulator's for the arch it emulates. On the NumPy path
         ``block_m``/``block_n`` are None (each sequence picks its own tiles).
 
     Raises
@@ -222,7 +239,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                       dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
                       modifiers=ModifierOptions(softcap, alibi_slopes, score_mod=score_mod, mask_mod=mask_mod),
                       packed=PackedOptions(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-                                           block_table),
+                                           block_table, num_splits),
                       fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype))
     return pipeline.explain_forward(FORWARD, (q, k, v, None), options, arch, "cuflash.explain_varlen",
                                     "each sequence through cuflash.reference.flash_attention")

@@ -43,7 +43,7 @@ group pack the same way (the ``gqa`` forms without ``kvcache``, :func:`fixed_pac
 Chunked prefill (``attention_varlen`` with a ``block_table``; the ``varlen`` + ``kvcache`` forms)
 runs the KV-cache forms' gather under packed queries: q and o through the packed forms' ragged
 maps, each sequence's key count from the packed index on the device (:func:`plan_kvcache`),
-unsplit.
+split-KV as the KV-cache forms (partial rows (head, total_q row); d256 unsplit).
 The rest (fp32, dropout, traced functions on packed batches, decode-like KV-cache calls that
 neither ``Sq`` nor GQA packing brings to half a tile, decode-like chunked prefill, Sk = 0, views TMA cannot describe, block masks whose blocks do not hold whole
 Hopper tiles, windows whose shapes could carry the kernel's 32-bit window sums past ``2**31 - 1``,
@@ -187,7 +187,7 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     #: the KV-cache form (``CUFLASH_KVCACHE``: K and V gathered from a contiguous or paged cache by the
     #: producer warpgroup, split-KV); always ``local`` (an unbounded window runs the same steady loop);
     #: with ``varlen``, chunked prefill (packed q and o, the sequences' key counts from the packed
-    #: index, unsplit)
+    #: index; split-KV partial rows (head, total_q row), d256 unsplit)
     kvcache: bool = False
     #: a traced score_mod's and mask_mod's CUDA C (:func:`cuflash.runtime.score_mod.kernel_texts`; ""
     #: for none): an axis of the ``mods`` forms (``CUFLASH_USER_MOD``), named by a hash of the two
@@ -1055,6 +1055,9 @@ GQA_PACK_MAX = 64
 #: tensor-core form)
 MAX_SPLITS = 256
 MIN_TILES_PER_SPLIT = 2
+#: the head-dim buckets whose chunked-prefill form runs unsplit (a compile-time single split: with a
+#: run-time split count the d256 form spilled under NVRTC 12 and 13)
+PREFILL_UNSPLIT_BUCKETS = (256,)
 #: the score modifiers the KV-cache form takes (its ``mods`` forms; those
 #: ``cuflash.attention_with_kvcache`` has): the sink joins split 0's rows only, so the combine
 #: counts it once a row
@@ -1163,9 +1166,10 @@ def kvcache_splits(problem, variant, sm_count) -> int:
     tiles they give). ``num_splits`` when given (at most the capacity's key tiles, and
     :data:`MAX_SPLITS`); else enough splits for one block per SM (``sm_count``), keeping
     :data:`MIN_TILES_PER_SPLIT` key tiles of the capacity per split. Chunked prefill (packed
-    queries) runs unsplit."""
+    queries) alike, its blocks counted over ``max_seqlen_q`` rows a sequence and its capacity the
+    block table's width x ``page_size``; at head dim 256 unsplit (:data:`PREFILL_UNSPLIT_BUCKETS`)."""
     c = problem.kvcache
-    if problem.varlen is not None:
+    if problem.varlen is not None and variant.head_dim in PREFILL_UNSPLIT_BUCKETS:
         return 1
     n_tiles = max(1, -(-c.capacity // variant.block_n))
     if c.num_splits:
@@ -1185,7 +1189,9 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> LaunchPlan:
 
     Chunked prefill (``problem.varlen``): ``q`` (total_q, Hq, D) and ``out`` through the packed
     forms' ragged maps, ``lse`` (Hq, total_q), the packed index's arguments
-    (:func:`cuflash.kernels.launch_args.varlen_args`) after the scalars, unsplit."""
+    (:func:`cuflash.kernels.launch_args.varlen_args`) after the scalars; the partials
+    ``(splits, Hq * total_q, Dv)`` and ``(splits, Hq * total_q)``, rows (head, total_q row): the
+    combine's one sequence of ``total_q`` rows."""
     p, c = problem, problem.kvcache
     o_partial, lse_partial = partials
     splits = o_partial.shape[0]

@@ -274,8 +274,8 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
         ``(q, k, v)`` (the caches for a KV cache) when their strides and addresses are known
         (alignment checks); None decides from shapes and dtypes.
     sm_count : int, optional
-        The device's SM count; needed only by a KV-cache call with ``num_splits=0`` that is not a
-        packed batch (its split count depends on it).
+        The device's SM count; needed only by a KV-cache call with ``num_splits=0`` (its split
+        count depends on it), a packed batch (chunked prefill) only on the Hopper form.
 
     Returns
     -------
@@ -308,7 +308,8 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
         why = (kvcache_run.hopper_reason(p, arch, arrays) if mod is attention_fwd_sm90
                else target_reason(mod, arch) or mod.unsupported_reason(p, arch, arrays))
         reasons.append(f"{name} tier not used: {why}")
-    if c.num_splits == 0 and p.varlen is None and sm_count is None:
+    # (packed queries split on the Hopper form only)
+    if c.num_splits == 0 and sm_count is None and (p.varlen is None or kvcache_run.hopper_reason(p, arch, arrays) is None):
         raise ValueError(f"{p.func}: num_splits=0 chooses the split count from the device's SM count, which is "
                          f"not known here for sm_{arch}; pass num_splits=n, or an arch the simulator emulates")
     v, splits = kvcache_run.choose(p, arch, arrays, sm_count)

@@ -61,7 +61,8 @@ def choose(problem, arch: int, arrays=None, sm_count=None) -> tuple:
     (:func:`attention_fwd_sm90.kvcache_variant`, :func:`attention_fwd_sm90.kvcache_splits`) when
     :func:`hopper_reason` finds nothing against it; else the tensor-core form
     (:func:`attention_fwd_mma.kvcache_splits`). ``sm_count``, the device's SM count, is read only
-    by the split heuristics (``num_splits=0``, not a packed batch); neither reads the sequence
+    by the split heuristics (``num_splits=0``; the tensor-core form does not split a packed batch);
+    neither reads the sequence
     lengths, so a CUDA-graph replay with new ``cache_seqlens`` keeps its plan.
     :func:`run_kvcache` launches with them; ``explain_kvcache`` reports them.
 
@@ -105,14 +106,18 @@ def run_kvcache(problem, q, out, call):
     q_rot = None if c.rotary_cos is None else call.empty(q.shape, p.dtype)
     plans = [kvcache_append.plan_append(p, q, q_rot, validation_kvcache.rotates_per_row(p), call)]
     if not p.is_empty:
-        rows = p.batch_shape[0] * p.num_heads_q * p.seqlen_q if splits > 1 else 0
+        # (chunked prefill: the partials' rows are (head, total_q row), one sequence of total_q rows
+        # to the combine, out (total_q, Hq, Dv) and lse (Hq, total_q) seen with a batch axis of 1)
+        batch, sq = (1, p.varlen.total_q) if p.varlen is not None else (p.batch_shape[0], p.seqlen_q)
+        rows = batch * p.num_heads_q * sq if splits > 1 else 0
         o_part = call.empty((splits, rows, p.head_dim_v), np.float32)
         lse_part = call.empty((splits, rows), np.float32)
         tier = attention_fwd_sm90 if isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) else attention_fwd_mma
         plans.append(tier.plan_kvcache(p, q if q_rot is None else q_rot, out, lse, variant, (o_part, lse_part), call))
         if splits > 1:
-            plans.append(attention_combine.plan_combine(o_part, lse_part, out, lse, num_heads_q=p.num_heads_q,
-                                                        seqlen_q=p.seqlen_q))
+            as_batch = (lambda a: a.reshape((1,) + a.shape)) if p.varlen is not None else (lambda a: a)
+            plans.append(attention_combine.plan_combine(o_part, lse_part, as_batch(out), as_batch(lse),
+                                                        num_heads_q=p.num_heads_q, seqlen_q=sq))
     for launch_plan in plans:
         if launch_plan is not None:
             call.launch(launch_plan)

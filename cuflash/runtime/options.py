@@ -97,7 +97,8 @@ class Fp8Options(_MapsArrays):
 @dataclasses.dataclass(frozen=True)
 class PackedOptions(_MapsArrays):
     """A packed variable-length batch (:func:`cuflash.attention_varlen`): the sequence index and,
-    for chunked prefill, the block table of a paged KV cache."""
+    for chunked prefill, the block table of a paged KV cache and the split-KV count
+    (``num_splits``, 1 unless given)."""
 
     cu_seqlens_q: Any = _array(INDEX)
     cu_seqlens_k: Any = _array(INDEX)
@@ -105,6 +106,7 @@ class PackedOptions(_MapsArrays):
     max_seqlen_k: Any = 0
     seqused_k: Any = _array(INDEX)
     block_table: Any = _array(INDEX)
+    num_splits: Any = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -174,6 +174,14 @@ def check_int(value, name: str, func: str) -> int:
     return operator.index(value)
 
 
+def check_num_splits(num_splits, func: str) -> int:
+    """A split-KV count (``num_splits``): an int in [0, 256], 0 = chosen from the work and the device."""
+    n = check_int(num_splits, "num_splits", func)
+    if not 0 <= n <= 256:
+        raise ValueError(f"{func}: num_splits must be in [0, 256] (0 = chosen from the work and the device), got {n}")
+    return n
+
+
 def check_block_sizes(block_m, block_n, func: str) -> tuple:
     """Tile sizes of the NumPy path: each an int >= 1, or None (chosen by the implementation)."""
     sizes = []
@@ -643,6 +651,7 @@ def check_attention_varlen(q, k, v, options: Options, *, func: str = "cuflash.at
     ck = _check_index(cu_seqlens_k, "cu_seqlens_k", func, batch + 1, qi.kind, qi.device)
     if seqused_k is not None:
         _check_index(seqused_k, "seqused_k", func, batch, qi.kind, qi.device)
+    splits = check_num_splits(pk.num_splits, func)   # (a hint: only the Hopper chunked-prefill form splits)
     max_q = check_int(pk.max_seqlen_q, "max_seqlen_q", func)
     max_k = check_int(pk.max_seqlen_k, "max_seqlen_k", func)
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
@@ -653,7 +662,8 @@ def check_attention_varlen(q, k, v, options: Options, *, func: str = "cuflash.at
     if block_table is not None:
         if cache_check is None:
             raise TypeError(f"{func}: a block_table needs cache_check (validation_kvcache.varlen_cache)")
-        cache = cache_check(func, qi, k, v, block_table, batch, cu_seqlens_k, seqused_k, checked)
+        cache = dataclasses.replace(cache_check(func, qi, k, v, block_table, batch, cu_seqlens_k, seqused_k, checked),
+                                    num_splits=splits)
         checked = checked and cache.checked
         total_k = cache.capacity
     if checked:

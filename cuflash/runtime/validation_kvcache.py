@@ -17,7 +17,7 @@ import numpy as np
 
 from cuflash.runtime import dtypes, validation
 from cuflash.runtime.interop import ArrayInfo, describe
-from cuflash.runtime.validation import AttentionProblem, check_flag, check_int
+from cuflash.runtime.validation import AttentionProblem, check_flag, check_int, check_num_splits
 from cuflash.runtime.validation_fp8 import check_fp8
 from cuflash.runtime.validation_modifiers import check_modifiers
 
@@ -208,13 +208,6 @@ def varlen_cache(func: str, q: ArrayInfo, k_cache, v_cache, block_table, batch: 
             check_block_table(func, block_table, np.zeros_like(n), n, page_size, num_pages)
     return KVCache(k_cache, v_cache, paged, page_size, num_pages, capacity, None, 0, None, None, block_table, None,
                    None, 0, None, None, False, 1, checked)
-
-
-def check_num_splits(num_splits, func: str) -> int:
-    n = check_int(num_splits, "num_splits", func)
-    if not 0 <= n <= 256:
-        raise ValueError(f"{func}: num_splits must be in [0, 256] (0 = chosen from the work and the device), got {n}")
-    return n
 
 
 def check_attention_with_kvcache(q, k_cache, v_cache, options, *, func: str = "cuflash.attention_with_kvcache",

@@ -96,6 +96,27 @@ def test_device_resident_indices_need_no_values():
         cuflash.explain_varlen(q, k, k, cu_q, FakeCudaTensor((3,), "int32"), 137, 200, arch=90)
 
 
+def test_chunked_prefill_split_count_from_shapes_on_device_indices():
+    """Chunked prefill with device indices (metadata only): num_splits=0 on the Hopper form takes
+    the split count from max_seqlen_q, the heads, the batch and the block table's width (2 tiles
+    x 4 heads x 3 sequences = 24 blocks; 64 pages of 16 rows = 8 key tiles of 128: min(132 / 24
+    -> 6, 8 / 2) = 4); on sm_100 the tensor-core form runs it unsplit and needs no SM count."""
+    q, cache = FakeCudaTensor((140, 4, 64)), FakeCudaTensor((200, 16, 2, 64))
+    cu_q, cu_k = FakeCudaTensor((4,), "int32"), FakeCudaTensor((4,), "int32")
+    table = FakeCudaTensor((3, 64), "int32")
+    info = cuflash.explain_varlen(q, cache, cache, cu_q, cu_k, 137, 200, block_table=table, num_splits=0, arch=90)
+    assert (info["variant"], info["splits"], info["blocks"]) == ("f16_d64_local_varlen_kvcache", 4, 2 * 4 * 4 * 3)
+    assert "4 key splits merged by the combine kernel" in info["choice"]
+    info = cuflash.explain_varlen(q, cache, cache, cu_q, cu_k, 137, 200, block_table=table, num_splits=5, arch=90)
+    assert info["splits"] == 5
+    info = cuflash.explain_varlen(q, cache, cache, cu_q, cu_k, 137, 200, block_table=table, num_splits=0, arch=100)
+    assert info["tier"] == "attention_fwd_mma" and info["splits"] == 1, info["choice"]
+    # head dim 256: the Hopper chunked-prefill form runs unsplit whatever num_splits asks
+    q, cache = FakeCudaTensor((140, 4, 256)), FakeCudaTensor((200, 16, 2, 256))
+    info = cuflash.explain_varlen(q, cache, cache, cu_q, cu_k, 137, 200, block_table=table, num_splits=4, arch=90)
+    assert (info["variant"], info["splits"]) == ("f16_d256_local_varlen_kvcache", 1) and "unsplit" in info["choice"]
+
+
 def test_numpy_path_and_chunked_prefill(launches):
     q, k, v, cq, ck, mq, mk = _packed(np.float16)
     info = cuflash.explain_varlen(q, k, v, cq, ck, mq, mk)

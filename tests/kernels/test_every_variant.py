@@ -229,15 +229,16 @@ def _hopper_kvcache(rng, v):
 
 def _hopper_chunked_prefill(rng, v):
     """The Hopper chunked-prefill form: two packed sequences (70 query rows over 200 keys, 3 over
-    17), GQA 2, a paged cache of 16-row pages with NaN in every row not to be read, causal."""
+    17), GQA 2, a paged cache of 16-row pages with NaN in every row not to be read, causal, two
+    key splits (d256: unsplit)."""
     q, kc, vc, cq, ck, mq, mk, _, bt = make_prefill(rng, [(70, 200), (3, 17)], 16, (2, 1), v.head_dim,
                                                     DTYPES[v.dtype], "all", dv=v.head_dim_v)
     mods = dict(softcap=4.0, alibi_slopes=rng.uniform(0.02, 0.4, 2).astype(np.float32)) if v.mods else {}
     info = cuflash.explain_varlen(q, kc, vc, cq, ck, mq, mk, causal=True, block_table=bt, backend="sim", arch=90,
-                                  **mods)
-    assert info["entry"] == v.entry, info["choice"]
+                                  num_splits=2, **mods)
+    assert info["entry"] == v.entry and info["splits"] == (1 if v.head_dim == 256 else 2), info["choice"]
     out, lse = cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, causal=True, block_table=bt, return_lse=True,
-                                        backend="sim", **mods)
+                                        backend="sim", num_splits=2, **mods)
     check_prefill(out, lse, q, kc, vc, cq, ck, None, bt, 16, True, (-1, -1), **mods)
 
 

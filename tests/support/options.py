@@ -20,6 +20,8 @@ def options(**kw) -> Options:
     drop = {_DROPOUT[n]: kw.pop(n) for n in list(kw) if n in _DROPOUT}
     mods = {n: kw.pop(n) for n in list(kw) if n in _MODS}
     packed = {n: kw.pop(n) for n in list(kw) if n in _PACKED}
+    if packed and "num_splits" in kw:   # (attention_varlen's split-KV count)
+        packed["num_splits"] = kw.pop("num_splits")
     cache = {n: kw.pop(n) for n in list(kw) if n in _CACHE}
     fp8 = {n: kw.pop(n) for n in list(kw) if n in _FP8}
     table = kw.pop("block_table", None)
