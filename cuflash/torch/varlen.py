@@ -3,7 +3,7 @@
 * ``cuflash::attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
   max_seqlen_k, causal, softmax_scale, window_left, window_right, deterministic=False, dropout_p=0.0,
   dropout_seed=0, dropout_offset=0, softcap=0.0, alibi_slopes=None, block_table=None,
-  backend="auto") -> (out, lse)``
+  backend="auto", num_splits=1) -> (out, lse)``
 * ``cuflash::attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
   max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, deterministic=False,
   dropout_p=0.0, dropout_seed=0, dropout_offset=0, softcap=0.0, alibi_slopes=None,
@@ -32,14 +32,15 @@ _FUNC = "cuflash.torch.attention_varlen"
 
 
 def _options(index, sizes, causal, softmax_scale, window, dropout, deterministic=False, softcap=0.0,
-             alibi_slopes=None, backend="auto") -> Options:
+             alibi_slopes=None, backend="auto", num_splits=1) -> Options:
     """``index`` ``(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)`` tensors, ``sizes``
-    ``(max_seqlen_q, max_seqlen_k)``, ``window`` ``(left, right)``, ``dropout`` ``(p, seed, offset)``."""
+    ``(max_seqlen_q, max_seqlen_k)``, ``window`` ``(left, right)``, ``dropout`` ``(p, seed, offset)``,
+    ``num_splits`` the forward's split-KV count."""
     cu_q, cu_k, used, table = (detached(t) for t in index)
     return Options(causal=causal, softmax_scale=softmax_scale, window_size=tuple(window), return_lse=True,
                    backend=backend, deterministic=deterministic, dropout=DropoutOptions(*dropout),
                    modifiers=ModifierOptions(softcap, detached(alibi_slopes)),
-                   packed=PackedOptions(cu_q, cu_k, sizes[0], sizes[1], used, table))
+                   packed=PackedOptions(cu_q, cu_k, sizes[0], sizes[1], used, table, num_splits))
 
 
 @torch.library.custom_op("cuflash::attention_varlen_fwd", mutates_args=())
@@ -48,13 +49,13 @@ def attention_varlen_fwd(
     seqused_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
     window_left: int, window_right: int, deterministic: bool = False, dropout_p: float = 0.0, dropout_seed: int = 0,
     dropout_offset: int = 0, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None, backend: str = "auto",
+    block_table: torch.Tensor | None = None, backend: str = "auto", num_splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward: ``(out (total_q, Hq, Dv), lse (Hq, total_q))``; ``deterministic`` is the
     backward's (saved for it)."""
     options = _options((cu_seqlens_q, cu_seqlens_k, seqused_k, block_table), (max_seqlen_q, max_seqlen_k), causal,
                        softmax_scale, (window_left, window_right), (dropout_p, dropout_seed, dropout_offset),
-                       softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)
+                       softcap=softcap, alibi_slopes=alibi_slopes, backend=backend, num_splits=num_splits)
     return tensors.run(api_varlen.FORWARD, (prepare(q), prepare(k), prepare(v), None), options, _FUNC, q)
 
 
@@ -70,7 +71,7 @@ def _lse_fake(q):
 def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal,
                                softmax_scale, window_left, window_right, deterministic=False, dropout_p=0.0,
                                dropout_seed=0, dropout_offset=0, softcap=0.0, alibi_slopes=None, block_table=None,
-                               backend="auto"):
+                               backend="auto", num_splits=1):
     return _out_fake(q, v), _lse_fake(q)
 
 
@@ -100,8 +101,9 @@ def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
 
 #: the forward's arguments after (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k), with their defaults
 _REST = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_left", "window_right", "deterministic",
-         "dropout_p", "dropout_seed", "dropout_offset", "softcap", "alibi_slopes", "block_table", "backend")
-_REST_DEFAULTS = (False, 0.0, 0, 0, 0.0, None, None, "auto")   # from deterministic on
+         "dropout_p", "dropout_seed", "dropout_offset", "softcap", "alibi_slopes", "block_table", "backend",
+         "num_splits")
+_REST_DEFAULTS = (False, 0.0, 0, 0, 0.0, None, None, "auto", 1)   # from deterministic on
 
 
 def _setup_context(ctx, inputs, output):
@@ -121,7 +123,7 @@ def _grads(ctx, dout, dlse):
                                   f"cuflash.attention_varlen_backward takes packed k and v only")
     q, k, v, out, lse, cu_q, cu_k, used, alibi = ctx.saved_tensors
     dq, dk, dv = attention_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used, *ctx.options, alibi, ctx.backend)
-    return (dq, dk, dv) + (None,) * 17
+    return (dq, dk, dv) + (None,) * 18
 
 
 attention_varlen_fwd.register_autograd(_grads, setup_context=_setup_context)
@@ -133,12 +135,13 @@ def attention_varlen_out(
     cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor | None, block_table: torch.Tensor | None, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int, dropout_p: float,
     dropout_seed: int, dropout_offset: int, softcap: float, alibi_slopes: torch.Tensor | None, backend: str,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """Packed forward written into ``out`` (checked as :func:`cuflash.attention_varlen` checks
     ``out=``); returns ``lse``."""
     options = _options((cu_seqlens_q, cu_seqlens_k, seqused_k, block_table), (max_seqlen_q, max_seqlen_k), causal,
                        softmax_scale, (window_left, window_right), (dropout_p, dropout_seed, dropout_offset),
-                       softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)
+                       softcap=softcap, alibi_slopes=alibi_slopes, backend=backend, num_splits=num_splits)
     _, lse = tensors.run(api_varlen.FORWARD, (prepare(q), prepare(k), prepare(v), out.detach()), options, _FUNC, q)
     return lse
 
@@ -146,7 +149,7 @@ def attention_varlen_out(
 @attention_varlen_out.register_fake
 def _attention_varlen_out_fake(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                max_seqlen_k, causal, softmax_scale, window_left, window_right, dropout_p, dropout_seed,
-                               dropout_offset, softcap, alibi_slopes, backend):
+                               dropout_offset, softcap, alibi_slopes, backend, num_splits=1):
     return _lse_fake(q)
 
 
@@ -154,7 +157,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, return_lse=False,
                      out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
                      alibi_slopes=None, score_mod=None, mask_mod=None, deterministic=False, q_descale=None,
-                     k_descale=None, v_descale=None, out_dtype=None):
+                     k_descale=None, v_descale=None, out_dtype=None, num_splits=1):
     """Differentiable attention over a packed batch of variable-length sequences.
 
     Every parameter of :func:`cuflash.attention_varlen` with its name, default and meaning, plus
@@ -181,6 +184,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         Chunked prefill over a paged KV cache, as :func:`cuflash.attention_varlen`. Forward only:
         with grad mode on and q, k or v requiring grad it raises ``TypeError`` (the backward has
         no paged form).
+    num_splits : int
+        Split-KV with a ``block_table``, as :func:`cuflash.attention_varlen` (1: unsplit; 0:
+        chosen from the shapes and the SM count; a performance hint).
     return_lse : bool
         Also return the lse ``(Hq, total_q)`` (natural log). Not differentiable
         (``lse.requires_grad`` is False): a loss through it gets no gradient from it.
@@ -231,7 +237,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
             window_size=window_size, seqused_k=seqused_k, block_table=block_table, return_lse=return_lse, out=out,
             backend=backend, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
-            softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod, **fp8)
+            softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod, num_splits=num_splits,
+            **fp8)
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None:
             raise NotImplementedError(f"{_FUNC}: {name} on a packed batch does not run through torch autograd yet; "
@@ -248,6 +255,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     backend = tensors.check_backend(backend, _FUNC)
     max_q = validation.check_int(max_seqlen_q, "max_seqlen_q", _FUNC)
     max_k = validation.check_int(max_seqlen_k, "max_seqlen_k", _FUNC)
+    num_splits = validation.check_num_splits(num_splits, _FUNC)
     left, right = validation.normalize_window(*validation.check_window_size(window_size, False, _FUNC),
                                               max(max_q, 0), max(max_k, 0))
     _refuse_gradients(q, k, v, out, block_table, alibi_slopes)
@@ -259,11 +267,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     scalars = (causal, scale, left, right)
     if out is not None:
         lse = attention_varlen_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_q, max_k,
-                                   *scalars, float(dropout_p), seed, offset, float(softcap), alibi_slopes, backend)
+                                   *scalars, float(dropout_p), seed, offset, float(softcap), alibi_slopes, backend,
+                                   num_splits)
     else:
         out, lse = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_q, max_k, *scalars,
                                         deterministic, float(dropout_p), seed, offset, float(softcap), alibi_slopes,
-                                        block_table, backend)
+                                        block_table, backend, num_splits)
     return (out, lse) if return_lse else out
 
 

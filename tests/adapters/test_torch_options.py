@@ -319,6 +319,14 @@ def test_varlen_out_block_table_and_index_dtypes(gen):
     with torch.no_grad():
         got = ct.attention_varlen(q, pages, vpages, cq, ck, 3, 5, block_table=table, causal=True)
     torch.testing.assert_close(got, naive_varlen(q.detach(), ks, vs, cq, ck, causal=True)[0], rtol=1e-12, atol=1e-13)
+    with torch.no_grad():   # num_splits: a hint the NumPy path takes and ignores, into out= too; validated
+        got = ct.attention_varlen(q, pages, vpages, cq, ck, 3, 5, block_table=table, causal=True, num_splits=0)
+        assert ct.attention_varlen(q, pages, vpages, cq, ck, 3, 5, block_table=table, causal=True, num_splits=2,
+                                   out=buf) is buf
+    torch.testing.assert_close(got, naive_varlen(q.detach(), ks, vs, cq, ck, causal=True)[0], rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(buf, got, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"cuflash.torch.attention_varlen: num_splits must be in \[0, 256\]"):
+        ct.attention_varlen(q, pages, vpages, cq, ck, 3, 5, block_table=table, num_splits=-1)
     with pytest.raises(TypeError, match=r"cuflash.torch.attention_varlen: block_table \(a paged KV cache\) has no "
                                         r"backward, and q requires grad \(grad mode is on\)"):
         ct.attention_varlen(q, pages, vpages, cq, ck, 3, 5, block_table=table)

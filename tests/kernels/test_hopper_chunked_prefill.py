@@ -9,7 +9,9 @@ the checks of the tensor-core chunked-prefill tests), with the NumPy path run on
 and held to the same oracle. Every cache row no sequence may read holds NaN (unused pages, rows
 past ``seqused_k``), so a read of any of them shows in the output. The grid covers query lengths
 0, 1, under a tile and several tiles, key counts 0, 1 and several tiles, pages of 1, 3, 16 and
-256 rows, GQA up to 8, causal, windows, softcap and ALiBi.
+256 rows, GQA up to 8, causal, windows, softcap and ALiBi; and split-KV (``num_splits``: explicit
+counts and the shapes' choice, the partials merged by the combine kernel, checked that the
+combine ran), including a graph-like replay of one plan with new lengths.
 """
 
 from __future__ import annotations
