@@ -77,11 +77,13 @@
 // only, so the combine counts it once a row.
 //
 // GQA packing (CUFLASH_GQA 1 with CUFLASH_KVCACHE, fixed batches; decode-like calls whose Sq is under a
-// tile): a block per (query tile x split, kv head hk, sequence b) whose 128 rows are the G = group
-// query heads of hk at consecutive positions, row m = position m >> lg, head hk * G + (m & (G - 1))
-// (G = 1 << lg, a power of two up to 64). q and o go through 5-d maps (head dim, g, kv head,
-// position, batch) whose box of G heads x 128 / G positions (o: 64 / G, a consumer's rows) lands
-// as those rows, 128 bytes each: the panels and swizzle the consumers read. The masks take each
+// tile): a block per (query tile x split, kv head hk, sequence b) whose two consumers' 64 rows each
+// hold the G = group query heads of hk (2..64) at P = 64 / G (rounded down) consecutive positions,
+// a consumer's row r = p * G + g its position p, head hk * G + g; rows P * G..63 (G not a power of
+// two) are dead: zeroed once in shared memory, masked as the consumer's last position, never stored.
+// q and o go through 5-d maps (head dim, g, kv head, position, batch) whose box of G heads x P
+// positions lands at a consumer's 64-row offset as those rows, 128 bytes each: the panels and
+// swizzle the consumers read (for a power of two, P * G = 64: no dead row). The masks take each
 // row's position (Rows::pos; the rows' mask edges are set once, so the steady loop is the KV-cache
 // form's), the block's key range its first and last positions; lse and the split partials are
 // written at each row's head and position, in the unpacked rows' order, so the combine is the same.
@@ -237,7 +239,7 @@ struct Tiles {
     const cuflash_tensor_map *q, *k, *v, *o;
     int h, hk, b;
 #if CUFLASH_GQA
-    int group;   // GQA packing: the query heads of a kv head (a power of two; the header comment)
+    int group;   // GQA packing: the query heads of a kv head (2..64; the header comment)
 #endif
 };
 __device__ __forceinline__ Box q_box(const Tiles& t, int m0) { return Box{m0, t.h, t.b}; }
@@ -247,12 +249,26 @@ __device__ __forceinline__ Box o_box(const Tiles& t, int row0) { return Box{row0
 
 #if CUFLASH_GQA
 // GQA packing: q and o through 5-d maps (head dim, g, kv head, position, batch); a box of G heads x
-// 128 / G positions (o: 64 / G) lands as rows m = position * G + g, 128 bytes each, the rows a 4-d
-// box fills; positions past Sq are the maps' out-of-bounds rows
+// P = 64 / G positions lands at each consumer's 64-row offset as rows r = p * G + g, 128 bytes each,
+// the rows a 4-d box fills (rows P * G..63: the dead rows, zeroed once); positions past Sq are the
+// maps' out-of-bounds rows
 __device__ __forceinline__ void load_q(const Tiles& t, unsigned char* q_s, int m0, unsigned long long* bar) {
-    ptx_mbarrier_arrive_expect_tx(bar, Q_BYTES);
-    const int s0 = m0 >> (__ffs(t.group) - 1);
-    for (int p = 0; p < NPANEL; ++p) ptx_tma_load_5d(q_s + p * PANEL_Q, t.q, p * PANEL_IN, 0, t.hk, s0, t.b, bar);
+    const int per = 64 / t.group, s0 = (m0 >> 6) * per;
+    ptx_mbarrier_arrive_expect_tx(bar, 2 * NPANEL * per * t.group * 128);
+    for (int p = 0; p < NPANEL; ++p)
+        for (int c = 0; c < 2; ++c)
+            ptx_tma_load_5d(q_s + p * PANEL_Q + c * 64 * 128, t.q, p * PANEL_IN, 0, t.hk, s0 + c * per, t.b, bar);
+}
+
+// GQA packing: a consumer's row lr (0..63) as its position p (lr / G; a dead row, lr >= P * G, takes
+// the last position P - 1, so that its masks are a live row's) and head g (lr % G) of the group
+struct GqaRow {
+    int pos, head;
+    bool live;
+};
+__device__ __forceinline__ GqaRow gqa_row(int lr, int group, int per) {
+    const int p = lr / group;
+    return GqaRow{min(p, per - 1), lr - p * group, p < per};
 }
 #else
 __device__ __forceinline__ void load_q(const Tiles& t, unsigned char* q_s, int m0, unsigned long long* bar) {
@@ -292,7 +308,7 @@ __device__ __forceinline__ void load_v(const Tiles& t, unsigned char* vs, int kv
 // (a packed batch: past the sequence's end) are dropped by the map's bounds
 __device__ __forceinline__ void store_o(const Tiles& t, const unsigned char* o_s, int row0) {
 #if CUFLASH_GQA
-    const int s0 = row0 >> (__ffs(t.group) - 1);   // (the shift taken again here: held across the loop, it spilled at d256)
+    const int s0 = (row0 >> 6) * (64 / t.group);   // (a consumer's P positions; the box's P * G rows)
     for (int p = 0; p < NPANEL_V; ++p) ptx_tma_store_5d(t.o, p * PANEL, 0, t.hk, s0, t.b, o_s + p * PANEL_Q);
 #else
     const Box c = o_box(t, row0);
@@ -847,16 +863,16 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     // NVRTC 12 and 13)
     const int nsplit = CUFLASH_VARLEN && CUFLASH_D == 256 ? 1 : kv.num_splits, split = blockIdx.x % nsplit;
 #if CUFLASH_GQA
-    // GQA packing: a block per kv head; packed row m of the block's 128 is query position m >> lg of
-    // head h + (m & (group - 1)) (group = 1 << lg)
+    // GQA packing: a block per kv head; consumer c's rows are P = per positions from (m0 / 64 + c) * P
+    // of the group's heads h.. (gqa_row)
     const int m0 = (gridDim.x / nsplit - 1 - blockIdx.x / nsplit) * BR, hk = blockIdx.y, h = hk * group, b = blockIdx.z;
-    const int lg = 31 - __clz(group);
+    const int per = 64 / group;
 #else
     const int m0 = (gridDim.x / nsplit - 1 - blockIdx.x / nsplit) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
 #endif
 #elif CUFLASH_GQA
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BR, hk = blockIdx.y, h = hk * group, b = blockIdx.z;   // (as above)
-    const int lg = 31 - __clz(group);
+    const int per = 64 / group;
 #else
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
 #endif
@@ -908,8 +924,8 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     int kv_lo = 0, kv_hi = Sk;
 #if CUFLASH_GQA
     if (CUFLASH_LOCAL) {   // (the block's first and last positions)
-        if (window_left >= 0) kv_lo = max(0, (m0 >> lg) + diag - window_left);
-        if (window_right >= 0) kv_hi = min(Sk, ((m0 + BR - 1) >> lg) + diag + window_right + 1);
+        if (window_left >= 0) kv_lo = max(0, (m0 >> 6) * per + diag - window_left);
+        if (window_right >= 0) kv_hi = min(Sk, ((m0 >> 6) + 2) * per - 1 + diag + window_right + 1);
     }
 #else
     if (CUFLASH_LOCAL) {
@@ -951,6 +967,17 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         page_bad = 0;
 #endif
     }
+#if CUFLASH_GQA
+    if (per * group < 64) {   // the dead rows P * G..63 of each consumer's Q (no box fills them): zeros, once
+        const int dead = 64 - per * group;
+        for (int i = threadIdx.x; i < NPANEL * 2 * dead * 8; i += blockDim.x) {
+            const int row = i / 8 % dead, half = i / (8 * dead) % 2, p = i / (16 * dead);
+            *reinterpret_cast<uint4*>(q_s + p * PANEL_Q + (64 * half + per * group + row) * 128 + 16 * (i % 8)) =
+                make_uint4(0u, 0u, 0u, 0u);
+        }
+        ptx_fence_proxy_async();   // (the generic-proxy zeros, before a wgmma (async proxy) reads them)
+    }
+#endif
     __syncthreads();
 
     if (wg == 0) {   // ---------------------------------------------------------------- producer
@@ -1026,7 +1053,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int row0 = m0 + 64 * c + 16 * warp + g;             // this thread's rows: row0 and row0 + 8
 #if CUFLASH_GQA
-    Rows rows{row0, (m0 + 64 * c) >> lg, (m0 + 64 * c + 63) >> lg, Sq, Sk, diag, window_left, window_right, t, scale_log2,
+    const int cpos = ((m0 >> 6) + c) * per;   // (this consumer's first position)
+    const GqaRow grow[2] = {gqa_row(16 * warp + g, group, per), gqa_row(16 * warp + g + 8, group, per)};
+    Rows rows{row0, cpos, cpos + per - 1, Sq, Sk, diag, window_left, window_right, t, scale_log2,
 #else
     Rows rows{row0, m0 + 64 * c, m0 + 64 * c + 63, Sq, Sk, diag, window_left, window_right, t, scale_log2,
 #endif
@@ -1038,13 +1067,13 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
               , true
 #endif
 #if CUFLASH_GQA
-              , {(row0 >> lg) + diag, ((row0 + 8) >> lg) + diag}
+              , {cpos + grow[0].pos + diag, cpos + grow[1].pos + diag}
 #endif
     };
 #if CUFLASH_GQA && CUFLASH_MODS
 #pragma unroll
-    for (int r = 0; r < 2; ++r)   // (row m's head: h + (m & (group - 1)))
-        rows.slope[r] = mods.alibi ? mods.alibi[b * mods.alibi_bs + (h + ((row0 + 8 * r) & (group - 1))) * mods.alibi_hs] *
+    for (int r = 0; r < 2; ++r)   // (the row's head: h + its g)
+        rows.slope[r] = mods.alibi ? mods.alibi[b * mods.alibi_bs + (h + grow[r].head) * mods.alibi_hs] *
                                          CUFLASH_LOG2E
                                    : 0.0f;
 #endif
@@ -1219,10 +1248,17 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float l = quad_sum(l_run[r]);
+#if CUFLASH_GQA
+        // (the row's position and head taken again here: P, the position and the head held across the loop cost registers;
+        // lse and the partials in the unpacked rows' (batch, head, position) order; a dead row writes none)
+        const int pe = 64 / group;
+        const GqaRow er = gqa_row(16 * warp + g + 8 * r, group, pe);
+        const int epos = ((m0 >> 6) + c) * pe + er.pos;
+#endif
 #if CUFLASH_MODS && CUFLASH_KVCACHE
         // (split-KV: the sink joins split 0's rows only, so that the combine counts it once a row)
 #if CUFLASH_GQA
-        const float keep = split == 0 ? sink_fold(mods, h + ((row0 + 8 * r) & (group - 1)), m_run[r], l) : 1.0f;   // (the row's head)
+        const float keep = split == 0 ? sink_fold(mods, h + er.head, m_run[r], l) : 1.0f;   // (the row's head)
 #else
         const float keep = split == 0 ? sink_fold(mods, h, m_run[r], l) : 1.0f;
 #endif
@@ -1239,19 +1275,15 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         float row_lse = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
         if (bad) inv[r] = row_lse = __int_as_float(0x7fc00000);
 #if CUFLASH_GQA
-        // (packed row m: position m >> lg of head h + (m & (group - 1)), in lse's (batch, head, position)
-        // order; the shift taken again from the group: held across the loop, it spilled at d256)
-        const int m = row0 + 8 * r, lge = __ffs(group) - 1;
-        if (t == 0 && (m >> lge) < Sq)
-            (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(size_t(b) * Hq + h + (m & (group - 1))) * Sq + (m >> lge)] = row_lse;
+        if (t == 0 && er.live && epos < Sq)
+            (nsplit > 1 ? kv.lse_partial + split * kv.partial_rows : lse)[(size_t(b) * Hq + h + er.head) * Sq + epos] = row_lse;
 #else
         if (t == 0 && row0 + 8 * r < Sq)   // (chunked prefill: lse is the split's partial rows already)
             (nsplit > 1 && !CUFLASH_VARLEN ? kv.lse_partial + split * kv.partial_rows : lse)[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = row_lse;
 #endif
 #elif CUFLASH_GQA
-        const int m = row0 + 8 * r, lge = __ffs(group) - 1;   // (as in the KV-cache form)
-        if (t == 0 && (m >> lge) < Sq)
-            lse[(size_t(b) * Hq + h + (m & (group - 1))) * Sq + (m >> lge)] = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
+        if (t == 0 && er.live && epos < Sq)   // (as in the KV-cache form)
+            lse[(size_t(b) * Hq + h + er.head) * Sq + epos] = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
 #else
         if (t == 0 && row0 + 8 * r < Sq)
             lse[(CUFLASH_VARLEN ? 0 : (size_t(b) * Hq + h) * Sq) + row0 + 8 * r] = l != 0.0f ? (m_run[r] + log2f(l)) * 0.69314718055994531f : CUFLASH_NEG_INF;
@@ -1265,9 +1297,11 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         bool live[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int m = row0 + 8 * r, lge = __ffs(group) - 1;
-            live[r] = (m >> lge) < Sq;
-            op[r] = kv.o_partial + (size_t(split) * kv.partial_rows + (size_t(b) * Hq + h + (m & (group - 1))) * Sq + (m >> lge)) * kv.head_dim_v;
+            const int pe = 64 / group;
+            const GqaRow er = gqa_row(16 * warp + g + 8 * r, group, pe);
+            const int epos = ((m0 >> 6) + c) * pe + er.pos;
+            live[r] = er.live && epos < Sq;
+            op[r] = kv.o_partial + (size_t(split) * kv.partial_rows + (size_t(b) * Hq + h + er.head) * Sq + epos) * kv.head_dim_v;
         }
 #pragma unroll
         for (int i = 0; i < DV / 2; i += 2) {

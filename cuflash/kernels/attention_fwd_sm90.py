@@ -35,11 +35,12 @@ copy). Packed fp8 batches (the ``varlen`` + ``fp8`` forms) take V from one copy 
 sequence starts at a multiple of 32 keys and has zeros up to a whole tile after its end
 (:func:`fp8_value_copy_packed`, built on the device from the index), so no tile reads another
 sequence's values. fp8 KV caches run elsewhere (``explain`` says where).
-Decode-like KV-cache calls (``Sq`` under 128) with a power-of-two group of ``G`` query heads per kv
-head run GQA-packed when ``Sq * G`` fills half a tile (the ``kvcache`` + ``gqa`` forms,
-:func:`kvcache_pack`): a block per kv head whose rows are the group's heads at consecutive
-positions, q and o through 5-d tensor maps. Plain fixed-shape calls with ``Sq`` under 128 and such a
-group pack the same way (the ``gqa`` forms without ``kvcache``, :func:`fixed_pack`).
+Decode-like KV-cache calls (``Sq`` under 128) with a group of ``G`` query heads per kv head (2 to 64)
+run GQA-packed when ``Sq * G`` fills half a tile (the ``kvcache`` + ``gqa`` forms,
+:func:`gqa_pack`): a block per kv head whose rows are the group's heads at consecutive
+positions (each consumer's 64 rows ``64 // G`` positions of the G heads), q and o through 5-d
+tensor maps. Plain fixed-shape calls with ``Sq`` under 128 and such a
+group pack the same way (the ``gqa`` forms without ``kvcache``; one rule, :func:`gqa_pack_reason`).
 Chunked prefill (``attention_varlen`` with a ``block_table``; the ``varlen`` + ``kvcache`` forms)
 runs the KV-cache forms' gather under packed queries: q and o through the packed forms' ragged
 maps, each sequence's key count from the packed index on the device (:func:`plan_kvcache`),
@@ -383,21 +384,73 @@ def variant_for(problem, arch: int = 90) -> Sm90ForwardVariant:
     v = choose_variant(p.dtype, p.head_dim, p.head_dim_v, local=p.window_left >= 0 or p.window_right >= 0,
                        mods=p.modifiers is not None, varlen=p.varlen is not None, user=attention_fwd_mma.user_c(p),
                        kv_block=bm.BLOCK_SIZE[1] if bm is not None else 0)
-    return dataclasses.replace(v, gqa=True) if fixed_pack(p) > 1 else v
+    return dataclasses.replace(v, gqa=True) if p.kvcache is None and gqa_pack(p) > 1 else v
 
 
-def fixed_pack(problem) -> int:
-    """The query heads per 128-row tile's kv head of a fixed-shape call: G = Hq / Hk with GQA packing
-    (``Sq`` under a tile, G a power of two up to :data:`GQA_PACK_MAX`, a plain 16-bit call at the
-    head dims of :data:`GQA_HEAD_DIM_BUCKETS`, one batch dim), else 1. A block per kv head then
-    reads each K/V tile once for the G heads, and its rows are filled by ``Sq * G`` of them."""
+def gqa_pack_reason(problem) -> str | None:
+    """Why ``problem`` runs without GQA packing (None if its G = Hq / Hk query heads of a kv head share
+    the 128-row tiles), the one rule of the fixed-shape and the KV-cache calls: packed queries (a
+    packed batch or chunked prefill), fp8, score modifiers on a fixed-shape call (the KV-cache form
+    packs softcap, ALiBi and sinks: each row takes its own head's slope and sink), ``Sq`` of a whole
+    tile, a group outside 2..:data:`GQA_PACK_MAX`, a head dim (the larger of D and Dv) outside
+    :data:`GQA_HEAD_DIM_BUCKETS`, or more than one batch dim. Shapes only: a CUDA-graph replay keeps
+    it."""
     p = problem
     g = p.group_size
-    if (p.varlen is not None or p.kvcache is not None or p.fp8 is not None or p.modifiers is not None
-            or p.seqlen_q >= BLOCK_M or g < 2 or g > GQA_PACK_MAX or g & (g - 1) or len(p.batch_shape) != 1
-            or bucket(max(p.head_dim, p.head_dim_v)) not in GQA_HEAD_DIM_BUCKETS):
-        return 1
-    return g
+    if p.varlen is not None:
+        return ("packed queries (chunked prefill) are not GQA-packed" if p.kvcache is not None
+                else "packed batches (cu_seqlens) are not GQA-packed")
+    if p.fp8 is not None:
+        return "fp8 (float8_e4m3fn) calls are not GQA-packed"
+    if p.modifiers is not None and p.kvcache is None:
+        return "score modifiers on a fixed-shape call are not GQA-packed"
+    if p.seqlen_q >= BLOCK_M:
+        return f"Sq={p.seqlen_q} fills {BLOCK_M}-row tiles unpacked"
+    if g < 2 or g > GQA_PACK_MAX:
+        return f"a group of {g} query heads per kv head (GQA packing takes groups of 2..{GQA_PACK_MAX})"
+    d = bucket(max(p.head_dim, p.head_dim_v))
+    if d not in GQA_HEAD_DIM_BUCKETS:
+        return (f"head dim {max(p.head_dim, p.head_dim_v)} (bucket {d}): the packed form's consumers have no register "
+                f"to spare there (GQA packing takes the buckets {GQA_HEAD_DIM_BUCKETS})")
+    if len(p.batch_shape) != 1:
+        return f"batch dims {p.batch_shape}: GQA packing takes one batch dim"
+    return None
+
+
+def gqa_pack(problem) -> int:
+    """The query heads per tile's kv head: G = Hq / Hk with GQA packing (:func:`gqa_pack_reason`),
+    else 1. A block per kv head then reads each K/V tile once for the G heads."""
+    return problem.group_size if gqa_pack_reason(problem) is None else 1
+
+
+def gqa_tile_positions(group: int) -> int:
+    """Query positions per 128-row tile with ``group`` query heads packed per position: each
+    consumer's 64 rows hold 64 // G positions of the G heads (rows past their P * G are dead), so
+    128 for ``group`` 1."""
+    return 2 * (64 // group)
+
+
+def gqa_pack_note(problem, tiles: int) -> str:
+    """explain's words for a GQA-packed call's rows (``tiles``: its query tiles per kv head and batch)."""
+    p, g = problem, problem.group_size
+    per = 64 // g
+    note = (f"GQA packing: the {g} query heads of each kv head x {p.seqlen_q} positions = {g * p.seqlen_q} rows in "
+            f"{tiles} 128-row tile{'s' * (tiles != 1)} (row m: position m // {g}, head m % {g})")
+    if per * g < 64:
+        note += f"; each consumer's 64 rows hold {per} position{'s' * (per != 1)} ({per * g} rows, {64 - per * g} unused)"
+    return note
+
+
+def form_note(problem, arch: int) -> str | None:
+    """explain's note on a fixed-shape GQA call with ``Sq`` under a tile: its packing, or why it runs
+    unpacked (:func:`gqa_pack_reason`)."""
+    p = problem
+    if p.group_size < 2 or p.kvcache is not None or p.varlen is not None or p.seqlen_q >= BLOCK_M:
+        return None
+    why = gqa_pack_reason(p)
+    if why is None:
+        return gqa_pack_note(p, -(-p.seqlen_q // gqa_tile_positions(p.group_size)))
+    return f"GQA packing not used: {why}"
 
 
 def block_mask_reason(problem) -> str | None:
@@ -672,11 +725,11 @@ def plan_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int = 
         variant = Sm90ForwardVariant(dtype, bucket(d), bucket(dv), window_left >= 0 or window_right >= 0, bool(mods_args))
     bn = variant.block_n
     g = hq // hk
-    if variant.gqa:   # (B, Sq, Hk, G, D) views: boxes of G heads x 128 / G positions (o: 64 / G)
+    if variant.gqa:   # (B, Sq, Hk, G, D) views: boxes of G heads x 64 // G positions, a consumer's rows
         q5, o5 = gqa_views
-        maps = (TensorMapArg.of("map_q", q5, (1, BLOCK_M // g, 1, g, PANEL), swizzle=128),
+        maps = (TensorMapArg.of("map_q", q5, (1, 64 // g, 1, g, PANEL), swizzle=128),
                 TensorMapArg.of("map_o", o5, (1, 64 // g, 1, g, PANEL), swizzle=128, writable=True))
-        grid = (-(-sq * g // BLOCK_M), hk, b)
+        grid = (-(-sq // gqa_tile_positions(g)), hk, b)
     else:
         maps = (TensorMapArg.of("map_q", q, (1, 1, BLOCK_M, PANEL), swizzle=128),
                 TensorMapArg.of("map_o", out, (1, 1, 64, PANEL), swizzle=128, writable=True))
@@ -1044,11 +1097,11 @@ def forward(problem, q, k, v, out, call):
 # the KV-cache form
 
 #: a KV-cache call runs here when its query rows fill at least this many of the 128 rows of a
-#: query tile (``Sq``, or ``Sq * G`` with GQA packing, :func:`kvcache_pack`), and on the
+#: query tile (``Sq``, or ``Sq * G`` with GQA packing, :func:`gqa_pack`), and on the
 #: tensor-core decode kernel otherwise (which packs a GQA group's heads into 64-row tiles)
 KVCACHE_MIN_ROWS = 64
-#: GQA packing (the ``gqa`` forms): groups of G = Hq / Hk query heads a power of two up to this (a
-#: consumer's 64 rows hold whole groups of G heads at 64 / G positions), and ``Sq`` under
+#: GQA packing (the ``gqa`` forms): groups of G = Hq / Hk query heads from 2 up to this (a
+#: consumer's 64 rows hold whole groups of G heads at 64 // G positions), and ``Sq`` under
 #: :data:`BLOCK_M` (from there on the unpacked tiles are full)
 GQA_PACK_MAX = 64
 #: split-KV: the combine kernel's limit, and at least this many key tiles per split (as the
@@ -1069,33 +1122,7 @@ def kvcache_variant(problem) -> Sm90ForwardVariant:
     the chunked-prefill form)."""
     p = problem
     return Sm90ForwardVariant(variants.dtype_key(p.dtype), bucket(p.head_dim), bucket(p.head_dim_v), True,
-                              p.modifiers is not None, p.varlen is not None, kvcache=True, gqa=kvcache_pack(p) > 1)
-
-
-def kvcache_pack_reason(problem) -> str | None:
-    """Why the KV-cache call ``problem`` runs without GQA packing (None if its G query heads of a
-    kv head share the 128-row tiles): a packed batch (chunked prefill), ``Sq`` of a whole tile, a
-    group that is 1 or not a power of two up to :data:`GQA_PACK_MAX`, or a head dim outside
-    :data:`GQA_HEAD_DIM_BUCKETS` (softcap, ALiBi and sinks pack: each row takes its own head's
-    slope and sink). Shapes only: a CUDA-graph replay keeps it."""
-    p = problem
-    g = p.group_size
-    if p.varlen is not None:
-        return "packed queries (chunked prefill) are not GQA-packed"
-    if p.seqlen_q >= BLOCK_M:
-        return f"Sq={p.seqlen_q} fills {BLOCK_M}-row tiles unpacked"
-    if g < 2 or g > GQA_PACK_MAX or g & (g - 1):
-        return f"a group of {g} query heads per kv head (GQA packing takes powers of two 2..{GQA_PACK_MAX})"
-    if bucket(p.head_dim) not in GQA_HEAD_DIM_BUCKETS:
-        return (f"head dim {p.head_dim} (bucket {bucket(p.head_dim)}): the packed form's consumers have no register to "
-                f"spare there (GQA packing takes the buckets {GQA_HEAD_DIM_BUCKETS})")
-    return None
-
-
-def kvcache_pack(problem) -> int:
-    """The query heads per 128-row tile's kv head: G = Hq / Hk with GQA packing
-    (:func:`kvcache_pack_reason`), else 1."""
-    return problem.group_size if kvcache_pack_reason(problem) is None else 1
+                              p.modifiers is not None, p.varlen is not None, kvcache=True, gqa=gqa_pack(p) > 1)
 
 
 def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
@@ -1117,12 +1144,12 @@ def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
     why = _dims_reason(p)
     if why is not None:
         return why
-    rows, pack = kvcache_rows(p), kvcache_pack(p)
+    rows, pack = kvcache_rows(p), gqa_pack(p)
     if rows * pack < KVCACHE_MIN_ROWS:
         what = f"max_seqlen_q={rows}" if p.varlen is not None else f"Sq={rows}"
         if pack > 1:
             what = f"Sq*G={rows}*{pack}={rows * pack} packed"
-        unpacked = f"; GQA packing not used: {kvcache_pack_reason(p)}" if pack == 1 and p.group_size > 1 else ""
+        unpacked = f"; GQA packing not used: {gqa_pack_reason(p)}" if pack == 1 and p.group_size > 1 else ""
         return (f"{what} query rows would fill under half of the 128-row Hopper tile (from "
                 f"{KVCACHE_MIN_ROWS} on it runs here); the tensor-core decode kernel packs the "
                 f"{p.group_size} query heads of a GQA group into its tiles{unpacked}")
@@ -1152,12 +1179,12 @@ def kvcache_rows(problem) -> int:
 def kvcache_query_tiles(problem) -> int:
     """Query tiles of 128 rows per (sequence, query head), or with GQA packing per (sequence, kv
     head): ``Sq * G`` packed rows."""
-    return -(-kvcache_rows(problem) * kvcache_pack(problem) // BLOCK_M)
+    return -(-kvcache_rows(problem) // gqa_tile_positions(gqa_pack(problem)))
 
 
 def kvcache_heads(problem) -> int:
     """The grid's heads (its y): query heads, or kv heads with GQA packing."""
-    return problem.num_heads_q // kvcache_pack(problem)
+    return problem.num_heads_q // gqa_pack(problem)
 
 
 def kvcache_splits(problem, variant, sm_count) -> int:
@@ -1207,14 +1234,14 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> LaunchPlan:
         # key count is its cu_seqlens_k difference, or seqused_k)
         index = la.varlen_args(p, call)
         sk = 2**31 - 257
-    elif variant.gqa:   # GQA packing: (B, Sq, Hk, G, D) views, boxes of G heads x 128 / G (o: 64 / G) positions
+    elif variant.gqa:   # GQA packing: (B, Sq, Hk, G, D) views, boxes of G heads x 64 // G positions (a consumer's rows)
         b, sq, hq, _ = q.shape
         g = hq // hk
         def split_heads(a):   # (a view: the head axis as (Hk, G))
             st = a.strides
             return call.as_strided(bits(a), (b, sq, hk, g, a.shape[-1]), (st[0], st[1], g * st[2], st[2], st[3]))
         qs, os_ = split_heads(q), split_heads(out)
-        head = (TensorMapArg.of("map_q", qs, (1, BLOCK_M // g, 1, g, PANEL), swizzle=128),
+        head = (TensorMapArg.of("map_q", qs, (1, 64 // g, 1, g, PANEL), swizzle=128),
                 TensorMapArg.of("map_o", os_, (1, 64 // g, 1, g, PANEL), swizzle=128, writable=True))
         lse_arg = PointerArg.of("lse", lse.reshape(b, hq, sq), writable=True)
         index = ()

@@ -245,10 +245,12 @@ def _tiles(variant) -> dict:
 def forward_blocks(problem, variant) -> int | None:
     """Thread blocks of the forward launch of a fixed or packed ``problem`` on ``variant`` (None when
     the variant has no query tile): a block per query tile, head and batch, or with the Hopper
-    forward's GQA packing per tile of ``Sq * G`` packed rows, kv head and batch."""
+    forward's GQA packing per tile of :func:`attention_fwd_sm90.gqa_tile_positions` positions, kv head
+    and batch."""
     p, bm = problem, getattr(variant, "block_m", None)
     pack = p.group_size if getattr(variant, "gqa", False) else 1
-    return -(-p.seqlen_q * pack // bm) * (p.num_heads_q // pack) * math.prod(p.batch_shape) if bm else None
+    per_tile = attention_fwd_sm90.gqa_tile_positions(pack) if pack > 1 else bm
+    return -(-p.seqlen_q // per_tile) * (p.num_heads_q // pack) * math.prod(p.batch_shape) if bm else None
 
 
 def _check_grid(problem, blocks: int) -> None:
@@ -323,13 +325,10 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
         if p.varlen is not None:
             form = f"chunked prefill: packed queries over {where}, up to {p.varlen.max_seqlen_q} query rows a sequence"
         elif v.gqa:
-            g = p.group_size
-            form = (f"KV-cache form over {where}, GQA packing: the {g} query heads of each kv head x {p.seqlen_q} "
-                    f"positions = {g * p.seqlen_q} rows in {tiles} 128-row tile{'s' * (tiles != 1)} (row m: position "
-                    f"m // {g}, head m % {g})")
+            form = f"KV-cache form over {where}, {attention_fwd_sm90.gqa_pack_note(p, tiles)}"
         else:
             form = f"KV-cache form over {where}, {p.seqlen_q} query rows"
-            why = attention_fwd_sm90.kvcache_pack_reason(p) if p.group_size > 1 else None
+            why = attention_fwd_sm90.gqa_pack_reason(p) if p.group_size > 1 else None
             if why is not None:
                 form += f" (GQA packing not used: {why})"
         per_tile = "" if v.gqa else " per 128-row tile"

@@ -22,6 +22,7 @@ from support.options import check_kvcache
 
 import cuflash
 from cuflash.kernels import attention_fwd_sm90, dispatch, kvcache_run
+from cuflash.sim.device import SimDevice
 from cuflash.runtime import dtypes
 from support.tolerance import check_close
 
@@ -61,12 +62,19 @@ def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, names, extra,
         assert info["tier"] == "attention_fwd_sm90" and info["variant"].endswith("_gqa"), info["choice"]
         g = heads[0] // heads[1]
         assert f"GQA packing: the {g} query heads" in info["choice"], info["choice"]
-        assert info["blocks"] == -(-sq * g // 128) * info["splits"] * heads[1] * len(lengths)
+        assert info["blocks"] == -(-sq // (2 * (64 // g))) * info["splits"] * heads[1] * len(lengths)
+        assert f"(row m: position m // {g}, head m % {g}" in info["choice"], info["choice"]
         want_k, want_v = expected_cache(kc, vc, lengths, kw, page)
         k1, v1 = kc.copy(), vc.copy()
-        with cuflash.sim.options(arch=90, checked=checked, seed=11):
-            out, lse = cuflash.attention_with_kvcache(q, k1, v1, lengths, causal=causal, window_size=window,
-                                                      num_splits=splits, return_lse=True, backend="sim", **kw, **mods)
+        grids = []
+        real = SimDevice.launch
+        with mock.patch.object(SimDevice, "launch", lambda self, plan: (grids.append((plan.entry, plan.grid)),
+                                                                        real(self, plan))[1]):
+            with cuflash.sim.options(arch=90, checked=checked, seed=11):
+                out, lse = cuflash.attention_with_kvcache(q, k1, v1, lengths, causal=causal, window_size=window,
+                                                          num_splits=splits, return_lse=True, backend="sim", **kw,
+                                                          **mods)
+    assert [g[0] * g[1] * g[2] for e, g in grids if e == info["entry"]] == [info["blocks"]], grids
     assert k1.tobytes() == want_k.tobytes() and v1.tobytes() == want_v.tobytes()
     assert out.shape == q.shape and out.dtype == dt and lse.shape == (len(lengths), heads[0], sq)
     check_result(out, lse, q, want_k, want_v, lengths, kw, page, causal, window, **mods)
@@ -75,7 +83,11 @@ def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, names, extra,
 #: (cache lengths, Sq, new rows, page size (None: contiguous), (Hq, Hk), mask, D, splits, modifiers, extra, dtype)
 DEFAULT = [([0, 1, 37], 4, 1, 3, (32, 2), "causal", 64, 3, (), "leftpad", "f16"),   # G 16: 64 rows, split 3
            # G 4, forced (8 rows), per-row ALiBi (B, Hq) and sinks over 2 splits
-           ([1, 0, 20], 2, 1, None, (8, 2), "window", 64, 2, ("alibi", "alibi_b", "sinks"), "batch_idx", "f16")]
+           ([1, 0, 20], 2, 1, None, (8, 2), "window", 64, 2, ("alibi", "alibi_b", "sinks"), "batch_idx", "f16"),
+           # groups that are not powers of two: G 7 (9 positions a consumer, 1 dead row of 64) over 2 tiles,
+           # paged, split 2; G 3 (21 positions, 1 dead row) contiguous, window
+           ([3, 40], 19, 1, 16, (14, 2), "causal", 64, 2, (), "leftpad", "bf16"),
+           ([0, 30], 22, 0, None, (6, 2), "window", 64, 1, (), "plain", "f16")]
 SLOW = [
     ([5, 300], 8, 1, 1, (8, 1), "causal", 64, 3, (), "plain", "f16"),
     ([0, 1, 130], 32, 0, 16, (4, 2), "window", 128, 1, (), "leftpad", "bf16"),
@@ -94,6 +106,11 @@ SLOW = [
 def test_kvcache_gqa_default(rng):
     run_case(rng, *DEFAULT[0])
     run_case(rng, *DEFAULT[1], force=True)
+
+
+def test_kvcache_gqa_other_groups_default(rng):
+    run_case(rng, *DEFAULT[2])
+    run_case(rng, *DEFAULT[3])
 
 
 @pytest.mark.slow
@@ -119,23 +136,36 @@ def test_kvcache_gqa_routing():
     """Which calls pack, and the reasons ``explain`` gives for those that do not."""
     hopper = lambda p: kvcache_run.hopper_reason(p, 90) is None   # noqa: E731
     p = _problem(8, 8, 1)   # 8 positions x 8 heads: 64 rows
-    assert hopper(p) and attention_fwd_sm90.kvcache_variant(p).gqa and attention_fwd_sm90.kvcache_pack(p) == 8
+    assert hopper(p) and attention_fwd_sm90.kvcache_variant(p).gqa and attention_fwd_sm90.gqa_pack(p) == 8
     assert attention_fwd_sm90.kvcache_query_tiles(p) == 1 and attention_fwd_sm90.kvcache_heads(p) == 1
+    assert "unused" not in dispatch.explain_forward(p, 90, sm_count=132)["choice"]   # (64 = 8 x 8: no dead row)
     p = _problem(1, 8, 1)   # single-token decode: 8 rows, the tensor-core decode kernel
     assert "Sq*G=1*8=8 packed query rows would fill under half" in kvcache_run.hopper_reason(p, 90)
-    p = _problem(16, 12, 2)   # G 6: not a power of two, unpacked, 16 rows
-    assert "GQA packing not used: a group of 6 query heads" in kvcache_run.hopper_reason(p, 90)
+    p = _problem(1, 7, 1)   # G 7, one position: 7 rows
+    assert "Sq*G=1*7=7 packed query rows would fill under half" in kvcache_run.hopper_reason(p, 90)
+    p = _problem(16, 12, 2)   # G 6: 10 positions (60 rows) a consumer, 20 a tile
+    assert hopper(p) and attention_fwd_sm90.kvcache_variant(p).gqa and attention_fwd_sm90.gqa_pack(p) == 6
+    assert attention_fwd_sm90.kvcache_query_tiles(p) == 1 and attention_fwd_sm90.kvcache_heads(p) == 2
+    info = dispatch.explain_forward(p, 90, sm_count=132)
+    assert ("the 6 query heads of each kv head x 16 positions = 96 rows in 1 128-row tile (row m: position m // 6, "
+            "head m % 6); each consumer's 64 rows hold 10 positions (60 rows, 4 unused)") in info["choice"], info["choice"]
+    assert info["blocks"] == 2 * info["splits"]
+    p = _problem(50, 35, 5)   # G 7: 9 positions a consumer, 18 a tile: 3 tiles
+    assert attention_fwd_sm90.gqa_pack(p) == 7 and attention_fwd_sm90.kvcache_query_tiles(p) == 3
     p = _problem(16, 8, 1, alibi_slopes=np.ones(8, np.float32), sinks=np.zeros(8, np.float32))   # per row
     assert hopper(p) and attention_fwd_sm90.kvcache_variant(p).gqa and attention_fwd_sm90.kvcache_variant(p).mods
-    p = _problem(64, 12, 2)   # unpacked (G 6), Sq fills half a tile
+    p = _problem(64, 130, 2)   # G 65: past the packed groups, Sq fills half a tile unpacked
     assert hopper(p) and not attention_fwd_sm90.kvcache_variant(p).gqa
-    assert "GQA packing not used: a group of 6" in dispatch.explain_forward(p, 90, sm_count=132)["choice"]
+    assert ("GQA packing not used: a group of 65 query heads per kv head (GQA packing takes groups of 2..64)"
+            in dispatch.explain_forward(p, 90, sm_count=132)["choice"])
+    p = _problem(16, 65, 1)   # G 65, 16 rows: the tensor-core decode kernel, and why it is not packed
+    assert "GQA packing not used: a group of 65" in kvcache_run.hopper_reason(p, 90)
     q = np.zeros((1, 64, 8, 256), dtypes.float16)   # head dim 256: unpacked (the packed form would spill)
     p = check_kvcache(q, np.zeros((1, 80, 1, 256), dtypes.float16), np.zeros((1, 80, 1, 256), dtypes.float16),
                       np.array([70], np.int32))
-    assert hopper(p) and "head dim 256 (bucket 256)" in attention_fwd_sm90.kvcache_pack_reason(p)
+    assert hopper(p) and "head dim 256 (bucket 256)" in attention_fwd_sm90.gqa_pack_reason(p)
     p = _problem(130, 4, 2)   # Sq of a whole tile: unpacked
-    assert attention_fwd_sm90.kvcache_pack(p) == 1 and "fills 128-row tiles" in attention_fwd_sm90.kvcache_pack_reason(p)
+    assert attention_fwd_sm90.gqa_pack(p) == 1 and "fills 128-row tiles" in attention_fwd_sm90.gqa_pack_reason(p)
     forms = attention_fwd_sm90.all_variants(kvcache=True, gqa=True) + attention_fwd_sm90.all_variants(
         kvcache=True, mods=True, gqa=True)
     assert forms and all(v.gqa and v.kvcache and not v.varlen for v in forms)
@@ -150,7 +180,8 @@ def test_kvcache_gqa_routing():
 
 #: (layout, causal, window, (Hq, Hk), Sq, Sk, D, Dv, dtype)
 FIXED_DEFAULT = [("bhsd", True, (-1, -1), (8, 1), 5, 150, 64, 64, "f16"),
-                 ("bshd", False, (7, 3), (16, 4), 9, 70, 64, 64, "f16")]
+                 ("bshd", False, (7, 3), (16, 4), 9, 70, 64, 64, "f16"),
+                 ("bhsd", True, (-1, -1), (12, 2), 23, 60, 64, 64, "bf16")]   # G 6: 10 positions a consumer, 2 tiles
 FIXED_SLOW = [("bhsd", False, (-1, -1), (4, 2), 100, 300, 128, 128, "bf16"),
               ("bshd", True, (-1, -1), (64, 2), 2, 1, 96, 96, "bf16"),
               ("bhsd", True, (30, -1), (2, 1), 127, 400, 192, 128, "f16"),
@@ -170,7 +201,9 @@ def run_fixed(rng, layout, causal, window, heads, sq, sk, d, dv, dtype_key, *, c
     kw = dict(causal=causal, window_size=window, layout=layout)
     info = cuflash.explain(q, k, v, arch=90, backend="sim", **kw)
     assert info["variant"].endswith("_gqa") and "GQA packing" in info["choice"], info["choice"]
-    assert info["blocks"] == -(-sq * (hq // hk) // 128) * hk * 2
+    g = hq // hk
+    assert f"(row m: position m // {g}, head m % {g})" in info["choice"], info["choice"]
+    assert info["blocks"] == -(-sq // (2 * (64 // g))) * hk * 2
     grids = []
     real = SimDevice.launch
     with mock.patch.object(SimDevice, "launch", lambda self, plan: (grids.append(plan.grid), real(self, plan))[1]):
@@ -198,17 +231,29 @@ def test_fixed_gqa_checked(rng):
 
 
 def test_fixed_gqa_routing():
-    """Fixed shapes pack with Sq under a tile, a power-of-two group, no score modifiers, one batch dim."""
-    def variant(sq, hq, hk, d=64, **kw):
+    """Fixed shapes pack with Sq under a tile, a group of 2..64, no score modifiers, one batch dim; explain
+    names the packing, or why a GQA call with Sq under a tile is not packed (the KV-cache calls' rule)."""
+    def info(sq, hq, hk, d=64, **kw):
         q = np.zeros((1, hq, sq, d), dtypes.float16)
         k = np.zeros((1, hk, 90, d), dtypes.float16)
-        return cuflash.explain(q, k, k, arch=90, backend="sim", **kw)["variant"]
+        return cuflash.explain(q, k, k, arch=90, backend="sim", **kw)
 
+    variant = lambda *a, **kw: info(*a, **kw)["variant"]   # noqa: E731
     assert variant(8, 8, 1).endswith("_gqa") and variant(1, 2, 1).endswith("_gqa")
     assert not variant(128, 8, 1).endswith("_gqa")              # Sq fills the tile
-    assert not variant(8, 6, 2).endswith("_gqa")                # G 3
-    assert not variant(8, 8, 1, d=256).endswith("_gqa")         # head dim 256
-    assert not variant(8, 8, 1, softcap=3.0).endswith("_gqa")   # modifiers: unpacked
+    assert "GQA packing not used" not in info(128, 8, 1)["choice"]
+    i = info(8, 6, 2)                                            # G 3: 21 positions a consumer
+    assert i["variant"].endswith("_gqa") and i["blocks"] == 2, i
+    assert ("GQA packing: the 3 query heads of each kv head x 8 positions = 24 rows in 1 128-row tile (row m: "
+            "position m // 3, head m % 3); each consumer's 64 rows hold 21 positions (63 rows, 1 unused)") in i["choice"]
+    assert variant(100, 48, 1).endswith("_gqa")                  # G 48: 1 position a consumer
+    i = info(8, 8, 1, d=256)                                     # head dim 256
+    assert not i["variant"].endswith("_gqa") and "GQA packing not used: head dim 256 (bucket 256)" in i["choice"]
+    i = info(8, 8, 1, softcap=3.0)                               # modifiers: unpacked
+    assert not i["variant"].endswith("_gqa")
+    assert "GQA packing not used: score modifiers on a fixed-shape call" in i["choice"], i["choice"]
+    i = info(8, 65, 1)                                           # G 65
+    assert not i["variant"].endswith("_gqa") and "GQA packing not used: a group of 65" in i["choice"]
     forms = attention_fwd_sm90.all_variants(gqa=True)
     assert forms and all(v.gqa and not v.kvcache and not v.mods for v in forms)
     assert not attention_fwd_sm90.all_variants(gqa=True, mods=True)
