@@ -483,7 +483,7 @@ struct Rows {   // what the softmax needs to know of this thread's rows and the 
 #endif
 #if CUFLASH_GQA
     // GQA packing: row0 is a packed row; the query positions of rows row0 and row0 + 8 plus diag
-    // (held in place of diag and the group's shift)
+    // (held in place of diag and the rows' positions, gqa_row)
     int pdiag[2];
 #if CUFLASH_MODS
     float slope[2];   // the rows' own heads' ALiBi slopes (* log2 e; 0 without ALiBi)

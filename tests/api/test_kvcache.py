@@ -230,21 +230,22 @@ def test_scalar_cache_seqlens_and_contiguous_decode(rng):
         check_close(out, q, kc[:, :33], vc[:, :33], layout="bshd")
 
 
-@pytest.mark.parametrize("sq, heads", [(2, (4, 2)), pytest.param(64, (6, 2), marks=pytest.mark.slow),
-                                       pytest.param(32, (8, 2), marks=pytest.mark.slow)],
-                         ids=["tensor_core", "hopper", "hopper_gqa_packed"])
+@pytest.mark.parametrize("sq, heads", [(2, (4, 2)), pytest.param(128, (6, 2), marks=pytest.mark.slow),
+                                       pytest.param(32, (8, 2), marks=pytest.mark.slow),
+                                       pytest.param(32, (6, 2), marks=pytest.mark.slow)],
+                         ids=["tensor_core", "hopper", "hopper_gqa_packed", "hopper_gqa_packed_g3"])
 def test_hostile_device_indices_give_nan_rows_and_stay_inside(rng, sq, heads):
     """Device-resident indices are not read by the host: whatever they hold, the kernels clamp
     every index into the cache (checked mode reports any access outside an array) and a sequence
     whose index was out of range comes out NaN, while the others are exact; appends that would
     land outside the cache or on a bad page are not written. (Sq=2: the tensor-core KV-cache form;
-    64 with GQA 3: the Hopper one, whose producer finds the bad page; 32 with GQA 4: the Hopper one
-    GQA-packed, 128 rows a tile: every head of a bad sequence NaN.)"""
+    128 with GQA 3: the Hopper one unpacked, whose producer finds the bad page; 32 with GQA 4 and
+    GQA 3: the Hopper one GQA-packed, 128 and 126 rows a tile: every head of a bad sequence NaN.)"""
     q, kc, vc, lengths, kw = make_case(rng, [5, 20, 9], sq, 1, 4, heads, 64, dtypes.float16, "none", "plain")
     problem = check_attention_with_kvcache(q, kc, vc, lengths, **kw)
     info = dispatch.explain_forward(problem, 90, (q, kc, vc), sm_count=132)
     assert info["tier"] == ("attention_fwd_mma" if sq == 2 else "attention_fwd_sm90")
-    assert info["variant"].endswith("_gqa") == (heads == (8, 2)), info["variant"]
+    assert info["variant"].endswith("_gqa") == (sq == 32), info["variant"]
     bt = kw["block_table"].copy()
     bt[1, 1] = 10**6            # sequence 1's second page: out of range
     seqlens = lengths.copy()

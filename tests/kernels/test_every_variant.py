@@ -202,11 +202,12 @@ def _chunked_prefill(rng, v, d):
 
 
 def _hopper_kvcache(rng, v):
-    """The Hopper KV-cache form: 70 query rows, GQA 3 (unpacked), two sequences (200 and 17 keys) in
+    """The Hopper KV-cache form: 128 query rows, GQA 2 (unpacked), two sequences (200 and 17 keys) in
     a paged cache of 16-row pages, two key splits, causal; NaN in every cache row not to be read.
-    GQA packing (the ``gqa`` forms): 9 positions of a group of 8 query heads (72 rows)."""
+    GQA packing (the ``gqa`` forms): 11 positions of a group of 7 query heads (77 rows; 9 positions,
+    63 rows, a consumer: one dead row each)."""
     dt = DTYPES[v.dtype]
-    sq, hq = (9, 8) if v.gqa else (70, 3)
+    sq, hq = (11, 7) if v.gqa else (128, 2)
     page, lengths = 16, np.array([200, 17], np.int32)
     bt = np.array([np.arange(13), np.r_[13, 14, np.full(11, -1)]], np.int32)   # 13 and 2 pages
     kc = np.full((15, page, 1, v.head_dim), np.nan, dt)
@@ -302,8 +303,9 @@ def _run(v, rng, monkeypatch):
                       **{n: rng.uniform(0.1, 0.5, (1, 1)).astype(np.float32) for n in ("q_descale", "k_descale", "v_descale")})
             out, lse = cuflash.attention(q, k, vv, return_lse=True, backend="sim", **kw)
             return check_close(out, q, k, vv, lse=lse, **kw)
-        # two 128-row query tiles; GQA packing: 9 positions of a group of 8 query heads (72 rows)
-        q = rng.standard_normal((1, 8, 9, v.head_dim) if v.gqa else (1, 2, 150, v.head_dim)).astype(dt)
+        # two 128-row query tiles; GQA packing: 9 positions of a group of 6 query heads (54 rows; 10
+        # positions, 60 rows, a consumer: 4 dead rows each)
+        q = rng.standard_normal((1, 6, 9, v.head_dim) if v.gqa else (1, 2, 150, v.head_dim)).astype(dt)
         k = rng.standard_normal((1, 1, 170, v.head_dim)).astype(dt)
         vv = rng.standard_normal((1, 1, 170, v.head_dim_v)).astype(dt)
         kw = {**_flags(v), "causal": v.local}

@@ -100,6 +100,15 @@ SLOW = [
     ([17, 0, 3], 1, 1, 1, (64, 1), "none", 64, 1, ("softcap",), "plain", "bf16"),
     ([250, 17], 16, 0, 16, (8, 2), "causal", 128, 3, ("alibi", "sinks"), "leftpad", "bf16"),
     ([0, 1, 37], 20, 1, 3, (16, 2), "causal_win", 96, 1, ("softcap", "alibi", "alibi_b"), "plain", "f16"),
+    # groups that are not powers of two (P = 64 // G positions a consumer, 64 - P * G dead rows)
+    ([5, 300], 30, 1, 1, (6, 2), "causal", 128, 3, (), "plain", "bf16"),                       # G 3: P 21
+    ([0, 1, 130], 40, 0, 16, (10, 2), "window", 96, 1, (), "leftpad", "f16"),                  # G 5: 2 tiles
+    ([64, 129], 13, 1, 16, (40, 8), "causal", 128, 2, (), "plain", "bf16"),                    # G 5 (40 / 8)
+    ([200, 77], 64, 3, 256, (12, 2), "none", 192, 3, (), "plain", "bf16"),                     # G 6: 4 tiles
+    ([150, 9], 20, 1, None, (28, 4), "causal_win", 64, 3, ("softcap", "alibi", "sinks"), "batch_idx", "f16"),  # G 7
+    ([40, 1, 260], 9, 0, 3, (24, 2), "right", 128, 1, ("alibi", "alibi_b"), "leftpad", "bf16"),   # G 12: P 5
+    ([90, 0], 3, 2, None, (48, 1), "causal", 64, 3, (), "leftpad", "f16"),                     # G 48: P 1, 2 tiles
+    ([33, 250], 10, 1, 3, (21, 3), "window", 192, 3, ("sinks",), "plain", "bf16"),             # G 7, d192
 ]
 
 
@@ -121,7 +130,7 @@ def test_kvcache_gqa_grid(case, rng):
 
 @pytest.mark.slow
 @pytest.mark.checked
-@pytest.mark.parametrize("case", [DEFAULT[0], SLOW[7]], ids=case_id)
+@pytest.mark.parametrize("case", [DEFAULT[0], SLOW[7], DEFAULT[2], SLOW[15]], ids=case_id)
 def test_kvcache_gqa_checked(case, rng):
     run_case(rng, *case, checked=True)
 
@@ -185,7 +194,12 @@ FIXED_DEFAULT = [("bhsd", True, (-1, -1), (8, 1), 5, 150, 64, 64, "f16"),
 FIXED_SLOW = [("bhsd", False, (-1, -1), (4, 2), 100, 300, 128, 128, "bf16"),
               ("bshd", True, (-1, -1), (64, 2), 2, 1, 96, 96, "bf16"),
               ("bhsd", True, (30, -1), (2, 1), 127, 400, 192, 128, "f16"),
-              ("bshd", False, (-1, 0), (32, 4), 3, 33, 40, 40, "bf16")]
+              ("bshd", False, (-1, 0), (32, 4), 3, 33, 40, 40, "bf16"),
+              ("bhsd", True, (-1, -1), (6, 2), 50, 130, 128, 128, "bf16"),    # G 3: 2 tiles of 42 positions
+              ("bshd", False, (12, 5), (35, 5), 31, 77, 96, 96, "f16"),       # G 7
+              ("bhsd", False, (-1, -1), (48, 1), 5, 200, 192, 128, "bf16"),   # G 48: 1 position a consumer
+              ("bshd", True, (-1, -1), (24, 2), 17, 40, 64, 64, "f16"),       # G 12: 2 tiles of 10 positions
+              ("bhsd", True, (20, -1), (10, 2), 100, 300, 64, 64, "f16")]     # G 5: 5 tiles
 
 
 def run_fixed(rng, layout, causal, window, heads, sq, sk, d, dv, dtype_key, *, checked=False):
@@ -226,8 +240,9 @@ def test_fixed_gqa_grid(case, rng):
 
 @pytest.mark.slow
 @pytest.mark.checked
-def test_fixed_gqa_checked(rng):
-    run_fixed(rng, *FIXED_DEFAULT[0], checked=True)
+@pytest.mark.parametrize("case", [FIXED_DEFAULT[0], FIXED_DEFAULT[2]], ids=case_id)
+def test_fixed_gqa_checked(case, rng):
+    run_fixed(rng, *case, checked=True)
 
 
 def test_fixed_gqa_routing():
