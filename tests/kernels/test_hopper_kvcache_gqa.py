@@ -274,3 +274,23 @@ def test_fixed_gqa_routing():
     assert not attention_fwd_sm90.all_variants(gqa=True, mods=True)
     with pytest.raises(ValueError, match="GQA packing"):
         attention_fwd_sm90.Sm90ForwardVariant("f16", 64, 64, True, True, gqa=True)
+
+
+def test_one_gqa_pack_rule():
+    """One rule decides GQA packing for the fixed-shape and the KV-cache calls (``gqa_pack_reason``), and
+    explain gives its words: fp8 and more than one batch dim are not packed, the KV-cache form packs
+    its score modifiers and a fixed-shape call does not."""
+    import dataclasses
+
+    p = _problem(16, 12, 2)
+    assert attention_fwd_sm90.gqa_pack_reason(p) is None and attention_fwd_sm90.gqa_pack(p) == 6
+    why = attention_fwd_sm90.gqa_pack_reason(dataclasses.replace(p, batch_shape=(1, 1)))
+    assert why == "batch dims (1, 1): GQA packing takes one batch dim"
+    assert attention_fwd_sm90.gqa_pack_reason(_problem(16, 12, 2, softcap=2.0)) is None
+    e4m3 = dtypes.float8_e4m3fn
+    q, k = np.zeros((1, 12, 8, 64), e4m3), np.zeros((1, 2, 90, 64), e4m3)
+    info = cuflash.explain(q, k, k, arch=90, backend="sim", out_dtype="bfloat16")
+    assert "GQA packing not used: fp8 (float8_e4m3fn) calls are not GQA-packed" in info["choice"], info["choice"]
+    q, k = np.zeros((1, 12, 8, 64), dtypes.float16), np.zeros((1, 2, 90, 64), dtypes.float16)
+    assert "GQA packing not used: score modifiers on a fixed-shape call" in cuflash.explain(
+        q, k, k, arch=90, backend="sim", softcap=2.0)["choice"]
