@@ -86,7 +86,7 @@ DEFAULT = [([0, 1, 37], 4, 1, 3, (32, 2), "causal", 64, 3, (), "leftpad", "f16")
            ([1, 0, 20], 2, 1, None, (8, 2), "window", 64, 2, ("alibi", "alibi_b", "sinks"), "batch_idx", "f16"),
            # groups that are not powers of two: G 7 (9 positions a consumer, 1 dead row of 64) over 2 tiles,
            # paged, split 2; G 3 (21 positions, 1 dead row) contiguous, window
-           ([3, 40], 19, 1, 16, (14, 2), "causal", 64, 2, (), "leftpad", "bf16"),
+           ([3, 40], 19, 1, 16, (14, 2), "causal", 64, 2, (), "leftpad", "f16"),
            ([0, 30], 22, 0, None, (6, 2), "window", 64, 1, (), "plain", "f16")]
 SLOW = [
     ([5, 300], 8, 1, 1, (8, 1), "causal", 64, 3, (), "plain", "f16"),
@@ -190,7 +190,7 @@ def test_kvcache_gqa_routing():
 #: (layout, causal, window, (Hq, Hk), Sq, Sk, D, Dv, dtype)
 FIXED_DEFAULT = [("bhsd", True, (-1, -1), (8, 1), 5, 150, 64, 64, "f16"),
                  ("bshd", False, (7, 3), (16, 4), 9, 70, 64, 64, "f16"),
-                 ("bhsd", True, (-1, -1), (12, 2), 23, 60, 64, 64, "bf16")]   # G 6: 10 positions a consumer, 2 tiles
+                 ("bhsd", True, (-1, -1), (12, 2), 23, 60, 64, 64, "f16")]   # G 6: 10 positions a consumer, 2 tiles
 FIXED_SLOW = [("bhsd", False, (-1, -1), (4, 2), 100, 300, 128, 128, "bf16"),
               ("bshd", True, (-1, -1), (64, 2), 2, 1, 96, 96, "bf16"),
               ("bhsd", True, (30, -1), (2, 1), 127, 400, 192, 128, "f16"),
