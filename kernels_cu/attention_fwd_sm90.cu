@@ -1249,8 +1249,9 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     for (int r = 0; r < 2; ++r) {
         float l = quad_sum(l_run[r]);
 #if CUFLASH_GQA
-        // (the row's position and head taken again here: P, the position and the head held across the loop cost registers;
-        // lse and the partials in the unpacked rows' (batch, head, position) order; a dead row writes none)
+        // (the row's position and head taken again here, not held across the loop, as the shift was before
+        // this form took any group: held, it spilled at d256; lse and the partials in the unpacked rows'
+        // (batch, head, position) order; a dead row writes none)
         const int pe = 64 / group;
         const GqaRow er = gqa_row(16 * warp + g + 8 * r, group, pe);
         const int epos = ((m0 >> 6) + c) * pe + er.pos;
