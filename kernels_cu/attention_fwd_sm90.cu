@@ -99,6 +99,15 @@
 // order (split, head, total_q row), so the combine takes the batch as one sequence of total_q rows
 // (d256: unsplit, a compile-time single split).
 //
+// TMA over the cache (CUFLASH_KV_TMA 1 with CUFLASH_KVCACHE, the plain forms; the host's choice where
+// pages hold whole key tiles, and for contiguous caches): the entry takes k and v tensor maps over
+// the cache, dims (head dim, row in page, kv head, page) (a contiguous cache's batches as pages);
+// a key tile wholly below the sequence's end and inside one page loads as one box per panel,
+// issued by producer thread 0 after its arrive.expect_tx (its one arrival of the tile's 128; the
+// other threads arrive where they do for a gathered tile), its page read from the block table per
+// tile; the tile across the end (and any across a page's end) is gathered as above, zero-filled
+// past the end, so rows past a sequence's keys are never read.
+//
 // Traced score_mod / mask_mod (the CUFLASH_USER_MOD variants of the modifier forms; score_mods.cuh):
 // mod_score applies the traced functions after the built-in modifiers, at (q_idx, kv_idx) = (the
 // accumulator element's query row, its key), in the same per-tile code; their captured arrays are
@@ -134,7 +143,8 @@
 // Defines: CUFLASH_ENTRY, CUFLASH_BF16 (0/1), CUFLASH_D and CUFLASH_DV (head-dim buckets: 64, 96,
 // 128, 192, 256; Dv <= D), CUFLASH_BC (keys per tile), CUFLASH_LOCAL (0/1), CUFLASH_MODS (0/1),
 // CUFLASH_VARLEN (0/1), CUFLASH_KVCACHE (0/1); with a traced function CUFLASH_USER_MOD and its macros,
-// CUFLASH_BLOCK_SPARSE (0/1), CUFLASH_FP8 (0/1; CUFLASH_BF16 is then the output's type), CUFLASH_GQA (0/1).
+// CUFLASH_BLOCK_SPARSE (0/1), CUFLASH_FP8 (0/1; CUFLASH_BF16 is then the output's type), CUFLASH_GQA (0/1),
+// CUFLASH_KV_TMA (0/1).
 #include "ptx.cuh"
 #include "score_mods.cuh"
 
@@ -146,6 +156,9 @@
 #endif
 #ifndef CUFLASH_GQA
 #define CUFLASH_GQA 0
+#endif
+#ifndef CUFLASH_KV_TMA
+#define CUFLASH_KV_TMA 0
 #endif
 
 #if __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -187,6 +200,7 @@ constexpr int EPILOGUE_BAR = 1, TURN_BAR = 3;
 static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && (CUFLASH_FP8 || NPANEL_V <= NPANEL), "head-dim buckets and tiles");
 static_assert(!CUFLASH_GQA || (!CUFLASH_VARLEN && !CUFLASH_FP8 && !CUFLASH_BLOCK_SPARSE && (CUFLASH_KVCACHE || !CUFLASH_MODS)),
               "GQA packing: fixed batches, 16-bit; modifiers in the KV-cache form only");
+static_assert(!CUFLASH_KV_TMA || (CUFLASH_KVCACHE && !CUFLASH_MODS), "TMA over the cache: the plain KV-cache forms");
 static_assert(!CUFLASH_FP8 || (BC % 64 == 0 && D % 32 == 0 && !CUFLASH_MODS && !CUFLASH_KVCACHE),
               "the fp8 form: fixed shapes or packed, plain, a multiple of 64 keys a tile");
 
@@ -394,6 +408,37 @@ __device__ __forceinline__ void gather_tile(unsigned char* dst, const unsigned c
         }
     }
 }
+
+#if CUFLASH_KV_TMA
+// TMA over the cache (CUFLASH_KV_TMA; the host's map_k / map_v, dims (head dim, row in page, kv head,
+// page), a contiguous cache's batches as its pages): a tile of BC keys wholly below Sk and wholly in
+// one page (contiguous: below Sk is enough) is one box at (row in page, hk, page); every other tile
+// (the one across Sk, one across a page's end) is gathered, so no row past Sk is ever read. The
+// test is the same in every producer thread; `row` and `slot` are the tile's first key's.
+__device__ __forceinline__ bool tma_tile(const CacheSeq& c, int kv0, int Sk, int& row, int& slot) {
+    row = c.start + kv0, slot = 0;
+    if (kv0 + BC > Sk) return false;
+    if (c.bt_row == nullptr) return true;
+    slot = row / c.page_size;
+    row -= slot * c.page_size;
+    return row + BC <= c.page_size;
+}
+// The tile's box by TMA (one thread): its page from the block table (an index out of range is
+// clamped and sets `bad`, as in gather_tile), then arrive.expect_tx on the tile's "full" barrier
+// (that thread's one arrival of the 128) and NP panels.
+template <int NP>
+__device__ __forceinline__ void tma_cache_tile(unsigned char* dst, const cuflash_tensor_map* map, const CacheSeq& c,
+                                               int hk, int row, int slot, unsigned long long* bar, int& bad) {
+    int page = c.cache_b;
+    if (c.bt_row != nullptr) {
+        const int pg = c.bt_row[slot];
+        bad |= pg < 0 || pg >= c.num_pages;
+        page = clamp_index(pg, 0, c.num_pages - 1);
+    }
+    ptx_mbarrier_arrive_expect_tx(bar, NP * PANEL_KV);
+    for (int p = 0; p < NP; ++p) ptx_tma_load_4d(dst + p * PANEL_KV, map, p * PANEL, row, hk, page, bar);
+}
+#endif
 #endif
 
 // ------------------------------------------------------------------- the consumer's math
@@ -1007,27 +1052,58 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
         if (threadIdx.x / 32 == 0 && ptx_elect_one()) load_q(tiles, q_s, m0, &q_full);
         const int ptid = threadIdx.x;
         int bad = 0;
+#if CUFLASH_KV_TMA
+        // (a tile by TMA: thread 0 issues it after its arrive.expect_tx, which is its arrival, and
+        // the other 127 arrive where a gathered tile's threads do; tma_v: V_{j-1} went by TMA)
+        bool tma_v = false;
+#endif
         for (int j = 0; j < ntiles; ++j) {
             const int s = j % STAGES, kv0 = (tile_lo + j) * BC;
+#if CUFLASH_KV_TMA
+            int t_row, t_slot;
+            const bool tma = tma_tile(cs, kv0, Sk, t_row, t_slot);
+#endif
             if (j >= STAGES) ptx_mbarrier_wait(&empty_k[s], ((j / STAGES) - 1) & 1);
+#if CUFLASH_KV_TMA
+            if (tma) {
+                if (ptid == 0) tma_cache_tile<NPANEL>(k_s + s * K_BYTES, tiles.k, cs, hk, t_row, t_slot, &full_k[s], bad);
+            } else
+#endif
             gather_tile<NPANEL>(k_s + s * K_BYTES, cs.k, cs.k_page, cs.k_row, cs, kv0, Sk, 2 * kv.head_dim, ptid, bad);
             ptx_cp_async_commit();
             if (j > 0) {   // V_{j-1} has landed
                 ptx_cp_async_wait<1>();
                 ptx_fence_proxy_async();   // the generic-proxy writes, before wgmma (async proxy) reads them
+#if CUFLASH_KV_TMA
+                if (!tma_v || ptid != 0)
+#endif
                 ptx_mbarrier_arrive(&full_v[(j - 1) % STAGES]);
             }
             if (j >= STAGES) ptx_mbarrier_wait(&empty_v[s], ((j / STAGES) - 1) & 1);
+#if CUFLASH_KV_TMA
+            if (tma) {
+                if (ptid == 0) tma_cache_tile<NPANEL_V>(v_s + s * V_BYTES, tiles.v, cs, hk, t_row, t_slot, &full_v[s], bad);
+            } else
+#endif
             gather_tile<NPANEL_V>(v_s + s * V_BYTES, cs.v, cs.v_page, cs.v_row, cs, kv0, Sk, 2 * kv.head_dim_v, ptid, bad);
             ptx_cp_async_commit();
             ptx_cp_async_wait<1>();   // K_j has landed
             ptx_fence_proxy_async();
+#if CUFLASH_KV_TMA
+            if (!tma || ptid != 0)
+#endif
             ptx_mbarrier_arrive(&full_k[s]);
+#if CUFLASH_KV_TMA
+            tma_v = tma;
+#endif
         }
         if (ntiles > 0) {   // (the consumers read page_bad after this arrival)
             if (bad) atomicOr(&page_bad, 1);
             ptx_cp_async_wait<0>();
             ptx_fence_proxy_async();
+#if CUFLASH_KV_TMA
+            if (!tma_v || ptid != 0)
+#endif
             ptx_mbarrier_arrive(&full_v[(ntiles - 1) % STAGES]);
         }
 #endif
@@ -1340,7 +1416,7 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
 }  // namespace fwd_sm90
 
 extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(const __grid_constant__ cuflash_tensor_map map_q,
-#if !CUFLASH_KVCACHE
+#if !CUFLASH_KVCACHE || CUFLASH_KV_TMA
                                                                    const __grid_constant__ cuflash_tensor_map map_k,
                                                                    const __grid_constant__ cuflash_tensor_map map_v,
 #endif
@@ -1395,8 +1471,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) CUFLASH_ENTRY(const __grid_
                               v_head_stride}, cache_seqlens, cache_leftpad, cache_batch_idx, block_table,
                               block_table_stride, partial_rows, page_size, num_pages, cache_seqlen, seqlen_new,
                               cache_capacity, cache_flags, num_splits, head_dim, head_dim_v, o_partial, lse_partial};
+#if CUFLASH_KV_TMA
+    // (TMA over the cache: the k and v maps carry the tiles that lie whole in a page)
+    fwd_sm90::forward(map_q, map_k, map_v, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods,
+                      cu_seqlens_q, cu_seqlens_k, seqused_k, varlen, kv);
+#else
     fwd_sm90::forward(map_q, map_q, map_q, map_o, lse, Sq, Sk, Hq, group, scale_log2, window_left, window_right, mods,
                       cu_seqlens_q, cu_seqlens_k, seqused_k, varlen, kv);
+#endif
 #elif CUFLASH_BLOCK_SPARSE
     const fwd_sm90::BsArgs bs{bs_num, bs_idx, bs_full_num, bs_full_idx, bs_num_bs, bs_num_hs, bs_idx_bs, bs_idx_hs,
                               bs_idx_rs, bs_outer, bs_inner, bs_counts, bs_count};

@@ -207,6 +207,10 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     #: kv head whose 128 rows are the group's query heads at consecutive positions (row ``m``:
     #: position ``m // G``, head ``m % G`` of the group), q and o through 5-d tensor maps
     gqa: bool = dataclasses.field(default=False, kw_only=True)
+    #: TMA over the cache (``CUFLASH_KV_TMA``, entry suffix ``_tma``; the plain KV-cache forms): key
+    #: tiles wholly inside a page and below the sequence's end load by TMA from k and v tensor maps
+    #: over the cache (:func:`kvcache_tma_reason`), the others by the cp.async gather
+    kv_tma: bool = dataclasses.field(default=False, kw_only=True)
     #: (the forward has no score_mod derivative nor array gradients: AttentionVariant's prelude reads these)
     grad_c: ClassVar[str] = ""
     agrad_c: ClassVar[str] = ""
@@ -240,6 +244,9 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
             raise ValueError(f"Sm90ForwardVariant: GQA packing is an axis of the fixed-batch 16-bit forms (the plain "
                              f"fixed-shape ones and the KV-cache ones) at head dims {GQA_HEAD_DIM_BUCKETS}, got "
                              f"head_dim={self.head_dim}, varlen={self.varlen}, mods={self.mods}, kvcache={self.kvcache}")
+        if self.kv_tma and (not self.kvcache or self.mods):
+            raise ValueError(f"Sm90ForwardVariant: TMA over the cache (kv_tma) is an axis of the plain KV-cache forms, "
+                             f"got kvcache={self.kvcache}, mods={self.mods}")
         if self.tile_n and (not self.user_mod or self.tile_n % 16):
             raise ValueError(f"Sm90ForwardVariant: tile_n={self.tile_n} is an axis of the traced forms (a multiple of 16)")
 
@@ -249,7 +256,8 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
         return ((self.dtype, dims) + (("local",) if self.local else ()) + (("mods",) if self.mods else ())
                 + (("varlen",) if self.varlen else ()) + (("kvcache",) if self.kvcache else ())
                 + ((user,) if user else ()) + ((f"n{self.tile_n}",) if self.tile_n else ())
-                + (("bs",) if self.block_sparse else ()) + (("e4m3",) if self.fp8 else ()) + (("gqa",) if self.gqa else ()))
+                + (("bs",) if self.block_sparse else ()) + (("e4m3",) if self.fp8 else ()) + (("gqa",) if self.gqa else ())
+                + (("tma",) if self.kv_tma else ()))
 
     @property
     def user_mod(self) -> int:
@@ -292,13 +300,17 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
                                     ("CUFLASH_VARLEN", "1" if self.varlen else "0"),
                                     ("CUFLASH_KVCACHE", "1" if self.kvcache else "0")) + (
             variants.AttentionVariant.user_defines(self) if self.user_mod else ()) + (   # (the other forms' text unchanged)
-            (("CUFLASH_FP8", "1"),) if self.fp8 else ()) + ((("CUFLASH_GQA", "1"),) if self.gqa else ())
+            (("CUFLASH_FP8", "1"),) if self.fp8 else ()) + ((("CUFLASH_GQA", "1"),) if self.gqa else ()) + (
+            (("CUFLASH_KV_TMA", "1"),) if self.kv_tma else ())
 
     def describe(self) -> str:
         packed = "packed sequences (ragged tensor maps clipped at each sequence's end): " if self.varlen else ""
         loads = "TMA, 2-stage K and V rings"
         if self.kvcache:
             loads = "Q by TMA, K and V gathered from the cache by cp.async into 2-stage rings"
+            if self.kv_tma:
+                loads = ("Q by TMA, K and V into 2-stage rings: key tiles wholly inside a page and the keys by TMA, "
+                         "the tile across the sequence's end gathered by cp.async")
             if self.varlen:
                 packed = "chunked prefill, packed query sequences (ragged tensor maps) over a paged cache: "
         if self.gqa:
@@ -328,15 +340,16 @@ def bucket(d: int) -> int:
 
 def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
                  dropout: bool = False, mods: bool = False, fp8: bool = False,
-                 gqa: bool = False) -> tuple[Sm90ForwardVariant, ...]:
+                 gqa: bool = False, kv_tma: bool = False) -> tuple[Sm90ForwardVariant, ...]:
     """Every variant (the compile gate's and precompile's list); none below sm_90, and no dropout
     forms; ``mods``: the score-modifier forms; ``varlen``: the packed
     forms (with ``mods``: softcap and ALiBi); ``kvcache``: the KV-cache forms (local only; with ``mods``,
     softcap, ALiBi and sinks; with ``varlen``, chunked prefill: packed queries over a paged cache);
     ``fp8``: the fp8 forms (plain, fixed or with ``varlen`` packed; ``dtype`` the output's); ``gqa``:
     the forms with GQA packing: plain fixed shapes, or with ``kvcache`` the KV-cache forms (with
-    ``mods``, softcap, ALiBi and sinks)."""
-    if arch != 90 or dropout or (gqa and (varlen or fp8 or (mods and not kvcache))):
+    ``mods``, softcap, ALiBi and sinks); ``kv_tma``: the plain KV-cache forms (``kvcache``, with
+    ``gqa`` or ``varlen``) with TMA over the cache."""
+    if arch != 90 or dropout or (gqa and (varlen or fp8 or (mods and not kvcache))) or (kv_tma and (mods or not kvcache)):
         return ()
     if gqa and not kvcache:   # (the plain fixed-shape forms)
         return tuple(Sm90ForwardVariant(dt, d, dv, local, gqa=True) for dt in DTYPES for d in GQA_HEAD_DIM_BUCKETS
@@ -346,7 +359,7 @@ def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
             Sm90ForwardVariant(dt, d, d, local, varlen=varlen, fp8=True) for dt in DTYPES for d in FP8_HEAD_DIM_BUCKETS
             for local in (False, True))
     if kvcache:
-        return tuple(Sm90ForwardVariant(dt, d, dv, True, mods, varlen, kvcache=True, gqa=gqa) for dt in DTYPES
+        return tuple(Sm90ForwardVariant(dt, d, dv, True, mods, varlen, kvcache=True, gqa=gqa, kv_tma=kv_tma) for dt in DTYPES
                      for d in (GQA_HEAD_DIM_BUCKETS if gqa else HEAD_DIM_BUCKETS)
                      for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)))
     return tuple(Sm90ForwardVariant(dt, d, dv, local, mods, varlen) for dt in DTYPES for d in HEAD_DIM_BUCKETS
@@ -1121,8 +1134,42 @@ def kvcache_variant(problem) -> Sm90ForwardVariant:
     """The KV-cache form of ``problem``'s dtype and head dims (always ``local``; packed queries:
     the chunked-prefill form)."""
     p = problem
-    return Sm90ForwardVariant(variants.dtype_key(p.dtype), bucket(p.head_dim), bucket(p.head_dim_v), True,
-                              p.modifiers is not None, p.varlen is not None, kvcache=True, gqa=gqa_pack(p) > 1)
+    gqa = gqa_pack(p) > 1
+    v = Sm90ForwardVariant(variants.dtype_key(p.dtype), bucket(p.head_dim), bucket(p.head_dim_v), True,
+                           p.modifiers is not None, p.varlen is not None, kvcache=True, gqa=gqa)
+    return dataclasses.replace(v, kv_tma=True) if kvcache_tma_reason(p, v) is None else v
+
+
+#: TMA over a contiguous cache (its batches as the map's pages): the kernel takes it, the host does
+#: not choose it yet (contiguous caches gather every key tile by cp.async)
+KVCACHE_TMA_CONTIGUOUS = False
+
+
+def kvcache_tma_reason(problem, variant) -> str | None:
+    """Why the KV-cache call ``problem`` on ``variant`` (its form without TMA over the cache) gathers
+    every key tile by cp.async (None if the tiles that lie whole in a page load by TMA): the
+    modifier forms gather, a paged cache's ``page_size`` must be a multiple of the tile's keys,
+    and contiguous caches gather (:data:`KVCACHE_TMA_CONTIGUOUS`). Shapes only (the caches' strides are TMA's already: :func:`kvcache_reason`), so a
+    CUDA-graph replay keeps it."""
+    p, c = problem, problem.kvcache
+    if variant.mods:
+        return "the score-modifier forms gather every key tile by cp.async"
+    if not c.paged and not KVCACHE_TMA_CONTIGUOUS:
+        return "a contiguous cache: every key tile is gathered by cp.async (TMA over the cache takes paged caches)"
+    if c.paged and c.page_size % variant.block_n:
+        return (f"pages of {c.page_size} rows do not hold whole {variant.block_n}-key tiles, so every key tile is "
+                f"gathered by cp.async")
+    return None
+
+
+def kvcache_loads(problem, variant) -> str:
+    """How the Hopper KV-cache form ``variant`` loads ``problem``'s keys and values (explain's words)."""
+    c = problem.kvcache
+    if variant.kv_tma:
+        where = f"pages of {c.page_size} rows" if c.paged else "the contiguous cache"
+        return (f"keys and values: {variant.block_n}-key tiles of {where} load by TMA, the others (across a "
+                f"sequence's end or a page's) by cp.async gather")
+    return f"keys and values gathered by cp.async ({kvcache_tma_reason(problem, variant)})"
 
 
 def kvcache_reason(problem, arch: int, arrays=None) -> str | None:
@@ -1254,6 +1301,9 @@ def plan_kvcache(problem, q, out, lse, variant, partials, call) -> LaunchPlan:
         lse_arg = PointerArg.of("lse", lse.reshape(b, hq, sq), writable=True)
         index = ()
         sk = c.capacity
+    if variant.kv_tma:   # TMA over the cache: (page, kv head, row in page, head dim) views, a tile's rows a box
+        head = (head[0], *(TensorMapArg.of(name, bits(_bhsd(a, "bshd")), (1, 1, variant.block_n, PANEL), swizzle=128)
+                           for name, a in (("map_k", c.k_cache), ("map_v", c.v_cache))), head[1])
     kst, vst = ([int(s) for s in a.strides] for a in (c.k_cache, c.v_cache))
     flags = (1 if c.cache_seqlens is not None else 0) | (2 if c.cache_leftpad is not None else 0) | \
         (4 if c.cache_batch_idx is not None else 0) | (8 if c.paged else 0)

@@ -332,7 +332,8 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
             if why is not None:
                 form += f" (GQA packing not used: {why})"
         per_tile = "" if v.gqa else " per 128-row tile"
-        line = f"sm_{arch}: Hopper wgmma tier, {form}{per_tile}, {split}: {v.describe()}"
+        loads = attention_fwd_sm90.kvcache_loads(p, v)
+        line = f"sm_{arch}: Hopper wgmma tier, {form}{per_tile}, {split}; {loads}: {v.describe()}"
         return {"tier": attention_fwd_sm90.__name__.rsplit(".", 1)[-1], **_tiles(v), "blocks": blocks,
                 "splits": splits, "choice": line}
     tiles = attention_fwd_mma.kvcache_query_tiles(p, v)

@@ -223,19 +223,48 @@ PREFILL_FORM_MUTANTS = ["attention_fwd_sm90.cu|ptx_mbarrier_wait(&empty_k[s], ((
 @pytest.mark.slow
 @pytest.mark.checked
 @pytest.mark.parametrize("mid", PREFILL_FORM_MUTANTS)
-@pytest.mark.parametrize("probe", ["fwd_sm90_prefill_checked", "fwd_sm90_gqa_checked"])
+@pytest.mark.parametrize("probe", ["fwd_sm90_prefill_checked", "fwd_sm90_gqa_checked", "fwd_sm90_kvtma_checked"])
 def test_the_gathering_forms_see_the_gather_mutants(probe, mid, tmp_path, monkeypatch):
-    """The producer's page gather and pipeline as the chunked-prefill form runs it and as the
-    KV-cache form's GQA packing does (rows of 8 heads at 24 positions)."""
+    """The producer's page gather and pipeline as the chunked-prefill form runs it, as the
+    KV-cache form's GQA packing does (rows of 8 heads at 24 positions), and as the form with TMA
+    over the cache does (whole tiles by TMA, the edge tile gathered)."""
     (mutant,) = [m for m in MUTANTS if m.id == mid]
     tree = mutated_tree(paths.kernels_dir(), mutant, tmp_path / "kernels")
     monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
     assert killed_by(probe), f"{mid} (line {mutant.line}) survived {probe}"
 
 
+#: the TMA path's own synchronisation (no SYNC statement: the arrive.expect_tx and the guards that
+#: keep thread 0 from arriving twice on a TMA tile's full barrier), as literal edits: (text, new text)
+KV_TMA_MUTANTS = [("\n    ptx_mbarrier_arrive_expect_tx(bar, NP * PANEL_KV);\n", "\n    ptx_mbarrier_arrive(bar);\n"),
+                  ("\n                if (!tma_v || ptid != 0)\n", "\n"),
+                  ("\n            if (!tma || ptid != 0)\n", "\n"),
+                  ("\n            if (!tma_v || ptid != 0)\n", "\n"),
+                  ("\n            tma_v = tma;\n", "\n")]
+
+
 @pytest.mark.slow
 @pytest.mark.checked
-@pytest.mark.parametrize("probe", ["fwd_sm90_gqa_checked", "fwd_sm90_gqa_fixed_checked"])
+@pytest.mark.parametrize("edit", KV_TMA_MUTANTS, ids=range(len(KV_TMA_MUTANTS)))
+def test_the_kv_tma_probe_sees_the_tma_path_mutants(edit, tmp_path, monkeypatch):
+    """Each edit of the TMA path's barrier protocol (the expect_tx made a plain arrival, a guard
+    removed so thread 0 arrives twice, the V tile's TMA flag not carried) is killed by its probe."""
+    old, new = edit
+    tree = tmp_path / "kernels"
+    tree.mkdir()
+    for f in paths.kernels_dir().iterdir():
+        if f.is_file():
+            (tree / f.name).write_bytes(f.read_bytes())
+    src = (tree / "attention_fwd_sm90.cu").read_text()
+    assert src.count(old) == 1, old
+    (tree / "attention_fwd_sm90.cu").write_text(src.replace(old, new))
+    monkeypatch.setattr(paths, "kernels_dir", lambda: tree)
+    assert killed_by("fwd_sm90_kvtma_checked"), f"{old.strip()!r} -> {new.strip()!r} survived the TMA probe"
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("probe", ["fwd_sm90_gqa_checked", "fwd_sm90_gqa_fixed_checked", "fwd_sm90_kvtma_checked"])
 def test_the_gqa_packed_probes_pass_on_the_kernel(probe):
     """The GQA-packed probes pass on the unmutated kernel, so a kill is the mutant's."""
     assert killed_by(probe) is None

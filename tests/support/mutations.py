@@ -51,7 +51,7 @@ FILES = {
     "attention_fwd_sm90.cu": ("fwd_sm90_checked", "fwd_sm90_seeds", "fwd_sm90_local_checked",
                               "fwd_sm90_varlen_checked", "fwd_sm90_kvcache_checked", "fwd_sm90_bs_checked",
                               "fwd_sm90_fp8_checked", "fwd_sm90_fp8_varlen_checked", "fwd_sm90_prefill_checked",
-                              "fwd_sm90_gqa_checked", "fwd_sm90_gqa_fixed_checked"),
+                              "fwd_sm90_gqa_checked", "fwd_sm90_gqa_fixed_checked", "fwd_sm90_kvtma_checked"),
     "attention_bwd_sm90.cu": ("bwd_sm90_checked", "bwd_sm90_seeds", "bwd_sm90_um_checked"),
 }
 #: probes whose simulator build alone takes about a minute of the default run's 2 cores: they and
@@ -69,6 +69,9 @@ SLOW_PROBES = {
     "fwd_sm90_gqa_checked": "the GQA-packed KV-cache form in checked mode is one more build of its own; its pipeline "
                             "is the KV-cache form's (only Q's and O's boxes, the rows' positions and the lse and "
                             "partial rows' heads differ)",
+    "fwd_sm90_kvtma_checked": "the KV-cache form with TMA over the cache in checked mode is one more build of its "
+                              "own; its rings, barriers and gathered edge tiles are the KV-cache form's (only the "
+                              "whole tiles' loads differ)",
     "fwd_sm90_gqa_fixed_checked": "the fixed-shape GQA-packed form in checked mode is one more build of its own; its "
                                   "pipeline is the fixed form's (only Q's and O's boxes, the rows' positions and the "
                                   "lse rows' heads differ)",
@@ -492,12 +495,15 @@ def _sm90_bwd_traced_case(checked, seeds):
         assert_grads_within_twice_the_numpy_path(grads, q, k, v, dout, F16, **kw)
 
 
-def _sm90_kvcache_case(checked, seeds, gqa=False):
+def _sm90_kvcache_case(checked, seeds, gqa=False, page=16):
     """The Hopper KV-cache form (f16, head dim 64, causal, GQA 2 over 128 query rows: unpacked) through the dispatcher
     (its form asserted): a paged cache of 16-row pages (gathered by cp.async), sequences of 600, 0
     and 37 keys in 2 splits (split 0 of the first reuses both ring slots), NaN in every row not to
     be read. ``gqa``: its GQA-packed form, 24 positions of a group of 8 query heads (192 rows: two
-    query tiles, the second half empty), in 2 splits and unsplit (the 5-d TMA store's epilogue)."""
+    query tiles, the second half empty), in 2 splits and unsplit (the 5-d TMA store's epilogue).
+    ``page=128``: the form with TMA over the cache (its variant asserted), whose 600 keys are 4 whole
+    tiles by TMA and an 88-key edge tile gathered, in 2 splits (3 TMA tiles through the ring, then
+    one TMA and the gathered edge) and unsplit (5 tiles, the ring's slots mixed)."""
     import cuflash
     from cuflash import sim
     from cuflash.kernels import attention_fwd_sm90, kvcache_run
@@ -506,7 +512,7 @@ def _sm90_kvcache_case(checked, seeds, gqa=False):
     from support.options import check_kvcache
 
     rng = np.random.default_rng(12)
-    lengths, page = np.array([600, 0, 37], np.int32), 16
+    lengths = np.array([600, 0, 37], np.int32)
     pages = [-(-int(n) // page) for n in lengths]
     bt = np.full((3, max(pages) + 1), -1, np.int32)
     ids = rng.permutation(sum(pages) + 1).astype(np.int32)
@@ -524,8 +530,9 @@ def _sm90_kvcache_case(checked, seeds, gqa=False):
     problem = check_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, block_table=bt)
     variant, splits = kvcache_run.choose(problem, 90, (q, kc, vc), sim.sm_count(90))
     assert isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) and splits == 2 and variant.gqa == gqa
+    assert variant.kv_tma == (page == 128)
     # (packed: unsplit too, so that the epilogue's 5-d TMA store runs as well as the partials' stores)
-    for seed, n_splits in [(seed, n) for seed in seeds for n in ((2, 1) if gqa else (2,))]:
+    for seed, n_splits in [(seed, n) for seed in seeds for n in ((2, 1) if gqa or page == 128 else (2,))]:
         with sim.options(arch="sm_90", checked=checked, seed=seed):
             out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, num_splits=n_splits,
                                                       block_table=bt, return_lse=True, backend="sim")
@@ -618,6 +625,8 @@ PROBES = {
     "fwd_sm90_kvcache_checked": lambda: _sm90_kvcache_case(True, (0,)),
     "fwd_sm90_gqa_checked": lambda: _sm90_kvcache_case(True, (0,), gqa=True),
     "fwd_sm90_gqa_fixed_checked": lambda: _sm90_gqa_fixed_case(True, (0,)),
+    # TMA over a paged cache: whole tiles by TMA (thread 0's arrive.expect_tx), the edge gathered
+    "fwd_sm90_kvtma_checked": lambda: _sm90_kvcache_case(True, (0,), page=128),
     # chunked prefill: the KV-cache form's gather and rings under packed queries
     "fwd_sm90_prefill_checked": lambda: _sm90_prefill_case(True, (0,)),
     # the block-sparse form: the same rings and turns over key tiles taken from a block mask's lists

@@ -1,0 +1,148 @@
+"""TMA over the cache on the Hopper KV-cache forward (``attention_fwd_sm90``'s ``kv_tma`` forms) on
+the simulator.
+
+Where a paged cache's pages hold whole key tiles (and for contiguous caches) the producer loads
+each key tile that lies wholly in a page and below the sequence's end by TMA, and gathers the
+others (the tile across the end, tiles across a page's end after left padding) by cp.async. Each
+case asserts the dispatcher's choice and ``explain``'s line, runs ``cuflash.attention_with_kvcache``
+(or chunked prefill through ``cuflash.attention_varlen``) on the simulator, holds the output and
+LSE to the float64 oracle, and the caches to what the append must leave, byte for byte. Every
+cache row that must not be read holds NaN (rows past each sequence's keys, before its left
+padding, unused pages), so a tile that read one would poison its output.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+from support.grids import case_id
+from support.kvcache import check_prefill, check_result, expected_cache, make_case, make_prefill
+from support.options import check_kvcache
+
+import cuflash
+from cuflash.kernels import attention_fwd_sm90, dispatch
+from cuflash.runtime import dtypes
+
+DTYPES = {"f16": dtypes.float16, "bf16": dtypes.bfloat16}
+MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False, (150, 40)),
+         "causal_win": (True, (200, -1))}
+
+
+def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, extra, dtype_key, *, checked=False):
+    """One attention_with_kvcache call on a TMA form."""
+    dt = DTYPES[dtype_key]
+    q, kc, vc, lengths, kw = make_case(rng, lengths, sq, snew, page, heads, d, dt, "none", extra)
+    causal, window = MASKS[mask]
+    # (a contiguous cache: the kernel's TMA path over it, which the host does not choose by default)
+    with mock.patch.object(attention_fwd_sm90, "KVCACHE_TMA_CONTIGUOUS", page is None):
+        problem = check_kvcache(q, kc, vc, lengths, causal=causal, window_size=window, num_splits=splits, **kw)
+        info = dispatch.explain_forward(problem, 90, (q, kc, vc), sm_count=cuflash.sim.sm_count(90))
+        assert info["tier"] == "attention_fwd_sm90" and info["variant"].endswith("_tma"), info["choice"]
+        assert "load by TMA, the others (across a sequence's end or a page's) by cp.async gather" in info["choice"]
+        want_k, want_v = expected_cache(kc, vc, lengths, kw, page)
+        k1, v1 = kc.copy(), vc.copy()
+        with cuflash.sim.options(arch=90, checked=checked, seed=5):
+            out, lse = cuflash.attention_with_kvcache(q, k1, v1, lengths, causal=causal, window_size=window,
+                                                      num_splits=splits, return_lse=True, backend="sim", **kw)
+    assert k1.tobytes() == want_k.tobytes() and v1.tobytes() == want_v.tobytes()
+    check_result(out, lse, q, want_k, want_v, lengths, kw, page, causal, window)
+
+
+#: (cache lengths, Sq, new rows, page size (None: contiguous), (Hq, Hk), mask, D, splits, extra, dtype)
+DEFAULT = [
+    # pages of 128 (d64: 128-key tiles): sequence 0's 301 keys are 2 TMA tiles and the edge tile,
+    # sequence 2's 129 one TMA tile and a 2-key edge; GQA 8:2 packed, causal, 2 splits
+    ([300, 0, 128], 16, 1, 128, (8, 2), "causal", 64, 2, "plain", "f16"),
+]
+SLOW = [
+    ([500, 3, 255], 130, 1, 256, (6, 2), "none", 128, 1, "plain", "bf16"),   # unpacked (G 3), pages of 256
+    ([400, 130], 70, 0, 128, (4, 2), "window", 64, 3, "leftpad", "f16"),   # left padding: tiles across pages gathered
+    ([384, 20], 130, 1, 256, (3, 1), "causal_win", 96, 3, "plain", "bf16"),
+    ([600, 1], 64, 1, 256, (8, 1), "causal", 128, 1, "plain", "f16"),   # GQA 8 packed
+    ([300, 90], 128, 2, 112 * 2, (4, 4), "causal", 192, 3, "plain", "bf16"),   # d192: 112-key tiles, pages of 224
+    ([330, 17], 128, 1, 160, (2, 1), "none", 256, 1, "plain", "f16"),   # d256: 80-key tiles, pages of 160
+    ([300, 77, 0], 130, 1, None, (6, 2), "causal", 64, 3, "plain", "bf16"),   # contiguous
+    ([300, 77], 64, 0, None, (8, 2), "window", 128, 2, "batch_idx", "f16"),   # contiguous, batch_idx, packed
+    ([260, 200], 70, 1, None, (4, 4), "none", 64, 1, "leftpad", "bf16"),   # contiguous, left padding
+]
+
+
+def run_prefill(rng, chunks, page, heads, mask, d, used, dtype_key, *, checked=False):
+    """One chunked prefill (attention_varlen with a block_table) on the TMA form."""
+    q, kc, vc, cq, ck, mq, mk, seqused, bt = make_prefill(rng, chunks, page, heads, d, DTYPES[dtype_key], used)
+    causal, window = MASKS[mask]
+    kw = dict(causal=causal, window_size=window, seqused_k=seqused, block_table=bt)
+    info = cuflash.explain_varlen(q, kc, vc, cq, ck, mq, mk, backend="sim", arch=90, **kw)
+    assert info["variant"].endswith("_varlen_kvcache_tma") and f"pages of {page} rows load by TMA" in info["choice"]
+    with cuflash.sim.options(arch=90, checked=checked):
+        out, lse = cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, return_lse=True, backend="sim", **kw)
+    check_prefill(out, lse, q, kc, vc, cq, ck, seqused, bt, page, causal, window)
+
+
+#: (query rows, keys) per sequence, page size, (Hq, Hk), mask, D, keys used ("some": seqused_k), dtype
+PREFILL = [([(70, 300), (0, 5), (1, 129), (3, 0)], 128, (4, 2), "causal", 64, "some", "f16"),
+           ([(130, 600), (64, 256)], 256, (8, 1), "window", 128, "all", "bf16"),
+           ([(100, 500), (5, 5)], 256, (2, 2), "causal_win", 96, "some", "bf16")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PREFILL, ids=[case_id(c) for c in PREFILL])
+def test_chunked_prefill_tma(case, rng):
+    run_prefill(rng, *case)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+def test_chunked_prefill_tma_checked(rng):
+    run_prefill(rng, *PREFILL[0], checked=True)
+
+
+def test_kvcache_tma_default(rng):
+    run_case(rng, *DEFAULT[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW, ids=[case_id(c) for c in SLOW])
+def test_kvcache_tma_grid(case, rng):
+    run_case(rng, *case)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+@pytest.mark.parametrize("case", [DEFAULT[0], SLOW[1], SLOW[7]], ids=case_id)
+def test_kvcache_tma_checked(case, rng):
+    run_case(rng, *case, checked=True)
+
+
+def test_kvcache_tma_routing():
+    """Which calls load by TMA, and explain's words for those that gather."""
+    def problem(page, d=64, **kw):
+        q = np.zeros((1, 64, 8, d), dtypes.float16)
+        if page is None:
+            kc = np.zeros((1, 512, 1, d), dtypes.float16)
+            return check_kvcache(q, kc, kc, np.array([70], np.int32), **kw)
+        n = -(-512 // page)
+        kc = np.zeros((n, page, 1, d), dtypes.float16)
+        bt = np.arange(n, dtype=np.int32).reshape(1, n)
+        return check_kvcache(q, kc, kc, np.array([70], np.int32), block_table=bt, **kw)
+    for page, d, tma in ((128, 64, True), (256, 128, True), (64, 64, False), (16, 64, False), (None, 64, False),
+                         (224, 192, True), (256, 192, False), (160, 256, True)):
+        p = problem(page, d)
+        v = attention_fwd_sm90.kvcache_variant(p)
+        assert v.kv_tma == tma, (page, d)
+        line = dispatch.explain_forward(p, 90, sm_count=132)["choice"]
+        assert ("load by TMA" in line) == tma, line
+        if not tma and page is None:
+            assert "a contiguous cache: every key tile is gathered" in line, line
+        elif not tma:
+            assert f"pages of {page} rows do not hold whole {v.block_n}-key tiles" in line, line
+    p = problem(128, softcap=3.0)   # the modifier forms gather
+    assert not attention_fwd_sm90.kvcache_variant(p).kv_tma
+    assert "the score-modifier forms gather" in dispatch.explain_forward(p, 90, sm_count=132)["choice"]
+    forms = attention_fwd_sm90.all_variants(kvcache=True, kv_tma=True)
+    assert forms and all(v.entry.endswith("_kvcache_tma") for v in forms)
+    assert attention_fwd_sm90.all_variants(kvcache=True, mods=True, kv_tma=True) == ()
+    with pytest.raises(ValueError, match="kv_tma"):
+        attention_fwd_sm90.Sm90ForwardVariant("f16", 64, 64, True, True, kvcache=True, kv_tma=True)
