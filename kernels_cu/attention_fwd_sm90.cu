@@ -193,14 +193,14 @@ constexpr bool EDGES_ONCE = !CUFLASH_MODS && !(CUFLASH_KVCACHE && D == 256);
 // Registers per thread after setmaxnreg: the producer's (the KV-cache gather needs 48) and the
 // consumers'; the GQA-packed form at d64 moves 8 from each consumer to the producer (at 48 its
 // gather loop spilled 16 B under NVRTC 12; the d64 consumers need far fewer than 224)
-#define PRODUCER_REGS (CUFLASH_GQA && CUFLASH_KVCACHE && D <= 64 ? 64 : CUFLASH_KVCACHE ? 48 : 40)
-#define CONSUMER_REGS (CUFLASH_GQA && CUFLASH_KVCACHE && D <= 64 ? 224 : 232)
+#define PRODUCER_REGS ((CUFLASH_GQA || CUFLASH_KV_TMA) && CUFLASH_KVCACHE && D <= 64 ? 64 : CUFLASH_KVCACHE ? 48 : 40)
+#define CONSUMER_REGS ((CUFLASH_GQA || CUFLASH_KV_TMA) && CUFLASH_KVCACHE && D <= 64 ? 224 : 232)
 // named barriers: 1, 2 the consumers' epilogues (128 threads); 3, 4 their turns (256 threads)
 constexpr int EPILOGUE_BAR = 1, TURN_BAR = 3;
 static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && (CUFLASH_FP8 || NPANEL_V <= NPANEL), "head-dim buckets and tiles");
 static_assert(!CUFLASH_GQA || (!CUFLASH_VARLEN && !CUFLASH_FP8 && !CUFLASH_BLOCK_SPARSE && (CUFLASH_KVCACHE || !CUFLASH_MODS)),
               "GQA packing: fixed batches, 16-bit; modifiers in the KV-cache form only");
-static_assert(!CUFLASH_KV_TMA || (CUFLASH_KVCACHE && !CUFLASH_MODS), "TMA over the cache: the plain KV-cache forms");
+static_assert(!CUFLASH_KV_TMA || (CUFLASH_KVCACHE && !CUFLASH_MODS && D <= 192), "TMA over the cache: the plain KV-cache forms, head dims up to 192");
 static_assert(!CUFLASH_FP8 || (BC % 64 == 0 && D % 32 == 0 && !CUFLASH_MODS && !CUFLASH_KVCACHE),
               "the fp8 form: fixed shapes or packed, plain, a multiple of 64 keys a tile");
 

@@ -244,9 +244,10 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
             raise ValueError(f"Sm90ForwardVariant: GQA packing is an axis of the fixed-batch 16-bit forms (the plain "
                              f"fixed-shape ones and the KV-cache ones) at head dims {GQA_HEAD_DIM_BUCKETS}, got "
                              f"head_dim={self.head_dim}, varlen={self.varlen}, mods={self.mods}, kvcache={self.kvcache}")
-        if self.kv_tma and (not self.kvcache or self.mods):
-            raise ValueError(f"Sm90ForwardVariant: TMA over the cache (kv_tma) is an axis of the plain KV-cache forms, "
-                             f"got kvcache={self.kvcache}, mods={self.mods}")
+        if self.kv_tma and (not self.kvcache or self.mods or self.head_dim not in KV_TMA_HEAD_DIM_BUCKETS):
+            raise ValueError(f"Sm90ForwardVariant: TMA over the cache (kv_tma) is an axis of the plain KV-cache forms "
+                             f"at head dims {KV_TMA_HEAD_DIM_BUCKETS}, got kvcache={self.kvcache}, mods={self.mods}, "
+                             f"head_dim={self.head_dim}")
         if self.tile_n and (not self.user_mod or self.tile_n % 16):
             raise ValueError(f"Sm90ForwardVariant: tile_n={self.tile_n} is an axis of the traced forms (a multiple of 16)")
 
@@ -360,7 +361,7 @@ def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
             for local in (False, True))
     if kvcache:
         return tuple(Sm90ForwardVariant(dt, d, dv, True, mods, varlen, kvcache=True, gqa=gqa, kv_tma=kv_tma) for dt in DTYPES
-                     for d in (GQA_HEAD_DIM_BUCKETS if gqa else HEAD_DIM_BUCKETS)
+                     for d in (GQA_HEAD_DIM_BUCKETS if gqa else KV_TMA_HEAD_DIM_BUCKETS if kv_tma else HEAD_DIM_BUCKETS)
                      for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)))
     return tuple(Sm90ForwardVariant(dt, d, dv, local, mods, varlen) for dt in DTYPES for d in HEAD_DIM_BUCKETS
                  for dv in HEAD_DIM_BUCKETS if dv <= d and (dv == d or (d, dv) == (192, 128)) for local in (False, True))
@@ -1140,6 +1141,9 @@ def kvcache_variant(problem) -> Sm90ForwardVariant:
     return dataclasses.replace(v, kv_tma=True) if kvcache_tma_reason(p, v) is None else v
 
 
+#: the head-dim buckets of the forms with TMA over the cache (at 256 the consumers spill under NVRTC 13
+#: beside the cache's maps: 32 B stores, 108 B loads; and 80-key tiles fit no power-of-two page)
+KV_TMA_HEAD_DIM_BUCKETS = (64, 96, 128, 192)
 #: TMA over a contiguous cache (its batches as the map's pages): the kernel takes it, the host does
 #: not choose it yet (contiguous caches gather every key tile by cp.async)
 KVCACHE_TMA_CONTIGUOUS = False
@@ -1154,6 +1158,9 @@ def kvcache_tma_reason(problem, variant) -> str | None:
     p, c = problem, problem.kvcache
     if variant.mods:
         return "the score-modifier forms gather every key tile by cp.async"
+    if variant.head_dim not in KV_TMA_HEAD_DIM_BUCKETS:
+        return (f"head dim bucket {variant.head_dim}: every key tile is gathered by cp.async (the form with TMA over "
+                f"the cache takes the buckets {KV_TMA_HEAD_DIM_BUCKETS})")
     if not c.paged and not KVCACHE_TMA_CONTIGUOUS:
         return "a contiguous cache: every key tile is gathered by cp.async (TMA over the cache takes paged caches)"
     if c.paged and c.page_size % variant.block_n:

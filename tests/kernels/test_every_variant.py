@@ -205,13 +205,16 @@ def _hopper_kvcache(rng, v):
     """The Hopper KV-cache form: 128 query rows, GQA 2 (unpacked), two sequences (200 and 17 keys) in
     a paged cache of 16-row pages, two key splits, causal; NaN in every cache row not to be read.
     GQA packing (the ``gqa`` forms): 11 positions of a group of 7 query heads (77 rows; 9 positions,
-    63 rows, a consumer: one dead row each)."""
+    63 rows, a consumer: one dead row each). TMA over the cache (the ``kv_tma`` forms): pages of two
+    key tiles (a whole tile by TMA, the edge gathered)."""
     dt = DTYPES[v.dtype]
     sq, hq = (11, 7) if v.gqa else (128, 2)
-    page, lengths = 16, np.array([200, 17], np.int32)
-    bt = np.array([np.arange(13), np.r_[13, 14, np.full(11, -1)]], np.int32)   # 13 and 2 pages
-    kc = np.full((15, page, 1, v.head_dim), np.nan, dt)
-    vc = np.full((15, page, 1, v.head_dim_v), np.nan, dt)
+    page, lengths = (2 * v.block_n if v.kv_tma else 16), np.array([200, 17], np.int32)
+    n0, n1 = -(-200 // page), -(-17 // page)
+    bt = np.full((2, 13), -1, np.int32)
+    bt[0, :n0], bt[1, :n1] = np.arange(n0), n0 + np.arange(n1)   # (16-row pages: 13 and 2)
+    kc = np.full((n0 + n1 + 1, page, 1, v.head_dim), np.nan, dt)
+    vc = np.full((n0 + n1 + 1, page, 1, v.head_dim_v), np.nan, dt)
     for b, n in enumerate(lengths):
         i0, i1 = ref_kvcache.cache_rows(b, 0, int(n), page_size=page, block_table=bt)
         kc[i0, i1] = rng.standard_normal((len(i0), 1, v.head_dim))
@@ -230,9 +233,10 @@ def _hopper_kvcache(rng, v):
 
 def _hopper_chunked_prefill(rng, v):
     """The Hopper chunked-prefill form: two packed sequences (70 query rows over 200 keys, 3 over
-    17), GQA 2, a paged cache of 16-row pages with NaN in every row not to be read, causal, two
-    key splits (d256: unsplit)."""
-    q, kc, vc, cq, ck, mq, mk, _, bt = make_prefill(rng, [(70, 200), (3, 17)], 16, (2, 1), v.head_dim,
+    17), GQA 2, a paged cache of 16-row pages (TMA over the cache: pages of two key tiles) with NaN in
+    every row not to be read, causal, two key splits (d256: unsplit)."""
+    page = 2 * v.block_n if v.kv_tma else 16
+    q, kc, vc, cq, ck, mq, mk, _, bt = make_prefill(rng, [(70, 200), (3, 17)], page, (2, 1), v.head_dim,
                                                     DTYPES[v.dtype], "all", dv=v.head_dim_v)
     mods = dict(softcap=4.0, alibi_slopes=rng.uniform(0.02, 0.4, 2).astype(np.float32)) if v.mods else {}
     info = cuflash.explain_varlen(q, kc, vc, cq, ck, mq, mk, causal=True, block_table=bt, backend="sim", arch=90,
@@ -240,7 +244,7 @@ def _hopper_chunked_prefill(rng, v):
     assert info["entry"] == v.entry and info["splits"] == (1 if v.head_dim == 256 else 2), info["choice"]
     out, lse = cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, causal=True, block_table=bt, return_lse=True,
                                         backend="sim", num_splits=2, **mods)
-    check_prefill(out, lse, q, kc, vc, cq, ck, None, bt, 16, True, (-1, -1), **mods)
+    check_prefill(out, lse, q, kc, vc, cq, ck, None, bt, page, True, (-1, -1), **mods)
 
 
 def _without_hopper(monkeypatch):
