@@ -13,10 +13,12 @@ padding, unused pages), so a tile that read one would poison its output.
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import numpy as np
 import pytest
+from support.device import on_device, sim_call
 from support.grids import case_id
 from support.kvcache import check_prefill, check_result, expected_cache, make_case, make_prefill
 from support.options import check_kvcache
@@ -147,3 +149,41 @@ def test_kvcache_tma_routing():
     assert attention_fwd_sm90.all_variants(kvcache=True, mods=True, kv_tma=True) == ()
     with pytest.raises(ValueError, match="kv_tma"):
         attention_fwd_sm90.Sm90ForwardVariant("f16", 64, 64, True, True, kvcache=True, kv_tma=True)
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+def test_kvcache_tma_hostile_device_indices(rng):
+    """A block-table entry out of range on a page the TMA path loads (sequence 1's first page: a
+    whole 128-key tile; clamped onto a page of finite rows) and a length far past the cache (sequence 2): the producer clamps the page
+    (checked mode reports any access outside an array), both sequences come out NaN, sequence 0
+    is exact, and nothing is written outside the sequences' own valid pages."""
+    q, kc, vc, lengths, kw = make_case(rng, [300, 200, 9], 16, 1, 128, (8, 2), 64, dtypes.float16, "none", "plain")
+    # (page 0 made sequence 0's first page, all finite: the bad entry below clamps onto it, so only
+    # the producer's report of the bad index, not NaN rows read, can make sequence 1 NaN)
+    bt0, u = kw["block_table"], int(kw["block_table"][0, 0])
+    for a in (kc, vc):
+        a[[0, u]] = a[[u, 0]]
+    kw["block_table"] = np.where(bt0 == u, 0, np.where(bt0 == 0, u, bt0)).astype(np.int32)
+    problem = check_kvcache(q, kc, vc, lengths, **kw)
+    assert attention_fwd_sm90.kvcache_variant(problem).kv_tma
+    bt = kw["block_table"].copy()
+    bt[1, 0] = -7
+    seqlens = lengths.copy()
+    seqlens[2] = 2**31 - 5
+    k1, v1 = kc.copy(), vc.copy()
+    hostile = dataclasses.replace(problem, kvcache=dataclasses.replace(
+        problem.kvcache, block_table=bt, cache_seqlens=seqlens, checked=False, longest=None, k_cache=k1, v_cache=v1))
+    for splits in (1, 2):
+        c = dataclasses.replace(hostile.kvcache, num_splits=splits)
+        with cuflash.sim.options(checked=True), sim_call(q) as call:
+            p, qd = on_device(call, dataclasses.replace(hostile, kvcache=c), q)
+            out, lse = (call.export(a) for a in dispatch.run_forward(p, qd, p.kvcache.k_cache, p.kvcache.v_cache,
+                                                                      None, call))
+        assert np.isnan(out[1:].astype(np.float32)).all() and np.isnan(lse[1:]).all()
+        one = dict(kw, block_table=kw["block_table"][:1], k=kw["k"][:1], v=kw["v"][:1])
+        good_k, good_v = expected_cache(kc, vc, lengths[:1], one, 128)
+        check_result(out[:1], lse[:1], q[:1], good_k, good_v, lengths[:1], one, 128, False, (-1, -1))
+    changed = np.flatnonzero(~np.all((k1 == kc) | (np.isnan(k1) & np.isnan(kc)), axis=(2, 3)).ravel())
+    assert {int(i) // 128 for i in changed} <= {int(kw["block_table"][0, 300 // 128]),
+                                               int(kw["block_table"][1, 200 // 128])}
