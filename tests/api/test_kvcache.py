@@ -148,14 +148,18 @@ def test_kvcache_hopper_checked(case, rng):
     run_case(rng, *case, checked=True, seed=5, hopper=True)
 
 
-@pytest.mark.parametrize("sq, hq, hk", [(64, 1, 1), (8, 8, 1)], ids=["unpacked", "gqa_packed"])
-def test_hopper_replay_with_new_lengths_keeps_its_plan(rng, sq, hq, hk):
+@pytest.mark.parametrize("sq, hq, hk, page", [(64, 1, 1, None), (8, 8, 1, None),
+                                              pytest.param(64, 2, 1, 128, marks=pytest.mark.slow)],
+                         ids=["unpacked", "gqa_packed", "paged_tma"])
+def test_hopper_replay_with_new_lengths_keeps_its_plan(rng, sq, hq, hk, page):
     """A CUDA-graph replay on the Hopper KV-cache form: the launches are planned once (num_splits=0:
     the split count from the capacity and the shapes) and run again, as a captured graph is, after
     new lengths are written into the device cache_seqlens the plan points at: the lengths at
     capture, longer ones (up to the capacity) and shorter ones (1 and 0). Every run holds to the
     float64 oracle over the keys its lengths give; rows past them hold NaN, which must never be read.
-    Both the unpacked form and GQA packing (8 positions x 8 query heads of one kv head)."""
+    Both the unpacked form and GQA packing (8 positions x 8 query heads of one kv head); ``page``:
+    the same cache seen as pages of 128 rows, the form with TMA over the cache (whole tiles by TMA,
+    the tile across each new length gathered)."""
     from cuflash.kernels import attention_combine, kvcache_run
 
     d, cap = 64, 512
@@ -163,15 +167,20 @@ def test_hopper_replay_with_new_lengths_keeps_its_plan(rng, sq, hq, hk):
     kc = rng.standard_normal((2, cap, hk, d)).astype(dtypes.float16)
     vc = rng.standard_normal((2, cap, hk, d)).astype(dtypes.float16)
     seqlens = np.array([300, 40], np.int32)
+    kw = {}
+    kcall, vcall = kc, vc
+    if page:   # (views of the same memory: pages 0-3 sequence 0's, 4-7 sequence 1's)
+        kcall, vcall = kc.reshape(-1, page, hk, d), vc.reshape(-1, page, hk, d)
+        kw["block_table"] = np.arange(2 * cap // page, dtype=np.int32).reshape(2, -1)
     plans_for = {}
     for lengths in ([300, 40], [512, 500], [1, 0]):   # the plan never depends on the lengths
-        p = check_attention_with_kvcache(q, kc, vc, np.array(lengths, np.int32), causal=True)
-        plans_for[tuple(lengths)] = kvcache_run.choose(p, 90, (q, kc, vc), cuflash.sim.sm_count(90))
+        p = check_attention_with_kvcache(q, kcall, vcall, np.array(lengths, np.int32), causal=True, **kw)
+        plans_for[tuple(lengths)] = kvcache_run.choose(p, 90, (q, kcall, vcall), cuflash.sim.sm_count(90))
     assert len(set(plans_for.values())) == 1, plans_for
     variant, splits = plans_for[(300, 40)]
     assert isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) and splits == 2   # 4 tiles of capacity
-    assert variant.gqa == (hq > hk)
-    problem = check_attention_with_kvcache(q, kc, vc, seqlens, causal=True)
+    assert variant.gqa == (hq > hk) and variant.kv_tma == bool(page)
+    problem = check_attention_with_kvcache(q, kcall, vcall, seqlens, causal=True, **kw)
     with cuflash.sim.options(arch="sm_90", checked=True), sim_call(q) as call:
         p, qd = on_device(call, problem, q)
         out, lse = call.empty(p.out_shape, p.dtype), call.empty(p.lse_shape, np.float32)
