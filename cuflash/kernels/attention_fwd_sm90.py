@@ -17,7 +17,9 @@ sequence starts come from ``cu_seqlens`` on the device, and ragged tensor maps
 (:meth:`cuflash.runtime.tensor_map.TensorMap.ragged`) clip every load and store at its sequence's
 end. KV caches (``cuflash.attention_with_kvcache``, contiguous or paged, with ``Sq`` from
 :data:`KVCACHE_MIN_ROWS` on; the ``kvcache`` forms) run here too: the producer warpgroup gathers K
-and V from the cache with cp.async (:func:`plan_kvcache`), split-KV merges by the combine kernel;
+and V from the cache with cp.async (:func:`plan_kvcache`; where a paged cache's pages hold whole
+key tiles, the ``kv_tma`` forms load those tiles by TMA, :func:`kvcache_tma_reason`), split-KV
+merges by the combine kernel;
 with softcap, ALiBi or sinks (:data:`KVCACHE_MODIFIERS`) their ``mods`` forms (the sink in split 0's
 rows only, so that the combine counts it once a row).
 A traced ``score_mod`` / ``mask_mod`` (:mod:`cuflash.runtime.score_mod`) is one more axis of the
