@@ -155,9 +155,10 @@ def test_kvcache_tma_routing():
 @pytest.mark.checked
 def test_kvcache_tma_hostile_device_indices(rng):
     """A block-table entry out of range on a page the TMA path loads (sequence 1's first page: a
-    whole 128-key tile; clamped onto a page of finite rows) and a length far past the cache (sequence 2): the producer clamps the page
-    (checked mode reports any access outside an array), both sequences come out NaN, sequence 0
-    is exact, and nothing is written outside the sequences' own valid pages."""
+    whole 128-key tile; clamped onto a page of finite rows) and a length far past the cache
+    (sequence 2): the producer clamps the page (checked mode reports any access outside an
+    array), both sequences come out NaN, sequence 0 is exact, and nothing is written outside the
+    sequences' own valid pages."""
     q, kc, vc, lengths, kw = make_case(rng, [300, 200, 9], 16, 1, 128, (8, 2), 64, dtypes.float16, "none", "plain")
     # (page 0 made sequence 0's first page, all finite: the bad entry below clamps onto it, so only
     # the producer's report of the bad index, not NaN rows read, can make sequence 1 NaN)
