@@ -1,6 +1,8 @@
 """JAX: :func:`attention` and :func:`attention_varlen`, differentiable (``jax.custom_vjp``), under
 ``jax.jit``, ``jax.vmap`` and ``jax.grad``, with every option of :func:`cuflash.attention` and
-:func:`cuflash.attention_varlen` (score modifiers, dropout, windows, ``return_lse``, ``backend``);
+:func:`cuflash.attention_varlen` (score modifiers, dropout, windows, ``return_lse``, ``backend``,
+``num_splits``) but fp8 input (``q_descale``, ``k_descale``, ``v_descale`` and ``out_dtype``
+are taken, and refused unless None);
 :func:`softmax` and :func:`merge_attention`, the forms of :func:`cuflash.softmax` and
 :func:`cuflash.merge_attention`, likewise differentiable and traceable.
 
@@ -370,6 +372,18 @@ def _check_out(func: str, out) -> None:
                         f"array (got out of type {type(out).__module__}.{type(out).__qualname__})")
 
 
+def _refuse_fp8(func: str, public: str, fp8: dict) -> None:
+    """The fp8 options (``q_descale``, ``k_descale``, ``v_descale``, ``out_dtype``): taken as the
+    public function takes them, refused by name unless None (fp8 input has no form here)."""
+    for name, x in fp8.items():
+        if x is not None:
+            got = (f"an array of shape {tuple(x.shape)}" if hasattr(x, "shape") else
+                   f"{x!r} ({type(x).__name__})")
+            raise NotImplementedError(f"{func}: {name} must be None: fp8 input has no form in cuflash.jax (its "
+                                      f"forward has no backward); call {public} on concrete arrays outside "
+                                      f"jax.jit and jax.grad; got {got}")
+
+
 def _check_backend(func: str, backend, q) -> None:
     """The backend's name, and for a concrete array (an eager call) its fit with q's device; under
     ``jax.jit`` the device is known when the call runs, where the pipeline checks it."""
@@ -493,12 +507,12 @@ def _fixed(q, k, v, mods: dict, captured: tuple = (), *, call: _Call, layout: st
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, layout="bhsd",
               out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
               alibi_slopes=None, attn_bias=None, attn_mask=None, sinks=None, score_mod=None, mask_mod=None,
-              deterministic=False, block_mask=None):
+              deterministic=False, block_mask=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Differentiable exact attention for JAX arrays: ``softmax(softmax_scale * q k^T + mask) v``.
 
     Every parameter, convention and return value of :func:`cuflash.attention` (GQA/MQA,
     bottom-right causal alignment, ``window_size``, the score modifiers, dropout, rows without
-    keys -> 0 and ``lse = -inf``), plus the backward's ``deterministic``. The gradient is
+    keys -> 0 and ``lse = -inf``) but fp8 input, plus the backward's ``deterministic``. The gradient is
     cuflash's FlashAttention-2 backward (:func:`cuflash.attention_backward`; Dao 2023, Algorithm
     2) through ``jax.custom_vjp``. Works eagerly and under ``jax.jit``, ``jax.vmap`` (mapped axes
     become batch dims) and ``jax.grad``, on CPU (the NumPy implementation, or the CUDA kernels on
@@ -575,6 +589,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         (``device="cuda"``) GPU arrays; the other kind is a ``TypeError`` at trace time for a
         concrete q, and under ``jax.jit`` when the call runs. Under ``jax.vmap`` such a call
         runs the pipeline once per mapped element.
+    q_descale, k_descale, v_descale, out_dtype : None
+        fp8 input has no form here: each must be None (a value raises ``NotImplementedError``
+        naming it; float8 q, k, v likewise). :func:`cuflash.attention` runs the fp8 forward on
+        concrete arrays, outside ``jax.jit`` and ``jax.grad``.
 
     The modifier arrays are traced like q, k and v. Under ``jax.vmap`` they may carry the mapped
     axis or not: ALiBi slopes, bias and mask batch with the call (one kernel call); with
@@ -593,9 +611,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         ``TypeError`` for ``out`` or for a scalar option given as a ``jax.Array``; for a
         ``block_mask``, ``ValueError`` when built for other lengths, batch or heads or with
         another ``mask_mod``, ``TypeError`` for one that is not a ``BlockMask`` or of the other
-        array kind.
+        array kind; ``NotImplementedError`` for an fp8 option that is not None.
     """
     _check_out(_FUNC, out)
+    _refuse_fp8(_FUNC, "cuflash.attention", dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                                 out_dtype=out_dtype))
     if block_mask is not None:   # static: its own mask_mod (checked here) and its arrays stay in the call
         mask_mod = own_mask_mod(block_mask, mask_mod, _FUNC)
     causal = validation.check_flag(causal, "causal", _FUNC)
@@ -634,10 +654,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), seqused_k=None, block_table=None, return_lse=False,
                      out=None, backend="auto", dropout_p=0.0, dropout_seed=None, dropout_offset=0, softcap=0.0,
-                     alibi_slopes=None, score_mod=None, mask_mod=None, deterministic=False):
+                     alibi_slopes=None, score_mod=None, mask_mod=None, deterministic=False, num_splits=1,
+                     q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Differentiable attention over a packed batch of variable-length sequences (JAX arrays).
 
-    Every parameter, convention and return value of :func:`cuflash.attention_varlen`
+    Every parameter, convention and return value of :func:`cuflash.attention_varlen` but fp8 input
     (flash-attn's ``flash_attn_varlen_func``, FA3's ``seqused_k``), plus the backward's
     ``deterministic``; gradients with respect to q, k and v (:func:`cuflash.attention_varlen_backward`)
     through ``jax.custom_vjp``; eager and under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (the
@@ -678,6 +699,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         takes them on concrete arrays, and :func:`attention` through ``jax.grad``).
     deterministic : bool
         The backward's (see :func:`cuflash.attention_varlen_backward`).
+    num_splits : int, default 1
+        Split-KV with a ``block_table``, as :func:`cuflash.attention_varlen` takes it: an int in
+        ``[0, 256]``; 1 runs unsplit, 0 chooses from the shapes and the SM count (never from the
+        lengths). A performance hint: only the Hopper chunked-prefill form splits (GPU arrays,
+        or CPU arrays with ``backend="sim"``); the NumPy path runs unsplit. Static, as
+        ``dropout_p`` (a ``jax.Array`` raises ``TypeError``).
+    q_descale, k_descale, v_descale, out_dtype : None
+        As in :func:`attention`: each must be None (fp8 input has no form here).
 
     Returns
     -------
@@ -689,7 +718,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     TypeError, ValueError, NotImplementedError
         As :func:`cuflash.attention_varlen`, at trace time (shapes, dtypes and static options;
         the device indices' values are not read); ``TypeError`` for ``out``, a scalar option
-        given as a ``jax.Array``, or a gradient through ``block_table``.
+        given as a ``jax.Array``, or a gradient through ``block_table``; ``NotImplementedError``
+        for an fp8 option that is not None.
     """
     func = _FUNC_VARLEN
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
@@ -698,12 +728,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                       f"cuflash.attention_varlen on concrete arrays, or cuflash.jax.attention per "
                                       f"sequence")
     _check_out(func, out)
+    _refuse_fp8(func, "cuflash.attention_varlen", dict(q_descale=q_descale, k_descale=k_descale,
+                                                       v_descale=v_descale, out_dtype=out_dtype))
     causal = validation.check_flag(causal, "causal", func)
     return_lse = validation.check_flag(return_lse, "return_lse", func)
     deterministic = validation.check_flag(deterministic, "deterministic", func)
     _check_static(func, dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                              dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
-                             softcap=softcap))
+                             softcap=softcap, num_splits=num_splits))
     optional = dict(seqused_k=seqused_k, block_table=block_table, alibi_slopes=alibi_slopes)
     _check_arrays(func, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
                   optional)
@@ -725,6 +757,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         raise ValueError(f"{func}: cu_seqlens_q must have at least one entry (0)")
     max_q = validation.check_int(max_seqlen_q, "max_seqlen_q", func)
     max_k = validation.check_int(max_seqlen_k, "max_seqlen_k", func)
+    splits = validation.check_num_splits(num_splits, func)
     # q, k, v and the options as cuflash.attention_varlen checks them, on host indices of the
     # batch's size whose values fit any call (device indices have no values to read at trace time)
     total_q, total_k = q.shape[0] if q.ndim else 0, k.shape[0] if k.ndim else 0
@@ -732,7 +765,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     packed = PackedOptions(ends(total_q), np.zeros(batch + 1, np.int32) if block_table is not None else ends(total_k),
                            total_q, total_k,
                            None if seqused_k is None else np.zeros(batch, np.int32),
-                           None if block_table is None else np.zeros(tuple(block_table.shape), np.int32))
+                           None if block_table is None else np.zeros(tuple(block_table.shape), np.int32), splits)
     problem = validation.check_attention_varlen(
         _stand_in(q), _stand_in(k), _stand_in(v),
         Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
@@ -748,7 +781,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     options = Options(causal=problem.causal, softmax_scale=float(problem.softmax_scale), window_size=(left, right),
                       return_lse=True, backend=backend, deterministic=deterministic, dropout=_dropout(problem),
                       modifiers=ModifierOptions(_softcap(problem), _given(alibi_slopes)),
-                      packed=PackedOptions(_GIVEN, _GIVEN, max_q, max_k, _given(seqused_k), _given(block_table)))
+                      packed=PackedOptions(_GIVEN, _GIVEN, max_q, max_k, _given(seqused_k), _given(block_table),
+                                           splits))
     o, lse = _packed(q, k, v, arrays, call=_Call(func, *_VARLEN, options, 3))
     return (o, lse) if return_lse else o
 

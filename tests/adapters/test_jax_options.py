@@ -16,13 +16,25 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
+import inspect  # noqa: E402
+from unittest import mock  # noqa: E402
+
 import jax.numpy as jnp  # noqa: E402
 from support.inputs import sequences  # noqa: E402
+from support.kvcache import check_prefill, make_prefill  # noqa: E402
 from support.tolerance import check_close  # noqa: E402
 
+import cuflash  # noqa: E402
 import cuflash.jax as cj  # noqa: E402
 from cuflash import mods  # noqa: E402
 from cuflash import reference as ref  # noqa: E402
+from cuflash.api import attention as api_attention  # noqa: E402
+from cuflash.api import kvcache as api_kvcache  # noqa: E402
+from cuflash.api import pipeline  # noqa: E402
+from cuflash.api import softmax as api_softmax  # noqa: E402
+from cuflash.api import varlen as api_varlen  # noqa: E402
+from cuflash.kernels import attention_combine  # noqa: E402
+from cuflash.runtime import dtypes  # noqa: E402
 from cuflash.reference.backward import attention_backward as ref_backward  # noqa: E402
 
 F64 = np.float64
@@ -254,6 +266,30 @@ def oracle_grads_with_lse(w, u, q, k, v, **kw):
     return (grads[0], grads[1], grads[2][..., :-1]) + tuple(grads[3:])
 
 
+# --------------------------------------------------------------------------------------------
+# the contract: the public functions' parameters
+
+@pytest.mark.parametrize("jax_fn,public,extra", [
+    (cj.attention, api_attention.attention, {"deterministic"}),
+    (cj.attention_varlen, api_varlen.attention_varlen, {"deterministic"}),
+    (cj.merge_attention, api_kvcache.merge_attention, set()),
+    (cj.softmax, api_softmax.softmax, set()),
+], ids=["attention", "attention_varlen", "merge_attention", "softmax"])
+def test_signature_is_the_public_functions(jax_fn, public, extra):
+    # every parameter of the public function under its name, default and kind, plus the
+    # backward's ``deterministic``; nothing else. Two are taken only to be refused unless None
+    # (test_refusals_name_the_argument): ``out`` (JAX arrays are immutable) and the fp8 options
+    # (fp8 input has no JAX form); cuflash.attention called with a tracer passes every argument on
+    mine, theirs = inspect.signature(jax_fn).parameters, inspect.signature(public).parameters
+    assert set(mine) == set(theirs) | extra, set(mine) ^ (set(theirs) | extra)
+    for name, p in theirs.items():
+        assert mine[name].default == p.default, name
+        assert mine[name].kind == p.kind, name
+    # attention_with_kvcache has no JAX form (it appends to the caches in place); the routed
+    # cuflash functions that have one are these
+    assert set(cj.__all__) == {"attention", "attention_varlen", "merge_attention", "softmax"}
+
+
 def test_backend_sim_runs_the_kernels_dispatcher(monkeypatch):
     # float32 with a softcap: "sim" runs the kernels the dispatcher picks (the portable tier's
     # modifier form), "numpy" the NumPy path, which launches nothing; both hold to the oracle
@@ -346,6 +382,63 @@ def test_attention_varlen_block_table_runs_forward_and_refuses_its_gradient(rng)
     assert np.isfinite(np.asarray(jax.grad(lambda q: jnp.sum(f(jax.lax.stop_gradient(q))) + jnp.sum(q))(q))).all()
 
 
+def test_attention_varlen_num_splits_splits_the_chunked_prefill_on_the_simulator(rng):
+    # chunked prefill over a paged cache (float16, 64 query rows: the Hopper form of the
+    # simulated sm_90), through cuflash.attention_varlen with a JAX tracer (routed to cuflash.jax)
+    # under jax.jit: num_splits=2 runs two key splits merged by the combine kernel, the default
+    # runs unsplit; both against the float64 oracle. NaN in every cache row no sequence reads.
+    q, kc, vc, cq, ck, mq, mk, used, bt = make_prefill(rng, [(64, 150), (1, 5)], 16, (2, 1), 64, dtypes.float16,
+                                                       "some")
+    info = cuflash.explain_varlen(q, kc, vc, cq, ck, mq, mk, causal=True, seqused_k=used, block_table=bt,
+                                  num_splits=2, backend="sim", arch=90)
+    assert "_varlen_kvcache" in info["variant"] and info["splits"] == 2, info["choice"]
+    for num_splits, combines in ((2, 1), (None, 0)):
+        split = {} if num_splits is None else dict(num_splits=num_splits)
+        f = jax.jit(lambda q: cuflash.attention_varlen(  # noqa: B023
+            q, kc, vc, jnp.asarray(cq), jnp.asarray(ck), mq, mk, causal=True, seqused_k=jnp.asarray(used),
+            block_table=jnp.asarray(bt), return_lse=True, backend="sim", **split))
+        with mock.patch.object(attention_combine, "plan_combine", wraps=attention_combine.plan_combine) as combine:
+            out, lse = jax.block_until_ready(f(q))
+        assert combine.call_count == combines, num_splits   # (the split path ran, or did not)
+        assert out.dtype == jnp.float16 and out.shape == q.shape
+        check_prefill(np.asarray(out), np.asarray(lse), q, kc, vc, cq, ck, used, bt, 16, True, (-1, -1))
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 7])
+def test_attention_varlen_num_splits_reaches_the_pipeline(num_splits, rng, monkeypatch):
+    # the static option arrives unchanged in the public functions' pipeline (a hint the NumPy
+    # path ignores: its result is the float64 oracle's whatever the count)
+    seen = []
+    real = pipeline.run
+    monkeypatch.setattr(pipeline, "run", lambda entry, arrays, options: (
+        seen.append(options.packed.num_splits), real(entry, arrays, options))[1])
+    q, k, v = (rng.standard_normal((7, 2, 8)).astype(np.float32) for _ in range(3))
+    cq = jnp.asarray([0, 3, 7], jnp.int32)
+    out = cj.attention_varlen(q, k, v, cq, cq, 4, 4, causal=True, num_splits=num_splits, backend="numpy")
+    assert seen == [num_splits]
+    for rows in (slice(0, 3), slice(3, 7)):
+        check_close(np.asarray(out)[None, rows], q[None, rows], k[None, rows], v[None, rows], layout="bshd",
+                    causal=True)
+
+
+@pytest.mark.parametrize("value,error,match", [
+    (-1, ValueError, r"num_splits must be in \[0, 256\].*got -1"),
+    (257, ValueError, r"num_splits must be in \[0, 256\].*got 257"),
+    (2.0, TypeError, "num_splits must be an int, got 2.0"),
+    (True, TypeError, "num_splits must be an int, got True"),
+    ("2", TypeError, "num_splits must be an int, got '2'"),
+])
+def test_attention_varlen_num_splits_is_validated(value, error, match):
+    q = jnp.zeros((4, 2, 8), jnp.float32)
+    cq = jnp.asarray([0, 4], jnp.int32)
+    with pytest.raises(error, match="cuflash.jax.attention_varlen: " + match):
+        cj.attention_varlen(q, q, q, cq, cq, 4, 4, num_splits=value)
+    with pytest.raises(error, match="cuflash.jax.attention_varlen: " + match):   # routed: the adapter's message
+        jax.jit(lambda q: cuflash.attention_varlen(q, q, q, cq, cq, 4, 4, num_splits=value))(q)
+    with pytest.raises(TypeError, match="cuflash.jax.attention_varlen: num_splits must be a Python number"):
+        jax.jit(lambda n: cj.attention_varlen(q, q, q, cq, cq, 4, 4, num_splits=n))(2)
+
+
 # --------------------------------------------------------------------------------------------
 # refusals (at trace time unless said otherwise)
 
@@ -385,6 +478,32 @@ def test_refusals_name_the_argument(rng):
         cj.attention_varlen(qp, kp, vp, cq, ck, 4, 5, alibi_slopes=jnp.ones((3, 2)))
     with pytest.raises(TypeError, match="cuflash.jax.attention_varlen: max_seqlen_q must be a Python number"):
         jax.jit(lambda m: cj.attention_varlen(qp, kp, vp, cq, ck, m, 5))(4)
+
+
+@pytest.mark.parametrize("name,value,got", [
+    ("q_descale", np.ones((1, 2), np.float32), r"an array of shape \(1, 2\)"),
+    ("k_descale", np.ones((1, 2), np.float32), r"an array of shape \(1, 2\)"),
+    ("v_descale", np.ones((1, 2), np.float32), r"an array of shape \(1, 2\)"),
+    ("out_dtype", "bfloat16", r"'bfloat16' \(str\)"),
+])
+def test_the_fp8_options_are_refused_by_name(name, value, got):
+    # taken as the public functions take them, refused unless None; cuflash.attention called
+    # with a tracer reaches the same refusal (not an unexpected-keyword error); None is fine
+    q = jnp.zeros((1, 2, 4, 8), jnp.float32)
+    qp, cq = q.reshape(4, 2, 8), jnp.asarray([0, 4], jnp.int32)
+    calls = {"cuflash.jax.attention": ("cuflash.attention", lambda q, **kw: cj.attention(q, q, q, **kw),
+                                       lambda q, **kw: cuflash.attention(q, q, q, **kw), q),
+             "cuflash.jax.attention_varlen": ("cuflash.attention_varlen",
+                                              lambda q, **kw: cj.attention_varlen(q, q, q, cq, cq, 4, 4, **kw),
+                                              lambda q, **kw: cuflash.attention_varlen(q, q, q, cq, cq, 4, 4, **kw),
+                                              qp)}
+    for func, (public, adapter, routed, x) in calls.items():
+        want = f"{func}: {name} must be None: fp8 input has no form in cuflash.jax .*call {public} on concrete .*{got}"
+        with pytest.raises(NotImplementedError, match=want):
+            adapter(x, **{name: value})
+        with pytest.raises(NotImplementedError, match=want):
+            jax.jit(lambda x: routed(x, **{name: value}))(x)  # noqa: B023
+        np.testing.assert_array_equal(np.asarray(adapter(x, **{name: None})), np.asarray(adapter(x)))
 
 
 def test_the_missing_cupy_hint_names_both_installs(monkeypatch):
