@@ -18,7 +18,8 @@ sequence starts come from ``cu_seqlens`` on the device, and ragged tensor maps
 end. KV caches (``cuflash.attention_with_kvcache``, contiguous or paged, with ``Sq`` from
 :data:`KVCACHE_MIN_ROWS` on; the ``kvcache`` forms) run here too: the producer warpgroup gathers K
 and V from the cache with cp.async (:func:`plan_kvcache`; where a paged cache's pages hold whole
-key tiles, the ``kv_tma`` forms load those tiles by TMA, :func:`kvcache_tma_reason`), split-KV
+key tiles, and for contiguous caches, the ``kv_tma`` forms load whole key tiles by TMA,
+:func:`kvcache_tma_reason`), split-KV
 merges by the combine kernel;
 with softcap, ALiBi or sinks (:data:`KVCACHE_MODIFIERS`) their ``mods`` forms (the sink in split 0's
 rows only, so that the combine counts it once a row).
@@ -210,8 +211,8 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     #: position ``m // G``, head ``m % G`` of the group), q and o through 5-d tensor maps
     gqa: bool = dataclasses.field(default=False, kw_only=True)
     #: TMA over the cache (``CUFLASH_KV_TMA``, entry suffix ``_tma``; the plain KV-cache forms): key
-    #: tiles wholly inside a page and below the sequence's end load by TMA from k and v tensor maps
-    #: over the cache (:func:`kvcache_tma_reason`), the others by the cp.async gather
+    #: tiles wholly inside a page (a contiguous cache's batch) and below the sequence's end load by TMA
+    #: from k and v tensor maps over the cache (:func:`kvcache_tma_reason`), the others by the cp.async gather
     kv_tma: bool = dataclasses.field(default=False, kw_only=True)
     #: (the forward has no score_mod derivative nor array gradients: AttentionVariant's prelude reads these)
     grad_c: ClassVar[str] = ""
@@ -312,8 +313,8 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
         if self.kvcache:
             loads = "Q by TMA, K and V gathered from the cache by cp.async into 2-stage rings"
             if self.kv_tma:
-                loads = ("Q by TMA, K and V into 2-stage rings: key tiles wholly inside a page and the keys by TMA, "
-                         "the tile across the sequence's end gathered by cp.async")
+                loads = ("Q by TMA, K and V into 2-stage rings: key tiles wholly below the sequence's end and inside "
+                         "a page (a contiguous cache's batch) by TMA, the others gathered by cp.async")
             if self.varlen:
                 packed = "chunked prefill, packed query sequences (ragged tensor maps) over a paged cache: "
         if self.gqa:
@@ -1146,25 +1147,21 @@ def kvcache_variant(problem) -> Sm90ForwardVariant:
 #: the head-dim buckets of the forms with TMA over the cache (at 256 the consumers spill under NVRTC 13
 #: beside the cache's maps: 32 B stores, 108 B loads; and 80-key tiles fit no power-of-two page)
 KV_TMA_HEAD_DIM_BUCKETS = (64, 96, 128, 192)
-#: TMA over a contiguous cache (its batches as the map's pages): the kernel takes it, the host does
-#: not choose it yet (contiguous caches gather every key tile by cp.async)
-KVCACHE_TMA_CONTIGUOUS = False
-
-
 def kvcache_tma_reason(problem, variant) -> str | None:
     """Why the KV-cache call ``problem`` on ``variant`` (its form without TMA over the cache) gathers
     every key tile by cp.async (None if the tiles that lie whole in a page load by TMA): the
-    modifier forms gather, a paged cache's ``page_size`` must be a multiple of the tile's keys,
-    and contiguous caches gather (:data:`KVCACHE_TMA_CONTIGUOUS`). Shapes only (the caches' strides are TMA's already: :func:`kvcache_reason`), so a
-    CUDA-graph replay keeps it."""
+    modifier forms gather, and a paged cache's ``page_size`` must be a multiple of the tile's keys
+    (a contiguous cache's batches are the map's pages, each a whole sequence's rows). Shapes only
+    (the caches' strides are TMA's already: :func:`kvcache_reason`), so a CUDA-graph replay keeps
+    it."""
     p, c = problem, problem.kvcache
     if variant.mods:
         return "the score-modifier forms gather every key tile by cp.async"
     if variant.head_dim not in KV_TMA_HEAD_DIM_BUCKETS:
         return (f"head dim bucket {variant.head_dim}: every key tile is gathered by cp.async (the form with TMA over "
                 f"the cache takes the buckets {KV_TMA_HEAD_DIM_BUCKETS})")
-    if not c.paged and not KVCACHE_TMA_CONTIGUOUS:
-        return "a contiguous cache: every key tile is gathered by cp.async (TMA over the cache takes paged caches)"
+    if not c.paged and c.capacity == 0:   # (a tensor map's extents are 1 or more)
+        return "a contiguous cache of 0 rows per sequence holds no key tile"
     if c.paged and c.page_size % variant.block_n:
         return (f"pages of {c.page_size} rows do not hold whole {variant.block_n}-key tiles, so every key tile is "
                 f"gathered by cp.async")
@@ -1174,10 +1171,12 @@ def kvcache_tma_reason(problem, variant) -> str | None:
 def kvcache_loads(problem, variant) -> str:
     """How the Hopper KV-cache form ``variant`` loads ``problem``'s keys and values (explain's words)."""
     c = problem.kvcache
+    if variant.kv_tma and c.paged:
+        return (f"keys and values: {variant.block_n}-key tiles of pages of {c.page_size} rows load by TMA, the "
+                f"others (across a sequence's end or a page's) by cp.async gather")
     if variant.kv_tma:
-        where = f"pages of {c.page_size} rows" if c.paged else "the contiguous cache"
-        return (f"keys and values: {variant.block_n}-key tiles of {where} load by TMA, the others (across a "
-                f"sequence's end or a page's) by cp.async gather")
+        return (f"keys and values: {variant.block_n}-key tiles of the contiguous cache load by TMA, the one across "
+                f"a sequence's end by cp.async gather")
     return f"keys and values gathered by cp.async ({kvcache_tma_reason(problem, variant)})"
 
 

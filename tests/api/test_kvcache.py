@@ -122,10 +122,9 @@ def test_apply_rotary_matches_float64_rotation(rng):
 
 
 #: the grid again on the Hopper KV-cache form (compute capability 9.0, Sq from 64 on): the same axes
-#: but query lengths that fill its tiles; a contiguous and a paged case of one variant (f16, head-dim
-#: bucket 64) in the default run, the paged one in checked mode (the compiled form the replay test
-#: and the mutation suite's probe reuse), the rest under slow (each dtype and head-dim bucket is a
-#: variant)
+#: but query lengths that fill its tiles; a paged case (f16, head-dim bucket 64) in the default run,
+#: in checked mode, and a contiguous one (the form with TMA over the cache) under slow with the
+#: rest (each dtype and head-dim bucket is a variant)
 SQ_HOPPER = [64, 70, 130]
 HOPPER = [tuple(c) for c in AllPairs([list(BATCHES), SQ_HOPPER, SNEW, PAGES, HEADS, list(MASKS), HEAD_DIMS, SPLITS,
                                       ROTARY, EXTRAS, list(DTYPES)])]
@@ -148,18 +147,20 @@ def test_kvcache_hopper_checked(case, rng):
     run_case(rng, *case, checked=True, seed=5, hopper=True)
 
 
-@pytest.mark.parametrize("sq, hq, hk, page", [(64, 1, 1, None), (8, 8, 1, None),
-                                              pytest.param(64, 2, 1, 128, marks=pytest.mark.slow)],
-                         ids=["unpacked", "gqa_packed", "paged_tma"])
+@pytest.mark.parametrize("sq, hq, hk, page", [(64, 1, 1, 16), (8, 8, 1, None),
+                                              pytest.param(64, 2, 1, 128, marks=pytest.mark.slow),
+                                              pytest.param(64, 1, 1, None, marks=pytest.mark.slow)],
+                         ids=["unpacked_gather", "gqa_packed_tma", "paged_tma", "contiguous_tma"])
 def test_hopper_replay_with_new_lengths_keeps_its_plan(rng, sq, hq, hk, page):
     """A CUDA-graph replay on the Hopper KV-cache form: the launches are planned once (num_splits=0:
     the split count from the capacity and the shapes) and run again, as a captured graph is, after
     new lengths are written into the device cache_seqlens the plan points at: the lengths at
     capture, longer ones (up to the capacity) and shorter ones (1 and 0). Every run holds to the
     float64 oracle over the keys its lengths give; rows past them hold NaN, which must never be read.
-    Both the unpacked form and GQA packing (8 positions x 8 query heads of one kv head); ``page``:
-    the same cache seen as pages of 128 rows, the form with TMA over the cache (whole tiles by TMA,
-    the tile across each new length gathered)."""
+    Both the unpacked form and GQA packing (8 positions x 8 query heads of one kv head). The
+    contiguous cache (``page`` None) and pages of 128 rows run the forms with TMA over the cache
+    (whole tiles by TMA, the tile across each new length gathered); pages of 16 rows (the same
+    cache seen as pages) the form that gathers every key tile by cp.async."""
     from cuflash.kernels import attention_combine, kvcache_run
 
     d, cap = 64, 512
@@ -169,7 +170,7 @@ def test_hopper_replay_with_new_lengths_keeps_its_plan(rng, sq, hq, hk, page):
     seqlens = np.array([300, 40], np.int32)
     kw = {}
     kcall, vcall = kc, vc
-    if page:   # (views of the same memory: pages 0-3 sequence 0's, 4-7 sequence 1's)
+    if page:   # (views of the same memory: the first half of the pages sequence 0's, the rest sequence 1's)
         kcall, vcall = kc.reshape(-1, page, hk, d), vc.reshape(-1, page, hk, d)
         kw["block_table"] = np.arange(2 * cap // page, dtype=np.int32).reshape(2, -1)
     plans_for = {}
@@ -179,7 +180,7 @@ def test_hopper_replay_with_new_lengths_keeps_its_plan(rng, sq, hq, hk, page):
     assert len(set(plans_for.values())) == 1, plans_for
     variant, splits = plans_for[(300, 40)]
     assert isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant) and splits == 2   # 4 tiles of capacity
-    assert variant.gqa == (hq > hk) and variant.kv_tma == bool(page)
+    assert variant.gqa == (hq > hk) and variant.kv_tma == (page != 16)
     problem = check_attention_with_kvcache(q, kcall, vcall, seqlens, causal=True, **kw)
     with cuflash.sim.options(arch="sm_90", checked=True), sim_call(q) as call:
         p, qd = on_device(call, problem, q)

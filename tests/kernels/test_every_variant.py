@@ -206,9 +206,12 @@ def _hopper_kvcache(rng, v):
     a paged cache of 16-row pages, two key splits, causal; NaN in every cache row not to be read.
     GQA packing (the ``gqa`` forms): 11 positions of a group of 7 query heads (77 rows; 9 positions,
     63 rows, a consumer: one dead row each). TMA over the cache (the ``kv_tma`` forms): pages of two
-    key tiles (a whole tile by TMA, the edge gathered)."""
+    key tiles (a whole tile by TMA, the edge gathered); the unpacked ones over a contiguous cache
+    instead (:func:`_hopper_kvcache_contiguous`)."""
     dt = DTYPES[v.dtype]
     sq, hq = (11, 7) if v.gqa else (128, 2)
+    if v.kv_tma and not v.gqa:
+        return _hopper_kvcache_contiguous(rng, v, dt, sq, hq)
     page, lengths = (2 * v.block_n if v.kv_tma else 16), np.array([200, 17], np.int32)
     n0, n1 = -(-200 // page), -(-17 // page)
     bt = np.full((2, 13), -1, np.int32)
@@ -229,6 +232,25 @@ def _hopper_kvcache(rng, v):
         kb = ref_kvcache.gather(kc, b, 0, int(n), page_size=page, block_table=bt)[None]
         vb = ref_kvcache.gather(vc, b, 0, int(n), page_size=page, block_table=bt)[None]
         check_close(out[b:b + 1], q[b:b + 1], kb, vb, layout="bshd", causal=True, **mods)
+
+
+def _hopper_kvcache_contiguous(rng, v, dt, sq, hq):
+    """The unpacked form with TMA over a contiguous cache: sequences of 200 and 17 keys in cache
+    batches 2 and 0 of 3, the first from row 13 (left padding: its whole tile by TMA at a row that
+    is not a multiple of the tile, the edge gathered), two splits, causal; NaN in every row not to
+    be read."""
+    lengths, leftpad, idx = np.array([200, 17], np.int32), np.array([13, 0], np.int32), np.array([2, 0], np.int32)
+    kc = np.full((3, 208, 1, v.head_dim), np.nan, dt)
+    vc = np.full((3, 208, 1, v.head_dim_v), np.nan, dt)
+    for b, n in enumerate(lengths):
+        kc[idx[b], leftpad[b]:n] = rng.standard_normal((n - leftpad[b], 1, v.head_dim))
+        vc[idx[b], leftpad[b]:n] = rng.standard_normal((n - leftpad[b], 1, v.head_dim_v))
+    q = rng.standard_normal((2, sq, hq, v.head_dim)).astype(dt)
+    out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, cache_leftpad=leftpad,
+                                              cache_batch_idx=idx, return_lse=True, backend="sim")
+    for b, n in enumerate(lengths):
+        kb, vb = kc[idx[b], leftpad[b]:n][None], vc[idx[b], leftpad[b]:n][None]
+        check_close(out[b:b + 1], q[b:b + 1], kb, vb, layout="bshd", causal=True)
 
 
 def _hopper_chunked_prefill(rng, v):
@@ -274,7 +296,7 @@ def _run(v, rng, monkeypatch):
         dt = DTYPES[v.dtype]
         if v.kvcache and v.varlen:   # chunked prefill: packed queries over a paged cache
             return _hopper_chunked_prefill(rng, v)
-        if v.kvcache:   # 70 query rows over a paged cache of 16-row pages (gathered), two splits
+        if v.kvcache:   # over a paged cache of 16-row pages (gathered; kv_tma: pages of two tiles, or contiguous)
             return _hopper_kvcache(rng, v)
         if v.varlen and v.fp8:   # two e4m3 sequences (the second over two query and key tiles), descales per sequence
             e4m3 = dtypes.float8_e4m3fn

@@ -1,7 +1,7 @@
 """TMA over the cache on the Hopper KV-cache forward (``attention_fwd_sm90``'s ``kv_tma`` forms) on
 the simulator.
 
-Where a paged cache's pages hold whole key tiles (and for contiguous caches) the producer loads
+Where a paged cache's pages hold whole key tiles, and for contiguous caches, the producer loads
 each key tile that lies wholly in a page and below the sequence's end by TMA, and gathers the
 others (the tile across the end, tiles across a page's end after left padding) by cp.async. Each
 case asserts the dispatcher's choice and ``explain``'s line, runs ``cuflash.attention_with_kvcache``
@@ -14,7 +14,6 @@ padding, unused pages), so a tile that read one would poison its output.
 from __future__ import annotations
 
 import dataclasses
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -37,17 +36,17 @@ def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, extra, dtype_
     dt = DTYPES[dtype_key]
     q, kc, vc, lengths, kw = make_case(rng, lengths, sq, snew, page, heads, d, dt, "none", extra)
     causal, window = MASKS[mask]
-    # (a contiguous cache: the kernel's TMA path over it, which the host does not choose by default)
-    with mock.patch.object(attention_fwd_sm90, "KVCACHE_TMA_CONTIGUOUS", page is None):
-        problem = check_kvcache(q, kc, vc, lengths, causal=causal, window_size=window, num_splits=splits, **kw)
-        info = dispatch.explain_forward(problem, 90, (q, kc, vc), sm_count=cuflash.sim.sm_count(90))
-        assert info["tier"] == "attention_fwd_sm90" and info["variant"].endswith("_tma"), info["choice"]
-        assert "load by TMA, the others (across a sequence's end or a page's) by cp.async gather" in info["choice"]
-        want_k, want_v = expected_cache(kc, vc, lengths, kw, page)
-        k1, v1 = kc.copy(), vc.copy()
-        with cuflash.sim.options(arch=90, checked=checked, seed=5):
-            out, lse = cuflash.attention_with_kvcache(q, k1, v1, lengths, causal=causal, window_size=window,
-                                                      num_splits=splits, return_lse=True, backend="sim", **kw)
+    problem = check_kvcache(q, kc, vc, lengths, causal=causal, window_size=window, num_splits=splits, **kw)
+    info = dispatch.explain_forward(problem, 90, (q, kc, vc), sm_count=cuflash.sim.sm_count(90))
+    assert info["tier"] == "attention_fwd_sm90" and info["variant"].endswith("_tma"), info["choice"]
+    assert (f"pages of {page} rows load by TMA, the others (across a sequence's end or a page's) by cp.async gather"
+            if page else "of the contiguous cache load by TMA, the one across a sequence's end by cp.async gather"
+            ) in info["choice"], info["choice"]
+    want_k, want_v = expected_cache(kc, vc, lengths, kw, page)
+    k1, v1 = kc.copy(), vc.copy()
+    with cuflash.sim.options(arch=90, checked=checked, seed=5):
+        out, lse = cuflash.attention_with_kvcache(q, k1, v1, lengths, causal=causal, window_size=window,
+                                                  num_splits=splits, return_lse=True, backend="sim", **kw)
     assert k1.tobytes() == want_k.tobytes() and v1.tobytes() == want_v.tobytes()
     check_result(out, lse, q, want_k, want_v, lengths, kw, page, causal, window)
 
@@ -128,8 +127,8 @@ def test_kvcache_tma_routing():
         kc = np.zeros((n, page, 1, d), dtypes.float16)
         bt = np.arange(n, dtype=np.int32).reshape(1, n)
         return check_kvcache(q, kc, kc, np.array([70], np.int32), block_table=bt, **kw)
-    for page, d, tma in ((128, 64, True), (256, 128, True), (64, 64, False), (16, 64, False), (None, 64, False),
-                         (224, 192, True), (256, 192, False), (160, 256, False)):
+    for page, d, tma in ((128, 64, True), (256, 128, True), (64, 64, False), (16, 64, False), (None, 64, True),
+                         (None, 192, True), (224, 192, True), (256, 192, False), (160, 256, False), (None, 256, False)):
         p = problem(page, d)
         v = attention_fwd_sm90.kvcache_variant(p)
         assert v.kv_tma == tma, (page, d)
@@ -137,10 +136,17 @@ def test_kvcache_tma_routing():
         assert ("load by TMA" in line) == tma, line
         if d == 256:
             assert "head dim bucket 256: every key tile is gathered" in line, line
-        elif not tma and page is None:
-            assert "a contiguous cache: every key tile is gathered" in line, line
         elif not tma:
             assert f"pages of {page} rows do not hold whole {v.block_n}-key tiles" in line, line
+        elif page is None:
+            assert (f"{v.block_n}-key tiles of the contiguous cache load by TMA, the one across a sequence's end by "
+                    "cp.async gather") in line, line
+    # a contiguous cache of 0 rows (a tensor map's extents are 1 or more) gathers
+    q0, k0 = np.zeros((1, 64, 8, 64), dtypes.float16), np.zeros((1, 0, 1, 64), dtypes.float16)
+    p = check_kvcache(q0, k0, k0, np.array([0], np.int32))
+    assert not attention_fwd_sm90.kvcache_variant(p).kv_tma
+    assert "a contiguous cache of 0 rows per sequence holds no key tile" in dispatch.explain_forward(
+        p, 90, sm_count=132)["choice"]
     p = problem(128, softcap=3.0)   # the modifier forms gather
     assert not attention_fwd_sm90.kvcache_variant(p).kv_tma
     assert "the score-modifier forms gather" in dispatch.explain_forward(p, 90, sm_count=132)["choice"]
@@ -188,3 +194,49 @@ def test_kvcache_tma_hostile_device_indices(rng):
     changed = np.flatnonzero(~np.all((k1 == kc) | (np.isnan(k1) & np.isnan(kc)), axis=(2, 3)).ravel())
     assert {int(i) // 128 for i in changed} <= {int(kw["block_table"][0, 300 // 128]),
                                                int(kw["block_table"][1, 200 // 128])}
+
+
+@pytest.mark.slow
+@pytest.mark.checked
+def test_kvcache_tma_contiguous_hostile_device_indices(rng):
+    """A contiguous cache read by TMA: a cache_batch_idx out of range (sequence 1, clamped onto
+    sequence 0's cache batch, whose rows it reads are finite), a length far past the cache (sequence 2) and
+    a left padding past the sequence's end (sequence 3). The producer clamps them (checked mode
+    reports any access outside an array), and those three sequences come out NaN, only through its
+    report of the bad index; sequence 0, whose left padding of 61 rows puts its TMA tile at row 61
+    of its batch (not tile-aligned) and its gathered edge tile at row 189, is exact; nothing is
+    written outside the sequences' own rows."""
+    q, kc, vc, lengths, kw = make_case(rng, [300, 200, 9, 150], 16, 1, None, (8, 2), 64, dtypes.float16, "none",
+                                       "batch_idx")
+    order, u = kw["cache_batch_idx"], int(kw["cache_batch_idx"][0])
+    for a in (kc, vc):   # (sequence 0's rows into cache batch 0: the bad index below clamps onto it)
+        a[[0, u]] = a[[u, 0]]
+    kw["cache_batch_idx"] = np.where(order == u, 0, np.where(order == 0, u, order)).astype(np.int32)
+    # (sequences 0 and 1 start at row 61; the rows before are never read: NaN. Sequence 1's 140 keys
+    # on the clamped batch are then rows 61..200, finite)
+    kw["cache_leftpad"] = np.array([61, 61, 0, 0], np.int32)
+    for i in kw["cache_batch_idx"][:2]:
+        kc[i, :61], vc[i, :61] = np.nan, np.nan
+    problem = check_kvcache(q, kc, vc, lengths, **kw)
+    assert attention_fwd_sm90.kvcache_variant(problem).kv_tma
+    idx, seqlens, leftpad = kw["cache_batch_idx"].copy(), lengths.copy(), kw["cache_leftpad"].copy()
+    idx[1] = -7
+    seqlens[2] = 2**31 - 5
+    leftpad[3] = 151 + 40   # (past its 151 keys)
+    k1, v1 = kc.copy(), vc.copy()
+    hostile = dataclasses.replace(problem, kvcache=dataclasses.replace(
+        problem.kvcache, cache_batch_idx=idx, cache_seqlens=seqlens, cache_leftpad=leftpad, checked=False,
+        longest=None, k_cache=k1, v_cache=v1))
+    for splits in (1, 2):
+        c = dataclasses.replace(hostile.kvcache, num_splits=splits)
+        with cuflash.sim.options(checked=True), sim_call(q) as call:
+            p, qd = on_device(call, dataclasses.replace(hostile, kvcache=c), q)
+            out, lse = (call.export(a) for a in dispatch.run_forward(p, qd, p.kvcache.k_cache, p.kvcache.v_cache,
+                                                                      None, call))
+        assert np.isnan(out[1:].astype(np.float32)).all() and np.isnan(lse[1:]).all()
+        one = dict(kw, cache_batch_idx=kw["cache_batch_idx"][:1], cache_leftpad=kw["cache_leftpad"][:1],
+                   k=kw["k"][:1], v=kw["v"][:1])
+        good_k, good_v = expected_cache(kc, vc, lengths[:1], one, None)
+        check_result(out[:1], lse[:1], q[:1], good_k, good_v, lengths[:1], one, None, False, (-1, -1))
+    changed = np.argwhere(~np.all((k1 == kc) | (np.isnan(k1) & np.isnan(kc)), axis=(2, 3)))
+    assert {tuple(int(x) for x in r) for r in changed} <= {(0, 300), (int(idx[3]), 150)}, changed
