@@ -99,8 +99,8 @@
 // order (split, head, total_q row), so the combine takes the batch as one sequence of total_q rows
 // (d256: unsplit, a compile-time single split).
 //
-// TMA over the cache (CUFLASH_KV_TMA 1 with CUFLASH_KVCACHE, the plain forms; the host's choice where
-// pages hold whole key tiles, and for contiguous caches): the entry takes k and v tensor maps over
+// TMA over the cache (CUFLASH_KV_TMA 1 with CUFLASH_KVCACHE, the plain and modifier forms; the host's
+// choice where pages hold whole key tiles, and for contiguous caches): the entry takes k and v tensor maps over
 // the cache, dims (head dim, row in page, kv head, page) (a contiguous cache's batches as pages);
 // a key tile wholly below the sequence's end and inside one page loads as one box per panel,
 // issued by producer thread 0 after its arrive.expect_tx (its one arrival of the tile's 128; the
@@ -200,7 +200,7 @@ constexpr int EPILOGUE_BAR = 1, TURN_BAR = 3;
 static_assert(D % 16 == 0 && DV % 16 == 0 && BC % 16 == 0 && (CUFLASH_FP8 || NPANEL_V <= NPANEL), "head-dim buckets and tiles");
 static_assert(!CUFLASH_GQA || (!CUFLASH_VARLEN && !CUFLASH_FP8 && !CUFLASH_BLOCK_SPARSE && (CUFLASH_KVCACHE || !CUFLASH_MODS)),
               "GQA packing: fixed batches, 16-bit; modifiers in the KV-cache form only");
-static_assert(!CUFLASH_KV_TMA || (CUFLASH_KVCACHE && !CUFLASH_MODS && D <= 192), "TMA over the cache: the plain KV-cache forms, head dims up to 192");
+static_assert(!CUFLASH_KV_TMA || (CUFLASH_KVCACHE && D <= 192), "TMA over the cache: the KV-cache forms, head dims up to 192");
 static_assert(!CUFLASH_FP8 || (BC % 64 == 0 && D % 32 == 0 && !CUFLASH_MODS && !CUFLASH_KVCACHE),
               "the fp8 form: fixed shapes or packed, plain, a multiple of 64 keys a tile");
 

@@ -210,7 +210,7 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     #: kv head whose 128 rows are the group's query heads at consecutive positions (row ``m``:
     #: position ``m // G``, head ``m % G`` of the group), q and o through 5-d tensor maps
     gqa: bool = dataclasses.field(default=False, kw_only=True)
-    #: TMA over the cache (``CUFLASH_KV_TMA``, entry suffix ``_tma``; the plain KV-cache forms): key
+    #: TMA over the cache (``CUFLASH_KV_TMA``, entry suffix ``_tma``; the KV-cache forms, ``mods`` too): key
     #: tiles wholly inside a page (a contiguous cache's batch) and below the sequence's end load by TMA
     #: from k and v tensor maps over the cache (:func:`kvcache_tma_reason`), the others by the cp.async gather
     kv_tma: bool = dataclasses.field(default=False, kw_only=True)
@@ -247,9 +247,9 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
             raise ValueError(f"Sm90ForwardVariant: GQA packing is an axis of the fixed-batch 16-bit forms (the plain "
                              f"fixed-shape ones and the KV-cache ones) at head dims {GQA_HEAD_DIM_BUCKETS}, got "
                              f"head_dim={self.head_dim}, varlen={self.varlen}, mods={self.mods}, kvcache={self.kvcache}")
-        if self.kv_tma and (not self.kvcache or self.mods or self.head_dim not in KV_TMA_HEAD_DIM_BUCKETS):
-            raise ValueError(f"Sm90ForwardVariant: TMA over the cache (kv_tma) is an axis of the plain KV-cache forms "
-                             f"at head dims {KV_TMA_HEAD_DIM_BUCKETS}, got kvcache={self.kvcache}, mods={self.mods}, "
+        if self.kv_tma and (not self.kvcache or self.head_dim not in KV_TMA_HEAD_DIM_BUCKETS):
+            raise ValueError(f"Sm90ForwardVariant: TMA over the cache (kv_tma) is an axis of the KV-cache forms "
+                             f"at head dims {KV_TMA_HEAD_DIM_BUCKETS}, got kvcache={self.kvcache}, "
                              f"head_dim={self.head_dim}")
         if self.tile_n and (not self.user_mod or self.tile_n % 16):
             raise ValueError(f"Sm90ForwardVariant: tile_n={self.tile_n} is an axis of the traced forms (a multiple of 16)")
@@ -351,9 +351,9 @@ def all_variants(arch: int = 90, *, varlen: bool = False, kvcache: bool = False,
     softcap, ALiBi and sinks; with ``varlen``, chunked prefill: packed queries over a paged cache);
     ``fp8``: the fp8 forms (plain, fixed or with ``varlen`` packed; ``dtype`` the output's); ``gqa``:
     the forms with GQA packing: plain fixed shapes, or with ``kvcache`` the KV-cache forms (with
-    ``mods``, softcap, ALiBi and sinks); ``kv_tma``: the plain KV-cache forms (``kvcache``, with
-    ``gqa`` or ``varlen``) with TMA over the cache."""
-    if arch != 90 or dropout or (gqa and (varlen or fp8 or (mods and not kvcache))) or (kv_tma and (mods or not kvcache)):
+    ``mods``, softcap, ALiBi and sinks); ``kv_tma``: the KV-cache forms (``kvcache``, with
+    ``gqa`` or ``varlen``, and ``mods``) with TMA over the cache."""
+    if arch != 90 or dropout or (gqa and (varlen or fp8 or (mods and not kvcache))) or (kv_tma and not kvcache):
         return ()
     if gqa and not kvcache:   # (the plain fixed-shape forms)
         return tuple(Sm90ForwardVariant(dt, d, dv, local, gqa=True) for dt in DTYPES for d in GQA_HEAD_DIM_BUCKETS
@@ -1149,14 +1149,12 @@ def kvcache_variant(problem) -> Sm90ForwardVariant:
 KV_TMA_HEAD_DIM_BUCKETS = (64, 96, 128, 192)
 def kvcache_tma_reason(problem, variant) -> str | None:
     """Why the KV-cache call ``problem`` on ``variant`` (its form without TMA over the cache) gathers
-    every key tile by cp.async (None if the tiles that lie whole in a page load by TMA): the
-    modifier forms gather, and a paged cache's ``page_size`` must be a multiple of the tile's keys
+    every key tile by cp.async (None if the tiles that lie whole in a page load by TMA): a paged
+    cache's ``page_size`` must be a multiple of the tile's keys
     (a contiguous cache's batches are the map's pages, each a whole sequence's rows). Shapes only
     (the caches' strides are TMA's already: :func:`kvcache_reason`), so a CUDA-graph replay keeps
     it."""
     p, c = problem, problem.kvcache
-    if variant.mods:
-        return "the score-modifier forms gather every key tile by cp.async"
     if variant.head_dim not in KV_TMA_HEAD_DIM_BUCKETS:
         return (f"head dim bucket {variant.head_dim}: every key tile is gathered by cp.async (the form with TMA over "
                 f"the cache takes the buckets {KV_TMA_HEAD_DIM_BUCKETS})")

@@ -69,8 +69,10 @@ def variants_for_arch(arch: int) -> tuple:
     out.extend(attention_fwd_sm90.all_variants(arch, kvcache=True, mods=True, gqa=True))   # (softcap, ALiBi, sinks)
     out.extend(attention_fwd_sm90.all_variants(arch, varlen=True, kvcache=True))   # (chunked prefill over a paged cache)
     out.extend(attention_fwd_sm90.all_variants(arch, varlen=True, kvcache=True, mods=True))   # (with softcap, ALiBi)
-    for gqa, varlen in ((False, False), (True, False), (False, True)):   # (TMA over the cache: the plain forms)
-        out.extend(attention_fwd_sm90.all_variants(arch, varlen=varlen, kvcache=True, gqa=gqa, kv_tma=True))
+    for gqa, varlen in ((False, False), (True, False), (False, True)):   # (TMA over the cache: plain, modifiers)
+        for mods in (False, True):
+            out.extend(attention_fwd_sm90.all_variants(arch, varlen=varlen, kvcache=True, gqa=gqa, mods=mods,
+                                                       kv_tma=True))
     out.extend(attention_fwd_sm90.all_variants(arch, fp8=True))   # (fp8 q, k, v; sm_90a)
     out.extend(attention_fwd_sm90.all_variants(arch, varlen=True, fp8=True))   # (fp8 packed batches)
     if arch >= 70:

@@ -163,7 +163,9 @@ def test_kvcache_gqa_packing_names_the_group_and_the_tiles(launches):
     kc = np.zeros((2, 512, 2, 64), np.float16)
     lengths = np.array([500, 300], np.int32)
     info = cuflash.explain_kvcache(q, kc, kc.copy(), lengths, num_splits=3, arch=90)
-    assert info["tier"] == "attention_fwd_sm90" and info["variant"].endswith("_kvcache_gqa"), info["choice"]
+    assert info["tier"] == "attention_fwd_sm90" and info["variant"].endswith("_kvcache_gqa_tma"), info["choice"]
+    assert ("keys and values: 128-key tiles of the contiguous cache load by TMA, the one across a sequence's end by "
+            "cp.async gather" in info["choice"]), info["choice"]
     assert ("KV-cache form over a contiguous cache (2 x 512 rows), GQA packing: the 8 query heads of each kv head x 8 "
             "positions = 64 rows in 1 128-row tile (row m: position m // 8, head m % 8), 3 key splits"
             in info["choice"]), info["choice"]

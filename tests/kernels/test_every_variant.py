@@ -210,8 +210,11 @@ def _hopper_kvcache(rng, v):
     instead (:func:`_hopper_kvcache_contiguous`)."""
     dt = DTYPES[v.dtype]
     sq, hq = (11, 7) if v.gqa else (128, 2)
+    # (the modifier form: softcap, ALiBi and sinks, the ones a KV-cache call takes; packed: each row its head's)
+    mods = dict(softcap=4.0, alibi_slopes=rng.uniform(0.02, 0.4, hq).astype(np.float32),
+                sinks=rng.standard_normal(hq).astype(np.float32)) if v.mods else {}
     if v.kv_tma and not v.gqa:
-        return _hopper_kvcache_contiguous(rng, v, dt, sq, hq)
+        return _hopper_kvcache_contiguous(rng, v, dt, sq, hq, mods)
     page, lengths = (2 * v.block_n if v.kv_tma else 16), np.array([200, 17], np.int32)
     n0, n1 = -(-200 // page), -(-17 // page)
     bt = np.full((2, 13), -1, np.int32)
@@ -223,9 +226,6 @@ def _hopper_kvcache(rng, v):
         kc[i0, i1] = rng.standard_normal((len(i0), 1, v.head_dim))
         vc[i0, i1] = rng.standard_normal((len(i0), 1, v.head_dim_v))
     q = rng.standard_normal((2, sq, hq, v.head_dim)).astype(dt)
-    # (the modifier form: softcap, ALiBi and sinks, the ones a KV-cache call takes; packed: each row its head's)
-    mods = dict(softcap=4.0, alibi_slopes=rng.uniform(0.02, 0.4, hq).astype(np.float32),
-                sinks=rng.standard_normal(hq).astype(np.float32)) if v.mods else {}
     out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, block_table=bt,
                                               return_lse=True, backend="sim", **mods)
     for b, n in enumerate(lengths):
@@ -234,8 +234,8 @@ def _hopper_kvcache(rng, v):
         check_close(out[b:b + 1], q[b:b + 1], kb, vb, layout="bshd", causal=True, **mods)
 
 
-def _hopper_kvcache_contiguous(rng, v, dt, sq, hq):
-    """The unpacked form with TMA over a contiguous cache: sequences of 200 and 17 keys in cache
+def _hopper_kvcache_contiguous(rng, v, dt, sq, hq, mods):
+    """The unpacked form with TMA over a contiguous cache (``mods``: the modifier form's): sequences of 200 and 17 keys in cache
     batches 2 and 0 of 3, the first from row 13 (left padding: its whole tile by TMA at a row that
     is not a multiple of the tile, the edge gathered), two splits, causal; NaN in every row not to
     be read."""
@@ -247,10 +247,10 @@ def _hopper_kvcache_contiguous(rng, v, dt, sq, hq):
         vc[idx[b], leftpad[b]:n] = rng.standard_normal((n - leftpad[b], 1, v.head_dim_v))
     q = rng.standard_normal((2, sq, hq, v.head_dim)).astype(dt)
     out, lse = cuflash.attention_with_kvcache(q, kc, vc, lengths, causal=True, num_splits=2, cache_leftpad=leftpad,
-                                              cache_batch_idx=idx, return_lse=True, backend="sim")
+                                              cache_batch_idx=idx, return_lse=True, backend="sim", **mods)
     for b, n in enumerate(lengths):
         kb, vb = kc[idx[b], leftpad[b]:n][None], vc[idx[b], leftpad[b]:n][None]
-        check_close(out[b:b + 1], q[b:b + 1], kb, vb, layout="bshd", causal=True)
+        check_close(out[b:b + 1], q[b:b + 1], kb, vb, layout="bshd", causal=True, **mods)
 
 
 def _hopper_chunked_prefill(rng, v):

@@ -31,14 +31,32 @@ MASKS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)), "window": (False
          "causal_win": (True, (200, -1))}
 
 
-def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, extra, dtype_key, *, checked=False):
-    """One attention_with_kvcache call on a TMA form."""
+def make_mods(rng, names, b, hq):
+    """softcap 4; ALiBi slopes (Hq,) or per sequence (B, Hq) ("alibi_b"); sinks, one head's far
+    above its scores and one -inf (adds nothing)."""
+    mods = {}
+    if "softcap" in names:
+        mods["softcap"] = 4.0
+    if "alibi" in names:
+        mods["alibi_slopes"] = rng.uniform(0.02, 0.4, (b, hq) if "alibi_b" in names else (hq,)).astype(np.float32)
+    if "sinks" in names:
+        s = rng.standard_normal(hq).astype(np.float32)
+        s[0], s[-1] = 6.0, -np.inf
+        mods["sinks"] = s
+    return mods
+
+
+def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, extra, dtype_key, names=(), *, checked=False):
+    """One attention_with_kvcache call on a TMA form (``names``: score modifiers, the ``mods`` forms)."""
     dt = DTYPES[dtype_key]
     q, kc, vc, lengths, kw = make_case(rng, lengths, sq, snew, page, heads, d, dt, "none", extra)
     causal, window = MASKS[mask]
+    mods = make_mods(rng, names, len(lengths), heads[0])
+    kw = {**kw, **mods}
     problem = check_kvcache(q, kc, vc, lengths, causal=causal, window_size=window, num_splits=splits, **kw)
     info = dispatch.explain_forward(problem, 90, (q, kc, vc), sm_count=cuflash.sim.sm_count(90))
     assert info["tier"] == "attention_fwd_sm90" and info["variant"].endswith("_tma"), info["choice"]
+    assert ("_mods_" in info["variant"]) == bool(mods), info["variant"]
     assert (f"pages of {page} rows load by TMA, the others (across a sequence's end or a page's) by cp.async gather"
             if page else "of the contiguous cache load by TMA, the one across a sequence's end by cp.async gather"
             ) in info["choice"], info["choice"]
@@ -48,7 +66,7 @@ def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, extra, dtype_
         out, lse = cuflash.attention_with_kvcache(q, k1, v1, lengths, causal=causal, window_size=window,
                                                   num_splits=splits, return_lse=True, backend="sim", **kw)
     assert k1.tobytes() == want_k.tobytes() and v1.tobytes() == want_v.tobytes()
-    check_result(out, lse, q, want_k, want_v, lengths, kw, page, causal, window)
+    check_result(out, lse, q, want_k, want_v, lengths, kw, page, causal, window, **mods)
 
 
 #: (cache lengths, Sq, new rows, page size (None: contiguous), (Hq, Hk), mask, D, splits, extra, dtype)
@@ -67,24 +85,38 @@ SLOW = [
     ([300, 77], 64, 0, None, (8, 2), "window", 128, 2, "batch_idx", "f16"),   # contiguous, batch_idx, packed
     ([260, 200], 70, 1, None, (4, 4), "none", 64, 1, "leftpad", "bf16"),   # contiguous, left padding
 ]
+#: the score-modifier forms with TMA over the cache (the same fields, then the modifiers)
+MODS = [
+    # contiguous, left padding (tiles from rows that are not multiples of the tile), unpacked (G 3)
+    ([300, 77, 0], 130, 1, None, (6, 2), "causal", 64, 3, "leftpad", "bf16", ("softcap", "alibi", "sinks")),
+    # pages of 128, GQA 4 packed, per-sequence ALiBi and sinks, 2 splits
+    ([500, 3], 16, 1, 128, (8, 2), "window", 128, 2, "plain", "f16", ("alibi", "alibi_b", "sinks")),
+    # d192 (the modifier form: 96-key tiles), pages of 192
+    ([300, 90], 128, 0, 192, (4, 4), "causal_win", 192, 3, "plain", "bf16", ("softcap",)),
+    # contiguous with batch indices, GQA 8 packed
+    ([260, 200], 8, 0, None, (16, 2), "none", 96, 1, "batch_idx", "f16", ("softcap", "alibi", "sinks")),
+]
 
 
-def run_prefill(rng, chunks, page, heads, mask, d, used, dtype_key, *, checked=False):
-    """One chunked prefill (attention_varlen with a block_table) on the TMA form."""
+def run_prefill(rng, chunks, page, heads, mask, d, used, dtype_key, names=(), *, checked=False):
+    """One chunked prefill (attention_varlen with a block_table) on the TMA form (``names``:
+    softcap, ALiBi)."""
     q, kc, vc, cq, ck, mq, mk, seqused, bt = make_prefill(rng, chunks, page, heads, d, DTYPES[dtype_key], used)
     causal, window = MASKS[mask]
-    kw = dict(causal=causal, window_size=window, seqused_k=seqused, block_table=bt)
+    mods = make_mods(rng, names, len(cq) - 1, heads[0])
+    kw = dict(causal=causal, window_size=window, seqused_k=seqused, block_table=bt, **mods)
     info = cuflash.explain_varlen(q, kc, vc, cq, ck, mq, mk, backend="sim", arch=90, **kw)
     assert info["variant"].endswith("_varlen_kvcache_tma") and f"pages of {page} rows load by TMA" in info["choice"]
     with cuflash.sim.options(arch=90, checked=checked):
         out, lse = cuflash.attention_varlen(q, kc, vc, cq, ck, mq, mk, return_lse=True, backend="sim", **kw)
-    check_prefill(out, lse, q, kc, vc, cq, ck, seqused, bt, page, causal, window)
+    check_prefill(out, lse, q, kc, vc, cq, ck, seqused, bt, page, causal, window, **mods)
 
 
 #: (query rows, keys) per sequence, page size, (Hq, Hk), mask, D, keys used ("some": seqused_k), dtype
 PREFILL = [([(70, 300), (0, 5), (1, 129), (3, 0)], 128, (4, 2), "causal", 64, "some", "f16"),
            ([(130, 600), (64, 256)], 256, (8, 1), "window", 128, "all", "bf16"),
-           ([(100, 500), (5, 5)], 256, (2, 2), "causal_win", 96, "some", "bf16")]
+           ([(100, 500), (5, 5)], 256, (2, 2), "causal_win", 96, "some", "bf16"),
+           ([(70, 300), (3, 129)], 128, (4, 2), "causal", 64, "some", "f16", ("softcap", "alibi"))]   # modifiers
 
 
 @pytest.mark.slow
@@ -111,9 +143,15 @@ def test_kvcache_tma_grid(case, rng):
 
 @pytest.mark.slow
 @pytest.mark.checked
-@pytest.mark.parametrize("case", [DEFAULT[0], SLOW[1], SLOW[7]], ids=case_id)
+@pytest.mark.parametrize("case", [DEFAULT[0], SLOW[1], SLOW[7], MODS[0]], ids=case_id)
 def test_kvcache_tma_checked(case, rng):
     run_case(rng, *case, checked=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MODS, ids=[case_id(c) for c in MODS])
+def test_kvcache_tma_mods_grid(case, rng):
+    run_case(rng, *case)
 
 
 def test_kvcache_tma_routing():
@@ -147,14 +185,20 @@ def test_kvcache_tma_routing():
     assert not attention_fwd_sm90.kvcache_variant(p).kv_tma
     assert "a contiguous cache of 0 rows per sequence holds no key tile" in dispatch.explain_forward(
         p, 90, sm_count=132)["choice"]
-    p = problem(128, softcap=3.0)   # the modifier forms gather
+    for page in (128, None):   # the modifier forms too
+        p = problem(page, softcap=3.0)
+        v = attention_fwd_sm90.kvcache_variant(p)
+        assert v.kv_tma and v.mods and v.entry.endswith("_mods_kvcache_gqa_tma"), v.entry   # (G 8 packed)
+        assert "load by TMA" in dispatch.explain_forward(p, 90, sm_count=132)["choice"]
+    p = problem(16, softcap=3.0)
     assert not attention_fwd_sm90.kvcache_variant(p).kv_tma
-    assert "the score-modifier forms gather" in dispatch.explain_forward(p, 90, sm_count=132)["choice"]
+    assert "pages of 16 rows do not hold whole" in dispatch.explain_forward(p, 90, sm_count=132)["choice"]
     forms = attention_fwd_sm90.all_variants(kvcache=True, kv_tma=True)
     assert forms and all(v.entry.endswith("_kvcache_tma") for v in forms)
-    assert attention_fwd_sm90.all_variants(kvcache=True, mods=True, kv_tma=True) == ()
+    forms = attention_fwd_sm90.all_variants(kvcache=True, mods=True, kv_tma=True)
+    assert forms and all(v.entry.endswith("_mods_kvcache_tma") for v in forms)
     with pytest.raises(ValueError, match="kv_tma"):
-        attention_fwd_sm90.Sm90ForwardVariant("f16", 64, 64, True, True, kvcache=True, kv_tma=True)
+        attention_fwd_sm90.Sm90ForwardVariant("f16", 256, 256, True, True, kvcache=True, kv_tma=True)
 
 
 @pytest.mark.slow
