@@ -313,8 +313,7 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
         if self.kvcache:
             loads = "Q by TMA, K and V gathered from the cache by cp.async into 2-stage rings"
             if self.kv_tma:
-                loads = ("Q by TMA, K and V into 2-stage rings: key tiles wholly below the sequence's end and inside "
-                         "a page (a contiguous cache's batch) by TMA, the others gathered by cp.async")
+                loads = "Q by TMA, K and V into 2-stage rings (whole key tiles by TMA, the others by a cp.async gather)"
             if self.varlen:
                 packed = "chunked prefill, packed query sequences (ragged tensor maps) over a paged cache: "
         if self.gqa:
@@ -1156,13 +1155,11 @@ def kvcache_tma_reason(problem, variant) -> str | None:
     it."""
     p, c = problem, problem.kvcache
     if variant.head_dim not in KV_TMA_HEAD_DIM_BUCKETS:
-        return (f"head dim bucket {variant.head_dim}: every key tile is gathered by cp.async (the form with TMA over "
-                f"the cache takes the buckets {KV_TMA_HEAD_DIM_BUCKETS})")
+        return f"head dim bucket {variant.head_dim} (TMA over the cache takes the buckets {KV_TMA_HEAD_DIM_BUCKETS})"
     if not c.paged and c.capacity == 0:   # (a tensor map's extents are 1 or more)
         return "a contiguous cache of 0 rows per sequence holds no key tile"
     if c.paged and c.page_size % variant.block_n:
-        return (f"pages of {c.page_size} rows do not hold whole {variant.block_n}-key tiles, so every key tile is "
-                f"gathered by cp.async")
+        return f"pages of {c.page_size} rows do not hold whole {variant.block_n}-key tiles"
     return None
 
 
@@ -1175,7 +1172,7 @@ def kvcache_loads(problem, variant) -> str:
     if variant.kv_tma:
         return (f"keys and values: {variant.block_n}-key tiles of the contiguous cache load by TMA, the one across "
                 f"a sequence's end by cp.async gather")
-    return f"keys and values gathered by cp.async ({kvcache_tma_reason(problem, variant)})"
+    return f"keys and values gathered by cp.async: {kvcache_tma_reason(problem, variant)}"
 
 
 def kvcache_reason(problem, arch: int, arrays=None) -> str | None:

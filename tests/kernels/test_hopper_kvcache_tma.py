@@ -173,9 +173,10 @@ def test_kvcache_tma_routing():
         line = dispatch.explain_forward(p, 90, sm_count=132)["choice"]
         assert ("load by TMA" in line) == tma, line
         if d == 256:
-            assert "head dim bucket 256: every key tile is gathered" in line, line
+            assert "keys and values gathered by cp.async: head dim bucket 256 (TMA over the cache takes" in line, line
         elif not tma:
-            assert f"pages of {page} rows do not hold whole {v.block_n}-key tiles" in line, line
+            assert f"keys and values gathered by cp.async: pages of {page} rows do not hold whole {v.block_n}-key tiles" \
+                in line, line
         elif page is None:
             assert (f"{v.block_n}-key tiles of the contiguous cache load by TMA, the one across a sequence's end by "
                     "cp.async gather") in line, line
