@@ -100,7 +100,7 @@
 // (d256: unsplit, a compile-time single split).
 //
 // TMA over the cache (CUFLASH_KV_TMA 1 with CUFLASH_KVCACHE, the plain and modifier forms; the host's
-// choice where pages hold whole key tiles, and for contiguous caches): the entry takes k and v tensor maps over
+// choice for contiguous caches and where pages hold whole key tiles): the entry takes k and v tensor maps over
 // the cache, dims (head dim, row in page, kv head, page) (a contiguous cache's batches as pages);
 // a key tile wholly below the sequence's end and inside one page loads as one box per panel,
 // issued by producer thread 0 after its arrive.expect_tx (its one arrival of the tile's 128; the
@@ -191,8 +191,9 @@ constexpr int Q_BYTES = NPANEL * PANEL_Q, K_BYTES = NPANEL * PANEL_KV, V_BYTES =
 // than a tile
 constexpr bool EDGES_ONCE = !CUFLASH_MODS && !(CUFLASH_KVCACHE && D == 256);
 // Registers per thread after setmaxnreg: the producer's (the KV-cache gather needs 48) and the
-// consumers'; the GQA-packed form at d64 moves 8 from each consumer to the producer (at 48 its
-// gather loop spilled 16 B under NVRTC 12; the d64 consumers need far fewer than 224)
+// consumers'; the GQA-packed and TMA-over-the-cache KV-cache forms at d64 move 8 from each consumer
+// to the producer (at 48 their gather loop spilled 4-16 B under NVRTC 12 / 13; the d64 consumers need
+// far fewer than 224)
 #define PRODUCER_REGS ((CUFLASH_GQA || CUFLASH_KV_TMA) && CUFLASH_KVCACHE && D <= 64 ? 64 : CUFLASH_KVCACHE ? 48 : 40)
 #define CONSUMER_REGS ((CUFLASH_GQA || CUFLASH_KV_TMA) && CUFLASH_KVCACHE && D <= 64 ? 224 : 232)
 // named barriers: 1, 2 the consumers' epilogues (128 threads); 3, 4 their turns (256 threads)
@@ -1325,8 +1326,8 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     for (int r = 0; r < 2; ++r) {
         float l = quad_sum(l_run[r]);
 #if CUFLASH_GQA
-        // (the row's position and head taken again here, not held across the loop, as the shift was before
-        // this form took any group: held, it spilled at d256; lse and the partials in the unpacked rows'
+        // (the row's position and head taken again here, not held across the loop, since held values of
+        // this kind spill at d256; lse and the partials in the unpacked rows'
         // (batch, head, position) order; a dead row writes none)
         const int pe = 64 / group;
         const GqaRow er = gqa_row(16 * warp + g + 8 * r, group, pe);
