@@ -82,9 +82,6 @@ class KVCache:
     rotary_interleaved: bool
     num_splits: int
     checked: bool
-    #: the most keys a sequence attends to, when the host read every length (else None: the
-    #: kernels then plan with ``capacity``); read at validation, so every device plans alike
-    longest: int | None = None
 
     def with_arrays(self, convert) -> "KVCache":
         """A copy whose arrays (caches, indices, new keys, rotary tables) are ``convert(array)``
@@ -305,9 +302,6 @@ def check_attention_with_kvcache(q, k_cache, v_cache, options, *, func: str = "c
                     splits, checked)
     window = validation.check_window_size(options.window_size, causal, func)
     _check_host_indices(func, cache, batch, sq, causal or window != (-1, -1))
-    if checked and batch:
-        cache = dataclasses.replace(cache, longest=int((cache.host_seqlens(batch) + snew
-                                                         - cache.host_leftpad(batch)).max()))
 
     scale = validation.check_softmax_scale(options.softmax_scale, d, func)
     left, right = validation.normalize_window(*window, sq, capacity)

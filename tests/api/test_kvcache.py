@@ -261,8 +261,7 @@ def test_hostile_device_indices_give_nan_rows_and_stay_inside(rng, sq, heads):
     seqlens = lengths.copy()
     seqlens[2] = 2**31 - 5      # sequence 2: far past the cache
     hostile = dataclasses.replace(problem, kvcache=dataclasses.replace(problem.kvcache, block_table=bt,
-                                                                       cache_seqlens=seqlens, checked=False,
-                                                                       longest=None))
+                                                                       cache_seqlens=seqlens, checked=False))
     k1, v1 = kc.copy(), vc.copy()
     hostile = dataclasses.replace(hostile, kvcache=dataclasses.replace(hostile.kvcache, k_cache=k1, v_cache=v1))
     for splits in (1, 3):

@@ -225,7 +225,7 @@ def test_kvcache_tma_hostile_device_indices(rng):
     seqlens[2] = 2**31 - 5
     k1, v1 = kc.copy(), vc.copy()
     hostile = dataclasses.replace(problem, kvcache=dataclasses.replace(
-        problem.kvcache, block_table=bt, cache_seqlens=seqlens, checked=False, longest=None, k_cache=k1, v_cache=v1))
+        problem.kvcache, block_table=bt, cache_seqlens=seqlens, checked=False, k_cache=k1, v_cache=v1))
     for splits in (1, 2):
         c = dataclasses.replace(hostile.kvcache, num_splits=splits)
         with cuflash.sim.options(checked=True), sim_call(q) as call:
