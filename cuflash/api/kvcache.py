@@ -38,7 +38,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     already there and the ``Snew`` new ones, written into the cache at ``[cache_seqlens[b],
     cache_seqlens[b] + Snew)`` before attending (flash-attn's ``flash_attn_with_kvcache``). The
     kernels read the cache where it lies (paged caches page by page), pack the query heads that
-    share a kv head into one tile (FA3's pack-GQA: each cache byte is read once per kv head), and
+    share a kv head into one tile (FA3's pack-GQA: each cache byte is read once per kv head and packed tile), and
     split the keys over several blocks when the batch alone cannot fill the device
     (flash-decoding: partial results merged by their log-sum-exp, as :func:`merge_attention`).
 

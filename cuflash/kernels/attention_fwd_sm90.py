@@ -39,8 +39,8 @@ sequence starts at a multiple of 32 keys and has zeros up to a whole tile after 
 (:func:`fp8_value_copy_packed`, built on the device from the index), so no tile reads another
 sequence's values. fp8 KV caches run elsewhere (``explain`` says where).
 Decode-like KV-cache calls (``Sq`` under 128) with a group of ``G`` query heads per kv head (2 to 64)
-run GQA-packed when ``Sq * G`` fills half a tile (the ``kvcache`` + ``gqa`` forms,
-:func:`gqa_pack`): a block per kv head whose rows are the group's heads at consecutive
+run GQA-packed when ``Sq * G`` fills half a tile and packing takes no more tiles than unpacked
+(the ``kvcache`` + ``gqa`` forms, :func:`gqa_pack`): a block per kv head whose rows are the group's heads at consecutive
 positions (each consumer's 64 rows ``64 // G`` positions of the G heads), q and o through 5-d
 tensor maps. Plain fixed-shape calls with ``Sq`` under 128 and such a
 group pack the same way (the ``gqa`` forms without ``kvcache``; one rule, :func:`gqa_pack_reason`).
@@ -207,8 +207,9 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
     fp8: bool = dataclasses.field(default=False, kw_only=True)
     #: GQA packing (``CUFLASH_GQA``, entry suffix ``_gqa``; the plain fixed-shape forms and the fixed-batch
     #: KV-cache forms, with ``mods`` softcap, ALiBi and sinks, each row its own head's): a block per
-    #: kv head whose 128 rows are the group's query heads at consecutive positions (row ``m``:
-    #: position ``m // G``, head ``m % G`` of the group), q and o through 5-d tensor maps
+    #: kv head whose two consumers' 64 rows each hold the group's query heads at ``P = 64 // G``
+    #: consecutive positions (a consumer's row ``r``: position ``r // G`` of its P, head ``r % G``;
+    #: rows from ``P * G`` on unused), q and o through 5-d tensor maps
     gqa: bool = dataclasses.field(default=False, kw_only=True)
     #: TMA over the cache (``CUFLASH_KV_TMA``, entry suffix ``_tma``; the KV-cache forms, ``mods`` too): key
     #: tiles wholly inside a page (a contiguous cache's batch) and below the sequence's end load by TMA
@@ -409,8 +410,12 @@ def gqa_pack_reason(problem) -> str | None:
     packed batch or chunked prefill), fp8, score modifiers on a fixed-shape call (the KV-cache form
     packs softcap, ALiBi and sinks: each row takes its own head's slope and sink), ``Sq`` of a whole
     tile, a group outside 2..:data:`GQA_PACK_MAX`, a head dim (the larger of D and Dv) outside
-    :data:`GQA_HEAD_DIM_BUCKETS`, or more than one batch dim. Shapes only: a CUDA-graph replay keeps
-    it."""
+    :data:`GQA_HEAD_DIM_BUCKETS`, more than one batch dim, or packing that takes more tiles per kv
+    head than the unpacked form's ``G * ceil(Sq / 128)`` (``ceil(Sq / 2P)`` with ``P = 64 // G``
+    positions a consumer: a group that is not a power of two at more than ``2 * P * G`` positions;
+    under 64 positions ``P * G >= 32`` keeps packing within ``G`` tiles, so a KV-cache call under
+    :data:`KVCACHE_MIN_ROWS`, which the unpacked Hopper form does not take, is never unpacked by
+    it). Shapes only: a CUDA-graph replay keeps it."""
     p = problem
     g = p.group_size
     if p.varlen is not None:
@@ -430,12 +435,17 @@ def gqa_pack_reason(problem) -> str | None:
                 f"to spare there (GQA packing takes the buckets {GQA_HEAD_DIM_BUCKETS})")
     if len(p.batch_shape) != 1:
         return f"batch dims {p.batch_shape}: GQA packing takes one batch dim"
+    packed, unpacked = -(-p.seqlen_q // gqa_tile_positions(g)), g * -(-p.seqlen_q // BLOCK_M)
+    if packed > unpacked:
+        return (f"a group of {g} at Sq={p.seqlen_q} ({64 // g} position{'s' * (g <= 32)} a consumer): packing takes "
+                f"{packed} tiles per kv head against {unpacked} unpacked")
     return None
 
 
 def gqa_pack(problem) -> int:
     """The query heads per tile's kv head: G = Hq / Hk with GQA packing (:func:`gqa_pack_reason`),
-    else 1. A block per kv head then reads each K/V tile once for the G heads."""
+    else 1. A block per (packed tile of 2P positions, kv head) then loads each K/V tile once per
+    packed tile for the G heads, instead of once per (128-row tile, query head)."""
     return problem.group_size if gqa_pack_reason(problem) is None else 1
 
 
@@ -451,7 +461,8 @@ def gqa_pack_note(problem, tiles: int) -> str:
     p, g = problem, problem.group_size
     per = 64 // g
     note = (f"GQA packing: the {g} query heads of each kv head x {p.seqlen_q} positions = {g * p.seqlen_q} rows in "
-            f"{tiles} 128-row tile{'s' * (tiles != 1)} (row m: position m // {g}, head m % {g})")
+            f"{tiles} 128-row tile{'s' * (tiles != 1)} (a consumer's row r: position r // {g} of its {per} "
+            f"position{'s' * (per != 1)}, head r % {g})")
     if per * g < 64:
         note += f"; each consumer's 64 rows hold {per} position{'s' * (per != 1)} ({per * g} rows, {64 - per * g} unused)"
     return note
@@ -1228,7 +1239,7 @@ def kvcache_rows(problem) -> int:
 
 def kvcache_query_tiles(problem) -> int:
     """Query tiles of 128 rows per (sequence, query head), or with GQA packing per (sequence, kv
-    head): ``Sq * G`` packed rows."""
+    head): ``ceil(Sq / 2P)`` packed tiles of ``2P`` positions (:func:`gqa_tile_positions`)."""
     return -(-kvcache_rows(problem) // gqa_tile_positions(gqa_pack(problem)))
 
 

@@ -167,8 +167,8 @@ def test_kvcache_gqa_packing_names_the_group_and_the_tiles(launches):
     assert ("keys and values: 128-key tiles of the contiguous cache load by TMA, the one across a sequence's end by "
             "cp.async gather" in info["choice"]), info["choice"]
     assert ("KV-cache form over a contiguous cache (2 x 512 rows), GQA packing: the 8 query heads of each kv head x 8 "
-            "positions = 64 rows in 1 128-row tile (row m: position m // 8, head m % 8), 3 key splits"
-            in info["choice"]), info["choice"]
+            "positions = 64 rows in 1 128-row tile (a consumer's row r: position r // 8 of its 8 positions, "
+            "head r % 8), 3 key splits" in info["choice"]), info["choice"]
     assert info["blocks"] == 1 * 3 * 2 * 2
     with sim.options(arch=90):
         cuflash.attention_with_kvcache(q, kc, kc.copy(), lengths, num_splits=3, backend="sim")

@@ -63,7 +63,7 @@ def run_case(rng, lengths, sq, snew, page, heads, mask, d, splits, names, extra,
         g = heads[0] // heads[1]
         assert f"GQA packing: the {g} query heads" in info["choice"], info["choice"]
         assert info["blocks"] == -(-sq // (2 * (64 // g))) * info["splits"] * heads[1] * len(lengths)
-        assert f"(row m: position m // {g}, head m % {g}" in info["choice"], info["choice"]
+        assert f"(a consumer's row r: position r // {g} of its {64 // g} position" in info["choice"], info["choice"]
         want_k, want_v = expected_cache(kc, vc, lengths, kw, page)
         k1, v1 = kc.copy(), vc.copy()
         grids = []
@@ -156,11 +156,18 @@ def test_kvcache_gqa_routing():
     assert hopper(p) and attention_fwd_sm90.kvcache_variant(p).gqa and attention_fwd_sm90.gqa_pack(p) == 6
     assert attention_fwd_sm90.kvcache_query_tiles(p) == 1 and attention_fwd_sm90.kvcache_heads(p) == 2
     info = dispatch.explain_forward(p, 90, sm_count=132)
-    assert ("the 6 query heads of each kv head x 16 positions = 96 rows in 1 128-row tile (row m: position m // 6, "
-            "head m % 6); each consumer's 64 rows hold 10 positions (60 rows, 4 unused)") in info["choice"], info["choice"]
+    assert ("the 6 query heads of each kv head x 16 positions = 96 rows in 1 128-row tile (a consumer's row r: "
+            "position r // 6 of its 10 positions, head r % 6); each consumer's 64 rows hold 10 positions (60 rows, "
+            "4 unused)") in info["choice"], info["choice"]
     assert info["blocks"] == 2 * info["splits"]
     p = _problem(50, 35, 5)   # G 7: 9 positions a consumer, 18 a tile: 3 tiles
     assert attention_fwd_sm90.gqa_pack(p) == 7 and attention_fwd_sm90.kvcache_query_tiles(p) == 3
+    p = _problem(100, 33, 1)   # G 33 at Sq 100: 50 packed tiles against 33 unpacked, so the unpacked form
+    assert hopper(p) and not attention_fwd_sm90.kvcache_variant(p).gqa and attention_fwd_sm90.kvcache_heads(p) == 33
+    why = "packing takes 50 tiles per kv head against 33 unpacked"
+    assert why in dispatch.explain_forward(p, 90, sm_count=132)["choice"]
+    p = _problem(63, 33, 1)   # under 64 positions packing stays within G tiles: 32 here
+    assert hopper(p) and attention_fwd_sm90.gqa_pack(p) == 33 and attention_fwd_sm90.kvcache_query_tiles(p) == 32
     p = _problem(16, 8, 1, alibi_slopes=np.ones(8, np.float32), sinks=np.zeros(8, np.float32))   # per row
     assert hopper(p) and attention_fwd_sm90.kvcache_variant(p).gqa and attention_fwd_sm90.kvcache_variant(p).mods
     p = _problem(64, 130, 2)   # G 65: past the packed groups, Sq fills half a tile unpacked
@@ -216,7 +223,7 @@ def run_fixed(rng, layout, causal, window, heads, sq, sk, d, dv, dtype_key, *, c
     info = cuflash.explain(q, k, v, arch=90, backend="sim", **kw)
     assert info["variant"].endswith("_gqa") and "GQA packing" in info["choice"], info["choice"]
     g = hq // hk
-    assert f"(row m: position m // {g}, head m % {g})" in info["choice"], info["choice"]
+    assert f"(a consumer's row r: position r // {g} of its {64 // g} position" in info["choice"], info["choice"]
     assert info["blocks"] == -(-sq // (2 * (64 // g))) * hk * 2
     grids = []
     real = SimDevice.launch
@@ -259,9 +266,20 @@ def test_fixed_gqa_routing():
     assert "GQA packing not used" not in info(128, 8, 1)["choice"]
     i = info(8, 6, 2)                                            # G 3: 21 positions a consumer
     assert i["variant"].endswith("_gqa") and i["blocks"] == 2, i
-    assert ("GQA packing: the 3 query heads of each kv head x 8 positions = 24 rows in 1 128-row tile (row m: "
-            "position m // 3, head m % 3); each consumer's 64 rows hold 21 positions (63 rows, 1 unused)") in i["choice"]
-    assert variant(100, 48, 1).endswith("_gqa")                  # G 48: 1 position a consumer
+    assert ("GQA packing: the 3 query heads of each kv head x 8 positions = 24 rows in 1 128-row tile (a consumer's "
+            "row r: position r // 3 of its 21 positions, head r % 3); each consumer's 64 rows hold 21 positions "
+            "(63 rows, 1 unused)") in i["choice"]
+    assert variant(5, 48, 1).endswith("_gqa")                    # G 48: 1 position a consumer
+    # packing only where it takes no more tiles per kv head than unpacked (G x 1): G 33 at Sq 100 would
+    # take ceil(100 / 2) = 50; powers of two never take more (G 32 at Sq 127: ceil(127 / 4) = 32)
+    i = info(100, 33, 1)
+    assert not i["variant"].endswith("_gqa") and i["blocks"] == 33, i
+    assert ("GQA packing not used: a group of 33 at Sq=100 (1 position a consumer): packing takes 50 tiles per kv "
+            "head against 33 unpacked") in i["choice"], i["choice"]
+    assert not variant(120, 22, 1).endswith("_gqa")             # P 2: ceil(120 / 4) = 30 > 22
+    assert variant(66, 33, 1).endswith("_gqa")                   # 33 tiles against 33
+    assert variant(127, 32, 1).endswith("_gqa") and info(127, 32, 1)["blocks"] == 32
+    assert variant(127, 8, 2).endswith("_gqa") and info(127, 8, 2)["blocks"] == 4 * 2   # G 4: 32 positions a tile
     i = info(8, 8, 1, d=256)                                     # head dim 256
     assert not i["variant"].endswith("_gqa") and "GQA packing not used: head dim 256 (bucket 256)" in i["choice"]
     i = info(8, 8, 1, softcap=3.0)                               # modifiers: unpacked
