@@ -144,14 +144,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ------
     TypeError
         As :func:`cuflash.attention`; an index array that is not int32, or a device index with
-        NumPy q.
+        NumPy q; ``num_splits`` not an int (a bool is refused).
     ValueError
         q/k/v not 3-D or mismatched; an index that is not 1-D of length ``B + 1`` (``B`` for
         ``seqused_k``), does not start at 0, decreases, or does not end at ``total_q`` /
         ``total_k``; a ``max_seqlen`` below a sequence's length (NumPy indices); ``seqused_k`` outside
         ``[0, keys]``; an index on another device; bad options or ``out=``; descales of the
         wrong shape or strides, non-positive or non-finite (host) descales, descales or
-        ``out_dtype`` without fp8 input (``TypeError`` for descales that are not float32).
+        ``out_dtype`` without fp8 input (``TypeError`` for descales that are not float32);
+        ``num_splits`` outside ``[0, 256]``.
     TypeError (gradients)
         An option without a gradient given with torch tensors that require grad (named by
         :func:`cuflash.torch.attention_varlen`). torch tensors that require grad run through
@@ -210,10 +211,11 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     -------
     dict
         :func:`cuflash.explain`'s keys: ``backend``; on the kernel backends ``arch``, ``tier``,
-        ``variant`` (its name ends in ``_varlen`` for the packed forms, ``_varlen_kvcache`` for
-        chunked prefill over a paged cache), ``entry``, ``block_m``/``block_n``, ``threads``,
-        ``smem_bytes``, ``blocks`` (``ceil(max_seqlen_q / block_m)`` query tiles per head and
-        sequence; blocks past a sequence's end exit at once), ``choice`` and ``backward`` (the
+        ``variant`` (its name contains ``_varlen`` for the packed forms, ``_varlen_kvcache`` for
+        chunked prefill over a paged cache, with the suffix ``_tma`` where pages of whole key
+        tiles load by TMA), ``entry``, ``block_m``/``block_n``, ``threads``, ``smem_bytes``,
+        ``blocks`` (``ceil(max_seqlen_q / block_m)`` query tiles per head and sequence, x
+        ``splits`` with a ``block_table``; blocks past a sequence's end exit at once), ``choice`` and ``backward`` (the
         backward's tier and variant, and why; not with a ``block_table``). With a
         ``block_table`` also ``splits`` (key splits; above 1 the Hopper form's partials are merged
         by the combine kernel). With ``num_splits=0`` on the Hopper form the count depends on the
