@@ -13,11 +13,10 @@ import numpy as np
 
 from cuflash.kernels.kvcache_append import KVCACHE_DTYPES
 from cuflash.runtime import plan, variants
+from cuflash.runtime.validation import MAX_SPLITS
 
 #: threads per block (one warp per row)
 THREADS = 128
-#: the most splits one row can have (the weights of a warp's row live in shared memory)
-MAX_SPLITS = 256
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ import numpy as np
 from cuflash.kernels import forward_run
 from cuflash.kernels import launch_args as la
 from cuflash.runtime import plan, score_mod, variants
+from cuflash.runtime.validation import MAX_SPLITS
 from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 #: head-dim buckets: a variant serves every ``max(D, Dv)`` (a multiple of 8) up to its bucket
@@ -449,8 +450,6 @@ def forward(problem, q, k, v, out, call):
 # --------------------------------------------------------------------------------------------
 # the KV-cache form
 
-#: the most key splits of one row (the combine kernel's limit)
-MAX_SPLITS = 256
 #: a split-KV grid aims at this many waves of resident blocks, and a split at least this many key
 #: tiles (below, the combine's extra pass costs more than the parallelism gains)
 SPLIT_WAVES = 1

@@ -70,6 +70,7 @@ from cuflash.kernels import launch_args as la
 from cuflash.runtime import plan, score_mod, variants
 from cuflash.runtime.plan import LaunchPlan, PointerArg, ScalarArg, TensorMapArg
 from cuflash.runtime.tensor_map import TensorMap
+from cuflash.runtime.validation import MAX_SPLITS
 from cuflash.runtime.validation_modifiers import refuse_modifiers
 
 #: this module's tier, in the dispatcher's words
@@ -1131,9 +1132,8 @@ KVCACHE_MIN_ROWS = 64
 #: consumer's 64 rows hold whole groups of G heads at 64 // G positions), and ``Sq`` under
 #: :data:`BLOCK_M` (from there on the unpacked tiles are full)
 GQA_PACK_MAX = 64
-#: split-KV: the combine kernel's limit, and at least this many key tiles per split (as the
-#: tensor-core form)
-MAX_SPLITS = 256
+#: split-KV: at least this many key tiles per split (as the tensor-core form), and at most
+#: :data:`~cuflash.runtime.validation.MAX_SPLITS` splits
 MIN_TILES_PER_SPLIT = 2
 #: the head-dim buckets whose chunked-prefill form runs unsplit (a compile-time single split: with a
 #: run-time split count the d256 form spilled under NVRTC 12 and 13)

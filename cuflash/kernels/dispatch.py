@@ -259,6 +259,18 @@ def _check_grid(problem, blocks: int) -> None:
         raise NotImplementedError(f"{problem.func}: {blocks} thread blocks exceed the grid limit {plan.MAX_GRID_DIMS[0]}")
 
 
+def _unsplit_reason(problem, variant) -> str:
+    """Why the KV-cache call ``problem`` on ``variant`` runs one split where ``num_splits`` asks for
+    more (explain's words)."""
+    p, c = problem, problem.kvcache
+    hopper = isinstance(variant, attention_fwd_sm90.Sm90ForwardVariant)
+    if p.varlen is not None and not hopper:
+        return "the tensor-core tier does not split packed batches (chunked prefill)"
+    if p.varlen is not None and variant.head_dim in attention_fwd_sm90.PREFILL_UNSPLIT_BUCKETS:
+        return f"the head-dim-{variant.head_dim} chunked-prefill form runs unsplit"
+    return f"the cache's capacity of {c.capacity} rows is one {variant.block_n}-key tile"
+
+
 def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
     """What :func:`run_forward` would launch for ``problem`` on ``sm_<arch>``, without launching.
 
@@ -317,6 +329,8 @@ def explain_forward(problem, arch: int, arrays=None, sm_count=None) -> dict:
     v, splits = kvcache_run.choose(p, arch, arrays, sm_count)
     batch = p.varlen.batch if p.varlen is not None else p.batch_shape[0]
     split = f"{splits} key splits merged by the combine kernel" if splits > 1 else "unsplit"
+    if splits == 1 and c.num_splits > 1:
+        split += f" (num_splits={c.num_splits} asked: {_unsplit_reason(p, v)})"
     if isinstance(v, attention_fwd_sm90.Sm90ForwardVariant):   # the Hopper KV-cache form (the fastest tier)
         tiles = attention_fwd_sm90.kvcache_query_tiles(p)
         blocks = tiles * splits * attention_fwd_sm90.kvcache_heads(p) * batch

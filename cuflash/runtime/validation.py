@@ -174,11 +174,18 @@ def check_int(value, name: str, func: str) -> int:
     return operator.index(value)
 
 
+#: the most key splits of one row (``num_splits``): the combine kernel's limit (the weights of a
+#: warp's row live in its shared memory), which every split-KV form keeps to
+MAX_SPLITS = 256
+
+
 def check_num_splits(num_splits, func: str) -> int:
-    """A split-KV count (``num_splits``): an int in [0, 256], 0 = chosen from the work and the device."""
+    """A split-KV count (``num_splits``): an int in [0, :data:`MAX_SPLITS`], 0 = chosen from the work
+    and the device."""
     n = check_int(num_splits, "num_splits", func)
-    if not 0 <= n <= 256:
-        raise ValueError(f"{func}: num_splits must be in [0, 256] (0 = chosen from the work and the device), got {n}")
+    if not 0 <= n <= MAX_SPLITS:
+        raise ValueError(f"{func}: num_splits must be in [0, {MAX_SPLITS}] (0 = chosen from the work and the device), "
+                         f"got {n}")
     return n
 
 

@@ -109,12 +109,16 @@ def test_chunked_prefill_split_count_from_shapes_on_device_indices():
     assert "4 key splits merged by the combine kernel" in info["choice"]
     info = cuflash.explain_varlen(q, cache, cache, cu_q, cu_k, 137, 200, block_table=table, num_splits=5, arch=90)
     assert info["splits"] == 5
+    info = cuflash.explain_varlen(q, cache, cache, cu_q, cu_k, 137, 200, block_table=table, num_splits=np.int64(3),
+                                  arch=90)
+    assert info["splits"] == 3   # a NumPy integer is an int
     info = cuflash.explain_varlen(q, cache, cache, cu_q, cu_k, 137, 200, block_table=table, num_splits=0, arch=100)
     assert info["tier"] == "attention_fwd_mma" and info["splits"] == 1, info["choice"]
     # head dim 256: the Hopper chunked-prefill form runs unsplit whatever num_splits asks
     q, cache = FakeCudaTensor((140, 4, 256)), FakeCudaTensor((200, 16, 2, 256))
     info = cuflash.explain_varlen(q, cache, cache, cu_q, cu_k, 137, 200, block_table=table, num_splits=4, arch=90)
-    assert (info["variant"], info["splits"]) == ("f16_d256_local_varlen_kvcache", 1) and "unsplit" in info["choice"]
+    assert (info["variant"], info["splits"]) == ("f16_d256_local_varlen_kvcache", 1)
+    assert "unsplit (num_splits=4 asked: the head-dim-256 chunked-prefill form runs unsplit)" in info["choice"]
 
 
 def test_numpy_path_and_chunked_prefill(launches):

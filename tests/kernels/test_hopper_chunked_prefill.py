@@ -244,10 +244,12 @@ def test_chunked_prefill_replay_with_new_lengths_keeps_its_plan(rng):
             kc[...], vc[...] = k_run, v_run
 
 
-@pytest.mark.parametrize("value, error", [(1.5, TypeError), (True, TypeError), ("2", TypeError), (-1, ValueError),
-                                          (257, ValueError)])
+@pytest.mark.parametrize("value, error", [(1.5, TypeError), (True, TypeError), (np.bool_(True), TypeError),
+                                          ("2", TypeError), (-1, ValueError), (257, ValueError)])
 def test_num_splits_is_validated(rng, value, error):
-    """num_splits is an int in [0, 256], with or without a block_table, on every backend."""
+    """num_splits is an int in [0, 256] (a NumPy integer too, a bool refused), with or without a
+    block_table: checked by the NumPy backend's call and by explain_varlen planning for the
+    simulator, before any work."""
     q, kc, vc, cq, ck, mq, mk, _, bt = make_prefill(rng, [(3, 5)], 3, (2, 1), 32, DTYPES["f16"], "all")
     for table, (k, v) in ((bt, (kc, vc)), (None, (q, q))):
         with pytest.raises(error, match="num_splits"):
@@ -263,5 +265,14 @@ def test_num_splits_is_a_hint_where_nothing_splits(rng):
     q, kc, vc, cq, ck, mq, mk, _, bt = make_prefill(rng, [(5, 40), (9, 23)], 16, (4, 2), 64, DTYPES["f16"], "all")
     info = cuflash.explain_varlen(q, kc, vc, cq, ck, mq, mk, block_table=bt, num_splits=4, backend="sim", arch=90)
     assert info["tier"] == "attention_fwd_mma" and info["splits"] == 1, info["choice"]
+    assert ("unsplit (num_splits=4 asked: the tensor-core tier does not split packed batches (chunked prefill))"
+            in info["choice"]), info["choice"]
+    # a fixed batch whose cache holds one key tile (64 rows) has no keys to split
+    info = cuflash.explain_kvcache(q[:1].reshape(1, 1, 4, 64), kc[:4].reshape(1, 64, 2, 64),
+                                   vc[:4].reshape(1, 64, 2, 64), np.array([30], np.int32), num_splits=4,
+                                   backend="sim", arch=90)
+    assert info["splits"] == 1, info["choice"]
+    assert f"unsplit (num_splits=4 asked: the cache's capacity of 64 rows is one {info['block_n']}-key tile)" in (
+        info["choice"]), info["choice"]
     info = cuflash.explain_varlen(q, q, q, cq, cq, mq, mq, num_splits=4, backend="sim", arch=90)
     assert "splits" not in info and info["variant"].endswith("_varlen"), info
