@@ -52,7 +52,7 @@ from cuflash.api import varlen as api_varlen
 from cuflash.runtime import dtypes, score_mod, validation, validation_kvcache
 from cuflash.runtime.block_mask import BlockMask, own_mask_mod
 from cuflash.runtime.score_mod import trace as score_mod_trace
-from cuflash.runtime.options import DropoutOptions, ModifierOptions, Options, PackedOptions
+from cuflash.runtime.options import DropoutOptions, Fp8Options, ModifierOptions, Options, PackedOptions
 
 __all__ = ["attention", "attention_varlen", "softmax", "merge_attention"]
 
@@ -372,9 +372,13 @@ def _check_out(func: str, out) -> None:
                         f"array (got out of type {type(out).__module__}.{type(out).__qualname__})")
 
 
-def _refuse_fp8(func: str, public: str, fp8: dict) -> None:
+def _refuse_fp8(func: str, public: str, fp8: dict, arrays: tuple) -> None:
     """The fp8 options (``q_descale``, ``k_descale``, ``v_descale``, ``out_dtype``): taken as the
-    public function takes them, refused by name unless None (fp8 input has no form here)."""
+    public function takes them, refused by name when given with float8 ``arrays`` (q, k, v; fp8
+    input has no form here). Given with other input they reach the shared validation, which
+    raises the public function's ``ValueError``."""
+    if not any(dtypes.is_fp8(getattr(a, "dtype", None)) for a in arrays):
+        return
     for name, x in fp8.items():
         if x is not None:
             got = (f"an array of shape {tuple(x.shape)}" if hasattr(x, "shape") else
@@ -611,11 +615,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         ``TypeError`` for ``out`` or for a scalar option given as a ``jax.Array``; for a
         ``block_mask``, ``ValueError`` when built for other lengths, batch or heads or with
         another ``mask_mod``, ``TypeError`` for one that is not a ``BlockMask`` or of the other
-        array kind; ``NotImplementedError`` for an fp8 option that is not None.
+        array kind; ``NotImplementedError`` for float8 input (with an fp8 option that is not None,
+        naming it); an fp8 option with other input is the ``ValueError`` of :func:`cuflash.attention`.
     """
     _check_out(_FUNC, out)
     _refuse_fp8(_FUNC, "cuflash.attention", dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                                 out_dtype=out_dtype))
+                                                 out_dtype=out_dtype), (q, k, v))
     if block_mask is not None:   # static: its own mask_mod (checked here) and its arrays stay in the call
         mask_mod = own_mask_mod(block_mask, mask_mod, _FUNC)
     causal = validation.check_flag(causal, "causal", _FUNC)
@@ -633,7 +638,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, layout=layout,
                 dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
                 modifiers=ModifierOptions(softcap, **stand, score_mod=traced[0], mask_mod=traced[1],
-                                          block_mask=_stand_in_block_mask(block_mask))), func=_FUNC)
+                                          block_mask=_stand_in_block_mask(block_mask)),
+                fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype)), func=_FUNC)
     _check_backend(_FUNC, backend, q)
     _check_block_mask_kind(block_mask, q)
     present = {n: x for n, x in mods.items() if x is not None}
@@ -719,7 +725,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         As :func:`cuflash.attention_varlen`, at trace time (shapes, dtypes and static options;
         the device indices' values are not read); ``TypeError`` for ``out``, a scalar option
         given as a ``jax.Array``, or a gradient through ``block_table``; ``NotImplementedError``
-        for an fp8 option that is not None.
+        for float8 input (with an fp8 option that is not None, naming it); an fp8 option with
+        other input is the ``ValueError`` of :func:`cuflash.attention_varlen`.
     """
     func = _FUNC_VARLEN
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
@@ -729,7 +736,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                       f"sequence")
     _check_out(func, out)
     _refuse_fp8(func, "cuflash.attention_varlen", dict(q_descale=q_descale, k_descale=k_descale,
-                                                       v_descale=v_descale, out_dtype=out_dtype))
+                                                       v_descale=v_descale, out_dtype=out_dtype), (q, k, v))
     causal = validation.check_flag(causal, "causal", func)
     return_lse = validation.check_flag(return_lse, "return_lse", func)
     deterministic = validation.check_flag(deterministic, "deterministic", func)
@@ -771,7 +778,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         Options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                 dropout=DropoutOptions(dropout_p, dropout_seed, dropout_offset),
                 modifiers=ModifierOptions(softcap, None if alibi_slopes is None else _stand_in(alibi_slopes)),
-                packed=packed), func=func, cache_check=validation_kvcache.varlen_cache)
+                packed=packed, fp8=Fp8Options(q_descale, k_descale, v_descale, out_dtype)), func=func,
+        cache_check=validation_kvcache.varlen_cache)
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
         if not 0 <= value < 2**31 - 256:
             raise ValueError(f"{func}: {name}={value} must be in [0, 2**31 - 256)")

@@ -331,8 +331,8 @@ def describe_inputs(arrays: dict, func: str, *, fp8: bool = False) -> dict:
     return infos
 
 
-_FP8_WHERE = ("fp8 input is taken by cuflash.attention's forward (q, k, v with q_descale, k_descale, v_descale) "
-              "and as the k_cache/v_cache of cuflash.attention_with_kvcache only")
+_FP8_WHERE = ("fp8 input is taken by the forwards of cuflash.attention and cuflash.attention_varlen (q, k, v with "
+              "q_descale, k_descale, v_descale) and as the k_cache/v_cache of cuflash.attention_with_kvcache only")
 
 
 def _heads_and_batch(info: ArrayInfo, layout: str):

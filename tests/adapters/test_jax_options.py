@@ -487,10 +487,15 @@ def test_refusals_name_the_argument(rng):
     ("out_dtype", "bfloat16", r"'bfloat16' \(str\)"),
 ])
 def test_the_fp8_options_are_refused_by_name(name, value, got):
-    # taken as the public functions take them, refused unless None; cuflash.attention called
-    # with a tracer reaches the same refusal (not an unexpected-keyword error); None is fine
+    # taken as the public functions take them: with float8 input refused by name (fp8 has no JAX
+    # form), with other input the public function's ValueError (an option of fp8 input only);
+    # cuflash.attention called with a tracer reaches the same answers (not an unexpected-keyword
+    # error); None is fine
     q = jnp.zeros((1, 2, 4, 8), jnp.float32)
     qp, cq = q.reshape(4, 2, 8), jnp.asarray([0, 4], jnp.int32)
+    public_calls = {"cuflash.attention": lambda q, **kw: cuflash.attention(q, q, q, **kw),
+                    "cuflash.attention_varlen": lambda q, **kw: cuflash.attention_varlen(
+                        q, q, q, np.asarray(cq), np.asarray(cq), 4, 4, **kw)}
     calls = {"cuflash.jax.attention": ("cuflash.attention", lambda q, **kw: cj.attention(q, q, q, **kw),
                                        lambda q, **kw: cuflash.attention(q, q, q, **kw), q),
              "cuflash.jax.attention_varlen": ("cuflash.attention_varlen",
@@ -499,10 +504,23 @@ def test_the_fp8_options_are_refused_by_name(name, value, got):
                                               qp)}
     for func, (public, adapter, routed, x) in calls.items():
         want = f"{func}: {name} must be None: fp8 input has no form in cuflash.jax .*call {public} on concrete .*{got}"
+        x8 = x.astype(jnp.float8_e4m3fn)
         with pytest.raises(NotImplementedError, match=want):
-            adapter(x, **{name: value})
+            adapter(x8, **{name: value})
         with pytest.raises(NotImplementedError, match=want):
-            jax.jit(lambda x: routed(x, **{name: value}))(x)  # noqa: B023
+            jax.jit(lambda x: routed(x, **{name: value}))(x8)  # noqa: B023
+        with pytest.raises(ValueError) as expected:   # float32 input: the public function's refusal
+            public_calls[public](np.asarray(x), **{name: value})
+        assert str(expected.value).startswith(f"{public}: {name}"), expected.value
+        eager = lambda: adapter(x, **{name: value})                       # noqa: B023, E731
+        traced = lambda: jax.jit(lambda x: routed(x, **{name: value}))(x)  # noqa: B023, E731
+        for call in (eager, traced):
+            with pytest.raises(ValueError) as err:
+                call()
+            assert str(err.value) == str(expected.value).replace(public, func, 1), err.value
+        # float8 input without the options: the shared refusal, naming where fp8 is taken
+        with pytest.raises(NotImplementedError, match=r"cuflash\.attention and cuflash\.attention_varlen"):
+            adapter(x8)
         np.testing.assert_array_equal(np.asarray(adapter(x, **{name: None})), np.asarray(adapter(x)))
 
 
