@@ -202,14 +202,15 @@ def _chunked_prefill(rng, v, d):
 
 
 def _hopper_kvcache(rng, v):
-    """The Hopper KV-cache form: 128 query rows, GQA 2 (unpacked), two sequences (200 and 17 keys) in
-    a paged cache of 16-row pages, two key splits, causal; NaN in every cache row not to be read.
+    """The Hopper KV-cache form: 130 query rows (a second query tile of 2 rows), GQA 2 (unpacked), two
+    sequences (200 and 17 keys) in a paged cache of 16-row pages, two key splits, causal; NaN in every
+    cache row not to be read.
     GQA packing (the ``gqa`` forms): 11 positions of a group of 7 query heads (77 rows; 9 positions,
     63 rows, a consumer: one dead row each). TMA over the cache (the ``kv_tma`` forms): pages of two
     key tiles (a whole tile by TMA, the edge gathered); the unpacked ones over a contiguous cache
     instead (:func:`_hopper_kvcache_contiguous`)."""
     dt = DTYPES[v.dtype]
-    sq, hq = (11, 7) if v.gqa else (128, 2)
+    sq, hq = (11, 7) if v.gqa else (130, 2)
     # (the modifier form: softcap, ALiBi and sinks, the ones a KV-cache call takes; packed: each row its head's)
     mods = dict(softcap=4.0, alibi_slopes=rng.uniform(0.02, 0.4, hq).astype(np.float32),
                 sinks=rng.standard_normal(hq).astype(np.float32)) if v.mods else {}
