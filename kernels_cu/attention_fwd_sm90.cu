@@ -144,7 +144,7 @@
 // 128, 192, 256; Dv <= D), CUFLASH_BC (keys per tile), CUFLASH_LOCAL (0/1), CUFLASH_MODS (0/1),
 // CUFLASH_VARLEN (0/1), CUFLASH_KVCACHE (0/1); with a traced function CUFLASH_USER_MOD and its macros,
 // CUFLASH_BLOCK_SPARSE (0/1), CUFLASH_FP8 (0/1; CUFLASH_BF16 is then the output's type), CUFLASH_GQA (0/1),
-// CUFLASH_KV_TMA (0/1).
+// CUFLASH_KV_TMA (0/1), CUFLASH_UNSPLIT (0/1: a chunked-prefill form with one split, fixed at compile time).
 #include "ptx.cuh"
 #include "score_mods.cuh"
 
@@ -156,6 +156,9 @@
 #endif
 #ifndef CUFLASH_GQA
 #define CUFLASH_GQA 0
+#endif
+#ifndef CUFLASH_UNSPLIT
+#define CUFLASH_UNSPLIT 0
 #endif
 #ifndef CUFLASH_KV_TMA
 #define CUFLASH_KV_TMA 0
@@ -904,10 +907,10 @@ __device__ void forward(const cuflash_tensor_map& map_q, const cuflash_tensor_ma
     // has half O's bytes there): [NPANEL_V][BR rows][128 B]
     unsigned char* o_st = CUFLASH_FP8 ? v_s + STAGES * V_BYTES : q_s;
 #if CUFLASH_KVCACHE
-    // split-KV: blockIdx.x is (query tile, split), the split fastest (chunked prefill at d256 runs
-    // unsplit, nsplit the constant 1: a run-time count spilled its sequence's offsets there, under
-    // NVRTC 12 and 13)
-    const int nsplit = CUFLASH_VARLEN && CUFLASH_D == 256 ? 1 : kv.num_splits, split = blockIdx.x % nsplit;
+    // split-KV: blockIdx.x is (query tile, split), the split fastest (CUFLASH_UNSPLIT 1, the host's
+    // choice for chunked prefill at d256: nsplit the constant 1, since a run-time count spilled its
+    // sequence's offsets there, under NVRTC 12 and 13)
+    const int nsplit = CUFLASH_UNSPLIT ? 1 : kv.num_splits, split = blockIdx.x % nsplit;
 #if CUFLASH_GQA
     // GQA packing: a block per kv head; consumer c's rows are P = per positions from (m0 / 64 + c) * P
     // of the group's heads h.. (gqa_row)

@@ -307,7 +307,9 @@ class Sm90ForwardVariant(ThreeWarpgroups, variants.Variant):
                                     ("CUFLASH_KVCACHE", "1" if self.kvcache else "0")) + (
             variants.AttentionVariant.user_defines(self) if self.user_mod else ()) + (   # (the other forms' text unchanged)
             (("CUFLASH_FP8", "1"),) if self.fp8 else ()) + ((("CUFLASH_GQA", "1"),) if self.gqa else ()) + (
-            (("CUFLASH_KV_TMA", "1"),) if self.kv_tma else ())
+            (("CUFLASH_KV_TMA", "1"),) if self.kv_tma else ()) + (
+            (("CUFLASH_UNSPLIT", "1"),) if self.varlen and self.kvcache and self.head_dim in PREFILL_UNSPLIT_BUCKETS
+            else ())
 
     def describe(self) -> str:
         packed = "packed sequences (ragged tensor maps clipped at each sequence's end): " if self.varlen else ""
@@ -1135,8 +1137,8 @@ GQA_PACK_MAX = 64
 #: split-KV: at least this many key tiles per split (as the tensor-core form), and at most
 #: :data:`~cuflash.runtime.validation.MAX_SPLITS` splits
 MIN_TILES_PER_SPLIT = 2
-#: the head-dim buckets whose chunked-prefill form runs unsplit (a compile-time single split: with a
-#: run-time split count the d256 form spilled under NVRTC 12 and 13)
+#: the head-dim buckets whose chunked-prefill form runs unsplit (a compile-time single split, the
+#: kernel's CUFLASH_UNSPLIT: with a run-time split count the d256 form spilled under NVRTC 12 and 13)
 PREFILL_UNSPLIT_BUCKETS = (256,)
 #: the score modifiers the KV-cache form takes (its ``mods`` forms; those
 #: ``cuflash.attention_with_kvcache`` has): the sink joins split 0's rows only, so the combine
