@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from allpairspy import AllPairs
 from support.grids import default_share
-from support.device import on_device, sim_call
+from support.device import on_device, sim_call, sim_kvcache_forward
 from support.options import check_kvcache as check_attention_with_kvcache
 from support.kvcache import check_prefill, check_result, expected_cache, make_case, make_prefill
 from support.tolerance import check_close
@@ -265,11 +265,7 @@ def test_hostile_device_indices_give_nan_rows_and_stay_inside(rng, sq, heads):
     k1, v1 = kc.copy(), vc.copy()
     hostile = dataclasses.replace(hostile, kvcache=dataclasses.replace(hostile.kvcache, k_cache=k1, v_cache=v1))
     for splits in (1, 3):
-        c = dataclasses.replace(hostile.kvcache, num_splits=splits)
-        with cuflash.sim.options(checked=True), sim_call(q) as call:
-            p, qd = on_device(call, dataclasses.replace(hostile, kvcache=c), q)
-            out, lse = (call.export(a) for a in dispatch.run_forward(p, qd, p.kvcache.k_cache, p.kvcache.v_cache,
-                                                                      None, call))
+        out, lse = sim_kvcache_forward(hostile, q, splits)
         assert np.isnan(out[1:].astype(np.float32)).all() and np.isnan(lse[1:]).all()
         good_k, good_v = expected_cache(kc, vc, lengths[:1], dict(kw, block_table=kw["block_table"][:1],
                                                                    k=kw["k"][:1], v=kw["v"][:1]), 4)

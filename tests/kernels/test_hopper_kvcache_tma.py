@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from support.device import on_device, sim_call
+from support.device import sim_kvcache_forward
 from support.grids import case_id
 from support.kvcache import check_prefill, check_result, expected_cache, make_case, make_prefill
 from support.options import check_kvcache
@@ -227,11 +227,7 @@ def test_kvcache_tma_hostile_device_indices(rng):
     hostile = dataclasses.replace(problem, kvcache=dataclasses.replace(
         problem.kvcache, block_table=bt, cache_seqlens=seqlens, checked=False, k_cache=k1, v_cache=v1))
     for splits in (1, 2):
-        c = dataclasses.replace(hostile.kvcache, num_splits=splits)
-        with cuflash.sim.options(checked=True), sim_call(q) as call:
-            p, qd = on_device(call, dataclasses.replace(hostile, kvcache=c), q)
-            out, lse = (call.export(a) for a in dispatch.run_forward(p, qd, p.kvcache.k_cache, p.kvcache.v_cache,
-                                                                      None, call))
+        out, lse = sim_kvcache_forward(hostile, q, splits)
         assert np.isnan(out[1:].astype(np.float32)).all() and np.isnan(lse[1:]).all()
         one = dict(kw, block_table=kw["block_table"][:1], k=kw["k"][:1], v=kw["v"][:1])
         good_k, good_v = expected_cache(kc, vc, lengths[:1], one, 128)
@@ -271,13 +267,9 @@ def test_kvcache_tma_contiguous_hostile_device_indices(rng):
     k1, v1 = kc.copy(), vc.copy()
     hostile = dataclasses.replace(problem, kvcache=dataclasses.replace(
         problem.kvcache, cache_batch_idx=idx, cache_seqlens=seqlens, cache_leftpad=leftpad, checked=False,
-        longest=None, k_cache=k1, v_cache=v1))
+        k_cache=k1, v_cache=v1))
     for splits in (1, 2):
-        c = dataclasses.replace(hostile.kvcache, num_splits=splits)
-        with cuflash.sim.options(checked=True), sim_call(q) as call:
-            p, qd = on_device(call, dataclasses.replace(hostile, kvcache=c), q)
-            out, lse = (call.export(a) for a in dispatch.run_forward(p, qd, p.kvcache.k_cache, p.kvcache.v_cache,
-                                                                      None, call))
+        out, lse = sim_kvcache_forward(hostile, q, splits)
         assert np.isnan(out[1:].astype(np.float32)).all() and np.isnan(lse[1:]).all()
         one = dict(kw, cache_batch_idx=kw["cache_batch_idx"][:1], cache_leftpad=kw["cache_leftpad"][:1],
                    k=kw["k"][:1], v=kw["v"][:1])

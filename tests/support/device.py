@@ -23,6 +23,23 @@ def on_device(call, problem, *arrays):
     return (problem.on_device(call.import_array), *(call.import_array(a) for a in arrays))
 
 
+def sim_kvcache_forward(problem, q, num_splits, checked=True):
+    """``(out, lse)`` exported from the dispatcher's ``run_forward`` on the simulator for the KV-cache
+    call ``problem`` (its :class:`~cuflash.runtime.validation_kvcache.KVCache` taken as it is, e.g.
+    with device indices no host check has seen) at ``num_splits`` splits, in checked mode unless
+    ``checked`` is False."""
+    import dataclasses
+
+    from cuflash import sim
+    from cuflash.kernels import dispatch
+
+    problem = dataclasses.replace(problem, kvcache=dataclasses.replace(problem.kvcache, num_splits=num_splits))
+    with sim.options(checked=checked), sim_call(q) as call:
+        p, qd = on_device(call, problem, q)
+        return tuple(call.export(a) for a in dispatch.run_forward(p, qd, p.kvcache.k_cache, p.kvcache.v_cache,
+                                                                   None, call))
+
+
 def sim_backward(module, dout, q, k, v, out, lse, *, causal=False, window_size=(-1, -1), layout="bhsd",
                  deterministic=False):
     """``(dq, dk, dv)`` of the backward tier ``module`` (its ``main_variant`` between the shared dot
@@ -44,4 +61,4 @@ def sim_backward(module, dout, q, k, v, out, lse, *, causal=False, window_size=(
         return tuple(call.export(g) for g in grads)
 
 
-__all__ = ["sim_call", "on_device", "to_device", "sim_backward"]
+__all__ = ["sim_call", "on_device", "to_device", "sim_kvcache_forward", "sim_backward"]
